@@ -1,0 +1,147 @@
+// Run-time compilation of CUDA C++ with NVRTC, an on-disk cache of the binaries, and loading and launching them
+// through the CUDA driver API.
+//
+// libnvrtc is opened with dlopen from a list of candidate paths (the Python layer adds the nvidia-cuda-nvrtc
+// wheel's folder; C++ knows only the toolkit's usual places), so nothing links against it and a machine without it
+// still imports every package. Code is compiled to a cubin (machine code, SASS) for the exact architecture of the
+// device, never to PTX: a newer NVRTC's PTX cannot be JIT-compiled by an older driver.
+//
+// Driver functions come from the CUDA runtime's cudaGetDriverEntryPointByVersion, so libcuda is not linked either.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "shared_cuda/stream.hpp"
+
+namespace shared_cuda::jit {
+
+// ------------------------------------------------------------------------------------------------ NVRTC library
+
+// Tries each path in order (a full file path, or a bare name dlopen resolves); the first that loads wins.
+// Safe to call again: once loaded, later calls change nothing.
+void load_nvrtc(const std::vector<std::string>& candidates);
+// The toolkit's usual places, tried after the caller's candidates: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, then
+// the bare names libnvrtc.so.13 / libnvrtc.so.12 / libnvrtc.so.
+std::vector<std::string> default_nvrtc_candidates();
+bool nvrtc_available() noexcept;
+// Path of the loaded library, "" when none.
+std::string nvrtc_path();
+// NVRTC version as major * 1000 + minor * 10 (13000 for 13.0), 0 when not loaded.
+int nvrtc_version() noexcept;
+// The architectures this NVRTC can target, e.g. {75, 80, 86, 89, 90, 100, 120}.
+std::vector<int> nvrtc_supported_architectures();
+
+// ------------------------------------------------------------------------------------------------ compile
+
+struct compile_options {
+  int architecture = 0;               // compute capability as major*10+minor, e.g. 90 for sm_90; required
+  std::vector<std::string> flags;     // extra NVRTC options, e.g. "-DBLOCK=128", "--use_fast_math"
+};
+
+struct compiled_program {
+  std::vector<char> cubin;
+  std::string log;  // NVRTC's warnings, "" when none
+};
+
+// Compiles `source` (file name `name` appears in diagnostics) to a cubin. No GPU is needed. Throws compile_error
+// with the NVRTC log and the failing source lines, or unavailable_error when NVRTC is not loaded.
+compiled_program compile(const std::string& source, const std::string& name, const compile_options& options);
+
+// ------------------------------------------------------------------------------------------------ disk cache
+
+// The cache key: a SHA-256 over the source, the options, the architecture and the NVRTC version.
+std::string cache_key(const std::string& source, const compile_options& options);
+
+// Binaries stored as <directory>/<key>.cubin, written to a temporary file and renamed, so concurrent processes
+// never see half a file. An unreadable or unwritable directory only disables caching (counted in stats).
+class disk_cache {
+ public:
+  explicit disk_cache(std::string directory);
+  const std::string& directory() const noexcept { return directory_; }
+  bool load(const std::string& key, std::vector<char>& cubin) const;
+  bool store(const std::string& key, const std::vector<char>& cubin) const;
+
+ private:
+  std::string directory_;
+};
+
+// ------------------------------------------------------------------------------------------------ load & launch
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+class module;
+
+// A kernel inside a loaded module. Keeps its module alive.
+class kernel {
+ public:
+  const std::string& name() const noexcept { return name_; }
+  // Launches with arguments given as raw bytes, one entry per kernel parameter in order (the Python layer packs
+  // them); the stream may be any stream_view, including PyTorch's current stream.
+  void launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_view stream,
+              const std::vector<std::string>& argument_bytes) const;
+  void set_max_dynamic_shared_memory(int bytes) const;
+  int max_threads_per_block() const;
+  int registers_per_thread() const;
+
+ private:
+  friend class module;
+  kernel(std::shared_ptr<const module> owner, void* function, std::string name)
+      : owner_(std::move(owner)), function_(function), name_(std::move(name)) {}
+  std::shared_ptr<const module> owner_;
+  void* function_ = nullptr;  // CUfunction
+  std::string name_;
+};
+
+// A cubin loaded into the current device's primary context.
+class module : public std::enable_shared_from_this<module> {
+ public:
+  static std::shared_ptr<module> load(const std::vector<char>& cubin);
+  ~module();
+  module(const module&) = delete;
+  module& operator=(const module&) = delete;
+  // The kernel named `name` (declare kernels extern "C" so names are not mangled).
+  kernel get_kernel(const std::string& name) const;
+
+ private:
+  module() = default;
+  void* handle_ = nullptr;  // CUmodule
+};
+
+struct cache_stats {
+  std::size_t memory_hits = 0;
+  std::size_t disk_hits = 0;
+  std::size_t compilations = 0;
+  std::size_t disk_errors = 0;
+};
+
+// Compile-or-fetch, then load: the one entry point most callers need. Looks in memory, then on disk, then compiles
+// with NVRTC and stores the result. Thread-safe.
+class loader {
+ public:
+  explicit loader(std::string cache_directory);
+  // Builds for the current device's architecture unless options.architecture is set.
+  std::shared_ptr<module> get(const std::string& source, const std::string& name, compile_options options);
+  // Compile only (or fetch from the caches): usable with no GPU; the architecture must be given.
+  std::vector<char> get_cubin(const std::string& source, const std::string& name, const compile_options& options);
+  cache_stats stats() const;
+  const std::string& cache_directory() const noexcept { return cache_.directory(); }
+
+ private:
+  disk_cache cache_;
+  mutable std::mutex mutex_;
+  std::map<std::string, std::shared_ptr<module>> modules_;  // key -> loaded module (current process)
+  cache_stats stats_;
+};
+
+// Architecture of the current device as major*10+minor; throws unavailable_error with no GPU.
+int current_architecture();
+
+}  // namespace shared_cuda::jit

@@ -1,0 +1,58 @@
+// A fixed-size pool of worker threads for CPU fallbacks (gathers, copies) and I/O completion work.
+//
+// submit() returns a std::future: an exception thrown by the task reaches whoever waits on it. parallel_for()
+// splits a range into chunks run on the pool and the calling thread, and rethrows the first exception. The
+// destructor finishes every queued task, then joins.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace shared_cuda {
+
+class thread_pool {
+ public:
+  // threads == 0 means one per hardware thread.
+  explicit thread_pool(std::size_t threads = 0);
+  ~thread_pool();
+  thread_pool(const thread_pool&) = delete;
+  thread_pool& operator=(const thread_pool&) = delete;
+
+  std::size_t size() const noexcept { return workers_.size(); }
+
+  template <typename F>
+  auto submit(F&& task) -> std::future<std::invoke_result_t<std::decay_t<F>>> {
+    using result = std::invoke_result_t<std::decay_t<F>>;
+    auto packaged = std::make_shared<std::packaged_task<result()>>(std::forward<F>(task));
+    std::future<result> future = packaged->get_future();
+    enqueue([packaged] { (*packaged)(); });
+    return future;
+  }
+
+  // Calls body(chunk_begin, chunk_end) over [begin, end) in chunks of at least `grain` items.
+  void parallel_for(std::size_t begin, std::size_t end, std::size_t grain,
+                    const std::function<void(std::size_t, std::size_t)>& body);
+
+  // A process-wide pool sized to the machine, created on first use.
+  static thread_pool& shared();
+
+ private:
+  void enqueue(std::function<void()> job);
+  void work();
+
+  std::vector<std::thread> workers_;
+  std::deque<std::function<void()>> queue_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  bool stopping_ = false;
+};
+
+}  // namespace shared_cuda

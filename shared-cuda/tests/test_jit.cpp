@@ -1,0 +1,108 @@
+// The NVRTC loader. Compiling needs only libnvrtc (the nox session points SHARED_CUDA_NVRTC_PATH at the wheel's);
+// loading and launching need a GPU.
+#include <cstdlib>
+#include <unistd.h>
+
+#include <filesystem>
+#include <vector>
+
+#include "check.hpp"
+#include "shared_cuda/device.hpp"
+#include "shared_cuda/error.hpp"
+#include "shared_cuda/jit.hpp"
+#include "shared_cuda/memory.hpp"
+#include "shared_cuda/stream.hpp"
+
+using namespace shared_cuda;
+
+static const char* saxpy_source = R"(
+extern "C" __global__ void saxpy(float a, const float* x, float* y, long long n) {
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+)";
+
+static void need_nvrtc() {
+  std::vector<std::string> candidates;
+  if (const char* path = std::getenv("SHARED_CUDA_NVRTC_PATH")) candidates.push_back(path);
+  jit::load_nvrtc(candidates);
+  if (!jit::nvrtc_available()) SKIP("NVRTC not found (set SHARED_CUDA_NVRTC_PATH)");
+}
+
+static std::string temp_dir() {
+  auto dir = std::filesystem::temp_directory_path() / ("shared_cuda_jit_test_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+TEST(compile_for_sm90_without_gpu) {
+  need_nvrtc();
+  CHECK(jit::nvrtc_version() >= 12000);
+  const auto program = jit::compile(saxpy_source, "saxpy.cu", {90, {}});
+  CHECK(program.cubin.size() > 64);
+  CHECK(std::string(program.cubin.data(), 4) == "\x7f" "ELF");  // a cubin is an ELF file
+}
+
+TEST(compile_error_has_log_and_line) {
+  need_nvrtc();
+  const std::string bad = "extern \"C\" __global__ void k(float* x) {\n  x[0] = undefined_name;\n}\n";
+  try {
+    jit::compile(bad, "bad.cu", {90, {}});
+    CHECK(false);
+  } catch (const compile_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("undefined_name") != std::string::npos);      // from the log
+    CHECK(what.find("bad.cu:2:   x[0] = undefined_name;") != std::string::npos);  // the failing line, quoted
+    CHECK(!e.log().empty());
+  }
+}
+
+TEST(cache_key_changes_with_inputs) {
+  need_nvrtc();
+  const std::string k = jit::cache_key(saxpy_source, {90, {}});
+  CHECK(k.size() == 64);
+  CHECK(k == jit::cache_key(saxpy_source, {90, {}}));
+  CHECK(k != jit::cache_key(saxpy_source, {80, {}}));
+  CHECK(k != jit::cache_key(saxpy_source, {90, {"-DX=1"}}));
+  CHECK(k != jit::cache_key(std::string(saxpy_source) + " ", {90, {}}));
+}
+
+TEST(loader_caches_on_disk) {
+  need_nvrtc();
+  const std::string dir = temp_dir();
+  jit::loader first(dir);
+  const auto cubin = first.get_cubin(saxpy_source, "saxpy.cu", {90, {}});
+  CHECK(first.stats().compilations == 1);
+  jit::loader second(dir);  // a new process would see the same directory
+  CHECK(second.get_cubin(saxpy_source, "saxpy.cu", {90, {}}) == cubin);
+  CHECK(second.stats().disk_hits == 1 && second.stats().compilations == 0);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(compile_load_launch_on_gpu) {
+  need_nvrtc();
+  if (!cuda_available()) SKIP("no CUDA device");
+  const std::string dir = temp_dir();
+  jit::loader loader(dir);
+  auto module = loader.get(saxpy_source, "saxpy.cu", {});
+  CHECK(loader.get(saxpy_source, "saxpy.cu", {}) == module);  // in-memory hit
+  CHECK(loader.stats().memory_hits == 1);
+  jit::kernel saxpy = module->get_kernel("saxpy");
+  CHECK_THROWS(std::invalid_argument, module->get_kernel("nope"));
+
+  const long long n = 1 << 20;
+  pinned_buffer x(n * sizeof(float)), y(n * sizeof(float));
+  auto* xs = static_cast<float*>(x.data());
+  auto* ys = static_cast<float*>(y.data());
+  for (long long i = 0; i < n; ++i) {
+    xs[i] = float(i % 97);
+    ys[i] = 1.0F;
+  }
+  auto pack = [](auto value) { return std::string(reinterpret_cast<const char*>(&value), sizeof(value)); };
+  stream s;
+  saxpy.launch({unsigned((n + 255) / 256)}, {256}, 0, s.view(),
+               {pack(2.0F), pack(x.device_pointer()), pack(y.device_pointer()), pack(n)});
+  s.synchronize();
+  for (long long i = 0; i < n; ++i) CHECK(ys[i] == 2.0F * float(i % 97) + 1.0F);
+  std::filesystem::remove_all(dir);
+}

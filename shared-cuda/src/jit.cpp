@@ -86,7 +86,7 @@ bool try_open(const std::string& candidate, nvrtc_api& api) {
 }
 
 const nvrtc_api& require_nvrtc() {
-  if (!nvrtc_loaded.load(std::memory_order_acquire)) load_nvrtc({});
+  if (!nvrtc_loaded.load(std::memory_order_acquire)) load_nvrtc(default_nvrtc_candidates());
   if (!nvrtc_loaded.load(std::memory_order_acquire))
     throw unavailable_error(
         "NVRTC (libnvrtc) was not found: install the CUDA toolkit or the 'nvidia-cuda-nvrtc' wheel "
@@ -105,9 +105,7 @@ void check_nvrtc(nvrtc_result result, const char* call, const char* file, int li
 void load_nvrtc(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(nvrtc_mutex);
   if (nvrtc_loaded.load(std::memory_order_acquire)) return;
-  std::vector<std::string> all = candidates;
-  for (auto& c : default_nvrtc_candidates()) all.push_back(c);
-  for (const auto& candidate : all) {
+  for (const auto& candidate : candidates) {
     nvrtc_api api;
     if (!candidate.empty() && try_open(candidate, api)) {
       nvrtc = api;

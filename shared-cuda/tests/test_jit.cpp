@@ -25,6 +25,7 @@ extern "C" __global__ void saxpy(float a, const float* x, float* y, long long n)
 static void need_nvrtc() {
   std::vector<std::string> candidates;
   if (const char* path = std::getenv("SHARED_CUDA_NVRTC_PATH")) candidates.push_back(path);
+  for (auto& c : jit::default_nvrtc_candidates()) candidates.push_back(c);
   jit::load_nvrtc(candidates);
   if (!jit::nvrtc_available()) SKIP("NVRTC not found (set SHARED_CUDA_NVRTC_PATH)");
 }

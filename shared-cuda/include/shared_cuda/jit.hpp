@@ -24,10 +24,11 @@ namespace shared_cuda::jit {
 // ------------------------------------------------------------------------------------------------ NVRTC library
 
 // Tries each path in order (a full file path, or a bare name dlopen resolves); the first that loads wins.
-// Safe to call again: once loaded, later calls change nothing.
+// Safe to call again: once loaded, later calls change nothing. Without a call, the first use tries
+// default_nvrtc_candidates().
 void load_nvrtc(const std::vector<std::string>& candidates);
-// The toolkit's usual places, tried after the caller's candidates: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, then
-// the bare names libnvrtc.so.13 / libnvrtc.so.12 / libnvrtc.so.
+// The toolkit's usual places: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, then the bare names libnvrtc.so.13,
+// libnvrtc.so.12 and libnvrtc.so that dlopen resolves through the loader's search path.
 std::vector<std::string> default_nvrtc_candidates();
 bool nvrtc_available() noexcept;
 // Path of the loaded library, "" when none.

@@ -1,0 +1,30 @@
+# Included by each package's CMakeLists.txt: adds shared-cuda (as ./shared-cuda/, a link to the monorepo's copy
+# or the real folder inside an sdist), finds nanobind, and defines
+#
+#   shared_cuda_add_python_module(<package> SOURCES <files...> [LIBRARIES <targets...>])
+#
+# which builds <package>._core: a nanobind extension holding the package's binding sources plus the shared
+# bindings (exceptions, device query, JIT), linked statically against shared_cuda, and installs it together with
+# the shared Python helper (shared-cuda/python/_shared_cuda.py) into the wheel's <package>/ folder.
+set(SHARED_CUDA_SOURCE_DIR "${CMAKE_CURRENT_LIST_DIR}/..")
+add_subdirectory(${SHARED_CUDA_SOURCE_DIR} shared-cuda)  # sets SHARED_CUDA_HAS_CUDA and SHARED_CUDA_ARCHITECTURES
+
+find_package(Python 3.10 REQUIRED COMPONENTS Interpreter Development.Module)
+find_package(nanobind CONFIG REQUIRED)
+
+function(shared_cuda_add_python_module package)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LIBRARIES" ${ARGN})
+  # NB_STATIC: nanobind's runtime inside the module, so the three packages never share (or clash over) one.
+  nanobind_add_module(_core NB_STATIC
+    ${ARG_SOURCES}
+    ${SHARED_CUDA_SOURCE_DIR}/bindings/shared_cuda_bindings.cpp)
+  target_include_directories(_core PRIVATE ${SHARED_CUDA_SOURCE_DIR}/bindings)
+  target_link_libraries(_core PRIVATE shared_cuda::shared_cuda ${ARG_LIBRARIES})
+  if(SHARED_CUDA_HAS_CUDA)
+    target_compile_definitions(_core PRIVATE SHARED_CUDA_HAS_CUDA=1)
+  else()
+    target_compile_definitions(_core PRIVATE SHARED_CUDA_HAS_CUDA=0)
+  endif()
+  install(TARGETS _core LIBRARY DESTINATION ${package})
+  install(FILES ${SHARED_CUDA_SOURCE_DIR}/python/_shared_cuda.py DESTINATION ${package})
+endfunction()

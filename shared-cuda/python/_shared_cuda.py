@@ -1,0 +1,241 @@
+"""The Python face of shared-cuda, installed into each package as ``<package>/_shared_cuda.py``.
+
+One source file (``shared-cuda/python/_shared_cuda.py``) serves all three packages; each hands in its own compiled
+``_core`` module. This layer owns what the C++ library must not know: where Python wheels put ``libnvrtc``, the
+environment variables and their defaults, packing of JIT kernel arguments, and the ``info`` report.
+
+Environment variables (each has a setter below):
+
+``SHARED_CUDA_NVRTC_PATH``
+    A ``libnvrtc.so`` to try first. Default: unset; then the CUDA toolkit (``$CUDA_HOME``, ``$CUDA_PATH``,
+    ``/usr/local/cuda``), the loader's search path, and the ``nvidia-cuda-nvrtc`` wheel are tried in that order.
+``SHARED_CUDA_JIT_CACHE_DIR``
+    Where compiled kernels are cached. Default: ``$XDG_CACHE_HOME/shared_cuda/jit``, else
+    ``~/.cache/shared_cuda/jit``. An empty value disables the disk cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import struct
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Sequence
+
+NVRTC_PATH_ENV = "SHARED_CUDA_NVRTC_PATH"
+JIT_CACHE_DIR_ENV = "SHARED_CUDA_JIT_CACHE_DIR"
+
+
+# ----------------------------------------------------------------------------------------------------- NVRTC
+
+
+def _wheel_nvrtc_candidates() -> list[str]:
+    """libnvrtc files shipped by the nvidia-cuda-nvrtc wheels (CUDA 13 and CUDA 12 layouts)."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for root in spec.submodule_search_locations:
+        for sub in ("cu13/lib", "cuda_nvrtc/lib"):
+            folder = Path(root) / sub
+            if folder.is_dir():
+                found += sorted(str(p) for p in folder.glob("libnvrtc.so*") if "builtins" not in p.name)
+    return found
+
+
+def nvrtc_candidates(core: ModuleType) -> list[str]:
+    """Every place NVRTC is looked for, in order."""
+    explicit = os.environ.get(NVRTC_PATH_ENV, "")
+    return ([explicit] if explicit else []) + list(core.default_nvrtc_candidates()) + _wheel_nvrtc_candidates()
+
+
+def set_nvrtc_path(path: str | os.PathLike[str] | None) -> None:
+    """Use this libnvrtc first (same as setting ``SHARED_CUDA_NVRTC_PATH``); takes effect before NVRTC's first use."""
+    if path is None:
+        os.environ.pop(NVRTC_PATH_ENV, None)
+    else:
+        os.environ[NVRTC_PATH_ENV] = os.fspath(path)
+
+
+def ensure_nvrtc(core: ModuleType) -> bool:
+    """Load NVRTC if it can be found; return whether it is available. Never raises."""
+    if not core.nvrtc_available():
+        core.load_nvrtc(nvrtc_candidates(core))
+    return bool(core.nvrtc_available())
+
+
+# ----------------------------------------------------------------------------------------------------- JIT
+
+
+def jit_cache_dir() -> str:
+    """The JIT cache directory in force ("" when disk caching is off)."""
+    if JIT_CACHE_DIR_ENV in os.environ:
+        return os.environ[JIT_CACHE_DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shared_cuda", "jit")
+
+
+def set_jit_cache_dir(path: str | os.PathLike[str] | None) -> None:
+    """Cache compiled kernels in ``path`` ("" disables the disk cache, None restores the default)."""
+    if path is None:
+        os.environ.pop(JIT_CACHE_DIR_ENV, None)
+    else:
+        os.environ[JIT_CACHE_DIR_ENV] = os.fspath(path)
+    _loader.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _loader(core: ModuleType, directory: str) -> Any:
+    return core.JitLoader(directory)
+
+
+def jit_loader(core: ModuleType) -> Any:
+    """The process-wide loader for the current cache directory (compiles, caches, loads)."""
+    if not ensure_nvrtc(core):
+        raise core.UnavailableError(
+            "NVRTC (libnvrtc) was not found: install the CUDA toolkit or `pip install nvidia-cuda-nvrtc`, "
+            f"or set {NVRTC_PATH_ENV} to the path of libnvrtc.so"
+        )
+    return _loader(core, jit_cache_dir())
+
+
+# struct codes for kernel parameters; "ptr" takes an int address or anything with .data_ptr() (a torch.Tensor).
+_ARG_FORMATS = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+
+
+class Kernel:
+    """A compiled kernel with a declared signature, e.g. ``Kernel(k, "f32, ptr, ptr, i64")``.
+
+    Call it as ``kernel(grid, block, *args, shared_memory=0, stream=None)``; ``stream`` defaults to PyTorch's current
+    CUDA stream, so launches order with the surrounding torch work.
+    """
+
+    def __init__(self, kernel: Any, signature: str) -> None:
+        self._kernel = kernel
+        self.signature = [part.strip() for part in signature.split(",") if part.strip()]
+        unknown = [p for p in self.signature if p not in _ARG_FORMATS]
+        if unknown:
+            raise ValueError(f"unknown parameter types {unknown} in signature; use {sorted(_ARG_FORMATS)}")
+
+    @property
+    def name(self) -> str:
+        return self._kernel.name
+
+    def pack(self, args: Sequence[Any]) -> list[bytes]:
+        if len(args) != len(self.signature):
+            raise TypeError(f"kernel {self.name} takes {len(self.signature)} arguments ({', '.join(self.signature)}), "
+                            f"got {len(args)}")
+        packed = []
+        for kind, value in zip(self.signature, args):
+            if kind == "ptr" and hasattr(value, "data_ptr"):
+                if getattr(value, "device", None) is not None and value.device.type != "cuda":
+                    raise ValueError(f"kernel {self.name}: a pointer argument must be a CUDA tensor, got one on "
+                                     f"{value.device}")
+                value = value.data_ptr()
+            packed.append(struct.pack(_ARG_FORMATS[kind], value))
+        return packed
+
+    def __call__(self, grid: int | Sequence[int], block: int | Sequence[int], *args: Any, shared_memory: int = 0,
+                 stream: int | Any | None = None) -> None:
+        self._kernel.launch(_dim3(grid), _dim3(block), shared_memory, _stream_address(stream), self.pack(args))
+
+
+def _dim3(value: int | Sequence[int]) -> list[int]:
+    dims = [value] if isinstance(value, int) else list(value)
+    if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
+        raise ValueError(f"grid/block must be 1 to 3 positive integers, got {value!r}")
+    return [int(d) for d in dims] + [1] * (3 - len(dims))
+
+
+def _stream_address(stream: int | Any | None) -> int:
+    if stream is None:
+        import torch
+
+        return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
+    if isinstance(stream, int):
+        return stream
+    return int(stream.cuda_stream)  # a torch.cuda.Stream
+
+
+def compile_kernel_source(core: ModuleType, source: str, name: str = "kernel.cu", *, arch: int | None = None,
+                          flags: Sequence[str] = ()) -> bytes:
+    """Compile CUDA C++ to a cubin (no GPU needed when ``arch`` is given, e.g. 90). Cached on disk."""
+    loader = jit_loader(core)
+    return loader.get_cubin(source, name, int(arch or core.current_architecture()), list(flags))
+
+
+def load_kernel(core: ModuleType, source: str, kernel_name: str, signature: str, *, name: str = "kernel.cu",
+                flags: Sequence[str] = ()) -> Kernel:
+    """Compile (or fetch from the caches) for the current GPU, load, and return the kernel ``kernel_name``."""
+    module = jit_loader(core).get(source, name, 0, list(flags))
+    return Kernel(module.get_kernel(kernel_name), signature)
+
+
+# ----------------------------------------------------------------------------------------------------- info
+
+
+def build_info(core: ModuleType, package: str, version: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """What this build of ``package`` has and what this machine offers; never raises."""
+    info: dict[str, Any] = {"package": package, "version": version}
+    info["cuda_compiled"] = bool(core.compiled_with_cuda())
+    info["cuda_architectures"] = core.compiled_architectures()
+    info["cuda_runtime_version"] = core.compiled_runtime_version()
+    info["driver_version"] = core.driver_version()
+    info["gpus"] = [core.device_properties(i) for i in range(core.device_count())]
+    info["nvrtc"] = {"available": ensure_nvrtc(core), "path": core.nvrtc_path(), "version": core.nvrtc_version()}
+    info["jit_cache_dir"] = jit_cache_dir()
+    try:
+        import torch
+
+        info["torch"] = f"{torch.__version__} (CUDA {'yes' if torch.cuda.is_available() else 'no'})"
+    except ImportError:
+        info["torch"] = "not installed"
+    info["backends"] = dict(extra or {})
+    return info
+
+
+def _version_text(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}" if v else "none"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"{info['package']} {info['version']}"]
+    if info["cuda_compiled"]:
+        cuda = f"yes (runtime {_version_text(info['cuda_runtime_version'])}, sm {info['cuda_architectures']})"
+    else:
+        cuda = "no (CPU-only build)"
+    rows = [("CUDA compiled", cuda), ("CUDA driver", _version_text(info["driver_version"]))]
+    if info["gpus"]:
+        for gpu in info["gpus"]:
+            major, minor = gpu["compute_capability"]
+            rows.append((f"GPU {gpu['index']}", f"{gpu['name']} (sm_{major}{minor}, {gpu['multiprocessors']} SMs, "
+                                                f"{gpu['total_memory'] / 2**30:.0f} GiB)"))
+    else:
+        rows.append(("GPUs", "none seen"))
+    nvrtc = info["nvrtc"]
+    rows.append(("NVRTC", f"{_version_text(nvrtc['version'])} at {nvrtc['path']}" if nvrtc["available"]
+                 else "not found (pip install nvidia-cuda-nvrtc, or set SHARED_CUDA_NVRTC_PATH)"))
+    rows.append(("JIT cache", info["jit_cache_dir"] or "off"))
+    rows.append(("torch", info["torch"]))
+    rows += list(info["backends"].items())
+    width = max(len(k) for k, _ in rows) + 1
+    lines += [f"  {k + ':':<{width}} {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def main_info(core: ModuleType, package: str, version: str, extra: dict[str, str] | None = None,
+              argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m <package> info [--json]``."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog=f"python -m {package.replace('-', '_')}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info_parser = sub.add_parser("info", help="report the build (CUDA, architectures) and what this machine offers")
+    info_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(argv)
+    info = build_info(core, package, version, extra)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0

@@ -2,8 +2,8 @@
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "shared_cuda/device.hpp"
@@ -93,10 +93,10 @@ void bind_shared(nb::module_& m) {
   compile_error_type = PyErr_NewExceptionWithDoc(
       (std::string(nb::cast<std::string>(m.attr("__name__"))) + ".CompileError").c_str(),
       "NVRTC could not compile generated CUDA code; `log` holds NVRTC's log.", PyExc_RuntimeError, nullptr);
-  unavailable_error_type = PyErr_NewExceptionWithDoc(
-      (std::string(nb::cast<std::string>(m.attr("__name__"))) + ".UnavailableError").c_str(),
-      "An optional piece (a GPU, NVRTC, liburing, cuFile) that this call needs is missing.", PyExc_RuntimeError,
-      nullptr);
+  unavailable_error_type =
+      PyErr_NewExceptionWithDoc((std::string(nb::cast<std::string>(m.attr("__name__"))) + ".UnavailableError").c_str(),
+                                "An optional piece (a GPU, NVRTC, liburing, cuFile) that this call needs is missing.",
+                                PyExc_RuntimeError, nullptr);
   m.attr("CudaError") = nb::handle(cuda_error_type);
   m.attr("CompileError") = nb::handle(compile_error_type);
   m.attr("UnavailableError") = nb::handle(unavailable_error_type);
@@ -125,11 +125,11 @@ void bind_shared(nb::module_& m) {
   m.def("nvrtc_version", &jit::nvrtc_version);
   m.def("nvrtc_supported_architectures", &jit::nvrtc_supported_architectures);
   m.def("current_architecture", &jit::current_architecture);
-  m.def("jit_compile", [](const std::string& source, const std::string& name, int arch,
-                          const std::vector<std::string>& flags) {
-    auto program = jit::compile(source, name, {arch, flags});
-    return std::make_pair(nb::bytes(program.cubin.data(), program.cubin.size()), program.log);
-  });
+  m.def("jit_compile",
+        [](const std::string& source, const std::string& name, int arch, const std::vector<std::string>& flags) {
+          auto program = jit::compile(source, name, {arch, flags});
+          return std::make_pair(nb::bytes(program.cubin.data(), program.cubin.size()), program.log);
+        });
   m.def("jit_cache_key", [](const std::string& source, int arch, const std::vector<std::string>& flags) {
     return jit::cache_key(source, {arch, flags});
   });

@@ -14,8 +14,10 @@ find_package(nanobind CONFIG REQUIRED)
 
 function(shared_cuda_add_python_module package)
   cmake_parse_arguments(ARG "" "" "SOURCES;LIBRARIES" ${ARGN})
-  # NB_STATIC: nanobind's runtime inside the module, so the three packages never share (or clash over) one.
-  nanobind_add_module(_core NB_STATIC
+  # NB_STATIC: nanobind's runtime inside the module. NB_DOMAIN: the packages bind the same C++ types (jit::loader,
+  # the exception translators); without separate domains they would share nanobind's registry, and one package's
+  # translator would raise another package's exception classes.
+  nanobind_add_module(_core NB_STATIC NB_DOMAIN ${package}
     ${ARG_SOURCES}
     ${SHARED_CUDA_SOURCE_DIR}/bindings/shared_cuda_bindings.cpp)
   target_include_directories(_core PRIVATE ${SHARED_CUDA_SOURCE_DIR}/bindings)

@@ -20,9 +20,10 @@ import functools
 import importlib.util
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 NVRTC_PATH_ENV = "SHARED_CUDA_NVRTC_PATH"
 JIT_CACHE_DIR_ENV = "SHARED_CUDA_JIT_CACHE_DIR"
@@ -86,7 +87,7 @@ def set_jit_cache_dir(path: str | os.PathLike[str] | None) -> None:
     _loader.cache_clear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loader(core: ModuleType, directory: str) -> Any:
     return core.JitLoader(directory)
 
@@ -128,7 +129,7 @@ class Kernel:
             raise TypeError(f"kernel {self.name} takes {len(self.signature)} arguments ({', '.join(self.signature)}), "
                             f"got {len(args)}")
         packed = []
-        for kind, value in zip(self.signature, args):
+        for kind, value in zip(self.signature, args, strict=True):
             if kind == "ptr" and hasattr(value, "data_ptr"):
                 if getattr(value, "device", None) is not None and value.device.type != "cuda":
                     raise ValueError(f"kernel {self.name}: a pointer argument must be a CUDA tensor, got one on "

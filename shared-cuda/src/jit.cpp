@@ -47,7 +47,7 @@ struct nvrtc_api {
 };
 
 std::mutex nvrtc_mutex;
-nvrtc_api nvrtc;                          // guarded by nvrtc_mutex until `nvrtc_loaded` is set, then read-only
+nvrtc_api nvrtc;  // guarded by nvrtc_mutex until `nvrtc_loaded` is set, then read-only
 std::atomic<bool> nvrtc_loaded{false};
 
 template <typename F>
@@ -96,7 +96,8 @@ const nvrtc_api& require_nvrtc() {
 
 void check_nvrtc(nvrtc_result result, const char* call, const char* file, int line) {
   if (result != 0)
-    throw std::runtime_error(detail::located(file, line, std::string(call) + " failed: " + nvrtc.get_error_string(result)));
+    throw std::runtime_error(
+        detail::located(file, line, std::string(call) + " failed: " + nvrtc.get_error_string(result)));
 }
 #define NVRTC_TRY(call) check_nvrtc((call), #call, __FILE__, __LINE__)
 
@@ -258,8 +259,8 @@ bool disk_cache::store(const std::string& key, const std::vector<char>& cubin) c
   std::filesystem::create_directories(directory_, ec);
   if (ec) return false;
   const std::string final_path = directory_ + "/" + key + ".cubin";
-  const std::string temp_path = final_path + ".tmp." + std::to_string(getpid()) + "." +
-                                std::to_string(reinterpret_cast<std::uintptr_t>(&cubin));
+  const std::string temp_path =
+      final_path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(reinterpret_cast<std::uintptr_t>(&cubin));
   {
     std::ofstream out(temp_path, std::ios::binary | std::ios::trunc);
     if (!out) return false;
@@ -282,8 +283,8 @@ struct driver_api {
   CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
   CUresult (*module_unload)(CUmodule) = nullptr;
   CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
-  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                            CUstream, void**, void**) = nullptr;
+  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                            void**, void**) = nullptr;
   CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*func_get_attribute)(int*, CUfunction_attribute, CUfunction) = nullptr;
   CUresult (*get_error_name)(CUresult, const char**) = nullptr;
@@ -381,8 +382,8 @@ void kernel::launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_
   for (const auto& arg : argument_bytes) params.push_back(const_cast<char*>(arg.data()));
   make_primary_context_current();
   DRIVER_TRY(driver().launch_kernel(static_cast<CUfunction>(function_), grid.x, grid.y, grid.z, block.x, block.y,
-                                    block.z, shared_memory_bytes, static_cast<CUstream>(stream.handle),
-                                    params.data(), nullptr));
+                                    block.z, shared_memory_bytes, static_cast<CUstream>(stream.handle), params.data(),
+                                    nullptr));
 #else
   (void)grid, (void)block, (void)shared_memory_bytes, (void)stream, (void)argument_bytes;
   require_cuda("JIT kernels");
@@ -401,8 +402,8 @@ void kernel::set_max_dynamic_shared_memory(int bytes) const {
 int kernel::max_threads_per_block() const {
   int value = 0;
 #if SHARED_CUDA_HAS_CUDA
-  DRIVER_TRY(driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-                                         static_cast<CUfunction>(function_)));
+  DRIVER_TRY(
+      driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, static_cast<CUfunction>(function_)));
 #endif
   return value;
 }

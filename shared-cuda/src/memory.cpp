@@ -149,8 +149,8 @@ std::uintptr_t page_size() {
 
 #if SHARED_CUDA_HAS_CUDA
 void cuda_register(std::uintptr_t start, std::uintptr_t end) {
-  SHARED_CUDA_TRY(cudaHostRegister(reinterpret_cast<void*>(start), end - start,
-                                   cudaHostRegisterPortable | cudaHostRegisterMapped));
+  SHARED_CUDA_TRY(
+      cudaHostRegister(reinterpret_cast<void*>(start), end - start, cudaHostRegisterPortable | cudaHostRegisterMapped));
 }
 #endif
 

@@ -100,8 +100,14 @@ float event::elapsed_since(const event& start) const {
 void event::record(stream_view) { require_cuda("event"); }
 void event::make_wait(stream_view) const { require_cuda("event"); }
 void event::synchronize() const { require_cuda("event"); }
-bool event::query() const { require_cuda("event"); return true; }
-float event::elapsed_since(const event&) const { require_cuda("event"); return 0.0F; }
+bool event::query() const {
+  require_cuda("event");
+  return true;
+}
+float event::elapsed_since(const event&) const {
+  require_cuda("event");
+  return 0.0F;
+}
 #endif
 
 }  // namespace shared_cuda

@@ -33,24 +33,24 @@ inline std::string where(const char* file, int line) { return std::string(file) 
 
 }  // namespace check
 
-#define TEST(name)                                                    \
-  static void test_##name();                                          \
-  static check::registrar registrar_##name(#name, test_##name);       \
+#define TEST(name)                                              \
+  static void test_##name();                                    \
+  static check::registrar registrar_##name(#name, test_##name); \
   static void test_##name()
 
-#define CHECK(cond)                                                                                   \
-  do {                                                                                                \
+#define CHECK(cond)                                                                                    \
+  do {                                                                                                 \
     if (!(cond)) throw check::failure(check::where(__FILE__, __LINE__) + ": CHECK(" #cond ") failed"); \
   } while (0)
 
-#define CHECK_THROWS(exc, expr)                                                                          \
-  do {                                                                                                   \
-    bool thrown_ = false;                                                                                \
-    try {                                                                                                \
-      (void)(expr);                                                                                      \
-    } catch (const exc&) {                                                                               \
-      thrown_ = true;                                                                                    \
-    }                                                                                                    \
+#define CHECK_THROWS(exc, expr)                                                                               \
+  do {                                                                                                        \
+    bool thrown_ = false;                                                                                     \
+    try {                                                                                                     \
+      (void)(expr);                                                                                           \
+    } catch (const exc&) {                                                                                    \
+      thrown_ = true;                                                                                         \
+    }                                                                                                         \
     if (!thrown_) throw check::failure(check::where(__FILE__, __LINE__) + ": " #expr " did not throw " #exc); \
   } while (0)
 

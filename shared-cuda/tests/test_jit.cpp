@@ -1,7 +1,7 @@
 // The NVRTC loader. Compiling needs only libnvrtc (the nox session points SHARED_CUDA_NVRTC_PATH at the wheel's);
 // loading and launching need a GPU.
-#include <cstdlib>
 #include <unistd.h>
+#include <cstdlib>
 
 #include <filesystem>
 #include <vector>
@@ -41,7 +41,9 @@ TEST(compile_for_sm90_without_gpu) {
   CHECK(jit::nvrtc_version() >= 12000);
   const auto program = jit::compile(saxpy_source, "saxpy.cu", {90, {}});
   CHECK(program.cubin.size() > 64);
-  CHECK(std::string(program.cubin.data(), 4) == "\x7f" "ELF");  // a cubin is an ELF file
+  CHECK(std::string(program.cubin.data(), 4) ==
+        "\x7f"
+        "ELF");  // a cubin is an ELF file
 }
 
 TEST(compile_error_has_log_and_line) {
@@ -52,7 +54,7 @@ TEST(compile_error_has_log_and_line) {
     CHECK(false);
   } catch (const compile_error& e) {
     const std::string what = e.what();
-    CHECK(what.find("undefined_name") != std::string::npos);      // from the log
+    CHECK(what.find("undefined_name") != std::string::npos);                      // from the log
     CHECK(what.find("bad.cu:2:   x[0] = undefined_name;") != std::string::npos);  // the failing line, quoted
     CHECK(!e.log().empty());
   }

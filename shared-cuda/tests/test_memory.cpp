@@ -27,9 +27,7 @@ TEST(cuda_owners_refuse_without_gpu) {
   CHECK_THROWS(unavailable_error, host_registration(host.data(), host.size()));
 }
 
-TEST(empty_registration_is_rejected) {
-  CHECK_THROWS(std::invalid_argument, host_registration(nullptr, 16));
-}
+TEST(empty_registration_is_rejected) { CHECK_THROWS(std::invalid_argument, host_registration(nullptr, 16)); }
 
 TEST(device_and_pinned_buffers) {
   if (!cuda_available()) SKIP("no CUDA device");
@@ -51,7 +49,7 @@ TEST(registration_overlaps_and_releases_once) {
   {
     host_registration whole(base + 8 * page, 16 * page);
     CHECK(host_registration::registered_extent_count() == before + 1);
-    host_registration same(base + 8 * page, 16 * page);  // repeated request: reuses the extent
+    host_registration same(base + 8 * page, 16 * page);   // repeated request: reuses the extent
     host_registration inside(base + 10 * page + 3, 100);  // contained: reuses it
     CHECK(host_registration::registered_extent_count() == before + 1);
     host_registration spanning(base, 40 * page);  // overlaps: registers the gaps before and after
@@ -62,6 +60,8 @@ TEST(registration_overlaps_and_releases_once) {
   }
   CHECK(host_registration::registered_extent_count() == before);  // every extent unregistered
   // Registering again after release works (CUDA would refuse a page still registered).
-  { host_registration again(base, 64 * page); }
+  {
+    host_registration again(base, 64 * page);
+  }
   std::free(raw);
 }

@@ -33,8 +33,8 @@ TEST(parallel_for_covers_range_once) {
 TEST(parallel_for_rethrows) {
   thread_pool pool(4);
   CHECK_THROWS(std::logic_error, pool.parallel_for(0, 1000, 1, [](std::size_t lo, std::size_t) {
-                 if (lo > 500) throw std::logic_error("chunk failed");
-               }));
+    if (lo > 500) throw std::logic_error("chunk failed");
+  }));
 }
 
 TEST(destructor_runs_queued_work) {

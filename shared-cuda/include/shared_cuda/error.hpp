@@ -62,34 +62,34 @@ std::string located(const char* file, int line, const std::string& message);
 }  // namespace shared_cuda
 
 // Check a condition; throw invalid_argument with the message when it is false.
-#define SHARED_CUDA_EXPECT(cond, msg)                                                                  \
-  do {                                                                                                 \
+#define SHARED_CUDA_EXPECT(cond, msg)                                                                              \
+  do {                                                                                                             \
     if (!(cond)) throw ::shared_cuda::invalid_argument(::shared_cuda::detail::located(__FILE__, __LINE__, (msg))); \
   } while (0)
 
 // Check a condition; throw the given exception type (constructed from a string) when it is false.
-#define SHARED_CUDA_EXPECT_AS(cond, exc, msg)                                        \
-  do {                                                                               \
+#define SHARED_CUDA_EXPECT_AS(cond, exc, msg)                                          \
+  do {                                                                                 \
     if (!(cond)) throw exc(::shared_cuda::detail::located(__FILE__, __LINE__, (msg))); \
   } while (0)
 
 // Check a CUDA runtime call (cudaError_t) or driver call (CUresult); 0 means success for both.
-#define SHARED_CUDA_TRY(call)                                                                    \
-  do {                                                                                           \
-    const int shared_cuda_status_ = static_cast<int>(call);                                      \
-    if (shared_cuda_status_ != 0)                                                                \
-      ::shared_cuda::detail::throw_cuda_error(shared_cuda_status_, #call, __FILE__, __LINE__);   \
+#define SHARED_CUDA_TRY(call)                                                                  \
+  do {                                                                                         \
+    const int shared_cuda_status_ = static_cast<int>(call);                                    \
+    if (shared_cuda_status_ != 0)                                                              \
+      ::shared_cuda::detail::throw_cuda_error(shared_cuda_status_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // Check a POSIX call that returns -1 and sets errno.
-#define SHARED_CUDA_SYSCALL(call)                                                                \
-  do {                                                                                           \
-    if ((call) == -1) ::shared_cuda::detail::throw_io_error(errno, #call, __FILE__, __LINE__);   \
+#define SHARED_CUDA_SYSCALL(call)                                                              \
+  do {                                                                                         \
+    if ((call) == -1) ::shared_cuda::detail::throw_io_error(errno, #call, __FILE__, __LINE__); \
   } while (0)
 
 // Check a call that returns a negative errno on failure (liburing's convention).
-#define SHARED_CUDA_NEG_ERRNO(call)                                                                  \
-  do {                                                                                               \
-    const int shared_cuda_ret_ = static_cast<int>(call);                                             \
+#define SHARED_CUDA_NEG_ERRNO(call)                                                                                \
+  do {                                                                                                             \
+    const int shared_cuda_ret_ = static_cast<int>(call);                                                           \
     if (shared_cuda_ret_ < 0) ::shared_cuda::detail::throw_io_error(-shared_cuda_ret_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -41,8 +41,8 @@ std::vector<int> nvrtc_supported_architectures();
 // ------------------------------------------------------------------------------------------------ compile
 
 struct compile_options {
-  int architecture = 0;               // compute capability as major*10+minor, e.g. 90 for sm_90; required
-  std::vector<std::string> flags;     // extra NVRTC options, e.g. "-DBLOCK=128", "--use_fast_math"
+  int architecture = 0;            // compute capability as major*10+minor, e.g. 90 for sm_90; required
+  std::vector<std::string> flags;  // extra NVRTC options, e.g. "-DBLOCK=128", "--use_fast_math"
 };
 
 struct compiled_program {

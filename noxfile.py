@@ -1,0 +1,139 @@
+"""Sessions for the monorepo. ``nox`` with no arguments runs what CI runs: lint, the C++ tests, each package alone
+in its own virtualenv, and the three together.
+
+torch: where no GPU is visible, sessions install ``torch==2.13.0`` (this machine kind has its CPU build as a local
+wheel), so nothing pulls a multi-GB CUDA build; with a GPU, ``torch>=2.4``. Set ``TOOLKIT_TORCH_SPEC`` to choose
+another requirement (e.g. ``TOOLKIT_TORCH_SPEC="torch==2.11.0"``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+# distribution folder -> import name
+PACKAGES = {"pytorch-direct": "pytorch_direct", "hector": "hector", "ssdtrain": "ssdtrain"}
+TORCH_SPEC_ENV = "TOOLKIT_TORCH_SPEC"
+
+nox.options.sessions = ["lint", "cpp", "tests", "integration"]
+nox.options.error_on_external_run = True
+
+
+def gpu_visible() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True, check=False).returncode == 0
+
+
+def torch_spec() -> str:
+    return os.environ.get(TORCH_SPEC_ENV) or ("torch>=2.4" if gpu_visible() else "torch==2.13.0")
+
+
+def install_torch(session: nox.Session) -> None:
+    session.install(torch_spec())
+
+
+def fresh_build_dir(session: nox.Session) -> list[str]:
+    """pip options giving scikit-build-core a build folder of this session's own.
+
+    The packages' default build folder (<pkg>/build/) is kept between builds for speed, but with build isolation
+    each build sees nanobind at a new temporary path; a fresh folder keeps CI runs independent of earlier ones.
+    """
+    return ["-C", f"build-dir={session.create_tmp()}/build/{{wheel_tag}}"]
+
+
+def nvrtc_library(session: nox.Session) -> str:
+    """Path of libnvrtc from the nvidia-cuda-nvrtc wheel installed in the session's venv ("" when absent)."""
+    code = (
+        "import importlib.util, pathlib\n"
+        "spec = importlib.util.find_spec('nvidia')\n"
+        "libs = [p for root in (spec.submodule_search_locations if spec else [])\n"
+        "        for sub in ('cu13/lib', 'cuda_nvrtc/lib') for p in pathlib.Path(root, sub).glob('libnvrtc.so*')\n"
+        "        if 'builtins' not in p.name]\n"
+        "print(libs[0] if libs else '')\n"
+    )
+    return session.run("python", "-c", code, silent=True).strip()
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (Python) and clang-format (C++/CUDA) checks; changes nothing."""
+    session.install("ruff", "clang-format==19.1.7")
+    session.run("ruff", "check", ".")
+    sources = subprocess.run(
+        ["git", "ls-files", "*.cpp", "*.hpp", "*.cu", "*.cuh", "*.h"], cwd=ROOT, capture_output=True, text=True,
+        check=True,
+    ).stdout.split()
+    if sources:
+        session.run("clang-format", "--dry-run", "--Werror", *sources)
+
+
+@nox.session
+def cpp(session: nox.Session) -> None:
+    """Build shared-cuda on its own (CUDA parts included where nvcc is found) and run its C++ tests under ctest."""
+    session.install("cmake>=3.24", "ninja", "nvidia-cuda-nvrtc")
+    build = Path(session.create_tmp()) / "shared-cuda-build"
+    session.run("cmake", "-S", "shared-cuda", "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release")
+    session.run("cmake", "--build", str(build))
+    env = {"SHARED_CUDA_NVRTC_PATH": nvrtc_library(session)}
+    session.run("ctest", "--test-dir", str(build), "--output-on-failure", env=env)
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One package alone: built from its own sdist, installed with only its test extra, then its tests and the
+    shared-layer tests run against it."""
+    install_torch(session)
+    session.install("build")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--sdist", "--outdir", str(dist), package)
+    sdist = next(dist.glob("*.tar.gz"))
+    session.install(f"{package}[test,nvrtc] @ {sdist.resolve().as_uri()}", *fresh_build_dir(session))
+    session.run(
+        "python", "-m", "pytest", f"{package}/tests", "shared-cuda/python/tests", *session.posargs,
+        env={"SHARED_CUDA_TEST_PACKAGE": PACKAGES[package]},
+    )
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """The three packages installed together (from their folders), then the end-to-end tests."""
+    install_torch(session)
+    session.install(*(f"./{p}[test,nvrtc]" for p in PACKAGES), *fresh_build_dir(session))
+    session.install("-r", "integration-tests/requirements.txt")
+    session.run("python", "-m", "pytest", "integration-tests", "shared-cuda/python/tests", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on built-in synthetic data (GPU when there is one, else CPU). Arguments after -- go to it."""
+    install_torch(session)
+    session.install(*(f"./{p}[nvrtc]" for p in PACKAGES), *fresh_build_dir(session))
+    session.install("-r", "integration-tests/requirements.txt")
+    session.run("python", "integration-tests/demo.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """For the borrowed GPU machine (no package registry): install the three packages into the current Python
+    without build isolation, run the GPU-marked tests and the benchmark smoke runs. ``-- --full`` also runs each
+    package's full benchmarks (benchmarks/gpu_run.sh)."""
+    session.run("python3", "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q",
+                *(f"./{p}" for p in PACKAGES), external=True)
+    for package, module in PACKAGES.items():
+        session.run("python3", "-m", "pytest", "-m", "gpu", f"{package}/tests", "shared-cuda/python/tests", "-q",
+                    env={"SHARED_CUDA_TEST_PACKAGE": module}, external=True)
+    session.run("python3", "-m", "pytest", "integration-tests", "-q", external=True)
+    if "--full" in session.posargs:
+        for package in PACKAGES:
+            script = ROOT / package / "benchmarks" / "gpu_run.sh"
+            if script.exists():
+                session.run("bash", str(script), external=True)

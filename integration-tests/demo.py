@@ -58,10 +58,11 @@ extern "C" __global__ void scale_add(float a, const float* x, float* y, long lon
     expected = 3.0 * x + y
     kernel((n + 255) // 256, 256, 3.0, x, y, n)
     torch.cuda.synchronize()
-    error = (y - expected).abs().max().item()
-    if error != 0.0:
-        raise SystemExit(f"JIT kernel result is wrong: max error {error}")
-    done(start, f"ran on {torch.cuda.get_device_name()} over {n} elements, exact")
+    # NVRTC contracts a*x+y into one fused multiply-add; torch rounds twice: allow one rounding of difference.
+    error = ((y - expected).abs() / expected.abs().clamp_min(1.0)).max().item()
+    if error > 1e-6:
+        raise SystemExit(f"JIT kernel result is wrong: max relative error {error:.3g}")
+    done(start, f"ran on {torch.cuda.get_device_name()} over {n} elements, max relative error {error:.2g}")
 
 
 def main(argv: list[str] | None = None) -> int:

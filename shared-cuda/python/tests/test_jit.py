@@ -116,7 +116,7 @@ def test_compile_cache_load_run_on_gpu(core, shared, nvrtc, cache_dir):
     expected = 2.5 * x + y
     kernel((n + 255) // 256, 256, 2.5, x, y, n)
     torch.cuda.synchronize()
-    assert torch.equal(y, expected)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)  # NVRTC fuses a*x+y into one FMA
     stats = shared.jit_loader(core).stats()
     assert stats["compilations"] == 1 and list(cache_dir.glob("*.cubin"))
     # The same source again: served from memory, no new compile.

@@ -2,18 +2,92 @@
 
 Pinned host memory is mapped into the GPU's address space and CUDA kernels gather (and scatter) rows over PCIe
 with no intermediate copy; on a machine without a GPU the same API gathers on the CPU.
+
+    table = pytorch_direct.unified(features)        # registers features' memory in place
+    rows = table[index.cuda()]                       # CUDA rows, gathered zero-copy on the current stream
 """
 
 from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
+from ._config import (
+    BOUNDS_CHECKS,
+    STRATEGIES,
+    get_strategy,
+    set_bounds_check,
+    set_cache_dir,
+    set_calibration,
+    set_max_sms,
+    set_strategy,
+    set_threads,
+)
 from ._core import CompileError, CudaError, UnavailableError
+from ._memory import cuda_usable, empty, from_file, is_unified, unified, zeros
+from ._sharing import share, shared_memory, unlink_shared_memory
+from ._strategy import calibrate
+from ._tensor import UnifiedTensor
 
 __version__ = _version("pytorch-direct")
 
-__all__ = ["CompileError", "CudaError", "UnavailableError", "__version__", "info"]
+__all__ = [
+    "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
+    "calibrate", "check_errors", "cuda_usable", "empty", "from_file", "gather", "get_strategy", "index_add_",
+    "info", "is_unified", "scatter_", "set_bounds_check", "set_cache_dir", "set_calibration", "set_max_sms",
+    "set_strategy", "set_threads", "share", "shared_memory", "unified", "unlink_shared_memory", "zeros",
+]
+
+
+def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
+    """Rows of ``table`` (a unified tensor) at ``index`` (int32/int64): shape ``index.shape + table.shape[1:]``.
+
+    CUDA indices give a CUDA result gathered zero-copy on the current stream; CPU indices a CPU result.
+    ``strategy``: one of :data:`STRATEGIES` ("auto" uses the default set by :func:`set_strategy`, then the
+    calibration). ``max_sms`` caps the SMs the kernel occupies (0: the default from :func:`set_max_sms`).
+    Out-of-range or negative indices raise ``IndexError`` (see :func:`set_bounds_check`). If ``table`` requires
+    grad, the backward adds into ``table.grad``, a host-resident unified tensor (the full gradient never lives on
+    the GPU)."""
+    import torch
+
+    from ._ops import gather_op
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return gather_op(table, index, strategy, int(max_sms))
+
+
+def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
+    """``table[index[i]] = values[i]`` into host memory (from CUDA values on the current stream, or on the CPU).
+    With duplicate indices one writer wins per element. Returns ``table``."""
+    import torch
+
+    from ._ops import scatter_op
+
+    with torch._C.DisableTorchFunctionSubclass():
+        scatter_op(table, index, values, strategy, int(max_sms))
+    return table
+
+
+def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "auto", max_sms: int = 0):
+    """``table[index[i]] += alpha * values[i]`` with duplicate indices summed. Returns ``table``."""
+    import torch
+
+    from ._ops import index_add_op
+
+    with torch._C.DisableTorchFunctionSubclass():
+        index_add_op(table, index, values, float(alpha), strategy, int(max_sms))
+    return table
+
+
+def check_errors() -> None:
+    """Raises ``IndexError`` if a kernel saw an out-of-range index since the last check (``async`` bounds
+    checking). Reads a host-mapped word: no CUDA call, no synchronisation (synchronise first to cover work
+    still queued)."""
+    from ._ops import raise_pending_device_error
+
+    raise_pending_device_error()
 
 
 def info() -> dict:
     """This build and machine: version, CUDA compiled or not, architectures, GPUs seen, NVRTC found or not."""
-    return _shared_cuda.build_info(_core, "pytorch-direct", __version__)
+    d = _shared_cuda.build_info(_core, "pytorch-direct", __version__)
+    d["kernels_compiled"] = _core.kernels_compiled()
+    return d

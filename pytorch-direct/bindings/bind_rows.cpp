@@ -1,0 +1,158 @@
+// Bindings for row gather/scatter and host memory owners. Pointers arrive as ints (tensor.data_ptr()) and the
+// stream as torch.cuda.current_stream().cuda_stream; validation lives in the Python layer (pytorch_direct._ops).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include <cstdint>
+#include <optional>
+#include <variant>
+
+#include "pytorch_direct/rows.hpp"
+#include "shared_cuda/memory.hpp"
+#include "shared_cuda/stream.hpp"
+
+namespace nb = nanobind;
+
+namespace pytorch_direct::bindings {
+namespace {
+
+rows_call make_call(std::uintptr_t table, std::int64_t rows, std::int64_t row_bytes, std::uintptr_t index,
+                    int index_bytes, std::int64_t count, std::uintptr_t positions, std::uintptr_t dense) {
+  rows_call c;
+  c.table = reinterpret_cast<void*>(table);
+  c.rows = rows;
+  c.row_bytes = row_bytes;
+  c.index = reinterpret_cast<const void*>(index);
+  c.index_bytes = index_bytes;
+  c.count = count;
+  c.positions = reinterpret_cast<const std::int64_t*>(positions);
+  c.dense = reinterpret_cast<void*>(dense);
+  return c;
+}
+
+// Owner of a unified tensor's memory: a pinned allocation, a page-aligned pageable one (CPU-only machines), or a
+// registration of memory owned by `keep` (the tensor it came from, kept alive as long as this owner lives).
+struct host_memory {
+  std::variant<shared_cuda::pinned_buffer, shared_cuda::aligned_host_buffer, shared_cuda::host_registration> owner;
+  nb::object keep;
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  bool pinned = false;
+};
+
+#define PD_ROWS_ARGS                                                                                        \
+  nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),        \
+      nb::arg("count"), nb::arg("positions"), nb::arg("dense")
+
+}  // namespace
+
+void bind_rows(nb::module_& m) {
+  m.def("kernels_compiled", &kernels_compiled);
+  m.def(
+      "gather_cuda",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t pos, std::uintptr_t d, int kind, int max_sms, std::uintptr_t stream) {
+        gather_cuda(make_call(t, rows, rb, i, ib, n, pos, d), static_cast<kernel_kind>(kind), max_sms,
+                    shared_cuda::stream_view::from_address(stream));
+      },
+      PD_ROWS_ARGS, nb::arg("kind"), nb::arg("max_sms"), nb::arg("stream"));
+  m.def(
+      "scatter_cuda",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t pos, std::uintptr_t d, int kind, int max_sms, std::uintptr_t stream) {
+        scatter_cuda(make_call(t, rows, rb, i, ib, n, pos, d), static_cast<kernel_kind>(kind), max_sms,
+                     shared_cuda::stream_view::from_address(stream));
+      },
+      PD_ROWS_ARGS, nb::arg("kind"), nb::arg("max_sms"), nb::arg("stream"));
+  m.def(
+      "gather_host",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t pos, std::uintptr_t d, int threads) {
+        gather_host(make_call(t, rows, rb, i, ib, n, pos, d), threads);
+      },
+      PD_ROWS_ARGS, nb::arg("threads"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "scatter_host",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t pos, std::uintptr_t d, int threads) {
+        scatter_host(make_call(t, rows, rb, i, ib, n, pos, d), threads);
+      },
+      PD_ROWS_ARGS, nb::arg("threads"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "gather_staged",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t d, int threads, std::uintptr_t stream) {
+        gather_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads, shared_cuda::stream_view::from_address(stream));
+      },
+      nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),
+      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "scatter_staged",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t d, int threads, std::uintptr_t stream) {
+        scatter_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads,
+                       shared_cuda::stream_view::from_address(stream));
+      },
+      nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),
+      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "check_host_indices",
+      [](std::uintptr_t index, int index_bytes, std::int64_t count, std::int64_t rows, int threads) {
+        check_host_indices(reinterpret_cast<const void*>(index), index_bytes, count, rows, threads);
+      },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def("take_device_error", []() -> std::optional<std::int64_t> {
+    std::int64_t bad = 0;
+    if (take_device_error(bad)) return bad;
+    return std::nullopt;
+  });
+  m.def("is_device_accessible_host", [](std::uintptr_t data, std::size_t bytes) {
+    return is_device_accessible_host(reinterpret_cast<const void*>(data), bytes);
+  });
+
+  nb::class_<host_memory>(m, "HostMemory")
+      .def_ro("bytes", &host_memory::bytes)
+      .def_ro("pinned", &host_memory::pinned)
+      .def_prop_ro("address", [](const host_memory& h) { return reinterpret_cast<std::uintptr_t>(h.data); })
+      // A flat uint8 tensor over the memory; it keeps this owner alive (DLPack deleter), and so do its views.
+      .def("tensor", [](nb::handle self) {
+        const auto& h = nb::cast<const host_memory&>(self);
+        const std::size_t shape[1] = {h.bytes};
+        return nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(h.data, 1, shape, self);
+      });
+  m.def("pinned_memory", [](std::size_t bytes) {
+    auto h = std::make_unique<host_memory>();
+    shared_cuda::pinned_buffer b(bytes);
+    h->data = b.data();
+    h->bytes = bytes;
+    h->pinned = true;
+    h->owner = std::move(b);
+    return h;
+  });
+  m.def("pageable_memory", [](std::size_t bytes) {
+    auto h = std::make_unique<host_memory>();
+    shared_cuda::aligned_host_buffer b(bytes, 4096);
+    h->data = b.data();
+    h->bytes = bytes;
+    h->owner = std::move(b);
+    return h;
+  });
+  m.def(
+      "register_memory",
+      [](std::uintptr_t data, std::size_t bytes, nb::object keep) {
+        auto h = std::make_unique<host_memory>();
+        shared_cuda::host_registration r(reinterpret_cast<void*>(data), bytes);
+        h->data = r.data();
+        h->bytes = bytes;
+        h->pinned = true;
+        h->owner = std::move(r);
+        h->keep = std::move(keep);
+        return h;
+      },
+      nb::arg("data"), nb::arg("bytes"), nb::arg("keep"));
+  m.def("registered_bytes", &shared_cuda::host_registration::registered_bytes);
+}
+
+}  // namespace pytorch_direct::bindings

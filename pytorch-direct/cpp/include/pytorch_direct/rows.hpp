@@ -1,0 +1,69 @@
+// Row gather and scatter between a host table (pinned or registered, mapped into the GPU) and dense row buffers.
+//
+// A "table" is `rows` rows of `row_bytes` bytes each, contiguous. Indices are int32 or int64 (index_bytes 4 or 8).
+// Every entry point checks every index before any row is touched: host paths throw out_of_range naming the first
+// bad index; device paths never read or write a row for a bad index and record it in the error word instead
+// (error_word()), which the caller reads after the stream finishes (sync mode) or at its next call (async mode).
+//
+// No CUDA types here, so CPU-only builds include this header; CUDA entry points throw unavailable_error there.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shared_cuda/stream.hpp"
+
+namespace pytorch_direct {
+
+// Device kernels for one gather/scatter call.
+enum class kernel_kind : int {
+  vector = 0,  // widest aligned loads (<= 16 B), 128-byte-aligned warp windows, several rows per warp for small rows
+  naive = 1,   // one warp per row, 4-byte loads (bytes where rows are not 4-byte aligned): the benchmark's baseline
+};
+
+struct rows_call {
+  void* table = nullptr;   // host table; kernels use it directly (host pointer == device pointer under UVA)
+  std::int64_t rows = 0;
+  std::int64_t row_bytes = 0;
+  const void* index = nullptr;  // device memory for *_cuda, host memory for *_host and gather_staged
+  int index_bytes = 8;
+  std::int64_t count = 0;
+  // Optional int64 slot per index: row i goes to/from dense row positions[i] instead of row i (sorted strategy).
+  const std::int64_t* positions = nullptr;
+  void* dense = nullptr;  // count rows of row_bytes: the gather output or the scatter source
+};
+
+// True when this build has the CUDA kernels.
+bool kernels_compiled() noexcept;
+
+// Device-side error word: two int64 in mapped pinned memory, {bad index count flag, one bad index}. Created on
+// first use (needs CUDA); stays for the life of the process.
+std::int64_t* error_word();
+// Reads and clears the word. Returns true and sets `bad` when a kernel saw a bad index since the last call.
+bool take_device_error(std::int64_t& bad);
+
+// Gather: dense[p] = table[index[i]] with p = positions ? positions[i] : i. Launched on `stream`, no host sync.
+// max_sms > 0 caps the blocks so the gather occupies about that many SMs (to overlap with other work).
+void gather_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
+// Scatter: table[index[i]] = dense[p]. Duplicate indices: one of the writers wins per element.
+void scatter_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
+
+// Host gather/scatter with the process's worker threads (threads <= 0: all of them). Index and dense on the host.
+void gather_host(const rows_call& call, int threads);
+void scatter_host(const rows_call& call, int threads);
+
+// CPU gather into pinned staging buffers, each chunk copied to `dense` (device memory) with cudaMemcpyAsync on
+// `stream` while the CPU gathers the next chunk. Index on the host. Returns once every copy has been queued; the
+// staging buffers are reused by the next call only after its copies finished (events), so callers need no sync.
+void gather_staged(const rows_call& call, int threads, shared_cuda::stream_view stream);
+// Scatter counterpart: chunks of `dense` (device) copied into staging, then written to the table by the CPU.
+// Synchronises with the copies (the CPU must see the data), so it returns when the table holds the rows.
+void scatter_staged(const rows_call& call, int threads, shared_cuda::stream_view stream);
+
+// Throws out_of_range unless every host index is in [0, rows). Parallel for large counts.
+void check_host_indices(const void* index, int index_bytes, std::int64_t count, std::int64_t rows, int threads);
+
+// Whether the memory [data, data + bytes) is page-locked host memory the device can read (pinned or registered).
+bool is_device_accessible_host(const void* data, std::size_t bytes);
+
+}  // namespace pytorch_direct

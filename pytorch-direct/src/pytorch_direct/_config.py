@@ -1,0 +1,101 @@
+"""Run-time settings. Each one reads an environment variable once at import and has a setter that overrides it.
+
+| variable | default | setter | meaning |
+|---|---|---|---|
+| ``PYTORCH_DIRECT_STRATEGY`` | ``auto`` | :func:`set_strategy` | gather/scatter strategy when a call passes none |
+| ``PYTORCH_DIRECT_BOUNDS_CHECK`` | ``sync`` | :func:`set_bounds_check` | ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors` |
+| ``PYTORCH_DIRECT_THREADS`` | ``0`` (all cores) | :func:`set_threads` | CPU threads for CPU gathers and the staged strategy |
+| ``PYTORCH_DIRECT_MAX_SMS`` | ``0`` (no cap) | :func:`set_max_sms` | SMs a gather/scatter kernel may occupy, so it can overlap with training kernels |
+| ``PYTORCH_DIRECT_CACHE_DIR`` | ``~/.cache/pytorch_direct`` | :func:`set_cache_dir` | where the per-machine calibration is stored |
+| ``PYTORCH_DIRECT_CALIBRATION`` | (unset) | :func:`set_calibration` | path of a calibration JSON file to use instead of the cached one |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STRATEGIES = ("auto", "vector", "sorted", "staged", "split", "naive")
+"""``vector``: our kernel (<= 16-byte loads, 128-byte-aligned warp windows); ``sorted``: sort the indices first and
+permute rows back into the caller's order in the kernel; ``staged``: CPU threads gather into pinned buffers,
+pipelined DMA copies to the GPU; ``split``: part kernel, part staged, at the same time; ``naive``: one warp per row
+with 4-byte loads (a baseline for benchmarks); ``auto``: choose per call from the machine's calibration."""
+
+BOUNDS_CHECKS = ("sync", "async")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip() or default
+
+
+def _parse_int(name: str, default: int) -> int:
+    raw = _env(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; unset it or set a number such as {default}") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+class _Settings:
+    def __init__(self) -> None:
+        self.strategy = _check_choice("PYTORCH_DIRECT_STRATEGY", _env("PYTORCH_DIRECT_STRATEGY", "auto"), STRATEGIES)
+        self.bounds_check = _check_choice(
+            "PYTORCH_DIRECT_BOUNDS_CHECK", _env("PYTORCH_DIRECT_BOUNDS_CHECK", "sync"), BOUNDS_CHECKS
+        )
+        self.threads = _parse_int("PYTORCH_DIRECT_THREADS", 0)
+        self.max_sms = _parse_int("PYTORCH_DIRECT_MAX_SMS", 0)
+        self.cache_dir = Path(
+            _env("PYTORCH_DIRECT_CACHE_DIR", str(Path.home() / ".cache" / "pytorch_direct"))
+        ).expanduser()
+        calibration = os.environ.get("PYTORCH_DIRECT_CALIBRATION", "").strip()
+        self.calibration_file = Path(calibration).expanduser() if calibration else None
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{what}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+settings = _Settings()
+
+
+def set_strategy(strategy: str) -> None:
+    """Default strategy for calls that pass none (see :data:`STRATEGIES`); mirrors ``PYTORCH_DIRECT_STRATEGY``."""
+    settings.strategy = _check_choice("strategy", strategy, STRATEGIES)
+
+
+def get_strategy() -> str:
+    return settings.strategy
+
+
+def set_bounds_check(mode: str) -> None:
+    """``sync`` or ``async``; mirrors ``PYTORCH_DIRECT_BOUNDS_CHECK`` (see the module docs)."""
+    settings.bounds_check = _check_choice("bounds_check", mode, BOUNDS_CHECKS)
+
+
+def set_threads(threads: int) -> None:
+    """CPU threads for host gathers (0: all cores); mirrors ``PYTORCH_DIRECT_THREADS``."""
+    if int(threads) < 0:
+        raise ValueError("threads must be >= 0 (0 means all cores)")
+    settings.threads = int(threads)
+
+
+def set_max_sms(max_sms: int) -> None:
+    """Cap on the SMs a gather/scatter kernel occupies (0: no cap); mirrors ``PYTORCH_DIRECT_MAX_SMS``."""
+    if int(max_sms) < 0:
+        raise ValueError("max_sms must be >= 0 (0 means no cap)")
+    settings.max_sms = int(max_sms)
+
+
+def set_cache_dir(path: str | os.PathLike) -> None:
+    """Directory of the per-machine calibration cache; mirrors ``PYTORCH_DIRECT_CACHE_DIR``."""
+    settings.cache_dir = Path(path).expanduser()
+
+
+def set_calibration(path: str | os.PathLike | None) -> None:
+    """Use this calibration JSON file (None: the cached one); mirrors ``PYTORCH_DIRECT_CALIBRATION``."""
+    settings.calibration_file = Path(path).expanduser() if path is not None else None

@@ -1,0 +1,337 @@
+"""The row operations as ``torch.library`` custom ops (``torch.ops.pytorch_direct.*``), with fake kernels so they
+trace under ``torch.compile`` without graph breaks, and an autograd formula for the gather.
+
+Every op takes the table as a host (CPU) tensor. With CUDA indices the table must be pinned or registered (a unified
+tensor); rows move on the current CUDA stream. With CPU indices everything stays on the host (multithreaded).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _core
+from ._config import STRATEGIES, settings
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+_KIND = {"vector": 0, "naive": 1}
+
+
+class _Side:
+    """One side stream per device for the staged half of a split gather."""
+
+    streams: dict = {}
+
+    @classmethod
+    def get(cls, device: torch.device) -> torch.cuda.Stream:
+        stream = cls.streams.get(device.index)
+        if stream is None:
+            stream = cls.streams[device.index] = torch.cuda.Stream(device=device)
+        return stream
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def row_layout(table: Tensor) -> tuple[int, int]:
+    """(rows, row_bytes) of a table whose rows are contiguous along dim 0."""
+    if table.dim() == 0:
+        raise ValueError("the table is a 0-d tensor: rows are indexed along dim 0, so it needs at least 1 dimension")
+    if not table.is_contiguous():
+        raise ValueError(
+            "the table is not contiguous, so its rows are not contiguous byte ranges: index a contiguous "
+            "unified tensor (pytorch_direct.unified(t.contiguous())) and slice columns after the gather"
+        )
+    rows = table.shape[0]
+    row_elems = 1
+    for s in table.shape[1:]:
+        row_elems *= s
+    return rows, row_elems * table.element_size()
+
+
+def check_index(index: Tensor, what: str = "index") -> None:
+    if not isinstance(index, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor of int32 or int64, got {type(index).__name__}")
+    if index.dtype not in INDEX_DTYPES:
+        raise TypeError(
+            f"{what} has dtype {index.dtype}; row indices must be int32 or int64 (convert with .long(); "
+            "for a boolean mask use mask.nonzero().squeeze(1))"
+        )
+
+
+def check_table(table: Tensor) -> None:
+    if not isinstance(table, Tensor):
+        raise TypeError(f"the table must be a torch.Tensor (a unified tensor), got {type(table).__name__}")
+    if table.device.type != "cpu":
+        raise ValueError(
+            f"the table is on {table.device}; a unified tensor lives in host memory: create it with "
+            "pytorch_direct.unified(t.cpu()) and index it with CUDA indices to get CUDA rows"
+        )
+
+
+def _table_for_device(table: Tensor) -> None:
+    if not _core.kernels_compiled():
+        raise _core.UnavailableError(
+            "pytorch_direct was built without CUDA kernels, so CUDA indices cannot be used: reinstall with nvcc "
+            "available (SHARED_CUDA_CUDA=ON), or pass CPU indices"
+        )
+    nbytes = table.numel() * table.element_size()
+    if not _core.is_device_accessible_host(table.data_ptr(), nbytes):
+        raise ValueError(
+            "the table is not in pinned or registered host memory, so the GPU cannot read it: wrap it once with "
+            "pytorch_direct.unified(t) (registers in place) or pytorch_direct.unified(t, copy=True)"
+        )
+
+
+def raise_pending_device_error() -> None:
+    """Raises IndexError for a bad index a kernel recorded since the last check (async bounds checking)."""
+    if not _core.kernels_compiled():
+        return
+    bad = _core.take_device_error()
+    if bad is not None:
+        raise IndexError(
+            f"an earlier gather/scatter on the GPU saw index {bad}, out of range for its table; its row was "
+            "skipped (left unwritten). Set pytorch_direct.set_bounds_check('sync') to raise at the call"
+        )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _precheck(index: Tensor, rows: int) -> None:
+    """Sync-mode bounds check on the device: one reduction, one small copy to the host."""
+    if index.numel() == 0:
+        return
+    lo, hi = torch.aminmax(index)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= rows:
+        bad = lo if lo < 0 else hi
+        raise IndexError(
+            f"index {bad} is out of range for a table of {rows} rows (valid: 0..{rows - 1}); "
+            "negative indices are not wrapped"
+        )
+
+
+def _resolve(strategy: str, op: str, row_bytes: int, count: int, rows: int) -> str:
+    if strategy == "auto":
+        strategy = settings.strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy == "auto":
+        from ._strategy import choose
+
+        strategy = choose(op, row_bytes, count, rows, capturing=_capturing())
+    if strategy in ("staged", "split") and _capturing():
+        raise RuntimeError(
+            f"strategy {strategy!r} copies indices to the host, which CUDA graph capture forbids: use 'vector', "
+            "'sorted' or 'auto' inside a captured region"
+        )
+    return strategy
+
+
+# ---------------------------------------------------------------------------------------------------- gather
+
+
+def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream):
+    _core.gather_cuda(
+        table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
+        positions.data_ptr() if positions is not None else 0, out.data_ptr(), _KIND[kind], max_sms, stream,
+    )
+
+
+def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
+    check_table(table)
+    check_index(index)
+    rows, rb = row_layout(table)
+    out = torch.empty(tuple(index.shape) + tuple(table.shape[1:]), dtype=table.dtype, device=index.device)
+    idx = index.contiguous().view(-1)
+    n = idx.numel()
+    if index.device.type == "cpu":
+        _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
+                          settings.threads)
+        return out
+    if index.device.type != "cuda":
+        raise ValueError(f"indices on {index.device} are not supported: use CPU or CUDA indices")
+    _table_for_device(table)
+    raise_pending_device_error()
+    if n == 0:
+        return out
+    if settings.bounds_check == "sync" and not _capturing():
+        _precheck(idx, rows)
+    max_sms = max_sms if max_sms > 0 else settings.max_sms
+    strategy = _resolve(strategy, "gather", rb, n, rows)
+    with torch.cuda.device(index.device):
+        stream = torch.cuda.current_stream()
+        if strategy in ("vector", "naive"):
+            _launch_gather(table, rows, rb, idx, out, None, strategy, max_sms, stream.cuda_stream)
+        elif strategy == "sorted":
+            ordered, perm = torch.sort(idx)
+            _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
+        elif strategy == "staged":
+            host_idx = idx.cpu()
+            _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
+                                out.data_ptr(), settings.threads, stream.cuda_stream)
+        elif strategy == "split":
+            from ._strategy import split_fraction
+
+            k = min(n, max(0, int(round(n * split_fraction(rb, n, rows)))))
+            host_rest = idx[k:].cpu()  # before the kernel is queued: .cpu() waits for the stream
+            if k > 0:
+                _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
+            if k < n:
+                side = _Side.get(index.device)
+                side.wait_stream(stream)  # `out` was allocated on `stream`
+                rest = out.view(n, -1)[k:] if out.dim() > 0 else out
+                _core.gather_staged(table.data_ptr(), rows, rb, host_rest.data_ptr(), host_rest.element_size(),
+                                    n - k, rest.data_ptr(), settings.threads, side.cuda_stream)
+                stream.wait_stream(side)
+                out.record_stream(side)
+        else:  # pragma: no cover - _resolve returns a known strategy
+            raise AssertionError(strategy)
+    return out
+
+
+@torch.library.custom_op("pytorch_direct::gather", mutates_args=())
+def gather_op(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 0,
+              padding_idx: Optional[int] = None) -> Tensor:
+    """out[i, ...] = table[index[i], ...]; out is on index's device. padding_idx only affects the gradient."""
+    return gather_impl(table, index, strategy, max_sms)
+
+
+@gather_op.register_fake
+def _gather_fake(table, index, strategy="auto", max_sms=0, padding_idx=None):
+    return table.new_empty(tuple(index.shape) + tuple(table.shape[1:]), device=index.device)
+
+
+def _gather_setup(ctx, inputs, output):
+    table, index, _strategy, _max_sms, padding_idx = inputs
+    ctx.table = table  # the leaf itself: its .grad receives the rows' gradients
+    ctx.padding_idx = padding_idx
+    ctx.save_for_backward(index)
+
+
+def _gather_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    if ctx.table.requires_grad:
+        accumulate_grad(ctx.table, index, grad, ctx.padding_idx)
+    return None, None, None, None, None
+
+
+gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: Optional[int]) -> None:
+    """Host-resident gradient: table.grad (a unified tensor of the table's shape, created on first use) +=
+    the rows of grad at index (duplicates summed). The table's full gradient never exists on the GPU."""
+    from ._memory import zeros
+
+    if table.grad is None:
+        table.grad = zeros(table.shape, dtype=table.dtype)
+    g = grad.detach()
+    if padding_idx is not None:
+        g = g * (index != padding_idx).unsqueeze(-1).to(g.dtype).view(tuple(index.shape) + (1,) * (g.dim() - index.dim()))
+    with torch.no_grad():
+        index_add_op(table.grad, index.reshape(-1), g.reshape((index.numel(),) + tuple(table.shape[1:])), 1.0, "auto", 0)
+
+
+# ---------------------------------------------------------------------------------------------------- scatter
+
+
+def _launch_scatter(table, rows, rb, idx, values, positions, kind, max_sms, stream):
+    _core.scatter_cuda(
+        table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
+        positions.data_ptr() if positions is not None else 0, values.data_ptr(), _KIND[kind], max_sms, stream,
+    )
+
+
+def _check_values(table: Tensor, index: Tensor, values: Tensor) -> Tensor:
+    """values as a contiguous (n, *row) tensor of the table's dtype on the index's device."""
+    row_shape = tuple(table.shape[1:])
+    n = index.numel()
+    if not isinstance(values, Tensor):
+        raise TypeError(f"values must be a tensor, got {type(values).__name__}")
+    if values.device != index.device:
+        raise ValueError(f"values are on {values.device} but the indices on {index.device}: put both on one device")
+    if values.dtype != table.dtype:
+        raise TypeError(f"values have dtype {values.dtype}, the table {table.dtype}: convert with .to({table.dtype})")
+    expected = tuple(index.shape) + row_shape
+    if tuple(values.shape) != expected and tuple(values.shape) != (n,) + row_shape:
+        raise ValueError(f"values have shape {tuple(values.shape)}; expected {expected} (index shape + row shape)")
+    return values.contiguous().view((n,) + row_shape)
+
+
+def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, max_sms: int) -> None:
+    check_table(table)
+    check_index(index)
+    rows, rb = row_layout(table)
+    idx = index.contiguous().view(-1)
+    vals = _check_values(table, index, values)
+    n = idx.numel()
+    if index.device.type == "cpu":
+        _core.scatter_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, vals.data_ptr(),
+                           settings.threads)
+        return
+    _table_for_device(table)
+    raise_pending_device_error()
+    if n == 0:
+        return
+    if settings.bounds_check == "sync" and not _capturing():
+        _precheck(idx, rows)  # writes: nothing is written when an index is bad
+    max_sms = max_sms if max_sms > 0 else settings.max_sms
+    strategy = _resolve(strategy, "scatter", rb, n, rows)
+    with torch.cuda.device(index.device):
+        stream = torch.cuda.current_stream()
+        if strategy in ("vector", "naive"):
+            _launch_scatter(table, rows, rb, idx, vals, None, strategy, max_sms, stream.cuda_stream)
+        elif strategy == "sorted":
+            ordered, perm = torch.sort(idx)
+            _launch_scatter(table, rows, rb, ordered, vals, perm, "vector", max_sms, stream.cuda_stream)
+        else:  # staged (split falls back to staged for writes: both halves would compete for the same rows)
+            host_idx = idx.cpu()
+            _core.scatter_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
+                                 vals.data_ptr(), settings.threads, stream.cuda_stream)
+
+
+@torch.library.custom_op("pytorch_direct::scatter_", mutates_args=("table",))
+def scatter_op(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto", max_sms: int = 0) -> None:
+    """table[index[i], ...] = values[i, ...] (duplicates: one writer wins per element)."""
+    scatter_impl(table, index, values, strategy, max_sms)
+
+
+@scatter_op.register_fake
+def _scatter_fake(table, index, values, strategy="auto", max_sms=0):
+    return None
+
+
+@torch.library.custom_op("pytorch_direct::index_add_", mutates_args=("table",))
+def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
+                 max_sms: int = 0) -> None:
+    """table[index[i], ...] += alpha * values[i, ...], duplicate indices summed."""
+    check_table(table)
+    check_index(index)
+    rows, _ = row_layout(table)
+    vals = _check_values(table, index, values)
+    idx = index.contiguous().view(-1)
+    if index.device.type == "cpu":
+        _core.check_host_indices(idx.data_ptr(), idx.element_size(), idx.numel(), rows, settings.threads)
+        table.index_add_(0, idx, vals, alpha=alpha)
+        return
+    if idx.numel() == 0:
+        return
+    if settings.bounds_check == "sync" and not _capturing():
+        _precheck(idx, rows)
+    # Duplicates: sum per unique row on the GPU, then one read-modify-write per unique row over PCIe.
+    unique, inverse = torch.unique(idx, return_inverse=True)
+    sums = torch.zeros((unique.numel(),) + tuple(table.shape[1:]), dtype=vals.dtype, device=vals.device)
+    sums.index_add_(0, inverse, vals, alpha=alpha)
+    current = gather_impl(table, unique, strategy, max_sms)
+    current += sums
+    scatter_impl(table, unique, current, strategy, max_sms)
+
+
+@index_add_op.register_fake
+def _index_add_fake(table, index, values, alpha=1.0, strategy="auto", max_sms=0):
+    return None

@@ -22,6 +22,10 @@ function(shared_cuda_add_python_module package)
     ${SHARED_CUDA_SOURCE_DIR}/bindings/shared_cuda_bindings.cpp)
   target_include_directories(_core PRIVATE ${SHARED_CUDA_SOURCE_DIR}/bindings)
   target_link_libraries(_core PRIVATE shared_cuda::shared_cuda ${ARG_LIBRARIES})
+  # Bind every symbol to this module's own definitions and keep static libraries' symbols private. Without this,
+  # C++ template instantiations (std::regex, std::function, ...) can resolve to libtorch's copies, built with
+  # another libstdc++, and crash (seen: a segfault in NVRTC error reporting with torch 2.11 loaded).
+  target_link_options(_core PRIVATE -Wl,-Bsymbolic -Wl,--exclude-libs,ALL)
   if(SHARED_CUDA_HAS_CUDA)
     target_compile_definitions(_core PRIVATE SHARED_CUDA_HAS_CUDA=1)
   else()

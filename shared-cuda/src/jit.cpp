@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <set>
 #include <sstream>
 
@@ -160,16 +159,24 @@ std::vector<int> nvrtc_supported_architectures() {
 namespace {
 
 // "name(12): error: ..." -> the failing source lines, quoted, so the error shows the code and not only the log.
+// Parsed by hand: std::regex instantiations are easily interposed by another library's (libtorch's) copies.
 std::string quote_failing_lines(const std::string& source, const std::string& name, const std::string& log) {
   std::vector<std::string> lines;
   std::istringstream src(source);
   for (std::string line; std::getline(src, line);) lines.push_back(line);
 
   std::set<int> failing;
-  std::regex pattern(std::regex_replace(name, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)") +
-                     R"(\((\d+)\): (catastrophic )?error)");
-  for (std::sregex_iterator it(log.begin(), log.end(), pattern), end; it != end; ++it)
-    failing.insert(std::stoi((*it)[1].str()));
+  std::istringstream diagnostics(log);
+  for (std::string line; std::getline(diagnostics, line);) {
+    const std::string prefix = name + "(";
+    if (line.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::size_t close = line.find(')', prefix.size());
+    if (close == std::string::npos || close == prefix.size()) continue;
+    const std::string digits = line.substr(prefix.size(), close - prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string rest = line.substr(close + 1);
+    if (rest.rfind(": error", 0) == 0 || rest.rfind(": catastrophic error", 0) == 0) failing.insert(std::stoi(digits));
+  }
 
   std::string out;
   for (int number : failing) {

@@ -1,0 +1,10 @@
+"""The inter-operator IR: types, nodes, programs, the builder DSL, the printer and the verifier."""
+
+from .builder import Builder, Value
+from .core import Domain, Node, Op, OpKind, Program, VType, make_attrs
+from .printer import format_program
+from .types import infer
+from .verify import verify
+
+__all__ = ["Builder", "Domain", "Node", "Op", "OpKind", "Program", "VType", "Value", "format_program", "infer",
+           "make_attrs", "verify"]

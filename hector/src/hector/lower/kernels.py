@@ -1,0 +1,314 @@
+"""Lowering: fuse an optimised program into kernel specifications, the contract with the CUDA code generator.
+
+Two kernel families (as in Hector):
+
+* **GEMM-like** -- one per ``linear`` / ``outer_sum``: rows grouped by their type index (segment GEMM), the A
+  operand read through a gather index when it is a gathered value (no per-edge copy), and the result optionally
+  scattered (summed) into its destination rows when that is its only use.
+* **Traversal-like** -- maximal runs of elementwise / inner-product / reduction ops over one iteration space:
+  edge-parallel (destination-centric when it reduces by destination: edge softmax and aggregation fuse, and
+  per-destination epilogue ops join), node-parallel, or pair-parallel (compacted values).
+
+Plus small **param** kernels for weight-only ops (composed weights of reordering, basis decomposition).
+
+Gathers and per-row param reads (``select``) are never materialised: each kernel that uses one reads through the
+index. A value is *materialised* when another kernel reads it, when it is a program output, or when the backward
+program keeps it; :func:`materialized_bytes` counts exactly those, which is what the cost model reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir.core import GATHER_VIA, Domain, Op, OpKind, Program
+
+_VIRTUAL = (Op.GATHER, Op.SELECT)
+_LEAVES = (Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a lowered program."""
+
+    name: str
+    kind: str  # "gemm" | "traversal" | "param" | "rng"
+    space: str  # iteration space: "edge" | "node" | "unique" | "param"
+    nodes: tuple[str, ...]  # IR nodes evaluated, in order (virtual reads included)
+    inputs: tuple[str, ...]  # materialised values (or leaves) read
+    outputs: tuple[str, ...]  # values materialised
+    layout: str
+    detail: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        d = ", ".join(f"{k}={v}" for k, v in self.detail)
+        return (f"{self.name} [{self.kind}/{self.space}] out={list(self.outputs)} in={list(self.inputs)}\n"
+                f"    layout: {self.layout}" + (f"\n    {d}" if d else ""))
+
+
+@dataclass(frozen=True)
+class Lowered:
+    program: Program
+    kernels: tuple[Kernel, ...]
+    materialized: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return "\n".join(k.describe() for k in self.kernels)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.kernels if k.kind == kind)
+
+
+class _Group:
+    def __init__(self, space: str):
+        self.space = space
+        self.nodes: list[str] = []
+        self.post_dst: set[str] = set()  # node values reduced by destination inside this group
+        self.final: set[str] = set()  # reduced by another key (atomics): usable only after the kernel
+        self.reduces_dst = False
+        self.atomics = False
+
+
+def _space(domain: Domain) -> str:
+    return {Domain.EDGE: "edge", Domain.NODE: "node", Domain.UNIQUE: "unique", Domain.PARAM: "param"}[domain]
+
+
+def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
+    """Fuse ``program`` into kernels; values in ``keep`` (e.g. saved for backward) are materialised."""
+    p = program
+    keep = set(keep) | set(p.outputs)
+    owner: dict[str, int] = {}  # node -> index of the group/kernel that computes it
+    groups: list[Any] = []  # _Group or finished Kernel-like dicts, in execution order
+    cur: _Group | None = None
+    cur_idx = -1
+    fused_scatter: dict[str, str] = {}  # scatter node -> linear node it was fused into
+
+    def close():
+        nonlocal cur, cur_idx
+        cur, cur_idx = None, -1
+
+    def open_group(space: str) -> None:
+        nonlocal cur, cur_idx
+        cur = _Group(space)
+        groups.append(cur)
+        cur_idx = len(groups) - 1
+
+    def source(name: str) -> tuple[str, str | None]:
+        """Look through virtual reads: (producing value, via of the last gather or None)."""
+        n = p.node(name)
+        via = None
+        while n.op in _VIRTUAL and n.op is Op.GATHER:
+            via = n.attr("via") if via is None else via
+            n = p.node(n.args[0])
+        return n.name, via
+
+    def arg_ok(arg: str, node_domain: Domain, op: Op) -> bool:
+        """May a node of ``node_domain`` in the current group read ``arg``?"""
+        n = p.node(arg)
+        if n.op in _LEAVES or n.op is Op.SELECT:
+            return True
+        if n.op is Op.GATHER:
+            src, via = source(arg)
+            if owner.get(src) != cur_idx:
+                return True  # reads a materialised value through an index
+            return via == "dst" and src in cur.post_dst  # same destination: still in registers
+        if owner.get(arg) != cur_idx:
+            return True
+        if arg in cur.final:
+            return False
+        t = p.type_of(arg)
+        if t.domain is node_domain:
+            return node_domain is not Domain.NODE or cur.space != "edge" or arg in cur.post_dst
+        return op is Op.SCATTER_ADD and node_domain is Domain.NODE  # edge -> dst reduction
+
+    for n in p.nodes:
+        if n.op in _LEAVES or n.op in _VIRTUAL or n.name in fused_scatter:
+            continue
+        t = n.type
+        if n.op is Op.DROPOUT_MASK:
+            groups.append(dict(kind="rng", space=_space(t.domain), nodes=[n.name], layout="counter-based RNG, "
+                               "one draw per element (kept for backward)"))
+            owner[n.name] = len(groups) - 1
+            continue
+        if n.op in (Op.LINEAR, Op.OUTER_SUM):
+            close()
+            x = n.args[0]
+            xsrc, xvia = source(x)
+            wname = n.args[1]
+            wt = p.type_of(wname) if n.op is Op.LINEAR else n.type
+            by = wt.by
+            users = p.users[n.name]
+            scatter = None
+            if n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" and n.name not in keep:
+                u = p.node(users[0])
+                if u.op is Op.SCATTER_ADD:
+                    scatter = u
+                    fused_scatter[u.name] = n.name
+            rows = p.type_of(x).domain
+            core = wt.shape[len(by):]
+            layout = (f"{rows.value} rows grouped by {'x'.join(by)} (segment GEMM, one weight per segment)"
+                      if by else f"{rows.value} rows, one shared weight (dense GEMM)")
+            if xvia:
+                layout += f"; A rows gathered via {xvia}"
+            if scatter is not None:
+                layout += f"; C rows summed into {GATHER_VIA[scatter.attr('via')][0].value} rows via " \
+                          f"{scatter.attr('via')} (atomic epilogue)"
+            if n.op is Op.OUTER_SUM:
+                layout = f"{rows.value} rows grouped by {'x'.join(by) or 'nothing'}; per segment C += A^T B " \
+                         "(weight gradient)"
+            detail = dict(op=n.op.value, by=by, a=xsrc, a_via=xvia, b=source(n.args[1])[0],
+                          transpose=bool(n.attr("transpose")), weight_core=core)
+            nodes = [n.name] + ([scatter.name] if scatter is not None else [])
+            groups.append(dict(kind="gemm", space=_space(rows), nodes=nodes, layout=layout, detail=detail))
+            for m in nodes:
+                owner[m] = len(groups) - 1
+            continue
+        if t.domain is Domain.PARAM and n.op is not Op.SELECT_SUM:
+            if cur is not None and any(owner.get(source(a)[0]) == cur_idx for a in n.args):
+                close()
+            groups.append(dict(kind="param", space="param", nodes=[n.name], layout="weights only (once per call)"))
+            owner[n.name] = len(groups) - 1
+            continue
+        # traversal op
+        dom = t.domain if t.domain is not Domain.PARAM else p.type_of(n.args[0]).domain  # select_sum reads rows
+        space = _space(dom)
+        if n.op is Op.SCATTER_ADD:
+            space = _space(p.type_of(n.args[0]).domain)
+        joinable = cur is not None and all(arg_ok(a, t.domain, n.op) for a in n.args) and (
+            cur.space == space or (cur.space == "edge" and t.domain is Domain.NODE
+                                   and all(owner.get(a) == cur_idx or p.node(a).op in _LEAVES for a in n.args)))
+        if joinable and t.domain is Domain.NODE and n.op is not Op.SCATTER_ADD and cur.space == "edge":
+            joinable = any(a in cur.post_dst for a in n.args)
+        if not joinable:
+            close()
+            open_group(space)
+        cur.nodes.append(n.name)
+        owner[n.name] = cur_idx
+        if n.op is Op.SCATTER_ADD and n.attr("via") == "dst":
+            cur.post_dst.add(n.name)
+            cur.reduces_dst = True
+        elif n.op is Op.SCATTER_ADD or n.op is Op.SELECT_SUM:
+            cur.final.add(n.name)
+            cur.atomics = True
+        elif n.op is Op.EDGE_SOFTMAX:
+            cur.reduces_dst = True
+        elif t.domain is Domain.NODE and cur.space == "edge":
+            cur.post_dst.add(n.name)
+
+    order = _toposort(p, groups, owner)
+    # outputs: values read by another kernel, returned, or kept
+    kernels: list[Kernel] = []
+    users = p.users
+    for idx in order:
+        g = groups[idx]
+        if isinstance(g, _Group):
+            kind, space, names = "traversal", g.space, list(g.nodes)
+            if g.space == "edge" and g.reduces_dst:
+                layout = ("edge-parallel, destination-centric (CSC: each block walks one destination's in-edges; "
+                          "softmax and sum by destination without atomics)")
+            elif g.space == "edge":
+                layout = "edge-parallel, any edge order"
+            else:
+                layout = f"{g.space}-parallel"
+            if g.atomics:
+                layout += "; atomic scatter for reductions by source / pair / type"
+            detail = {}
+        else:
+            kind, space, names, layout = g["kind"], g["space"], list(g["nodes"]), g["layout"]
+            detail = g.get("detail", {})
+        members = set(names)
+        outputs = [m for m in names if m in keep or any(u != "<output>" and owner.get(u) != idx
+                                                         and p.node(u).op not in _VIRTUAL for u in users[m])
+                   or any(u != "<output>" and p.node(u).op in _VIRTUAL and _virtual_escapes(p, u, owner, idx)
+                          for u in users[m])]
+        if kind == "gemm" and len(names) == 2:
+            outputs = [names[1]] if names[1] in outputs or names[1] in keep else outputs
+        # Bring in the virtual reads this kernel needs, in dependency order.
+        ordered: list[str] = []
+        reads: list[str] = []
+
+        def need(a: str) -> None:
+            node = p.node(a)
+            if node.op in _VIRTUAL:
+                for b in node.args:
+                    need(b)
+                if a not in ordered:
+                    ordered.append(a)
+            elif a not in members and a not in reads:
+                reads.append(a)
+
+        for m in names:
+            for a in p.node(m).args:
+                need(a)
+            ordered.append(m)
+        kernels.append(Kernel(f"k{idx}_{kind}", kind, space, tuple(ordered), tuple(reads), tuple(outputs), layout,
+                              tuple(sorted(detail.items()))))
+    materialized = tuple(o for k in kernels for o in k.outputs)
+    return Lowered(p, tuple(kernels), materialized)
+
+
+def _toposort(p: Program, groups: list, owner: Mapping[str, int]) -> list[int]:
+    """Kernel order: dependencies first, otherwise creation order (independent weight kernels move early)."""
+    deps: list[set[int]] = []
+    for idx, g in enumerate(groups):
+        names = g.nodes if isinstance(g, _Group) else g["nodes"]
+        d: set[int] = set()
+        stack = [a for m in names for a in p.node(m).args]
+        while stack:
+            a = stack.pop()
+            if p.node(a).op in _VIRTUAL:
+                stack.extend(p.node(a).args)
+            elif a in owner and owner[a] != idx:
+                d.add(owner[a])
+        deps.append(d)
+    done: list[int] = []
+    placed: set[int] = set()
+    while len(done) < len(groups):
+        for idx in range(len(groups)):
+            if idx not in placed and deps[idx] <= placed:
+                done.append(idx)
+                placed.add(idx)
+                break
+        else:  # pragma: no cover - fusion only merges along program order, so no cycle can form
+            raise AssertionError("cyclic kernel dependencies")
+    return done
+
+
+def _virtual_escapes(p: Program, name: str, owner: Mapping[str, int], idx: int) -> bool:
+    """Does a virtual read of a value from kernel ``idx`` get used by another kernel?"""
+    for u in p.users[name]:
+        if u == "<output>":
+            return True
+        n = p.node(u)
+        if n.op in _VIRTUAL:
+            if _virtual_escapes(p, u, owner, idx):
+                return True
+        elif owner.get(u) != idx:
+            return True
+    return False
+
+
+def row_count(domain: Domain, stats: Mapping[str, int]) -> int:
+    return {Domain.NODE: stats["num_nodes"], Domain.EDGE: stats["num_edges"], Domain.UNIQUE: stats["num_unique"],
+            Domain.PARAM: 1}[domain]
+
+
+def value_bytes(p: Program, name: str, stats: Mapping[str, int], itemsize: int = 4) -> int:
+    t = p.type_of(name)
+    return row_count(t.domain, stats) * t.numel * itemsize
+
+
+def materialized_bytes(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4,
+                       include_params: bool = False) -> int:
+    """Bytes written to memory by the kernels' outputs (row values; params too if asked)."""
+    total = 0
+    for name in lowered.materialized:
+        t = lowered.program.type_of(name)
+        if t.domain is Domain.PARAM and not include_params:
+            continue
+        total += value_bytes(lowered.program, name, stats, itemsize)
+    return total
+
+
+__all__ = ["Kernel", "Lowered", "OpKind", "lower", "materialized_bytes", "row_count", "value_bytes"]

@@ -1,0 +1,91 @@
+"""Compiling a layer program (passes, autodiff, lowering) and running it under torch autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ir.core import Op, Program
+from ..lower.kernels import Lowered, lower
+from ..passes import Backward, Options, differentiate, optimize, optimize_backward
+from .graph import Graph
+from .reference import run_lowered
+
+
+@dataclass
+class CompiledLayer:
+    """A forward program, its lowering, and backward programs generated on demand per set of needed grads."""
+
+    source: Program
+    forward: Program
+    options: Options
+    full_backward: Backward
+    forward_lowered: Lowered
+    _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
+
+    @property
+    def leaf_names(self) -> tuple[tuple[Op, str], ...]:
+        return tuple((n.op, n.attr("name")) for n in self.forward.nodes if n.op in (Op.INPUT, Op.PARAM))
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        return self.full_backward.saved
+
+    def backward_for(self, wrt: Iterable[tuple[Op, str]]) -> tuple[Backward, Lowered]:
+        key = frozenset(wrt)
+        if key not in self._backward:
+            bw = differentiate(self.forward, key)
+            prog = optimize_backward(bw.program, self.options)
+            bw = Backward(prog, bw.grads_of)
+            self._backward[key] = (bw, lower(prog))
+        return self._backward[key]
+
+
+def compile_program(program: Program, options: Options = Options()) -> CompiledLayer:
+    fwd = optimize(program, options)
+    bw = differentiate(fwd)
+    bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
+    lowered = lower(fwd, keep=bw.saved)
+    return CompiledLayer(program, fwd, options, bw, lowered)
+
+
+class _Apply(torch.autograd.Function):
+    """Forward: run the lowered forward program. Backward: run the generated backward program."""
+
+    @staticmethod
+    def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, *tensors: torch.Tensor):
+        leaves = dict(zip(names, tensors))
+        env = run_lowered(compiled.forward_lowered, graph, leaves)
+        outs = tuple(env[o] for o in compiled.forward.outputs)
+        ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
+        ctx.saved_names = tuple(s for s in compiled.saved)
+        ctx.save_for_backward(*[env[s] for s in ctx.saved_names])
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor):
+        compiled: CompiledLayer = ctx.compiled
+        leaf_keys = [(Op.INPUT if (Op.INPUT, n) in compiled.leaf_names else Op.PARAM, n) for n in ctx.names]
+        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[3:]) if need]
+        if not wanted:
+            return (None, None, None) + (None,) * len(ctx.names)
+        bw, lowered = compiled.backward_for(wanted)
+        leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        for o, g in zip(compiled.forward.outputs, grad_outputs):
+            leaves[f"grad:{o}"] = g.contiguous()
+        env = run_lowered(lowered, ctx.graph, leaves)
+        by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs)}
+        grads = tuple(by_leaf.get(k) for k in leaf_keys)
+        return (None, None, None) + grads
+
+
+def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):
+    """Run ``compiled`` on ``graph`` with leaves bound by name (inputs and params); differentiable."""
+    names = tuple(name for _, name in compiled.leaf_names if name in leaves)
+    missing = [name for _, name in compiled.leaf_names if name not in leaves]
+    if missing:
+        raise ValueError(f"no tensor bound to {missing}")
+    return _Apply.apply(compiled, graph, names, *[leaves[n] for n in names])

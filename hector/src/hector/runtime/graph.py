@@ -1,0 +1,274 @@
+"""Graphs with relation (and node) types, their validation and their cached preprocessing.
+
+Everything derived from the structure (relation-sorted orders, CSR/CSC, unique (source, relation) pairs and the
+edge -> pair inverse index, degree normalisers) is computed on first use and cached on the :class:`Graph`.
+:func:`graph_for` keeps recently seen ``(edge_index, edge_type)`` tensors mapped to their Graph so that a layer
+called repeatedly on the same tensors (full-graph training) preprocesses once, while each new mini-batch subgraph
+(e.g. PyG ``NeighborLoader`` output) gets its own Graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import GraphInputError
+from ..ir.core import GATHER_VIA, INDEX_KINDS, Domain
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise GraphInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise GraphInputError(f"{name} must hold integer ids (torch.long), got dtype {t.dtype}; "
+                              f"convert with {name}.long()")
+    if t.dim() != ndim:
+        raise GraphInputError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+    return t.long()
+
+
+def _check_range(name: str, t: torch.Tensor, upper: int, what: str) -> None:
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= upper:
+        bad = lo if lo < 0 else hi
+        raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
+                              f"check {what} ids against the declared count ({upper})")
+
+
+class Graph:
+    """A directed multigraph with relation-typed edges and (optionally) typed nodes.
+
+    Args:
+        edge_index: [2, E] integer tensor, row 0 = source, row 1 = destination (PyG convention).
+        edge_type: [E] integer relation ids in [0, num_relations).
+        num_nodes: number of nodes N (> 0); node ids must lie in [0, N).
+        num_relations: R.
+        node_type: optional [N] node-type ids in [0, num_node_types).
+    """
+
+    def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
+                 node_type: torch.Tensor | None = None, num_node_types: int | None = None):
+        edge_index = _check_int_tensor("edge_index", edge_index, 2)
+        if edge_index.size(0) != 2:
+            raise GraphInputError(f"edge_index must have shape [2, num_edges], got {tuple(edge_index.shape)}"
+                                  + ("; transpose it with edge_index.t()" if edge_index.size(-1) == 2 else ""))
+        edge_type = _check_int_tensor("edge_type", edge_type, 1)
+        if edge_type.numel() != edge_index.size(1):
+            raise GraphInputError(f"edge_type has {edge_type.numel()} entries but edge_index has "
+                                  f"{edge_index.size(1)} edges; give one relation id per edge")
+        if int(num_nodes) <= 0:
+            raise GraphInputError(f"the graph is empty (num_nodes={num_nodes}); a layer needs at least one node")
+        if int(num_relations) <= 0:
+            raise GraphInputError(f"num_relations must be positive, got {num_relations}")
+        if edge_type.device != edge_index.device:
+            raise GraphInputError(f"edge_type is on {edge_type.device} but edge_index on {edge_index.device}")
+        self.num_nodes = int(num_nodes)
+        self.num_relations = int(num_relations)
+        _check_range("edge_index", edge_index, self.num_nodes, "node")
+        _check_range("edge_type", edge_type, self.num_relations, "relation")
+        if node_type is None:
+            self.num_node_types = 1 if num_node_types is None else int(num_node_types)
+            node_type = torch.zeros(self.num_nodes, dtype=torch.long, device=edge_index.device)
+        else:
+            node_type = _check_int_tensor("node_type", node_type, 1)
+            if node_type.numel() != self.num_nodes:
+                raise GraphInputError(f"node_type has {node_type.numel()} entries for {self.num_nodes} nodes")
+            if num_node_types is None:
+                num_node_types = int(node_type.max()) + 1
+            self.num_node_types = int(num_node_types)
+            _check_range("node_type", node_type, self.num_node_types, "node type")
+            node_type = node_type.to(edge_index.device)
+        self.src = edge_index[0].contiguous()
+        self.dst = edge_index[1].contiguous()
+        self.etype = edge_type.contiguous()
+        self.ntype = node_type.contiguous()
+        self.device = edge_index.device
+        self._cache: dict[Any, Any] = {}
+
+    @property
+    def num_edges(self) -> int:
+        return self.src.numel()
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """Compute once per graph; every derived structure goes through here."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    # unique (source, relation) pairs: the rows of compact materialisation
+    def _unique(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def compute():
+            key = self.src * self.num_relations + self.etype
+            uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)
+            return uniq // self.num_relations, uniq % self.num_relations, inverse
+
+        return self.cached("unique", compute)
+
+    @property
+    def num_unique(self) -> int:
+        return self._unique()[0].numel()
+
+    @property
+    def unique_src(self) -> torch.Tensor:
+        return self._unique()[0]
+
+    @property
+    def unique_etype(self) -> torch.Tensor:
+        return self._unique()[1]
+
+    @property
+    def edge_to_unique(self) -> torch.Tensor:
+        """Inverse index: edge e's (source, relation) pair is row ``edge_to_unique[e]`` of the UNIQUE domain."""
+        return self._unique()[2]
+
+    # rows, indices, orders
+    def num_rows(self, domain: Domain) -> int:
+        return {Domain.NODE: self.num_nodes, Domain.EDGE: self.num_edges, Domain.UNIQUE: self.num_unique}[domain]
+
+    def num_types(self, kind: str) -> int:
+        return self.num_relations if kind == "etype" else self.num_node_types
+
+    def index(self, domain: Domain, kind: str) -> torch.Tensor:
+        """Type id of every row of ``domain`` for index ``kind`` (e.g. each edge's relation)."""
+        if domain not in INDEX_KINDS.get(kind, ()):
+            raise ValueError(f"type index {kind!r} is not defined on {domain.value} rows")
+
+        def compute():
+            if domain is Domain.NODE:
+                return self.ntype
+            src = self.src if domain is Domain.EDGE else self.unique_src
+            if kind == "etype":
+                return self.etype if domain is Domain.EDGE else self.unique_etype
+            if kind == "src_ntype":
+                return self.ntype[src]
+            return self.ntype[self.dst]  # dst_ntype, EDGE only
+
+        return self.cached(("index", domain, kind), compute)
+
+    def combined_index(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Row-major combination of several type indices (a param typed ``by=("src_ntype", "etype")``)."""
+
+        def compute():
+            idx = torch.zeros(self.num_rows(domain), dtype=torch.long, device=self.device)
+            for kind in by:
+                idx = idx * self.num_types(kind) + self.index(domain, kind)
+            return idx
+
+        return self.cached(("combined", domain, by), compute)
+
+    def segments(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
+        """Rows sorted by their (combined) type, and the row count of each type: the segmented-GEMM layout."""
+
+        def compute():
+            idx = self.combined_index(domain, by)
+            total = 1
+            for kind in by:
+                total *= self.num_types(kind)
+            perm = torch.sort(idx, stable=True).indices
+            counts = torch.bincount(idx, minlength=total).tolist()
+            return perm, counts
+
+        return self.cached(("segments", domain, by), compute)
+
+    def gather_index(self, via: str) -> torch.Tensor:
+        if via not in GATHER_VIA:
+            raise ValueError(f"unknown via {via!r}")
+        return {"src": self.src, "dst": self.dst, "unique_src": self.unique_src,
+                "unique": self.edge_to_unique}[via]
+
+    def csc(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Edges sorted by destination: (permutation, indptr of length N+1). Node-parallel aggregation layout."""
+        return self.cached("csc", lambda: self._compressed(self.dst))
+
+    def csr(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Edges sorted by source: (permutation, indptr of length N+1)."""
+        return self.cached("csr", lambda: self._compressed(self.src))
+
+    def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        perm = torch.sort(key, stable=True).indices
+        ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
+        ptr[1:] = torch.cumsum(torch.bincount(key, minlength=self.num_nodes), 0)
+        return perm, ptr
+
+    def relation_ptr(self) -> torch.Tensor:
+        """indptr over relations of the relation-sorted edge order (``segments(EDGE, ("etype",))``)."""
+
+        def compute():
+            _, counts = self.segments(Domain.EDGE, ("etype",))
+            ptr = torch.zeros(self.num_relations + 1, dtype=torch.long)
+            ptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.long), 0)
+            return ptr
+
+        return self.cached("relation_ptr", compute)
+
+    def in_degree(self) -> torch.Tensor:
+        return self.cached("in_degree", lambda: torch.bincount(self.dst, minlength=self.num_nodes))
+
+    def graph_const(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        def compute():
+            if kind == "inv_deg_dst_rel":
+                key = self.dst * self.num_relations + self.etype
+                _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+                return 1.0 / counts[inverse].to(torch.float64)
+            deg = self.in_degree().to(torch.float64)
+            if kind == "inv_deg_dst":
+                return 1.0 / deg[self.dst]
+            if kind == "inv_in_degree":
+                return torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg))
+            raise ValueError(f"unknown graph constant {kind!r}")
+
+        return self.cached(("const", kind, dtype), lambda: compute().to(dtype))
+
+    def stats(self) -> dict[str, Any]:
+        """Counts the cost model uses."""
+
+        def compute():
+            per_rel = torch.bincount(self.etype, minlength=self.num_relations)
+            return {
+                "num_nodes": self.num_nodes,
+                "num_edges": self.num_edges,
+                "num_unique": self.num_unique,
+                "num_relations": self.num_relations,
+                "num_node_types": self.num_node_types,
+                "max_edges_per_relation": int(per_rel.max()) if self.num_edges else 0,
+            }
+
+        return self.cached("stats", compute)
+
+    def __repr__(self) -> str:
+        return (f"Graph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, num_relations={self.num_relations}, "
+                f"num_node_types={self.num_node_types})")
+
+
+_GRAPHS: OrderedDict[tuple, tuple[list[weakref.ref], Graph]] = OrderedDict()
+_MAX_GRAPHS = 16
+
+
+def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
+              node_type: torch.Tensor | None = None, num_node_types: int | None = None) -> Graph:
+    """The cached Graph for these exact tensors (same objects, unmodified), or a new one.
+
+    Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
+    """
+    if isinstance(edge_index, Graph):
+        return edge_index
+    tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
+    key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
+           node_type is None)
+    hit = _GRAPHS.get(key)
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
+        _GRAPHS.move_to_end(key)
+        return hit[1]
+    g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types)
+    _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
+    while len(_GRAPHS) > _MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    return g

@@ -1,0 +1,236 @@
+"""The reference backend: executes IR nodes with torch ops (CPU or GPU).
+
+It is the fallback where no generated kernel exists and the correctness oracle for generated ones. ``eval_node``
+gives every op its meaning; :func:`interpret` runs a program node by node (differentiable by torch autograd, which
+tests use as an independent check of the generated backward); :func:`run_lowered` runs a lowered program kernel by
+kernel, keeping only the values a kernel materialises, so its memory behaviour follows the kernel plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..ir.core import Domain, Node, Op, Program
+from .graph import Graph
+
+
+def _bcast(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Prefix broadcasting: append singleton dims so a [rows, H] tensor combines with [rows, H, D]."""
+    return t.reshape(t.shape + (1,) * (ndim - t.dim())) if t.dim() < ndim else t
+
+
+def _binary(op: Op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    nd = max(a.dim(), b.dim())
+    a, b = _bcast(a, nd), _bcast(b, nd)
+    if op is Op.ADD:
+        return a + b
+    if op is Op.SUB:
+        return a - b
+    return a * b
+
+
+def _act(fn: str, x: torch.Tensor, slope: float) -> torch.Tensor:
+    if fn == "exp":
+        return torch.exp(x)
+    if fn == "relu":
+        return torch.relu(x)
+    if fn == "leaky_relu":
+        return torch.nn.functional.leaky_relu(x, slope)
+    if fn == "sigmoid":
+        return torch.sigmoid(x)
+    if fn == "tanh":
+        return torch.tanh(x)
+    return torch.nn.functional.gelu(x)
+
+
+def _act_grad(fn: str, a: torch.Tensor, dy: torch.Tensor, slope: float) -> torch.Tensor:
+    """d act / d x times dy; ``a`` is the output y for exp/sigmoid/tanh and the input x otherwise."""
+    if fn == "exp":
+        return dy * a
+    if fn == "sigmoid":
+        return dy * a * (1 - a)
+    if fn == "tanh":
+        return dy * (1 - a * a)
+    if fn == "relu":
+        return dy * (a > 0).to(dy.dtype)
+    if fn == "leaky_relu":
+        return dy * torch.where(a > 0, torch.ones_like(a), torch.full_like(a, slope))
+    cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
+    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
+    return dy * (cdf + a * pdf)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.Tensor:
+    if head:
+        return torch.einsum("rho,hio->rhi" if transpose else "rhi,hio->rho", x, w)
+    return x @ (w.t() if transpose else w)
+
+
+def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, wtype, xdomain: Domain, graph: Graph) -> torch.Tensor:
+    by = wtype.by
+    core = w.shape[len(by):]
+    head, transpose = len(core) == 3, bool(node.attr("transpose"))
+    if not by:
+        return _mm(x, w, head, transpose)
+    # Segmented GEMM: rows grouped by type, one dense matmul per type (no per-row weight copies).
+    wflat = w.reshape(-1, *core)
+    dout = core[-2] if transpose else core[-1]
+    out = x.new_empty((x.size(0),) + ((core[0], dout) if head else (dout,)))
+    perm, counts = graph.segments(xdomain, by)
+    start = 0
+    for t, c in enumerate(counts):
+        if c:
+            rows = perm[start:start + c]
+            out[rows] = _mm(x[rows], wflat[t], head, transpose)
+            start += c
+    return out
+
+
+def _outer_sum(node: Node, x: torch.Tensor, dy: torch.Tensor, xdomain: Domain, graph: Graph) -> torch.Tensor:
+    by, shape = tuple(node.attr("by", ())), tuple(node.attr("shape"))
+    core = shape[len(by):]
+    eq = "rhi,rho->hio" if len(core) == 3 else "ri,ro->io"
+    if not by:
+        return torch.einsum(eq, x, dy)
+    out = x.new_zeros((math.prod(shape[:len(by)]),) + core)
+    perm, counts = graph.segments(xdomain, by)
+    start = 0
+    for t, c in enumerate(counts):
+        if c:
+            rows = perm[start:start + c]
+            out[t] = torch.einsum(eq, x[rows], dy[rows])
+            start += c
+    return out.reshape(shape)
+
+
+def _edge_softmax(s: torch.Tensor, graph: Graph) -> torch.Tensor:
+    n = graph.num_nodes
+    idx = graph.dst.reshape((-1,) + (1,) * (s.dim() - 1)).expand_as(s)
+    # Subtract each destination's max so exp never overflows (no gradient flows through the max: it cancels).
+    m = torch.full((n,) + s.shape[1:], -math.inf, dtype=s.dtype, device=s.device)
+    m = m.scatter_reduce(0, idx, s.detach(), "amax", include_self=True)
+    e = torch.exp(s - m.index_select(0, graph.dst))
+    z = torch.zeros_like(m).index_add_(0, graph.dst, e)
+    return e / z.index_select(0, graph.dst)
+
+
+def eval_node(node: Node, args: list[torch.Tensor], types: list, graph: Graph, leaf: Mapping[str, Any],
+              dtype: torch.dtype) -> torch.Tensor:
+    """The meaning of one op. ``types`` are the argument types; ``leaf`` resolves INPUT/PARAM/SAVED names."""
+    op, at = node.op, node.attr
+    if op in (Op.INPUT, Op.PARAM, Op.SAVED):
+        return leaf[at("name")]
+    if op is Op.GRAPH:
+        return graph.graph_const(at("kind"), dtype)
+    if op is Op.DROPOUT_MASK:
+        p = at("p")
+        rows = graph.num_rows(Domain(at("domain")))
+        keep = torch.rand((rows,) + tuple(at("shape")), dtype=dtype, device=graph.device) >= p
+        return keep.to(dtype) / (1.0 - p)
+    if op is Op.GATHER:
+        return args[0].index_select(0, graph.gather_index(at("via")))
+    if op is Op.SCATTER_ADD:
+        from ..ir.core import GATHER_VIA
+
+        rows = graph.num_rows(GATHER_VIA[at("via")][0])
+        x = args[0]
+        return x.new_zeros((rows,) + x.shape[1:]).index_add_(0, graph.gather_index(at("via")), x)
+    if op is Op.LINEAR:
+        return _linear(node, args[0], args[1], types[1], types[0].domain, graph)
+    if op is Op.OUTER_SUM:
+        return _outer_sum(node, args[0], args[1], types[0].domain, graph)
+    if op is Op.SELECT:
+        p, by = args[0], types[0].by
+        domain = Domain(at("domain"))
+        rows = graph.num_rows(domain)
+        if not by:
+            return p.unsqueeze(0).expand((rows,) + p.shape)
+        core = p.shape[len(by):]
+        return p.reshape((-1,) + core).index_select(0, graph.combined_index(domain, by))
+    if op is Op.SELECT_SUM:
+        by, shape = tuple(at("by", ())), tuple(at("shape"))
+        dy = args[0]
+        if not by:
+            return dy.sum(0)
+        core = shape[len(by):]
+        out = dy.new_zeros((math.prod(shape[:len(by)]),) + core)
+        return out.index_add_(0, graph.combined_index(types[0].domain, by), dy).reshape(shape)
+    if op is Op.EINSUM:
+        return torch.einsum(at("equation"), args[0], args[1])
+    if op in (Op.ADD, Op.SUB, Op.MUL):
+        return _binary(op, args[0], args[1])
+    if op is Op.NEG:
+        return -args[0]
+    if op is Op.SCALE:
+        return args[0] * at("c")
+    if op is Op.ACT:
+        return _act(at("fn"), args[0], at("slope", 0.0))
+    if op is Op.ACT_GRAD:
+        return _act_grad(at("fn"), args[0], args[1], at("slope", 0.0))
+    if op is Op.INNER:
+        return (args[0] * args[1]).sum(-1)
+    if op is Op.REDUCE_LAST:
+        x = args[0]
+        keep = 1 + len(at("shape"))
+        return x.sum(dim=tuple(range(keep, x.dim()))) if x.dim() > keep else x
+    if op is Op.EXPAND:
+        x = args[0]
+        shape = (x.size(0),) + tuple(at("shape"))
+        return _bcast(x, len(shape)).expand(shape).contiguous()
+    if op is Op.RESHAPE:
+        x = args[0]
+        if types[0].domain is Domain.PARAM:  # params carry their full shape
+            return x.reshape(tuple(at("shape")))
+        return x.reshape((x.size(0),) + tuple(at("shape")))
+    if op is Op.CONCAT:
+        return torch.cat([args[0], args[1]], dim=-1)
+    if op is Op.SLICE:
+        return args[0][..., at("start"):at("stop")]
+    if op is Op.EDGE_SOFTMAX:
+        return _edge_softmax(args[0], graph)
+    raise NotImplementedError(f"reference backend has no rule for {op}")  # pragma: no cover
+
+
+def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
+              env: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Run every node in order; returns all values by name (differentiable by torch autograd)."""
+    if dtype is None:
+        dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
+                     torch.float32)
+    env = {} if env is None else env
+    for node in program.nodes:
+        if node.name in env:
+            continue
+        args = [env[a] for a in node.args]
+        types = [program.by_name[a].type for a in node.args]
+        env[node.name] = eval_node(node, args, types, graph, leaves, dtype)
+    return env
+
+
+def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None
+                ) -> dict[str, torch.Tensor]:
+    """Run a lowered program kernel by kernel. Values a kernel does not materialise are dropped when it ends, so
+    peak memory follows the kernel plan (up to the temporaries torch itself allocates inside a kernel)."""
+    program = lowered.program
+    if dtype is None:
+        dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
+                     torch.float32)
+    env: dict[str, torch.Tensor] = {}
+    for node in program.nodes:  # leaves are bindings, not kernels
+        if node.op in (Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH):
+            env[node.name] = eval_node(node, [], [], graph, leaves, dtype)
+    for kernel in lowered.kernels:
+        local: dict[str, torch.Tensor] = {}
+        for name in kernel.nodes:
+            node = program.by_name[name]
+            args = [local[a] if a in local else env[a] for a in node.args]
+            types = [program.by_name[a].type for a in node.args]
+            local[name] = eval_node(node, args, types, graph, leaves, dtype)
+        for name in kernel.outputs:
+            env[name] = local[name]
+        del local
+    return env

@@ -2,7 +2,10 @@
 
 #include <dlfcn.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <vector>
 
 #include "shared_cuda/device.hpp"
 
@@ -31,18 +34,25 @@ backend_status io_uring_status() {
   return status;
 }
 
-backend_status cufile_status() {
+backend_status cufile_status(const std::string& library) {
   backend_status status;
   status.compiled = shared_cuda::compiled_with_cuda();
   if (!status.compiled) {
     status.detail = "not built (no CUDA at build time)";
     return status;
   }
-  for (const char* name : {"libcufile.so.0", "libcufile.so", "/usr/local/cuda/lib64/libcufile.so.0"}) {
-    if (void* handle = dlopen(name, RTLD_NOW | RTLD_LOCAL)) {
+  std::vector<std::string> names;
+  if (!library.empty()) names.push_back(library);
+  for (const char* n : {"libcufile.so.0", "libcufile.so", "/usr/local/cuda/lib64/libcufile.so.0"}) names.push_back(n);
+  for (const auto& name : names) {
+    if (void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) {
       dlclose(handle);
       status.usable = shared_cuda::cuda_available();
-      status.detail = std::string(name) + (status.usable ? "" : " found, but no GPU is usable");
+      // Without the nvidia-fs module cuFile runs in compatibility mode (POSIX I/O through its own bounce buffers).
+      const bool nvfs = ::access("/proc/driver/nvidia-fs/stats", F_OK) == 0;
+      status.detail = name + (status.usable ? (nvfs ? ": GPUDirect Storage (nvidia-fs loaded)"
+                                                    : ": compatibility mode (no nvidia-fs); auto prefers io_uring")
+                                            : " found, but no GPU is usable");
       return status;
     }
   }

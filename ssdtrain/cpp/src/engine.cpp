@@ -124,8 +124,9 @@ struct op_stream {
 
 // ---------------------------------------------------------------------------------------------- engine_impl
 
-// What a handle owns. Its extents return to the store when the last holder (the handle table or an operation
-// still using it) lets go, so freeing during a transfer is safe.
+// What a handle owns. Its extents return to the store once it is freed and no transfer uses it any more, so
+// freeing during a transfer is safe; the release happens before that transfer reports completion, so space is
+// back by the time a waiter wakes.
 struct record {
   std::uint64_t id = 0;
   std::uint64_t bytes = 0;
@@ -134,9 +135,29 @@ struct record {
   std::vector<std::uint32_t> crcs;          // per block_size chunk, when checksums are on
   operation_ptr write_op;
   detail::store* owner = nullptr;
-  ~record() {
-    if (owner) owner->release(extents);
+  std::mutex mutex;
+  int users = 0;  // transfers in flight
+  bool freed = false;
+  bool released = false;
+
+  void use() {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++users;
   }
+  void unuse() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (--users == 0 && freed) release_locked();
+  }
+  void free() {
+    std::lock_guard<std::mutex> lock(mutex);
+    freed = true;
+    if (users == 0) release_locked();
+  }
+  void release_locked() {
+    if (!released && owner) owner->release(extents);
+    released = true;
+  }
+  ~record() { release_locked(); }
 };
 using record_ptr = std::shared_ptr<record>;
 
@@ -387,7 +408,7 @@ std::exception_ptr engine_impl::block_error(const operation& op, std::uint64_t i
   return std::make_exception_ptr(io_error(
       err, std::string("ssdtrain: ") + (op.is_write() ? "write" : "read") + " of handle " + std::to_string(id) +
                " failed at byte " + std::to_string(p.logical) + " (file in '" + dirs[p.file].path + "', offset " +
-               std::to_string(p.file_offset) + "): " + std::strerror(err)));
+               std::to_string(p.file_offset) + ")"));
 }
 
 std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std::uintptr_t stream) {
@@ -407,6 +428,7 @@ std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std:
   if (src.device >= 0) mark = std::make_shared<stream_mark>(src.device, stream);
   auto op = std::make_shared<operation>(true, src.bytes, this, wait_ns_);
   rec->write_op = op;
+  rec->use();
   {
     std::lock_guard<std::mutex> lock(handles_mutex_);
     rec->id = next_handle_++;
@@ -426,6 +448,7 @@ operation_ptr engine_impl::read(std::uint64_t handle, memory_view dst, std::uint
   std::shared_ptr<stream_mark> mark;
   if (dst.device >= 0) mark = std::make_shared<stream_mark>(dst.device, stream);
   auto op = std::make_shared<operation>(false, dst.bytes, this, wait_ns_);
+  rec->use();
   op_started(false);
   drivers_->submit([this, op, rec, dst, mark] { run_read(op, rec, dst, mark); });
   return op;
@@ -433,8 +456,11 @@ operation_ptr engine_impl::read(std::uint64_t handle, memory_view dst, std::uint
 
 void engine_impl::free(std::uint64_t handle) {
   record_ptr rec = find(handle, "free");
-  std::lock_guard<std::mutex> lock(handles_mutex_);
-  handles_.erase(handle);  // operations still holding `rec` keep its extents until they finish
+  {
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    handles_.erase(handle);
+  }
+  rec->free();  // now, or when the last transfer using it finishes
 }
 
 void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark) {
@@ -462,7 +488,10 @@ void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, s
         return [this, op, rec, p, slot](long result) {
           if (slot >= 0) staging_->release(slot);
           if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
-          if (--op->pending == 0) op->finish();
+          if (--op->pending == 0) {
+            rec->unuse();
+            op->finish();
+          }
         };
       };
       ++op->pending;
@@ -487,7 +516,10 @@ void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, s
   } catch (...) {
     op->fail(std::current_exception());
   }
-  if (--op->pending == 0) op->finish();
+  if (--op->pending == 0) {
+    rec->unuse();
+    op->finish();
+  }
 }
 
 void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark) {
@@ -601,7 +633,10 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
   } catch (...) {
     op->fail(std::current_exception());
   }
-  if (--op->pending == 0) op->finish();
+  if (--op->pending == 0) {
+    rec->unuse();
+    op->finish();
+  }
 }
 
 void engine_impl::op_started(bool write) {

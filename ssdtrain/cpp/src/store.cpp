@@ -105,8 +105,8 @@ void grow_file(store_file& f, std::uint64_t bytes) {
   if (ret != 0) {
     throw shared_cuda::io_error(
         ret, "ssdtrain: could not reserve " + std::to_string(bytes) + " bytes in '" + f.directory + "' (file at " +
-                 std::to_string(old) + " bytes): " + std::strerror(ret) +
-                 (ret == ENOSPC ? "; free space there, lower capacity_per_directory, or add directories" : ""));
+                 std::to_string(old) + " bytes)" +
+                 (ret == ENOSPC ? ": free space there, lower capacity_per_directory, or add directories" : ""));
   }
   f.allocator.grow(bytes);
 }
@@ -124,8 +124,8 @@ store::store(const engine_config& config)
       struct stat st {};
       if (::stat(dir.c_str(), &st) != 0) {
         const int err = errno;
-        throw shared_cuda::io_error(err, "ssdtrain: directory '" + dir + "': " + std::strerror(err) +
-                                             (err == ENOENT ? "; create it or pass an existing directory" : ""));
+        throw shared_cuda::io_error(err, "ssdtrain: directory '" + dir + "'" +
+                                             (err == ENOENT ? " (create it or pass an existing directory)" : ""));
       }
       if (!S_ISDIR(st.st_mode))
         throw shared_cuda::io_error(ENOTDIR, "ssdtrain: '" + dir + "' is not a directory; pass a directory");
@@ -133,7 +133,10 @@ store::store(const engine_config& config)
       f.directory = dir;
       f.capacity = config.capacity_per_directory / alignment * alignment;
       const bool want_direct = config.direct != direct_mode::off;
-      f.fd = want_direct ? open_anonymous(dir, O_DIRECT, &f.tmpfile) : -1;
+      // fault.op == "direct" simulates a file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE).
+      const bool refuse_direct = config.fault.op == "direct";
+      f.fd = want_direct && !refuse_direct ? open_anonymous(dir, O_DIRECT, &f.tmpfile) : -1;
+      if (refuse_direct) errno = EINVAL;
       f.direct = f.fd >= 0;
       if (f.fd >= 0 && !direct_io_works(f.fd)) {
         ::close(f.fd);
@@ -150,15 +153,14 @@ store::store(const engine_config& config)
       if (f.fd < 0) {
         const int first_err = errno;
         if (want_direct && first_err != EINVAL && first_err != EOPNOTSUPP) {
-          throw shared_cuda::io_error(first_err, "ssdtrain: cannot create a file in '" + dir + "': " +
-                                                     std::strerror(first_err) +
-                                                     "; pass a writable directory");
+          throw shared_cuda::io_error(first_err, "ssdtrain: cannot create a file in '" + dir +
+                                                     "' (pass a writable directory)");
         }
         f.fd = open_anonymous(dir, 0, &f.tmpfile);
         if (f.fd < 0) {
           const int err = errno;
-          throw shared_cuda::io_error(err, "ssdtrain: cannot create a file in '" + dir + "': " + std::strerror(err) +
-                                               "; pass a writable directory");
+          throw shared_cuda::io_error(err, "ssdtrain: cannot create a file in '" + dir +
+                                               "' (pass a writable directory)");
         }
       }
       files_.push_back(std::move(f));
@@ -185,7 +187,12 @@ std::int64_t store::allocate_in(int file, std::uint64_t bytes) {
   const std::uint64_t need = bytes - f.allocator.free_tail();
   if (f.allocator.size() + need > f.capacity) return -1;
   const std::uint64_t step = std::min(std::max(need, grow_step_), f.capacity - f.allocator.size());
-  grow_file(f, step);
+  try {
+    grow_file(f, step);
+  } catch (const shared_cuda::io_error& e) {
+    if (e.err() != ENOSPC || step == need) throw;
+    grow_file(f, need);  // a whole step does not fit; what this allocation needs might
+  }
   return f.allocator.allocate(bytes);
 }
 

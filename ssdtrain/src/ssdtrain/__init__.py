@@ -8,15 +8,31 @@ from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
+from .io import ChecksumError, Engine, Future, Handle, aligned_empty, configure, defaults, find_cufile
 
 __version__ = _version("ssdtrain")
 
-__all__ = ["CompileError", "CudaError", "UnavailableError", "__version__", "backends", "info"]
+__all__ = [
+    "ChecksumError",
+    "CompileError",
+    "CudaError",
+    "Engine",
+    "Future",
+    "Handle",
+    "UnavailableError",
+    "__version__",
+    "aligned_empty",
+    "backends",
+    "configure",
+    "defaults",
+    "info",
+]
 
 
 def backends() -> dict[str, dict]:
     """Each I/O backend: whether it is compiled in, usable here, and a detail (version or reason)."""
-    return {"io_uring": _core.io_uring_status(), "gds": _core.cufile_status()}
+    library = defaults()["cufile_library"] or find_cufile()
+    return {"io_uring": _core.io_uring_status(), "gds": _core.cufile_status(library)}
 
 
 def _backend_lines() -> dict[str, str]:
@@ -25,6 +41,10 @@ def _backend_lines() -> dict[str, str]:
         state = "usable" if status["usable"] else ("built, not usable" if status["compiled"] else "not built")
         lines[name] = f"{state} ({status['detail']})"
     lines["threads"] = "usable (portable pread/pwrite fallback)"
+    try:
+        lines["selected"] = f"SSDTRAIN_IO_BACKEND={defaults()['backend']}"
+    except ValueError as e:
+        lines["selected"] = f"invalid setting: {e}"
     return lines
 
 

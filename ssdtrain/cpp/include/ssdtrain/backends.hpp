@@ -14,6 +14,7 @@ struct backend_status {
 // io_uring through liburing: compiled when liburing-dev was found; usable when the kernel lets us create a ring.
 backend_status io_uring_status();
 // GPUDirect Storage through cuFile: libcufile is opened with dlopen, so it is "compiled" whenever CUDA is.
-backend_status cufile_status();
+// `library` is tried first (e.g. the nvidia-cufile wheel's copy), then the usual names.
+backend_status cufile_status(const std::string& library = "");
 
 }  // namespace ssdtrain

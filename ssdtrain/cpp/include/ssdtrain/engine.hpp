@@ -30,7 +30,7 @@ enum class direct_mode { automatic, on, off };
 
 // Test hook: make block I/O of one direction fail with `error` once that many bytes of it were submitted.
 struct fault_spec {
-  std::string op;  // "", "write" or "read"
+  std::string op;  // "", "write", "read", or "direct" (the file system refuses O_DIRECT)
   int error = 0;   // errno reported for each failing block
   std::uint64_t after_bytes = 0;
 };

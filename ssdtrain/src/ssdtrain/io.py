@@ -1,0 +1,519 @@
+"""Asynchronous tensor I/O to per-process files on NVMe: the engine the activation offload layer is built on.
+
+    from ssdtrain.io import Engine
+
+    with Engine(["/nvme0/tmp", "/nvme1/tmp"], capacity_per_directory="64G") as engine:
+        fut = engine.write(tensor)              # returns at once; fut.handle names the stored bytes
+        fut.wait()                              # or fut.done() to poll; fut.result() raises on failure
+        back = engine.read(fut.handle).result() # a new tensor like the original (or read(handle, out=t))
+        engine.free(fut.handle)
+
+Writes and reads are futures (``Future``): ``done()`` polls, ``wait(timeout)`` blocks, ``result()`` blocks and
+re-raises the failure (``OSError`` with errno: ENOSPC, EIO, ...; ``ChecksumError`` when stored data was corrupted),
+``staged()`` says when a write no longer reads its source (for CUDA tensors: once the device-to-host copies are done,
+so GPU memory can be reused before the disk write finishes), ``wait_stream(stream)`` orders a CUDA stream after the
+transfer. CUDA work is ordered against the caller's stream: a write starts after the work already queued on the
+current stream (which produces the tensor), a read into a CUDA tensor starts after the work queued on it.
+
+Tensors are kept alive by the engine until their transfer completes, so dropping the last reference to a tensor
+while its write is in flight is safe.
+
+Settings (each an environment variable, read when an Engine is created without that argument, and mirrored by
+``configure()``):
+
+=============================  ==============  ===================================================================
+variable                       default         meaning
+=============================  ==============  ===================================================================
+SSDTRAIN_IO_BACKEND            auto            auto | io_uring | gds | threads. auto: gds where GPUDirect Storage
+                                               is really present (nvidia-fs loaded), else io_uring if the kernel
+                                               allows rings, else threads
+SSDTRAIN_IO_DIRS               system tempdir  directories for the per-process files, separated by ':'
+SSDTRAIN_IO_DIR_CAP            0               hard cap per directory in bytes (suffixes K, M, G, T); 0 = 90% of
+                                               the free space when the engine starts
+SSDTRAIN_IO_PREALLOCATE        0               bytes reserved per directory at start (fallocate); files also grow
+                                               in 256 MiB steps up to the cap
+SSDTRAIN_IO_QUEUE_DEPTH        32              I/O requests in flight (io_uring ring entries)
+SSDTRAIN_IO_BLOCK_SIZE         1M              bytes per request; a multiple of 4096
+SSDTRAIN_IO_DIRECT             auto            O_DIRECT: auto (use it where the file system allows) | on (fail
+                                               where it does not) | off
+SSDTRAIN_IO_CHECKSUM           0               1: crc32c per block, verified on every read
+SSDTRAIN_IO_STAGING_BUFFERS    16              pinned staging buffers of one block each (CUDA tensors and
+                                               unaligned host tensors pass through them)
+SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
+SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
+                                               then the nvidia-cufile wheel's
+=============================  ==============  ===================================================================
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import glob
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _core
+
+__all__ = [
+    "ChecksumError",
+    "Engine",
+    "Future",
+    "Handle",
+    "aligned_empty",
+    "configure",
+    "defaults",
+    "find_cufile",
+]
+
+_SETTINGS = {
+    # name: (environment variable, default text)
+    "backend": ("SSDTRAIN_IO_BACKEND", "auto"),
+    "directories": ("SSDTRAIN_IO_DIRS", ""),
+    "capacity_per_directory": ("SSDTRAIN_IO_DIR_CAP", "0"),
+    "preallocate_per_directory": ("SSDTRAIN_IO_PREALLOCATE", "0"),
+    "queue_depth": ("SSDTRAIN_IO_QUEUE_DEPTH", "32"),
+    "block_size": ("SSDTRAIN_IO_BLOCK_SIZE", "1M"),
+    "direct": ("SSDTRAIN_IO_DIRECT", "auto"),
+    "checksum": ("SSDTRAIN_IO_CHECKSUM", "0"),
+    "staging_buffers": ("SSDTRAIN_IO_STAGING_BUFFERS", "16"),
+    "threads": ("SSDTRAIN_IO_THREADS", "4"),
+    "cufile_library": ("SSDTRAIN_CUFILE_LIBRARY", ""),
+}
+_overrides: dict[str, object] = {}
+_BACKENDS = ("auto", "io_uring", "gds", "threads")
+_DIRECT = ("auto", "on", "off")
+
+
+class ChecksumError(OSError):
+    """Data read back does not match the checksum taken when it was written (errno EBADMSG)."""
+
+
+def parse_size(value) -> int:
+    """Bytes from an int or a string such as ``"64G"``, ``"1M"``, ``"4096"`` (binary units)."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    for suffix, power in (("K", 10), ("M", 20), ("G", 30), ("T", 40)):
+        if text.endswith(suffix):
+            text, scale = text[:-1], 1 << power
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with K, M, G or T") from None
+    if number < 0:
+        raise ValueError(f"size must be >= 0, got {value!r}")
+    return int(number * scale)
+
+
+def _parse(name: str, value):
+    if name == "directories":
+        if isinstance(value, (str, os.PathLike)):
+            value = [p for p in str(value).split(os.pathsep) if p] if isinstance(value, str) else [value]
+        dirs = [os.fspath(d) for d in value]
+        return dirs or [tempfile.gettempdir()]
+    if name in ("capacity_per_directory", "preallocate_per_directory", "block_size"):
+        return parse_size(value)
+    if name in ("queue_depth", "staging_buffers", "threads"):
+        number = int(value)
+        if number < 1:
+            raise ValueError(f"{name} must be at least 1, got {value!r}")
+        return number
+    if name == "checksum":
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    if name == "backend":
+        value = str(value).strip().lower()
+        if value not in _BACKENDS:
+            raise ValueError(f"unknown I/O backend {value!r}: use one of {', '.join(_BACKENDS)}")
+        return value
+    if name == "direct":
+        if value is True or value is False:
+            return "on" if value else "off"
+        value = str(value).strip().lower()
+        if value not in _DIRECT:
+            raise ValueError(f"direct must be one of {', '.join(_DIRECT)} (or True/False), got {value!r}")
+        return value
+    return str(value)
+
+
+def configure(**settings) -> None:
+    """Set process-wide defaults for new engines (the setters mirroring the SSDTRAIN_IO_* variables).
+
+    Keys: backend, directories, capacity_per_directory, preallocate_per_directory, queue_depth, block_size, direct,
+    checksum, staging_buffers, threads, cufile_library. ``None`` restores the environment/default value.
+    """
+    for name, value in settings.items():
+        if name not in _SETTINGS:
+            raise TypeError(f"configure() got an unknown setting {name!r}; known: {', '.join(_SETTINGS)}")
+        if value is None:
+            _overrides.pop(name, None)
+        else:
+            _overrides[name] = _parse(name, value)  # validate now, not at the next Engine()
+
+
+def defaults() -> dict:
+    """The settings a new Engine() would use: configure() overrides, then environment variables, then defaults."""
+    out = {}
+    for name, (env, default) in _SETTINGS.items():
+        if name in _overrides:
+            out[name] = _overrides[name]
+        else:
+            raw = os.environ.get(env, default)
+            try:
+                out[name] = _parse(name, raw)
+            except ValueError as e:
+                raise ValueError(f"{env}={raw!r}: {e}") from None
+    return out
+
+
+def find_cufile() -> str:
+    """Path of libcufile from the nvidia-cufile wheel, if installed; "" otherwise (the loader then searches)."""
+    for base in sys.path:
+        hits = glob.glob(os.path.join(base, "nvidia", "cu*", "lib", "libcufile.so*")) + glob.glob(
+            os.path.join(base, "nvidia", "cufile", "lib", "libcufile.so*")
+        )
+        if hits:
+            return sorted(hits)[0]
+    return ""
+
+
+def aligned_empty(shape, dtype=torch.uint8, alignment: int = 4096) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on an `alignment` boundary, so O_DIRECT moves it in place.
+
+    (Host tensors at other addresses work too, through the staging buffers; pinned tensors from
+    ``torch.empty(..., pin_memory=True)`` are page aligned already.)
+    """
+    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % alignment
+    return raw[shift : shift + nbytes].view(dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Names bytes stored by an Engine, with what is needed to rebuild the tensor."""
+
+    id: int
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    pinned: bool = False
+    _engine_id: int = field(default=0, repr=False, compare=False)
+
+
+class Future:
+    """An asynchronous write or read. Thread-safe to poll and wait from any thread."""
+
+    def __init__(self, op, keep, value):
+        self._op = op
+        self._keep = keep  # the tensor(s) the transfer reads or fills: alive until it completes
+        self._value = value
+
+    def done(self) -> bool:
+        """True when the transfer finished (successfully or not); never blocks."""
+        return self._op.done()
+
+    def staged(self) -> bool:
+        """For a write: the source tensor is no longer read (it may be reused or freed). True once done()."""
+        return self._op.staged()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or `timeout` seconds pass; returns done(). Does not raise the transfer's error."""
+        done = self._op.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
+        if done:
+            self._keep = None
+        return done
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The failure (None on success); raises TimeoutError if not done within `timeout`."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"transfer not finished after {timeout} s")
+        try:
+            self._op.get()
+        except OSError as e:
+            return _checksum_error(e)
+        except Exception as e:  # noqa: BLE001 - returned, not swallowed
+            return e
+        return None
+
+    def result(self, timeout: float | None = None):
+        """Wait, then return the Handle (write) or the destination tensor (read); raise the failure if any."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._value
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current stream) safe to use the transfer's data: waits on the host for the
+        transfer, whose device copies are complete when it finishes, then raises its failure, if any."""
+        self.result()
+
+    @property
+    def nbytes(self) -> int:
+        return self._op.bytes
+
+    @property
+    def seconds(self) -> float:
+        """Submission to completion, 0.0 while running."""
+        return self._op.seconds
+
+
+class WriteFuture(Future):
+    @property
+    def handle(self) -> Handle:
+        """The handle is valid at once: reads issued before the write finishes are ordered after it."""
+        return self._value
+
+
+def _checksum_error(e: OSError) -> OSError:
+    if e.errno == _errno.EBADMSG:
+        return ChecksumError(e.errno, str(e))
+    return e
+
+
+def _stream_address(device: torch.device, stream) -> int:
+    if device.type != "cuda":
+        return 0
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    return int(stream.cuda_stream)
+
+
+_engine_ids = iter(range(1, 1 << 62))
+
+
+class Engine:
+    """Per-process files in one or more directories, and asynchronous tensor writes and reads to them.
+
+    Arguments default to configure()/SSDTRAIN_IO_* settings (see the module docstring). ``backend_name`` and
+    ``backend_detail`` say what was chosen (e.g. whether io_uring buffers are registered, cuFile compat mode).
+    """
+
+    def __init__(
+        self,
+        directories=None,
+        *,
+        capacity_per_directory=None,
+        preallocate_per_directory=None,
+        backend: str | None = None,
+        queue_depth: int | None = None,
+        block_size=None,
+        direct=None,
+        checksum: bool | None = None,
+        staging_buffers: int | None = None,
+        threads: int | None = None,
+        cufile_library: str | None = None,
+        stripe_threshold=None,
+        _fault: tuple[str, int, int] | None = None,
+    ):
+        given = {
+            "directories": directories,
+            "capacity_per_directory": capacity_per_directory,
+            "preallocate_per_directory": preallocate_per_directory,
+            "backend": backend,
+            "queue_depth": queue_depth,
+            "block_size": block_size,
+            "direct": direct,
+            "checksum": checksum,
+            "staging_buffers": staging_buffers,
+            "threads": threads,
+            "cufile_library": cufile_library,
+        }
+        settings = defaults()
+        for name, value in given.items():
+            if value is not None:
+                settings[name] = _parse(name, value)
+        block = settings["block_size"]
+        if block < 4096 or block % 4096:
+            raise ValueError(f"block_size must be a positive multiple of 4096, got {block}")
+        for d in settings["directories"]:
+            if not os.path.isdir(d):
+                reason = "does not exist" if not os.path.exists(d) else "is not a directory"
+                code = _errno.ENOENT if not os.path.exists(d) else _errno.ENOTDIR
+                raise OSError(code, f"ssdtrain: I/O directory {d!r} {reason}: create it or pass another one", d)
+        cap = settings["capacity_per_directory"]
+        if cap == 0:
+            # 90% of the smallest free space, so the engine cannot fill a disk shared with checkpoints and logs.
+            cap = min(shutil.disk_usage(d).free for d in settings["directories"]) * 9 // 10
+            cap = max(cap // 4096 * 4096, 4096)
+        cfg = _core.EngineConfig()
+        cfg.directories = settings["directories"]
+        cfg.capacity_per_directory = cap
+        cfg.preallocate_per_directory = settings["preallocate_per_directory"]
+        cfg.backend = settings["backend"]
+        cfg.queue_depth = settings["queue_depth"]
+        cfg.block_size = block
+        cfg.direct = settings["direct"]
+        cfg.checksum = settings["checksum"]
+        cfg.staging_buffers = settings["staging_buffers"]
+        cfg.threads = settings["threads"]
+        cfg.cufile_library = settings["cufile_library"] or find_cufile()
+        if stripe_threshold is not None:
+            cfg.stripe_threshold = parse_size(stripe_threshold)
+        if _fault is not None:
+            op, code, after = _fault
+            fault = _core.FaultSpec()
+            fault.op, fault.error, fault.after_bytes = op, int(code), int(after)
+            cfg.fault = fault
+        self.settings = dict(settings, capacity_per_directory=cap)
+        self._engine = _core.Engine(cfg)
+        self._id = next(_engine_ids)
+        self._handles: dict[int, Handle] = {}
+        self._inflight: list[Future] = []
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Wait for every transfer, then release the files (their space returns to the file system at once)."""
+        engine = self.__dict__.pop("_engine", None)
+        if engine is not None:
+            engine.drain()
+            self._inflight.clear()
+            del engine
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _core(self):
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            raise RuntimeError("this ssdtrain Engine is closed; create a new one")
+        return engine
+
+    def _track(self, future: Future) -> None:
+        with self._lock:
+            self._inflight = [f for f in self._inflight if not f.done()]
+            self._inflight.append(future)
+
+    # -------------------------------------------------------------------------------------------- transfers
+    def write(self, tensor: torch.Tensor, *, stream: torch.cuda.Stream | None = None) -> WriteFuture:
+        """Start writing a contiguous CPU or CUDA tensor; the returned future's ``handle`` is usable at once.
+
+        For CUDA tensors the copy starts after the work queued so far on `stream` (default: the current stream).
+        Running out of space raises ``OSError(ENOSPC)`` here, before anything is written.
+        """
+        engine = self._core()
+        tensor = _check_tensor(tensor, "write")
+        nbytes = tensor.numel() * tensor.element_size()
+        device = tensor.device
+        pinned = device.type == "cpu" and tensor.is_pinned()
+        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), _stream_address(device, stream))
+        handle = Handle(hid, nbytes, tuple(tensor.shape), tensor.dtype, device, pinned, self._id)
+        self._handles[hid] = handle
+        future = WriteFuture(op, tensor, handle)
+        self._track(future)
+        return future
+
+    def read(self, handle: Handle, out: torch.Tensor | None = None, *,
+             stream: torch.cuda.Stream | None = None) -> Future:
+        """Start reading `handle` into `out` (default: a new tensor like the one written, on the same device).
+
+        `out` must be contiguous with exactly the handle's byte size (any dtype/shape). The read is ordered after
+        the handle's write; reading a freed or foreign handle raises ValueError.
+        """
+        engine = self._core()
+        if not isinstance(handle, Handle):
+            raise TypeError(f"read() needs a Handle from this engine's write(), got {type(handle).__name__}")
+        if handle._engine_id != self._id:
+            raise ValueError(f"handle {handle.id} was written by another Engine; read it there")
+        if out is None:
+            if handle.device.type == "cpu":
+                out = (torch.empty(handle.shape, dtype=handle.dtype, pin_memory=True) if handle.pinned
+                       else aligned_empty(handle.shape, handle.dtype))
+            else:
+                out = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+        out = _check_tensor(out, "read into", writable=True)
+        nbytes = out.numel() * out.element_size()
+        if nbytes != handle.nbytes:
+            raise ValueError(f"out has {nbytes} bytes but handle {handle.id} holds {handle.nbytes}: pass a tensor "
+                             f"of shape {handle.shape} and dtype {handle.dtype} (or any of the same byte size)")
+        device = out.device
+        op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), _stream_address(device, stream))
+        future = Future(op, out, out)
+        self._track(future)
+        return future
+
+    def free(self, handle: Handle) -> None:
+        """Give the handle's space back. Transfers still using it finish first; later reads raise ValueError."""
+        engine = self._core()
+        if not isinstance(handle, Handle) or handle._engine_id != self._id:
+            raise ValueError(f"{handle!r} is not a handle of this engine")
+        engine.free(handle.id)
+        self._handles.pop(handle.id, None)
+
+    def drain(self) -> None:
+        """Block until every transfer in flight has finished."""
+        self._core().drain()
+        with self._lock:
+            self._inflight = [f for f in self._inflight if not f.done()]
+
+    # -------------------------------------------------------------------------------------------- facts
+    @property
+    def backend_name(self) -> str:
+        return self._core().backend()
+
+    @property
+    def backend_detail(self) -> str:
+        return self._core().backend_detail()
+
+    def directories(self) -> list[dict]:
+        """Per directory: path, tmpfile (O_TMPFILE used), direct (O_DIRECT), file_bytes, bytes_in_use, capacity."""
+        return self._core().directories()
+
+    def stats(self) -> dict:
+        """Telemetry: bytes/ops/blocks per direction, achieved bandwidth (GB/s over the time transfers of that
+        direction were in flight), peak and current queue depth, time callers waited, total bytes the device was
+        asked to write (SSD endurance), errors and checksum failures, space in use."""
+        s = self._core().stats()
+        for kind in ("write", "read"):
+            active = s[f"{kind}_active_ns"]
+            moved = s["bytes_written" if kind == "write" else "bytes_read"]
+            s[f"{kind}_bandwidth_gbps"] = moved / active if active else 0.0
+        s["wait_seconds"] = s["wait_ns"] / 1e9
+        s["live_handles"] = self._core().live_handles()
+        return s
+
+    def _corrupt_for_test(self, handle: Handle, offset: int = 0, nbytes: int = 1) -> None:
+        """Flip stored bytes behind the engine's back (tests of checksum verification)."""
+        self._core().corrupt_for_test(handle.id, offset, nbytes)
+
+
+def _device_index(device: torch.device) -> int:
+    if device.type == "cpu":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _check_tensor(tensor, action: str, writable: bool = False) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"cannot {action} a {type(tensor).__name__}: pass a torch.Tensor")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot {action} a tensor on {tensor.device}: only CPU and CUDA tensors are supported")
+    if not tensor.is_contiguous():
+        raise ValueError(f"cannot {action} a non-contiguous tensor: call .contiguous() first")
+    if tensor.numel() == 0:
+        raise ValueError(f"cannot {action} an empty tensor")
+    if writable and tensor.requires_grad and tensor.is_leaf:
+        raise ValueError("cannot read into a leaf tensor that requires grad: pass a tensor without requires_grad")
+    return tensor

@@ -1,0 +1,240 @@
+"""Round trips through every CPU-usable backend, in every alignment and size class, and the Future API."""
+
+import gc
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ssdtrain
+from conftest import random_tensor
+
+SIZES = [1, 100, 4095, 4096, 4097, 65536 + 3, (1 << 20) - 1, 1 << 20, (3 << 20) + 17, 9 << 20]
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("alignment", ["aligned", "unaligned"])
+def test_round_trip_sizes(engine_factory, backend, nbytes, alignment):
+    engine = engine_factory(backend=backend, checksum=True)
+    src = random_tensor(nbytes, seed=nbytes)
+    if alignment == "aligned":
+        aligned = ssdtrain.aligned_empty(nbytes)
+        aligned.copy_(src)
+        src = aligned
+    else:
+        raw = torch.empty(nbytes + 1, dtype=torch.uint8)
+        src = raw[1:].copy_(src)
+    fut = engine.write(src)
+    handle = fut.result(timeout=30)
+    assert handle.nbytes == nbytes
+    out = torch.full((nbytes,), 7, dtype=torch.uint8)  # poisoned
+    got = engine.read(handle, out=out).result(timeout=30)
+    assert got is out
+    assert torch.equal(out, src)
+    # And into an aligned buffer, which takes the direct path on O_DIRECT files.
+    back = engine.read(handle).result(timeout=30)
+    assert back.dtype == src.dtype and back.shape == src.shape and torch.equal(back, src)
+    engine.free(handle)
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_dtypes_and_shapes(engine_factory, backend, direct):
+    engine = engine_factory(backend=backend, direct=direct)
+    tensors = [
+        torch.randn(3, 5, 7, dtype=torch.float32),
+        torch.randn(1000, dtype=torch.float64),
+        torch.randn(64, 33, dtype=torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (999,), dtype=torch.int64),
+        torch.rand(17) > 0.5,
+    ]
+    futures = [engine.write(t) for t in tensors]
+    reads = [engine.read(f.handle) for f in futures]  # issued before the writes finished: ordered after them
+    for t, r in zip(tensors, reads):
+        back = r.result(timeout=30)
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, t)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nbytes=st.integers(1, 3 << 20), offset=st.integers(0, 4095), block_kib=st.sampled_from([4, 64, 256, 1024]),
+       seed=st.integers(0, 2**31))
+def test_round_trip_property(engine_factory, nbytes, offset, block_kib, seed):
+    # One engine per block size, reused across examples (engine creation costs a ring and buffers).
+    engine = _cached_engine(engine_factory, block_kib)
+    raw = torch.empty(nbytes + offset, dtype=torch.uint8)
+    src = raw[offset:].copy_(random_tensor(nbytes, seed))
+    handle = engine.write(src).result(timeout=30)
+    raw_out = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    out = raw_out[(seed % 4096): (seed % 4096) + nbytes].fill_(0xA5)
+    engine.read(handle, out=out).result(timeout=30)
+    assert torch.equal(out, src)
+    engine.free(handle)
+
+
+_engines = {}
+
+
+def _cached_engine(factory, block_kib):
+    key = (id(factory), block_kib)
+    if key not in _engines:
+        _engines.clear()
+        _engines[key] = factory(block_size=block_kib * 1024, checksum=True, queue_depth=8, staging_buffers=4)
+    return _engines[key]
+
+
+def test_many_concurrent_transfers(engine_factory, backend):
+    engine = engine_factory(backend=backend, queue_depth=16, staging_buffers=4, block_size="64K")
+    tensors = [random_tensor(n, seed=n) for n in range(1000, 400_000, 13_337)]
+    writes = [engine.write(t) for t in tensors]
+    reads = [engine.read(w.handle) for w in reversed(writes)]
+    for t, r in zip(reversed(tensors), reads):
+        assert torch.equal(r.result(timeout=60), t)
+    stats = engine.stats()
+    assert stats["write_ops"] == len(tensors) and stats["read_ops"] == len(tensors)
+    assert stats["errors"] == 0
+    assert 1 <= stats["peak_inflight_blocks"] <= 16 + len(tensors)  # the ring never holds more than its depth
+
+
+def test_reads_from_several_threads(engine_factory, backend):
+    engine = engine_factory(backend=backend)
+    tensors = [random_tensor(200_000 + i, seed=i) for i in range(8)]
+    handles = [engine.write(t).result() for t in tensors]
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(5):
+                assert torch.equal(engine.read(handles[i]).result(timeout=30), tensors[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_future_api(engine_factory, backend):
+    engine = engine_factory(backend=backend)
+    src = random_tensor(5 << 20)
+    fut = engine.write(src)
+    assert isinstance(fut.handle, ssdtrain.Handle)
+    assert fut.wait(timeout=30) is True
+    assert fut.done() and fut.staged()
+    assert fut.exception() is None
+    assert fut.seconds > 0
+    assert fut.nbytes == src.numel()
+    read = engine.read(fut.handle)
+    read.wait_stream()  # CPU: just waits and raises
+    assert read.done() and torch.equal(read.result(), src)
+
+
+def test_extents_are_reused_across_steps(engine_factory, backend):
+    engine = engine_factory(backend=backend, block_size="64K")
+    sizes = [300_000, 1_000_000, 70_000, 2_500_000]
+    for step in range(6):
+        futs = [engine.write(random_tensor(n, seed=step + n)) for n in sizes]
+        handles = [f.result() for f in futs]
+        for h in handles:
+            engine.free(h)
+        if step == 0:
+            first = engine.stats()["file_bytes"]
+    stats = engine.stats()
+    assert stats["bytes_in_use"] == 0 and stats["live_handles"] == 0
+    assert stats["file_bytes"] == first  # steady state: no growth after the first step
+
+
+def test_striping_over_directories(tmp_path, backend):
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for d in dirs:
+        d.mkdir()
+    with ssdtrain.Engine(dirs, backend=backend, capacity_per_directory="64M", block_size="64K",
+                         stripe_threshold="256K", checksum=True) as engine:
+        big = random_tensor(3_000_001, seed=3)
+        handle = engine.write(big).result()
+        used = [d["bytes_in_use"] for d in engine.directories()]
+        assert all(u > 0 for u in used), used  # one large tensor spans every directory
+        assert torch.equal(engine.read(handle).result(), big)
+        small = [engine.write(random_tensor(10_000, seed=i)).result() for i in range(3)]
+        assert len({engine.directories()[i]["path"] for i in range(3)}) == 3
+        assert all(d["bytes_in_use"] > used[i] for i, d in enumerate(engine.directories()))  # round robin
+        for h in small + [handle]:
+            engine.free(h)
+        assert all(d["bytes_in_use"] == 0 for d in engine.directories())
+
+
+def test_files_are_anonymous(tmp_path, backend):
+    with ssdtrain.Engine([tmp_path], backend=backend, capacity_per_directory="16M") as engine:
+        engine.write(random_tensor(100_000)).result()
+        assert engine.directories()[0]["tmpfile"] is True  # ext4/xfs/tmpfs have O_TMPFILE
+        assert list(tmp_path.iterdir()) == []  # nothing named: nothing left after a crash
+
+
+def test_tensor_freed_while_write_in_flight(engine_factory, backend):
+    engine = engine_factory(backend=backend, queue_depth=2, staging_buffers=1, block_size="4K")
+    src = random_tensor(4 << 20, seed=11)
+    expected = src.clone()
+    fut = engine.write(src)
+    del src
+    gc.collect()
+    # The engine holds the tensor until the write completes, so its memory cannot be reused meanwhile.
+    torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    assert torch.equal(engine.read(fut.handle).result(timeout=60), expected)
+
+
+def test_free_while_transfers_run(engine_factory, backend):
+    engine = engine_factory(backend=backend, block_size="4K", queue_depth=2)
+    src = random_tensor(2 << 20, seed=5)
+    fut = engine.write(src)
+    read = engine.read(fut.handle)
+    engine.free(fut.handle)  # space returns after the write and read finish
+    assert torch.equal(read.result(timeout=60), src)
+    engine.drain()
+    assert engine.stats()["bytes_in_use"] == 0
+
+
+def test_telemetry(engine_factory, backend):
+    engine = engine_factory(backend=backend, block_size="64K")
+    src = random_tensor(1_000_000)
+    h = engine.write(src).result()
+    engine.read(h).result()
+    s = engine.stats()
+    assert s["bytes_written"] == 1_000_000 and s["bytes_read"] == 1_000_000
+    assert s["write_ops"] == 1 and s["read_ops"] == 1
+    assert s["disk_bytes_written"] >= 1_000_000 and s["disk_bytes_written"] % 4096 == 0
+    assert s["write_blocks"] >= 16 and s["read_blocks"] >= 16  # 1 MB in 64 KiB blocks
+    assert s["write_bandwidth_gbps"] > 0 and s["read_bandwidth_gbps"] > 0
+    assert s["inflight_blocks"] == 0 and s["peak_inflight_blocks"] >= 1
+    assert s["wait_seconds"] >= 0 and s["bytes_in_use"] >= 1_000_000
+
+
+def test_backend_reports(engine_factory, backend):
+    engine = engine_factory(backend=backend)
+    assert engine.backend_name == backend
+    assert engine.backend_detail
+    if backend == "io_uring":
+        assert "fixed files yes" in engine.backend_detail
+
+
+def test_auto_backend_picks_io_uring_when_usable(engine_factory):
+    engine = engine_factory(backend="auto")
+    expected = "io_uring" if ssdtrain._core.io_uring_status()["usable"] else "threads"
+    assert engine.backend_name == expected
+
+
+def test_crc32c_known_values():
+    assert ssdtrain._core.crc32c(b"123456789") == 0xE3069283
+    assert ssdtrain._core.crc32c(b"") == 0
+    data = bytes(range(256)) * 1000  # long enough for the 3-stream hardware path
+    whole = ssdtrain._core.crc32c(data)
+    assert ssdtrain._core.crc32c(data[100_000:], ssdtrain._core.crc32c(data[:100_000])) == whole
+
+
+def test_info_reports_backends():
+    lines = ssdtrain._backend_lines()
+    assert {"io_uring", "gds", "threads"} <= set(lines)
+    assert ssdtrain.backends()["io_uring"]["compiled"] in (True, False)

@@ -1,0 +1,110 @@
+"""The cost model: materialised bytes and multiply-adds of a lowered program on a graph, from graph statistics
+alone, and the choice of optimisations (compaction, reordering) that minimises the estimated time.
+
+Estimated time = bytes moved / bandwidth + flops / throughput, with H100-class defaults (fp32 CUDA cores, HBM3).
+Only the ratio of the two constants matters for the choice. Bytes moved counts every materialised value written
+once and read once by each kernel that reads it, plus the rows gathered into GEMMs and traversals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .ir.core import Domain, Op, Program
+from .lower.kernels import Lowered, row_count
+from .passes import Options
+
+BANDWIDTH = 3.0e12  # bytes/s
+THROUGHPUT = 5.0e13  # flop/s (fp32, no tensor cores)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    materialized_bytes: int  # row values written by kernels (outputs, values kept for backward)
+    moved_bytes: int  # materialised writes + all reads
+    flops: int
+    kernels: int
+
+    @property
+    def seconds(self) -> float:
+        return self.moved_bytes / BANDWIDTH + self.flops / THROUGHPUT
+
+
+def _rows(p: Program, name: str, stats: Mapping[str, int]) -> int:
+    t = p.type_of(name)
+    return row_count(t.domain, stats) if t.domain is not Domain.PARAM else 1
+
+
+def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> Estimate:
+    p = lowered.program
+    written = moved = flops = 0
+    for k in lowered.kernels:
+        for o in k.outputs:
+            t = p.type_of(o)
+            if t.domain is not Domain.PARAM:
+                written += _rows(p, o, stats) * t.numel * itemsize
+        for name in k.nodes:
+            n = p.by_name[name]
+            t = n.type
+            rows = _rows(p, name, stats)
+            if n.op is Op.LINEAR:
+                w = p.type_of(n.args[1])
+                flops += 2 * rows * math.prod(w.shape[len(w.by):])
+            elif n.op is Op.OUTER_SUM:
+                flops += 2 * _rows(p, n.args[0], stats) * math.prod(t.shape[len(t.by):])
+            elif n.op is Op.EINSUM:
+                flops += 2 * t.numel * max(p.type_of(n.args[0]).shape[-1], 1)
+            elif n.op in (Op.GATHER, Op.SELECT):
+                moved += rows * t.numel * itemsize  # gathered reads
+            else:
+                flops += rows * t.numel * (4 if n.op is Op.EDGE_SOFTMAX else 1)
+        for i in k.inputs:
+            t = p.type_of(i)
+            if t.domain is not Domain.PARAM:
+                moved += _rows(p, i, stats) * t.numel * itemsize
+    moved += written
+    return Estimate(written, moved, flops, len(lowered.kernels))
+
+
+def rows_for(stats: Mapping[str, int]) -> dict[Any, float]:
+    """Row and type counts the reordering pass weighs."""
+    return {Domain.NODE: float(stats["num_nodes"]), Domain.EDGE: float(stats["num_edges"]),
+            Domain.UNIQUE: float(stats["num_unique"]), "etype": float(stats["num_relations"]),
+            "src_ntype": float(stats["num_node_types"]), "dst_ntype": float(stats["num_node_types"]),
+            "ntype": float(stats["num_node_types"])}
+
+
+def training_estimate(compiled: Any, stats: Mapping[str, int], itemsize: int = 4) -> Estimate:
+    """Forward plus the full generated backward."""
+    from .lower.kernels import lower
+
+    fwd = estimate(compiled.forward_lowered, stats, itemsize)
+    bwd = estimate(lower(compiled.full_backward.program), stats, itemsize)
+    return Estimate(fwd.materialized_bytes + bwd.materialized_bytes, fwd.moved_bytes + bwd.moved_bytes,
+                    fwd.flops + bwd.flops, fwd.kernels + bwd.kernels)
+
+
+def choose_options(layer: Any, graph: Any) -> Options:
+    """Try {compaction on/off} x {reordering on/off} and keep the cheapest; cached per graph and layer mode."""
+    stats = graph.stats()
+    key = ("hector.choice", id(layer), layer.training)
+
+    def compute() -> Options:
+        rows = rows_for(stats)
+        best: tuple[float, Options] | None = None
+        for compact in (False, True):
+            for reorder in (False, True):
+                opts = Options(compact=compact, reorder=reorder, rows=rows)
+                compiled = layer.compiled(None, options=opts)
+                est = training_estimate(compiled, stats) if layer.training else \
+                    estimate(compiled.forward_lowered, stats)
+                # strict improvement needed: ties keep the simpler program
+                if best is None or est.seconds < best[0] * (1 - 1e-9):
+                    best = (est.seconds, opts)
+        assert best is not None
+        return best[1]
+
+    return graph.cached(key, compute)

@@ -1,0 +1,135 @@
+"""The base class that turns a layer written in the builder DSL into an ``nn.Module``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import GraphInputError
+from ..ir.builder import Builder, Value
+from ..ir.core import Program
+from ..passes import Options
+from ..runtime.compiled import CompiledLayer, apply, compile_program
+from ..runtime.graph import Graph, graph_for
+
+
+class RelationalLayer(nn.Module):
+    """Subclass, register parameters, and write :meth:`program`; ``forward`` does the rest.
+
+    ``program(b)`` receives a :class:`~hector.ir.Builder` whose ``b.param(name, by=...)`` takes each
+    parameter's shape from the module (parameters and buffers by attribute name) and must return the output node
+    value. It is traced once per (training mode, optimisation choice); the passes, the generated backward and the
+    kernel plan are cached on the module.
+
+    Args:
+        num_relations: R; edge types must lie in [0, R).
+        num_node_types: T for layers typed by node type (None: node types unused).
+        optimize: "auto" (the cost model picks compaction/reordering per graph), "all", "none", or an
+            :class:`~hector.passes.Options`.
+    """
+
+    input_name = "x"
+
+    def __init__(self, num_relations: int, num_node_types: int | None = None, optimize: Any = "auto"):
+        super().__init__()
+        if int(num_relations) <= 0:
+            raise ValueError(f"num_relations must be positive, got {num_relations}")
+        self.num_relations = int(num_relations)
+        self.num_node_types = num_node_types
+        self.optimize = optimize
+        self._compiled: dict[Any, CompiledLayer] = {}
+
+    # to implement
+    def program(self, b: Builder) -> Value:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def in_channels_total(self) -> int:
+        return self.in_channels  # type: ignore[attr-defined]
+
+    # compilation
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out = {name: p for name, p in self.named_parameters(recurse=False)}
+        out.update({name: b for name, b in self.named_buffers(recurse=False)})
+        return out
+
+    def trace(self, training: bool | None = None) -> Program:
+        """The layer's program before optimisation (printable)."""
+        b = Builder(type(self).__name__, {k: tuple(v.shape) for k, v in self._tensors().items()},
+                    training=self.training if training is None else training)
+        return b.build(self.program(b))
+
+    def options_for(self, graph: Graph | None) -> Options:
+        """The optimisation choice for ``graph``: fixed by ``optimize``, or the cost model's pick."""
+        if isinstance(self.optimize, Options):
+            return self.optimize
+        if self.optimize == "none":
+            return Options(compact=False, reorder=False)
+        if self.optimize == "all":
+            return Options(compact=True, reorder=True)
+        if self.optimize != "auto":
+            raise ValueError(f"optimize must be 'auto', 'all', 'none' or an Options, got {self.optimize!r}")
+        if graph is None:
+            return Options()
+        from ..cost import choose_options
+
+        return choose_options(self, graph)
+
+    def compiled(self, graph: Graph | None = None, training: bool | None = None,
+                 options: Options | None = None) -> CompiledLayer:
+        training = self.training if training is None else training
+        opts = self.options_for(graph) if options is None else options
+        rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
+        key = (training, opts.compact, opts.reorder, opts.force_reorder, rows_key)
+        if key not in self._compiled:
+            self._compiled[key] = compile_program(self.trace(training), opts)
+        return self._compiled[key]
+
+    # running
+    def graph(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None,
+              node_type: torch.Tensor | None = None) -> Graph:
+        if isinstance(edge_index, Graph):
+            return edge_index
+        if edge_type is None:
+            raise GraphInputError(f"{type(self).__name__} needs edge_type (one relation id per edge)")
+        return graph_for(edge_index, edge_type, x.size(0), self.num_relations, node_type, self.num_node_types)
+
+    def _check_x(self, x: Any) -> None:
+        name = type(self).__name__
+        if not isinstance(x, torch.Tensor):
+            raise GraphInputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise GraphInputError(f"{name}: x must be floating point, got {x.dtype}; convert with x.float()")
+        if x.dim() != 2:
+            raise GraphInputError(f"{name}: x must be [num_nodes, in_channels], got shape {tuple(x.shape)}")
+        if x.size(0) == 0:
+            raise GraphInputError(f"{name}: the graph is empty (x has no rows); a layer needs at least one node")
+        if x.size(1) != self.in_channels_total:
+            raise GraphInputError(f"{name}: x has {x.size(1)} features, the layer expects "
+                                  f"in_channels={self.in_channels_total}")
+        w = next(iter(self.parameters()), None)
+        if w is not None and (w.dtype != x.dtype or w.device != x.device):
+            raise GraphInputError(f"{name}: x is {x.dtype} on {x.device} but the layer's parameters are "
+                                  f"{w.dtype} on {w.device}; use layer.to(x) or x.to(...)")
+
+    def forward(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None = None,
+                node_type: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_x(x)
+        if isinstance(edge_index, torch.Tensor) and edge_index.device != x.device:
+            raise GraphInputError(f"edge_index is on {edge_index.device} but x on {x.device}")
+        graph = self.graph(x, edge_index, edge_type, node_type)
+        if graph.num_nodes != x.size(0):
+            raise GraphInputError(f"x has {x.size(0)} rows but the graph has {graph.num_nodes} nodes")
+        compiled = self.compiled(graph)
+        leaves = {self.input_name: x, **self._tensors()}
+        used = {name for _, name in compiled.leaf_names}
+        return apply(compiled, graph, {k: v for k, v in leaves.items() if k in used})
+
+
+def glorot_(t: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    with torch.no_grad():
+        return t.uniform_(-bound, bound)

@@ -334,7 +334,8 @@ void check_driver(CUresult result, const char* call, const char* file, int line)
   throw cuda_error(detail::located(file, line, std::string(call) + " failed: " + name + ": " + text),
                    static_cast<int>(result));
 }
-#define DRIVER_TRY(call) check_driver((call), #call, __FILE__, __LINE__)
+// Names the driver function (not the C++ expression) so messages read "cuLaunchKernel failed: ...".
+#define DRIVER_TRY(name, call) check_driver((call), name, __FILE__, __LINE__)
 
 // The driver calls below need the device's primary context current on this thread; the runtime makes it so.
 void make_primary_context_current() {
@@ -352,7 +353,7 @@ std::shared_ptr<module> module::load(const std::vector<char>& cubin) {
 #if SHARED_CUDA_HAS_CUDA
   make_primary_context_current();
   CUmodule handle = nullptr;
-  DRIVER_TRY(driver().module_load_data(&handle, cubin.data()));
+  DRIVER_TRY("cuModuleLoadData", driver().module_load_data(&handle, cubin.data()));
   out->handle_ = handle;
 #else
   (void)cubin;
@@ -372,7 +373,7 @@ kernel module::get_kernel(const std::string& name) const {
   const CUresult result = driver().module_get_function(&function, static_cast<CUmodule>(handle_), name.c_str());
   if (result == CUDA_ERROR_NOT_FOUND)
     throw invalid_argument("no kernel named '" + name + "' in the module; declare it extern \"C\" __global__");
-  DRIVER_TRY(result);
+  DRIVER_TRY("cuModuleGetFunction", result);
   return kernel(shared_from_this(), function, name);
 #else
   (void)name;
@@ -388,9 +389,17 @@ void kernel::launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_
   params.reserve(argument_bytes.size());
   for (const auto& arg : argument_bytes) params.push_back(const_cast<char*>(arg.data()));
   make_primary_context_current();
-  DRIVER_TRY(driver().launch_kernel(static_cast<CUfunction>(function_), grid.x, grid.y, grid.z, block.x, block.y,
-                                    block.z, shared_memory_bytes, static_cast<CUstream>(stream.handle), params.data(),
-                                    nullptr));
+  const CUresult result =
+      driver().launch_kernel(static_cast<CUfunction>(function_), grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                             shared_memory_bytes, static_cast<CUstream>(stream.handle), params.data(), nullptr);
+  if (result != CUDA_SUCCESS) {
+    // Name the kernel and its launch shape: most launch failures are a bad shape.
+    const std::string what = "cuLaunchKernel(" + name_ + ", grid " + std::to_string(grid.x) + "x" +
+                             std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
+                             std::to_string(block.x) + "x" + std::to_string(block.y) + "x" + std::to_string(block.z) +
+                             ", " + std::to_string(shared_memory_bytes) + " B shared memory)";
+    check_driver(result, what.c_str(), __FILE__, __LINE__);
+  }
 #else
   (void)grid, (void)block, (void)shared_memory_bytes, (void)stream, (void)argument_bytes;
   require_cuda("JIT kernels");
@@ -399,8 +408,8 @@ void kernel::launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_
 
 void kernel::set_max_dynamic_shared_memory(int bytes) const {
 #if SHARED_CUDA_HAS_CUDA
-  DRIVER_TRY(driver().func_set_attribute(static_cast<CUfunction>(function_),
-                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes));
+  DRIVER_TRY("cuFuncSetAttribute", driver().func_set_attribute(static_cast<CUfunction>(function_),
+                                                               CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes));
 #else
   (void)bytes;
 #endif
@@ -409,8 +418,8 @@ void kernel::set_max_dynamic_shared_memory(int bytes) const {
 int kernel::max_threads_per_block() const {
   int value = 0;
 #if SHARED_CUDA_HAS_CUDA
-  DRIVER_TRY(
-      driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, static_cast<CUfunction>(function_)));
+  DRIVER_TRY("cuFuncGetAttribute", driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                                                               static_cast<CUfunction>(function_)));
 #endif
   return value;
 }
@@ -418,7 +427,8 @@ int kernel::max_threads_per_block() const {
 int kernel::registers_per_thread() const {
   int value = 0;
 #if SHARED_CUDA_HAS_CUDA
-  DRIVER_TRY(driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_NUM_REGS, static_cast<CUfunction>(function_)));
+  DRIVER_TRY("cuFuncGetAttribute",
+             driver().func_get_attribute(&value, CU_FUNC_ATTRIBUTE_NUM_REGS, static_cast<CUfunction>(function_)));
 #endif
   return value;
 }

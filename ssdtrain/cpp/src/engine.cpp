@@ -96,7 +96,7 @@ struct op_stream {
     if (handle) cudaStreamDestroy(static_cast<cudaStream_t>(handle));
 #endif
   }
-  void wait(const stream_mark& mark) {
+  void wait([[maybe_unused]] const stream_mark& mark) {
 #if SHARED_CUDA_HAS_CUDA
     if (mark.event)
       cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(handle), static_cast<cudaEvent_t>(mark.event), 0),
@@ -348,8 +348,18 @@ std::vector<piece> engine_impl::plan(const record& rec, memory_view view) const 
     std::size_t k = std::upper_bound(rec.extent_start.begin(), rec.extent_start.end(), at) - rec.extent_start.begin() - 1;
     const extent& e = rec.extents[k];
     piece p{at, n, n, e.file, e.offset + (at - rec.extent_start[k]), false};
-    if (!host) {
-      p.staged = !device_direct(view);
+    if (!host && !device_direct(view)) {
+      p.staged = true;
+    } else if (!host) {
+      // cuFile gets whole pages only (its compatibility mode does plain O_DIRECT I/O); a partial last page is staged.
+      if (n % 4096 != 0) {
+        const std::size_t body = n / 4096 * 4096;
+        if (body > 0) out.push_back({at, body, body, p.file, p.file_offset, false});
+        p.logical += body;
+        p.file_offset += body;
+        p.bytes = n - body;
+        p.staged = true;
+      }
     } else if (direct_files) {
       const auto addr = reinterpret_cast<std::uintptr_t>(view.data) + at;
       if (addr % 4096 != 0) {

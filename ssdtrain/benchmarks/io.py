@@ -1,0 +1,340 @@
+"""Benchmark: ssdtrain's I/O engine against fio, dd and a plain multithreaded pread/pwrite loop, in the same run.
+
+    python ssdtrain/benchmarks/io.py --dir /nvme/tmp                # full size: 64 MiB .. 1 GiB
+    python ssdtrain/benchmarks/io.py --dir /tmp --quick             # seconds (the smoke test uses this)
+    python ssdtrain/benchmarks/io.py --dir /nvme/tmp --csv out.csv
+
+Measured per backend (io_uring, threads, gds where a GPU is present) and per memory (host: pinned where CUDA is
+present, else page-aligned pageable; gpu: CUDA tensors through the staging buffers or cuFile):
+  seqwrite / seqread  one tensor of each size, written then read back whole (block size and queue depth as given)
+  randread            1 MiB handles read in random order with `--random-depth` in flight (random offsets in the
+                      engine's file), compared with fio randread bs=1M at the same depth
+References at the same block size, queue depth and O_DIRECT: fio (ioengine=io_uring), dd (8 MiB blocks,
+oflag/iflag=direct), and `pthreads`: a Python loop of os.pwrite/os.preadv on `--threads` threads (O_DIRECT).
+Each number is the median of --repeat runs. "cpu s/GB" is process CPU time (all threads) per GB moved.
+Targets (issue 5): io_uring host <-> file >= 0.95x fio; gpu <-> file >= 0.9x the host path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import mmap
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+import ssdtrain
+
+MiB = 1 << 20
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [ssdtrain.io.parse_size(s) for s in text.split(",") if s]
+
+
+def cpu_seconds(children: bool = False) -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def median_run(fn, repeat: int):
+    """fn() -> (seconds, bytes, cpu_seconds); the run with the median time."""
+    runs = sorted((fn() for _ in range(repeat)), key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+# ---------------------------------------------------------------------------------------------- ssdtrain
+
+
+def host_tensor(nbytes: int) -> torch.Tensor:
+    if torch.cuda.is_available():
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        t = ssdtrain.aligned_empty(nbytes)
+    t.random_(0, 256)
+    return t
+
+
+def engine_rows(args, backend: str, memory: str) -> list[dict]:
+    rows = []
+    capacity = max(args.sizes) * 2 + args.random_count * MiB + 256 * MiB
+    engine = ssdtrain.Engine([args.dir], backend=backend, capacity_per_directory=capacity, block_size=args.block_size,
+                             queue_depth=args.queue_depth, staging_buffers=args.staging_buffers,
+                             threads=args.engine_threads, checksum=args.checksum)
+    detail = engine.backend_detail
+    sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
+    for size in args.sizes:
+        src = host_tensor(size) if memory == "host" else torch.randint(0, 256, (size,), dtype=torch.uint8,
+                                                                        device="cuda")
+        dst = host_tensor(size) if memory == "host" else torch.empty(size, dtype=torch.uint8, device="cuda")
+        handle_box = []
+
+        def write_once():
+            if handle_box:
+                engine.free(handle_box.pop())
+            sync()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            handle_box.append(engine.write(src).result())
+            return time.perf_counter() - t0, size, cpu_seconds() - c0
+
+        def read_once():
+            sync()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            engine.read(handle_box[0], out=dst).result()
+            sync()
+            return time.perf_counter() - t0, size, cpu_seconds() - c0
+
+        rows.append(row("ssdtrain", backend, memory, "seqwrite", size, args, median_run(write_once, args.repeat),
+                        detail))
+        rows.append(row("ssdtrain", backend, memory, "seqread", size, args, median_run(read_once, args.repeat),
+                        detail))
+        if not torch.equal(dst[:4096].cpu(), src[:4096].cpu()) or not torch.equal(dst[-4096:].cpu(),
+                                                                                  src[-4096:].cpu()):
+            raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
+        engine.free(handle_box.pop())
+        del src, dst
+
+    # Random 1 MiB reads: many 1 MiB handles (random places in the file), read in shuffled order at a fixed depth.
+    if args.random_count:
+        block = host_tensor(MiB) if memory == "host" else torch.randint(0, 256, (MiB,), dtype=torch.uint8,
+                                                                         device="cuda")
+        handles = [engine.write(block) for _ in range(args.random_count)]
+        handles = [f.result() for f in handles]
+        outs = [host_tensor(MiB) if memory == "host" else torch.empty(MiB, dtype=torch.uint8, device="cuda")
+                for _ in range(args.random_depth)]
+
+        def random_once():
+            order = handles[:]
+            random.shuffle(order)
+            sync()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            inflight = []
+            for i, h in enumerate(order):
+                if len(inflight) == args.random_depth:
+                    inflight.pop(0).result()
+                inflight.append(engine.read(h, out=outs[i % args.random_depth]))
+            for f in inflight:
+                f.result()
+            sync()
+            return time.perf_counter() - t0, len(order) * MiB, cpu_seconds() - c0
+
+        r = row("ssdtrain", backend, memory, "randread", MiB, args, median_run(random_once, args.repeat), detail)
+        r["queue_depth"] = args.random_depth
+        rows.append(r)
+    engine.close()
+    return rows
+
+
+def row(tool, backend, memory, op, size, args, run, detail=""):
+    seconds, nbytes, cpu = run
+    return {
+        "tool": tool,
+        "backend": backend,
+        "memory": memory,
+        "op": op,
+        "size": size,
+        "block": args.block_size,
+        "queue_depth": args.queue_depth,
+        "seconds": seconds,
+        "GBps": nbytes / seconds / 1e9,
+        "cpu_s_per_GB": cpu / (nbytes / 1e9),
+        "detail": detail,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def fio_rows(args) -> list[dict]:
+    if shutil.which("fio") is None:
+        return []
+    rows = []
+    path = os.path.join(args.dir, "ssdtrain-bench.fio")
+    try:
+        jobs = [("seqwrite", "write", size, args.queue_depth, args.block_size) for size in args.sizes]
+        jobs += [("seqread", "read", size, args.queue_depth, args.block_size) for size in args.sizes]
+        if args.random_count:
+            jobs.append(("randread", "randread", args.random_count * MiB, args.random_depth, MiB))
+        for op, rw, size, depth, bs in jobs:
+            def once():
+                out = subprocess.run(
+                    ["fio", "--name=bench", f"--filename={path}", f"--size={size}", f"--bs={bs}", f"--rw={rw}",
+                     f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1",
+                     "--output-format=json"], check=True, capture_output=True, text=True)
+                job = json.loads(out.stdout)["jobs"][0]
+                part = job["write" if "write" in rw else "read"]
+                seconds = part["runtime"] / 1000
+                cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
+                return seconds, part["io_bytes"], cpu
+            r = row("fio", "io_uring", "host", op, size if op != "randread" else bs, args, median_run(once, args.repeat))
+            r["queue_depth"], r["block"] = depth, bs
+            rows.append(r)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows
+
+
+def dd_rows(args) -> list[dict]:
+    if shutil.which("dd") is None:
+        return []
+    rows = []
+    path = os.path.join(args.dir, "ssdtrain-bench.dd")
+    bs = 8 * MiB
+    try:
+        for size in args.sizes:
+            count = max(1, size // bs)
+            for op, cmd in (("seqwrite", ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
+                                          "oflag=direct", "conv=notrunc"]),
+                            ("seqread", ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}",
+                                         "iflag=direct"])):
+                def once(cmd=cmd):
+                    c0, t0 = cpu_seconds(children=True), time.perf_counter()
+                    subprocess.run(cmd, check=True, capture_output=True)
+                    return time.perf_counter() - t0, count * bs, cpu_seconds(children=True) - c0
+                r = row("dd", "-", "host", op, size, args, median_run(once, args.repeat))
+                r["block"], r["queue_depth"] = bs, 1
+                rows.append(r)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows
+
+
+def pthread_rows(args) -> list[dict]:
+    """A plain loop: `threads` Python threads, each os.pwrite/os.preadv of block-size pieces (O_DIRECT)."""
+    rows = []
+    path = os.path.join(args.dir, "ssdtrain-bench.pthreads")
+    nthreads = args.threads
+    bs = args.block_size
+    buffers = [mmap.mmap(-1, bs) for _ in range(nthreads)]  # page aligned, as O_DIRECT needs
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(args.sizes))
+        for size in args.sizes:
+            blocks = size // bs
+
+            def run(write: bool):
+                def worker(k):
+                    buf = buffers[k]
+                    for b in range(k, blocks, nthreads):
+                        if write:
+                            os.pwrite(fd, buf, b * bs)
+                        else:
+                            os.preadv(fd, [buf], b * bs)
+
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                ts = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                return time.perf_counter() - t0, blocks * bs, cpu_seconds() - c0
+
+            for op, write in (("seqwrite", True), ("seqread", False)):
+                r = row("pthreads", f"{nthreads} threads", "host", op, size, args,
+                        median_run(lambda: run(write), args.repeat))
+                r["queue_depth"] = nthreads
+                rows.append(r)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'tool':9} {'backend':10} {'memory':6} {'op':9} {'size':>8} {'block':>6} {'qd':>3} {'GB/s':>7} " \
+           f"{'cpu s/GB':>8}  vs fio   vs host"
+    print(head)
+    print("-" * len(head))
+    fio = {(r["op"], r["size"]): r["GBps"] for r in rows if r["tool"] == "fio"}
+    host = {(r["backend"], r["op"], r["size"]): r["GBps"] for r in rows
+            if r["tool"] == "ssdtrain" and r["memory"] == "host"}
+    for r in rows:
+        key = (r["op"], r["size"])
+        vs_fio = f"{r['GBps'] / fio[key]:6.2f}x" if r["tool"] == "ssdtrain" and key in fio else "       "
+        h = host.get((r["backend"], r["op"], r["size"]))
+        vs_host = f"{r['GBps'] / h:6.2f}x" if r["memory"] == "gpu" and h else ""
+        r["vs_fio"] = round(r["GBps"] / fio[key], 3) if r["tool"] == "ssdtrain" and key in fio else ""
+        r["vs_host"] = round(r["GBps"] / h, 3) if r["memory"] == "gpu" and h else ""
+        print(f"{r['tool']:9} {r['backend']:10} {r['memory']:6} {r['op']:9} {fmt_size(r['size']):>8} "
+              f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f}  "
+              f"{vs_fio} {vs_host}")
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=os.environ.get("SSDTRAIN_IO_DIRS", tempfile.gettempdir()).split(os.pathsep)[0],
+                   help="directory on the disk to measure (not a tmpfs)")
+    p.add_argument("--sizes", default="64M,256M,1G", help="comma-separated tensor sizes")
+    p.add_argument("--block-size", default="1M")
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--staging-buffers", type=int, default=32)
+    p.add_argument("--engine-threads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=8, help="threads of the plain pread/pwrite reference")
+    p.add_argument("--random-count", type=int, default=1024, help="1 MiB random reads per run (0: skip)")
+    p.add_argument("--random-depth", type=int, default=16)
+    p.add_argument("--backends", default="", help="comma-separated; default: every backend usable here")
+    p.add_argument("--memory", default="", help="host,gpu (default: gpu too where CUDA is available)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--checksum", action="store_true")
+    p.add_argument("--no-references", action="store_true", help="skip fio, dd and the pthreads loop")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
+    p.add_argument("--csv", default="", help="write every row here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeat, args.random_count, args.random_depth = "1M,4M", 1, 16, 4
+    args.sizes = parse_sizes(args.sizes)
+    args.block_size = ssdtrain.io.parse_size(args.block_size)
+    if ssdtrain.io.parse_size(shutil.disk_usage(args.dir).free) < 3 * max(args.sizes) + args.random_count * MiB:
+        raise SystemExit(f"not enough free space in {args.dir} for sizes up to {fmt_size(max(args.sizes))}")
+
+    backends = args.backends.split(",") if args.backends else (
+        (["io_uring"] if ssdtrain._core.io_uring_status()["usable"] else []) + ["threads"]
+        + (["gds"] if torch.cuda.is_available() and ssdtrain.backends()["gds"]["usable"] else []))
+    memories = args.memory.split(",") if args.memory else (["host", "gpu"] if torch.cuda.is_available() else ["host"])
+    print(f"# ssdtrain I/O benchmark: dir={args.dir} block={fmt_size(args.block_size)} qd={args.queue_depth} "
+          f"repeat={args.repeat} cpus={os.cpu_count()} gpu={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
+          flush=True)
+
+    rows = []
+    if not args.no_references:
+        rows += fio_rows(args)
+        rows += dd_rows(args)
+        rows += pthread_rows(args)
+    for backend in backends:
+        for memory in memories:
+            rows += engine_rows(args, backend, memory)
+            print(f"# {backend}/{memory}: {rows[-1]['detail']}", flush=True)
+    print_table(rows)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

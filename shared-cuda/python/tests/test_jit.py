@@ -129,5 +129,6 @@ def test_compile_cache_load_run_on_gpu(core, shared, nvrtc, cache_dir):
 @pytest.mark.gpu
 def test_cuda_error_from_a_real_launch(core, shared, nvrtc, cache_dir):
     kernel = shared.load_kernel(core, SAXPY, "saxpy", "f32, ptr, ptr, i64", name="saxpy.cu")
-    with pytest.raises(core.CudaError, match=r"cuLaunchKernel\(saxpy, grid 1x1x1, block 4096x1x1.*CUDA_ERROR_INVALID_VALUE"):
+    launch_error = r"cuLaunchKernel\(saxpy, grid 1x1x1, block 4096x1x1.*CUDA_ERROR_INVALID_VALUE"
+    with pytest.raises(core.CudaError, match=launch_error):
         kernel(1, 4096, 1.0, 0, 0, 0)  # 4096 threads per block exceeds every GPU's limit

@@ -123,9 +123,14 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """For the borrowed GPU machine (no package registry): install the three packages into the current Python
-    without build isolation, run the GPU-marked tests and the benchmark smoke runs. ``-- --full`` also runs each
-    package's full benchmarks (benchmarks/gpu_run.sh)."""
+    """For the borrowed GPU machine (no package registry; ci/gpu-machine.sh sets it up): the C++ tests with CUDA,
+    then the three packages installed into the current Python without build isolation, their GPU-marked tests and
+    benchmark smoke runs, and the integration tests. ``-- --full`` also runs each package's benchmarks/gpu_run.sh."""
+    build = Path(session.create_tmp()) / "shared-cuda-build"
+    session.run("cmake", "-S", "shared-cuda", "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                external=True)
+    session.run("cmake", "--build", str(build), external=True)
+    session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
     session.run("python3", "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q",
                 *(f"./{p}" for p in PACKAGES), external=True)
     for package, module in PACKAGES.items():

@@ -14,6 +14,7 @@ from ._config import (
     BOUNDS_CHECKS,
     STRATEGIES,
     get_strategy,
+    set_auto_calibrate,
     set_bounds_check,
     set_cache_dir,
     set_calibration,
@@ -32,7 +33,7 @@ __version__ = _version("pytorch-direct")
 __all__ = [
     "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
     "calibrate", "check_errors", "cuda_usable", "empty", "from_file", "gather", "get_strategy", "index_add_",
-    "info", "is_unified", "scatter_", "set_bounds_check", "set_cache_dir", "set_calibration", "set_max_sms",
+    "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check", "set_cache_dir", "set_calibration", "set_max_sms",
     "set_strategy", "set_threads", "share", "shared_memory", "unified", "unlink_shared_memory", "zeros",
 ]
 
@@ -48,8 +49,10 @@ def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
     the GPU)."""
     import torch
 
-    from ._ops import gather_op
+    from ._ops import check_index, check_table, gather_op
 
+    check_table(table)
+    check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
         return gather_op(table, index, strategy, int(max_sms))
 
@@ -59,8 +62,10 @@ def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
     With duplicate indices one writer wins per element. Returns ``table``."""
     import torch
 
-    from ._ops import scatter_op
+    from ._ops import check_index, check_table, scatter_op
 
+    check_table(table)
+    check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
         scatter_op(table, index, values, strategy, int(max_sms))
     return table
@@ -70,8 +75,10 @@ def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "aut
     """``table[index[i]] += alpha * values[i]`` with duplicate indices summed. Returns ``table``."""
     import torch
 
-    from ._ops import index_add_op
+    from ._ops import check_index, check_table, index_add_op
 
+    check_table(table)
+    check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
         index_add_op(table, index, values, float(alpha), strategy, int(max_sms))
     return table

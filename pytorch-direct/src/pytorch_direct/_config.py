@@ -7,6 +7,7 @@
 | ``PYTORCH_DIRECT_THREADS`` | ``0`` (all cores) | :func:`set_threads` | CPU threads for CPU gathers and the staged strategy |
 | ``PYTORCH_DIRECT_MAX_SMS`` | ``0`` (no cap) | :func:`set_max_sms` | SMs a gather/scatter kernel may occupy, so it can overlap with training kernels |
 | ``PYTORCH_DIRECT_CACHE_DIR`` | ``~/.cache/pytorch_direct`` | :func:`set_cache_dir` | where the per-machine calibration is stored |
+| ``PYTORCH_DIRECT_AUTO_CALIBRATE`` | ``1`` | :func:`set_auto_calibrate` | ``1``: the first ``auto`` call that moves >= 1 MiB measures the calibration (a few seconds, once per machine: cached); ``0``: without a cached calibration ``auto`` uses built-in rules |
 | ``PYTORCH_DIRECT_CALIBRATION`` | (unset) | :func:`set_calibration` | path of a calibration JSON file to use instead of the cached one |
 """
 
@@ -50,6 +51,8 @@ class _Settings:
         self.cache_dir = Path(
             _env("PYTORCH_DIRECT_CACHE_DIR", str(Path.home() / ".cache" / "pytorch_direct"))
         ).expanduser()
+        auto = _env("PYTORCH_DIRECT_AUTO_CALIBRATE", "1")
+        self.auto_calibrate = _check_choice("PYTORCH_DIRECT_AUTO_CALIBRATE", auto, ("0", "1")) == "1"
         calibration = os.environ.get("PYTORCH_DIRECT_CALIBRATION", "").strip()
         self.calibration_file = Path(calibration).expanduser() if calibration else None
 
@@ -99,3 +102,8 @@ def set_cache_dir(path: str | os.PathLike) -> None:
 def set_calibration(path: str | os.PathLike | None) -> None:
     """Use this calibration JSON file (None: the cached one); mirrors ``PYTORCH_DIRECT_CALIBRATION``."""
     settings.calibration_file = Path(path).expanduser() if path is not None else None
+
+
+def set_auto_calibrate(enabled: bool) -> None:
+    """Whether ``auto`` may measure the calibration on first use; mirrors ``PYTORCH_DIRECT_AUTO_CALIBRATE``."""
+    settings.auto_calibrate = bool(enabled)

@@ -30,13 +30,12 @@ SMALL_CALL_BYTES = 1 << 20
 CALIBRATION_TABLE_BYTES = 1 << 30
 
 _loaded: dict | None = None
-_auto_calibrate = os.environ.get("PYTORCH_DIRECT_AUTO_CALIBRATE", "1") != "0"
 
 
 def _key() -> str:
     from . import __version__
 
-    props = _core.device_properties(max(torch.cuda.current_device(), 0)) or {}
+    props = _core.device_properties(max(_core.current_device(), 0)) or {}
     name = str(props.get("name", "unknown")).replace(" ", "_").replace("/", "_")
     bus = str(props.get("pci_bus_id", "")).replace(":", "-")
     return f"calibration-{name}-{bus}-{__version__}.json"
@@ -153,7 +152,7 @@ def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = 
     if count * row_bytes < SMALL_CALL_BYTES:
         return "vector"
     data = load()
-    if data is None and _auto_calibrate and not capturing and not torch.compiler.is_compiling():
+    if data is None and settings.auto_calibrate and not capturing and not torch.compiler.is_compiling():
         try:
             data = calibrate()
         except Exception:  # noqa: BLE001 - a failed calibration must not fail the gather; rules take over

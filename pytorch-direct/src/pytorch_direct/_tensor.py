@@ -19,10 +19,6 @@ def _plain_int_index(key) -> bool:
     return isinstance(key, Tensor) and key.dtype in _ops.INDEX_DTYPES
 
 
-def _cuda_or_plain(key) -> bool:
-    return _plain_int_index(key)
-
-
 class UnifiedTensor(Tensor):
     """A host tensor mapped into the GPU; see the module docs. Create with :func:`pytorch_direct.unified`,
     :func:`pytorch_direct.empty`, :func:`pytorch_direct.zeros` or :func:`pytorch_direct.from_file`."""
@@ -39,6 +35,13 @@ class UnifiedTensor(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         return _keep_unified(result, args)
+
+    def plain(self) -> Tensor:
+        """A plain ``torch.Tensor`` alias of the same memory (same pinning, no redirection). Use it inside
+        ``torch.compile``: Dynamo cannot trace this subclass yet, while ``pytorch_direct.gather(u.plain(), idx)``
+        and ``torch.ops.pytorch_direct.gather`` compile with no graph break."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(Tensor)
 
     def __repr__(self, *, tensor_contents=None):  # noqa: D105 - say what it is, then the data
         with torch._C.DisableTorchFunctionSubclass():
@@ -83,12 +86,12 @@ def _getitem(self, key):
 
 
 def _setitem(self, key, value):
-    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key) and key.device.type == "cuda"):
+    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)):
         return NotImplemented
     row_shape = tuple(self.shape[1:])
     if not isinstance(value, Tensor):
         value = torch.tensor(value, dtype=self.dtype, device=key.device)
-    if value.device.type == "cpu" and value.dim() == 0:
+    if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
     value = value.to(dtype=self.dtype).expand(tuple(key.shape) + row_shape)
     _ops.scatter_op(self, key, value.contiguous())
@@ -147,14 +150,14 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
 
 
 def _index_copy_(self, dim, index, source):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and index.device.type == "cuda":
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
         _ops.scatter_op(self, index, source)
         return self
     return NotImplemented
 
 
 def _index_add_(self, dim, index, source, *, alpha=1):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and index.device.type == "cuda":
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
         _ops.index_add_op(self, index, source, float(alpha))
         return self
     return NotImplemented

@@ -1,0 +1,384 @@
+"""CPU tests: the whole API with CPU indices (what runs on machines without a GPU and in DataLoader workers)."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pytorch_direct as pd
+from pytorch_direct import _config, _strategy
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.uint8, torch.bool, torch.float64]
+
+
+def random_table(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g,
+                         dtype=torch.int64).to(dtype)
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor)
+
+
+def same_bytes(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_shape", [(), (1,), (47,), (3, 5), (100,)])
+def test_gather_matches_index_select(dtype, row_shape):
+    table = random_table((300,) + row_shape, dtype)
+    u = pd.unified(table, copy=True)
+    idx = torch.randint(0, 300, (500,))
+    for index in (idx, idx.int()):
+        out = u[index]
+        assert type(out) is torch.Tensor and out.device.type == "cpu"
+        assert same_bytes(out, table.index_select(0, idx))
+        assert same_bytes(pd.gather(u, index), table.index_select(0, idx))
+        assert same_bytes(torch.index_select(u, 0, index), table.index_select(0, idx))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 200), width=st.integers(1, 70), n=st.integers(0, 300),
+       index_shape=st.sampled_from(["1d", "2d"]), seed=st.integers(0, 1000))
+def test_gather_property(rows, width, n, index_shape, seed):
+    table = random_table((rows, width), torch.uint8, seed)
+    u = pd.unified(table, copy=True)
+    idx = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(seed))
+    if index_shape == "2d" and n % 2 == 0:
+        idx = idx.view(2, n // 2)
+    assert same_bytes(u[idx], table[idx])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 100), bad=st.one_of(st.integers(-(2**40), -1), st.integers(0, 2**40)))
+def test_bounds_property(rows, bad):
+    u = pd.unified(torch.arange(rows * 2.0).view(rows, 2), copy=True)
+    idx = torch.tensor([0, bad])
+    if 0 <= bad < rows:
+        assert torch.equal(u[idx], plain(u)[idx])
+    else:
+        with pytest.raises(IndexError, match=str(bad)):
+            u[idx]
+
+
+def test_bad_arguments():
+    u = pd.unified(torch.randn(10, 3), copy=True)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        pd.gather(u, torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        pd.gather(u, [1, 2])
+    with pytest.raises(ValueError, match="0-d"):
+        pd.gather(pd.unified(torch.tensor(3.0), copy=True), torch.tensor([0]))
+    with pytest.raises(ValueError, match="not contiguous"):
+        pd.gather(plain(u).t(), torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous"):
+        pd.unified(torch.randn(4, 4).t())
+    with pytest.raises(TypeError, match="Tensor"):
+        pd.unified([1, 2, 3])
+    with pytest.raises(ValueError, match="shape"):
+        pd.scatter_(u, torch.tensor([1]), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="dtype"):
+        pd.scatter_(u, torch.tensor([1]), torch.zeros(1, 3, dtype=torch.float64))
+    with pytest.raises(IndexError, match="11"):
+        pd.scatter_(u, torch.tensor([11]), torch.zeros(1, 3))
+    with pytest.raises(IndexError, match="-1"):
+        u.index_add_(0, torch.tensor([-1]), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="strategy"):
+        pd.set_strategy("fastest")
+
+
+def test_torch_entry_points_cpu():
+    table = random_table((40, 6), torch.float32)
+    u = pd.unified(table, copy=True)
+    idx = torch.randint(0, 40, (4, 5))
+    assert torch.equal(torch.nn.functional.embedding(idx, u), table[idx])
+    gidx = torch.randint(0, 40, (7, 6))
+    assert torch.equal(torch.gather(u, 0, gidx), torch.gather(table, 0, gidx))
+    assert torch.equal(u.gather(0, gidx[:, :2]), table.gather(0, gidx[:, :2]))
+    with pytest.raises(IndexError):
+        torch.gather(u, 0, torch.full((1, 6), 40))
+    # Everything else works as on a CPU tensor; results that alias the memory stay unified.
+    assert pd.is_unified(u[3:9]) and pd.is_unified(u.view(-1)) and pd.is_unified(u[0])
+    assert not pd.is_unified(u + 1) and torch.equal(u + 1, table + 1)
+    assert torch.equal(u[2:4, 1:3], table[2:4, 1:3])
+    assert repr(u).startswith("unified tensor(")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_writes_cpu(dtype):
+    table = random_table((50, 7), dtype)
+    ref = table.clone()
+    u = pd.unified(table.clone(), copy=True)
+    idx = torch.randperm(50)[:20]
+    vals = random_table((20, 7), dtype, seed=1)
+    pd.scatter_(u, idx, vals)
+    ref[idx] = vals
+    assert same_bytes(plain(u), ref)
+    u[idx[:3]] = vals[:3]
+    u.index_copy_(0, idx[3:6], vals[3:6])
+    ref.index_copy_(0, idx[3:6], vals[3:6])
+    assert same_bytes(plain(u), ref)
+
+
+def test_index_add_duplicates_cpu():
+    table = torch.randn(20, 3, dtype=torch.float64)
+    u = pd.unified(table.clone(), copy=True)
+    idx = torch.tensor([1, 1, 1, 5, 19, 5])
+    vals = torch.randn(6, 3, dtype=torch.float64)
+    pd.index_add_(u, idx, vals, alpha=0.5)
+    assert torch.allclose(plain(u), table.index_add(0, idx, vals, alpha=0.5))
+
+
+def test_unified_in_place_shares_memory_and_lifetime():
+    x = torch.randn(100, 4)
+    u = pd.unified(x)
+    assert u.data_ptr() == x.data_ptr()
+    x[3] = 42.0
+    assert torch.equal(u[torch.tensor([3])], torch.full((1, 4), 42.0))
+    assert pd.unified(u) is u
+    c = pd.unified(x, copy=True)
+    assert c.data_ptr() != x.data_ptr() and torch.equal(plain(c), x)
+    v = u[10:20]
+    del u, x, c
+    gc.collect()
+    assert v.shape == (10, 4) and float(v[torch.tensor([0])].abs().sum()) >= 0  # memory still alive
+
+
+def test_empty_zeros_shapes():
+    z = pd.zeros(3, 4, dtype=torch.int16)
+    assert pd.is_unified(z) and z.shape == (3, 4) and z.dtype == torch.int16 and int(plain(z).abs().sum()) == 0
+    assert pd.zeros((2, 2)).shape == (2, 2)
+    assert pd.empty(0, 5).shape == (0, 5)
+    assert pd.zeros(5, dtype=torch.bool).dtype == torch.bool
+    with pytest.raises(ValueError):
+        pd.empty(-1)
+
+
+def test_from_file(tmp_path):
+    table = random_table((64, 47), torch.uint8)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"\x00" * 16 + table.numpy().tobytes())
+    u = pd.from_file(path, (64, 47), torch.uint8, offset=16)
+    assert torch.equal(u[torch.arange(64)], table)
+    w = pd.from_file(path, (64, 47), torch.uint8, offset=16, writable=True)
+    w[torch.tensor([0])] = torch.zeros(1, 47, dtype=torch.uint8)
+    del w
+    gc.collect()
+    assert path.read_bytes()[16:16 + 47] == b"\x00" * 47
+    with pytest.raises(ValueError, match="needs"):
+        pd.from_file(path, (65, 47), torch.uint8, offset=16)
+    with pytest.raises(FileNotFoundError):
+        pd.from_file(tmp_path / "missing.bin", (1,), torch.uint8)
+
+
+def test_autograd_host_gradient_cpu():
+    table = torch.randn(30, 4)
+    emb = pd.unified(table.clone(), copy=True).requires_grad_()
+    idx = torch.tensor([[1, 2, 2], [29, 1, 0]])
+    w = torch.randn(2, 3, 4)
+    (torch.nn.functional.embedding(idx, emb) * w).sum().backward()
+    ref = table.clone().requires_grad_()
+    (torch.nn.functional.embedding(idx, ref) * w).sum().backward()
+    assert pd.is_unified(emb.grad)
+    assert torch.allclose(plain(emb.grad), ref.grad, atol=1e-6)
+    # An optimizer step on the host table works as on any CPU parameter.
+    opt = torch.optim.SGD([emb], lr=0.1)
+    opt.step()
+    assert torch.allclose(plain(emb).detach(), table - 0.1 * ref.grad, atol=1e-6)
+
+
+def test_torch_compile_fullgraph_cpu():
+    table = torch.randn(100, 8)
+    u = pd.unified(table, copy=True).plain()  # Dynamo cannot trace the subclass (see UnifiedTensor.plain)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(idx):
+        return pd.gather(u, idx) * 2 + torch.ops.pytorch_direct.gather(u, idx)
+
+    idx = torch.randint(0, 100, (16,))
+    assert torch.allclose(f(idx), table[idx] * 3)
+
+
+def test_custom_ops_registered_with_fake_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = torch.empty(10, 3, 2)
+        i = torch.empty(4, 5, dtype=torch.int64)
+        assert torch.ops.pytorch_direct.gather(t, i).shape == (4, 5, 3, 2)
+    torch.library.opcheck(torch.ops.pytorch_direct.gather.default,
+                          (pd.unified(torch.randn(10, 3), copy=True).as_subclass(torch.Tensor),
+                           torch.tensor([1, 2])), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_settings_and_env(monkeypatch):
+    monkeypatch.setenv("PYTORCH_DIRECT_STRATEGY", "sorted")
+    monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "3")
+    s = _config._Settings()
+    assert s.strategy == "sorted" and s.threads == 3
+    monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "many")
+    with pytest.raises(ValueError, match="PYTORCH_DIRECT_THREADS"):
+        _config._Settings()
+    monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "0")
+    monkeypatch.setenv("PYTORCH_DIRECT_BOUNDS_CHECK", "never")
+    with pytest.raises(ValueError, match="sync"):
+        _config._Settings()
+    pd.set_threads(2)
+    try:
+        u = pd.unified(torch.randn(1000, 3), copy=True)
+        assert torch.equal(u[torch.arange(1000)], plain(u))
+    finally:
+        pd.set_threads(0)
+
+
+def test_auto_rules_without_calibration(tmp_cache):
+    _strategy.set_table(None)
+    pd.set_auto_calibrate(False)
+    try:
+        assert _strategy.choose("gather", 64, 10, 10**9) == "vector"  # small call: latency
+        assert _strategy.choose("gather", 128, 500_000, 256 * 10**6) == "staged"
+        assert _strategy.choose("gather", 1024, 10**6, 10**7) == "sorted"
+        assert _strategy.choose("gather", 128, 500_000, 256 * 10**6, capturing=True) == "sorted"
+        fake = {"row_bytes": [64, 4096], "densities": [0.01], "gather": {
+            "64:0.01": {"vector": 1.0, "sorted": 5.0, "staged": 2.0},
+            "4096:0.01": {"vector": 9.0, "sorted": 5.0, "staged": 2.0}}, "scatter": {}}
+        _strategy.set_table(fake)
+        assert _strategy.choose("gather", 100, 10**6, 10**8) == "sorted"
+        assert _strategy.choose("gather", 3000, 10**6, 10**8) == "vector"
+        assert abs(_strategy.split_fraction(4096, 10**6, 10**8) - 9 / 11) < 1e-9
+    finally:
+        _strategy.set_table(None)
+        pd.set_auto_calibrate(True)
+
+
+def _worker_read(table):
+    return table
+
+
+def test_forked_dataloader_workers():
+    table = random_table((200, 5), torch.float32)
+    u = pd.unified(table, copy=True)
+    u[torch.tensor([0])]  # the parent's thread pool exists before the fork
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return u[torch.tensor([i, 199 - i])]
+
+    dl = torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    got = torch.cat(list(dl))
+    ref = torch.stack([table[[i, 199 - i]] for i in range(32)])
+    assert torch.equal(got, ref)
+
+
+def test_shared_memory_cpu():
+    name = f"pytorch_direct-cpu-test-{os.getpid()}"
+    a = pd.shared_memory(name, (10, 3), torch.float32, create=True)
+    try:
+        with pytest.raises(FileExistsError):
+            pd.shared_memory(name, (10, 3), torch.float32, create=True)
+        with pytest.raises(ValueError, match="bytes"):
+            pd.shared_memory(name, (11, 3), torch.float32, create=False)
+        b = pd.shared_memory(name, (10, 3), torch.float32, create=False)
+        b[torch.tensor([4])] = torch.ones(1, 3)
+        assert torch.equal(a[torch.tensor([4])], torch.ones(1, 3))
+    finally:
+        pd.unlink_shared_memory(name)
+    with pytest.raises(FileNotFoundError):
+        pd.shared_memory(name, (10, 3), torch.float32, create=False)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        pd.share(torch.zeros(2))
+
+
+SHARE_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import pytorch_direct as pd
+
+def work(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    t = torch.arange(60.0).view(20, 3) if rank == 0 else None
+    u = pd.share(t)
+    assert torch.equal(u[torch.tensor([19, 0])], torch.arange(60.0).view(20, 3)[[19, 0]])
+    dist.barrier()
+    if rank == 1:
+        u[torch.tensor([5])] = torch.full((1, 3), -1.0)   # one copy: every process sees the write
+    dist.barrier()
+    assert torch.equal(u[torch.tensor([5])], torch.full((1, 3), -1.0)), rank
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(3, int(sys.argv[1])), nprocs=3)
+    print("ok")
+"""
+
+
+def test_share_across_processes(tmp_path):
+    script = tmp_path / "share.py"
+    script.write_text(SHARE_SCRIPT)
+    port = 29500 + os.getpid() % 1000
+    before = set(os.listdir("/dev/shm"))
+    r = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    leftover = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("pytorch_direct")}
+    assert not leftover  # names are unlinked once everyone attached
+
+
+def _has_sampler():
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("pyg_lib", "torch_sparse"))
+
+
+def test_pyg_feature_store_cpu():
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.loader import NeighborLoader
+
+    from pytorch_direct.pyg import UnifiedFeatureStore, make_graph_store
+
+    n = 300
+    x = torch.randn(n, 9)
+    y = torch.randint(0, 5, (n,))
+    edge_index = torch.randint(0, n, (2, 2000))
+    fs = UnifiedFeatureStore(device="cpu")
+    fs.put_tensor(x, group_name=None, attr_name="x", index=None)
+    fs.put_tensor(y, group_name=None, attr_name="y", index=None)
+    assert pd.is_unified(fs.get_tensor(group_name=None, attr_name="x", index=None))
+    gs = make_graph_store(edge_index, num_nodes=n)
+    # The loader's feature path (what NeighborLoader calls per batch), without needing a sampler backend.
+    from torch_geometric.loader.utils import filter_custom_store
+
+    node = torch.randint(0, n, (50,))
+    data = filter_custom_store(fs, gs, node, edge_index[0, :10], edge_index[1, :10], None)
+    assert torch.equal(data.x, x[node]) and torch.equal(data.y, y[node])
+    if not _has_sampler():
+        pytest.skip("NeighborLoader needs pyg-lib or torch-sparse (not installed); the feature path was checked")
+    loader = NeighborLoader((fs, gs), num_neighbors=[4, 4], batch_size=32, input_nodes=torch.arange(96))
+    batches = list(loader)
+    assert len(batches) == 3
+    for b in batches:
+        assert torch.equal(b.x, x[b.n_id]) and torch.equal(b.y, y[b.n_id])
+
+
+def test_info_cli():
+    r = subprocess.run([sys.executable, "-m", "pytorch_direct", "info"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "pytorch-direct" in r.stdout
+    assert "kernels_compiled" in pd.info()

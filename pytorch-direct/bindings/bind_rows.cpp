@@ -35,6 +35,12 @@ rows_call make_call(std::uintptr_t table, std::int64_t rows, std::int64_t row_by
 // Owner of a unified tensor's memory: a pinned allocation, a page-aligned pageable one (CPU-only machines), or a
 // registration of memory owned by `keep` (the tensor it came from, kept alive as long as this owner lives).
 struct host_memory {
+  host_memory() = default;
+  host_memory(const host_memory&) = delete;
+  host_memory& operator=(const host_memory&) = delete;
+  ~host_memory() {
+    if (pinned) untrack_host_range(data);
+  }
   std::variant<shared_cuda::pinned_buffer, shared_cuda::aligned_host_buffer, shared_cuda::host_registration> owner;
   nb::object keep;
   void* data = nullptr;
@@ -108,6 +114,9 @@ void bind_rows(nb::module_& m) {
     if (take_device_error(bad)) return bad;
     return std::nullopt;
   });
+  m.def("is_tracked_host_range", [](std::uintptr_t data, std::size_t bytes) {
+    return is_tracked_host_range(reinterpret_cast<const void*>(data), bytes);
+  });
   m.def("is_device_accessible_host", [](std::uintptr_t data, std::size_t bytes) {
     return is_device_accessible_host(reinterpret_cast<const void*>(data), bytes);
   });
@@ -127,8 +136,9 @@ void bind_rows(nb::module_& m) {
     shared_cuda::pinned_buffer b(bytes);
     h->data = b.data();
     h->bytes = bytes;
-    h->pinned = true;
     h->owner = std::move(b);
+    h->pinned = true;
+    track_host_range(h->data, bytes);
     return h;
   });
   m.def("pageable_memory", [](std::size_t bytes) {
@@ -146,9 +156,10 @@ void bind_rows(nb::module_& m) {
         shared_cuda::host_registration r(reinterpret_cast<void*>(data), bytes);
         h->data = r.data();
         h->bytes = bytes;
-        h->pinned = true;
         h->owner = std::move(r);
         h->keep = std::move(keep);
+        h->pinned = true;
+        track_host_range(h->data, bytes);
         return h;
       },
       nb::arg("data"), nb::arg("bytes"), nb::arg("keep"));

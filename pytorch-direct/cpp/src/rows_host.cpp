@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,6 +82,39 @@ void copy_rows(const rows_call& c, bool scatter, std::int64_t begin, std::int64_
 }
 
 }  // namespace
+
+namespace {
+struct tracked_ranges {
+  std::mutex mutex;
+  std::map<std::uintptr_t, std::size_t> ranges;  // start -> bytes
+};
+tracked_ranges& tracked() {
+  static tracked_ranges* t = new tracked_ranges();  // never destroyed: owners may untrack during shutdown
+  return *t;
+}
+}  // namespace
+
+void track_host_range(const void* data, std::size_t bytes) {
+  auto& t = tracked();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.ranges[reinterpret_cast<std::uintptr_t>(data)] = bytes;
+}
+
+void untrack_host_range(const void* data) noexcept {
+  auto& t = tracked();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.ranges.erase(reinterpret_cast<std::uintptr_t>(data));
+}
+
+bool is_tracked_host_range(const void* data, std::size_t bytes) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  auto& t = tracked();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.ranges.upper_bound(begin);
+  if (it == t.ranges.begin()) return false;
+  --it;  // the last range starting at or before `begin`
+  return begin + bytes <= it->first + it->second;
+}
 
 void check_host_indices(const void* index, int index_bytes, std::int64_t count, std::int64_t rows, int threads) {
   SHARED_CUDA_EXPECT(index_bytes == 4 || index_bytes == 8, "index must be int32 or int64");

@@ -71,18 +71,33 @@ def check_table(table: Tensor) -> None:
         )
 
 
-def _table_for_device(table: Tensor) -> None:
+def _table_for_device(table: Tensor, device: int) -> None:
     if not _core.kernels_compiled():
         raise _core.UnavailableError(
             "pytorch_direct was built without CUDA kernels, so CUDA indices cannot be used: reinstall with nvcc "
             "available (SHARED_CUDA_CUDA=ON), or pass CPU indices"
         )
     nbytes = table.numel() * table.element_size()
+    if device not in _UVA_CHECKED:
+        props = _core.device_properties(device) or {}
+        if not props.get("host_pointer_is_device_pointer", False):
+            raise _core.UnavailableError(
+                f"GPU {device} cannot address registered host memory by its host pointer "
+                "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0), which pytorch_direct's kernels need"
+            )
+        _UVA_CHECKED.add(device)
+    # Our own allocations and registrations are known without a CUDA call; anything else (e.g. memory pinned by
+    # torch) is asked of the driver.
+    if _core.is_tracked_host_range(table.data_ptr(), nbytes):
+        return
     if not _core.is_device_accessible_host(table.data_ptr(), nbytes):
         raise ValueError(
             "the table is not in pinned or registered host memory, so the GPU cannot read it: wrap it once with "
             "pytorch_direct.unified(t) (registers in place) or pytorch_direct.unified(t, copy=True)"
         )
+
+
+_UVA_CHECKED: set = set()
 
 
 def raise_pending_device_error() -> None:
@@ -149,13 +164,19 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     out = torch.empty(tuple(index.shape) + tuple(table.shape[1:]), dtype=table.dtype, device=index.device)
     idx = index.contiguous().view(-1)
     n = idx.numel()
+    if rb == 0:  # rows of zero bytes: only the bounds check has work to do
+        if index.device.type == "cpu":
+            _core.check_host_indices(idx.data_ptr(), idx.element_size(), n, rows, settings.threads)
+        else:
+            _precheck(idx, rows)
+        return out
     if index.device.type == "cpu":
         _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
                           settings.threads)
         return out
     if index.device.type != "cuda":
         raise ValueError(f"indices on {index.device} are not supported: use CPU or CUDA indices")
-    _table_for_device(table)
+    _table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return out
@@ -270,11 +291,13 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     idx = index.contiguous().view(-1)
     vals = _check_values(table, index, values)
     n = idx.numel()
+    if rb == 0:
+        return
     if index.device.type == "cpu":
         _core.scatter_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, vals.data_ptr(),
                            settings.threads)
         return
-    _table_for_device(table)
+    _table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return

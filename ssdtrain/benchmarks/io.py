@@ -66,74 +66,79 @@ def host_tensor(nbytes: int) -> torch.Tensor:
     return t
 
 
-def engine_rows(args, backend: str, memory: str) -> list[dict]:
-    rows = []
+def make_engine(args, backend: str) -> ssdtrain.Engine:
     capacity = max(args.sizes) * 2 + args.random_count * MiB + 256 * MiB
-    engine = ssdtrain.Engine([args.dir], backend=backend, capacity_per_directory=capacity, block_size=args.block_size,
-                             queue_depth=args.queue_depth, staging_buffers=args.staging_buffers,
-                             threads=args.engine_threads, checksum=args.checksum)
+    return ssdtrain.Engine([args.dir], backend=backend, capacity_per_directory=capacity, block_size=args.block_size,
+                           queue_depth=args.queue_depth, staging_buffers=args.staging_buffers,
+                           threads=args.engine_threads, checksum=args.checksum)
+
+
+def new_tensor(memory: str, nbytes: int, fill: bool = True) -> torch.Tensor:
+    if memory == "host":
+        return host_tensor(nbytes)
+    if fill:
+        return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[dict]:
+    """Sequential write then read of one tensor of `size` bytes, median of --repeat."""
     detail = engine.backend_detail
     sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
-    for size in args.sizes:
-        src = host_tensor(size) if memory == "host" else torch.randint(0, 256, (size,), dtype=torch.uint8,
-                                                                        device="cuda")
-        dst = host_tensor(size) if memory == "host" else torch.empty(size, dtype=torch.uint8, device="cuda")
-        handle_box = []
+    src, dst = new_tensor(memory, size), new_tensor(memory, size, fill=False)
+    handle_box = []
 
-        def write_once():
-            if handle_box:
-                engine.free(handle_box.pop())
-            sync()
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            handle_box.append(engine.write(src).result())
-            return time.perf_counter() - t0, size, cpu_seconds() - c0
+    def write_once():
+        if handle_box:
+            engine.free(handle_box.pop())
+        sync()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        handle_box.append(engine.write(src).result())
+        return time.perf_counter() - t0, size, cpu_seconds() - c0
 
-        def read_once():
-            sync()
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            engine.read(handle_box[0], out=dst).result()
-            sync()
-            return time.perf_counter() - t0, size, cpu_seconds() - c0
+    def read_once():
+        sync()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        engine.read(handle_box[0], out=dst).result()
+        sync()
+        return time.perf_counter() - t0, size, cpu_seconds() - c0
 
-        rows.append(row("ssdtrain", backend, memory, "seqwrite", size, args, median_run(write_once, args.repeat),
-                        detail))
-        rows.append(row("ssdtrain", backend, memory, "seqread", size, args, median_run(read_once, args.repeat),
-                        detail))
-        if not torch.equal(dst[:4096].cpu(), src[:4096].cpu()) or not torch.equal(dst[-4096:].cpu(),
-                                                                                  src[-4096:].cpu()):
-            raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
-        engine.free(handle_box.pop())
-        del src, dst
-
-    # Random 1 MiB reads: many 1 MiB handles (random places in the file), read in shuffled order at a fixed depth.
-    if args.random_count:
-        block = host_tensor(MiB) if memory == "host" else torch.randint(0, 256, (MiB,), dtype=torch.uint8,
-                                                                         device="cuda")
-        handles = [engine.write(block) for _ in range(args.random_count)]
-        handles = [f.result() for f in handles]
-        outs = [host_tensor(MiB) if memory == "host" else torch.empty(MiB, dtype=torch.uint8, device="cuda")
-                for _ in range(args.random_depth)]
-
-        def random_once():
-            order = handles[:]
-            random.shuffle(order)
-            sync()
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            inflight = []
-            for i, h in enumerate(order):
-                if len(inflight) == args.random_depth:
-                    inflight.pop(0).result()
-                inflight.append(engine.read(h, out=outs[i % args.random_depth]))
-            for f in inflight:
-                f.result()
-            sync()
-            return time.perf_counter() - t0, len(order) * MiB, cpu_seconds() - c0
-
-        r = row("ssdtrain", backend, memory, "randread", MiB, args, median_run(random_once, args.repeat), detail)
-        r["queue_depth"] = args.random_depth
-        rows.append(r)
-    engine.close()
+    rows = [row("ssdtrain", backend, memory, "seqwrite", size, args, median_run(write_once, args.repeat), detail),
+            row("ssdtrain", backend, memory, "seqread", size, args, median_run(read_once, args.repeat), detail)]
+    if not torch.equal(dst.cpu(), src.cpu()):
+        raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
+    engine.free(handle_box.pop())
     return rows
+
+
+def engine_random_rows(args, engine, backend: str, memory: str) -> list[dict]:
+    """Random 1 MiB reads: many 1 MiB handles (random places in the file), read in shuffled order at a fixed depth."""
+    sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
+    block = new_tensor(memory, MiB)
+    handles = [f.result() for f in [engine.write(block) for _ in range(args.random_count)]]
+    outs = [new_tensor(memory, MiB, fill=False) for _ in range(args.random_depth)]
+
+    def random_once():
+        order = handles[:]
+        random.shuffle(order)
+        sync()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        inflight = []
+        for i, h in enumerate(order):
+            if len(inflight) == args.random_depth:
+                inflight.pop(0).result()
+            inflight.append(engine.read(h, out=outs[i % args.random_depth]))
+        for f in inflight:
+            f.result()
+        sync()
+        return time.perf_counter() - t0, len(order) * MiB, cpu_seconds() - c0
+
+    r = row("ssdtrain", backend, memory, "randread", MiB, args, median_run(random_once, args.repeat),
+            engine.backend_detail)
+    r["queue_depth"] = args.random_depth
+    for h in handles:
+        engine.free(h)
+    return [r]
 
 
 def row(tool, backend, memory, op, size, args, run, detail=""):
@@ -156,20 +161,22 @@ def row(tool, backend, memory, op, size, args, run, detail=""):
 # ---------------------------------------------------------------------------------------------- references
 
 
-def fio_rows(args) -> list[dict]:
+def fio_rows(args, size: int | None) -> list[dict]:
+    """fio write then read of `size` bytes (or, with size None, 1 MiB random reads) with the engine's settings."""
     if shutil.which("fio") is None:
         return []
     rows = []
     path = os.path.join(args.dir, "ssdtrain-bench.fio")
+    if size is None:
+        jobs = [("randread", "randread", args.random_count * MiB, args.random_depth, MiB)]
+    else:
+        jobs = [(op, rw, size, args.queue_depth, args.block_size) for op, rw in (("seqwrite", "write"),
+                                                                                 ("seqread", "read"))]
     try:
-        jobs = [("seqwrite", "write", size, args.queue_depth, args.block_size) for size in args.sizes]
-        jobs += [("seqread", "read", size, args.queue_depth, args.block_size) for size in args.sizes]
-        if args.random_count:
-            jobs.append(("randread", "randread", args.random_count * MiB, args.random_depth, MiB))
-        for op, rw, size, depth, bs in jobs:
-            def once():
+        for op, rw, nbytes, depth, bs in jobs:
+            def once(rw=rw, nbytes=nbytes, depth=depth, bs=bs):
                 out = subprocess.run(
-                    ["fio", "--name=bench", f"--filename={path}", f"--size={size}", f"--bs={bs}", f"--rw={rw}",
+                    ["fio", "--name=bench", f"--filename={path}", f"--size={nbytes}", f"--bs={bs}", f"--rw={rw}",
                      f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1",
                      "--output-format=json"], check=True, capture_output=True, text=True)
                 job = json.loads(out.stdout)["jobs"][0]
@@ -177,7 +184,8 @@ def fio_rows(args) -> list[dict]:
                 seconds = part["runtime"] / 1000
                 cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
                 return seconds, part["io_bytes"], cpu
-            r = row("fio", "io_uring", "host", op, size if op != "randread" else bs, args, median_run(once, args.repeat))
+            r = row("fio", "io_uring", "host", op, nbytes if op != "randread" else bs, args,
+                    median_run(once, args.repeat))
             r["queue_depth"], r["block"] = depth, bs
             rows.append(r)
     finally:
@@ -186,14 +194,14 @@ def fio_rows(args) -> list[dict]:
     return rows
 
 
-def dd_rows(args) -> list[dict]:
+def dd_rows(args, size: int) -> list[dict]:
     if shutil.which("dd") is None:
         return []
     rows = []
     path = os.path.join(args.dir, "ssdtrain-bench.dd")
     bs = 8 * MiB
     try:
-        for size in args.sizes:
+        for size in [size]:
             count = max(1, size // bs)
             for op, cmd in (("seqwrite", ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
                                           "oflag=direct", "conv=notrunc"]),
@@ -212,7 +220,7 @@ def dd_rows(args) -> list[dict]:
     return rows
 
 
-def pthread_rows(args) -> list[dict]:
+def pthread_rows(args, size: int) -> list[dict]:
     """A plain loop: `threads` Python threads, each os.pwrite/os.preadv of block-size pieces (O_DIRECT)."""
     rows = []
     path = os.path.join(args.dir, "ssdtrain-bench.pthreads")
@@ -221,8 +229,8 @@ def pthread_rows(args) -> list[dict]:
     buffers = [mmap.mmap(-1, bs) for _ in range(nthreads)]  # page aligned, as O_DIRECT needs
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
-        os.posix_fallocate(fd, 0, max(args.sizes))
-        for size in args.sizes:
+        os.posix_fallocate(fd, 0, size)
+        for size in [size]:
             blocks = size // bs
 
             def run(write: bool):
@@ -318,15 +326,25 @@ def main(argv=None) -> int:
           f"repeat={args.repeat} cpus={os.cpu_count()} gpu={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
           flush=True)
 
+    # Per size, the references and every engine back to back, so drift in a shared disk's speed hits all alike.
+    engines = {backend: make_engine(args, backend) for backend in backends}
+    for backend, engine in engines.items():
+        print(f"# {backend}: {engine.backend_detail}", flush=True)
     rows = []
-    if not args.no_references:
-        rows += fio_rows(args)
-        rows += dd_rows(args)
-        rows += pthread_rows(args)
-    for backend in backends:
-        for memory in memories:
-            rows += engine_rows(args, backend, memory)
-            print(f"# {backend}/{memory}: {rows[-1]['detail']}", flush=True)
+    for size in args.sizes:
+        if not args.no_references:
+            rows += fio_rows(args, size) + dd_rows(args, size) + pthread_rows(args, size)
+        for backend, engine in engines.items():
+            for memory in memories:
+                rows += engine_seq_rows(args, engine, backend, memory, size)
+    if args.random_count:
+        if not args.no_references:
+            rows += fio_rows(args, None)
+        for backend, engine in engines.items():
+            for memory in memories:
+                rows += engine_random_rows(args, engine, backend, memory)
+    for engine in engines.values():
+        engine.close()
     print_table(rows)
     if args.csv:
         with open(args.csv, "w", newline="") as f:

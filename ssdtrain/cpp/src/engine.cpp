@@ -314,7 +314,9 @@ engine_impl::engine_impl(engine_config config) : config_(std::move(config)) {
   } else {
     backend_ = detail::make_threads_backend(std::min(config_.queue_depth, std::max(config_.threads, 1u) * 4));
   }
-  drivers_ = std::make_unique<shared_cuda::thread_pool>(config_.threads);
+  // Drivers mostly wait (for staging buffers, device copies, a handle's write), so there are more of them than
+  // cores: each staged read holds one until it completes.
+  drivers_ = std::make_unique<shared_cuda::thread_pool>(std::max(config_.threads, 16u));
 }
 
 engine_impl::~engine_impl() {
@@ -557,6 +559,28 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
       stream = std::make_unique<op_stream>(dst.device);
       stream->wait(*mark);
       if (device_direct(dst)) stream->synchronize();  // earlier work on the destination must finish first
+    }
+    const bool all_direct =
+        std::none_of(pieces.begin(), pieces.end(), [](const piece& p) { return p.staged; });
+    if (all_direct && !config_.checksum) {
+      // Nothing to copy or verify afterwards: completions finish the read and this driver moves on, so many
+      // small reads stay in flight at once (random 1 MiB reads at depth 16 need this).
+      for (const piece& p : pieces) {
+        ++op->pending;
+        submit(p, static_cast<char*>(dst.data) + p.logical, -1, dst.device, false,
+               [this, op, rec, p](long result) {
+                 if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
+                 if (--op->pending == 0) {
+                   rec->unuse();
+                   op->finish();
+                 }
+               });
+      }
+      if (--op->pending == 0) {
+        rec->unuse();
+        op->finish();
+      }
+      return;
     }
     struct arrival {
       std::size_t index;

@@ -5,6 +5,7 @@ from hector.runtime.graph import Graph
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
 

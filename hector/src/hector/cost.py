@@ -108,3 +108,27 @@ def choose_options(layer: Any, graph: Any) -> Options:
         return best[1]
 
     return graph.cached(key, compute)
+
+
+def peak_bytes(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4,
+               live_in: tuple[str, ...] = ()) -> int:
+    """Peak of the materialised row values alive at once when the kernels run in order (a value is freed after
+    its last reader unless it is an output or kept). Leaves (inputs, params) and graph data are not counted."""
+    p = lowered.program
+    last_use: dict[str, int] = {}
+    for i, k in enumerate(lowered.kernels):
+        for name in k.inputs:
+            last_use[name] = i
+    pinned = set(p.outputs) | set(live_in)
+    live: dict[str, int] = {}
+    peak = 0
+    for i, k in enumerate(lowered.kernels):
+        for o in k.outputs:
+            t = p.type_of(o)
+            if t.domain is not Domain.PARAM:
+                live[o] = _rows(p, o, stats) * t.numel * itemsize
+        peak = max(peak, sum(live.values()))
+        for name in list(live):
+            if name not in pinned and last_use.get(name, i) <= i:  # no later kernel reads it
+                del live[name]
+    return peak

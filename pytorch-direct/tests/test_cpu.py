@@ -134,6 +134,19 @@ def test_writes_cpu(dtype):
     assert same_bytes(plain(u), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.bfloat16])
+def test_index_add_other_dtypes_cpu(dtype):
+    table = random_table((20, 3), dtype) // 4 if not dtype.is_floating_point else random_table((20, 3), dtype)
+    u = pd.unified(table.clone(), copy=True)
+    idx = torch.tensor([1, 1, 5])
+    vals = torch.ones(3, 3, dtype=dtype)
+    u.index_add_(0, idx, vals)
+    assert torch.equal(plain(u), table.index_add(0, idx, vals))
+    if not dtype.is_floating_point:
+        with pytest.raises(ValueError, match="alpha"):
+            pd.index_add_(u, idx, vals, alpha=0.5)
+
+
 def test_index_add_duplicates_cpu():
     table = torch.randn(20, 3, dtype=torch.float64)
     u = pd.unified(table.clone(), copy=True)

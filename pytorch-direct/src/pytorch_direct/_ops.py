@@ -338,6 +338,12 @@ def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.
     rows, _ = row_layout(table)
     vals = _check_values(table, index, values)
     idx = index.contiguous().view(-1)
+    if not (table.dtype.is_floating_point or table.dtype.is_complex):
+        if table.dtype == torch.bool:
+            raise TypeError("index_add_ is not defined for bool tables (torch has no bool addition)")
+        if alpha != int(alpha):
+            raise ValueError(f"alpha={alpha} must be an integer for a {table.dtype} table")
+        alpha = int(alpha)  # torch refuses a float alpha for integer tensors
     if index.device.type == "cpu":
         _core.check_host_indices(idx.data_ptr(), idx.element_size(), idx.numel(), rows, settings.threads)
         table.index_add_(0, idx, vals, alpha=alpha)
@@ -347,12 +353,13 @@ def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.
     if settings.bounds_check == "sync" and not _capturing():
         _precheck(idx, rows)
     # Duplicates: sum per unique row on the GPU, then one read-modify-write per unique row over PCIe.
+    # Half-precision sums accumulate in float32 (one rounding per row instead of one per duplicate).
+    acc = torch.float32 if table.dtype in (torch.float16, torch.bfloat16) else table.dtype
     unique, inverse = torch.unique(idx, return_inverse=True)
-    sums = torch.zeros((unique.numel(),) + tuple(table.shape[1:]), dtype=vals.dtype, device=vals.device)
-    sums.index_add_(0, inverse, vals, alpha=alpha)
+    sums = torch.zeros((unique.numel(),) + tuple(table.shape[1:]), dtype=acc, device=vals.device)
+    sums.index_add_(0, inverse, vals.to(acc), alpha=alpha)
     current = gather_impl(table, unique, strategy, max_sms)
-    current += sums
-    scatter_impl(table, unique, current, strategy, max_sms)
+    scatter_impl(table, unique, (current.to(acc) + sums).to(table.dtype), strategy, max_sms)
 
 
 @index_add_op.register_fake

@@ -432,3 +432,32 @@ def test_calibration_and_auto(tmp_cache):
         assert _strategy.choose("gather", 64, 100000, 10**6, capturing=True) in ("vector", "sorted")
     finally:
         _strategy.set_table(None)
+
+
+def test_memory_pinned_by_torch_is_accepted():
+    # Not created by pytorch_direct: the driver is asked whether the GPU can read it.
+    table = torch.randn(1000, 24).pin_memory()
+    idx = torch.randint(0, 1000, (700,), device="cuda")
+    assert_same(pd.gather(table, idx, strategy="vector"), table[idx.cpu()])
+    assert_same(pd.gather(table[100:300], idx % 200), table[100:300][(idx % 200).cpu()])
+
+
+def test_empty_index_and_zero_width_rows():
+    u = pd.unified(torch.randn(10, 4), copy=True)
+    out = pd.gather(u, torch.empty(0, dtype=torch.int64, device="cuda"))
+    assert out.shape == (0, 4) and out.device.type == "cuda"
+    z = pd.zeros(10, 0)
+    assert pd.gather(z, torch.tensor([1, 2], device="cuda")).shape == (2, 0)
+    with pytest.raises(IndexError):
+        pd.gather(z, torch.tensor([10], device="cuda"))
+
+
+def test_sm_cap_setting():
+    table = torch.randn(3000, 64)
+    u = pd.unified(table, copy=True)
+    pd.set_max_sms(2)
+    try:
+        idx = torch.randint(0, 3000, (5000,), device="cuda")
+        assert_same(pd.gather(u, idx, strategy="vector"), table[idx.cpu()])
+    finally:
+        pd.set_max_sms(0)

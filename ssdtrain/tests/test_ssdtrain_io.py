@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
-from conftest import random_tensor
+from ssdtrain_testutil import random_tensor
 
 SIZES = [1, 100, 4095, 4096, 4097, 65536 + 3, (1 << 20) - 1, 1 << 20, (3 << 20) + 17, 9 << 20]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ssdtrain
-from conftest import mounted_tmpfs, random_tensor
+from ssdtrain_testutil import mounted_tmpfs, random_tensor
 
 
 # ---------------------------------------------------------------------------------------------- disk full

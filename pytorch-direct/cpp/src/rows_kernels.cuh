@@ -1,0 +1,257 @@
+// The row-moving kernels, kept apart from their launchers so that a host emulator (tests/cpp/emulate_kernels.cpp)
+// can compile them with stand-ins for the CUDA built-ins and run every thread of a grid serially: the kernels use no
+// shared memory and no barriers, so serial execution computes what the GPU computes.
+#pragma once
+
+#include <cstdint>
+
+#include "pytorch_direct/rows.hpp"
+
+namespace pytorch_direct {
+namespace kernels {
+
+template <int V>
+struct word;
+template <>
+struct word<16> {
+  using type = uint4;
+};
+template <>
+struct word<8> {
+  using type = uint2;
+};
+template <>
+struct word<4> {
+  using type = unsigned int;
+};
+template <>
+struct word<2> {
+  using type = unsigned short;
+};
+template <>
+struct word<1> {
+  using type = unsigned char;
+};
+
+// Independent loads in flight per thread before the stores: PCIe latency is ~1-2 us, so bandwidth needs depth.
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ std::int64_t load_index(const void* index, int index_bytes, std::int64_t i) {
+  return index_bytes == 8 ? static_cast<const std::int64_t*>(index)[i]
+                          : static_cast<std::int64_t>(static_cast<const std::int32_t*>(index)[i]);
+}
+
+// Records a bad index in the mapped error word (host memory); the row is skipped, never touched.
+__device__ __forceinline__ void record_bad_index(std::int64_t* error, std::int64_t bad) {
+  volatile std::int64_t* word = error;
+  word[1] = bad;
+  __threadfence_system();
+  word[0] = 1;
+}
+
+// Gather (Scatter=false): dense[p] = table[index[i]]; scatter (Scatter=true): table[index[i]] = dense[p].
+//
+// A group of `1 << group_shift` lanes (1..32, a power of two dividing the warp) moves one row at a time in words
+// of V bytes. Rows of at least 128 B start their walk at the 128-byte boundary at or before the row's start in
+// host memory, so each warp-wide access covers whole 128-byte lines of the table (the link's transfer unit) and
+// a row spills into at most one partial line at each end; lanes before the row start or past its end idle.
+template <int V, bool Scatter>
+__global__ void __launch_bounds__(512) move_rows(unsigned char* __restrict__ table, std::int64_t rows,
+                                                 std::int64_t row_words, const void* __restrict__ index,
+                                                 int index_bytes, std::int64_t count,
+                                                 const std::int64_t* __restrict__ positions,
+                                                 unsigned char* __restrict__ dense, std::int64_t* error,
+                                                 int group_shift) {
+  using T = typename word<V>::type;
+  const int lanes = 1 << group_shift;
+  const int lane = threadIdx.x & (lanes - 1);
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
+  const bool align_window = static_cast<std::int64_t>(lanes) * V >= 128;
+  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int64_t p = positions != nullptr ? positions[i] : i;
+    T* host = reinterpret_cast<T*>(table) + r * row_words;
+    T* dev = reinterpret_cast<T*>(dense) + p * row_words;
+    // Words between the row start and the 128-byte boundary before it (0 when the window is not aligned).
+    const std::int64_t head =
+        align_window ? static_cast<std::int64_t>((reinterpret_cast<std::uintptr_t>(host) & 127u) / V) : 0;
+    for (std::int64_t u = lane - head; u < row_words; u += static_cast<std::int64_t>(lanes) * kUnroll) {
+      T buf[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+        if (w >= 0 && w < row_words) buf[k] = Scatter ? dev[w] : host[w];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+        if (w >= 0 && w < row_words) {
+          if (Scatter) {
+            host[w] = buf[k];
+          } else {
+            dev[w] = buf[k];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Gather for rows whose width or address is not 4-byte aligned (e.g. 47 B): each lane loads aligned 16-byte
+// words covering the row and stores the row's bytes one by one. An aligned 16-byte word never crosses a page,
+// and registration and pinned allocation are page-granular, so the bytes outside the row are mapped memory.
+__global__ void __launch_bounds__(512) gather_rows_unaligned(const unsigned char* __restrict__ table,
+                                                             std::int64_t rows, std::int64_t row_bytes,
+                                                             const void* __restrict__ index, int index_bytes,
+                                                             std::int64_t count,
+                                                             const std::int64_t* __restrict__ positions,
+                                                             unsigned char* __restrict__ dense, std::int64_t* error,
+                                                             int group_shift) {
+  const int lanes = 1 << group_shift;
+  const int lane = threadIdx.x & (lanes - 1);
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
+  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int64_t p = positions != nullptr ? positions[i] : i;
+    const std::uintptr_t begin = reinterpret_cast<std::uintptr_t>(table) + static_cast<std::uintptr_t>(r * row_bytes);
+    const std::uintptr_t end = begin + static_cast<std::uintptr_t>(row_bytes);
+    const std::uintptr_t first = begin & ~static_cast<std::uintptr_t>(15);
+    const std::int64_t words = static_cast<std::int64_t>((end - first + 15) / 16);
+    unsigned char* out = dense + p * row_bytes;
+    for (std::int64_t w = lane; w < words; w += lanes) {
+      const uint4 v = *reinterpret_cast<const uint4*>(first + static_cast<std::uintptr_t>(w) * 16);
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
+      const std::uintptr_t at = first + static_cast<std::uintptr_t>(w) * 16;
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const std::uintptr_t a = at + k;
+        if (a >= begin && a < end) out[a - begin] = bytes[k];
+      }
+    }
+  }
+}
+
+// The baseline of the PyTorch-Direct paper: one warp per row, 4-byte words from the row's own start.
+template <int V>
+__global__ void __launch_bounds__(512) gather_rows_naive(const unsigned char* __restrict__ table, std::int64_t rows,
+                                                         std::int64_t row_words, const void* __restrict__ index,
+                                                         int index_bytes, std::int64_t count,
+                                                         const std::int64_t* __restrict__ positions,
+                                                         unsigned char* __restrict__ dense, std::int64_t* error) {
+  using T = typename word<V>::type;
+  const int lane = threadIdx.x & 31;
+  const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (std::int64_t i = warp; i < count; i += warps) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int64_t p = positions != nullptr ? positions[i] : i;
+    const T* src = reinterpret_cast<const T*>(table) + r * row_words;
+    T* dst = reinterpret_cast<T*>(dense) + p * row_words;
+    for (std::int64_t w = lane; w < row_words; w += 32) dst[w] = src[w];
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(512) scatter_rows_naive(unsigned char* __restrict__ table, std::int64_t rows,
+                                                          std::int64_t row_words, const void* __restrict__ index,
+                                                          int index_bytes, std::int64_t count,
+                                                          const std::int64_t* __restrict__ positions,
+                                                          const unsigned char* __restrict__ dense,
+                                                          std::int64_t* error) {
+  using T = typename word<V>::type;
+  const int lane = threadIdx.x & 31;
+  const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (std::int64_t i = warp; i < count; i += warps) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int64_t p = positions != nullptr ? positions[i] : i;
+    T* dst = reinterpret_cast<T*>(table) + r * row_words;
+    const T* src = reinterpret_cast<const T*>(dense) + p * row_words;
+    for (std::int64_t w = lane; w < row_words; w += 32) dst[w] = src[w];
+  }
+}
+
+// Widest power of two <= limit dividing the row width and both base addresses.
+inline int access_width(const rows_call& c, int limit) {
+  int v = limit;
+  const auto t = reinterpret_cast<std::uintptr_t>(c.table);
+  const auto d = reinterpret_cast<std::uintptr_t>(c.dense);
+  while (v > 1 && (c.row_bytes % v != 0 || t % v != 0 || d % v != 0)) v /= 2;
+  return v;
+}
+
+// Smallest power-of-two lane group (<= 32) with one word per lane per row, so a warp's access stays contiguous
+// per row (small rows: several rows per warp, each read by neighbouring lanes in whole sectors).
+inline int group_shift_for(std::int64_t row_words) {
+  int shift = 0;
+  while (shift < 5 && (static_cast<std::int64_t>(1) << shift) < row_words) ++shift;
+  return shift;
+}
+
+// Which kernel moves a call's rows, at what access width and lane-group size. Shared by the launchers and the
+// emulator, so the emulated tests exercise the exact choices the GPU path makes.
+struct launch_plan {
+  enum kernel_t { vector, unaligned, naive } kernel = vector;
+  int width = 1;             // bytes per access (vector, naive)
+  int group_shift = 0;       // log2 lanes per row (vector, unaligned); naive always uses 32 lanes
+  std::int64_t row_words = 0;  // row_bytes / width (vector, naive)
+};
+
+inline launch_plan plan_gather(const rows_call& c, kernel_kind kind) {
+  launch_plan p;
+  if (kind == kernel_kind::naive) {
+    p.kernel = launch_plan::naive;
+    p.width = access_width(c, 4) == 4 ? 4 : 1;
+    p.group_shift = 5;
+  } else {
+    p.width = access_width(c, 16);
+    if (p.width < 4 && c.row_bytes >= 16) {
+      // Narrow accesses would multiply the link's requests: load aligned 16-byte words, store bytes.
+      p.kernel = launch_plan::unaligned;
+      p.group_shift = group_shift_for((c.row_bytes + 31) / 16);
+      return p;
+    }
+    p.kernel = launch_plan::vector;
+    p.group_shift = group_shift_for(c.row_bytes / p.width);
+  }
+  p.row_words = c.row_bytes / p.width;
+  return p;
+}
+
+// Scatter never uses the unaligned kernel: a wider read-modify-write of host memory would race with the writer of
+// the neighbouring row, so odd widths store bytes.
+inline launch_plan plan_scatter(const rows_call& c, kernel_kind kind) {
+  launch_plan p;
+  if (kind == kernel_kind::naive) {
+    p.kernel = launch_plan::naive;
+    p.width = access_width(c, 4) == 4 ? 4 : 1;
+    p.group_shift = 5;
+  } else {
+    p.kernel = launch_plan::vector;
+    p.width = access_width(c, 16);
+    p.group_shift = group_shift_for(c.row_bytes / p.width);
+  }
+  p.row_words = c.row_bytes / p.width;
+  return p;
+}
+
+}  // namespace kernels
+}  // namespace pytorch_direct

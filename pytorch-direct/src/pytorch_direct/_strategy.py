@@ -79,17 +79,26 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, repeats: int = 3, save: bool = True,
+def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats: int = 3, save: bool = True,
               verbose: bool = False) -> dict:
-    """Measure every strategy on this machine (a few seconds) and cache the result; returns the table."""
+    """Measure every strategy on this machine (a few seconds) and cache the result; returns the table.
+
+    By default a scratch pinned table of ``table_bytes`` is allocated; pass ``table`` (a unified tensor whose
+    contents may be overwritten: scatters are measured too) to measure on that memory instead, e.g. a table as
+    large as the one the job uses (GPU address translation makes very large tables slower for small rows)."""
     from . import _memory, _ops
 
     if not _memory.cuda_usable():
         raise _core.UnavailableError("calibration needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
-    scratch = _memory.empty(table_bytes, dtype=torch.uint8)
-    with torch._C.DisableTorchFunctionSubclass():
-        scratch.fill_(1)
+    if table is not None:
+        with torch._C.DisableTorchFunctionSubclass():
+            scratch = table.detach().reshape(-1).view(torch.uint8)
+        table_bytes = scratch.numel()
+    else:
+        scratch = _memory.empty(table_bytes, dtype=torch.uint8)
+        with torch._C.DisableTorchFunctionSubclass():
+            scratch.fill_(1)
     result: dict = {"device": torch.cuda.get_device_name(device), "table_bytes": table_bytes,
                     "row_bytes": list(ROW_BYTES), "densities": list(DENSITIES), "gather": {}, "scatter": {}}
     generator = torch.Generator(device=device).manual_seed(0)

@@ -21,6 +21,11 @@ if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=6
 
 echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 python3 -m pytorch_direct info 2>&1 | tee -a "$LOG"
+# Skipped GPU tests must not pass for a GPU run: fail loudly when CUDA is not usable from torch or from the package.
+if ! python3 -c "import torch, pytorch_direct as pd, sys; sys.exit(0 if torch.cuda.is_available() and pd.cuda_usable() else 1)"; then
+  echo "== ERROR: torch.cuda.is_available()/pytorch_direct.cuda_usable() is False: no GPU run possible" | tee -a "$LOG"
+  exit 3
+fi
 # Full output into the log; the tail (summary and the last tracebacks) on the console. --maxfail: a kernel fault
 # poisons the CUDA context and would fail every later test, so stop early and keep the first tracebacks.
 timeout 140 python3 -m pytest -m gpu pytorch-direct/tests -q -p no:cacheprovider --maxfail=15 --tb=short \

@@ -25,7 +25,6 @@ import os
 import random
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -195,25 +194,26 @@ def fio_rows(args, size: int | None) -> list[dict]:
 
 
 def dd_rows(args, size: int) -> list[dict]:
+    """dd with 8 MiB blocks and O_DIRECT: one request at a time, the simplest sequential reference."""
     if shutil.which("dd") is None:
         return []
     rows = []
     path = os.path.join(args.dir, "ssdtrain-bench.dd")
     bs = 8 * MiB
+    count = max(1, size // bs)
+    commands = (("seqwrite", ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct",
+                              "conv=notrunc"]),
+                ("seqread", ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"]))
     try:
-        for size in [size]:
-            count = max(1, size // bs)
-            for op, cmd in (("seqwrite", ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
-                                          "oflag=direct", "conv=notrunc"]),
-                            ("seqread", ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}",
-                                         "iflag=direct"])):
-                def once(cmd=cmd):
-                    c0, t0 = cpu_seconds(children=True), time.perf_counter()
-                    subprocess.run(cmd, check=True, capture_output=True)
-                    return time.perf_counter() - t0, count * bs, cpu_seconds(children=True) - c0
-                r = row("dd", "-", "host", op, size, args, median_run(once, args.repeat))
-                r["block"], r["queue_depth"] = bs, 1
-                rows.append(r)
+        for op, cmd in commands:
+            def once(cmd=cmd):
+                c0, t0 = cpu_seconds(children=True), time.perf_counter()
+                subprocess.run(cmd, check=True, capture_output=True)
+                return time.perf_counter() - t0, count * bs, cpu_seconds(children=True) - c0
+
+            r = row("dd", "-", "host", op, size, args, median_run(once, args.repeat))
+            r["block"], r["queue_depth"] = bs, 1
+            rows.append(r)
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -224,37 +224,35 @@ def pthread_rows(args, size: int) -> list[dict]:
     """A plain loop: `threads` Python threads, each os.pwrite/os.preadv of block-size pieces (O_DIRECT)."""
     rows = []
     path = os.path.join(args.dir, "ssdtrain-bench.pthreads")
-    nthreads = args.threads
-    bs = args.block_size
+    nthreads, bs = args.threads, args.block_size
+    blocks = size // bs
     buffers = [mmap.mmap(-1, bs) for _ in range(nthreads)]  # page aligned, as O_DIRECT needs
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+
+    def run(write: bool):
+        def worker(k):
+            buf = buffers[k]
+            for b in range(k, blocks, nthreads):
+                if write:
+                    os.pwrite(fd, buf, b * bs)
+                else:
+                    os.preadv(fd, [buf], b * bs)
+
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0, blocks * bs, cpu_seconds() - c0
+
     try:
         os.posix_fallocate(fd, 0, size)
-        for size in [size]:
-            blocks = size // bs
-
-            def run(write: bool):
-                def worker(k):
-                    buf = buffers[k]
-                    for b in range(k, blocks, nthreads):
-                        if write:
-                            os.pwrite(fd, buf, b * bs)
-                        else:
-                            os.preadv(fd, [buf], b * bs)
-
-                c0, t0 = cpu_seconds(), time.perf_counter()
-                ts = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                return time.perf_counter() - t0, blocks * bs, cpu_seconds() - c0
-
-            for op, write in (("seqwrite", True), ("seqread", False)):
-                r = row("pthreads", f"{nthreads} threads", "host", op, size, args,
-                        median_run(lambda: run(write), args.repeat))
-                r["queue_depth"] = nthreads
-                rows.append(r)
+        for op, write in (("seqwrite", True), ("seqread", False)):
+            r = row("pthreads", f"{nthreads} threads", "host", op, size, args,
+                    median_run(lambda write=write: run(write), args.repeat))
+            r["queue_depth"] = nthreads
+            rows.append(r)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -322,9 +320,9 @@ def main(argv=None) -> int:
         (["io_uring"] if ssdtrain._core.io_uring_status()["usable"] else []) + ["threads"]
         + (["gds"] if torch.cuda.is_available() and ssdtrain.backends()["gds"]["usable"] else []))
     memories = args.memory.split(",") if args.memory else (["host", "gpu"] if torch.cuda.is_available() else ["host"])
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"# ssdtrain I/O benchmark: dir={args.dir} block={fmt_size(args.block_size)} qd={args.queue_depth} "
-          f"repeat={args.repeat} cpus={os.cpu_count()} gpu={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
-          flush=True)
+          f"repeat={args.repeat} cpus={os.cpu_count()} gpu={gpu}", flush=True)
 
     # Per size, the references and every engine back to back, so drift in a shared disk's speed hits all alike.
     engines = {backend: make_engine(args, backend) for backend in backends}

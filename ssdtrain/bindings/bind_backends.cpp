@@ -17,6 +17,7 @@ nb::dict to_dict(const ssdtrain::backend_status& s) {
 
 void bind_backends(nb::module_& m) {
   m.def("io_uring_status", [] { return to_dict(ssdtrain::io_uring_status()); });
-  m.def("cufile_status", [](const std::string& library) { return to_dict(ssdtrain::cufile_status(library)); },
-        nb::arg("library") = "");
+  m.def(
+      "cufile_status", [](const std::string& library) { return to_dict(ssdtrain::cufile_status(library)); },
+      nb::arg("library") = "");
 }

@@ -38,10 +38,12 @@ void bind_engine(nb::module_& m) {
       .def_prop_rw(
           "direct",
           [](const engine_config& c) {
-            return c.direct == ssdtrain::direct_mode::on ? "on" : c.direct == ssdtrain::direct_mode::off ? "off" : "auto";
+            return c.direct == ssdtrain::direct_mode::on    ? "on"
+                   : c.direct == ssdtrain::direct_mode::off ? "off"
+                                                            : "auto";
           },
           [](engine_config& c, const std::string& v) {
-            c.direct = v == "on" ? ssdtrain::direct_mode::on
+            c.direct = v == "on"    ? ssdtrain::direct_mode::on
                        : v == "off" ? ssdtrain::direct_mode::off
                                     : ssdtrain::direct_mode::automatic;
           })
@@ -120,9 +122,13 @@ void bind_engine(nb::module_& m) {
         return d;
       });
 
-  m.def("crc32c", [](nb::bytes data, std::uint32_t crc) { return ssdtrain::crc32c(data.c_str(), data.size(), crc); },
-        "data"_a, "crc"_a = 0);
-  m.def("crc32c_address", [](std::uintptr_t address, std::size_t bytes, std::uint32_t crc) {
-    return ssdtrain::crc32c(reinterpret_cast<const void*>(address), bytes, crc);
-  }, "address"_a, "bytes"_a, "crc"_a = 0, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "crc32c", [](nb::bytes data, std::uint32_t crc) { return ssdtrain::crc32c(data.c_str(), data.size(), crc); },
+      "data"_a, "crc"_a = 0);
+  m.def(
+      "crc32c_address",
+      [](std::uintptr_t address, std::size_t bytes, std::uint32_t crc) {
+        return ssdtrain::crc32c(reinterpret_cast<const void*>(address), bytes, crc);
+      },
+      "address"_a, "bytes"_a, "crc"_a = 0, nb::call_guard<nb::gil_scoped_release>());
 }

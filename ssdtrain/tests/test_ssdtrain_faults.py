@@ -6,10 +6,9 @@ import os
 
 import pytest
 import torch
-
-import ssdtrain
 from ssdtrain_testutil import mounted_tmpfs, random_tensor
 
+import ssdtrain
 
 # ---------------------------------------------------------------------------------------------- disk full
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ssdtrain_testutil import random_tensor
 
 import ssdtrain
-from ssdtrain_testutil import random_tensor
 
 SIZES = [1, 100, 4095, 4096, 4097, 65536 + 3, (1 << 20) - 1, 1 << 20, (3 << 20) + 17, 9 << 20]
 
@@ -51,7 +51,7 @@ def test_dtypes_and_shapes(engine_factory, backend, direct):
     ]
     futures = [engine.write(t) for t in tensors]
     reads = [engine.read(f.handle) for f in futures]  # issued before the writes finished: ordered after them
-    for t, r in zip(tensors, reads):
+    for t, r in zip(tensors, reads, strict=True):
         back = r.result(timeout=30)
         assert back.dtype == t.dtype and back.shape == t.shape
         assert torch.equal(back, t)
@@ -89,7 +89,7 @@ def test_many_concurrent_transfers(engine_factory, backend):
     tensors = [random_tensor(n, seed=n) for n in range(1000, 400_000, 13_337)]
     writes = [engine.write(t) for t in tensors]
     reads = [engine.read(w.handle) for w in reversed(writes)]
-    for t, r in zip(reversed(tensors), reads):
+    for t, r in zip(reversed(tensors), reads, strict=True):
         assert torch.equal(r.result(timeout=60), t)
     stats = engine.stats()
     assert stats["write_ops"] == len(tensors) and stats["read_ops"] == len(tensors)

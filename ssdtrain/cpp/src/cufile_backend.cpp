@@ -129,11 +129,10 @@ class gds_backend final : public worker_backend {
 #endif
     std::size_t done = 0;
     while (done < r.bytes) {
-      const ssize_t n =
-          r.write ? api_.write(handles_[r.file], r.buffer, r.bytes - done, static_cast<off_t>(r.offset + done),
-                               static_cast<off_t>(done))
-                  : api_.read(handles_[r.file], r.buffer, r.bytes - done, static_cast<off_t>(r.offset + done),
-                              static_cast<off_t>(done));
+      const ssize_t n = r.write ? api_.write(handles_[r.file], r.buffer, r.bytes - done,
+                                             static_cast<off_t>(r.offset + done), static_cast<off_t>(done))
+                                : api_.read(handles_[r.file], r.buffer, r.bytes - done,
+                                            static_cast<off_t>(r.offset + done), static_cast<off_t>(done));
       // cuFile returns -1 with errno for POSIX errors and -(cuFile error) otherwise.
       if (n == -1) return -(errno ? errno : EIO);
       if (n < 0) return -EIO;
@@ -160,7 +159,8 @@ std::unique_ptr<io_backend> make_gds_backend(const std::vector<int>& fds, unsign
 std::string cufile_probe(const std::string& library) {
   const auto& api = cufile(library);
   if (!api.error.empty()) return "unusable: " + api.error;
-  return api.path + (nvidia_fs_loaded() ? " (GPUDirect Storage: nvidia-fs loaded)" : " (compatibility mode: no nvidia-fs)");
+  return api.path +
+         (nvidia_fs_loaded() ? " (GPUDirect Storage: nvidia-fs loaded)" : " (compatibility mode: no nvidia-fs)");
 }
 
 }  // namespace ssdtrain::detail

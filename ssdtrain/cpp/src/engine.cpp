@@ -162,9 +162,9 @@ struct record {
 using record_ptr = std::shared_ptr<record>;
 
 struct piece {
-  std::uint64_t logical = 0;  // offset in the tensor
-  std::size_t bytes = 0;      // bytes of tensor data
-  std::size_t disk_bytes = 0; // bytes on disk (padded to 4096 when staged)
+  std::uint64_t logical = 0;   // offset in the tensor
+  std::size_t bytes = 0;       // bytes of tensor data
+  std::size_t disk_bytes = 0;  // bytes on disk (padded to 4096 when staged)
   int file = 0;
   std::uint64_t file_offset = 0;
   bool staged = false;
@@ -252,8 +252,7 @@ class engine_impl {
 
  private:
   std::vector<piece> plan(const record& rec, memory_view view) const;
-  void submit(const piece& p, void* buffer, int fixed_buffer, int device, bool write,
-              std::function<void(long)> done);
+  void submit(const piece& p, void* buffer, int fixed_buffer, int device, bool write, std::function<void(long)> done);
   void run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark);
   void run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark);
   bool device_direct(memory_view v) const {
@@ -334,9 +333,8 @@ record_ptr engine_impl::find(std::uint64_t handle, const char* action) const {
   auto it = handles_.find(handle);
   if (it != handles_.end()) return it->second;
   const bool issued = handle > 0 && handle < next_handle_;
-  throw shared_cuda::invalid_argument(std::string("ssdtrain: cannot ") + action + " handle " +
-                                      std::to_string(handle) + ": " +
-                                      (issued ? "it was already freed" : "no write returned this handle"));
+  throw shared_cuda::invalid_argument(std::string("ssdtrain: cannot ") + action + " handle " + std::to_string(handle) +
+                                      ": " + (issued ? "it was already freed" : "no write returned this handle"));
 }
 
 std::vector<piece> engine_impl::plan(const record& rec, memory_view view) const {
@@ -347,7 +345,8 @@ std::vector<piece> engine_impl::plan(const record& rec, memory_view view) const 
   for (std::uint64_t at = 0; at < rec.bytes; at += block) {
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(block, rec.bytes - at));
     // Chunks never straddle extents: extents hold whole blocks except the last.
-    std::size_t k = std::upper_bound(rec.extent_start.begin(), rec.extent_start.end(), at) - rec.extent_start.begin() - 1;
+    std::size_t k =
+        std::upper_bound(rec.extent_start.begin(), rec.extent_start.end(), at) - rec.extent_start.begin() - 1;
     const extent& e = rec.extents[k];
     piece p{at, n, n, e.file, e.offset + (at - rec.extent_start[k]), false};
     if (!host && !device_direct(view)) {
@@ -413,14 +412,13 @@ void engine_impl::submit(const piece& p, void* buffer, int fixed_buffer, int dev
   backend_->submit(std::move(r));
 }
 
-std::exception_ptr engine_impl::block_error(const operation& op, std::uint64_t id, const piece& p,
-                                            long result) const {
+std::exception_ptr engine_impl::block_error(const operation& op, std::uint64_t id, const piece& p, long result) const {
   const int err = result < 0 ? static_cast<int>(-result) : EIO;
   const auto dirs = store_->info();
-  return std::make_exception_ptr(io_error(
-      err, std::string("ssdtrain: ") + (op.is_write() ? "write" : "read") + " of handle " + std::to_string(id) +
-               " failed at byte " + std::to_string(p.logical) + " (file in '" + dirs[p.file].path + "', offset " +
-               std::to_string(p.file_offset) + ")"));
+  return std::make_exception_ptr(io_error(err, std::string("ssdtrain: ") + (op.is_write() ? "write" : "read") +
+                                                   " of handle " + std::to_string(id) + " failed at byte " +
+                                                   std::to_string(p.logical) + " (file in '" + dirs[p.file].path +
+                                                   "', offset " + std::to_string(p.file_offset) + ")"));
 }
 
 std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std::uintptr_t stream) {
@@ -549,8 +547,8 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
       } catch (const std::exception& ex) {
         why = ex.what();
       }
-      throw io_error(err, "ssdtrain: handle " + std::to_string(rec->id) + " holds no data because its write failed (" +
-                              why + ")");
+      throw io_error(
+          err, "ssdtrain: handle " + std::to_string(rec->id) + " holds no data because its write failed (" + why + ")");
     }
     const std::size_t block = config_.block_size;
     const auto pieces = plan(*rec, dst);
@@ -560,21 +558,19 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
       stream->wait(*mark);
       if (device_direct(dst)) stream->synchronize();  // earlier work on the destination must finish first
     }
-    const bool all_direct =
-        std::none_of(pieces.begin(), pieces.end(), [](const piece& p) { return p.staged; });
+    const bool all_direct = std::none_of(pieces.begin(), pieces.end(), [](const piece& p) { return p.staged; });
     if (all_direct && !config_.checksum) {
       // Nothing to copy or verify afterwards: completions finish the read and this driver moves on, so many
       // small reads stay in flight at once (random 1 MiB reads at depth 16 need this).
       for (const piece& p : pieces) {
         ++op->pending;
-        submit(p, static_cast<char*>(dst.data) + p.logical, -1, dst.device, false,
-               [this, op, rec, p](long result) {
-                 if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
-                 if (--op->pending == 0) {
-                   rec->unuse();
-                   op->finish();
-                 }
-               });
+        submit(p, static_cast<char*>(dst.data) + p.logical, -1, dst.device, false, [this, op, rec, p](long result) {
+          if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
+          if (--op->pending == 0) {
+            rec->unuse();
+            op->finish();
+          }
+        });
       }
       if (--op->pending == 0) {
         rec->unuse();
@@ -656,7 +652,8 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
     if (config_.checksum && dst.device < 0) {
       for (std::size_t i = 0; i < rec->crcs.size(); ++i) {
         const std::uint64_t at = i * block;
-        if (crc32c(static_cast<char*>(dst.data) + at, std::min<std::uint64_t>(block, rec->bytes - at)) != rec->crcs[i]) {
+        if (crc32c(static_cast<char*>(dst.data) + at, std::min<std::uint64_t>(block, rec->bytes - at)) !=
+            rec->crcs[i]) {
           checksum_failures_.fetch_add(1);
           throw io_error(EBADMSG, "ssdtrain: checksum mismatch reading handle " + std::to_string(rec->id) +
                                       " at byte " + std::to_string(at) +
@@ -728,7 +725,8 @@ void engine_impl::corrupt(std::uint64_t handle, std::uint64_t offset, std::size_
   rec->write_op->wait();
   SHARED_CUDA_EXPECT(offset + bytes <= rec->bytes, "ssdtrain: corrupt range outside the handle");
   // Read-modify-write whole pages through a buffered descriptor of the same file (works under O_DIRECT too).
-  std::size_t k = std::upper_bound(rec->extent_start.begin(), rec->extent_start.end(), offset) - rec->extent_start.begin() - 1;
+  std::size_t k =
+      std::upper_bound(rec->extent_start.begin(), rec->extent_start.end(), offset) - rec->extent_start.begin() - 1;
   const extent& e = rec->extents[k];
   const std::uint64_t at = e.offset + (offset - rec->extent_start[k]);
   const std::uint64_t page = at / 4096 * 4096;

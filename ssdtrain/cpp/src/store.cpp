@@ -121,7 +121,7 @@ store::store(const engine_config& config)
                      "ssdtrain: capacity_per_directory must be at least 4096 bytes");
   try {
     for (const auto& dir : config.directories) {
-      struct stat st {};
+      struct stat st{};
       if (::stat(dir.c_str(), &st) != 0) {
         const int err = errno;
         throw shared_cuda::io_error(err, "ssdtrain: directory '" + dir + "'" +
@@ -144,8 +144,7 @@ store::store(const engine_config& config)
         f.direct = false;
         errno = EINVAL;
       }
-      if (f.fd < 0 && want_direct && (errno == EINVAL || errno == EOPNOTSUPP) &&
-          config.direct == direct_mode::on) {
+      if (f.fd < 0 && want_direct && (errno == EINVAL || errno == EOPNOTSUPP) && config.direct == direct_mode::on) {
         throw shared_cuda::io_error(EINVAL, "ssdtrain: the file system of '" + dir +
                                                 "' does not support O_DIRECT (tmpfs?); use direct='auto' or 'off', "
                                                 "or a directory on a disk");
@@ -153,19 +152,19 @@ store::store(const engine_config& config)
       if (f.fd < 0) {
         const int first_err = errno;
         if (want_direct && first_err != EINVAL && first_err != EOPNOTSUPP) {
-          throw shared_cuda::io_error(first_err, "ssdtrain: cannot create a file in '" + dir +
-                                                     "' (pass a writable directory)");
+          throw shared_cuda::io_error(first_err,
+                                      "ssdtrain: cannot create a file in '" + dir + "' (pass a writable directory)");
         }
         f.fd = open_anonymous(dir, 0, &f.tmpfile);
         if (f.fd < 0) {
           const int err = errno;
-          throw shared_cuda::io_error(err, "ssdtrain: cannot create a file in '" + dir +
-                                               "' (pass a writable directory)");
+          throw shared_cuda::io_error(err,
+                                      "ssdtrain: cannot create a file in '" + dir + "' (pass a writable directory)");
         }
       }
       files_.push_back(std::move(f));
-      const std::uint64_t initial = std::min(round_up(config.preallocate_per_directory, alignment),
-                                             files_.back().capacity);
+      const std::uint64_t initial =
+          std::min(round_up(config.preallocate_per_directory, alignment), files_.back().capacity);
       if (initial > 0) grow_file(files_.back(), initial);
     }
   } catch (...) {

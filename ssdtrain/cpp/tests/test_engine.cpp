@@ -60,12 +60,12 @@ TEST(extent_allocator_first_fit_and_merge) {
   CHECK(x == 0 && y == 4 * 4096 && z == 8 * 4096);
   CHECK(a.in_use() == 12 * 4096);
   a.release(y, 4 * 4096);
-  CHECK(a.allocate(5 * 4096) == -1);     // the hole (4 pages) and the tail (4 pages) are both too small
-  CHECK(a.allocate(3 * 4096) == y);      // first fit: the hole
-  a.release(x, 4 * 4096);                // merges with nothing: [x, x+4) then used [y, y+3)
-  CHECK(a.free_ranges() == 3);           // [x,4) [y+3,1) [12,4)
+  CHECK(a.allocate(5 * 4096) == -1);  // the hole (4 pages) and the tail (4 pages) are both too small
+  CHECK(a.allocate(3 * 4096) == y);   // first fit: the hole
+  a.release(x, 4 * 4096);             // merges with nothing: [x, x+4) then used [y, y+3)
+  CHECK(a.free_ranges() == 3);        // [x,4) [y+3,1) [12,4)
   a.release(y, 3 * 4096);
-  CHECK(a.free_ranges() == 2);           // [0, 8) merged, [12, 16)
+  CHECK(a.free_ranges() == 2);  // [0, 8) merged, [12, 16)
   a.release(z, 4 * 4096);
   CHECK(a.free_ranges() == 1 && a.in_use() == 0);
 }
@@ -104,7 +104,7 @@ TEST(store_respects_cap_and_stripes) {
   const auto striped = s.allocate(1 << 20, 64 << 10);  // >= 4 blocks: split over both directories
   CHECK(striped.size() == 2 && striped[0].file != striped[1].file);
   CHECK(striped[0].bytes == 512 << 10);
-  const auto second = s.allocate(1 << 20, 64 << 10);    // fills both directories to their caps
+  const auto second = s.allocate(1 << 20, 64 << 10);  // fills both directories to their caps
   CHECK(s.bytes_in_use() == 2 << 20);
   CHECK_THROWS(shared_cuda::io_error, s.allocate(1 << 20, 64 << 10));
   try {

@@ -37,33 +37,33 @@ struct fault_spec {
 
 struct engine_config {
   std::vector<std::string> directories;
-  std::uint64_t capacity_per_directory = 0;    // hard cap on each directory's file size (bytes), > 0
-  std::uint64_t preallocate_per_directory = 0; // bytes reserved with fallocate when the engine starts
-  std::uint64_t grow_step = 256ull << 20;      // files grow (fallocate) by at least this much when full
-  std::string backend = "auto";                // auto, io_uring, gds, threads
-  unsigned queue_depth = 32;                   // blocks in flight (io_uring ring size; threads backend workers cap)
-  std::size_t block_size = 1u << 20;           // bytes per I/O request; a multiple of 4096
+  std::uint64_t capacity_per_directory = 0;     // hard cap on each directory's file size (bytes), > 0
+  std::uint64_t preallocate_per_directory = 0;  // bytes reserved with fallocate when the engine starts
+  std::uint64_t grow_step = 256ull << 20;       // files grow (fallocate) by at least this much when full
+  std::string backend = "auto";                 // auto, io_uring, gds, threads
+  unsigned queue_depth = 32;                    // blocks in flight (io_uring ring size; threads backend workers cap)
+  std::size_t block_size = 1u << 20;            // bytes per I/O request; a multiple of 4096
   direct_mode direct = direct_mode::automatic;
-  bool checksum = false;                       // crc32c per block, verified on read
-  unsigned staging_buffers = 16;               // pinned staging buffers of block_size bytes each
-  unsigned threads = 4;                        // threads backend / cuFile workers / operation drivers
-  std::uint64_t stripe_threshold = 0;          // tensors at least this large are split over all directories; 0 = 4 blocks
-  std::string cufile_library;                  // path for dlopen; empty = default names
+  bool checksum = false;               // crc32c per block, verified on read
+  unsigned staging_buffers = 16;       // pinned staging buffers of block_size bytes each
+  unsigned threads = 4;                // threads backend / cuFile workers / operation drivers
+  std::uint64_t stripe_threshold = 0;  // tensors at least this large are split over all directories; 0 = 4 blocks
+  std::string cufile_library;          // path for dlopen; empty = default names
   fault_spec fault;
 };
 
 struct telemetry {
-  std::uint64_t bytes_written = 0, bytes_read = 0;  // tensor bytes completed
-  std::uint64_t write_ops = 0, read_ops = 0;        // tensors completed (successfully or not)
-  std::uint64_t write_blocks = 0, read_blocks = 0;  // block requests completed
+  std::uint64_t bytes_written = 0, bytes_read = 0;        // tensor bytes completed
+  std::uint64_t write_ops = 0, read_ops = 0;              // tensors completed (successfully or not)
+  std::uint64_t write_blocks = 0, read_blocks = 0;        // block requests completed
   std::uint64_t write_active_ns = 0, read_active_ns = 0;  // wall time with at least one op of that kind in flight
   std::uint64_t disk_bytes_written = 0;  // bytes the device was asked to write, padding included (SSD endurance)
   std::uint64_t errors = 0, checksum_failures = 0;
   std::uint64_t inflight_blocks = 0, peak_inflight_blocks = 0;
-  std::uint64_t wait_ns = 0;             // time callers spent blocked in operation::wait
-  std::uint64_t staged_copies = 0;       // blocks that went through a staging buffer
-  std::uint64_t bytes_in_use = 0;        // allocated extents
-  std::uint64_t file_bytes = 0;          // sum of file sizes
+  std::uint64_t wait_ns = 0;        // time callers spent blocked in operation::wait
+  std::uint64_t staged_copies = 0;  // blocks that went through a staging buffer
+  std::uint64_t bytes_in_use = 0;   // allocated extents
+  std::uint64_t file_bytes = 0;     // sum of file sizes
 };
 
 class engine_impl;
@@ -129,8 +129,8 @@ class engine {
   std::uint64_t handle_bytes(std::uint64_t handle) const;
   std::size_t live_handles() const;
 
-  std::string backend() const;          // io_uring, gds or threads
-  std::string backend_detail() const;   // e.g. "fixed buffers: registered", "cuFile compat mode"
+  std::string backend() const;         // io_uring, gds or threads
+  std::string backend_detail() const;  // e.g. "fixed buffers: registered", "cuFile compat mode"
   std::vector<directory_info> directories() const;
   telemetry stats() const;
   const engine_config& config() const;

@@ -12,15 +12,15 @@
 namespace ssdtrain::detail {
 
 struct io_request {
-  int file = 0;              // index into the store's files (fixed-file index for io_uring)
+  int file = 0;  // index into the store's files (fixed-file index for io_uring)
   int fd = -1;
   std::uint64_t offset = 0;
   void* buffer = nullptr;
   std::size_t bytes = 0;
   bool write = false;
-  int fixed_buffer = -1;     // index of a buffer registered with the backend, or -1
-  int device = -1;           // GPU index when buffer is device memory (gds backend only), -1 for host
-  std::size_t moved = 0;     // bytes already moved by earlier partial transfers (backend use)
+  int fixed_buffer = -1;  // index of a buffer registered with the backend, or -1
+  int device = -1;        // GPU index when buffer is device memory (gds backend only), -1 for host
+  std::size_t moved = 0;  // bytes already moved by earlier partial transfers (backend use)
   std::function<void(long result)> done;
 };
 

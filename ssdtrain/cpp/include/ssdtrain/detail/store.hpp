@@ -16,9 +16,9 @@
 namespace ssdtrain::detail {
 
 struct extent {
-  int file = 0;             // index into store::files
-  std::uint64_t offset = 0; // bytes, aligned to the store's alignment
-  std::uint64_t bytes = 0;  // a multiple of the alignment
+  int file = 0;              // index into store::files
+  std::uint64_t offset = 0;  // bytes, aligned to the store's alignment
+  std::uint64_t bytes = 0;   // a multiple of the alignment
 };
 
 // First-fit allocator over one growable range [0, size).

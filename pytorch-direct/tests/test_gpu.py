@@ -440,6 +440,9 @@ def test_memory_pinned_by_torch_is_accepted():
     idx = torch.randint(0, 1000, (700,), device="cuda")
     assert_same(pd.gather(table, idx, strategy="vector"), table[idx.cpu()])
     assert_same(pd.gather(table[100:300], idx % 200), table[100:300][(idx % 200).cpu()])
+    u = pd.unified(table)  # already pinned: wrapped, not registered again
+    assert u.data_ptr() == table.data_ptr()
+    assert_same(u[idx], table[idx.cpu()])
 
 
 def test_empty_index_and_zero_width_rows():

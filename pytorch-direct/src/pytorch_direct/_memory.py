@@ -100,6 +100,9 @@ def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
     nbytes = plain.numel() * plain.element_size()
     if nbytes == 0 or not cuda_usable():
         return plain.as_subclass(UnifiedTensor)
+    if plain.is_pinned():
+        # Already page-locked (e.g. by torch's pin_memory): CUDA refuses a second registration, and none is needed.
+        return plain.as_subclass(UnifiedTensor)
     memory = _core.register_memory(plain.data_ptr(), nbytes, plain)
     return _wrap(memory.tensor(), tuple(plain.shape), plain.dtype)
 

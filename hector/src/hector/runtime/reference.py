@@ -70,22 +70,27 @@ def _mm(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.
     return x @ (w.t() if transpose else w)
 
 
-def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, wtype, xdomain: Domain, graph: Graph) -> torch.Tensor:
+def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, wtype, xdomain: Domain, graph: Graph,
+            row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i times W[type(i)]. With ``row_index``, row i of the operand is ``x[row_index[i]]`` (a fused gather:
+    only one segment's rows are gathered at a time)."""
     by = wtype.by
     core = w.shape[len(by):]
     head, transpose = len(core) == 3, bool(node.attr("transpose"))
     if not by:
-        return _mm(x, w, head, transpose)
+        return _mm(x if row_index is None else x.index_select(0, row_index), w, head, transpose)
     # Segmented GEMM: rows grouped by type, one dense matmul per type (no per-row weight copies).
     wflat = w.reshape(-1, *core)
     dout = core[-2] if transpose else core[-1]
-    out = x.new_empty((x.size(0),) + ((core[0], dout) if head else (dout,)))
+    n = x.size(0) if row_index is None else row_index.numel()
+    out = x.new_empty((n,) + ((core[0], dout) if head else (dout,)))
     perm, counts = graph.segments(xdomain, by)
     start = 0
     for t, c in enumerate(counts):
         if c:
             rows = perm[start:start + c]
-            out[rows] = _mm(x[rows], wflat[t], head, transpose)
+            src = rows if row_index is None else row_index.index_select(0, rows)
+            out[rows] = _mm(x.index_select(0, src), wflat[t], head, transpose)
             start += c
     return out
 
@@ -224,9 +229,22 @@ def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.d
         if node.op in (Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH):
             env[node.name] = eval_node(node, [], [], graph, leaves, dtype)
     for kernel in lowered.kernels:
+        if _chunkable(program, kernel) and graph.num_edges > tile_rows(program, kernel, graph, dtype):
+            _run_chunked(program, kernel, graph, env, leaves, dtype, tile_rows(program, kernel, graph, dtype))
+            continue
         local: dict[str, torch.Tensor] = {}
+        fused = _fused_gather(program, kernel)
         for name in kernel.nodes:
             node = program.by_name[name]
+            if name in fused:  # the GEMM reads through the index instead
+                continue
+            if kernel.kind == "gemm" and node.op is Op.LINEAR and node.args[0] in fused:
+                gather = program.by_name[node.args[0]]
+                x = local[gather.args[0]] if gather.args[0] in local else env[gather.args[0]]
+                w = local[node.args[1]] if node.args[1] in local else env[node.args[1]]
+                local[name] = _linear(node, x, w, program.by_name[node.args[1]].type, gather.type.domain, graph,
+                                      graph.gather_index(gather.attr("via")))
+                continue
             args = [local[a] if a in local else env[a] for a in node.args]
             types = [program.by_name[a].type for a in node.args]
             local[name] = eval_node(node, args, types, graph, leaves, dtype)
@@ -234,3 +252,111 @@ def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.d
             env[name] = local[name]
         del local
     return env
+
+
+def _fused_gather(program: Program, kernel) -> set[str]:
+    """Gathers feeding only this GEMM kernel's linear map as its row operand: executed inside the GEMM."""
+    if kernel.kind != "gemm":
+        return set()
+    out = set()
+    members = set(kernel.nodes)
+    for name in kernel.nodes:
+        node = program.by_name[name]
+        if node.op is Op.LINEAR:
+            a = program.by_name[node.args[0]]
+            users = [u for u in program.users[a.name] if u in members]
+            if a.op is Op.GATHER and users == [name] and program.by_name[a.args[0]].op is not Op.GATHER:
+                out.add(a.name)
+    return out
+
+
+def tile_rows(program: Program, kernel, graph: Graph, dtype: torch.dtype) -> int:
+    """Edges per tile when the reference backend runs an edge-parallel kernel in tiles: each edge temporary
+    takes at most HECTOR_REFERENCE_TILE_BYTES (default 1 MiB on CPU, 64 MiB on GPU, where launches cost more)."""
+    import os
+
+    default = 64 << 20 if graph.device.type == "cuda" else 1 << 20
+    budget = int(os.environ.get("HECTOR_REFERENCE_TILE_BYTES", default))
+    width = max((program.by_name[n].type.numel for n in kernel.nodes
+                 if program.by_name[n].type.domain is Domain.EDGE), default=1)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, budget // max(1, width * itemsize))
+
+
+def _chunkable(program: Program, kernel) -> bool:
+    """Edge-parallel kernels whose edge values never depend on a reduction inside the kernel can run tile by tile
+    (the way the CUDA kernel will): edge temporaries then take one tile of memory, not E rows."""
+    if kernel.kind != "traversal" or kernel.space != "edge":
+        return False
+    inside = set(kernel.nodes)
+    for name in kernel.nodes:
+        n = program.by_name[name]
+        if n.op is Op.EDGE_SOFTMAX:
+            return False
+        if n.type.domain is Domain.NODE and n.op is not Op.SCATTER_ADD:
+            return False
+        if n.type.domain is Domain.UNIQUE:
+            return False
+        if n.op in (Op.SCATTER_ADD, Op.SELECT_SUM) and program.by_name[n.args[0]].type.domain is not Domain.EDGE:
+            return False
+        if n.op is Op.GATHER and (n.type.domain is not Domain.EDGE or n.args[0] in inside):
+            return False
+        if n.op is Op.SELECT and n.type.domain is not Domain.EDGE:
+            return False
+    return True
+
+
+def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapping[str, Any],
+                 dtype: torch.dtype, step: int) -> None:
+    from ..ir.core import GATHER_VIA
+
+    outputs = set(kernel.outputs)
+    acc: dict[str, torch.Tensor] = {}
+    for a in range(0, graph.num_edges, step):
+        sl = slice(a, min(a + step, graph.num_edges))
+        local: dict[str, torch.Tensor] = {}
+
+        def arg(name: str) -> torch.Tensor:
+            if name in local:
+                return local[name]
+            t = env[name]
+            return t[sl] if program.by_name[name].type.domain is Domain.EDGE else t
+
+        for name in kernel.nodes:
+            n = program.by_name[name]
+            at = n.attr
+            if n.op is Op.GATHER:
+                local[name] = arg(n.args[0]).index_select(0, graph.gather_index(at("via"))[sl])
+            elif n.op is Op.SELECT:
+                p, by = arg(n.args[0]), program.by_name[n.args[0]].type.by
+                if not by:
+                    local[name] = p.unsqueeze(0).expand((sl.stop - sl.start,) + p.shape)
+                else:
+                    core = p.shape[len(by):]
+                    local[name] = p.reshape((-1,) + core).index_select(
+                        0, graph.combined_index(Domain.EDGE, by)[sl])
+            elif n.op is Op.SCATTER_ADD:
+                x = arg(n.args[0])
+                if name not in acc:
+                    rows = graph.num_rows(GATHER_VIA[at("via")][0])
+                    acc[name] = x.new_zeros((rows,) + x.shape[1:])
+                acc[name].index_add_(0, graph.gather_index(at("via"))[sl], x)
+            elif n.op is Op.SELECT_SUM:
+                x, by, shape = arg(n.args[0]), tuple(at("by", ())), tuple(at("shape"))
+                if name not in acc:
+                    acc[name] = x.new_zeros(shape)
+                if not by:
+                    acc[name] += x.sum(0)
+                else:
+                    flat = acc[name].view((-1,) + shape[len(by):])
+                    flat.index_add_(0, graph.combined_index(Domain.EDGE, by)[sl], x)
+            else:
+                types = [program.by_name[x].type for x in n.args]
+                local[name] = eval_node(n, [arg(x) for x in n.args], types, graph, leaves, dtype)
+            if name in outputs and name in local and n.type.domain is Domain.EDGE:
+                if name not in acc:
+                    acc[name] = local[name].new_empty((graph.num_edges,) + local[name].shape[1:])
+                acc[name][sl] = local[name]
+        del local
+    for name in kernel.outputs:
+        env[name] = acc[name]

@@ -1,6 +1,8 @@
 """Round trips through every CPU-usable backend, in every alignment and size class, and the Future API."""
 
 import gc
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -232,6 +234,12 @@ def test_crc32c_known_values():
     data = bytes(range(256)) * 1000  # long enough for the 3-stream hardware path
     whole = ssdtrain._core.crc32c(data)
     assert ssdtrain._core.crc32c(data[100_000:], ssdtrain._core.crc32c(data[:100_000])) == whole
+
+
+def test_info_cli_reports_backends():
+    out = subprocess.run([sys.executable, "-m", "ssdtrain", "info"], capture_output=True, text=True, check=True).stdout
+    for name in ("io_uring:", "gds:", "threads:", "selected:"):
+        assert name in out
 
 
 def test_info_reports_backends():

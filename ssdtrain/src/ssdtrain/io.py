@@ -370,7 +370,6 @@ class Engine:
         self.settings = dict(settings, capacity_per_directory=cap)
         self._engine = _core.Engine(cfg)
         self._id = next(_engine_ids)
-        self._handles: dict[int, Handle] = {}
         self._inflight: list[Future] = []
         self._lock = threading.Lock()
 
@@ -420,7 +419,6 @@ class Engine:
         pinned = device.type == "cpu" and tensor.is_pinned()
         hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), _stream_address(device, stream))
         handle = Handle(hid, nbytes, tuple(tensor.shape), tensor.dtype, device, pinned, self._id)
-        self._handles[hid] = handle
         future = WriteFuture(op, tensor, handle)
         self._track(future)
         return future
@@ -460,7 +458,6 @@ class Engine:
         if not isinstance(handle, Handle) or handle._engine_id != self._id:
             raise ValueError(f"{handle!r} is not a handle of this engine")
         engine.free(handle.id)
-        self._handles.pop(handle.id, None)
 
     def drain(self) -> None:
         """Block until every transfer in flight has finished."""

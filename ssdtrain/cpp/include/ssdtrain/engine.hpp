@@ -5,10 +5,11 @@
 //   auto op2 = e.read(handle, dst_view, stream);     // ordered after the write; verifies the checksum if enabled
 //   e.free(handle);                                  // space returns to the extent allocator
 //
-// Every failure reaches the waiter of the operation as an exception (io_error with errno, invalid_argument, ...):
-// nothing is only logged. Device memory (view.device >= 0) moves through a pool of pinned staging buffers (or
-// directly with cuFile under the gds backend); host memory moves directly when it is aligned for O_DIRECT and
-// through the staging pool otherwise.
+// The caller keeps the memory of a transfer alive and unchanged until the operation is done (the Python layer
+// holds the tensor for it). Every failure reaches the waiter of the operation as an exception (io_error with errno,
+// invalid_argument, ...): nothing is only logged. Device memory (view.device >= 0) moves through a pool of pinned
+// staging buffers (or directly with cuFile under the gds backend); host memory moves directly when it is aligned
+// for O_DIRECT and through the staging pool otherwise.
 #pragma once
 
 #include <atomic>

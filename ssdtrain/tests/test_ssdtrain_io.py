@@ -236,6 +236,26 @@ def test_crc32c_known_values():
     assert ssdtrain._core.crc32c(data[100_000:], ssdtrain._core.crc32c(data[:100_000])) == whole
 
 
+def test_io_uring_built_and_usable_where_liburing_is_installed():
+    # CI installs liburing-dev: this fails (rather than silently skipping the io_uring tests) if the build missed it.
+    try:
+        found = subprocess.run(["pkg-config", "--exists", "liburing"], check=False).returncode == 0
+    except FileNotFoundError:
+        pytest.skip("no pkg-config here")
+    if not found:
+        pytest.skip("liburing-dev is not installed")
+    status = ssdtrain._core.io_uring_status()
+    assert status["compiled"], status
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as f:
+            disabled = int(f.read())
+    except OSError:
+        disabled = 0
+    if disabled:
+        pytest.skip(f"io_uring disabled by sysctl (kernel.io_uring_disabled={disabled})")
+    assert status["usable"], status
+
+
 def test_info_cli_reports_backends():
     out = subprocess.run([sys.executable, "-m", "ssdtrain", "info"], capture_output=True, text=True, check=True).stdout
     for name in ("io_uring:", "gds:", "threads:", "selected:"):

@@ -29,8 +29,10 @@ class io_uring_backend final : public io_backend {
   io_uring_backend(const std::vector<int>& fds, unsigned queue_depth,
                    const std::vector<std::pair<void*, std::size_t>>& fixed_buffers)
       : depth_(std::max(1u, queue_depth)) {
-    // One extra entry for the eventfd poll.
-    int ret = io_uring_queue_init(depth_ + 1, &ring_, 0);
+    // One extra entry for the eventfd poll. COOP_TASKRUN (Linux 5.19): completions are run when the ring thread
+    // enters the kernel anyway, instead of interrupting it; older kernels refuse the flag, so retry without.
+    int ret = io_uring_queue_init(depth_ + 1, &ring_, IORING_SETUP_COOP_TASKRUN);
+    if (ret == -EINVAL) ret = io_uring_queue_init(depth_ + 1, &ring_, 0);
     if (ret < 0)
       throw shared_cuda::unavailable_error(std::string("ssdtrain: the kernel refused an io_uring: ") +
                                            std::strerror(-ret) + "; use backend='threads'");

@@ -428,7 +428,7 @@ def test_calibration_and_auto(tmp_cache):
         _strategy.set_table(None)
         assert _strategy.load() == data  # read back from the cache
         for rb in (64, 4096):
-            assert _strategy.choose("gather", rb, 100000, 10**6) in ("vector", "sorted", "staged")
+            assert _strategy.choose("gather", rb, 100000, 10**6) in ("vector", "sorted", "staged", "split")
         assert _strategy.choose("gather", 64, 100000, 10**6, capturing=True) in ("vector", "sorted")
     finally:
         _strategy.set_table(None)

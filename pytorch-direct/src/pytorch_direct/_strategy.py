@@ -23,7 +23,7 @@ from ._config import settings
 
 ROW_BYTES = (64, 128, 256, 512, 1024, 2048, 4096)
 DENSITIES = (0.002, 0.016, 0.12)
-GATHER_STRATEGIES = ("vector", "sorted", "staged")
+GATHER_STRATEGIES = ("vector", "sorted", "staged", "split")
 SCATTER_STRATEGIES = ("vector", "sorted", "staged")
 # Below this many bytes a call is latency-bound: a kernel launch beats any host round trip.
 SMALL_CALL_BYTES = 1 << 20
@@ -114,6 +114,8 @@ def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats
             result["gather"][cell] = {}
             result["scatter"][cell] = {}
             for s in GATHER_STRATEGIES:
+                if s == "split":
+                    set_table(result)  # split_fraction reads this cell's vector/sorted/staged numbers
                 seconds = _time(lambda: _ops.gather_impl(table, index, s, 0), repeats)
                 result["gather"][cell][s] = n * rb / seconds / 1e9
             for s in SCATTER_STRATEGIES:

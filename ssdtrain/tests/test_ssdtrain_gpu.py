@@ -72,6 +72,21 @@ def test_write_waits_for_the_producing_stream(gpu_engine):
     assert torch.equal(engine.read(fut.handle).result(timeout=60), torch.full_like(t, 42))
 
 
+def test_write_after_event(gpu_engine):
+    engine = gpu_engine()
+    side = torch.cuda.Stream()
+    t = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")
+    ready = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        t.fill_(17)
+        ready.record()
+    fut = engine.write(t, after=ready)  # the current stream knows nothing of `side`: the event orders the copy
+    assert torch.equal(engine.read(fut.handle).result(timeout=60), torch.full_like(t, 17))
+    with pytest.raises(ValueError, match="not both"):
+        engine.write(t, stream=side, after=ready)
+
+
 def test_read_waits_for_pending_work_on_destination(gpu_engine):
     engine = gpu_engine()
     src = torch.full((4 << 20,), 5, dtype=torch.uint8, device="cuda")

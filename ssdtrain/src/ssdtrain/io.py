@@ -12,8 +12,10 @@ Writes and reads are futures (``Future``): ``done()`` polls, ``wait(timeout)`` b
 re-raises the failure (``OSError`` with errno: ENOSPC, EIO, ...; ``ChecksumError`` when stored data was corrupted),
 ``staged()`` says when a write no longer reads its source (for CUDA tensors: once the device-to-host copies are done,
 so GPU memory can be reused before the disk write finishes), ``wait_stream(stream)`` orders a CUDA stream after the
-transfer. CUDA work is ordered against the caller's stream: a write starts after the work already queued on the
-current stream (which produces the tensor), a read into a CUDA tensor starts after the work queued on it.
+transfer. CUDA work is ordered against the caller's stream or an event: a write starts after the work already queued
+on the current stream (which produces the tensor) or after ``after=event``; a read into a CUDA tensor starts after
+the work queued on it. Completion is reported to the host (``done``/``wait``); the engine's own device copies are
+finished by then, so any stream may use the data once the future is done.
 
 Tensors are kept alive by the engine until their transfer completes, so dropping the last reference to a tensor
 while its write is in flight is safe.
@@ -284,9 +286,25 @@ def _checksum_error(e: OSError) -> OSError:
     return e
 
 
-def _stream_address(device: torch.device, stream) -> int:
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _stream_address(device: torch.device, stream, after) -> int:
+    """The CUDA stream the engine orders its copies after: `stream` (default: current), or a side stream waiting
+    for the event `after`."""
     if device.type != "cuda":
+        if after is not None:
+            after.synchronize()  # host memory filled by an async device copy: wait for it here
         return 0
+    if after is not None:
+        if stream is not None:
+            raise ValueError("pass stream= or after=, not both")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        side = _side_streams.get(index)
+        if side is None:
+            side = _side_streams[index] = torch.cuda.Stream(device=index)
+        side.wait_event(after)
+        stream = side
     stream = stream if stream is not None else torch.cuda.current_stream(device)
     return int(stream.cuda_stream)
 
@@ -406,29 +424,35 @@ class Engine:
             self._inflight.append(future)
 
     # -------------------------------------------------------------------------------------------- transfers
-    def write(self, tensor: torch.Tensor, *, stream: torch.cuda.Stream | None = None) -> WriteFuture:
+    def write(self, tensor: torch.Tensor, *, stream: torch.cuda.Stream | None = None,
+              after: torch.cuda.Event | None = None) -> WriteFuture:
         """Start writing a contiguous CPU or CUDA tensor; the returned future's ``handle`` is usable at once.
 
-        For CUDA tensors the copy starts after the work queued so far on `stream` (default: the current stream).
-        Running out of space raises ``OSError(ENOSPC)`` here, before anything is written.
+        For CUDA tensors the copy starts after the work queued so far on `stream` (default: the current stream), or
+        after the CUDA event `after` (recorded where the tensor is produced; for a CPU tensor filled by an async
+        device copy, the event is waited for on the host before submitting). Running out of space raises
+        ``OSError(ENOSPC)`` here, before anything is written.
         """
         engine = self._core()
         tensor = _check_tensor(tensor, "write")
         nbytes = tensor.numel() * tensor.element_size()
         device = tensor.device
         pinned = device.type == "cpu" and tensor.is_pinned()
-        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), _stream_address(device, stream))
+        address = _stream_address(device, stream, after)
+        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), address)
         handle = Handle(hid, nbytes, tuple(tensor.shape), tensor.dtype, device, pinned, self._id)
         future = WriteFuture(op, tensor, handle)
         self._track(future)
         return future
 
     def read(self, handle: Handle, out: torch.Tensor | None = None, *,
-             stream: torch.cuda.Stream | None = None) -> Future:
+             stream: torch.cuda.Stream | None = None, after: torch.cuda.Event | None = None) -> Future:
         """Start reading `handle` into `out` (default: a new tensor like the one written, on the same device).
 
         `out` must be contiguous with exactly the handle's byte size (any dtype/shape). The read is ordered after
-        the handle's write; reading a freed or foreign handle raises ValueError.
+        the handle's write, and for a CUDA `out` after the work queued on `stream` (default: current) or after the
+        event `after`, so it never overwrites data still being read there. Reading a freed or foreign handle
+        raises ValueError.
         """
         engine = self._core()
         if not isinstance(handle, Handle):
@@ -447,7 +471,8 @@ class Engine:
             raise ValueError(f"out has {nbytes} bytes but handle {handle.id} holds {handle.nbytes}: pass a tensor "
                              f"of shape {handle.shape} and dtype {handle.dtype} (or any of the same byte size)")
         device = out.device
-        op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), _stream_address(device, stream))
+        address = _stream_address(device, stream, after)
+        op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), address)
         future = Future(op, out, out)
         self._track(future)
         return future

@@ -234,7 +234,13 @@ class Future:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done or `timeout` seconds pass; returns done(). Does not raise the transfer's error."""
-        done = self._op.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
+        if timeout is None:
+            # Short slices, so Ctrl-C reaches Python while waiting (each slice returns as soon as the op is done).
+            done = self._op.wait(0.25)
+            while not done:
+                done = self._op.wait(0.25)
+        else:
+            done = self._op.wait(max(0.0, float(timeout)))
         if done:
             self._keep = None
         return done

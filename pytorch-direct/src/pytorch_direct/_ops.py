@@ -211,11 +211,12 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
 
             k = min(n, max(0, int(round(n * split_fraction(rb, n, rows)))))
             host_rest = idx[k:].cpu()  # before the kernel is queued: .cpu() waits for the stream
+            side = _Side.get(index.device)
+            # `out` was allocated on `stream`: the side stream waits for the work queued so far, not for the kernel.
+            side.wait_stream(stream)
             if k > 0:
                 _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
             if k < n:
-                side = _Side.get(index.device)
-                side.wait_stream(stream)  # `out` was allocated on `stream`
                 rest = out.view(n, -1)[k:] if out.dim() > 0 else out
                 _core.gather_staged(table.data_ptr(), rows, rb, host_rest.data_ptr(), host_rest.element_size(),
                                     n - k, rest.data_ptr(), settings.threads, side.cuda_stream)

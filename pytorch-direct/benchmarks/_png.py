@@ -1,5 +1,6 @@
 """A dependency-free PNG line plot for machines without matplotlib: one panel per (op, density, order), x = log2
-row bytes, y = GB/s from 0 to the maximum, one colour per column (order given by the caller). No text."""
+row bytes, y = GB/s from 0 to the panel's maximum (written in the title), one colour per column, with a legend.
+Text uses a 3x5 pixel font drawn at 2x."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ import zlib
 
 COLOURS = [(0, 0, 0), (230, 120, 0), (120, 120, 120), (200, 0, 0), (0, 90, 200), (0, 160, 60), (150, 0, 180),
            (0, 180, 180)]
+
+
+# 3x5 glyphs, rows top to bottom, 3 bits each (4 = left pixel).
+_FONT = {
+    "a": (2, 5, 7, 5, 5), "b": (6, 5, 6, 5, 6), "c": (3, 4, 4, 4, 3), "d": (6, 5, 5, 5, 6), "e": (7, 4, 6, 4, 7),
+    "f": (7, 4, 6, 4, 4), "g": (3, 4, 5, 5, 3), "h": (5, 5, 7, 5, 5), "i": (7, 2, 2, 2, 7), "j": (1, 1, 1, 5, 2),
+    "k": (5, 5, 6, 5, 5), "l": (4, 4, 4, 4, 7), "m": (5, 7, 7, 5, 5), "n": (6, 5, 5, 5, 5), "o": (2, 5, 5, 5, 2),
+    "p": (6, 5, 6, 4, 4), "q": (2, 5, 5, 6, 3), "r": (6, 5, 6, 5, 5), "s": (3, 4, 2, 1, 6), "t": (7, 2, 2, 2, 2),
+    "u": (5, 5, 5, 5, 7), "v": (5, 5, 5, 5, 2), "w": (5, 5, 7, 7, 5), "x": (5, 5, 2, 5, 5), "y": (5, 5, 2, 2, 2),
+    "z": (7, 1, 2, 4, 7), "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (6, 1, 2, 4, 7), "3": (6, 1, 2, 1, 6),
+    "4": (5, 5, 7, 1, 1), "5": (7, 4, 6, 1, 6), "6": (3, 4, 7, 5, 7), "7": (7, 1, 2, 2, 2), "8": (7, 5, 7, 5, 7),
+    "9": (7, 5, 7, 1, 6), ".": (0, 0, 0, 0, 2), "%": (5, 1, 2, 4, 5), ":": (0, 2, 0, 2, 0), "/": (1, 1, 2, 4, 4),
+    "-": (0, 0, 7, 0, 0), " ": (0, 0, 0, 0, 0),
+}
 
 
 def _png(width, height, pixels) -> bytes:
@@ -21,7 +36,7 @@ def _png(width, height, pixels) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
 
 
-def line_grid_png(results, path, columns, panel=(320, 220)):
+def line_grid_png(results, path, columns, panel=(360, 240)):
     panels = sorted({(r["op"], r["density"], r["order"]) for r in results if r["dtype"] == "f32"})
     if not panels:
         return
@@ -35,6 +50,17 @@ def line_grid_png(results, path, columns, panel=(320, 220)):
         if 0 <= x < width and 0 <= y < height:
             i = (y * width + x) * 3
             px[i:i + 3] = bytes(c)
+
+    def text(x, y, string, c=(0, 0, 0), scale=2):
+        for ch in string.lower():
+            glyph = _FONT.get(ch, _FONT[" "])
+            for row, bits in enumerate(glyph):
+                for col in range(3):
+                    if bits & (4 >> col):
+                        for dy in range(scale):
+                            for dx in range(scale):
+                                dot(x + col * scale + dx, y + row * scale + dy, c)
+            x += 4 * scale
 
     def line(x0, y0, x1, y1, c):
         steps = max(abs(x1 - x0), abs(y1 - y0), 1)
@@ -51,6 +77,10 @@ def line_grid_png(results, path, columns, panel=(320, 220)):
         ymax = max([r.get(c, 0) for r in rs for c in columns if not math.isnan(r.get(c, float("nan")))] + [1e-9])
         xs = [math.log2(r["row_bytes"]) for r in rs]
         x_lo, x_hi = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+        op, density, order = key
+        text(ox + 24, oy + 4, f"{op} {density * 100:g}% {order} max {ymax:.1f}gb/s")
+        text(ox + 24, oy + ph - 14, f"{rs[0]['row_bytes']}b", scale=1)
+        text(ox + pw - 40, oy + ph - 14, f"{rs[-1]['row_bytes']}b", scale=1)
         line(ox + 20, oy + ph - 20, ox + pw - 10, oy + ph - 20, (0, 0, 0))
         line(ox + 20, oy + 10, ox + 20, oy + ph - 20, (0, 0, 0))
         for ci, c in enumerate(columns):
@@ -59,5 +89,9 @@ def line_grid_png(results, path, columns, panel=(320, 220)):
             pts = [(round(a), round(b)) for a, b in pts if not math.isnan(b)]
             for (a, b), (c2, d) in zip(pts, pts[1:]):
                 line(a, b, c2, d, COLOURS[ci % len(COLOURS)])
+    for ci, c in enumerate(columns):  # legend in the last panel row's free space or over the first panel
+        lx, ly = 30 + (ci % 4) * 70, 20 + (ci // 4) * 12
+        line(lx, ly + 5, lx + 12, ly + 5, COLOURS[ci % len(COLOURS)])
+        text(lx + 16, ly + 2, c, COLOURS[ci % len(COLOURS)], scale=1)
     with open(path, "wb") as f:
         f.write(_png(width, height, px))

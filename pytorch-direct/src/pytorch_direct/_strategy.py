@@ -9,6 +9,7 @@ happens implicitly inside CUDA graph capture or ``torch.compile`` tracing).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,9 +34,15 @@ _loaded: dict | None = None
 
 
 def _key() -> str:
+    return _device_key(max(_core.current_device(), 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(device: int) -> str:
+    # Cached: device properties never change, and this runs on every "auto" call (also under graph capture).
     from . import __version__
 
-    props = _core.device_properties(max(_core.current_device(), 0)) or {}
+    props = _core.device_properties(device) or {}
     name = str(props.get("name", "unknown")).replace(" ", "_").replace("/", "_")
     bus = str(props.get("pci_bus_id", "")).replace(":", "-")
     return f"calibration-{name}-{bus}-{__version__}.json"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LAYERS, cpu_peak_bytes, cuda_peak_bytes, hector_layer, hetero_inputs, human,  # noqa: E402
-                    pyg_layer, pyg_materialized_bytes)
+from common import (  # noqa: E402
+    LAYERS,
+    cpu_peak_bytes,
+    cuda_peak_bytes,
+    hector_layer,
+    hetero_inputs,
+    human,
+    pyg_layer,
+    pyg_materialized_bytes,
+)
 
 from hector import datasets  # noqa: E402
 from hector.cost import choose_options, estimate, peak_bytes  # noqa: E402
@@ -79,7 +88,7 @@ def run(names, layers, dim, heads, measure_edges, device, pyg_limit, out_csv=Non
                        scaled_hector_model_peak=peak_s)
             with torch.no_grad():
                 m(x, ei, et, nt)  # warm-up: graph preprocessing is cached per graph, not per call
-                row["scaled_hector_measured_peak"] = measure(lambda: m(x, ei, et, nt), device)
+                row["scaled_hector_measured_peak"] = measure(functools.partial(m, x, ei, et, nt), device)
             pyg_est = pyg_materialized_bytes(kind, st, dim, heads, src_type_nodes(twin))
             row["scaled_pyg_model_bytes"] = pyg_est
             p = pyg_layer(kind, dim, twin.num_relations, twin.num_node_types, heads,
@@ -94,21 +103,21 @@ def run(names, layers, dim, heads, measure_edges, device, pyg_limit, out_csv=Non
                     _, _, xd, eid = hetero_inputs(twin, x.cpu())
                     xd = {k: v.to(device) for k, v in xd.items()}
                     eid = {k: v.to(device) for k, v in eid.items()}
-                    fn = lambda: p(xd, eid)  # noqa: E731
+                    fn = functools.partial(p, xd, eid)
                 else:
-                    fn = lambda: p(x, ei, et)  # noqa: E731
+                    fn = functools.partial(p, x, ei, et)
                 with torch.no_grad():
                     fn()
                     row["scaled_pyg_measured_peak"] = measure(fn, device)
             row["setup_s"] = round(gen_s, 1)
             rows.append(row)
             print(format_row(row), flush=True)
-    if out_csv:
-        keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-        with open(out_csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+            if out_csv:  # rewritten after every row, so a run cut short keeps what it measured
+                keys = list(dict.fromkeys(k for r in rows for k in r))
+                with open(out_csv, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=keys)
+                    w.writeheader()
+                    w.writerows(rows)
     return rows
 
 
@@ -129,13 +138,15 @@ def format_row(r):
 
 
 def markdown(rows) -> str:
-    lines = ["| dataset | layer | E / unique pairs | compact, reorder | hector materialised (model) | hector peak "
-             "(model) | PyG materialised (model) | scaled E | hector peak model / measured | PyG peak measured |",
+    lines = ["| dataset | layer | E / unique pairs | compact, reorder | hector materialised (model) | "
+             "hector peak (model) | PyG materialised (model) | scaled E | hector peak model / measured | "
+             "PyG peak measured |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['dataset']} | {r['layer']} | {r['edges'] / r['unique_pairs']:.2f} | "
-            f"{int(r['compact'])}, {int(r['reorder'])} | {_h(r['hector_model_bytes'])} | {_h(r['hector_model_peak'])} | "
+            f"{int(r['compact'])}, {int(r['reorder'])} | {_h(r['hector_model_bytes'])} | "
+            f"{_h(r['hector_model_peak'])} | "
             f"{_h(r['pyg_model_bytes'])} | {r['scaled_edges']} | {_h(r['scaled_hector_model_peak'])} / "
             f"{_h(r['scaled_hector_measured_peak'])} | {_h(r['scaled_pyg_measured_peak'])} |")
     return "\n".join(lines)

@@ -3,14 +3,13 @@ through the reference interpreter of the same forward program."""
 
 import pytest
 import torch
+from conftest import make_graph, rel_err
 
 from hector.ir import Builder, Op
 from hector.passes import Options, differentiate
 from hector.runtime.compiled import apply, compile_program
 from hector.runtime.graph import Graph
 from hector.runtime.reference import interpret
-
-from conftest import make_graph, rel_err
 
 R, T = 3, 2
 ACTS = ["exp", "relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
@@ -76,7 +75,7 @@ def test_generated_backward_gradcheck(make, opts):
     names = list(leaves)
 
     def f(*ts):
-        return apply(compiled, graph, dict(zip(names, ts)))
+        return apply(compiled, graph, dict(zip(names, ts, strict=True)))
 
     inputs = tuple(leaves[n].requires_grad_() for n in names)
     assert torch.autograd.gradcheck(f, inputs, atol=1e-7, rtol=1e-5, fast_mode=True)
@@ -93,7 +92,7 @@ def test_generated_backward_matches_torch_autograd_of_interpreter(make):
     out = apply(compile_program(p, Options()), graph, leaves)
     grads = torch.autograd.grad((out * weights).sum(), [leaves[n] for n in names])
     assert rel_err(out, ref) < 1e-12
-    for n, a, b in zip(names, grads, ref_grads):
+    for n, a, b in zip(names, grads, ref_grads, strict=True):
         assert rel_err(a, b) < 1e-10, n
 
 

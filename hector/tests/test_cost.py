@@ -1,12 +1,11 @@
 import torch
+from conftest import make_graph
 
 import hector.nn as hn
 from hector.cost import choose_options, estimate, peak_bytes
 from hector.lower.kernels import materialized_bytes
 from hector.runtime.graph import Graph
 from hector.runtime.reference import run_lowered
-
-from conftest import make_graph
 
 R = 3
 

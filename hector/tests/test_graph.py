@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import make_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -8,14 +9,12 @@ from hector.errors import GraphInputError
 from hector.ir import Domain
 from hector.runtime.graph import Graph
 
-from conftest import make_graph
-
 R, N = 3, 14
 
 
 def test_unique_pairs_and_inverse_index(small_graph):
     g = small_graph
-    pairs = {(int(s), int(r)) for s, r in zip(g.src, g.etype)}
+    pairs = {(int(s), int(r)) for s, r in zip(g.src, g.etype, strict=True)}
     assert g.num_unique == len(pairs) < g.num_edges
     back = torch.stack([g.unique_src[g.edge_to_unique], g.unique_etype[g.edge_to_unique]])
     assert torch.equal(back, torch.stack([g.src, g.etype]))

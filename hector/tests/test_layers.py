@@ -1,11 +1,10 @@
 import pytest
 import torch
+from conftest import make_graph, rel_err
 
 import hector.nn as hn
 from hector.passes import Options
 from hector.runtime import graph as graph_mod
-
-from conftest import make_graph, rel_err
 
 R, N = 3, 14
 
@@ -53,7 +52,7 @@ def test_layer_gradcheck_float64(name, optimize, data):
     names = [n for n, _ in m.named_parameters()]
 
     def g(x_, *ps):
-        return functional_call(m, dict(zip(names, ps)), (x_, ei, et, nt))
+        return functional_call(m, dict(zip(names, ps, strict=True)), (x_, ei, et, nt))
 
     inputs = (x,) + tuple(p.detach().clone().requires_grad_() for p in params)
     assert torch.autograd.gradcheck(g, inputs, atol=1e-7, rtol=1e-5)
@@ -93,7 +92,7 @@ def test_rgat_per_relation_matches_handwritten_reference(data):
     params = [x] + list(m.parameters())
     ga = torch.autograd.grad(out.pow(2).sum(), params)
     gb = torch.autograd.grad(ref.pow(2).sum(), params)
-    for a, b in zip(ga, gb):
+    for a, b in zip(ga, gb, strict=True):
         assert rel_err(a, b) < 1e-10
 
 
@@ -129,7 +128,7 @@ def test_dropout_only_in_training_and_consistent_in_backward(data):
 
     def g(x_, *ps):
         torch.manual_seed(123)
-        return functional_call(m, dict(zip(names, ps)), (x_, ei, et))
+        return functional_call(m, dict(zip(names, ps, strict=True)), (x_, ei, et))
 
     inputs = (x.clone().requires_grad_(),) + tuple(p.detach().clone().requires_grad_() for p in m.parameters())
     assert torch.autograd.gradcheck(g, inputs, atol=1e-7, rtol=1e-5, fast_mode=True)
@@ -220,5 +219,5 @@ def test_tiled_reference_execution_matches(name, data, monkeypatch):
         results.append((out, grads))
     (a, ga), (b, gb) = results
     assert rel_err(b, a) < 1e-12
-    for u, v in zip(ga, gb):
+    for u, v in zip(ga, gb, strict=True):
         assert rel_err(u, v) < 1e-12

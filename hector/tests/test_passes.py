@@ -1,15 +1,13 @@
 import pytest
 import torch
+from conftest import make_graph, rel_err
 
 from hector.errors import IRVerificationError
 from hector.ir import Builder, Domain, Op
 from hector.lower.kernels import lower, materialized_bytes, row_count
-from hector.passes import (Options, canonicalize, compact, cse, dce, infer_types, optimize, reorder,
-                           run_pipeline)
+from hector.passes import Options, canonicalize, compact, cse, dce, infer_types, optimize, reorder, run_pipeline
 from hector.runtime.graph import Graph
 from hector.runtime.reference import interpret, run_lowered
-
-from conftest import make_graph, rel_err
 
 R, FIN, H, C = 3, 4, 2, 3
 
@@ -56,7 +54,8 @@ def rgat_program(shared=False):
 def test_canonicalize_folds_scales_and_double_negation(small_graph):
     b = Builder("t")
     x = b.node_input("x", 3)
-    y = -(-((x * 2.0) * 3.0)) * 1.0
+    neg = -((x * 2.0) * 3.0)
+    y = (-neg) * 1.0
     p = b.build(y)
     q = dce(canonicalize(p))
     assert q.count(Op.SCALE) == 1 and q.count(Op.NEG) == 0

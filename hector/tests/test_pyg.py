@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from conftest import make_graph, rel_err
 
 import hector.nn as hn
-
-from conftest import make_graph, rel_err
 
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 
@@ -28,7 +27,7 @@ def check(ours, theirs, x, ei, et, names):
     w = torch.randn_like(b)
     ga = torch.autograd.grad((a * w).sum(), [x1] + [ours.get_parameter(n) for n in names])
     gb = torch.autograd.grad((b * w).sum(), [x2] + [theirs.get_parameter(n) for n in names])
-    for n, u, v in zip(["x"] + names, ga, gb):
+    for n, u, v in zip(["x"] + names, ga, gb, strict=True):
         assert rel_err(u, v) < TOL, n
 
 

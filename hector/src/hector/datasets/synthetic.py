@@ -129,7 +129,7 @@ def generate(spec: DatasetSpec, seed: int = 0, pair_ratio: float | None = None,
     type_sizes = _split(n, _power_weights(t, 1.0, gen))
     type_start = torch.cat([torch.zeros(1, dtype=torch.long), type_sizes.cumsum(0)[:-1]])
     node_type = torch.repeat_interleave(torch.arange(t), type_sizes)
-    popularity = [torch.randperm(int(s), generator=gen) + int(o) for s, o in zip(type_sizes, type_start)]
+    popularity = [torch.randperm(int(s), generator=gen) + int(o) for s, o in zip(type_sizes, type_start, strict=True)]
     # relations: endpoint types and power-law edge counts
     rel_edges = _split(spec.num_edges, _power_weights(r, relation_skew, gen))
     # endpoint types drawn in proportion to type size; the largest relations get the largest source types

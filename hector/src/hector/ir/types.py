@@ -59,7 +59,7 @@ def _einsum_shape(node: Node, eq: str, a: VType, b: VType) -> tuple[int, ...]:
     for letters, t in ((m.group(1), a), (m.group(2), b)):
         if len(letters) != len(t.shape):
             raise _fail(node, f"einsum {eq!r}: {letters!r} does not match shape {t.shape}")
-        for ch, d in zip(letters, t.shape):
+        for ch, d in zip(letters, t.shape, strict=True):
             if sizes.setdefault(ch, d) != d:
                 raise _fail(node, f"einsum {eq!r}: index {ch!r} has sizes {sizes[ch]} and {d}")
     return tuple(sizes[ch] for ch in m.group(3))

@@ -228,24 +228,26 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         ordered: list[str] = []
         reads: list[str] = []
 
-        def need(a: str) -> None:
-            node = p.node(a)
-            if node.op in _VIRTUAL:
-                for b in node.args:
-                    need(b)
-                if a not in ordered:
-                    ordered.append(a)
-            elif a not in members and a not in reads:
-                reads.append(a)
-
         for m in names:
             for a in p.node(m).args:
-                need(a)
+                _need(p, a, members, ordered, reads)
             ordered.append(m)
         kernels.append(Kernel(f"k{idx}_{kind}", kind, space, tuple(ordered), tuple(reads), tuple(outputs), layout,
                               tuple(sorted(detail.items()))))
     materialized = tuple(o for k in kernels for o in k.outputs)
     return Lowered(p, tuple(kernels), materialized)
+
+
+def _need(p: Program, a: str, members: set[str], ordered: list[str], reads: list[str]) -> None:
+    """Record that a kernel reads ``a``: virtual reads are evaluated inside it, anything else is an input."""
+    node = p.node(a)
+    if node.op in _VIRTUAL:
+        for b in node.args:
+            _need(p, b, members, ordered, reads)
+        if a not in ordered:
+            ordered.append(a)
+    elif a not in members and a not in reads:
+        reads.append(a)
 
 
 def _toposort(p: Program, groups: list, owner: Mapping[str, int]) -> list[int]:

@@ -107,7 +107,7 @@ def differentiate(fwd: Program, wrt: Iterable[tuple[Op, str]] | None = None) -> 
         g = total(node.name)
         op, at, args = node.op, node.attr, node.args
 
-        def give(i: int, value: str) -> None:
+        def give(i: int, value: str, args: tuple[str, ...] = args) -> None:
             if needs[args[i]]:
                 grads[args[i]].append(value)
 

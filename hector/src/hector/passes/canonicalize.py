@@ -32,7 +32,7 @@ def _sweep(program: Program) -> tuple[Program, bool]:
         op, at = node.op, node.attr
         a0 = node_of(args[0]) if args else None
 
-        def alias(to):
+        def alias(to, node=node):
             nonlocal changed
             rw.replace_with(node.name, to)
             changed = True

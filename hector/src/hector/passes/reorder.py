@@ -89,7 +89,7 @@ def _plan(p: Program, m: Match) -> dict | None:
         if ca[1] != cb[0]:
             return None
         return dict(kind="flat", a_shape=None, eq=f"{la}im,{lb}mo->{lc}io", c_by=c_by, out=None,
-                    bias_shape=None, bias_eq="{bb}m,%smo->{bc}o" % lb, c_flat=None)
+                    bias_shape=None, bias_eq="{bb}m," + lb + "mo->{bc}o", c_flat=None)
     if len(ca) == 2 and len(cb) == 3 and m.reshape is not None and len(m.reshape) == 2:  # flat . split . heads
         h, d = m.reshape
         if cb[:2] != (h, d):
@@ -97,12 +97,12 @@ def _plan(p: Program, m: Match) -> dict | None:
         dout = cb[2]
         lead = ta.shape[:len(ta.by)]
         return dict(kind="split", a_shape=lead + (ca[0], h, d), eq=f"{la}ihm,{lb}hmo->{lc}iho", c_by=c_by,
-                    out=(h, dout), bias_split=(h, d), bias_eq="{bb}hm,%shmo->{bc}ho" % lb, c_flat=h * dout)
+                    out=(h, dout), bias_split=(h, d), bias_eq="{bb}hm," + lb + "hmo->{bc}ho", c_flat=h * dout)
     if len(ca) == 3 and len(cb) == 3 and m.reshape is None:  # heads . heads
         if ca[0] != cb[0] or ca[2] != cb[1]:
             return None
         return dict(kind="heads", a_shape=None, eq=f"{la}him,{lb}hmo->{lc}hio", c_by=c_by, out=None,
-                    bias_shape=None, bias_eq="{bb}hm,%shmo->{bc}ho" % lb, c_flat=None)
+                    bias_shape=None, bias_eq="{bb}hm," + lb + "hmo->{bc}ho", c_flat=None)
     return None
 
 

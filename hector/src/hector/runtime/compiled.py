@@ -44,7 +44,8 @@ class CompiledLayer:
         return self._backward[key]
 
 
-def compile_program(program: Program, options: Options = Options()) -> CompiledLayer:
+def compile_program(program: Program, options: Options | None = None) -> CompiledLayer:
+    options = Options() if options is None else options
     fwd = optimize(program, options)
     bw = differentiate(fwd)
     bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
@@ -57,7 +58,7 @@ class _Apply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, *tensors: torch.Tensor):
-        leaves = dict(zip(names, tensors))
+        leaves = dict(zip(names, tensors, strict=True))
         env = run_lowered(compiled.forward_lowered, graph, leaves)
         outs = tuple(env[o] for o in compiled.forward.outputs)
         ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
@@ -69,15 +70,15 @@ class _Apply(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
         compiled: CompiledLayer = ctx.compiled
         leaf_keys = [(Op.INPUT if (Op.INPUT, n) in compiled.leaf_names else Op.PARAM, n) for n in ctx.names]
-        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[3:]) if need]
+        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[3:], strict=True) if need]
         if not wanted:
             return (None, None, None) + (None,) * len(ctx.names)
         bw, lowered = compiled.backward_for(wanted)
-        leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors))
-        for o, g in zip(compiled.forward.outputs, grad_outputs):
+        leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors, strict=True))
+        for o, g in zip(compiled.forward.outputs, grad_outputs, strict=True):
             leaves[f"grad:{o}"] = g.contiguous()
         env = run_lowered(lowered, ctx.graph, leaves)
-        by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs)}
+        by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)}
         grads = tuple(by_leaf.get(k) for k in leaf_keys)
         return (None, None, None) + grads
 

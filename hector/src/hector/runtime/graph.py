@@ -264,7 +264,7 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     hit = _GRAPHS.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
         _GRAPHS.move_to_end(key)
         return hit[1]
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types)

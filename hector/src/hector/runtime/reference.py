@@ -316,7 +316,7 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
         sl = slice(a, min(a + step, graph.num_edges))
         local: dict[str, torch.Tensor] = {}
 
-        def arg(name: str) -> torch.Tensor:
+        def arg(name: str, local: dict = local, sl: slice = sl) -> torch.Tensor:
             if name in local:
                 return local[name]
             t = env[name]

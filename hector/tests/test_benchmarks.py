@@ -1,0 +1,46 @@
+"""Each benchmark runs at a tiny size (smoke test; speed is never asserted here)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+
+def test_memory_table_smoke(tmp_path):
+    import memory_table
+
+    out = tmp_path / "m.csv"
+    rows = memory_table.run(["aifb"], ["rgcn", "rgat"], 16, 2, 1500, "cpu", 1e9, str(out), full=False)
+    assert out.exists() and len(rows) == 2
+    for r in rows:
+        assert r["scaled_hector_model_peak"] > 0 and r["scaled_hector_measured_peak"] > 0
+
+
+def test_memory_table_full_stats_columns():
+    import memory_table
+
+    rows = memory_table.run(["aifb"], ["rgat"], 16, 2, 1000, "cpu", 0, None, full=True)
+    r = rows[0]
+    assert r["hector_model_bytes"] < r["pyg_model_bytes"]
+    assert r["scaled_pyg_measured_peak"].startswith("skipped") or r["scaled_pyg_measured_peak"] == "no PyG"
+    assert "| aifb | rgat |" in memory_table.markdown(rows)
+
+
+def test_speed_smoke(tmp_path):
+    pytest.importorskip("torch_geometric")
+    import speed
+
+    rows = speed.run(["mutag"], ["rgcn", "hgt"], 8, 2, 0.005, "cpu", 1, 60, str(tmp_path / "s.csv"))
+    assert len(rows) == 2 and all(isinstance(r["hector_ms"], float) for r in rows)
+
+
+def test_rgat_ir_dump(capsys):
+    import rgat_ir
+
+    rgat_ir.main(["--dataset", "aifb", "--scale", "0.05", "--dim", "8", "--heads", "2"])
+    text = capsys.readouterr().out
+    assert "## before passes" in text and "## after passes" in text and "edge_softmax" in text
+    assert "k0_" in text and "generated backward" in text

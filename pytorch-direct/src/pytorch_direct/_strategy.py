@@ -15,6 +15,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ SMALL_CALL_BYTES = 1 << 20
 CALIBRATION_TABLE_BYTES = 1 << 30
 
 _loaded: dict | None = None
+_calibration_failed = False
 
 
 def _key() -> str:
@@ -170,10 +172,15 @@ def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = 
     if count * row_bytes < SMALL_CALL_BYTES:
         return "vector"
     data = load()
-    if data is None and settings.auto_calibrate and not capturing and not torch.compiler.is_compiling():
+    global _calibration_failed
+    if (data is None and settings.auto_calibrate and not _calibration_failed and not capturing
+            and not torch.compiler.is_compiling()):
         try:
             data = calibrate()
-        except Exception:  # noqa: BLE001 - a failed calibration must not fail the gather; rules take over
+        except Exception as e:  # noqa: BLE001 - a failed calibration must not fail the gather; rules take over
+            _calibration_failed = True  # once per process: retrying on every call would cost seconds each time
+            warnings.warn(f"pytorch_direct: calibration failed ({type(e).__name__}: {e}); 'auto' uses built-in "
+                          "rules. Run pytorch_direct.calibrate() to see the error", RuntimeWarning, stacklevel=3)
             data = None
     if data is None:
         choice = _rules(op, row_bytes, density)

@@ -5,7 +5,7 @@
 #
 # The default benchmark is the full matrix on a 16 GiB table, with a time budget so the whole script ends in about
 # 5.5 minutes (cells past the budget, the densest ones, are skipped and reported). PD_BENCH_ARGS overrides it, e.g.
-#   PD_BENCH_ARGS="--table-gib 16" bash pytorch-direct/benchmarks/gpu_run.sh          # full matrix, no budget
+#   PD_BENCH_ARGS="--table-gib 16" PD_BENCH_TIMEOUT=600 bash pytorch-direct/benchmarks/gpu_run.sh  # no budget
 #   PD_BENCH_ARGS="--densities 0.016 --no-scatter" bash pytorch-direct/benchmarks/gpu_run.sh
 set -u
 OUT="${OUT:-./out}"
@@ -38,7 +38,7 @@ echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
 
 echo "== pytorch-direct gather/scatter benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
 # shellcheck disable=SC2086
-timeout 185 python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
+timeout "${PD_BENCH_TIMEOUT:-185}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
   --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
 bench_rc=${PIPESTATUS[0]}
 echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"

@@ -395,3 +395,14 @@ def test_info_cli():
     r = subprocess.run([sys.executable, "-m", "pytorch_direct", "info"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "pytorch-direct" in r.stdout
     assert "kernels_compiled" in pd.info()
+
+
+def test_over_2_31_elements_cpu():
+    # 2^31 + 2^20 one-byte elements; only the pages written are ever touched, so this costs little memory.
+    rows, width = (2**31 + 2**20) // 64, 64
+    u = pd.empty(rows, width, dtype=torch.uint8, pin=False)
+    idx = torch.tensor([0, rows - 1, 2**31 // 64 + 5, rows // 2])
+    vals = torch.randint(0, 256, (4, width), dtype=torch.uint8)
+    pd.scatter_(u, idx, vals)
+    assert torch.equal(u[idx], vals) and torch.equal(u[idx.int()], vals)
+    assert torch.equal(plain(u)[idx], vals)

@@ -5,7 +5,6 @@ Every op takes the table as a host (CPU) tensor. With CUDA indices the table mus
 tensor); rows move on the current CUDA stream. With CPU indices everything stays on the host (multithreaded).
 """
 
-from __future__ import annotations
 
 from typing import Optional
 

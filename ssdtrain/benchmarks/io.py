@@ -80,30 +80,55 @@ def new_tensor(memory: str, nbytes: int, fill: bool = True) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
+def same_file_fio(args, memory: str) -> bool:
+    return memory == "host" and not args.no_references and shutil.which("fio") is not None
+
+
 def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[dict]:
-    """Sequential write then read of one tensor of `size` bytes, median of --repeat."""
+    """Sequential write then read of one tensor of `size` bytes, median of --repeat.
+
+    With fio present (host memory), each engine run alternates with a fio run on the same blocks of the engine's own
+    file ("fio-same"): the fairest reference on a disk whose speed depends on where and how recently data was written.
+    """
     detail = engine.backend_detail
     sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
     src, dst = new_tensor(memory, size), new_tensor(memory, size, fill=False)
+    fio = same_file_fio(args, memory)
     handle_box = []
+    runs = {"write": [], "read": [], "fio-write": [], "fio-read": []}
+
+    def timed(kind, fn, nbytes):
+        sync()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        fn()
+        sync()
+        runs[kind].append((time.perf_counter() - t0, nbytes, cpu_seconds() - c0))
 
     def write_once():
         if handle_box:
             engine.free(handle_box.pop())
-        sync()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        handle_box.append(engine.write(src).result())
-        return time.perf_counter() - t0, size, cpu_seconds() - c0
+        timed("write", lambda: handle_box.append(engine.write(src).result()), size)
 
-    def read_once():
-        sync()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        engine.read(handle_box[0], out=dst).result()
-        sync()
-        return time.perf_counter() - t0, size, cpu_seconds() - c0
+    for _ in range(args.repeat):
+        write_once()
+        if fio:  # the extent allocator puts this tensor at offset 0 of an otherwise empty file
+            runs["fio-write"].append(fio_once(engine_file(engine), "write", size, args.queue_depth, args.block_size))
+    if fio:
+        write_once()  # fio overwrote the blocks: store the tensor again before reading it back
+        runs["write"].pop()
+    for _ in range(args.repeat):
+        timed("read", lambda: engine.read(handle_box[0], out=dst).result(), size)
+        if fio:
+            runs["fio-read"].append(fio_once(engine_file(engine), "read", size, args.queue_depth, args.block_size))
 
-    rows = [row("ssdtrain", backend, memory, "seqwrite", size, args, median_run(write_once, args.repeat), detail),
-            row("ssdtrain", backend, memory, "seqread", size, args, median_run(read_once, args.repeat), detail)]
+    def median(kind):
+        return sorted(runs[kind], key=lambda r: r[0])[len(runs[kind]) // 2]
+
+    rows = []
+    for op, kind in (("seqwrite", "write"), ("seqread", "read")):
+        if fio:
+            rows.append(row("fio-same", "io_uring", "host", op, size, args, median(f"fio-{kind}")))
+        rows.append(row("ssdtrain", backend, memory, op, size, args, median(kind), detail))
     if not torch.equal(dst.cpu(), src.cpu()):
         raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
     engine.free(handle_box.pop())
@@ -132,12 +157,23 @@ def engine_random_rows(args, engine, backend: str, memory: str) -> list[dict]:
         sync()
         return time.perf_counter() - t0, len(order) * MiB, cpu_seconds() - c0
 
-    r = row("ssdtrain", backend, memory, "randread", MiB, args, median_run(random_once, args.repeat),
-            engine.backend_detail)
-    r["queue_depth"] = args.random_depth
+    rows = []
+    runs, fio_runs = [], []
+    for _ in range(args.repeat):
+        runs.append(random_once())
+        if same_file_fio(args, memory):  # the 1 MiB handles fill [0, random_count MiB) of the file, in order
+            fio_runs.append(fio_once(engine_file(engine), "randread", args.random_count * MiB, args.random_depth,
+                                     MiB))
+    for tool, samples in (("fio-same", fio_runs), ("ssdtrain", runs)):
+        if samples:
+            r = row(tool, backend if tool == "ssdtrain" else "io_uring", memory, "randread", MiB, args,
+                    sorted(samples, key=lambda x: x[0])[len(samples) // 2],
+                    engine.backend_detail if tool == "ssdtrain" else "")
+            r["queue_depth"] = args.random_depth
+            rows.append(r)
     for h in handles:
         engine.free(h)
-    return [r]
+    return rows
 
 
 def row(tool, backend, memory, op, size, args, run, detail=""):
@@ -160,6 +196,23 @@ def row(tool, backend, memory, op, size, args, run, detail=""):
 # ---------------------------------------------------------------------------------------------- references
 
 
+def fio_once(path: str, rw: str, nbytes: int, depth: int, bs: int):
+    """One fio job (io_uring, O_DIRECT) over [0, nbytes) of `path`: (seconds, bytes, cpu seconds)."""
+    out = subprocess.run(
+        ["fio", "--name=bench", f"--filename={path}", f"--size={nbytes}", f"--bs={bs}", f"--rw={rw}",
+         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"],
+        check=True, capture_output=True, text=True)
+    job = json.loads(out.stdout)["jobs"][0]
+    part = job["write" if "write" in rw else "read"]
+    seconds = part["runtime"] / 1000
+    return seconds, part["io_bytes"], (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
+
+
+def engine_file(engine) -> str:
+    """The engine's (nameless) file, as a path other processes can open: fio then moves the very same blocks."""
+    return f"/proc/{os.getpid()}/fd/{engine.directories()[0]['fd']}"
+
+
 def fio_rows(args, size: int | None) -> list[dict]:
     """fio write then read of `size` bytes (or, with size None, 1 MiB random reads) with the engine's settings."""
     if shutil.which("fio") is None:
@@ -174,15 +227,8 @@ def fio_rows(args, size: int | None) -> list[dict]:
     try:
         for op, rw, nbytes, depth, bs in jobs:
             def once(rw=rw, nbytes=nbytes, depth=depth, bs=bs):
-                out = subprocess.run(
-                    ["fio", "--name=bench", f"--filename={path}", f"--size={nbytes}", f"--bs={bs}", f"--rw={rw}",
-                     f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1",
-                     "--output-format=json"], check=True, capture_output=True, text=True)
-                job = json.loads(out.stdout)["jobs"][0]
-                part = job["write" if "write" in rw else "read"]
-                seconds = part["runtime"] / 1000
-                cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
-                return seconds, part["io_bytes"], cpu
+                return fio_once(path, rw, nbytes, depth, bs)
+
             r = row("fio", "io_uring", "host", op, nbytes if op != "randread" else bs, args,
                     median_run(once, args.repeat))
             r["queue_depth"], r["block"] = depth, bs
@@ -270,12 +316,19 @@ def print_table(rows: list[dict]) -> None:
     fio = {(r["op"], r["size"]): r["GBps"] for r in rows if r["tool"] == "fio"}
     host = {(r["backend"], r["op"], r["size"]): r["GBps"] for r in rows
             if r["tool"] == "ssdtrain" and r["memory"] == "host"}
+    last_same = None
     for r in rows:
         key = (r["op"], r["size"])
-        vs_fio = f"{r['GBps'] / fio[key]:6.2f}x" if r["tool"] == "ssdtrain" and key in fio else "       "
+        if r["tool"] == "fio-same":
+            last_same = r
+        reference = fio.get(key)
+        if r["tool"] == "ssdtrain" and last_same is not None and (last_same["op"], last_same["size"]) == key \
+                and r["memory"] == "host":
+            reference = last_same["GBps"]  # the same blocks, measured alternately with this engine
+        vs_fio = f"{r['GBps'] / reference:6.2f}x" if r["tool"] == "ssdtrain" and reference else "       "
         h = host.get((r["backend"], r["op"], r["size"]))
         vs_host = f"{r['GBps'] / h:6.2f}x" if r["memory"] == "gpu" and h else ""
-        r["vs_fio"] = round(r["GBps"] / fio[key], 3) if r["tool"] == "ssdtrain" and key in fio else ""
+        r["vs_fio"] = round(r["GBps"] / reference, 3) if r["tool"] == "ssdtrain" and reference else ""
         r["vs_host"] = round(r["GBps"] / h, 3) if r["memory"] == "gpu" and h else ""
         print(f"{r['tool']:9} {r['backend']:10} {r['memory']:6} {r['op']:9} {fmt_size(r['size']):>8} "
               f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f}  "

@@ -95,6 +95,7 @@ void bind_engine(nb::module_& m) {
                x["file_bytes"] = d.file_bytes;
                x["bytes_in_use"] = d.bytes_in_use;
                x["capacity"] = d.capacity;
+               x["fd"] = d.fd;
                out.append(x);
              }
              return out;

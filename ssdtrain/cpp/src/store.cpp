@@ -251,7 +251,7 @@ std::vector<directory_info> store::info() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<directory_info> out;
   for (const auto& f : files_)
-    out.push_back({f.directory, f.tmpfile, f.direct, f.allocator.size(), f.allocator.in_use(), f.capacity});
+    out.push_back({f.directory, f.tmpfile, f.direct, f.allocator.size(), f.allocator.in_use(), f.capacity, f.fd});
   return out;
 }
 

@@ -288,7 +288,7 @@ class WriteFuture(Future):
 
 def _checksum_error(e: OSError) -> OSError:
     if e.errno == _errno.EBADMSG:
-        return ChecksumError(e.errno, str(e))
+        return ChecksumError(e.errno, e.strerror)
     return e
 
 

@@ -112,6 +112,7 @@ struct directory_info {
   bool tmpfile = false;  // created with O_TMPFILE (else created and unlinked at once)
   bool direct = false;   // opened with O_DIRECT
   std::uint64_t file_bytes = 0, bytes_in_use = 0, capacity = 0;
+  int fd = -1;  // the open file (benchmarks point fio at /proc/<pid>/fd/<fd> to read the same blocks)
 };
 
 class engine {

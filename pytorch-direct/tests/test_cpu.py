@@ -406,3 +406,14 @@ def test_over_2_31_elements_cpu():
     pd.scatter_(u, idx, vals)
     assert torch.equal(u[idx], vals) and torch.equal(u[idx.int()], vals)
     assert torch.equal(plain(u)[idx], vals)
+
+
+def test_readme_first_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, re.S)[0].replace("1_000_000", "10_000")
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["rows"].shape == (4096, 128)

@@ -267,6 +267,11 @@ def test_auto_rules_without_calibration(tmp_cache):
         assert _strategy.choose("gather", 128, 500_000, 256 * 10**6) == "staged"
         assert _strategy.choose("gather", 1024, 10**6, 10**7) == "sorted"
         assert _strategy.choose("gather", 128, 500_000, 256 * 10**6, capturing=True) == "sorted"
+        assert _strategy.choose("gather", 8 << 20, 10, 10**6) == "vector"  # small call
+        _strategy.set_table({"row_bytes": [4096], "densities": [0.01],
+                             "gather": {"4096:0.01": {"staged": 9.0, "vector": 1.0}}, "scatter": {}})
+        assert _strategy.choose("gather", 8 << 20, 100, 10**4) == "sorted"  # rows too wide for staging slots
+        _strategy.set_table(None)
         fake = {"row_bytes": [64, 4096], "densities": [0.01], "gather": {
             "64:0.01": {"vector": 1.0, "sorted": 5.0, "staged": 2.0},
             "4096:0.01": {"vector": 9.0, "sorted": 5.0, "staged": 2.0}}, "scatter": {}}

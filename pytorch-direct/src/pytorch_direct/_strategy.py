@@ -30,6 +30,7 @@ SCATTER_STRATEGIES = ("vector", "sorted", "staged")
 # Below this many bytes a call is latency-bound: a kernel launch beats any host round trip.
 SMALL_CALL_BYTES = 1 << 20
 CALIBRATION_TABLE_BYTES = 1 << 30
+STAGED_MAX_ROW_BYTES = 4 << 20  # the staging slot size in cpp/src/rows_host.cpp
 
 _loaded: dict | None = None
 _calibration_failed = False
@@ -187,7 +188,8 @@ def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = 
     else:
         cell = _cell(data, op, row_bytes, density) or {}
         choice = max(cell, key=cell.get) if cell else _rules(op, row_bytes, density)
-    if capturing and choice in ("staged", "split"):
+    # Host strategies are impossible under capture, and their 4 MiB staging slots cannot hold wider rows.
+    if choice in ("staged", "split") and (capturing or row_bytes > STAGED_MAX_ROW_BYTES):
         choice = "sorted"
     return choice
 

@@ -79,7 +79,7 @@ def cells(args):
     for rb in args.row_bytes:
         if rb % 4:
             raise SystemExit(f"--row-bytes {rb}: float32 rows need a multiple of 4; odd widths are in the extra rows")
-        out.append((f"f32", torch.float32, rb // 4))
+        out.append(("f32", torch.float32, rb // 4))
     if not args.no_extra:
         out.extend(EXTRA_ROWS)
     return out
@@ -105,7 +105,8 @@ def run(args, results: list[dict]) -> None:
 
     # Measured on this table: at 16 GiB, GPU address translation slows small random rows in ways a small scratch
     # table would not show.
-    calibration = _strategy.load() or pd.calibrate(table=table, repeats=args.calibration_repeats)
+    if _strategy.load() is None:
+        pd.calibrate(table=table, repeats=args.calibration_repeats)
     print(f"# calibration ready in {time.perf_counter() - t0:.1f} s ({_strategy.calibration_path()})", flush=True)
 
     max_density = max(args.densities)

@@ -388,7 +388,7 @@ print("ok")
 
 
 def test_pyg_neighbor_loader_on_gpu():
-    pyg = pytest.importorskip("torch_geometric")
+    pytest.importorskip("torch_geometric")
     from torch_geometric.loader import NeighborLoader
 
     from pytorch_direct.pyg import UnifiedFeatureStore, make_graph_store

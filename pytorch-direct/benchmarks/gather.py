@@ -180,6 +180,10 @@ def run(args, results: list[dict]) -> None:
                 except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
                     row[col] = float("nan")
                     print(f"# {op} {label} {rb} B {density} {order} {col}: {type(e).__name__}: {e}", flush=True)
+                    if isinstance(e, pd.CudaError) or "CUDA error" in str(e):
+                        # The context is probably lost (e.g. a memory fault): every later call would fail too.
+                        results.append(row)
+                        raise
             results.append(row)
         pd.check_errors()
         print(f"[{k + 1}/{len(specs)} {time.perf_counter() - start:5.0f} s] {label:7} {rb:5d} B "
@@ -276,6 +280,9 @@ def main(argv=None) -> int:
         run(args, results)
     except KeyboardInterrupt:
         print("# interrupted: reporting the cells measured so far", flush=True)
+        status = 1
+    except Exception as e:  # noqa: BLE001 - report what was measured, then fail
+        print(f"# stopped by {type(e).__name__}: {e}", flush=True)
         status = 1
     finally:
         print_table(results)

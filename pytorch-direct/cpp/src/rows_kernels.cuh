@@ -7,6 +7,12 @@
 
 #include "pytorch_direct/rows.hpp"
 
+// The emulator defines this to verify every vector access is aligned to its width (the GPU faults otherwise,
+// while x86 would not notice); on the device it is nothing.
+#ifndef PD_CHECK_ALIGNED
+#define PD_CHECK_ALIGNED(pointer, bytes)
+#endif
+
 namespace pytorch_direct {
 namespace kernels {
 
@@ -77,6 +83,8 @@ __global__ void __launch_bounds__(512) move_rows(unsigned char* __restrict__ tab
     const std::int64_t p = positions != nullptr ? positions[i] : i;
     T* host = reinterpret_cast<T*>(table) + r * row_words;
     T* dev = reinterpret_cast<T*>(dense) + p * row_words;
+    PD_CHECK_ALIGNED(host, V);
+    PD_CHECK_ALIGNED(dev, V);
     // Words between the row start and the 128-byte boundary before it (0 when the window is not aligned).
     const std::int64_t head =
         align_window ? static_cast<std::int64_t>((reinterpret_cast<std::uintptr_t>(host) & 127u) / V) : 0;
@@ -129,6 +137,7 @@ __global__ void __launch_bounds__(512) gather_rows_unaligned(const unsigned char
     const std::int64_t words = static_cast<std::int64_t>((end - first + 15) / 16);
     unsigned char* out = dense + p * row_bytes;
     for (std::int64_t w = lane; w < words; w += lanes) {
+      PD_CHECK_ALIGNED(first + static_cast<std::uintptr_t>(w) * 16, 16);
       const uint4 v = *reinterpret_cast<const uint4*>(first + static_cast<std::uintptr_t>(w) * 16);
       const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
       const std::uintptr_t at = first + static_cast<std::uintptr_t>(w) * 16;
@@ -161,6 +170,8 @@ __global__ void __launch_bounds__(512) gather_rows_naive(const unsigned char* __
     const std::int64_t p = positions != nullptr ? positions[i] : i;
     const T* src = reinterpret_cast<const T*>(table) + r * row_words;
     T* dst = reinterpret_cast<T*>(dense) + p * row_words;
+    PD_CHECK_ALIGNED(src, V);
+    PD_CHECK_ALIGNED(dst, V);
     for (std::int64_t w = lane; w < row_words; w += 32) dst[w] = src[w];
   }
 }
@@ -185,6 +196,8 @@ __global__ void __launch_bounds__(512) scatter_rows_naive(unsigned char* __restr
     const std::int64_t p = positions != nullptr ? positions[i] : i;
     T* dst = reinterpret_cast<T*>(table) + r * row_words;
     const T* src = reinterpret_cast<const T*>(dense) + p * row_words;
+    PD_CHECK_ALIGNED(src, V);
+    PD_CHECK_ALIGNED(dst, V);
     for (std::int64_t w = lane; w < row_words; w += 32) dst[w] = src[w];
   }
 }

@@ -26,6 +26,11 @@ static dim3_emulated threadIdx, blockIdx, blockDim, gridDim;
 #define __launch_bounds__(...)
 #define __restrict__
 inline void __threadfence_system() {}
+static long long misaligned = 0;
+#define PD_CHECK_ALIGNED(pointer, bytes) \
+  do { \
+    if (reinterpret_cast<std::uintptr_t>(pointer) % (bytes) != 0) ++misaligned; \
+  } while (0)
 
 #include "../../cpp/src/rows_kernels.cuh"
 
@@ -277,6 +282,10 @@ int main() {
   }
   bad_index_case();
   large_offset_case();
+  if (misaligned != 0) {
+    std::printf("FAIL: %lld misaligned vector accesses\n", misaligned);
+    ++failures;
+  }
   std::printf("%d cases, %d failures\n", cases, failures);
   return failures == 0 ? 0 : 1;
 }

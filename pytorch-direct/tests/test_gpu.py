@@ -32,9 +32,11 @@ def random_table(rows, row_shape, dtype, generator=None):
 
 
 def poison_cuda_allocator(nbytes=64 << 20):
-    """Fills the caching allocator's free blocks with 0xFF so an unwritten output byte is visible."""
-    block = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda")
-    del block
+    """Fills free blocks of the caching allocator with 0xFF so an unwritten output byte is visible: one large block
+    (the large pool) and several of 512 KiB (the small pool serves allocations up to 1 MiB)."""
+    blocks = [torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda")]
+    blocks += [torch.full((512 << 10,), 0xFF, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    del blocks
 
 
 def assert_same(out, ref):

@@ -108,6 +108,11 @@ def run(args, results: list[dict]) -> None:
     if _strategy.load() is None:
         pd.calibrate(table=table, repeats=args.calibration_repeats)
     print(f"# calibration ready in {time.perf_counter() - t0:.1f} s ({_strategy.calibration_path()})", flush=True)
+    data = _strategy.load() or {}
+    for op in ("gather", "scatter"):
+        for cell, bw in sorted(data.get(op, {}).items(), key=lambda kv: (int(kv[0].split(":")[0]),
+                                                                         float(kv[0].split(":")[1]))):
+            print(f"#   calibration {op:7} {cell:12} " + " ".join(f"{k}={v:.1f}" for k, v in bw.items()), flush=True)
 
     max_density = max(args.densities)
     max_bytes = int(table_bytes * max_density) + (1 << 20)

@@ -466,3 +466,37 @@ def test_sm_cap_setting():
         assert_same(pd.gather(u, idx, strategy="vector"), table[idx.cpu()])
     finally:
         pd.set_max_sms(0)
+
+
+SHARE_GPU_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import pytorch_direct as pd
+
+def work(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ref = torch.arange(4000.0).view(1000, 4)
+    u = pd.share(ref.clone() if rank == 0 else None)
+    idx = torch.randint(0, 1000, (300,), device="cuda")
+    assert torch.equal(u[idx].cpu(), ref[idx.cpu()]), rank     # each process registered the shared pages
+    dist.barrier()
+    if rank == 1:
+        u[torch.tensor([7], device="cuda")] = torch.full((1, 4), -3.0, device="cuda")
+        torch.cuda.synchronize()
+    dist.barrier()
+    assert torch.equal(u[torch.tensor([7], device="cuda")].cpu(), torch.full((1, 4), -3.0)), rank
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(2, int(sys.argv[1])), nprocs=2)
+    print("ok")
+"""
+
+
+def test_share_across_processes_gpu(tmp_path):
+    script = tmp_path / "share_gpu.py"
+    script.write_text(SHARE_GPU_SCRIPT)
+    port = 30500 + os.getpid() % 1000
+    r = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=45)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

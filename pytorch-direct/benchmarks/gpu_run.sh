@@ -14,7 +14,7 @@ LOG="$OUT/pytorch-direct-gpu.log"
 : > "$LOG"
 # The calibration cache goes to a scratch directory, not $OUT (three files at most there).
 export PYTORCH_DIRECT_CACHE_DIR="${PYTORCH_DIRECT_CACHE_DIR:-$(mktemp -d)}"
-BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 16 --repeats 2 --budget-s 140"}
+BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 16 --repeats 2 --budget-s 120"}
 TESTS_TXT="$(mktemp)"
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
@@ -28,7 +28,7 @@ if ! python3 -c "import torch, pytorch_direct as pd, sys; sys.exit(0 if torch.cu
 fi
 # Full output into the log; the tail (summary and the last tracebacks) on the console. --maxfail: a kernel fault
 # poisons the CUDA context and would fail every later test, so stop early and keep the first tracebacks.
-timeout 140 python3 -m pytest -m gpu pytorch-direct/tests -q -p no:cacheprovider --maxfail=15 --tb=short \
+timeout 170 python3 -m pytest -m gpu pytorch-direct/tests -q -p no:cacheprovider --maxfail=15 --tb=short \
   $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
 tests_rc=$?
 cat "$TESTS_TXT" >> "$LOG"
@@ -38,7 +38,7 @@ echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
 
 echo "== pytorch-direct gather/scatter benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
 # shellcheck disable=SC2086
-timeout "${PD_BENCH_TIMEOUT:-185}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
+timeout "${PD_BENCH_TIMEOUT:-165}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
   --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
 bench_rc=${PIPESTATUS[0]}
 echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"

@@ -26,9 +26,10 @@ if ! python3 -c "import torch, pytorch_direct as pd, sys; sys.exit(0 if torch.cu
   echo "== ERROR: torch.cuda.is_available()/pytorch_direct.cuda_usable() is False: no GPU run possible" | tee -a "$LOG"
   exit 3
 fi
-# Full output into the log; the tail (summary and the last tracebacks) on the console. --maxfail: a kernel fault
+# Full output (-v: one line per test as it finishes, kept even if the limit kills pytest) into the log; the tail
+# (summary, tracebacks, slowest tests) on the console. --maxfail: a kernel fault
 # poisons the CUDA context and would fail every later test, so stop early and keep the first tracebacks.
-timeout 170 python3 -m pytest -m gpu pytorch-direct/tests -q -p no:cacheprovider --maxfail=15 --tb=short \
+timeout 170 python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 --tb=short --durations=15 \
   $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
 tests_rc=$?
 cat "$TESTS_TXT" >> "$LOG"

@@ -97,10 +97,10 @@ def tests(session: nox.Session, package: str) -> None:
     session.run("python", "-m", "build", "--sdist", "--outdir", str(dist), package)
     sdist = next(dist.glob("*.tar.gz"))
     session.install(f"{package}[test,nvrtc] @ {sdist.resolve().as_uri()}", *fresh_build_dir(session))
-    session.run(
-        "python", "-m", "pytest", f"{package}/tests", "shared-cuda/python/tests", *session.posargs,
-        env={"SHARED_CUDA_TEST_PACKAGE": PACKAGES[package]},
-    )
+    # Separate pytest runs: each test folder has its own conftest module, and one process would mix them up.
+    session.run("python", "-m", "pytest", f"{package}/tests", *session.posargs)
+    session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs,
+                env={"SHARED_CUDA_TEST_PACKAGE": PACKAGES[package]})
 
 
 @nox.session
@@ -109,7 +109,8 @@ def integration(session: nox.Session) -> None:
     install_torch(session)
     session.install(*(f"./{p}[test,nvrtc]" for p in PACKAGES), *fresh_build_dir(session))
     session.install("-r", "integration-tests/requirements.txt")
-    session.run("python", "-m", "pytest", "integration-tests", "shared-cuda/python/tests", *session.posargs)
+    session.run("python", "-m", "pytest", "integration-tests", *session.posargs)
+    session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs)
 
 
 @nox.session
@@ -134,7 +135,8 @@ def gpu(session: nox.Session) -> None:
     session.run("python3", "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q",
                 *(f"./{p}" for p in PACKAGES), external=True)
     for package, module in PACKAGES.items():
-        session.run("python3", "-m", "pytest", "-m", "gpu", f"{package}/tests", "shared-cuda/python/tests", "-q",
+        session.run("python3", "-m", "pytest", "-m", "gpu", f"{package}/tests", "-q", external=True)
+        session.run("python3", "-m", "pytest", "-m", "gpu", "shared-cuda/python/tests", "-q",
                     env={"SHARED_CUDA_TEST_PACKAGE": module}, external=True)
     session.run("python3", "-m", "pytest", "integration-tests", "-q", external=True)
     if "--full" in session.posargs:

@@ -116,6 +116,8 @@ void bind_engine(nb::module_& m) {
         d["checksum_failures"] = t.checksum_failures;
         d["inflight_blocks"] = t.inflight_blocks;
         d["peak_inflight_blocks"] = t.peak_inflight_blocks;
+        d["queue_depth_in_use"] = t.queue_depth_in_use;
+        d["peak_queue_depth"] = t.peak_queue_depth;
         d["wait_ns"] = t.wait_ns;
         d["staged_copies"] = t.staged_copies;
         d["bytes_in_use"] = t.bytes_in_use;

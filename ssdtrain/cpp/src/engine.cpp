@@ -709,6 +709,8 @@ telemetry engine_impl::stats() const {
   t.checksum_failures = checksum_failures_;
   t.inflight_blocks = inflight_;
   t.peak_inflight_blocks = peak_inflight_;
+  t.queue_depth_in_use = backend_->depth();
+  t.peak_queue_depth = backend_->peak_depth();
   t.wait_ns = *wait_ns_;
   t.staged_copies = staged_copies_;
   t.bytes_in_use = store_->bytes_in_use();

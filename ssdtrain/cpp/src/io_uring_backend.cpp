@@ -141,6 +141,7 @@ class io_uring_backend final : public io_backend {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (stopping_ && queue_.empty() && retry_.empty() && inflight == 0) return;
+        const unsigned before = inflight;
         while (inflight < depth_ && !retry_.empty()) {
           prep(retry_.front());
           retry_.pop_front();
@@ -151,6 +152,7 @@ class io_uring_backend final : public io_backend {
           queue_.pop_front();
           ++inflight;
         }
+        if (inflight != before) depth_changed(static_cast<long>(inflight - before));
       }
       // Block for at least one completion (an I/O or the eventfd poke).
       int ret = io_uring_submit_and_wait(&ring_, 1);
@@ -177,6 +179,7 @@ class io_uring_backend final : public io_backend {
           continue;
         }
         --inflight;
+        depth_changed(-1);
         complete(reinterpret_cast<io_request*>(tag), res);
       }
       io_uring_cq_advance(&ring_, seen);

@@ -59,7 +59,9 @@ void worker_backend::run() {
       r = std::move(queue_.front());
       queue_.pop_front();
     }
+    depth_changed(1);
     const long result = transfer(r);
+    depth_changed(-1);
     r.done(result);
   }
 }

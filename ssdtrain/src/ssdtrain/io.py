@@ -511,8 +511,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Telemetry: bytes/ops/blocks per direction, achieved bandwidth (GB/s over the time transfers of that
-        direction were in flight), peak and current queue depth, time callers waited, total bytes the device was
-        asked to write (SSD endurance), errors and checksum failures, space in use."""
+        direction were in flight), queue depth in use and its peak (requests inside the ring / being moved by
+        workers; ``inflight_blocks`` also counts requests still queued for it), time callers waited, total bytes
+        the device was asked to write (SSD endurance), errors and checksum failures, space in use."""
         s = self._core().stats()
         for kind in ("write", "read"):
             active = s[f"{kind}_active_ns"]

@@ -60,11 +60,12 @@ struct telemetry {
   std::uint64_t write_active_ns = 0, read_active_ns = 0;  // wall time with at least one op of that kind in flight
   std::uint64_t disk_bytes_written = 0;  // bytes the device was asked to write, padding included (SSD endurance)
   std::uint64_t errors = 0, checksum_failures = 0;
-  std::uint64_t inflight_blocks = 0, peak_inflight_blocks = 0;
-  std::uint64_t wait_ns = 0;        // time callers spent blocked in operation::wait
-  std::uint64_t staged_copies = 0;  // blocks that went through a staging buffer
-  std::uint64_t bytes_in_use = 0;   // allocated extents
-  std::uint64_t file_bytes = 0;     // sum of file sizes
+  std::uint64_t inflight_blocks = 0, peak_inflight_blocks = 0;  // submitted, not completed (queued or in flight)
+  std::uint64_t queue_depth_in_use = 0, peak_queue_depth = 0;   // inside the ring / being moved by workers
+  std::uint64_t wait_ns = 0;                                    // time callers spent blocked in operation::wait
+  std::uint64_t staged_copies = 0;                              // blocks that went through a staging buffer
+  std::uint64_t bytes_in_use = 0;                               // allocated extents
+  std::uint64_t file_bytes = 0;                                 // sum of file sizes
 };
 
 class engine_impl;

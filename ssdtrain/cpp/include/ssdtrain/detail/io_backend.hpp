@@ -2,6 +2,7 @@
 // reports the bytes moved or -errno, on a thread the backend owns. Backends handle short transfers themselves.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -31,6 +32,20 @@ class io_backend {
   virtual std::string name() const = 0;
   virtual std::string detail() const = 0;
   virtual bool handles_device_memory() const { return false; }
+  // Requests inside the kernel/device right now (io_uring: in the ring; threads: being transferred), and the peak.
+  std::uint64_t depth() const noexcept { return depth_.load(std::memory_order_relaxed); }
+  std::uint64_t peak_depth() const noexcept { return peak_depth_.load(std::memory_order_relaxed); }
+
+ protected:
+  void depth_changed(long delta) noexcept {
+    const std::uint64_t now = depth_.fetch_add(delta, std::memory_order_relaxed) + delta;
+    std::uint64_t seen = peak_depth_.load(std::memory_order_relaxed);
+    while (seen < now && !peak_depth_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+
+ private:
+  std::atomic<std::uint64_t> depth_{0}, peak_depth_{0};
 };
 
 // Each factory throws unavailable_error (with the reason) when the backend cannot run here.

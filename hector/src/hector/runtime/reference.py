@@ -284,79 +284,104 @@ def tile_rows(program: Program, kernel, graph: Graph, dtype: torch.dtype) -> int
 
 
 def _chunkable(program: Program, kernel) -> bool:
-    """Edge-parallel kernels whose edge values never depend on a reduction inside the kernel can run tile by tile
-    (the way the CUDA kernel will): edge temporaries then take one tile of memory, not E rows."""
+    """Edge-parallel kernels run tile by tile (the way the CUDA kernel walks edges), so an edge temporary takes one
+    tile of memory instead of E rows. Excluded: kernels that read, per edge, a node value reduced inside the same
+    kernel (the CUDA kernel does that destination-centric; the reference runs such kernels whole)."""
     if kernel.kind != "traversal" or kernel.space != "edge":
         return False
     inside = set(kernel.nodes)
     for name in kernel.nodes:
         n = program.by_name[name]
-        if n.op is Op.EDGE_SOFTMAX:
-            return False
-        if n.type.domain is Domain.NODE and n.op is not Op.SCATTER_ADD:
-            return False
-        if n.type.domain is Domain.UNIQUE:
+        dom = n.type.domain
+        if dom is Domain.UNIQUE or (dom is Domain.PARAM and n.op is not Op.SELECT_SUM):
             return False
         if n.op in (Op.SCATTER_ADD, Op.SELECT_SUM) and program.by_name[n.args[0]].type.domain is not Domain.EDGE:
             return False
-        if n.op is Op.GATHER and (n.type.domain is not Domain.EDGE or n.args[0] in inside):
+        if n.op is Op.GATHER and (dom is not Domain.EDGE or n.args[0] in inside):
             return False
-        if n.op is Op.SELECT and n.type.domain is not Domain.EDGE:
+        if n.op is Op.SELECT and dom is not Domain.EDGE:
             return False
     return True
 
 
 def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapping[str, Any],
                  dtype: torch.dtype, step: int) -> None:
+    """Tiles over edges, in phases split at each edge softmax (which needs whole destinations: it runs on the
+    full [E, heads] scores between phases). Node-wise epilogue ops run once after the last phase."""
     from ..ir.core import GATHER_VIA
 
-    outputs = set(kernel.outputs)
+    by = program.by_name
+    edge_part = [m for m in kernel.nodes if by[m].type.domain is Domain.EDGE or by[m].op in (Op.SCATTER_ADD,
+                                                                                              Op.SELECT_SUM)]
+    epilogue = [m for m in kernel.nodes if m not in set(edge_part)]
+    phases: list[list[str]] = [[]]
+    for m in edge_part:
+        if by[m].op is Op.EDGE_SOFTMAX:
+            phases.append([m])  # the softmax opens the next phase
+            phases.append([])
+        else:
+            phases[-1].append(m)
+    phase_of = {m: i for i, ph in enumerate(phases) for m in ph}
+    keep = {m for m in kernel.outputs if by[m].type.domain is Domain.EDGE}
+    for m in kernel.nodes:
+        for a in by[m].args:
+            if a in phase_of and (phase_of.get(m, len(phases)) != phase_of[a] or by[m].op is Op.EDGE_SOFTMAX):
+                keep.add(a)
     acc: dict[str, torch.Tensor] = {}
-    for a in range(0, graph.num_edges, step):
-        sl = slice(a, min(a + step, graph.num_edges))
-        local: dict[str, torch.Tensor] = {}
+    num_edges = graph.num_edges
+    for phase in phases:
+        if len(phase) == 1 and by[phase[0]].op is Op.EDGE_SOFTMAX:
+            soft = phase[0]
+            acc[soft] = _edge_softmax(acc[by[soft].args[0]] if by[soft].args[0] in acc else env[by[soft].args[0]],
+                                      graph)
+            continue
+        for start in range(0, num_edges, step):
+            sl = slice(start, min(start + step, num_edges))
+            local: dict[str, torch.Tensor] = {}
 
-        def arg(name: str, local: dict = local, sl: slice = sl) -> torch.Tensor:
-            if name in local:
-                return local[name]
-            t = env[name]
-            return t[sl] if program.by_name[name].type.domain is Domain.EDGE else t
+            def arg(name: str, local: dict = local, sl: slice = sl) -> torch.Tensor:
+                if name in local:
+                    return local[name]
+                t = acc[name] if name in acc else env[name]
+                return t[sl] if by[name].type.domain is Domain.EDGE else t
 
-        for name in kernel.nodes:
-            n = program.by_name[name]
-            at = n.attr
-            if n.op is Op.GATHER:
-                local[name] = arg(n.args[0]).index_select(0, graph.gather_index(at("via"))[sl])
-            elif n.op is Op.SELECT:
-                p, by = arg(n.args[0]), program.by_name[n.args[0]].type.by
-                if not by:
-                    local[name] = p.unsqueeze(0).expand((sl.stop - sl.start,) + p.shape)
+            for name in phase:
+                n = by[name]
+                at = n.attr
+                if n.op is Op.GATHER:
+                    local[name] = arg(n.args[0]).index_select(0, graph.gather_index(at("via"))[sl])
+                elif n.op is Op.SELECT:
+                    p, pby = arg(n.args[0]), by[n.args[0]].type.by
+                    if not pby:
+                        local[name] = p.unsqueeze(0).expand((sl.stop - sl.start,) + p.shape)
+                    else:
+                        local[name] = p.reshape((-1,) + p.shape[len(pby):]).index_select(
+                            0, graph.combined_index(Domain.EDGE, pby)[sl])
+                elif n.op is Op.SCATTER_ADD:
+                    x = arg(n.args[0])
+                    if name not in acc:
+                        acc[name] = x.new_zeros((graph.num_rows(GATHER_VIA[at("via")][0]),) + x.shape[1:])
+                    acc[name].index_add_(0, graph.gather_index(at("via"))[sl], x)
+                elif n.op is Op.SELECT_SUM:
+                    x, sby, shape = arg(n.args[0]), tuple(at("by", ())), tuple(at("shape"))
+                    if name not in acc:
+                        acc[name] = x.new_zeros(shape)
+                    if not sby:
+                        acc[name] += x.sum(0)
+                    else:
+                        acc[name].view((-1,) + shape[len(sby):]).index_add_(
+                            0, graph.combined_index(Domain.EDGE, sby)[sl], x)
                 else:
-                    core = p.shape[len(by):]
-                    local[name] = p.reshape((-1,) + core).index_select(
-                        0, graph.combined_index(Domain.EDGE, by)[sl])
-            elif n.op is Op.SCATTER_ADD:
-                x = arg(n.args[0])
-                if name not in acc:
-                    rows = graph.num_rows(GATHER_VIA[at("via")][0])
-                    acc[name] = x.new_zeros((rows,) + x.shape[1:])
-                acc[name].index_add_(0, graph.gather_index(at("via"))[sl], x)
-            elif n.op is Op.SELECT_SUM:
-                x, by, shape = arg(n.args[0]), tuple(at("by", ())), tuple(at("shape"))
-                if name not in acc:
-                    acc[name] = x.new_zeros(shape)
-                if not by:
-                    acc[name] += x.sum(0)
-                else:
-                    flat = acc[name].view((-1,) + shape[len(by):])
-                    flat.index_add_(0, graph.combined_index(Domain.EDGE, by)[sl], x)
-            else:
-                types = [program.by_name[x].type for x in n.args]
-                local[name] = eval_node(n, [arg(x) for x in n.args], types, graph, leaves, dtype)
-            if name in outputs and name in local and n.type.domain is Domain.EDGE:
-                if name not in acc:
-                    acc[name] = local[name].new_empty((graph.num_edges,) + local[name].shape[1:])
-                acc[name][sl] = local[name]
-        del local
+                    types = [by[x].type for x in n.args]
+                    local[name] = eval_node(n, [arg(x) for x in n.args], types, graph, leaves, dtype)
+                if name in keep and name in local:
+                    if name not in acc:
+                        acc[name] = local[name].new_empty((num_edges,) + local[name].shape[1:])
+                    acc[name][sl] = local[name]
+            del local
+    for name in epilogue:  # node-wise work on the reduced values
+        n = by[name]
+        args = [acc[a] if a in acc else env[a] for a in n.args]
+        acc[name] = eval_node(n, args, [by[a].type for a in n.args], graph, leaves, dtype)
     for name in kernel.outputs:
         env[name] = acc[name]

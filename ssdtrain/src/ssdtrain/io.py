@@ -39,7 +39,7 @@ SSDTRAIN_IO_BLOCK_SIZE         1M              bytes per request; a multiple of 
 SSDTRAIN_IO_DIRECT             auto            O_DIRECT: auto (use it where the file system allows) | on (fail
                                                where it does not) | off
 SSDTRAIN_IO_CHECKSUM           0               1: crc32c per block, verified on every read
-SSDTRAIN_IO_STAGING_BUFFERS    16              pinned staging buffers of one block each (CUDA tensors and
+SSDTRAIN_IO_STAGING_BUFFERS    32              pinned staging buffers of one block each (CUDA tensors and
                                                unaligned host tensors pass through them)
 SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
 SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
@@ -83,7 +83,7 @@ _SETTINGS = {
     "block_size": ("SSDTRAIN_IO_BLOCK_SIZE", "1M"),
     "direct": ("SSDTRAIN_IO_DIRECT", "auto"),
     "checksum": ("SSDTRAIN_IO_CHECKSUM", "0"),
-    "staging_buffers": ("SSDTRAIN_IO_STAGING_BUFFERS", "16"),
+    "staging_buffers": ("SSDTRAIN_IO_STAGING_BUFFERS", "32"),
     "threads": ("SSDTRAIN_IO_THREADS", "4"),
     "cufile_library": ("SSDTRAIN_CUFILE_LIBRARY", ""),
 }

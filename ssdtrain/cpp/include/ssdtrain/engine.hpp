@@ -46,7 +46,7 @@ struct engine_config {
   std::size_t block_size = 1u << 20;            // bytes per I/O request; a multiple of 4096
   direct_mode direct = direct_mode::automatic;
   bool checksum = false;               // crc32c per block, verified on read
-  unsigned staging_buffers = 16;       // pinned staging buffers of block_size bytes each
+  unsigned staging_buffers = 32;       // pinned staging buffers of block_size bytes each (= queue depth)
   unsigned threads = 4;                // threads backend / cuFile workers / operation drivers
   std::uint64_t stripe_threshold = 0;  // tensors at least this large are split over all directories; 0 = 4 blocks
   std::string cufile_library;          // path for dlopen; empty = default names

@@ -85,6 +85,8 @@ def test_torch_entry_points_cpu():
     assert torch.equal(u.gather(0, gidx[:, :2]), table.gather(0, gidx[:, :2]))
     with pytest.raises(IndexError):
         torch.gather(u, 0, torch.full((1, 6), 40))
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        torch.gather(pd.unified(table.clone(), copy=True).requires_grad_(), 0, gidx)
     # Everything else works as on a CPU tensor; results that alias the memory stay unified.
     assert pd.is_unified(u[3:9]) and pd.is_unified(u.view(-1)) and pd.is_unified(u[0])
     assert not pd.is_unified(u + 1) and torch.equal(u + 1, table + 1)

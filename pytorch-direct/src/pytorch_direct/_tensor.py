@@ -131,6 +131,12 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
             raise RuntimeError(f"gather(): index.size({d}) = {index.shape[d]} exceeds input.size({d})")
     if not input.is_contiguous():
         return NotImplemented
+    if input.requires_grad and torch.is_grad_enabled():
+        # The element-wise gather reads through a flat view, which has no host-resident gradient of its own.
+        raise NotImplementedError(
+            "torch.gather on a unified tensor that requires grad is not supported: gather whole rows "
+            "(t[idx], index_select, F.embedding) and select columns afterwards, or run it under torch.no_grad()"
+        )
     # One element per "row": flat = index * stride(0) + offset of the other coordinates. For a contiguous input
     # that offset is < stride(0), so flat is in range exactly when index is.
     offset = torch.zeros((1,) * index.dim(), dtype=torch.int64, device=index.device)

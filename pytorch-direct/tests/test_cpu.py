@@ -184,6 +184,8 @@ def test_autograd_host_gradient_cpu():
     (torch.nn.functional.embedding(idx, ref) * w).sum().backward()
     assert pd.is_unified(emb.grad)
     assert torch.allclose(plain(emb.grad), ref.grad, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="leaf"):
+        emb[5:][torch.tensor([0])]
     # An optimizer step on the host table works as on any CPU parameter.
     opt = torch.optim.SGD([emb], lr=0.1)
     opt.step()

@@ -240,6 +240,13 @@ def _gather_fake(table, index, strategy="auto", max_sms=0, padding_idx=None):
 
 def _gather_setup(ctx, inputs, output):
     table, index, _strategy, _max_sms, padding_idx = inputs
+    if table.requires_grad and not table.is_leaf:
+        # The gradient goes into table.grad directly (never a dense table-sized tensor through autograd), which
+        # only a leaf has.
+        raise NotImplementedError(
+            "gathering from a view of a unified tensor that requires grad: gather from the table itself "
+            "(the leaf), e.g. table[idx + offset] instead of table[offset:][idx]"
+        )
     ctx.table = table  # the leaf itself: its .grad receives the rows' gradients
     ctx.padding_idx = padding_idx
     ctx.save_for_backward(index)

@@ -143,6 +143,8 @@ def test_writes_through_torch_api(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16])
 def test_index_add_duplicates(dtype):
     table = random_table(300, (9,), dtype)
+    if not dtype.is_floating_point:
+        table = table // 4  # far from the limits: the sums must not overflow
     ref = table.clone().double() if dtype.is_floating_point else table.clone()
     u = pd.unified(table.clone(), copy=True)
     idx = torch.randint(0, 30, (2000,))  # many duplicates

@@ -99,6 +99,19 @@ def test_read_waits_for_pending_work_on_destination(gpu_engine):
     assert torch.equal(out, src)
 
 
+def test_stream_waits_without_blocking_the_host(gpu_engine):
+    engine = gpu_engine(block_size="64K", queue_depth=2)
+    src = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8, device="cuda")
+    h = engine.write(src).result(timeout=60)
+    out = torch.zeros_like(src)
+    fut = engine.read(h, out=out)
+    fut.wait_stream(block_host=False)  # returns at once; the current stream waits for the read
+    total = out.sum(dtype=torch.int64)  # queued after the wait: must see the read data
+    assert total.item() == src.sum(dtype=torch.int64).item()
+    assert fut.done()
+    fut.result()
+
+
 def test_cuda_tensor_freed_while_write_in_flight(gpu_engine):
     engine = gpu_engine(staging_buffers=1, block_size="64K", queue_depth=2)
     src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")

@@ -799,6 +799,32 @@ void operation::finish() {
   }
 }
 
+// ---------------------------------------------------------------------------------------------- stream wait
+
+void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
+#if SHARED_CUDA_HAS_CUDA
+  if (op->done()) return;  // nothing to wait for
+  auto* held = new operation_ptr(op);
+  // The host function runs on CUDA's callback thread; it makes no CUDA calls (forbidden there), it only waits for
+  // the engine, whose progress never depends on that thread.
+  const cudaError_t status = cudaLaunchHostFunc(
+      reinterpret_cast<cudaStream_t>(stream),
+      [](void* p) {
+        auto* o = static_cast<operation_ptr*>(p);
+        (*o)->wait();
+        delete o;
+      },
+      held);
+  if (status != cudaSuccess) {
+    delete held;
+    cuda_check(status, "cudaLaunchHostFunc");
+  }
+#else
+  (void)op, (void)stream;
+  throw shared_cuda::unavailable_error("ssdtrain: stream ordering needs a build with CUDA");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------- engine
 
 engine::engine(engine_config config) : impl_(std::make_shared<engine_impl>(std::move(config))) {}

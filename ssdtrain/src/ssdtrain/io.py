@@ -12,7 +12,7 @@ Writes and reads are futures (``Future``): ``done()`` polls, ``wait(timeout)`` b
 re-raises the failure (``OSError`` with errno: ENOSPC, EIO, ...; ``ChecksumError`` when stored data was corrupted),
 ``staged()`` says when a write no longer reads its source (for CUDA tensors: once the device-to-host copies are done,
 so GPU memory can be reused before the disk write finishes), ``wait_stream(stream)`` orders a CUDA stream after the
-transfer. CUDA work is ordered against the caller's stream or an event: a write starts after the work already queued
+transfer (on the host, or with ``block_host=False`` on the device only). CUDA work is ordered against the caller's stream or an event: a write starts after the work already queued
 on the current stream (which produces the tensor) or after ``after=event``; a read into a CUDA tensor starts after
 the work queued on it. Completion is reported to the host (``done``/``wait``); the engine's own device copies are
 finished by then, so any stream may use the data once the future is done.
@@ -264,10 +264,21 @@ class Future:
             raise error
         return self._value
 
-    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (default: the current stream) safe to use the transfer's data: waits on the host for the
-        transfer, whose device copies are complete when it finishes, then raises its failure, if any."""
-        self.result()
+    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> None:
+        """Make work queued on `stream` (default: the current stream) after this call see the transfer's data.
+
+        block_host=True: wait on the host (the engine's device copies are complete when the transfer is), then raise
+        the failure, if any. block_host=False: return at once; the *stream* waits (a host function enqueued on it
+        blocks CUDA's callback thread until the transfer is done). The stream proceeds even if the transfer failed:
+        call result() before trusting the data.
+        """
+        if block_host or self.done():
+            self.result()
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError("wait_stream(block_host=False) needs CUDA; use wait_stream() or result()")
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        _core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream))
 
     @property
     def nbytes(self) -> int:

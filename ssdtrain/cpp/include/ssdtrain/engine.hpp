@@ -147,6 +147,11 @@ class engine {
   std::shared_ptr<engine_impl> impl_;
 };
 
+// Makes a CUDA stream wait (device side; the calling thread does not block) until `op` is done, through a host
+// function enqueued on the stream that waits for the operation. Work queued on the stream afterwards sees the data.
+// The failure, if any, is still reported by op->get(): the stream proceeds either way.
+void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
+
 // crc32c (Castagnoli) of a byte range, continuing from `crc` (0 to start). Hardware instructions where present.
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept;
 

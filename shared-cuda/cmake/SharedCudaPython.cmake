@@ -8,6 +8,11 @@
 # the shared Python helper (shared-cuda/python/_shared_cuda.py) into the wheel's <package>/ folder.
 set(SHARED_CUDA_SOURCE_DIR "${CMAKE_CURRENT_LIST_DIR}/..")
 add_subdirectory(${SHARED_CUDA_SOURCE_DIR} shared-cuda)  # sets SHARED_CUDA_HAS_CUDA and SHARED_CUDA_ARCHITECTURES
+if(SHARED_CUDA_HAS_CUDA)
+  # Languages are per directory: enable CUDA in the package's scope too, so it can add .cu files (same architectures:
+  # CMAKE_CUDA_ARCHITECTURES is a cache entry).
+  enable_language(CUDA)
+endif()
 
 find_package(Python 3.10 REQUIRED COMPONENTS Interpreter Development.Module)
 find_package(nanobind CONFIG REQUIRED)

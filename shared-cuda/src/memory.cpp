@@ -23,6 +23,8 @@ device_buffer::device_buffer(std::size_t bytes) {
   SHARED_CUDA_TRY(cudaGetDevice(&device_));
   if (bytes > 0) SHARED_CUDA_TRY(cudaMalloc(&data_, bytes));
   bytes_ = bytes;
+#else
+  (void)bytes;
 #endif
 }
 
@@ -59,6 +61,8 @@ pinned_buffer::pinned_buffer(std::size_t bytes) {
 #if SHARED_CUDA_HAS_CUDA
   if (bytes > 0) SHARED_CUDA_TRY(cudaHostAlloc(&data_, bytes, cudaHostAllocPortable | cudaHostAllocMapped));
   bytes_ = bytes;
+#else
+  (void)bytes;
 #endif
 }
 
@@ -128,6 +132,7 @@ namespace {
 struct extent {
   std::uintptr_t end = 0;
   std::size_t references = 0;
+  bool read_only = false;
 };
 
 // Page-aligned registered extents keyed by start address; never overlapping. Leaked on purpose so that
@@ -142,15 +147,16 @@ registry& the_registry() {
   return *instance;
 }
 
+#if SHARED_CUDA_HAS_CUDA
 std::uintptr_t page_size() {
   static const auto size = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
   return size;
 }
 
-#if SHARED_CUDA_HAS_CUDA
-void cuda_register(std::uintptr_t start, std::uintptr_t end) {
-  SHARED_CUDA_TRY(
-      cudaHostRegister(reinterpret_cast<void*>(start), end - start, cudaHostRegisterPortable | cudaHostRegisterMapped));
+void cuda_register(std::uintptr_t start, std::uintptr_t end, bool read_only) {
+  unsigned flags = cudaHostRegisterPortable | cudaHostRegisterMapped;
+  if (read_only) flags |= cudaHostRegisterReadOnly;
+  SHARED_CUDA_TRY(cudaHostRegister(reinterpret_cast<void*>(start), end - start, flags));
 }
 #endif
 
@@ -168,7 +174,7 @@ void release_extent(registry& reg, std::uintptr_t start) noexcept {
 
 }  // namespace
 
-host_registration::host_registration(void* data, std::size_t bytes) {
+host_registration::host_registration(void* data, std::size_t bytes, access mode) {
   SHARED_CUDA_EXPECT(data != nullptr && bytes > 0, "cannot register an empty or null host range");
   require_cuda("host_registration");
 #if SHARED_CUDA_HAS_CUDA
@@ -184,10 +190,14 @@ host_registration::host_registration(void* data, std::size_t bytes) {
     std::uintptr_t cursor = lo;
     auto it = reg.extents.upper_bound(lo);
     if (it != reg.extents.begin() && std::prev(it)->second.end > lo) --it;
+    const bool read_only = mode == access::read_only;
     for (; it != reg.extents.end() && it->first < hi; ++it) {
+      SHARED_CUDA_EXPECT(read_only || !it->second.read_only,
+                         "part of this range is already registered read-only (e.g. by a read-only view of the same "
+                         "memory); register it read-only too, or release the read-only registration first");
       if (it->first > cursor) {
-        cuda_register(cursor, it->first);
-        reg.extents.emplace(cursor, extent{it->first, 1});
+        cuda_register(cursor, it->first, read_only);
+        reg.extents.emplace(cursor, extent{it->first, 1, read_only});
         extents_.push_back(cursor);
       }
       ++it->second.references;
@@ -195,8 +205,8 @@ host_registration::host_registration(void* data, std::size_t bytes) {
       cursor = it->second.end;
     }
     if (cursor < hi) {
-      cuda_register(cursor, hi);
-      reg.extents.emplace(cursor, extent{hi, 1});
+      cuda_register(cursor, hi, read_only);
+      reg.extents.emplace(cursor, extent{hi, 1, read_only});
       extents_.push_back(cursor);
     }
     SHARED_CUDA_TRY(cudaHostGetDevicePointer(&device_pointer_, data, 0));
@@ -211,6 +221,9 @@ host_registration::host_registration(void* data, std::size_t bytes) {
   }
   data_ = data;
   bytes_ = bytes;
+  mode_ = mode;
+#else
+  (void)data, (void)bytes, (void)mode;
 #endif
 }
 
@@ -220,6 +233,7 @@ host_registration::host_registration(host_registration&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       bytes_(std::exchange(other.bytes_, 0)),
       device_pointer_(std::exchange(other.device_pointer_, nullptr)),
+      mode_(other.mode_),
       extents_(std::move(other.extents_)) {
   other.extents_.clear();
 }
@@ -230,6 +244,7 @@ host_registration& host_registration::operator=(host_registration&& other) noexc
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
     device_pointer_ = std::exchange(other.device_pointer_, nullptr);
+    mode_ = other.mode_;
     extents_ = std::move(other.extents_);
     other.extents_.clear();
   }

@@ -65,3 +65,22 @@ TEST(registration_overlaps_and_releases_once) {
   }
   std::free(raw);
 }
+
+TEST(read_only_registration) {
+  if (!cuda_available()) SKIP("no CUDA device");
+  const std::size_t page = 4096;
+  void* raw = nullptr;
+  CHECK(posix_memalign(&raw, page, 8 * page) == 0);
+  char* base = static_cast<char*>(raw);
+  {
+    host_registration ro(base, 4 * page, host_registration::access::read_only);
+    CHECK(ro.mode() == host_registration::access::read_only && ro.device_pointer() != nullptr);
+    host_registration ro_again(base + page, page, host_registration::access::read_only);  // reuses the extent
+    CHECK_THROWS(std::invalid_argument, host_registration(base, 8 * page));  // writable over read-only: refused
+    host_registration rw_elsewhere(base + 4 * page, 4 * page);               // disjoint pages: fine
+  }
+  {
+    host_registration rw(base, 8 * page);
+  }  // everything was released: a writable registration now works
+  std::free(raw);
+}

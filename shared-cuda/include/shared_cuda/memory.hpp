@@ -95,8 +95,13 @@ class aligned_host_buffer {
 // GPU this toolkit supports); otherwise the request throws.
 class host_registration {
  public:
+  // read_only: the GPU only reads the memory (cudaHostRegisterReadOnly). Needed for read-only or file-backed
+  // mappings: Linux >= 6.5 refuses long-term writable pins of file pages. A writable request that overlaps memory
+  // registered read-only is refused.
+  enum class access { read_write, read_only };
+
   host_registration() = default;
-  host_registration(void* data, std::size_t bytes);
+  host_registration(void* data, std::size_t bytes, access mode = access::read_write);
   ~host_registration();
   host_registration(host_registration&& other) noexcept;
   host_registration& operator=(host_registration&& other) noexcept;
@@ -108,6 +113,7 @@ class host_registration {
   // The address kernels use for data(); equal to data() wherever host pointers work on the device.
   void* device_pointer() const noexcept { return device_pointer_; }
   bool registered() const noexcept { return !extents_.empty(); }
+  access mode() const noexcept { return mode_; }
 
   // Pages of host memory currently registered through the registry, and the number of extents (for tests).
   static std::size_t registered_bytes();
@@ -118,6 +124,7 @@ class host_registration {
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
   void* device_pointer_ = nullptr;
+  access mode_ = access::read_write;
   std::vector<std::uintptr_t> extents_;  // start addresses of the registry extents this registration holds
 };
 

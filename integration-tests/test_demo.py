@@ -13,3 +13,5 @@ def test_demo_runs_tiny():
     assert "demo finished" in result.stdout
     for package in ("pytorch-direct", "hector", "ssdtrain"):
         assert f"{package} " in result.stdout  # each package reported its build
+    assert "written and read back through" in result.stdout  # the activations went through ssdtrain
+    assert result.stdout.count("    epoch ") == 3  # and it trained (the demo itself fails if accuracy did not rise)

@@ -59,6 +59,8 @@ def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> E
                 flops += 2 * t.numel * max(p.type_of(n.args[0]).shape[-1], 1)
             elif n.op in (Op.GATHER, Op.SELECT):
                 moved += rows * t.numel * itemsize  # gathered reads
+            elif n.op is Op.RESHAPE:
+                pass  # a view
             else:
                 flops += rows * t.numel * (4 if n.op is Op.EDGE_SOFTMAX else 1)
         for i in k.inputs:

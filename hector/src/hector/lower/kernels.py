@@ -76,8 +76,9 @@ def _space(domain: Domain) -> str:
 
 def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
     """Fuse ``program`` into kernels; values in ``keep`` (e.g. saved for backward) are materialised."""
-    p = program
+    p = _schedule(program)
     keep = set(keep) | set(p.outputs)
+    virtual = {n.name for n in p.nodes if _is_virtual(n) and n.name not in keep}
     owner: dict[str, int] = {}  # node -> index of the group/kernel that computes it
     groups: list[Any] = []  # _Group or finished Kernel-like dicts, in execution order
     cur: _Group | None = None
@@ -98,8 +99,9 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         """Look through virtual reads: (producing value, via of the last gather or None)."""
         n = p.node(name)
         via = None
-        while n.op in _VIRTUAL and n.op is Op.GATHER:
-            via = n.attr("via") if via is None else via
+        while n.name in virtual and n.op in (Op.GATHER, Op.RESHAPE):
+            if n.op is Op.GATHER:
+                via = n.attr("via") if via is None else via
             n = p.node(n.args[0])
         return n.name, via
 
@@ -108,6 +110,8 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         n = p.node(arg)
         if n.op in _LEAVES or n.op is Op.SELECT:
             return True
+        if n.name in virtual and n.op is Op.RESHAPE:  # a view: what matters is where its rows come from
+            return arg_ok(n.args[0], node_domain, op)
         if n.op is Op.GATHER:
             src, via = source(arg)
             if owner.get(src) != cur_idx:
@@ -123,7 +127,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         return op is Op.SCATTER_ADD and node_domain is Domain.NODE  # edge -> dst reduction
 
     for n in p.nodes:
-        if n.op in _LEAVES or n.op in _VIRTUAL or n.name in fused_scatter:
+        if n.op in _LEAVES or n.name in virtual or n.name in fused_scatter:
             continue
         t = n.type
         if n.op is Op.DROPOUT_MASK:
@@ -196,7 +200,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         elif t.domain is Domain.NODE and cur.space == "edge":
             cur.post_dst.add(n.name)
 
-    order = _toposort(p, groups, owner)
+    order = _toposort(p, groups, owner, virtual)
     # outputs: values read by another kernel, returned, or kept
     kernels: list[Kernel] = []
     users = p.users
@@ -219,10 +223,10 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
             detail = g.get("detail", {})
         members = set(names)
         outputs = [m for m in names if m in keep or any(u != "<output>" and owner.get(u) != idx
-                                                         and p.node(u).op not in _VIRTUAL for u in users[m])
-                   or any(u != "<output>" and p.node(u).op in _VIRTUAL and _virtual_escapes(p, u, owner, idx)
+                                                         and u not in virtual for u in users[m])
+                   or any(u != "<output>" and u in virtual and _virtual_escapes(p, u, owner, idx, virtual)
                           for u in users[m])]
-        if kind == "gemm" and len(names) == 2:
+        if kind == "gemm" and len(names) == 2:  # a fused epilogue's result is what the GEMM writes
             outputs = [names[1]] if names[1] in outputs or names[1] in keep else outputs
         # Bring in the virtual reads this kernel needs, in dependency order.
         ordered: list[str] = []
@@ -230,7 +234,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
 
         for m in names:
             for a in p.node(m).args:
-                _need(p, a, members, ordered, reads)
+                _need(p, a, members, ordered, reads, virtual)
             ordered.append(m)
         kernels.append(Kernel(f"k{idx}_{kind}", kind, space, tuple(ordered), tuple(reads), tuple(outputs), layout,
                               tuple(sorted(detail.items()))))
@@ -238,19 +242,50 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
     return Lowered(p, tuple(kernels), materialized)
 
 
-def _need(p: Program, a: str, members: set[str], ordered: list[str], reads: list[str]) -> None:
+def _schedule(p: Program) -> Program:
+    """Reorder nodes (dependencies kept) so GEMMs and weight ops run as early as their inputs allow. Traversal
+    ops then sit next to each other and fuse: e.g. the message GEMM no longer splits edge softmax from the
+    aggregation that consumes it."""
+    early = (Op.LINEAR, Op.OUTER_SUM, Op.EINSUM, Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH)
+    index = {n.name: i for i, n in enumerate(p.nodes)}
+    waiting = {n.name: len(set(n.args)) for n in p.nodes}
+    users: dict[str, set[str]] = {n.name: set() for n in p.nodes}
+    for n in p.nodes:
+        for a in set(n.args):
+            users[a].add(n.name)
+    ready = [n.name for n in p.nodes if waiting[n.name] == 0]
+    order: list[str] = []
+    while ready:
+        ready.sort(key=lambda m: (p.node(m).op not in early and not (p.node(m).op is Op.RESHAPE
+                                                                   and p.node(m).type.domain is Domain.PARAM),
+                                  index[m]))
+        m = ready.pop(0)
+        order.append(m)
+        for u in users[m]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                ready.append(u)
+    return p.with_nodes([p.node(m) for m in order])
+
+
+def _is_virtual(n) -> bool:
+    """Gathers, per-row param reads and reshapes (views) are evaluated inside each kernel that uses them."""
+    return n.op in _VIRTUAL or (n.op is Op.RESHAPE and n.type.domain is not Domain.PARAM)
+
+
+def _need(p: Program, a: str, members: set[str], ordered: list[str], reads: list[str], virtual: set[str]) -> None:
     """Record that a kernel reads ``a``: virtual reads are evaluated inside it, anything else is an input."""
     node = p.node(a)
-    if node.op in _VIRTUAL:
+    if a in virtual:
         for b in node.args:
-            _need(p, b, members, ordered, reads)
+            _need(p, b, members, ordered, reads, virtual)
         if a not in ordered:
             ordered.append(a)
     elif a not in members and a not in reads:
         reads.append(a)
 
 
-def _toposort(p: Program, groups: list, owner: Mapping[str, int]) -> list[int]:
+def _toposort(p: Program, groups: list, owner: Mapping[str, int], virtual: set[str]) -> list[int]:
     """Kernel order: dependencies first, otherwise creation order (independent weight kernels move early)."""
     deps: list[set[int]] = []
     for idx, g in enumerate(groups):
@@ -259,7 +294,7 @@ def _toposort(p: Program, groups: list, owner: Mapping[str, int]) -> list[int]:
         stack = [a for m in names for a in p.node(m).args]
         while stack:
             a = stack.pop()
-            if p.node(a).op in _VIRTUAL:
+            if a in virtual:
                 stack.extend(p.node(a).args)
             elif a in owner and owner[a] != idx:
                 d.add(owner[a])
@@ -277,14 +312,13 @@ def _toposort(p: Program, groups: list, owner: Mapping[str, int]) -> list[int]:
     return done
 
 
-def _virtual_escapes(p: Program, name: str, owner: Mapping[str, int], idx: int) -> bool:
+def _virtual_escapes(p: Program, name: str, owner: Mapping[str, int], idx: int, virtual: set[str]) -> bool:
     """Does a virtual read of a value from kernel ``idx`` get used by another kernel?"""
     for u in p.users[name]:
         if u == "<output>":
             return True
-        n = p.node(u)
-        if n.op in _VIRTUAL:
-            if _virtual_escapes(p, u, owner, idx):
+        if u in virtual:
+            if _virtual_escapes(p, u, owner, idx, virtual):
                 return True
         elif owner.get(u) != idx:
             return True

@@ -76,6 +76,8 @@ def differentiate(fwd: Program, wrt: Iterable[tuple[Op, str]] | None = None) -> 
                 saved_names[name] = rw.emit(Op.GATHER, [saved(n.args[0])], "s_" + name, via=n.attr("via"))
             elif n.op is Op.SELECT:
                 saved_names[name] = rw.emit(Op.SELECT, [saved(n.args[0])], "s_" + name, domain=n.attr("domain"))
+            elif n.op is Op.RESHAPE:
+                saved_names[name] = rw.emit(Op.RESHAPE, [saved(n.args[0])], "s_" + name, shape=n.attr("shape"))
             else:
                 t = fwd.type_of(name)
                 saved_names[name] = rw.emit(Op.SAVED, [], "s_" + name, name=name, domain=t.domain.value,

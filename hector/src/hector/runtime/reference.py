@@ -293,7 +293,7 @@ def _chunkable(program: Program, kernel) -> bool:
     for name in kernel.nodes:
         n = program.by_name[name]
         dom = n.type.domain
-        if dom is Domain.UNIQUE or (dom is Domain.PARAM and n.op is not Op.SELECT_SUM):
+        if (dom is Domain.UNIQUE and n.op is not Op.RESHAPE) or (dom is Domain.PARAM and n.op is not Op.SELECT_SUM):
             return False
         if n.op in (Op.SCATTER_ADD, Op.SELECT_SUM) and program.by_name[n.args[0]].type.domain is not Domain.EDGE:
             return False
@@ -313,7 +313,16 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
     by = program.by_name
     edge_part = [m for m in kernel.nodes if by[m].type.domain is Domain.EDGE or by[m].op in (Op.SCATTER_ADD,
                                                                                               Op.SELECT_SUM)]
-    epilogue = [m for m in kernel.nodes if m not in set(edge_part)]
+    # non-edge nodes: views of materialised inputs (once, before the tiles) or node-wise work on reductions
+    pre, epilogue, dependent = [], [], set(edge_part)
+    for m in kernel.nodes:
+        if m in dependent:
+            continue
+        if any(a in dependent for a in by[m].args):
+            epilogue.append(m)
+            dependent.add(m)
+        else:
+            pre.append(m)
     phases: list[list[str]] = [[]]
     for m in edge_part:
         if by[m].op is Op.EDGE_SOFTMAX:
@@ -328,6 +337,10 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
             if a in phase_of and (phase_of.get(m, len(phases)) != phase_of[a] or by[m].op is Op.EDGE_SOFTMAX):
                 keep.add(a)
     acc: dict[str, torch.Tensor] = {}
+    for name in pre:
+        n = by[name]
+        acc[name] = eval_node(n, [acc[a] if a in acc else env[a] for a in n.args], [by[a].type for a in n.args],
+                              graph, leaves, dtype)
     num_edges = graph.num_edges
     for phase in phases:
         if len(phase) == 1 and by[phase[0]].op is Op.EDGE_SOFTMAX:

@@ -4,8 +4,9 @@
     python ssdtrain/benchmarks/io.py --dir /tmp --quick             # seconds (the smoke test uses this)
     python ssdtrain/benchmarks/io.py --dir /nvme/tmp --csv out.csv
 
-Measured per backend (io_uring, threads, gds where a GPU is present) and per memory (host: pinned where CUDA is
-present, else page-aligned pageable; gpu: CUDA tensors through the staging buffers or cuFile):
+Measured per backend (io_uring, threads, gds where a GPU is present) and per memory (see MEMORIES below): host
+(torch's pinned tensor, default settings: copied through the staging buffers), host-huge (ssdtrain.huge_empty(),
+moved in place), host-4k (torch's tensor moved from its own 4 KiB pages: stage_host=off), gpu (CUDA tensors):
   seqwrite / seqread  one tensor of each size, written then read back whole (block size and queue depth as given)
   randread            1 MiB handles read in random order with `--random-depth` in flight (random offsets in the
                       engine's file), compared with fio randread bs=1M at the same depth
@@ -25,6 +26,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,11 +55,114 @@ def median_run(fn, repeat: int):
     return runs[len(runs) // 2]
 
 
+# ---------------------------------------------------------------------------------------------- evidence
+# Whether bytes really reach the device inside the timed region, and in what request sizes: /proc/diskstats of the
+# block device under --dir, sampled around every timed run (the machine should be otherwise idle).
+
+
+class Disk:
+    """The block device holding `path` (a partition's counters are its own), read from /proc/diskstats."""
+
+    def __init__(self, path: str):
+        st = os.stat(path)
+        self.major, self.minor = os.major(st.st_dev), os.minor(st.st_dev)
+        self.name = ""
+        try:
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    parts = line.split()
+                    if int(parts[0]) == self.major and int(parts[1]) == self.minor:
+                        self.name = parts[2]
+        except OSError:
+            pass
+
+    def sample(self):
+        """(read requests, bytes read, write requests, bytes written) so far, or None where unknown."""
+        if not self.name:
+            return None
+        with open("/proc/diskstats") as f:
+            for line in f:
+                parts = line.split()
+                if parts[2] == self.name:
+                    return int(parts[3]), int(parts[5]) * 512, int(parts[7]), int(parts[9]) * 512
+        return None
+
+    def queue(self) -> str:
+        """The request limits that decide how the block layer splits a request."""
+        base = f"/sys/dev/block/{self.major}:{self.minor}"
+        if os.path.exists(base + "/partition"):
+            base += "/.."
+        out = []
+        for key in ("max_segments", "max_segment_size", "max_sectors_kb", "max_hw_sectors_kb", "nr_requests",
+                    "scheduler"):
+            try:
+                with open(f"{base}/queue/{key}") as f:
+                    out.append(f"{key}={f.read().strip()}")
+            except OSError:
+                pass
+        return " ".join(out)
+
+
+DISK: Disk | None = None
+
+
+def measured(fn):
+    """Run fn() and return (seconds, cpu seconds, disk delta dict or None)."""
+    before = DISK.sample() if DISK else None
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    after = DISK.sample() if DISK else None
+    disk = None
+    if before and after:
+        disk = {k: a - b for k, a, b in zip(("rreq", "rbytes", "wreq", "wbytes"), after, before, strict=True)}
+    return seconds, cpu, disk
+
+
+def o_direct(fd: int) -> str:
+    """'yes'/'no' from the file's open flags in /proc/self/fdinfo (O_DIRECT = 0o40000 on x86-64)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return "yes" if int(line.split()[1], 8) & os.O_DIRECT else "NO"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def segments_per_block(address: int, nbytes: int, block: int) -> str:
+    """Physically contiguous runs per `block` bytes of [address, address+nbytes), from /proc/self/pagemap.
+
+    A block whose 4 KiB pages are scattered reaches the device as that many segments; above the queue's
+    max_segments the block layer splits the request. Needs root (page frame numbers read as 0 otherwise)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, count = address // page, (nbytes + page - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read(count * 8)
+    except OSError as e:
+        return f"unknown ({e.strerror})"
+    frames = [int.from_bytes(raw[i:i + 8], "little") & ((1 << 55) - 1) for i in range(0, len(raw), 8)]
+    if not any(frames):
+        return "unknown (page frames hidden: not root)"
+    per_block = block // page
+    counts = []
+    for b in range(0, len(frames), per_block):
+        chunk = frames[b:b + per_block]
+        counts.append(1 + sum(1 for x, y in zip(chunk[:-1], chunk[1:], strict=True) if y != x + 1))
+    counts.sort()
+    return f"avg {sum(counts) / len(counts):.1f}, max {counts[-1]} (over {len(counts)} blocks)"
+
+
 # ---------------------------------------------------------------------------------------------- ssdtrain
 
 
-def host_tensor(nbytes: int) -> torch.Tensor:
-    if torch.cuda.is_available():
+def host_tensor(nbytes: int, huge: bool = False) -> torch.Tensor:
+    if huge:
+        t = ssdtrain.huge_empty(nbytes)
+    elif torch.cuda.is_available():
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     else:
         t = ssdtrain.aligned_empty(nbytes)
@@ -65,16 +170,25 @@ def host_tensor(nbytes: int) -> torch.Tensor:
     return t
 
 
-def make_engine(args, backend: str) -> ssdtrain.Engine:
+def make_engine(args, backend: str, stage_host: str = "auto") -> ssdtrain.Engine:
     capacity = max(args.sizes) * 2 + args.random_count * MiB + 256 * MiB
     return ssdtrain.Engine([args.dir], backend=backend, capacity_per_directory=capacity, block_size=args.block_size,
                            queue_depth=args.queue_depth, staging_buffers=args.staging_buffers,
-                           threads=args.engine_threads, checksum=args.checksum)
+                           threads=args.engine_threads, checksum=args.checksum, stage_host=stage_host)
+
+
+# Memory kinds: host = torch's pinned tensor (page-aligned pageable where CUDA is absent) with the default
+# stage_host=auto, i.e. copied through the engine's huge-page staging buffers; host-huge = ssdtrain.huge_empty()
+# (pinned where CUDA is present), moved in place; host-4k = torch's tensor moved from its own scattered 4 KiB pages
+# (stage_host=off, the engine's behaviour before 2026-11-21); gpu = CUDA tensor through the staging buffers or cuFile.
+MEMORIES = ("host", "host-huge", "host-4k", "gpu")
 
 
 def new_tensor(memory: str, nbytes: int, fill: bool = True) -> torch.Tensor:
-    if memory == "host":
+    if memory in ("host", "host-4k"):
         return host_tensor(nbytes)
+    if memory == "host-huge":
+        return host_tensor(nbytes, huge=True)
     if fill:
         return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -84,7 +198,7 @@ def same_file_fio(args, memory: str) -> bool:
     return memory == "host" and not args.no_references and shutil.which("fio") is not None
 
 
-def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[dict]:
+def engine_seq_rows(args, engine, backend: str, memory: str, size: int, describe: bool = False) -> list[dict]:
     """Sequential write then read of one tensor of `size` bytes, median of --repeat.
 
     With fio present (host memory), each engine run alternates with a fio run on the same blocks of the engine's own
@@ -93,21 +207,30 @@ def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[
     detail = engine.backend_detail
     sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
     src, dst = new_tensor(memory, size), new_tensor(memory, size, fill=False)
+    if describe and memory != "gpu":
+        print(f"# {memory} {fmt_size(size)} tensor ({'pinned' if src.is_pinned() else 'pageable'}): segments per "
+              f"{fmt_size(args.block_size)} block: {segments_per_block(src.data_ptr(), size, args.block_size)}",
+              flush=True)
     fio = same_file_fio(args, memory)
     handle_box = []
     runs = {"write": [], "read": [], "fio-write": [], "fio-read": []}
 
     def timed(kind, fn, nbytes):
         sync()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        fn()
-        sync()
-        runs[kind].append((time.perf_counter() - t0, nbytes, cpu_seconds() - c0))
+        seconds, cpu, disk = measured(lambda: (fn(), sync()))
+        runs[kind].append((seconds, nbytes, cpu, disk))
 
     def write_once():
         if handle_box:
             engine.free(handle_box.pop())
         timed("write", lambda: handle_box.append(engine.write(src).result()), size)
+
+    def read_once():
+        dst.fill_(0x5A)  # poison: a read that moved nothing cannot pass the comparison below
+        sync()
+        timed("read", lambda: engine.read(handle_box[0], out=dst).result(), size)
+        if not torch.equal(dst, src):
+            raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
 
     for _ in range(args.repeat):
         write_once()
@@ -117,7 +240,7 @@ def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[
         write_once()  # fio overwrote the blocks: store the tensor again before reading it back
         runs["write"].pop()
     for _ in range(args.repeat):
-        timed("read", lambda: engine.read(handle_box[0], out=dst).result(), size)
+        read_once()
         if fio:
             runs["fio-read"].append(fio_once(engine_file(engine), "read", size, args.queue_depth, args.block_size))
 
@@ -129,8 +252,6 @@ def engine_seq_rows(args, engine, backend: str, memory: str, size: int) -> list[
         if fio:
             rows.append(row("fio-same", "io_uring", "host", op, size, args, median(f"fio-{kind}")))
         rows.append(row("ssdtrain", backend, memory, op, size, args, median(kind), detail))
-    if not torch.equal(dst.cpu(), src.cpu()):
-        raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
     engine.free(handle_box.pop())
     return rows
 
@@ -146,16 +267,19 @@ def engine_random_rows(args, engine, backend: str, memory: str) -> list[dict]:
         order = handles[:]
         random.shuffle(order)
         sync()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        inflight = []
-        for i, h in enumerate(order):
-            if len(inflight) == args.random_depth:
-                inflight.pop(0).result()
-            inflight.append(engine.read(h, out=outs[i % args.random_depth]))
-        for f in inflight:
-            f.result()
-        sync()
-        return time.perf_counter() - t0, len(order) * MiB, cpu_seconds() - c0
+
+        def go():
+            inflight = []
+            for i, h in enumerate(order):
+                if len(inflight) == args.random_depth:
+                    inflight.pop(0).result()
+                inflight.append(engine.read(h, out=outs[i % args.random_depth]))
+            for f in inflight:
+                f.result()
+            sync()
+
+        seconds, cpu, disk = measured(go)
+        return seconds, len(order) * MiB, cpu, disk
 
     rows = []
     runs, fio_runs = [], []
@@ -177,7 +301,13 @@ def engine_random_rows(args, engine, backend: str, memory: str) -> list[dict]:
 
 
 def row(tool, backend, memory, op, size, args, run, detail=""):
-    seconds, nbytes, cpu = run
+    seconds, nbytes, cpu = run[:3]
+    disk = run[3] if len(run) > 3 else None
+    moved = requests = ""
+    if disk:
+        key = "w" if "write" in op else "r"
+        moved = round(disk[key + "bytes"] / nbytes, 3)
+        requests = round(disk[key + "bytes"] / disk[key + "req"] / 1024) if disk[key + "req"] else 0
     return {
         "tool": tool,
         "backend": backend,
@@ -189,6 +319,8 @@ def row(tool, backend, memory, op, size, args, run, detail=""):
         "seconds": seconds,
         "GBps": nbytes / seconds / 1e9,
         "cpu_s_per_GB": cpu / (nbytes / 1e9),
+        "device_bytes_ratio": moved,
+        "device_request_KiB": requests,
         "detail": detail,
     }
 
@@ -198,14 +330,15 @@ def row(tool, backend, memory, op, size, args, run, detail=""):
 
 def fio_once(path: str, rw: str, nbytes: int, depth: int, bs: int):
     """One fio job (io_uring, O_DIRECT) over [0, nbytes) of `path`: (seconds, bytes, cpu seconds)."""
-    out = subprocess.run(
+    box = []
+    _, _, disk = measured(lambda: box.append(subprocess.run(
         ["fio", "--name=bench", f"--filename={path}", f"--size={nbytes}", f"--bs={bs}", f"--rw={rw}",
          f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"],
-        check=True, capture_output=True, text=True)
-    job = json.loads(out.stdout)["jobs"][0]
+        check=True, capture_output=True, text=True)))
+    job = json.loads(box[0].stdout)["jobs"][0]
     part = job["write" if "write" in rw else "read"]
     seconds = part["runtime"] / 1000
-    return seconds, part["io_bytes"], (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
+    return seconds, part["io_bytes"], (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds, disk
 
 
 def engine_file(engine) -> str:
@@ -253,9 +386,9 @@ def dd_rows(args, size: int) -> list[dict]:
     try:
         for op, cmd in commands:
             def once(cmd=cmd):
-                c0, t0 = cpu_seconds(children=True), time.perf_counter()
-                subprocess.run(cmd, check=True, capture_output=True)
-                return time.perf_counter() - t0, count * bs, cpu_seconds(children=True) - c0
+                c0 = cpu_seconds(children=True)
+                seconds, _, disk = measured(lambda: subprocess.run(cmd, check=True, capture_output=True))
+                return seconds, count * bs, cpu_seconds(children=True) - c0, disk
 
             r = row("dd", "-", "host", op, size, args, median_run(once, args.repeat))
             r["block"], r["queue_depth"] = bs, 1
@@ -284,13 +417,15 @@ def pthread_rows(args, size: int) -> list[dict]:
                 else:
                     os.preadv(fd, [buf], b * bs)
 
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - t0, blocks * bs, cpu_seconds() - c0
+        def go():
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        seconds, cpu, disk = measured(go)
+        return seconds, blocks * bs, cpu, disk
 
     try:
         os.posix_fallocate(fd, 0, size)
@@ -309,8 +444,8 @@ def pthread_rows(args, size: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'tool':9} {'backend':10} {'memory':6} {'op':9} {'size':>8} {'block':>6} {'qd':>3} {'GB/s':>7} " \
-           f"{'cpu s/GB':>8}  vs fio   vs host"
+    head = f"{'tool':9} {'backend':10} {'memory':11} {'op':9} {'size':>8} {'block':>6} {'qd':>3} {'GB/s':>7} " \
+           f"{'cpu s/GB':>8} {'dev/x':>6} {'req KiB':>7}  vs fio   vs host"
     print(head)
     print("-" * len(head))
     fio = {(r["op"], r["size"]): r["GBps"] for r in rows if r["tool"] == "fio"}
@@ -327,12 +462,13 @@ def print_table(rows: list[dict]) -> None:
             reference = last_same["GBps"]  # the same blocks, measured alternately with this engine
         vs_fio = f"{r['GBps'] / reference:6.2f}x" if r["tool"] == "ssdtrain" and reference else "       "
         h = host.get((r["backend"], r["op"], r["size"]))
-        vs_host = f"{r['GBps'] / h:6.2f}x" if r["memory"] == "gpu" and h else ""
+        other = r["memory"] != "host" and r["tool"] == "ssdtrain"
+        vs_host = f"{r['GBps'] / h:6.2f}x" if other and h else ""
         r["vs_fio"] = round(r["GBps"] / reference, 3) if r["tool"] == "ssdtrain" and reference else ""
-        r["vs_host"] = round(r["GBps"] / h, 3) if r["memory"] == "gpu" and h else ""
-        print(f"{r['tool']:9} {r['backend']:10} {r['memory']:6} {r['op']:9} {fmt_size(r['size']):>8} "
-              f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f}  "
-              f"{vs_fio} {vs_host}")
+        r["vs_host"] = round(r["GBps"] / h, 3) if other and h else ""
+        print(f"{r['tool']:9} {r['backend']:10} {r['memory']:11} {r['op']:9} {fmt_size(r['size']):>8} "
+              f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f} "
+              f"{r['device_bytes_ratio']!s:>6} {r['device_request_KiB']!s:>7}  {vs_fio} {vs_host}")
 
 
 def fmt_size(n: int) -> str:
@@ -372,30 +508,50 @@ def main(argv=None) -> int:
     backends = args.backends.split(",") if args.backends else (
         (["io_uring"] if ssdtrain._core.io_uring_status()["usable"] else []) + ["threads"]
         + (["gds"] if torch.cuda.is_available() and ssdtrain.backends()["gds"]["usable"] else []))
-    memories = args.memory.split(",") if args.memory else (["host", "gpu"] if torch.cuda.is_available() else ["host"])
+    memories = args.memory.split(",") if args.memory else [
+        m for m in MEMORIES if m != "gpu" or torch.cuda.is_available()]
+    for m in memories:
+        if m not in MEMORIES:
+            raise SystemExit(f"unknown memory {m!r}: use {', '.join(MEMORIES)}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"# ssdtrain I/O benchmark: dir={args.dir} block={fmt_size(args.block_size)} qd={args.queue_depth} "
           f"repeat={args.repeat} cpus={os.cpu_count()} gpu={gpu}", flush=True)
+    global DISK
+    DISK = Disk(args.dir)
+    thp = ""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        pass
+    print(f"# device {DISK.name or 'unknown'}: {DISK.queue()}; transparent huge pages: {thp}", flush=True)
+    print("# columns: dev/x = bytes the device moved in that direction during the timed run / bytes asked for "
+          "(from /proc/diskstats; ~1.0 means the data really went to/came from the device, 0 means a cache "
+          "answered); req KiB = average size of the device's requests (a 1M request split by the block layer shows "
+          "less); vs host = this row / the same backend's 'host' row", flush=True)
 
     # Per size, the references and every engine back to back, so drift in a shared disk's speed hits all alike.
-    engines = {backend: make_engine(args, backend) for backend in backends}
-    for backend, engine in engines.items():
-        print(f"# {backend}: {engine.backend_detail}", flush=True)
+    engines = {}
+    for backend in backends:
+        engines[backend, False] = make_engine(args, backend)
+        if "host-4k" in memories and backend != "gds":  # gds moves host memory with the threads backend's code
+            engines[backend, True] = make_engine(args, backend, stage_host="off")
+    for (backend, _), engine in engines.items():
+        st = engine.stats()
+        flags = ", ".join(f"{d['path']}: O_DIRECT {o_direct(d['fd'])}" for d in engine.directories())
+        print(f"# {backend} (stage_host={engine.settings['stage_host']}): {engine.backend_detail}; files: {flags}; "
+              f"staging "
+              f"buffer segments per {fmt_size(args.block_size)}: "
+              f"{segments_per_block(st['staging_address'], st['staging_bytes'], args.block_size)}", flush=True)
     rows = []
-    for size in args.sizes:
-        if not args.no_references:
-            rows += fio_rows(args, size) + dd_rows(args, size) + pthread_rows(args, size)
-        for backend, engine in engines.items():
-            for memory in memories:
-                rows += engine_seq_rows(args, engine, backend, memory, size)
-    if args.random_count:
-        if not args.no_references:
-            rows += fio_rows(args, None)
-        for backend, engine in engines.items():
-            for memory in memories:
-                rows += engine_random_rows(args, engine, backend, memory)
+    try:
+        measure_all(args, backends, memories, engines, rows)
+    except Stop as e:  # timeout(1) sends SIGTERM: still report what was measured
+        print(f"# stopped early ({e}): the table holds what was measured before", flush=True)
     for engine in engines.values():
         engine.close()
+    if not rows:
+        return 1
     print_table(rows)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
@@ -403,6 +559,35 @@ def main(argv=None) -> int:
             w.writeheader()
             w.writerows(rows)
     return 0
+
+
+class Stop(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise Stop(signal.Signals(signum).name)
+
+
+def measure_all(args, backends, memories, engines, rows) -> None:
+    signal.signal(signal.SIGTERM, _stop)
+    for size in args.sizes:
+        if not args.no_references:
+            rows += fio_rows(args, size) + dd_rows(args, size) + pthread_rows(args, size)
+        for backend in backends:
+            for memory in memories:
+                if (backend, memory == "host-4k") not in engines:
+                    continue
+                engine = engines[backend, memory == "host-4k"]
+                rows += engine_seq_rows(args, engine, backend, memory, size, backend == backends[0])
+    if args.random_count:
+        if not args.no_references:
+            rows += fio_rows(args, None)
+        for backend in backends:
+            for memory in memories:
+                if (backend, memory == "host-4k") not in engines:
+                    continue
+                rows += engine_random_rows(args, engines[backend, memory == "host-4k"], backend, memory)
 
 
 if __name__ == "__main__":

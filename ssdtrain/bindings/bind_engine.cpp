@@ -49,6 +49,7 @@ void bind_engine(nb::module_& m) {
           })
       .def_rw("checksum", &engine_config::checksum)
       .def_rw("staging_buffers", &engine_config::staging_buffers)
+      .def_rw("stage_host", &engine_config::stage_host)
       .def_rw("threads", &engine_config::threads)
       .def_rw("stripe_threshold", &engine_config::stripe_threshold)
       .def_rw("cufile_library", &engine_config::cufile_library)
@@ -69,15 +70,16 @@ void bind_engine(nb::module_& m) {
       .def(nb::init<engine_config>(), nb::call_guard<nb::gil_scoped_release>())
       .def(
           "write",
-          [](ssdtrain::engine& e, std::uintptr_t address, std::size_t bytes, int device, std::uintptr_t stream) {
-            return e.write(view(address, bytes, device), stream);
-          },
-          "address"_a, "bytes"_a, "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+          [](ssdtrain::engine& e, std::uintptr_t address, std::size_t bytes, int device, std::uintptr_t stream,
+             int stage_host) { return e.write(view(address, bytes, device), stream, stage_host); },
+          "address"_a, "bytes"_a, "device"_a, "stream"_a, "stage_host"_a = -1, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "read",
           [](ssdtrain::engine& e, std::uint64_t handle, std::uintptr_t address, std::size_t bytes, int device,
-             std::uintptr_t stream) { return e.read(handle, view(address, bytes, device), stream); },
-          "handle"_a, "address"_a, "bytes"_a, "device"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+             std::uintptr_t stream,
+             int stage_host) { return e.read(handle, view(address, bytes, device), stream, stage_host); },
+          "handle"_a, "address"_a, "bytes"_a, "device"_a, "stream"_a, "stage_host"_a = -1,
+          nb::call_guard<nb::gil_scoped_release>())
       .def("free", &ssdtrain::engine::free)
       .def("handle_bytes", &ssdtrain::engine::handle_bytes)
       .def("live_handles", &ssdtrain::engine::live_handles)
@@ -123,6 +125,8 @@ void bind_engine(nb::module_& m) {
         d["staged_copies"] = t.staged_copies;
         d["bytes_in_use"] = t.bytes_in_use;
         d["file_bytes"] = t.file_bytes;
+        d["staging_address"] = t.staging_address;
+        d["staging_bytes"] = t.staging_bytes;
         return d;
       });
 

@@ -239,3 +239,51 @@ def test_info_reports_backends():
     lines = ssdtrain._backend_lines()
     assert {"io_uring", "gds", "threads"} <= set(lines)
     assert ssdtrain.backends()["io_uring"]["compiled"] in (True, False)
+
+
+@pytest.mark.parametrize("nbytes", [4096, (1 << 20) + 4096, (3 << 20) + 17])
+@pytest.mark.parametrize(("memory", "stage_host", "staged"), [
+    ("torch", "auto", True),   # scattered 4 KiB pages: copied through the huge-page staging buffers
+    ("torch", "off", False),   # moved from its own pages (page-aligned whole pages)
+    ("torch", "on", True),
+    ("huge", "auto", False),   # huge_empty(): physically contiguous already, moved in place
+    ("huge", "on", True),
+])
+def test_stage_host_paths(engine_factory, backend, nbytes, memory, stage_host, staged):
+    engine = engine_factory(backend=backend, stage_host=stage_host, checksum=True)
+    direct = engine.directories()[0]["direct"]
+    src = ssdtrain.huge_empty(nbytes, pin_memory=False) if memory == "huge" else ssdtrain.aligned_empty(nbytes)
+    src.copy_(random_tensor(nbytes, seed=nbytes + 1))
+    handle = engine.write(src).result(timeout=30)
+    out = ssdtrain.huge_empty(nbytes, pin_memory=False) if memory == "huge" else ssdtrain.aligned_empty(nbytes)
+    out.fill_(0x5A)  # poisoned
+    engine.read(handle, out=out).result(timeout=30)
+    assert torch.equal(out, src)
+    whole_pages = nbytes // 4096
+    copies = engine.stats()["staged_copies"]
+    if staged:
+        assert copies >= 2 * (nbytes // (1 << 20))  # every block of both directions went through a buffer
+        assert copies >= 2
+    else:
+        # Only a partial last page is staged (O_DIRECT needs whole pages); without O_DIRECT nothing is.
+        assert copies == (0 if nbytes == whole_pages * 4096 or not direct else 2)
+    assert ("host tensors staged" in engine.backend_detail) == (stage_host == "on")
+
+
+def test_huge_empty_is_aligned_and_tracked():
+    from ssdtrain import io
+
+    t = ssdtrain.huge_empty((3, 1 << 20), dtype=torch.float32, pin_memory=False)
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32
+    assert t.data_ptr() % (2 << 20) == 0
+    assert io._is_huge(t.data_ptr(), t.numel() * 4)
+    view = t[1]
+    del t
+    gc.collect()
+    assert io._is_huge(view.data_ptr(), view.numel() * 4)  # a view keeps the memory (and its tracking) alive
+    address = view.data_ptr()
+    del view
+    gc.collect()
+    assert not io._is_huge(address, 4)
+    with pytest.raises(ValueError, match="stage_host"):
+        ssdtrain.configure(stage_host="sometimes")

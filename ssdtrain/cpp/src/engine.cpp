@@ -1,5 +1,6 @@
 #include "ssdtrain/engine.hpp"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -170,12 +171,46 @@ struct piece {
   bool staged = false;
 };
 
+// Anonymous memory on 2 MiB boundaries with transparent huge pages requested: physically contiguous blocks reach
+// the device as one segment each, where 4 KiB pages would make a 1 MiB request of 256 segments, more than many
+// queues take (virtio-blk: 254), so the block layer would split it.
+class huge_region {
+ public:
+  explicit huge_region(std::size_t bytes) {
+    constexpr std::size_t huge = 2u << 20;
+    size_ = (bytes + huge - 1) / huge * huge;
+    void* p = ::mmap(nullptr, size_ + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    const auto start = reinterpret_cast<std::uintptr_t>(p);
+    const auto aligned = (start + huge - 1) / huge * huge;
+    if (aligned > start) ::munmap(p, aligned - start);
+    const std::size_t tail = start + size_ + huge - (aligned + size_);
+    if (tail > 0) ::munmap(reinterpret_cast<void*>(aligned + size_), tail);
+    data_ = reinterpret_cast<void*>(aligned);
+    huge_pages_ = ::madvise(data_, size_, MADV_HUGEPAGE) == 0;
+    std::memset(data_, 0, size_);  // fault in now (as huge pages where the kernel has them)
+  }
+  ~huge_region() {
+    if (data_) ::munmap(data_, size_);
+  }
+  huge_region(const huge_region&) = delete;
+  huge_region& operator=(const huge_region&) = delete;
+  void* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  bool huge_pages_requested() const { return huge_pages_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
+  bool huge_pages_ = false;
+};
+
 class staging_pool {
  public:
-  staging_pool(unsigned count, std::size_t bytes) : bytes_(bytes), memory_(std::size_t(count) * bytes, 4096) {
+  staging_pool(unsigned count, std::size_t bytes) : bytes_(bytes), count_(count), memory_(std::size_t(count) * bytes) {
     if (shared_cuda::cuda_available()) {
       try {
-        registration_ = shared_cuda::host_registration(memory_.data(), memory_.size());
+        registration_ = shared_cuda::host_registration(memory_.data(), std::size_t(count) * bytes);
         pinned_ = true;
       } catch (const std::exception& e) {
         pin_error_ = e.what();
@@ -202,10 +237,13 @@ class staging_pool {
   char* data(int slot) const { return static_cast<char*>(memory_.data()) + std::size_t(slot) * bytes_; }
   std::vector<std::pair<void*, std::size_t>> slots() const {
     std::vector<std::pair<void*, std::size_t>> out;
-    for (std::size_t i = 0; i < memory_.size() / bytes_; ++i) out.emplace_back(data(static_cast<int>(i)), bytes_);
+    for (unsigned i = 0; i < count_; ++i) out.emplace_back(data(static_cast<int>(i)), bytes_);
     return out;
   }
   bool pinned() const { return pinned_; }
+  bool huge_pages_requested() const { return memory_.huge_pages_requested(); }
+  std::uintptr_t address() const { return reinterpret_cast<std::uintptr_t>(memory_.data()); }
+  std::size_t bytes() const { return std::size_t(count_) * bytes_; }
   const std::string& pin_error() const { return pin_error_; }
 
  private:
@@ -215,7 +253,8 @@ class staging_pool {
     return s;
   }
   std::size_t bytes_;
-  shared_cuda::aligned_host_buffer memory_;
+  unsigned count_;
+  huge_region memory_;
   shared_cuda::host_registration registration_;
   bool pinned_ = false;
   std::string pin_error_;
@@ -229,8 +268,8 @@ class engine_impl {
   explicit engine_impl(engine_config config);
   ~engine_impl();
 
-  std::pair<std::uint64_t, operation_ptr> write(memory_view src, std::uintptr_t stream);
-  operation_ptr read(std::uint64_t handle, memory_view dst, std::uintptr_t stream);
+  std::pair<std::uint64_t, operation_ptr> write(memory_view src, std::uintptr_t stream, int stage_host);
+  operation_ptr read(std::uint64_t handle, memory_view dst, std::uintptr_t stream, int stage_host);
   void free(std::uint64_t handle);
   record_ptr find(std::uint64_t handle, const char* action) const;
   std::size_t live_count() const {
@@ -251,10 +290,11 @@ class engine_impl {
   std::string backend_note_;
 
  private:
-  std::vector<piece> plan(const record& rec, memory_view view) const;
+  std::vector<piece> plan(const record& rec, memory_view view, bool stage_host) const;
   void submit(const piece& p, void* buffer, int fixed_buffer, int device, bool write, std::function<void(long)> done);
-  void run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark);
-  void run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark);
+  void run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark, bool stage);
+  void run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark, bool stage);
+  bool stage_host(int requested) const { return requested < 0 ? config_.stage_host : requested > 0; }
   bool device_direct(memory_view v) const {
     return v.device >= 0 && backend_->handles_device_memory() && !config_.checksum;
   }
@@ -337,7 +377,7 @@ record_ptr engine_impl::find(std::uint64_t handle, const char* action) const {
                                       ": " + (issued ? "it was already freed" : "no write returned this handle"));
 }
 
-std::vector<piece> engine_impl::plan(const record& rec, memory_view view) const {
+std::vector<piece> engine_impl::plan(const record& rec, memory_view view, bool stage_host) const {
   const std::size_t block = config_.block_size;
   const bool host = view.device < 0;
   const bool direct_files = store_->any_direct();
@@ -361,6 +401,8 @@ std::vector<piece> engine_impl::plan(const record& rec, memory_view view) const 
         p.bytes = n - body;
         p.staged = true;
       }
+    } else if (stage_host) {
+      p.staged = true;
     } else if (direct_files) {
       const auto addr = reinterpret_cast<std::uintptr_t>(view.data) + at;
       if (addr % 4096 != 0) {
@@ -421,7 +463,7 @@ std::exception_ptr engine_impl::block_error(const operation& op, std::uint64_t i
                                                    "', offset " + std::to_string(p.file_offset) + ")"));
 }
 
-std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std::uintptr_t stream) {
+std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std::uintptr_t stream, int stage_host) {
   SHARED_CUDA_EXPECT(src.bytes > 0, "ssdtrain: cannot write an empty tensor");
   SHARED_CUDA_EXPECT(src.data != nullptr, "ssdtrain: write source is a null pointer");
   auto rec = std::make_shared<record>();
@@ -445,11 +487,12 @@ std::pair<std::uint64_t, operation_ptr> engine_impl::write(memory_view src, std:
     handles_[rec->id] = rec;
   }
   op_started(true);
-  drivers_->submit([this, op, rec, src, mark] { run_write(op, rec, src, mark); });
+  drivers_->submit(
+      [this, op, rec, src, mark, stage = this->stage_host(stage_host)] { run_write(op, rec, src, mark, stage); });
   return {rec->id, op};
 }
 
-operation_ptr engine_impl::read(std::uint64_t handle, memory_view dst, std::uintptr_t stream) {
+operation_ptr engine_impl::read(std::uint64_t handle, memory_view dst, std::uintptr_t stream, int stage_host) {
   record_ptr rec = find(handle, "read");
   SHARED_CUDA_EXPECT(dst.data != nullptr, "ssdtrain: read destination is a null pointer");
   SHARED_CUDA_EXPECT(dst.bytes == rec->bytes, "ssdtrain: handle " + std::to_string(handle) + " holds " +
@@ -460,7 +503,8 @@ operation_ptr engine_impl::read(std::uint64_t handle, memory_view dst, std::uint
   auto op = std::make_shared<operation>(false, dst.bytes, this, wait_ns_);
   rec->use();
   op_started(false);
-  drivers_->submit([this, op, rec, dst, mark] { run_read(op, rec, dst, mark); });
+  drivers_->submit(
+      [this, op, rec, dst, mark, stage = this->stage_host(stage_host)] { run_read(op, rec, dst, mark, stage); });
   return op;
 }
 
@@ -473,7 +517,8 @@ void engine_impl::free(std::uint64_t handle) {
   rec->free();  // now, or when the last transfer using it finishes
 }
 
-void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark) {
+void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, std::shared_ptr<stream_mark> mark,
+                            bool stage) {
   try {
     const std::size_t block = config_.block_size;
     if (config_.checksum) rec->crcs.assign((rec->bytes + block - 1) / block, 0);
@@ -484,7 +529,7 @@ void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, s
         rec->crcs[i] = crc32c(static_cast<char*>(src.data) + at, std::min<std::uint64_t>(block, rec->bytes - at));
       }
     }
-    const auto pieces = plan(*rec, src);
+    const auto pieces = plan(*rec, src, stage);
     std::unique_ptr<op_stream> stream;
     if (src.device >= 0) {
       stream = std::make_unique<op_stream>(src.device);
@@ -532,7 +577,8 @@ void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, s
   }
 }
 
-void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark) {
+void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, std::shared_ptr<stream_mark> mark,
+                           bool stage) {
   try {
     // Ordered after the handle's write; a failed write means there is nothing valid to read.
     rec->write_op->wait();
@@ -551,7 +597,7 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
           err, "ssdtrain: handle " + std::to_string(rec->id) + " holds no data because its write failed (" + why + ")");
     }
     const std::size_t block = config_.block_size;
-    const auto pieces = plan(*rec, dst);
+    const auto pieces = plan(*rec, dst, stage);
     std::unique_ptr<op_stream> stream;
     if (dst.device >= 0) {
       stream = std::make_unique<op_stream>(dst.device);
@@ -715,6 +761,8 @@ telemetry engine_impl::stats() const {
   t.staged_copies = staged_copies_;
   t.bytes_in_use = store_->bytes_in_use();
   t.file_bytes = store_->file_bytes();
+  t.staging_address = staging_->address();
+  t.staging_bytes = staging_->bytes();
   std::lock_guard<std::mutex> lock(activity_mutex_);
   const std::uint64_t now = now_ns();
   t.write_active_ns = active_ns_[0] + (active_[0] ? now - active_since_[0] : 0);
@@ -830,11 +878,11 @@ void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
 engine::engine(engine_config config) : impl_(std::make_shared<engine_impl>(std::move(config))) {}
 engine::~engine() { impl_->drain(); }
 
-std::pair<std::uint64_t, operation_ptr> engine::write(memory_view src, std::uintptr_t stream) {
-  return impl_->write(src, stream);
+std::pair<std::uint64_t, operation_ptr> engine::write(memory_view src, std::uintptr_t stream, int stage_host) {
+  return impl_->write(src, stream, stage_host);
 }
-operation_ptr engine::read(std::uint64_t handle, memory_view dst, std::uintptr_t stream) {
-  return impl_->read(handle, dst, stream);
+operation_ptr engine::read(std::uint64_t handle, memory_view dst, std::uintptr_t stream, int stage_host) {
+  return impl_->read(handle, dst, stream, stage_host);
 }
 void engine::free(std::uint64_t handle) { impl_->free(handle); }
 std::uint64_t engine::handle_bytes(std::uint64_t handle) const { return impl_->find(handle, "query")->bytes; }
@@ -843,6 +891,8 @@ std::string engine::backend() const { return impl_->backend_->name(); }
 std::string engine::backend_detail() const {
   std::string d = impl_->backend_->detail();
   d += impl_->staging_->pinned() ? "; staging pinned" : "; staging pageable";
+  d += impl_->staging_->huge_pages_requested() ? " (huge pages requested)" : " (4 KiB pages)";
+  if (impl_->config_.stage_host) d += "; host tensors staged";
   if (!impl_->staging_->pin_error().empty()) d += " (" + impl_->staging_->pin_error() + ")";
   if (!impl_->backend_note_.empty()) d += "; " + impl_->backend_note_;
   return d;

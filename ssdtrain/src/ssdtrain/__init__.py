@@ -8,7 +8,7 @@ from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
-from .io import ChecksumError, Engine, Future, Handle, aligned_empty, configure, defaults, find_cufile
+from .io import ChecksumError, Engine, Future, Handle, aligned_empty, configure, defaults, find_cufile, huge_empty
 
 __version__ = _version("ssdtrain")
 
@@ -22,6 +22,7 @@ __all__ = [
     "UnavailableError",
     "__version__",
     "aligned_empty",
+    "huge_empty",
     "backends",
     "configure",
     "defaults",

@@ -12,10 +12,11 @@ Writes and reads are futures (``Future``): ``done()`` polls, ``wait(timeout)`` b
 re-raises the failure (``OSError`` with errno: ENOSPC, EIO, ...; ``ChecksumError`` when stored data was corrupted),
 ``staged()`` says when a write no longer reads its source (for CUDA tensors: once the device-to-host copies are done,
 so GPU memory can be reused before the disk write finishes), ``wait_stream(stream)`` orders a CUDA stream after the
-transfer (on the host, or with ``block_host=False`` on the device only). CUDA work is ordered against the caller's stream or an event: a write starts after the work already queued
-on the current stream (which produces the tensor) or after ``after=event``; a read into a CUDA tensor starts after
-the work queued on it. Completion is reported to the host (``done``/``wait``); the engine's own device copies are
-finished by then, so any stream may use the data once the future is done.
+transfer (on the host, or with ``block_host=False`` on the device only). CUDA work is ordered against the caller's
+stream or an event: a write starts after the work already queued on the current stream (which produces the tensor) or
+after ``after=event``; a read into a CUDA tensor starts after the work queued on it. Completion is reported to the
+host (``done``/``wait``); the engine's own device copies are finished by then, so any stream may use the data once the
+future is done.
 
 Tensors are kept alive by the engine until their transfer completes, so dropping the last reference to a tensor
 while its write is in flight is safe.
@@ -41,6 +42,13 @@ SSDTRAIN_IO_DIRECT             auto            O_DIRECT: auto (use it where the 
 SSDTRAIN_IO_CHECKSUM           0               1: crc32c per block, verified on every read
 SSDTRAIN_IO_STAGING_BUFFERS    32              pinned staging buffers of one block each (CUDA tensors and
                                                unaligned host tensors pass through them)
+SSDTRAIN_IO_STAGE_HOST         auto            auto | on | off: host tensors copied through the staging buffers
+                                               (huge pages, registered with the ring) instead of being moved from
+                                               their own pages. A 1 MiB block of scattered 4 KiB pages is 256
+                                               segments, more than many devices take in one request (virtio-blk:
+                                               254), so the kernel splits it and bandwidth drops by up to half
+                                               (benchmarks/RESULTS.md). auto: staged unless the tensor comes from
+                                               huge_empty() (physically contiguous already)
 SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
 SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
                                                then the nvidia-cufile wheel's
@@ -49,6 +57,7 @@ SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gd
 
 from __future__ import annotations
 
+import ctypes
 import errno as _errno
 import glob
 import os
@@ -56,6 +65,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +81,7 @@ __all__ = [
     "configure",
     "defaults",
     "find_cufile",
+    "huge_empty",
 ]
 
 _SETTINGS = {
@@ -84,6 +95,7 @@ _SETTINGS = {
     "direct": ("SSDTRAIN_IO_DIRECT", "auto"),
     "checksum": ("SSDTRAIN_IO_CHECKSUM", "0"),
     "staging_buffers": ("SSDTRAIN_IO_STAGING_BUFFERS", "32"),
+    "stage_host": ("SSDTRAIN_IO_STAGE_HOST", "auto"),
     "threads": ("SSDTRAIN_IO_THREADS", "4"),
     "cufile_library": ("SSDTRAIN_CUFILE_LIBRARY", ""),
 }
@@ -130,6 +142,14 @@ def _parse(name: str, value):
         if number < 1:
             raise ValueError(f"{name} must be at least 1, got {value!r}")
         return number
+    if name == "stage_host":
+        if value is True or value is False:
+            return "on" if value else "off"
+        text = str(value).strip().lower()
+        text = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(text, text)
+        if text not in ("auto", "on", "off"):
+            raise ValueError(f"stage_host must be auto, on or off (or True/False), got {value!r}")
+        return text
     if name == "checksum":
         if isinstance(value, str):
             return value.strip().lower() in ("1", "true", "yes", "on")
@@ -153,7 +173,7 @@ def configure(**settings) -> None:
     """Set process-wide defaults for new engines (the setters mirroring the SSDTRAIN_IO_* variables).
 
     Keys: backend, directories, capacity_per_directory, preallocate_per_directory, queue_depth, block_size, direct,
-    checksum, staging_buffers, threads, cufile_library. ``None`` restores the environment/default value.
+    checksum, staging_buffers, stage_host, threads, cufile_library. ``None`` restores the environment/default value.
     """
     for name, value in settings.items():
         if name not in _SETTINGS:
@@ -188,6 +208,55 @@ def find_cufile() -> str:
         if hits:
             return sorted(hits)[0]
     return ""
+
+
+_HUGE = 2 << 20
+_huge_ranges: dict[int, tuple[int, int]] = {}  # id -> [start, end) of memory from huge_empty()
+
+
+def _is_huge(address: int, nbytes: int) -> bool:
+    return any(start <= address and address + nbytes <= end for start, end in list(_huge_ranges.values()))
+
+
+def _forget_huge(key: int, address: int, pinned: bool) -> None:
+    _huge_ranges.pop(key, None)
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> torch.Tensor:
+    """An uninitialised CPU tensor on transparent huge pages (2 MiB aligned), pinned where CUDA is present.
+
+    Its 1 MiB blocks are physically contiguous, so the engine moves them in place as one device request each;
+    a tensor of scattered 4 KiB pages (``torch.empty``, ``pin_memory=True``) is copied through the staging buffers
+    instead (stage_host=auto), which costs a memcpy. Huge pages are a request (``madvise``), not a guarantee:
+    with transparent_hugepage=never the tensor still works, only slower. ``pin_memory`` (default: CUDA available)
+    registers it with CUDA for fast device copies.
+    """
+    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    rounded = max(_HUGE, (nbytes + _HUGE - 1) // _HUGE * _HUGE)
+    raw = torch.empty(rounded + _HUGE, dtype=torch.uint8)  # not touched yet: pages fault in after madvise
+    start = raw.data_ptr() + (-raw.data_ptr()) % _HUGE
+    _madvise_hugepage(start, rounded)
+    view = raw[start - raw.data_ptr():][:rounded]
+    view.zero_()  # fault the pages in now, as huge pages where the kernel has them
+    pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    if pinned:
+        err = torch.cuda.cudart().cudaHostRegister(start, rounded, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {rounded} bytes failed ({err}); pass pin_memory=False")
+    storage = raw.untyped_storage()  # lives as long as any view of the memory
+    key = id(storage)
+    _huge_ranges[key] = (start, start + rounded)
+    weakref.finalize(storage, _forget_huge, key, start, pinned)
+    return view[:nbytes].view(dtype).view(shape)
+
+
+def _madvise_hugepage(address: int, nbytes: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(address, nbytes, 14) == 0  # MADV_HUGEPAGE
 
 
 def aligned_empty(shape, dtype=torch.uint8, alignment: int = 4096) -> torch.Tensor:
@@ -348,6 +417,7 @@ class Engine:
         direct=None,
         checksum: bool | None = None,
         staging_buffers: int | None = None,
+        stage_host: bool | str | None = None,
         threads: int | None = None,
         cufile_library: str | None = None,
         stripe_threshold=None,
@@ -363,6 +433,7 @@ class Engine:
             "direct": direct,
             "checksum": checksum,
             "staging_buffers": staging_buffers,
+            "stage_host": stage_host,
             "threads": threads,
             "cufile_library": cufile_library,
         }
@@ -393,6 +464,7 @@ class Engine:
         cfg.direct = settings["direct"]
         cfg.checksum = settings["checksum"]
         cfg.staging_buffers = settings["staging_buffers"]
+        cfg.stage_host = settings["stage_host"] == "on"
         cfg.threads = settings["threads"]
         cfg.cufile_library = settings["cufile_library"] or find_cufile()
         if stripe_threshold is not None:
@@ -456,7 +528,8 @@ class Engine:
         device = tensor.device
         pinned = device.type == "cpu" and tensor.is_pinned()
         address = _stream_address(device, stream, after)
-        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), address)
+        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), address,
+                               self._stage(tensor, nbytes))
         handle = Handle(hid, nbytes, tuple(tensor.shape), tensor.dtype, device, pinned, self._id)
         future = WriteFuture(op, tensor, handle)
         self._track(future)
@@ -489,10 +562,17 @@ class Engine:
                              f"of shape {handle.shape} and dtype {handle.dtype} (or any of the same byte size)")
         device = out.device
         address = _stream_address(device, stream, after)
-        op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), address)
+        op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), address, self._stage(out, nbytes))
         future = Future(op, out, out)
         self._track(future)
         return future
+
+    def _stage(self, tensor: torch.Tensor, nbytes: int) -> int:
+        """1: copy this host tensor through the staging buffers; 0: move it from its own pages."""
+        mode = self.settings["stage_host"]
+        if tensor.device.type != "cpu" or mode == "off":
+            return 0
+        return 0 if mode == "auto" and _is_huge(tensor.data_ptr(), nbytes) else 1
 
     def free(self, handle: Handle) -> None:
         """Give the handle's space back. Transfers still using it finish first; later reads raise ValueError."""

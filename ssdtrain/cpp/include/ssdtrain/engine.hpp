@@ -45,8 +45,11 @@ struct engine_config {
   unsigned queue_depth = 32;                    // blocks in flight (io_uring ring size; threads backend workers cap)
   std::size_t block_size = 1u << 20;            // bytes per I/O request; a multiple of 4096
   direct_mode direct = direct_mode::automatic;
-  bool checksum = false;               // crc32c per block, verified on read
-  unsigned staging_buffers = 32;       // pinned staging buffers of block_size bytes each (= queue depth)
+  bool checksum = false;          // crc32c per block, verified on read
+  unsigned staging_buffers = 32;  // pinned staging buffers of block_size bytes each (= queue depth)
+  // Host tensors copied through the staging pool (physically contiguous, registered with the ring) instead of
+  // being moved from their own pages.
+  bool stage_host = false;
   unsigned threads = 4;                // threads backend / cuFile workers / operation drivers
   std::uint64_t stripe_threshold = 0;  // tensors at least this large are split over all directories; 0 = 4 blocks
   std::string cufile_library;          // path for dlopen; empty = default names
@@ -66,6 +69,7 @@ struct telemetry {
   std::uint64_t staged_copies = 0;                              // blocks that went through a staging buffer
   std::uint64_t bytes_in_use = 0;                               // allocated extents
   std::uint64_t file_bytes = 0;                                 // sum of file sizes
+  std::uint64_t staging_address = 0, staging_bytes = 0;         // the staging pool's memory
 };
 
 class engine_impl;
@@ -124,9 +128,12 @@ class engine {
   engine& operator=(const engine&) = delete;
 
   // Starts writing src (host when device < 0). `stream` is the CUDA stream whose work produces src (device only).
-  std::pair<std::uint64_t, operation_ptr> write(shared_cuda::memory_view src, std::uintptr_t stream = 0);
+  // stage_host: host memory through the staging buffers (1), from its own pages (0), or as configured (-1).
+  std::pair<std::uint64_t, operation_ptr> write(shared_cuda::memory_view src, std::uintptr_t stream = 0,
+                                                int stage_host = -1);
   // Starts reading a handle into dst (exactly the handle's size). Ordered after the handle's write.
-  operation_ptr read(std::uint64_t handle, shared_cuda::memory_view dst, std::uintptr_t stream = 0);
+  operation_ptr read(std::uint64_t handle, shared_cuda::memory_view dst, std::uintptr_t stream = 0,
+                     int stage_host = -1);
   // Releases a handle's space (after operations using it finish). Unknown or freed handles throw.
   void free(std::uint64_t handle);
   std::uint64_t handle_bytes(std::uint64_t handle) const;

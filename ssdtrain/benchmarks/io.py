@@ -161,7 +161,11 @@ def segments_per_block(address: int, nbytes: int, block: int) -> str:
 
 def host_tensor(nbytes: int, huge: bool = False) -> torch.Tensor:
     if huge:
-        t = ssdtrain.huge_empty(nbytes)
+        try:
+            t = ssdtrain.huge_empty(nbytes)
+        except RuntimeError as e:  # pinning refused: still huge pages, pageable
+            print(f"# huge_empty({nbytes}) could not pin ({e}); using pageable huge pages", flush=True)
+            t = ssdtrain.huge_empty(nbytes, pin_memory=False)
     elif torch.cuda.is_available():
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     else:

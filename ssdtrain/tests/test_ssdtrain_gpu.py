@@ -148,3 +148,20 @@ def test_gds_reports_mode(tmp_path):
     with ssdtrain.Engine([tmp_path], backend="gds", capacity_per_directory="64M") as engine:
         detail = engine.backend_detail
         assert ("compatibility mode" in detail) or ("GPUDirect Storage" in detail) or ("staged" in detail), detail
+
+
+def test_huge_empty_pinned_round_trip(gpu_engine):
+    engine = gpu_engine()
+    nbytes = (3 << 20) + 4096
+    src = ssdtrain.huge_empty(nbytes)
+    assert src.is_pinned()  # registered with CUDA: device copies from it run at full speed
+    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda"), non_blocking=False)
+    h = engine.write(src).result(timeout=60)
+    out = ssdtrain.huge_empty(nbytes)
+    out.fill_(0x5A)
+    engine.read(h, out=out).result(timeout=60)
+    assert torch.equal(out, src)
+    if engine.directories()[0]["direct"]:
+        assert engine.stats()["staged_copies"] == 0  # physically contiguous: moved in place, no copies
+    gpu = engine.read(h, out=torch.empty(nbytes, dtype=torch.uint8, device="cuda")).result(timeout=60)
+    assert torch.equal(gpu.cpu(), src)

@@ -221,7 +221,10 @@ def _is_huge(address: int, nbytes: int) -> bool:
 def _forget_huge(key: int, address: int, pinned: bool) -> None:
     _huge_ranges.pop(key, None)
     if pinned:
-        torch.cuda.cudart().cudaHostUnregister(address)
+        try:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going away with its memory
+            pass
 
 
 def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> torch.Tensor:

@@ -234,7 +234,7 @@ def engine_seq_rows(args, engine, backend: str, memory: str, size: int, describe
         sync()
         timed("read", lambda: engine.read(handle_box[0], out=dst).result(), size)
         if not torch.equal(dst, src):
-            raise SystemExit(f"data mismatch after {backend}/{memory} read of {size} bytes")
+            raise RuntimeError(f"data mismatch after {backend}/{memory} read of {size} bytes")
 
     for _ in range(args.repeat):
         write_once()
@@ -562,7 +562,12 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
             w.writeheader()
             w.writerows(rows)
-    return 0
+    for failure in FAILURES:
+        print(f"# FAILED {failure}")
+    return 1 if FAILURES else 0
+
+
+FAILURES: list[str] = []
 
 
 class Stop(Exception):
@@ -583,7 +588,11 @@ def measure_all(args, backends, memories, engines, rows) -> None:
                 if (backend, memory == "host-4k") not in engines:
                     continue
                 engine = engines[backend, memory == "host-4k"]
-                rows += engine_seq_rows(args, engine, backend, memory, size, backend == backends[0])
+                try:
+                    rows += engine_seq_rows(args, engine, backend, memory, size, backend == backends[0])
+                except Exception as e:  # noqa: BLE001 - report it, measure the rest, exit non-zero at the end
+                    FAILURES.append(f"{backend}/{memory}/{fmt_size(size)}: {type(e).__name__}: {e}")
+                    print(f"# FAILED {FAILURES[-1]}", flush=True)
     if args.random_count:
         if not args.no_references:
             rows += fio_rows(args, None)
@@ -591,7 +600,11 @@ def measure_all(args, backends, memories, engines, rows) -> None:
             for memory in memories:
                 if (backend, memory == "host-4k") not in engines:
                     continue
-                rows += engine_random_rows(args, engines[backend, memory == "host-4k"], backend, memory)
+                try:
+                    rows += engine_random_rows(args, engines[backend, memory == "host-4k"], backend, memory)
+                except Exception as e:  # noqa: BLE001
+                    FAILURES.append(f"{backend}/{memory}/randread: {type(e).__name__}: {e}")
+                    print(f"# FAILED {FAILURES[-1]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Round trips through every CPU-usable backend, in every alignment and size class, and the Future API."""
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -287,3 +288,19 @@ def test_huge_empty_is_aligned_and_tracked():
     assert not io._is_huge(address, 4)
     with pytest.raises(ValueError, match="stage_host"):
         ssdtrain.configure(stage_host="sometimes")
+
+
+def test_cufile_config_allows_compat_mode(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    path = ssdtrain.cufile_config()
+    assert path.startswith(str(tmp_path)) and os.environ["CUFILE_ENV_PATH_JSON"] == path
+    with open(path) as f:
+        config = json.load(f)
+    assert config["properties"]["allow_compat_mode"] is True
+    assert config["logging"]["dir"] == str(tmp_path)  # cuFile's log does not land in the working directory
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", "/etc/mine.json")
+    assert ssdtrain.cufile_config() == "/etc/mine.json"  # the user's own config wins

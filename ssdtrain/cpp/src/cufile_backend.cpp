@@ -4,6 +4,8 @@
 // pread/pwrite. Where the nvidia-fs kernel module is absent (VMs, most clouds) cuFile runs in its compatibility
 // mode (POSIX I/O through its own bounce buffers): detail() says which.
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -85,6 +87,43 @@ const cufile_api& cufile(const std::string& requested) {
 
 bool nvidia_fs_loaded() { return ::access("/proc/driver/nvidia-fs/stats", F_OK) == 0; }
 
+// cuFileHandleRegister refuses descriptors opened with O_TMPFILE (CU_FILE_INVALID_FILE_OPEN_FLAG, 5019: O_TMPFILE
+// carries the O_DIRECTORY bit). A second descriptor for the same nameless inode, opened through /proc/self/fd
+// with the original's O_DIRECT, is accepted. Returns -1 (and the reason) where that fails.
+int reopen_for_cufile(int fd, std::string& why) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const int copy = ::open(path.c_str(), O_RDWR | O_CLOEXEC | (flags >= 0 ? (flags & O_DIRECT) : 0));
+  if (copy < 0) {
+    why = "reopening " + path + " failed: " + std::strerror(errno);
+    return -1;
+  }
+  struct stat a{}, b{};
+  if (::fstat(fd, &a) != 0 || ::fstat(copy, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+    ::close(copy);
+    why = "reopening " + path + " gave another file";
+    return -1;
+  }
+  return copy;
+}
+
+std::string cufile_error_name(int err) {
+  switch (err) {
+    case 5008:
+      return "CU_FILE_IO_NOT_SUPPORTED";
+    case 5010:
+      return "CU_FILE_NVFS_DRIVER_ERROR";
+    case 5018:
+      return "CU_FILE_INVALID_FILE_TYPE";
+    case 5019:
+      return "CU_FILE_INVALID_FILE_OPEN_FLAG";
+    case 5020:
+      return "CU_FILE_DIO_NOT_SET";
+    default:
+      return "cuFile error";
+  }
+}
+
 class gds_backend final : public worker_backend {
  public:
   gds_backend(const std::vector<int>& fds, unsigned threads, const std::string& library)
@@ -93,17 +132,25 @@ class gds_backend final : public worker_backend {
       detail_ = "cuFile unusable (" + api_.error + "): GPU data is staged through pinned buffers";
       return;
     }
+    std::string reopen_note;
     for (int fd : fds) {
+      std::string why;
+      const int copy = reopen_for_cufile(fd, why);
+      if (copy >= 0) {
+        reopened_.push_back(copy);
+      } else if (reopen_note.empty()) {
+        reopen_note = "; " + why;
+      }
       cufile_descr d{};
       d.type = 1;
-      d.handle.fd = fd;
+      d.handle.fd = copy >= 0 ? copy : fd;
       cufile_handle h = nullptr;
       const cufile_error e = api_.handle_register(&h, &d);
       if (e.err != 0) {
         for (auto* r : handles_) api_.handle_deregister(r);
         handles_.clear();
-        detail_ = "cuFileHandleRegister failed (cuFile error " + std::to_string(e.err) +
-                  "): GPU data is staged through pinned buffers";
+        detail_ = "cuFileHandleRegister failed (" + cufile_error_name(e.err) + " " + std::to_string(e.err) +
+                  reopen_note + "): GPU data is staged through pinned buffers (own staging)";
         return;
       }
       handles_.push_back(h);
@@ -115,6 +162,7 @@ class gds_backend final : public worker_backend {
   ~gds_backend() override {
     stop();
     for (auto* h : handles_) api_.handle_deregister(h);
+    for (int fd : reopened_) ::close(fd);
   }
 
   std::string name() const override { return "gds"; }
@@ -145,6 +193,7 @@ class gds_backend final : public worker_backend {
  private:
   const cufile_api& api_;
   std::vector<cufile_handle> handles_;
+  std::vector<int> reopened_;  // descriptors cuFile accepts (see reopen_for_cufile)
   std::string detail_;
 };
 

@@ -8,7 +8,18 @@ from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
-from .io import ChecksumError, Engine, Future, Handle, aligned_empty, configure, defaults, find_cufile, huge_empty
+from .io import (
+    ChecksumError,
+    Engine,
+    Future,
+    Handle,
+    aligned_empty,
+    configure,
+    cufile_config,
+    defaults,
+    find_cufile,
+    huge_empty,
+)
 
 __version__ = _version("ssdtrain")
 
@@ -23,6 +34,7 @@ __all__ = [
     "__version__",
     "aligned_empty",
     "huge_empty",
+    "cufile_config",
     "backends",
     "configure",
     "defaults",
@@ -33,7 +45,10 @@ __all__ = [
 def backends() -> dict[str, dict]:
     """Each I/O backend: whether it is compiled in, usable here, and a detail (version or reason)."""
     library = defaults()["cufile_library"] or find_cufile()
-    return {"io_uring": _core.io_uring_status(), "gds": _core.cufile_status(library)}
+    config = cufile_config()
+    gds = dict(_core.cufile_status(library))
+    gds["detail"] = f"{gds['detail']}; config {config}"
+    return {"io_uring": _core.io_uring_status(), "gds": gds}
 
 
 def _backend_lines() -> dict[str, str]:

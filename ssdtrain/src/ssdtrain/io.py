@@ -52,6 +52,8 @@ SSDTRAIN_IO_STAGE_HOST         auto            auto | on | off: host tensors cop
 SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
 SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
                                                then the nvidia-cufile wheel's
+CUFILE_ENV_PATH_JSON           (ours)          cuFile's own variable: its config file. Unset: ssdtrain writes one
+                                               allowing compatibility mode (see cufile_config())
 =============================  ==============  ===================================================================
 """
 
@@ -60,6 +62,7 @@ from __future__ import annotations
 import ctypes
 import errno as _errno
 import glob
+import json
 import os
 import shutil
 import sys
@@ -79,6 +82,7 @@ __all__ = [
     "Handle",
     "aligned_empty",
     "configure",
+    "cufile_config",
     "defaults",
     "find_cufile",
     "huge_empty",
@@ -208,6 +212,34 @@ def find_cufile() -> str:
         if hits:
             return sorted(hits)[0]
     return ""
+
+
+def cufile_config() -> str:
+    """The cufile.json cuFile reads (set CUFILE_ENV_PATH_JSON before the first gds engine or backends() call).
+
+    Where CUFILE_ENV_PATH_JSON is unset, ssdtrain writes its own (in the temp directory, per user) that allows
+    cuFile's compatibility mode (POSIX I/O inside cuFile where nvidia-fs is absent) and keeps cuFile's log out of
+    the working directory, and points CUFILE_ENV_PATH_JSON at it. cuFile reads it once per process.
+    """
+    path = os.environ.get("CUFILE_ENV_PATH_JSON", "")
+    if path:
+        return path
+    tmp = tempfile.gettempdir()
+    path = os.path.join(tmp, f"ssdtrain-cufile-{os.getuid()}.json")
+    text = json.dumps({"logging": {"dir": tmp, "level": "ERROR"},
+                       "properties": {"allow_compat_mode": True}}, indent=1)
+    try:
+        with open(path) as f:
+            current = f.read()
+    except OSError:
+        current = None
+    if current != text:
+        scratch = f"{path}.{os.getpid()}"
+        with open(scratch, "w") as f:
+            f.write(text)
+        os.replace(scratch, path)
+    os.environ["CUFILE_ENV_PATH_JSON"] = path
+    return path
 
 
 _HUGE = 2 << 20
@@ -470,6 +502,8 @@ class Engine:
         cfg.stage_host = settings["stage_host"] == "on"
         cfg.threads = settings["threads"]
         cfg.cufile_library = settings["cufile_library"] or find_cufile()
+        if settings["backend"] in ("gds", "auto"):
+            cufile_config()  # before cuFile is first loaded: it reads its config once
         if stripe_threshold is not None:
             cfg.stripe_threshold = parse_size(stripe_threshold)
         if _fault is not None:

@@ -76,7 +76,12 @@ def test_gather_dtypes_and_nd(dtype, strategy):
 def test_gather_registered_unaligned_base(offset, row_bytes):
     # Registration in place of a tensor that starts at an odd address: kernels must narrow their loads.
     rows = 2001
-    backing = torch.randint(0, 256, (offset + rows * row_bytes + 5,), dtype=torch.uint8)
+    # The backing buffer owns whole pages (page-aligned, page-rounded): registration pins whole pages, and a heap
+    # buffer would share its first/last page with unrelated torch allocations; a CUDA copy of one of those that
+    # straddles the registered range's end fails with "invalid argument" (seen on the GPU machine for idx.cuda()).
+    nbytes = offset + rows * row_bytes + 5
+    backing = pd.empty(nbytes, dtype=torch.uint8, pin=False).as_subclass(torch.Tensor)
+    backing.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     table = backing[offset:offset + rows * row_bytes].view(rows, row_bytes)
     u = pd.unified(table)  # copy=False: registers in place
     assert u.data_ptr() == table.data_ptr()

@@ -3,11 +3,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <functional>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "pytorch_direct/rows.hpp"
@@ -162,19 +167,24 @@ namespace {
 // finished. Slots are portable pinned memory, events belong to the device they were recorded on, so each device
 // gets its own set.
 struct staging {
-  static constexpr int kSlots = 4;
-  static constexpr std::size_t kSlotBytes = 4 << 20;
-  std::mutex mutex;
+  static constexpr int kSlots = 8;
+  static constexpr std::size_t kSlotBytes = 4 << 20;  // also the widest row the staged strategy moves
+  static constexpr std::size_t kChunkBytes = 2 << 20;  // a smaller chunk fills and drains the pipeline sooner
   std::vector<shared_cuda::pinned_buffer> slots;
   std::vector<cudaEvent_t> events;
 };
 
+// One staged call at a time per process: a call's workers wait for each other (below), so two calls sharing the
+// pool could each hold threads the other waits for.
+std::mutex& staged_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 staging& staging_for_current_device() {
-  static std::mutex mutex;
-  static std::vector<std::unique_ptr<staging>> per_device;
+  static std::vector<std::unique_ptr<staging>> per_device;  // guarded by staged_mutex()
   int device = 0;
   SHARED_CUDA_TRY(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<int>(per_device.size()) <= device) per_device.resize(device + 1);
   if (!per_device[device]) {
     auto s = std::make_unique<staging>();
@@ -189,70 +199,213 @@ staging& staging_for_current_device() {
   return *per_device[device];
 }
 
+// The shared state of one staged call. Chunk k of the dense rows goes through slot k % kSlots. Every worker
+// handles a contiguous slice of every chunk; the worker that finishes a chunk's last slice queues its copy. One
+// parallel region per call: a fork-join per chunk cost thread wake-ups comparable to the copying itself.
+struct pipeline {
+  pipeline(const rows_call& call, int threads) : c(call) {
+    rows_per_chunk = std::max<std::int64_t>(
+        1, static_cast<std::int64_t>(std::max<std::size_t>(staging::kChunkBytes, c.row_bytes)) / c.row_bytes);
+    chunks = (c.count + rows_per_chunk - 1) / rows_per_chunk;
+    const std::int64_t available = threads > 0 ? threads : static_cast<std::int64_t>(pool().size());
+    // At least ~64 KiB per worker per call: below that, waking a thread costs more than it copies.
+    const std::int64_t useful = std::max<std::int64_t>(1, c.count * c.row_bytes / (64 << 10));
+    // Never more workers than threads to run them: a worker waits for the others to finish each chunk.
+    const auto runners = static_cast<std::int64_t>(pool().size()) + 1;
+    workers = static_cast<int>(std::max<std::int64_t>(1, std::min({available, useful, runners})));
+    done.reset(new std::atomic<int>[chunks]);
+    ready.reset(new std::atomic<bool>[chunks]);
+    for (std::int64_t k = 0; k < chunks; ++k) {
+      done[k].store(0, std::memory_order_relaxed);
+      ready[k].store(false, std::memory_order_relaxed);
+    }
+  }
+
+  // Rows [begin, end) of chunk k that worker w handles.
+  std::pair<std::int64_t, std::int64_t> slice(std::int64_t k, int w) const {
+    const std::int64_t b = k * rows_per_chunk;
+    const std::int64_t n = std::min(c.count, b + rows_per_chunk) - b;
+    return {b + n * w / workers, b + n * (w + 1) / workers};
+  }
+
+  // Spins (yielding) until flag is set; false when another worker failed.
+  bool wait_for(const std::atomic<bool>& flag) const {
+    while (!flag.load(std::memory_order_acquire)) {
+      if (abort.load(std::memory_order_relaxed)) return false;
+      std::this_thread::yield();
+    }
+    return true;
+  }
+
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!error) error = e;
+    abort.store(true);
+  }
+
+  void bad_index(std::int64_t position, std::int64_t value) {
+    bad.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (bad_position < 0 || position < bad_position) {
+      bad_position = position;
+      bad_value = value;
+    }
+  }
+
+  void rethrow() const {
+    if (error) std::rethrow_exception(error);
+    if (bad_position >= 0) {
+      throw shared_cuda::out_of_range("index " + std::to_string(bad_value) + " at position " +
+                                      std::to_string(bad_position) + " is out of range for a table of " +
+                                      std::to_string(c.rows) + " rows (valid: 0.." + std::to_string(c.rows - 1) +
+                                      ")");
+    }
+  }
+
+  // Runs body(w) for every worker w, one per thread (the caller is worker 0).
+  void run(const std::function<void(int)>& body) {
+    pool().parallel_for(0, static_cast<std::size_t>(workers), 1, [&](std::size_t b, std::size_t e) {
+      for (std::size_t w = b; w < e; ++w) {
+        try {
+          body(static_cast<int>(w));
+        } catch (...) {
+          fail(std::current_exception());
+        }
+      }
+    });
+  }
+
+  const rows_call& c;
+  std::int64_t rows_per_chunk = 1;
+  std::int64_t chunks = 0;
+  int workers = 1;
+  std::unique_ptr<std::atomic<int>[]> done;    // slices of chunk k finished
+  std::unique_ptr<std::atomic<bool>[]> ready;  // gather: chunk k's copy is queued; scatter: chunk k's copy is
+                                               // queued (its slot may be read once its event completes)
+  std::atomic<bool> abort{false};
+  std::atomic<bool> bad{false};  // an index was out of range
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  std::int64_t bad_position = -1;
+  std::int64_t bad_value = 0;
+};
+
+// Copies rows [begin, end) between the table and `staged` (row p - first of the slot), checking each index.
+// Returns false when an index is out of range (recorded; the row is not touched).
+template <typename Index, bool Scatter>
+bool move_slice_as(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64_t end, std::int64_t first,
+                unsigned char* staged) {
+  const auto* index = static_cast<const Index*>(c.index);
+  auto* table = static_cast<unsigned char*>(c.table);
+  const auto rb = static_cast<std::size_t>(c.row_bytes);
+  constexpr std::int64_t kAhead = 8;  // rows prefetched ahead: random rows miss cache and TLB, so overlap them
+  for (std::int64_t i = begin; i < end; ++i) {
+    if (i + kAhead < end) {
+      const auto ahead = static_cast<std::int64_t>(index[i + kAhead]);
+      if (ahead >= 0 && ahead < c.rows) __builtin_prefetch(table + ahead * c.row_bytes, Scatter ? 1 : 0);
+    }
+    const auto r = static_cast<std::int64_t>(index[i]);
+    if (r < 0 || r >= c.rows) {
+      pl.bad_index(i, r);
+      return false;
+    }
+    unsigned char* row = table + r * c.row_bytes;
+    unsigned char* slot_row = staged + (i - first) * c.row_bytes;
+    if (Scatter) {
+      std::memcpy(row, slot_row, rb);
+    } else {
+      std::memcpy(slot_row, row, rb);
+    }
+  }
+  return true;
+}
+
+template <bool Scatter>
+bool move_slice(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64_t end, std::int64_t first,
+                unsigned char* staged) {
+  return c.index_bytes == 8 ? move_slice_as<std::int64_t, Scatter>(c, pl, begin, end, first, staged)
+                            : move_slice_as<std::int32_t, Scatter>(c, pl, begin, end, first, staged);
+}
+
 }  // namespace
 
 void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view stream) {
   check_args(c);
   SHARED_CUDA_EXPECT(c.positions == nullptr, "the staged strategy writes rows in index order (no positions)");
-  check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
+  SHARED_CUDA_EXPECT(static_cast<std::size_t>(c.row_bytes) <= staging::kSlotBytes,
+                     "rows wider than 4 MiB are not supported by the staged strategy: use 'vector' or 'sorted'");
   if (c.count == 0) return;
+  std::lock_guard<std::mutex> lock(staged_mutex());
   auto& st = staging_for_current_device();
-  std::lock_guard<std::mutex> lock(st.mutex);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  // A row wider than a slot still moves: it is copied in one piece through a temporary pinned buffer.
-  const std::int64_t per_chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(staging::kSlotBytes) / c.row_bytes);
-  std::int64_t chunk_index = 0;
-  for (std::int64_t begin = 0; begin < c.count; begin += per_chunk, ++chunk_index) {
-    const std::int64_t end = std::min(c.count, begin + per_chunk);
-    const int slot = static_cast<int>(chunk_index % staging::kSlots);
-    const std::size_t bytes = static_cast<std::size_t>((end - begin) * c.row_bytes);
-    SHARED_CUDA_EXPECT(bytes <= staging::kSlotBytes, "rows wider than 4 MiB are not supported by the staged strategy");
-    SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));  // the slot's previous copy has left the buffer
-    rows_call part = c;
-    part.dense = st.slots[slot].data();
-    parallel(end - begin, grain_for(c.row_bytes), threads, [&](std::int64_t b, std::int64_t e) {
-      copy_rows(part, false, begin + b, begin + e, begin);
-    });
-    SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + begin * c.row_bytes, st.slots[slot].data(),
-                                    bytes, cudaMemcpyHostToDevice, s));
-    SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
-  }
+  pipeline pl(c, threads);
+  pl.run([&](int w) {
+    for (std::int64_t k = 0; k < pl.chunks; ++k) {
+      const int slot = static_cast<int>(k % staging::kSlots);
+      // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy
+      // must be queued, so that the slot's event is the right one, and finished.
+      if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
+      if (pl.abort.load(std::memory_order_relaxed)) return;
+      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));
+      const std::int64_t first = k * pl.rows_per_chunk;
+      const auto [b, e] = pl.slice(k, w);
+      auto* staged = static_cast<unsigned char*>(st.slots[slot].data());
+      // A bad index: keep going through the chunk protocol (others wait on it) but copy nothing more.
+      if (!pl.bad.load(std::memory_order_relaxed)) move_slice<false>(c, pl, b, e, first, staged);
+      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers) {
+        const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
+        SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + first * c.row_bytes, staged,
+                                        static_cast<std::size_t>((end - first) * c.row_bytes),
+                                        cudaMemcpyHostToDevice, s));
+        SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
+        pl.ready[k].store(true, std::memory_order_release);
+      }
+    }
+  });
+  pl.rethrow();
 }
 
 void scatter_staged(const rows_call& c, int threads, shared_cuda::stream_view stream) {
   check_args(c);
   SHARED_CUDA_EXPECT(c.positions == nullptr, "the staged strategy reads rows in index order (no positions)");
+  SHARED_CUDA_EXPECT(static_cast<std::size_t>(c.row_bytes) <= staging::kSlotBytes,
+                     "rows wider than 4 MiB are not supported by the staged strategy: use 'vector' or 'sorted'");
+  // Writes: nothing reaches the table when an index is bad.
   check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
   if (c.count == 0) return;
+  std::lock_guard<std::mutex> lock(staged_mutex());
   auto& st = staging_for_current_device();
-  std::lock_guard<std::mutex> lock(st.mutex);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  const std::int64_t per_chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(staging::kSlotBytes) / c.row_bytes);
-  SHARED_CUDA_EXPECT(per_chunk * c.row_bytes <= static_cast<std::int64_t>(staging::kSlotBytes),
-                     "rows wider than 4 MiB are not supported by the staged strategy");
-  const std::int64_t chunks = (c.count + per_chunk - 1) / per_chunk;
-  // Queue up to kSlots copies ahead, then scatter each chunk as soon as its copy is done.
+  pipeline pl(c, threads);
   auto queue = [&](std::int64_t k) {
-    const std::int64_t begin = k * per_chunk;
-    const std::int64_t end = std::min(c.count, begin + per_chunk);
+    const std::int64_t first = k * pl.rows_per_chunk;
+    const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
     const int slot = static_cast<int>(k % staging::kSlots);
-    SHARED_CUDA_TRY(cudaMemcpyAsync(st.slots[slot].data(), static_cast<unsigned char*>(c.dense) + begin * c.row_bytes,
-                                    static_cast<std::size_t>((end - begin) * c.row_bytes), cudaMemcpyDeviceToHost, s));
+    // An earlier call's copy out of this slot may still run (possibly on another stream): order after it.
+    SHARED_CUDA_TRY(cudaStreamWaitEvent(s, st.events[slot], 0));
+    SHARED_CUDA_TRY(cudaMemcpyAsync(st.slots[slot].data(), static_cast<unsigned char*>(c.dense) + first * c.row_bytes,
+                                    static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyDeviceToHost,
+                                    s));
     SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
+    pl.ready[k].store(true, std::memory_order_release);
   };
-  for (std::int64_t k = 0; k < std::min<std::int64_t>(chunks, staging::kSlots); ++k) queue(k);
-  for (std::int64_t k = 0; k < chunks; ++k) {
-    const int slot = static_cast<int>(k % staging::kSlots);
-    SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));
-    const std::int64_t begin = k * per_chunk;
-    const std::int64_t end = std::min(c.count, begin + per_chunk);
-    rows_call part = c;
-    part.dense = st.slots[slot].data();
-    parallel(end - begin, grain_for(c.row_bytes), threads, [&](std::int64_t b, std::int64_t e) {
-      copy_rows(part, true, begin + b, begin + e, begin);
-    });
-    if (k + staging::kSlots < chunks) queue(k + staging::kSlots);
-  }
+  for (std::int64_t k = 0; k < std::min<std::int64_t>(pl.chunks, staging::kSlots); ++k) queue(k);
+  pl.run([&](int w) {
+    for (std::int64_t k = 0; k < pl.chunks; ++k) {
+      const int slot = static_cast<int>(k % staging::kSlots);
+      if (!pl.wait_for(pl.ready[k])) return;
+      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));  // the chunk's rows are in the slot
+      const std::int64_t first = k * pl.rows_per_chunk;
+      const auto [b, e] = pl.slice(k, w);
+      move_slice<true>(c, pl, b, e, first, static_cast<unsigned char*>(st.slots[slot].data()));
+      // The last worker done with the slot refills it with chunk k + kSlots.
+      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers && k + staging::kSlots < pl.chunks) {
+        queue(k + staging::kSlots);
+      }
+    }
+  });
+  if (pl.error) SHARED_CUDA_TRY(cudaStreamSynchronize(s));  // no copy may still write a slot the next call uses
+  pl.rethrow();
 }
 
 #else  // no CUDA in this build

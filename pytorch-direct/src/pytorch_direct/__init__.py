@@ -23,7 +23,7 @@ from ._config import (
     set_threads,
 )
 from ._core import CompileError, CudaError, UnavailableError
-from ._memory import cuda_usable, empty, from_file, is_unified, unified, zeros
+from ._memory import cuda_usable, empty, flush, from_file, is_unified, unified, zeros
 from ._sharing import share, shared_memory, unlink_shared_memory
 from ._strategy import calibrate
 from ._tensor import UnifiedTensor
@@ -32,7 +32,7 @@ __version__ = _version("pytorch-direct")
 
 __all__ = [
     "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
-    "calibrate", "check_errors", "cuda_usable", "empty", "from_file", "gather", "get_strategy", "index_add_",
+    "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather", "get_strategy", "index_add_",
     "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check", "set_cache_dir", "set_calibration", "set_max_sms",
     "set_strategy", "set_threads", "share", "shared_memory", "unified", "unlink_shared_memory", "zeros",
 ]

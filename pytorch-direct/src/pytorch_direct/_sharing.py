@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import weakref
 from typing import Sequence
 
 import torch
@@ -19,6 +20,11 @@ from ._memory import _element_size, _shape, unified
 from ._tensor import UnifiedTensor
 
 SHM_DIR = "/dev/shm"
+
+# (device, inode) of a segment -> the unified tensor of this process's attachment. A second attachment in the same
+# process reuses it: two virtual mappings of the same pages, each registered with CUDA, broke gathers from the second
+# one on the GPU machine (cudaErrorInvalidValue at launch), and one registration per process is all that is needed.
+_ATTACHED: "weakref.WeakValueDictionary[tuple[int, int], UnifiedTensor]" = weakref.WeakValueDictionary()
 
 
 def _path(name: str) -> str:
@@ -46,8 +52,18 @@ def shared_memory(name: str, shape: Sequence[int], dtype: torch.dtype = torch.fl
             raise ValueError(f"shared memory {name!r} holds {size} bytes, but shape {shape} of {dtype} needs {nbytes}")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype).as_subclass(UnifiedTensor)
+    if not create:
+        st = os.stat(path)
+        attached = _ATTACHED.get((st.st_dev, st.st_ino))
+        if attached is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                flat = attached.reshape(-1).view(torch.uint8)
+                return flat[:nbytes].view(dtype).view(shape).as_subclass(UnifiedTensor)
     mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    return unified(mapped.view(dtype).view(shape), copy=False)
+    out = unified(mapped.view(dtype).view(shape), copy=False)
+    st = os.stat(path)
+    _ATTACHED[(st.st_dev, st.st_ino)] = out
+    return out
 
 
 def unlink_shared_memory(name: str) -> None:

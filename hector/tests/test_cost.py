@@ -49,3 +49,17 @@ def test_materialised_bytes_are_what_the_backend_materialises():
     est = estimate(lw, g.stats())
     assert est.materialized_bytes == measured and est.flops > 0 and est.moved_bytes >= measured
     assert 0 < peak_bytes(lw, g.stats()) <= measured
+
+
+def test_backend_frees_values_after_their_last_reader():
+    ei, et, _ = make_graph()
+    g = Graph(ei, et, 14, R)
+    m = hn.RGATConv(5, 4, R, heads=2)
+    lw = m.compiled(g).forward_lowered
+    leaves = {"x": torch.randn(14, 5), **{k: v.detach() for k, v in m.named_parameters()}}
+    kept_all = run_lowered(lw, g, leaves)
+    lean = run_lowered(lw, g, leaves, keep=())
+    intermediates = set(lw.materialized) - set(lw.program.outputs)
+    assert intermediates and intermediates <= set(kept_all)
+    assert not intermediates & set(lean)
+    assert torch.equal(lean[lw.program.outputs[0]], kept_all[lw.program.outputs[0]])

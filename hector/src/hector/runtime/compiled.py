@@ -57,12 +57,15 @@ class _Apply(torch.autograd.Function):
     """Forward: run the lowered forward program. Backward: run the generated backward program."""
 
     @staticmethod
-    def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, *tensors: torch.Tensor):
+    def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, training: bool,
+                *tensors: torch.Tensor):
         leaves = dict(zip(names, tensors, strict=True))
-        env = run_lowered(compiled.forward_lowered, graph, leaves)
+        # without a backward to come (inference), nothing is kept beyond the outputs
+        saved = compiled.saved if training else ()
+        env = run_lowered(compiled.forward_lowered, graph, leaves, keep=saved)
         outs = tuple(env[o] for o in compiled.forward.outputs)
         ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
-        ctx.saved_names = tuple(s for s in compiled.saved)
+        ctx.saved_names = tuple(saved)
         ctx.save_for_backward(*[env[s] for s in ctx.saved_names])
         return outs if len(outs) > 1 else outs[0]
 
@@ -70,17 +73,17 @@ class _Apply(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
         compiled: CompiledLayer = ctx.compiled
         leaf_keys = [(Op.INPUT if (Op.INPUT, n) in compiled.leaf_names else Op.PARAM, n) for n in ctx.names]
-        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[3:], strict=True) if need]
+        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[4:], strict=True) if need]
         if not wanted:
-            return (None, None, None) + (None,) * len(ctx.names)
+            return (None, None, None, None) + (None,) * len(ctx.names)
         bw, lowered = compiled.backward_for(wanted)
         leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors, strict=True))
         for o, g in zip(compiled.forward.outputs, grad_outputs, strict=True):
             leaves[f"grad:{o}"] = g.contiguous()
-        env = run_lowered(lowered, ctx.graph, leaves)
+        env = run_lowered(lowered, ctx.graph, leaves, keep=())
         by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)}
         grads = tuple(by_leaf.get(k) for k in leaf_keys)
-        return (None, None, None) + grads
+        return (None, None, None, None) + grads
 
 
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):
@@ -89,4 +92,6 @@ def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]
     missing = [name for _, name in compiled.leaf_names if name not in leaves]
     if missing:
         raise ValueError(f"no tensor bound to {missing}")
-    return _Apply.apply(compiled, graph, names, *[leaves[n] for n in names])
+    tensors = [leaves[n] for n in names]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _Apply.apply(compiled, graph, names, training, *tensors)

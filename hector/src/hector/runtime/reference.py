@@ -216,19 +216,29 @@ def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: 
     return env
 
 
-def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None
-                ) -> dict[str, torch.Tensor]:
-    """Run a lowered program kernel by kernel. Values a kernel does not materialise are dropped when it ends, so
-    peak memory follows the kernel plan (up to the temporaries torch itself allocates inside a kernel)."""
+def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
+                keep: Any = None) -> dict[str, torch.Tensor]:
+    """Run a lowered program kernel by kernel. Values a kernel does not materialise are dropped when it ends, and
+    materialised values are dropped after their last reader unless they are outputs or in ``keep`` (None: keep
+    everything), so peak memory follows the kernel plan (up to torch's temporaries inside a kernel)."""
     program = lowered.program
     if dtype is None:
         dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
                      torch.float32)
     env: dict[str, torch.Tensor] = {}
+    last_use: dict[str, int] = {}
+    if keep is not None:
+        keep = set(keep) | set(program.outputs)
+        for i, kernel in enumerate(lowered.kernels):
+            for name in kernel.inputs:
+                last_use[name] = i
     for node in program.nodes:  # leaves are bindings, not kernels
         if node.op in (Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH):
             env[node.name] = eval_node(node, [], [], graph, leaves, dtype)
-    for kernel in lowered.kernels:
+    for i, kernel in enumerate(lowered.kernels):
+        if keep is not None and i:
+            for name in [n for n, last in last_use.items() if last == i - 1 and n not in keep]:
+                env.pop(name, None)
         if _chunkable(program, kernel) and graph.num_edges > tile_rows(program, kernel, graph, dtype):
             _run_chunked(program, kernel, graph, env, leaves, dtype, tile_rows(program, kernel, graph, dtype))
             continue
@@ -289,7 +299,14 @@ def _chunkable(program: Program, kernel) -> bool:
     kernel (the CUDA kernel does that destination-centric; the reference runs such kernels whole)."""
     if kernel.kind != "traversal" or kernel.space != "edge":
         return False
-    inside = set(kernel.nodes)
+    # values computed per edge or from per-edge values; a gather may read anything else (materialised inputs and
+    # views of them) but not these
+    inside: set[str] = set()
+    for name in kernel.nodes:
+        n = program.by_name[name]
+        if n.type.domain is Domain.EDGE or n.op in (Op.SCATTER_ADD, Op.SELECT_SUM) or \
+                any(a in inside for a in n.args):
+            inside.add(name)
     for name in kernel.nodes:
         n = program.by_name[name]
         dom = n.type.domain

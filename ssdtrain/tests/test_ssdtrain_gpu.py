@@ -105,11 +105,40 @@ def test_stream_waits_without_blocking_the_host(gpu_engine):
     h = engine.write(src).result(timeout=60)
     out = torch.zeros_like(src)
     fut = engine.read(h, out=out)
-    fut.wait_stream(block_host=False)  # returns at once; the current stream waits for the read
+    device_side = fut.wait_stream(block_host=False)  # returns at once; the current stream waits for the read
     total = out.sum(dtype=torch.int64)  # queued after the wait: must see the read data
     assert total.item() == src.sum(dtype=torch.int64).item()
     assert fut.done()
     fut.result()
+    assert device_side  # cuStreamWaitValue32 on the engine's pinned word: no thread was blocked
+
+
+def test_device_side_stream_waits_many_streams_and_reused_words(gpu_engine):
+    # More operations than one chunk of signal words (1024), each waited on by two streams, so words are reused
+    # only after every stream passed them; every sum queued after a wait must see its read's data.
+    engine = gpu_engine(block_size="64K")
+    src = torch.randint(0, 256, (64 << 10,), dtype=torch.uint8, device="cuda")
+    h = engine.write(src).result(timeout=60)
+    expected = src.sum(dtype=torch.int64)
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    sums, futures, device_side = [], [], []
+    for i in range(1200):
+        a, b = streams[i % 4], streams[(i + 1) % 4]
+        with torch.cuda.stream(a):
+            out = torch.zeros_like(src)  # allocated and zeroed on `a`, the stream the read is ordered after
+            fut = engine.read(h, out=out)
+            device_side.append(fut.wait_stream(block_host=False))
+            fut.wait_stream(b, block_host=False)
+            sums.append(out.sum(dtype=torch.int64))
+        with torch.cuda.stream(b):
+            sums.append(out.sum(dtype=torch.int64))
+        out.record_stream(b)
+        futures.append(fut)
+    torch.cuda.synchronize()
+    for f in futures:
+        f.result(timeout=60)
+    assert all(bool(t == expected) for t in sums)
+    assert any(device_side)
 
 
 def test_cuda_tensor_freed_while_write_in_flight(gpu_engine):

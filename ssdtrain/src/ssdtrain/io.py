@@ -368,21 +368,23 @@ class Future:
             raise error
         return self._value
 
-    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> None:
+    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> bool:
         """Make work queued on `stream` (default: the current stream) after this call see the transfer's data.
 
         block_host=True: wait on the host (the engine's device copies are complete when the transfer is), then raise
-        the failure, if any. block_host=False: return at once; the *stream* waits (a host function enqueued on it
-        blocks CUDA's callback thread until the transfer is done). The stream proceeds even if the transfer failed:
-        call result() before trusting the data.
+        the failure, if any. block_host=False: return at once; the *stream* waits on the GPU
+        (``cuStreamWaitValue32`` on a pinned word the engine sets when the transfer finishes: no thread blocks), or,
+        where the driver refuses stream memory operations, through a host function that blocks CUDA's callback
+        thread until then. The stream proceeds even if the transfer failed: call result() before trusting the data.
+        Returns True when nothing blocks a thread (done already, or the device-side wait), False for the fallback.
         """
         if block_host or self.done():
             self.result()
-            return
+            return True
         if not torch.cuda.is_available():
             raise RuntimeError("wait_stream(block_host=False) needs CUDA; use wait_stream() or result()")
         stream = stream if stream is not None else torch.cuda.current_stream()
-        _core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream))
+        return bool(_core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream)))
 
     @property
     def nbytes(self) -> int:

@@ -75,6 +75,9 @@ struct telemetry {
 class engine_impl;
 
 // One asynchronous transfer. Shared by the engine (until it completes) and the caller.
+class operation;
+using operation_ptr = std::shared_ptr<operation>;
+
 class operation {
  public:
   bool done() const noexcept { return done_.load(std::memory_order_acquire); }
@@ -108,9 +111,9 @@ class operation {
   std::exception_ptr error_;
   std::atomic<bool> done_{false};
   std::atomic<bool> staged_{false};
+  int signal_ = -1;  // a pinned word set to 1 at finish, which CUDA streams wait on (see enqueue_stream_wait)
+  friend bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
 };
-
-using operation_ptr = std::shared_ptr<operation>;
 
 struct directory_info {
   std::string path;
@@ -154,10 +157,12 @@ class engine {
   std::shared_ptr<engine_impl> impl_;
 };
 
-// Makes a CUDA stream wait (device side; the calling thread does not block) until `op` is done, through a host
-// function enqueued on the stream that waits for the operation. Work queued on the stream afterwards sees the data.
-// The failure, if any, is still reported by op->get(): the stream proceeds either way.
-void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
+// Makes a CUDA stream wait (device side; the calling thread does not block) until `op` is done. Work queued on
+// the stream afterwards sees the data. The failure, if any, is still reported by op->get(): the stream proceeds
+// either way. The stream waits with cuStreamWaitValue32 on a pinned word the engine sets when the operation
+// finishes (no thread blocks anywhere); where the driver refuses stream memory operations, a host function on the
+// stream waits instead (it occupies CUDA's callback thread meanwhile). Returns true for the first kind.
+bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
 
 // crc32c (Castagnoli) of a byte range, continuing from `crc` (0 to start). Hardware instructions where present.
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept;

@@ -14,12 +14,13 @@ LOG="$OUT/pytorch-direct-gpu.log"
 : > "$LOG"
 # The calibration cache goes to a scratch directory, not $OUT (three files at most there).
 export PYTORCH_DIRECT_CACHE_DIR="${PYTORCH_DIRECT_CACHE_DIR:-$(mktemp -d)}"
-BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 16 --repeats 2 --budget-s 120"}
+BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 16 --repeats 2 --budget-s 150"}
 TESTS_TXT="$(mktemp)"
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
 
-echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S)), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- pytorch-direct 2>/dev/null || echo ' (+ uncommitted changes)')" | tee -a "$LOG"
+echo "== kernel $(uname -r), $(nproc) CPUs usable" | tee -a "$LOG"
 python3 -m pytorch_direct info 2>&1 | tee -a "$LOG"
 # Skipped GPU tests must not pass for a GPU run: fail loudly when CUDA is not usable from torch or from the package.
 if ! python3 -c "import torch, pytorch_direct as pd, sys; sys.exit(0 if torch.cuda.is_available() and pd.cuda_usable() else 1)"; then
@@ -29,7 +30,7 @@ fi
 # Full output (-v: one line per test as it finishes, kept even if the limit kills pytest) into the log; the tail
 # (summary, tracebacks, slowest tests) on the console. --maxfail: a kernel fault
 # poisons the CUDA context and would fail every later test, so stop early and keep the first tracebacks.
-timeout 170 python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 --tb=short --durations=15 \
+timeout 120 python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 --tb=short --durations=15 \
   $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
 tests_rc=$?
 cat "$TESTS_TXT" >> "$LOG"
@@ -39,7 +40,7 @@ echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
 
 echo "== pytorch-direct gather/scatter benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
 # shellcheck disable=SC2086
-timeout "${PD_BENCH_TIMEOUT:-165}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
+timeout "${PD_BENCH_TIMEOUT:-200}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
   --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
 bench_rc=${PIPESTATUS[0]}
 echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "pytorch_direct/rows.hpp"
@@ -29,49 +30,42 @@ int multiprocessors() {
   return cache[device];
 }
 
-constexpr int kBlock = 512;
-
-// Enough blocks for every row group, at most 4 resident blocks per SM (grid-stride beyond), or `max_sms` blocks
-// when capped: one block per SM is how the block scheduler spreads a grid that small.
-unsigned grid_for(std::int64_t count, int group_shift, int max_sms) {
-  const std::int64_t groups_per_block = kBlock >> group_shift;
-  std::int64_t blocks = (count + groups_per_block - 1) / groups_per_block;
-  const std::int64_t limit = max_sms > 0 ? max_sms : static_cast<std::int64_t>(multiprocessors()) * 4;
-  blocks = std::max<std::int64_t>(1, std::min(blocks, limit));
-  return static_cast<unsigned>(blocks);
-}
-
 // Launches the kernel `p` names. Gather: table -> dense; scatter: dense -> table.
 template <bool Scatter>
 void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t s) {
   auto* table = static_cast<unsigned char*>(c.table);
   auto* dense = static_cast<unsigned char*>(c.dense);
   std::int64_t* err = error_word();
-  const unsigned grid = grid_for(c.count, p.group_shift, max_sms);
+  const launch_shape shape = shape_for(p, c.count, max_sms, multiprocessors());
+  const char* problem = launch_shape_problem(shape);
+  SHARED_CUDA_EXPECT(problem[0] == '\0', std::string("internal error, unlaunchable kernel shape: ") + problem);
+  const unsigned grid = shape.grid_x;
+  const unsigned block = shape.block;
+  const std::size_t shared = shape.shared_bytes;
   if (p.kernel == launch_plan::unaligned) {
-    gather_rows_unaligned<<<grid, kBlock, 0, s>>>(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count,
+    gather_rows_unaligned<<<grid, block, shared, s>>>(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count,
                                                   c.positions, dense, err, p.group_shift);
   } else if (p.kernel == launch_plan::naive) {
     if constexpr (Scatter) {
       if (p.width == 4) {
-        scatter_rows_naive<4><<<grid, kBlock, 0, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
+        scatter_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
                                                       c.positions, dense, err);
       } else {
-        scatter_rows_naive<1><<<grid, kBlock, 0, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
+        scatter_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
                                                       c.positions, dense, err);
       }
     } else {
       if (p.width == 4) {
-        gather_rows_naive<4><<<grid, kBlock, 0, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
+        gather_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
                                                      c.positions, dense, err);
       } else {
-        gather_rows_naive<1><<<grid, kBlock, 0, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
+        gather_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
                                                      c.positions, dense, err);
       }
     }
   } else {
 #define PD_LAUNCH(W)                                                                                           \
-  move_rows<W, Scatter><<<grid, kBlock, 0, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,   \
+  move_rows<W, Scatter><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,   \
                                                 c.positions, dense, err, p.group_shift)
     switch (p.width) {
       case 16: PD_LAUNCH(16); break;

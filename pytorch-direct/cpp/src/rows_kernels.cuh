@@ -3,6 +3,7 @@
 // shared memory and no barriers, so serial execution computes what the GPU computes.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "pytorch_direct/rows.hpp"
@@ -264,6 +265,42 @@ inline launch_plan plan_scatter(const rows_call& c, kernel_kind kind) {
   }
   p.row_words = c.row_bytes / p.width;
   return p;
+}
+
+// The launch configuration of a plan: 1-D grid, kBlockThreads threads per block (the kernels'
+// __launch_bounds__), no dynamic shared memory. Enough blocks for every row group, at most 4 resident blocks per
+// SM (grid-stride beyond), or `max_sms` blocks when capped: one block per SM is how the block scheduler spreads a
+// grid that small. Shared with the emulator, which checks every shape against the hardware limits below.
+constexpr int kBlockThreads = 512;
+
+struct launch_shape {
+  unsigned grid_x = 1, grid_y = 1, grid_z = 1;
+  unsigned block = kBlockThreads;
+  std::size_t shared_bytes = 0;
+};
+
+inline launch_shape shape_for(const launch_plan& p, std::int64_t count, int max_sms, int multiprocessors) {
+  launch_shape s;
+  const int shift = p.kernel == launch_plan::naive ? 5 : p.group_shift;
+  const std::int64_t groups_per_block = kBlockThreads >> shift;
+  std::int64_t blocks = (count + groups_per_block - 1) / groups_per_block;
+  const std::int64_t limit = max_sms > 0 ? max_sms : static_cast<std::int64_t>(multiprocessors) * 4;
+  blocks = blocks < limit ? blocks : limit;
+  blocks = blocks < 1 ? 1 : blocks;
+  blocks = blocks < 0x7fffffff ? blocks : 0x7fffffff;
+  s.grid_x = static_cast<unsigned>(blocks);
+  return s;
+}
+
+// Empty when the shape is launchable without opt-ins (cudaLaunchKernel would fail with "invalid argument"
+// otherwise); else what is wrong.
+inline const char* launch_shape_problem(const launch_shape& s) {
+  if (s.grid_x < 1 || s.grid_x > 0x7fffffffu) return "grid.x outside 1..2^31-1";
+  if (s.grid_y < 1 || s.grid_y > 65535 || s.grid_z < 1 || s.grid_z > 65535) return "grid.y/z outside 1..65535";
+  if (s.block < 1 || s.block > 1024 || s.block % 32 != 0) return "block not a multiple of 32 in 32..1024";
+  if (s.block > static_cast<unsigned>(kBlockThreads)) return "block above the kernels' __launch_bounds__";
+  if (s.shared_bytes > 48 * 1024) return "dynamic shared memory above 48 KiB without an opt-in";
+  return "";
 }
 
 }  // namespace kernels

@@ -54,9 +54,29 @@ void run_grid(unsigned grid, unsigned block, F&& kernel) {
   }
 }
 
+long long bad_shapes = 0;
+
+// The shape rows_cuda.cu launches this plan with on a GPU (132 SMs, with and without an SM cap), for this call's
+// count and for huge counts, must be launchable: the emulated grid below is smaller, so check the real one here.
+void check_gpu_shapes(const rows_call& c, const launch_plan& p) {
+  for (const std::int64_t count : {c.count, static_cast<std::int64_t>(1) << 31, static_cast<std::int64_t>(1) << 40}) {
+    for (const int max_sms : {0, 1, 7, 132, 100000}) {
+      const launch_shape shape = shape_for(p, count, max_sms, 132);
+      const char* problem = launch_shape_problem(shape);
+      if (problem[0] != '\0') {
+        if (bad_shapes++ < 10)
+          std::printf("FAIL launch shape: %s (row_bytes=%lld count=%lld max_sms=%d grid=%u block=%u)\n", problem,
+                      static_cast<long long>(c.row_bytes), static_cast<long long>(count), max_sms, shape.grid_x,
+                      shape.block);
+      }
+    }
+  }
+}
+
 // Dispatches like rows_cuda.cu's launch<Scatter>(), on a small grid so grid-stride loops wrap.
 template <bool Scatter>
 void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64_t* err) {
+  check_gpu_shapes(c, p);
   auto* table = static_cast<unsigned char*>(c.table);
   auto* dense = static_cast<unsigned char*>(c.dense);
   const unsigned block = 64;  // smaller than the GPU's 512: more blocks, same per-thread logic
@@ -284,6 +304,10 @@ int main() {
   large_offset_case();
   if (misaligned != 0) {
     std::printf("FAIL: %lld misaligned vector accesses\n", misaligned);
+    ++failures;
+  }
+  if (bad_shapes != 0) {
+    std::printf("FAIL: %lld unlaunchable kernel shapes\n", bad_shapes);
     ++failures;
   }
   std::printf("%d cases, %d failures\n", cases, failures);

@@ -52,8 +52,8 @@ def model_numbers(kind, g, twin, dim, heads):
     opts = choose_options(m, g)
     compiled = m.compiled(g, training=False, options=opts)
     stats = g.stats()
-    est = estimate(compiled.forward_lowered, stats)
-    return m, opts, est.materialized_bytes, peak_bytes(compiled.forward_lowered, stats)
+    est = estimate(compiled.inference_lowered, stats)
+    return m, opts, est.materialized_bytes, peak_bytes(compiled.inference_lowered, stats)
 
 
 def measure(fn, device):

@@ -30,9 +30,9 @@ def main(argv=None):
     print(f"# cost model choice: compact={opts.compact} reorder={opts.reorder}\n")
     print("## before passes\n" + str(before) + "\n")
     print("## after passes\n" + str(compiled.forward) + "\n")
-    print("## kernel plan (forward)\n" + str(compiled.forward_lowered) + "\n")
+    print("## kernel plan (inference forward)\n" + str(compiled.inference_lowered) + "\n")
     print("## generated backward (optimised)\n" + str(compiled.full_backward.program) + "\n")
-    est = estimate(compiled.forward_lowered, g.stats())
+    est = estimate(compiled.inference_lowered, g.stats())
     print(f"# forward: {est.kernels} kernels, {est.materialized_bytes} bytes materialised, {est.flops} flops")
 
 

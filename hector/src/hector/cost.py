@@ -102,7 +102,7 @@ def choose_options(layer: Any, graph: Any) -> Options:
                 opts = Options(compact=compact, reorder=reorder, rows=rows)
                 compiled = layer.compiled(None, options=opts)
                 est = training_estimate(compiled, stats) if layer.training else \
-                    estimate(compiled.forward_lowered, stats)
+                    estimate(compiled.inference_lowered, stats)
                 # strict improvement needed: ties keep the simpler program
                 if best is None or est.seconds < best[0] * (1 - 1e-9):
                     best = (est.seconds, opts)

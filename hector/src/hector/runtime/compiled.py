@@ -24,6 +24,7 @@ class CompiledLayer:
     options: Options
     full_backward: Backward
     forward_lowered: Lowered
+    inference_lowered: Lowered  # the same program planned with nothing kept for a backward pass
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
 
     @property
@@ -49,8 +50,7 @@ def compile_program(program: Program, options: Options | None = None) -> Compile
     fwd = optimize(program, options)
     bw = differentiate(fwd)
     bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
-    lowered = lower(fwd, keep=bw.saved)
-    return CompiledLayer(program, fwd, options, bw, lowered)
+    return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved), lower(fwd))
 
 
 class _Apply(torch.autograd.Function):
@@ -62,7 +62,8 @@ class _Apply(torch.autograd.Function):
         leaves = dict(zip(names, tensors, strict=True))
         # without a backward to come (inference), nothing is kept beyond the outputs
         saved = compiled.saved if training else ()
-        env = run_lowered(compiled.forward_lowered, graph, leaves, keep=saved)
+        plan = compiled.forward_lowered if training else compiled.inference_lowered
+        env = run_lowered(plan, graph, leaves, keep=saved)
         outs = tuple(env[o] for o in compiled.forward.outputs)
         ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
         ctx.saved_names = tuple(saved)

@@ -261,6 +261,10 @@ def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.d
         for name in kernel.outputs:
             env[name] = local[name]
         del local
+    if keep is not None:
+        leaves_ = {n.name for n in program.nodes if n.op in (Op.INPUT, Op.PARAM, Op.SAVED, Op.GRAPH)}
+        for name in [n for n in env if n not in keep and n not in leaves_]:
+            del env[name]
     return env
 
 

@@ -1,5 +1,6 @@
 """Round trips through every CPU-usable backend, in every alignment and size class, and the Future API."""
 
+import errno
 import gc
 import os
 import subprocess
@@ -304,3 +305,37 @@ def test_cufile_config_allows_compat_mode(monkeypatch, tmp_path):
     assert config["logging"]["dir"] == str(tmp_path)  # cuFile's log does not land in the working directory
     monkeypatch.setenv("CUFILE_ENV_PATH_JSON", "/etc/mine.json")
     assert ssdtrain.cufile_config() == "/etc/mine.json"  # the user's own config wins
+
+
+def test_add_done_callback(engine_factory, backend):
+    engine = engine_factory(backend=backend, block_size="64K")
+    src = random_tensor(8 << 20, seed=5)
+    seen = []
+    done = threading.Event()
+    fut = engine.write(src)
+    fut.add_done_callback(lambda f: (seen.append((f.done(), threading.current_thread().name)), done.set()))
+    assert done.wait(30)
+    assert seen[0][0] is True
+    later = []
+    fut.add_done_callback(lambda f: later.append(threading.current_thread().name))  # already done: runs here
+    assert later == [threading.current_thread().name]
+    # A failed transfer calls back too, and the callback sees the failure.
+    failing = engine_factory(backend=backend, block_size="4K", _fault=("write", errno.EIO, 0))
+    errors = []
+    got = threading.Event()
+    bad = failing.write(src)
+    bad.add_done_callback(lambda f: (errors.append(f.exception()), got.set()))
+    assert got.wait(30)
+    assert isinstance(errors[0], OSError) and errors[0].errno == errno.EIO
+    with pytest.raises(TypeError):
+        fut.add_done_callback(42)
+
+
+def test_add_done_callback_error_is_reported(engine_factory, monkeypatch):
+    engine = engine_factory(backend="threads")
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    fut = engine.write(random_tensor(4096, seed=1))
+    fut.result(timeout=30)
+    fut.add_done_callback(lambda f: 1 / 0)
+    assert len(reports) == 1 and isinstance(reports[0].exc_value, ZeroDivisionError)

@@ -242,6 +242,21 @@ def cufile_config() -> str:
     return path
 
 
+@dataclass
+class _Unraisable:
+    """What sys.unraisablehook expects (the fields of sys.UnraisableHookArgs)."""
+
+    exc_value: BaseException
+    err_msg: str
+    object: object
+    exc_type: type = field(init=False)
+    exc_traceback: object = field(init=False)
+
+    def __post_init__(self):
+        self.exc_type = type(self.exc_value)
+        self.exc_traceback = self.exc_value.__traceback__
+
+
 _HUGE = 2 << 20
 _huge_ranges: dict[int, tuple[int, int]] = {}  # id -> [start, end) of memory from huge_empty()
 
@@ -320,6 +335,46 @@ class Handle:
     _engine_id: int = field(default=0, repr=False, compare=False)
 
 
+class _Notifier:
+    """Runs add_done_callback() callbacks: one daemon thread per process, started on first use.
+
+    It waits on the oldest pending transfer in short slices and then fires every callback whose transfer is done,
+    so a callback runs within a few milliseconds of completion and no engine thread ever runs Python code."""
+
+    _instance: _Notifier | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._pending: list[tuple[Future, object]] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._run, name="ssdtrain-callbacks", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Notifier:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def add(self, future: Future, fn) -> None:
+        with self._cv:
+            self._pending.append((future, fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                oldest = self._pending[0][0]
+            oldest._op.wait(0.005)
+            with self._cv:
+                ready = [(f, fn) for f, fn in self._pending if f.done()]
+                self._pending = [(f, fn) for f, fn in self._pending if not f.done()]
+            for f, fn in ready:
+                f._call(fn)
+
+
 class Future:
     """An asynchronous write or read. Thread-safe to poll and wait from any thread."""
 
@@ -327,6 +382,26 @@ class Future:
         self._op = op
         self._keep = keep  # the tensor(s) the transfer reads or fills: alive until it completes
         self._value = value
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(future)`` once the transfer is done (successfully or not; use ``fn``'s ``exception()``).
+
+        Runs at once in this thread when already done, else on ssdtrain's callback thread shortly after completion
+        (never on an engine thread, so a slow callback cannot stall I/O). An exception raised by ``fn`` goes to
+        ``sys.unraisablehook`` (printed by default), as it has no caller to reach.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
+        if self.done():
+            self._call(fn)
+        else:
+            _Notifier.get().add(self, fn)
+
+    def _call(self, fn) -> None:
+        try:
+            fn(self)
+        except Exception as e:  # noqa: BLE001 - reported through the interpreter's hook for such errors
+            sys.unraisablehook(_Unraisable(e, f"ssdtrain: exception in the done callback {fn!r}", fn))
 
     def done(self) -> bool:
         """True when the transfer finished (successfully or not); never blocks."""

@@ -475,6 +475,28 @@ def print_table(rows: list[dict]) -> None:
               f"{r['device_bytes_ratio']!s:>6} {r['device_request_KiB']!s:>7}  {vs_fio} {vs_host}")
 
 
+def print_checks(rows: list[dict]) -> None:
+    """The evidence for run B's puzzle (GPU <-> file faster than host <-> file), one line per backend/op/size."""
+    print("# checks: per backend, op and size: GB/s (average device request KiB, device bytes / bytes asked)")
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["tool"] == "ssdtrain":
+            groups.setdefault((r["backend"], r["op"], r["size"]), {})[r["memory"]] = r
+    for (backend, op, size), by_memory in groups.items():
+        parts = [f"{m} {r['GBps']:.2f} ({r['device_request_KiB']} KiB, {r['device_bytes_ratio']}x)"
+                 for m, r in by_memory.items()]
+        print(f"#   {backend:8} {op:8} {fmt_size(size):>5}: " + "; ".join(parts))
+    short = [r for r in rows if r["tool"] == "ssdtrain" and r["device_bytes_ratio"] != ""
+             and r["device_bytes_ratio"] < 0.95]
+    if short:
+        print("# WARNING: the device moved less than 95% of the bytes in: "
+              + ", ".join(f"{r['backend']}/{r['memory']}/{r['op']}/{fmt_size(r['size'])}" for r in short)
+              + " (a cache answered, or other I/O ran at the same time)")
+    else:
+        print("# every ssdtrain row: the device moved >= 95% of the bytes inside the timed region (no cache "
+              "answered; O_DIRECT in force)")
+
+
 def fmt_size(n: int) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
@@ -557,6 +579,7 @@ def main(argv=None) -> int:
     if not rows:
         return 1
     print_table(rows)
+    print_checks(rows)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))

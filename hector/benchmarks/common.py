@@ -104,6 +104,16 @@ def pyg_materialized_bytes(kind: str, stats: dict, dim: int, heads: int, src_typ
     return floats * itemsize
 
 
+def pyg_peak_bytes(kind: str, stats: dict, dim: int, heads: int, src_type_nodes: int, itemsize: int = 4) -> int:
+    """Float tensors alive at once in PyG's inference forward. RGCN loops over relations and frees each
+    relation's messages, so its peak is one relation's messages plus a few node-sized buffers; RGAT and HGT keep
+    their per-edge tensors until the aggregation, so their peak is about everything they write."""
+    n, f = stats["num_nodes"], dim
+    if kind == "rgcn":
+        return (stats["max_edges_per_relation"] * f + 4 * n * f) * itemsize
+    return pyg_materialized_bytes(kind, stats, dim, heads, src_type_nodes, itemsize) - 2 * n * f * itemsize
+
+
 def human(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(nbytes) < 1000 or unit == "TB":

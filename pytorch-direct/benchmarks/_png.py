@@ -84,10 +84,11 @@ def line_grid_png(results, path, columns, panel=(360, 240)):
         line(ox + 20, oy + ph - 20, ox + pw - 10, oy + ph - 20, (0, 0, 0))
         line(ox + 20, oy + 10, ox + 20, oy + ph - 20, (0, 0, 0))
         for ci, c in enumerate(columns):
-            pts = [(ox + 20 + (x - x_lo) / (x_hi - x_lo) * (pw - 40), oy + ph - 20 - r.get(c, float("nan")) / ymax * (ph - 40))
-                   for x, r in zip(xs, rs)]
+            pts = [(ox + 20 + (x - x_lo) / (x_hi - x_lo) * (pw - 40),
+                    oy + ph - 20 - r.get(c, float("nan")) / ymax * (ph - 40))
+                   for x, r in zip(xs, rs, strict=True)]
             pts = [(round(a), round(b)) for a, b in pts if not math.isnan(b)]
-            for (a, b), (c2, d) in zip(pts, pts[1:]):
+            for (a, b), (c2, d) in zip(pts, pts[1:], strict=False):  # consecutive pairs
                 line(a, b, c2, d, COLOURS[ci % len(COLOURS)])
     for ci, c in enumerate(columns):  # legend in the last panel row's free space or over the first panel
         lx, ly = 30 + (ci % 4) * 70, 20 + (ci // 4) * 12

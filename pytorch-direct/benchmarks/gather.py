@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import signal
@@ -86,6 +87,34 @@ def cells(args):
     return out
 
 
+def column_functions(tab, utab, idx, idx_cpu, out, src, pin, flat_dev, flat_pin):
+    """The timed function of every gather and scatter column of one cell."""
+
+    def torch_gather():
+        torch.index_select(tab, 0, idx_cpu, out=pin)
+        out.copy_(pin, non_blocking=True)
+
+    def torch_scatter():
+        pin.copy_(src)  # synchronous D2H into the pinned buffer
+        tab.index_copy_(0, idx_cpu, pin)
+
+    gather_fns = {
+        "memcpy": lambda: flat_dev.copy_(flat_pin, non_blocking=True),
+        "torch": torch_gather,
+        "naive": lambda: pd.gather(utab, idx, strategy="naive"),
+    }
+    for s in ("auto", "vector", "sorted", "staged", "split"):
+        gather_fns[s] = functools.partial(pd.gather, utab, idx, strategy=s)
+    scatter_fns = {
+        "memcpy": lambda: flat_pin.copy_(flat_dev, non_blocking=True),
+        "torch": torch_scatter,
+        "naive": lambda: pd.scatter_(utab, idx, src, strategy="naive"),
+    }
+    for s in ("auto", "vector", "sorted", "staged"):
+        scatter_fns[s] = functools.partial(pd.scatter_, utab, idx, src, strategy=s)
+    return gather_fns, scatter_fns
+
+
 def run(args, results: list[dict]) -> None:
     if not torch.cuda.is_available() or not pd.cuda_usable():
         raise SystemExit("gather.py needs a CUDA GPU and pytorch_direct built with CUDA")
@@ -147,28 +176,7 @@ def run(args, results: list[dict]) -> None:
         pin = pinned_buf[:nbytes].view(dtype).view(n, elems)
         flat_dev, flat_pin = dev_buf[:nbytes], pinned_buf[:nbytes]
 
-        def torch_gather():
-            torch.index_select(tab, 0, idx_cpu, out=pin)
-            out.copy_(pin, non_blocking=True)
-
-        def torch_scatter():
-            pin.copy_(src)  # synchronous D2H into the pinned buffer
-            tab.index_copy_(0, idx_cpu, pin)
-
-        gather_fns = {
-            "memcpy": lambda: flat_dev.copy_(flat_pin, non_blocking=True),
-            "torch": torch_gather,
-            "naive": lambda: pd.gather(utab, idx, strategy="naive"),
-        }
-        for s in ("auto", "vector", "sorted", "staged", "split"):
-            gather_fns[s] = (lambda s=s: pd.gather(utab, idx, strategy=s))
-        scatter_fns = {
-            "memcpy": lambda: flat_pin.copy_(flat_dev, non_blocking=True),
-            "torch": torch_scatter,
-            "naive": lambda: pd.scatter_(utab, idx, src, strategy="naive"),
-        }
-        for s in ("auto", "vector", "sorted", "staged"):
-            scatter_fns[s] = (lambda s=s: pd.scatter_(utab, idx, src, strategy=s))
+        gather_fns, scatter_fns = column_functions(tab, utab, idx, idx_cpu, out, src, pin, flat_dev, flat_pin)
         ops = [("gather", GATHER_COLUMNS, gather_fns)]
         if not args.no_scatter:
             ops.append(("scatter", SCATTER_COLUMNS, scatter_fns))
@@ -204,31 +212,35 @@ def cpu_gather_check(table, table_bytes: int) -> None:
     """Diagnostic line: the host-only gather (what the staged strategy does before its DMA) of ours against torch's
     index_select, both into pinned memory, at 0.2 % density. The staged column cannot beat the slower of this and
     the link."""
-    from pytorch_direct import _core
-
     print(f"# CPU: os.cpu_count() {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))} CPUs, torch threads "
           f"{torch.get_num_threads()}", flush=True)
     plain = table.as_subclass(torch.Tensor)
     for rb in (64, 256, 1024):
-        rows = table_bytes // rb
-        n = max(1, int(rows * 0.002))
-        tab = plain[: rows * rb].view(rows, rb)
-        idx = torch.randint(0, rows, (n,))
-        pin = pd.empty(n, rb, dtype=torch.uint8).as_subclass(torch.Tensor)
-
-        def best(fn):
-            fn()
-            t = math.inf
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                t = min(t, time.perf_counter() - t0)
-            return n * rb / t / 1e9
-
-        ours = best(lambda: _core.gather_host(tab.data_ptr(), rows, rb, idx.data_ptr(), 8, n, 0, pin.data_ptr(), 0))
-        theirs = best(lambda: torch.index_select(tab, 0, idx, out=pin))
+        ours, theirs = _cpu_gather_pair(plain, table_bytes, rb)
         print(f"# CPU gather {rb:5d} B rows, 0.2%: ours {ours:6.1f} GB/s, torch index_select {theirs:6.1f} GB/s",
               flush=True)
+
+
+def _cpu_gather_pair(plain, table_bytes: int, rb: int) -> tuple[float, float]:
+    from pytorch_direct import _core
+
+    rows = table_bytes // rb
+    n = max(1, int(rows * 0.002))
+    tab = plain[: rows * rb].view(rows, rb)
+    idx = torch.randint(0, rows, (n,))
+    pin = pd.empty(n, rb, dtype=torch.uint8).as_subclass(torch.Tensor)
+
+    def best(fn):
+        fn()
+        t = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            t = min(t, time.perf_counter() - t0)
+        return n * rb / t / 1e9
+
+    ours = best(lambda: _core.gather_host(tab.data_ptr(), rows, rb, idx.data_ptr(), 8, n, 0, pin.data_ptr(), 0))
+    return ours, best(lambda: torch.index_select(tab, 0, idx, out=pin))
 
 
 def _ratio(row):
@@ -289,7 +301,7 @@ def write_png(results, path):
     cols = 3
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
-    for ax, (op, density, order) in zip(axes.flat, panels):
+    for ax, (op, density, order) in zip(axes.flat, panels, strict=False):  # more axes than panels
         rs = sorted((r for r in results if r["dtype"] == "f32" and (r["op"], r["density"], r["order"]) ==
                      (op, density, order)), key=lambda r: r["row_bytes"])
         for c in GATHER_COLUMNS:

@@ -48,9 +48,9 @@ struct host_memory {
   bool pinned = false;
 };
 
-#define PD_ROWS_ARGS                                                                                        \
-  nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),        \
-      nb::arg("count"), nb::arg("positions"), nb::arg("dense")
+#define PD_ROWS_ARGS                                                                                                   \
+  nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"), nb::arg("count"), \
+      nb::arg("positions"), nb::arg("dense")
 
 }  // namespace
 
@@ -75,16 +75,14 @@ void bind_rows(nb::module_& m) {
   m.def(
       "gather_host",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
-         std::uintptr_t pos, std::uintptr_t d, int threads) {
-        gather_host(make_call(t, rows, rb, i, ib, n, pos, d), threads);
-      },
+         std::uintptr_t pos, std::uintptr_t d,
+         int threads) { gather_host(make_call(t, rows, rb, i, ib, n, pos, d), threads); },
       PD_ROWS_ARGS, nb::arg("threads"), nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "scatter_host",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
-         std::uintptr_t pos, std::uintptr_t d, int threads) {
-        scatter_host(make_call(t, rows, rb, i, ib, n, pos, d), threads);
-      },
+         std::uintptr_t pos, std::uintptr_t d,
+         int threads) { scatter_host(make_call(t, rows, rb, i, ib, n, pos, d), threads); },
       PD_ROWS_ARGS, nb::arg("threads"), nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "gather_staged",
@@ -93,16 +91,17 @@ void bind_rows(nb::module_& m) {
         gather_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads, shared_cuda::stream_view::from_address(stream));
       },
       nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),
-      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
+      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"),
+      nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "scatter_staged",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
          std::uintptr_t d, int threads, std::uintptr_t stream) {
-        scatter_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads,
-                       shared_cuda::stream_view::from_address(stream));
+        scatter_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads, shared_cuda::stream_view::from_address(stream));
       },
       nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),
-      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
+      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"),
+      nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "check_host_indices",
       [](std::uintptr_t index, int index_bytes, std::int64_t count, std::int64_t rows, int threads) {

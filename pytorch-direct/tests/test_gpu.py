@@ -28,7 +28,8 @@ def random_table(rows, row_shape, dtype, generator=None):
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(dtype)
+    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
 def poison_cuda_allocator(nbytes=64 << 20):
@@ -359,7 +360,8 @@ def test_from_file(tmp_path):
     torch.cuda.synchronize()
     del w
     gc.collect()
-    assert torch.equal(torch.from_file(str(path), size=3000 * 47, dtype=torch.float32).view(3000, 47)[5], torch.zeros(47))
+    on_disk = torch.from_file(str(path), size=3000 * 47, dtype=torch.float32).view(3000, 47)
+    assert torch.equal(on_disk[5], torch.zeros(47))
 
 
 def test_shared_memory_two_attachments():

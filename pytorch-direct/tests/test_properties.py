@@ -6,9 +6,9 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")  # the GPU machine may not have it; the module is skipped there
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from test_cpu import plain, random_table, same_bytes  # noqa: E402
 
 import pytorch_direct as pd  # noqa: E402
-from test_cpu import plain, random_table, same_bytes  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)

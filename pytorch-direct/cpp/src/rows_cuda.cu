@@ -26,7 +26,8 @@ int multiprocessors() {
   SHARED_CUDA_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<int>(cache.size()) <= device) cache.resize(device + 1, 0);
-  if (cache[device] == 0) SHARED_CUDA_TRY(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
+  if (cache[device] == 0)
+    SHARED_CUDA_TRY(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
   return cache[device];
 }
 
@@ -44,35 +45,45 @@ void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t 
   const std::size_t shared = shape.shared_bytes;
   if (p.kernel == launch_plan::unaligned) {
     gather_rows_unaligned<<<grid, block, shared, s>>>(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count,
-                                                  c.positions, dense, err, p.group_shift);
+                                                      c.positions, dense, err, p.group_shift);
   } else if (p.kernel == launch_plan::naive) {
     if constexpr (Scatter) {
       if (p.width == 4) {
         scatter_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                      c.positions, dense, err);
+                                                          c.positions, dense, err);
       } else {
         scatter_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                      c.positions, dense, err);
+                                                          c.positions, dense, err);
       }
     } else {
       if (p.width == 4) {
         gather_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                     c.positions, dense, err);
+                                                         c.positions, dense, err);
       } else {
         gather_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                     c.positions, dense, err);
+                                                         c.positions, dense, err);
       }
     }
   } else {
-#define PD_LAUNCH(W)                                                                                           \
-  move_rows<W, Scatter><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,   \
-                                                c.positions, dense, err, p.group_shift)
+#define PD_LAUNCH(W)                                                                                             \
+  move_rows<W, Scatter><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, \
+                                                    c.positions, dense, err, p.group_shift)
     switch (p.width) {
-      case 16: PD_LAUNCH(16); break;
-      case 8: PD_LAUNCH(8); break;
-      case 4: PD_LAUNCH(4); break;
-      case 2: PD_LAUNCH(2); break;
-      default: PD_LAUNCH(1); break;
+      case 16:
+        PD_LAUNCH(16);
+        break;
+      case 8:
+        PD_LAUNCH(8);
+        break;
+      case 4:
+        PD_LAUNCH(4);
+        break;
+      case 2:
+        PD_LAUNCH(2);
+        break;
+      default:
+        PD_LAUNCH(1);
+        break;
     }
 #undef PD_LAUNCH
   }

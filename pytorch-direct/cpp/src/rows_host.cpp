@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <functional>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -58,8 +58,9 @@ void parallel(std::int64_t count, std::int64_t grain, int threads,
     return;
   }
   const std::int64_t chunk = std::max(grain, (count + workers - 1) / workers);
-  p.parallel_for(0, static_cast<std::size_t>(count), static_cast<std::size_t>(chunk),
-                 [&](std::size_t b, std::size_t e) { body(static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)); });
+  p.parallel_for(
+      0, static_cast<std::size_t>(count), static_cast<std::size_t>(chunk),
+      [&](std::size_t b, std::size_t e) { body(static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)); });
 }
 
 void check_args(const rows_call& c) {
@@ -168,7 +169,7 @@ namespace {
 // gets its own set.
 struct staging {
   static constexpr int kSlots = 8;
-  static constexpr std::size_t kSlotBytes = 4 << 20;  // also the widest row the staged strategy moves
+  static constexpr std::size_t kSlotBytes = 4 << 20;   // also the widest row the staged strategy moves
   static constexpr std::size_t kChunkBytes = 2 << 20;  // a smaller chunk fills and drains the pipeline sooner
   std::vector<shared_cuda::pinned_buffer> slots;
   std::vector<cudaEvent_t> events;
@@ -257,8 +258,7 @@ struct pipeline {
     if (bad_position >= 0) {
       throw shared_cuda::out_of_range("index " + std::to_string(bad_value) + " at position " +
                                       std::to_string(bad_position) + " is out of range for a table of " +
-                                      std::to_string(c.rows) + " rows (valid: 0.." + std::to_string(c.rows - 1) +
-                                      ")");
+                                      std::to_string(c.rows) + " rows (valid: 0.." + std::to_string(c.rows - 1) + ")");
     }
   }
 
@@ -294,7 +294,7 @@ struct pipeline {
 // Returns false when an index is out of range (recorded; the row is not touched).
 template <typename Index, bool Scatter>
 bool move_slice_as(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64_t end, std::int64_t first,
-                unsigned char* staged) {
+                   unsigned char* staged) {
   const auto* index = static_cast<const Index*>(c.index);
   auto* table = static_cast<unsigned char*>(c.table);
   const auto rb = static_cast<std::size_t>(c.row_bytes);
@@ -355,8 +355,8 @@ void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view str
       if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers) {
         const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
         SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + first * c.row_bytes, staged,
-                                        static_cast<std::size_t>((end - first) * c.row_bytes),
-                                        cudaMemcpyHostToDevice, s));
+                                        static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyHostToDevice,
+                                        s));
         SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
         pl.ready[k].store(true, std::memory_order_release);
       }
@@ -384,8 +384,7 @@ void scatter_staged(const rows_call& c, int threads, shared_cuda::stream_view st
     // An earlier call's copy out of this slot may still run (possibly on another stream): order after it.
     SHARED_CUDA_TRY(cudaStreamWaitEvent(s, st.events[slot], 0));
     SHARED_CUDA_TRY(cudaMemcpyAsync(st.slots[slot].data(), static_cast<unsigned char*>(c.dense) + first * c.row_bytes,
-                                    static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyDeviceToHost,
-                                    s));
+                                    static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyDeviceToHost, s));
     SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
     pl.ready[k].store(true, std::memory_order_release);
   };

@@ -63,12 +63,11 @@ __device__ __forceinline__ void record_bad_index(std::int64_t* error, std::int64
 // host memory, so each warp-wide access covers whole 128-byte lines of the table (the link's transfer unit) and
 // a row spills into at most one partial line at each end; lanes before the row start or past its end idle.
 template <int V, bool Scatter>
-__global__ void __launch_bounds__(512) move_rows(unsigned char* __restrict__ table, std::int64_t rows,
-                                                 std::int64_t row_words, const void* __restrict__ index,
-                                                 int index_bytes, std::int64_t count,
-                                                 const std::int64_t* __restrict__ positions,
-                                                 unsigned char* __restrict__ dense, std::int64_t* error,
-                                                 int group_shift) {
+__global__ void __launch_bounds__(512)
+    move_rows(unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
+              const void* __restrict__ index, int index_bytes, std::int64_t count,
+              const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense, std::int64_t* error,
+              int group_shift) {
   using T = typename word<V>::type;
   const int lanes = 1 << group_shift;
   const int lane = threadIdx.x & (lanes - 1);
@@ -114,13 +113,11 @@ __global__ void __launch_bounds__(512) move_rows(unsigned char* __restrict__ tab
 // Gather for rows whose width or address is not 4-byte aligned (e.g. 47 B): each lane loads aligned 16-byte
 // words covering the row and stores the row's bytes one by one. An aligned 16-byte word never crosses a page,
 // and registration and pinned allocation are page-granular, so the bytes outside the row are mapped memory.
-__global__ void __launch_bounds__(512) gather_rows_unaligned(const unsigned char* __restrict__ table,
-                                                             std::int64_t rows, std::int64_t row_bytes,
-                                                             const void* __restrict__ index, int index_bytes,
-                                                             std::int64_t count,
-                                                             const std::int64_t* __restrict__ positions,
-                                                             unsigned char* __restrict__ dense, std::int64_t* error,
-                                                             int group_shift) {
+__global__ void __launch_bounds__(512)
+    gather_rows_unaligned(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_bytes,
+                          const void* __restrict__ index, int index_bytes, std::int64_t count,
+                          const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense,
+                          std::int64_t* error, int group_shift) {
   const int lanes = 1 << group_shift;
   const int lane = threadIdx.x & (lanes - 1);
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -153,11 +150,11 @@ __global__ void __launch_bounds__(512) gather_rows_unaligned(const unsigned char
 
 // The baseline of the PyTorch-Direct paper: one warp per row, 4-byte words from the row's own start.
 template <int V>
-__global__ void __launch_bounds__(512) gather_rows_naive(const unsigned char* __restrict__ table, std::int64_t rows,
-                                                         std::int64_t row_words, const void* __restrict__ index,
-                                                         int index_bytes, std::int64_t count,
-                                                         const std::int64_t* __restrict__ positions,
-                                                         unsigned char* __restrict__ dense, std::int64_t* error) {
+__global__ void __launch_bounds__(512)
+    gather_rows_naive(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
+                      const void* __restrict__ index, int index_bytes, std::int64_t count,
+                      const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense,
+                      std::int64_t* error) {
   using T = typename word<V>::type;
   const int lane = threadIdx.x & 31;
   const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -178,12 +175,11 @@ __global__ void __launch_bounds__(512) gather_rows_naive(const unsigned char* __
 }
 
 template <int V>
-__global__ void __launch_bounds__(512) scatter_rows_naive(unsigned char* __restrict__ table, std::int64_t rows,
-                                                          std::int64_t row_words, const void* __restrict__ index,
-                                                          int index_bytes, std::int64_t count,
-                                                          const std::int64_t* __restrict__ positions,
-                                                          const unsigned char* __restrict__ dense,
-                                                          std::int64_t* error) {
+__global__ void __launch_bounds__(512)
+    scatter_rows_naive(unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
+                       const void* __restrict__ index, int index_bytes, std::int64_t count,
+                       const std::int64_t* __restrict__ positions, const unsigned char* __restrict__ dense,
+                       std::int64_t* error) {
   using T = typename word<V>::type;
   const int lane = threadIdx.x & 31;
   const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -224,8 +220,8 @@ inline int group_shift_for(std::int64_t row_words) {
 // emulator, so the emulated tests exercise the exact choices the GPU path makes.
 struct launch_plan {
   enum kernel_t { vector, unaligned, naive } kernel = vector;
-  int width = 1;             // bytes per access (vector, naive)
-  int group_shift = 0;       // log2 lanes per row (vector, unaligned); naive always uses 32 lanes
+  int width = 1;               // bytes per access (vector, naive)
+  int group_shift = 0;         // log2 lanes per row (vector, unaligned); naive always uses 32 lanes
   std::int64_t row_words = 0;  // row_bytes / width (vector, naive)
 };
 

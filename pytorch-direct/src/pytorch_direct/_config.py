@@ -1,14 +1,21 @@
 """Run-time settings. Each one reads an environment variable once at import and has a setter that overrides it.
 
-| variable | default | setter | meaning |
-|---|---|---|---|
-| ``PYTORCH_DIRECT_STRATEGY`` | ``auto`` | :func:`set_strategy` | gather/scatter strategy when a call passes none |
-| ``PYTORCH_DIRECT_BOUNDS_CHECK`` | ``sync`` | :func:`set_bounds_check` | ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors` |
-| ``PYTORCH_DIRECT_THREADS`` | ``0`` (all cores) | :func:`set_threads` | CPU threads for CPU gathers and the staged strategy |
-| ``PYTORCH_DIRECT_MAX_SMS`` | ``0`` (no cap) | :func:`set_max_sms` | SMs a gather/scatter kernel may occupy, so it can overlap with training kernels |
-| ``PYTORCH_DIRECT_CACHE_DIR`` | ``~/.cache/pytorch_direct`` | :func:`set_cache_dir` | where the per-machine calibration is stored |
-| ``PYTORCH_DIRECT_AUTO_CALIBRATE`` | ``1`` | :func:`set_auto_calibrate` | ``1``: the first ``auto`` call that moves >= 1 MiB measures the calibration (a few seconds, once per machine: cached); ``0``: without a cached calibration ``auto`` uses built-in rules |
-| ``PYTORCH_DIRECT_CALIBRATION`` | (unset) | :func:`set_calibration` | path of a calibration JSON file to use instead of the cached one |
+``PYTORCH_DIRECT_STRATEGY`` (default ``auto``; :func:`set_strategy`)
+    gather/scatter strategy when a call passes none.
+``PYTORCH_DIRECT_BOUNDS_CHECK`` (default ``sync``; :func:`set_bounds_check`)
+    ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host
+    sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors`.
+``PYTORCH_DIRECT_THREADS`` (default ``0``, all cores; :func:`set_threads`)
+    CPU threads for CPU gathers and the staged strategy.
+``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
+    SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
+``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)
+    where the per-machine calibration is stored.
+``PYTORCH_DIRECT_AUTO_CALIBRATE`` (default ``1``; :func:`set_auto_calibrate`)
+    ``1``: the first ``auto`` call that moves >= 1 MiB measures the calibration (a few seconds, once per machine:
+    cached); ``0``: without a cached calibration ``auto`` uses built-in rules.
+``PYTORCH_DIRECT_CALIBRATION`` (unset by default; :func:`set_calibration`)
+    path of a calibration JSON file to use instead of the cached one.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ tensor); rows move on the current CUDA stream. With CPU indices everything stays
 """
 
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -237,7 +236,7 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
 
 @torch.library.custom_op("pytorch_direct::gather", mutates_args=())
 def gather_op(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 0,
-              padding_idx: Optional[int] = None) -> Tensor:
+              padding_idx: int | None = None) -> Tensor:
     """out[i, ...] = table[index[i], ...]; out is on index's device. padding_idx only affects the gradient."""
     return gather_impl(table, index, strategy, max_sms)
 
@@ -271,7 +270,7 @@ def _gather_backward(ctx, grad):
 gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
-def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: Optional[int]) -> None:
+def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int | None) -> None:
     """Host-resident gradient: table.grad (a unified tensor of the table's shape, created on first use) +=
     the rows of grad at index (duplicates summed). The table's full gradient never exists on the GPU."""
     from ._memory import zeros
@@ -280,9 +279,11 @@ def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: Opt
         table.grad = zeros(table.shape, dtype=table.dtype)
     g = grad.detach()
     if padding_idx is not None:
-        g = g * (index != padding_idx).unsqueeze(-1).to(g.dtype).view(tuple(index.shape) + (1,) * (g.dim() - index.dim()))
+        keep = (index != padding_idx).to(g.dtype)
+        g = g * keep.view(tuple(index.shape) + (1,) * (g.dim() - index.dim()))
     with torch.no_grad():
-        index_add_op(table.grad, index.reshape(-1), g.reshape((index.numel(),) + tuple(table.shape[1:])), 1.0, "auto", 0)
+        rows = g.reshape((index.numel(),) + tuple(table.shape[1:]))
+        index_add_op(table.grad, index.reshape(-1), rows, 1.0, "auto", 0)
 
 
 # ---------------------------------------------------------------------------------------------------- scatter

@@ -11,7 +11,7 @@ import math
 import os
 import secrets
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ SHM_DIR = "/dev/shm"
 # (device, inode) of a segment -> the unified tensor of this process's attachment. A second attachment in the same
 # process reuses it: two virtual mappings of the same pages, each registered with CUDA, broke gathers from the second
 # one on the GPU machine (cudaErrorInvalidValue at launch), and one registration per process is all that is needed.
-_ATTACHED: "weakref.WeakValueDictionary[tuple[int, int], UnifiedTensor]" = weakref.WeakValueDictionary()
+_ATTACHED: weakref.WeakValueDictionary[tuple[int, int], UnifiedTensor] = weakref.WeakValueDictionary()
 
 
 def _path(name: str) -> str:
@@ -103,7 +103,9 @@ def share(t: Tensor | None, *, group=None) -> UnifiedTensor:
     name, shape, dtype = meta[0]
     if creator:
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"share(): this node's tensor has shape {tuple(t.shape)}/{t.dtype}, rank 0's {shape}/{dtype}")
+            raise ValueError(
+                f"share(): this node's tensor has shape {tuple(t.shape)}/{t.dtype}, rank 0's {shape}/{dtype}"
+            )
         out = shared_memory(name, shape, dtype, create=True)
         with torch._C.DisableTorchFunctionSubclass():
             out.copy_(t.detach())

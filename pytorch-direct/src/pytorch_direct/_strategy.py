@@ -40,7 +40,7 @@ def _key() -> str:
     return _device_key(max(_core.current_device(), 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_key(device: int) -> str:
     # Cached: device properties never change, and this runs on every "auto" call (also under graph capture).
     from . import __version__
@@ -130,10 +130,10 @@ def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats
             for s in GATHER_STRATEGIES:
                 if s == "split":
                     set_table(result)  # split_fraction reads this cell's vector/sorted/staged numbers
-                seconds = _time(lambda: _ops.gather_impl(table, index, s, 0), repeats)
+                seconds = _time(functools.partial(_ops.gather_impl, table, index, s, 0), repeats)
                 result["gather"][cell][s] = n * rb / seconds / 1e9
             for s in SCATTER_STRATEGIES:
-                seconds = _time(lambda: _ops.scatter_impl(table, index, out, s, 0), repeats)
+                seconds = _time(functools.partial(_ops.scatter_impl, table, index, out, s, 0), repeats)
                 result["scatter"][cell][s] = n * rb / seconds / 1e9
             if verbose:
                 print(f"calibrate {cell}: gather {result['gather'][cell]} scatter {result['scatter'][cell]}")

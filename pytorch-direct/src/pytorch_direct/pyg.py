@@ -13,8 +13,6 @@ CPU there and moved by the loader as usual; in the main process (``num_workers=0
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -27,7 +25,7 @@ from ._memory import unified
 from ._tensor import UnifiedTensor
 
 
-def _key(attr: TensorAttr) -> Tuple:
+def _key(attr: TensorAttr) -> tuple:
     return (attr.group_name, attr.attr_name)
 
 
@@ -41,7 +39,7 @@ class UnifiedFeatureStore(FeatureStore):
         super().__init__()
         self.device = torch.device(device)
         self.copy = copy
-        self._tensors: Dict[Tuple, UnifiedTensor] = {}
+        self._tensors: dict[tuple, UnifiedTensor] = {}
 
     def _put_tensor(self, tensor: Tensor, attr: TensorAttr) -> bool:
         if attr.is_set("index") and attr.index is not None:
@@ -60,7 +58,7 @@ class UnifiedFeatureStore(FeatureStore):
             return self.device
         return torch.device("cpu")
 
-    def _get_tensor(self, attr: TensorAttr) -> Optional[Tensor]:
+    def _get_tensor(self, attr: TensorAttr) -> Tensor | None:
         table = self._tensors.get(_key(attr))
         if table is None:
             return None
@@ -77,11 +75,11 @@ class UnifiedFeatureStore(FeatureStore):
     def _remove_tensor(self, attr: TensorAttr) -> bool:
         return self._tensors.pop(_key(attr), None) is not None
 
-    def _get_tensor_size(self, attr: TensorAttr) -> Optional[Tuple[int, ...]]:
+    def _get_tensor_size(self, attr: TensorAttr) -> tuple[int, ...] | None:
         table = self._tensors.get(_key(attr))
         return tuple(table.shape) if table is not None else None
 
-    def get_all_tensor_attrs(self) -> List[TensorAttr]:
+    def get_all_tensor_attrs(self) -> list[TensorAttr]:
         return [TensorAttr(group_name=g, attr_name=a) for (g, a) in self._tensors]
 
 
@@ -90,10 +88,10 @@ class EdgeIndexGraphStore(GraphStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self._store: Dict[Tuple, object] = {}
+        self._store: dict[tuple, object] = {}
 
     @staticmethod
-    def _k(attr: EdgeAttr) -> Tuple:
+    def _k(attr: EdgeAttr) -> tuple:
         return (attr.edge_type, attr.layout.value, attr.is_sorted, attr.size)
 
     def _put_edge_index(self, edge_index, edge_attr: EdgeAttr) -> bool:
@@ -106,7 +104,7 @@ class EdgeIndexGraphStore(GraphStore):
     def _remove_edge_index(self, edge_attr: EdgeAttr) -> bool:
         return self._store.pop(self._k(edge_attr), None) is not None
 
-    def get_all_edge_attrs(self) -> List[EdgeAttr]:
+    def get_all_edge_attrs(self) -> list[EdgeAttr]:
         return [EdgeAttr(*k) for k in self._store]
 
 

@@ -27,8 +27,8 @@ static dim3_emulated threadIdx, blockIdx, blockDim, gridDim;
 #define __restrict__
 inline void __threadfence_system() {}
 static long long misaligned = 0;
-#define PD_CHECK_ALIGNED(pointer, bytes) \
-  do { \
+#define PD_CHECK_ALIGNED(pointer, bytes)                                        \
+  do {                                                                          \
     if (reinterpret_cast<std::uintptr_t>(pointer) % (bytes) != 0) ++misaligned; \
   } while (0)
 
@@ -104,11 +104,26 @@ void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64
   } else {
     run_grid(grid, block, [&] {
       switch (p.width) {
-        case 16: move_rows<16, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err, p.group_shift); break;
-        case 8: move_rows<8, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err, p.group_shift); break;
-        case 4: move_rows<4, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err, p.group_shift); break;
-        case 2: move_rows<2, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err, p.group_shift); break;
-        default: move_rows<1, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err, p.group_shift); break;
+        case 16:
+          move_rows<16, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
+                                 p.group_shift);
+          break;
+        case 8:
+          move_rows<8, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
+                                p.group_shift);
+          break;
+        case 4:
+          move_rows<4, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
+                                p.group_shift);
+          break;
+        case 2:
+          move_rows<2, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
+                                p.group_shift);
+          break;
+        default:
+          move_rows<1, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
+                                p.group_shift);
+          break;
       }
     });
   }
@@ -254,7 +269,8 @@ void large_offset_case() {
   (void)none;
   auto* table = static_cast<unsigned char*>(std::calloc(static_cast<std::size_t>(rows * rb), 1));
   if (table == nullptr) return;  // no address space: skip
-  const std::int32_t idx[2] = {static_cast<std::int32_t>(rows - 1), static_cast<std::int32_t>((std::int64_t{1} << 31) / rb + 3)};
+  const std::int32_t idx[2] = {static_cast<std::int32_t>(rows - 1),
+                               static_cast<std::int32_t>((std::int64_t{1} << 31) / rb + 3)};
   for (int k = 0; k < 2; ++k)
     for (int b = 0; b < rb; ++b) table[idx[k] * rb + b] = static_cast<unsigned char>(k * 50 + b);
   alignas(16) unsigned char out[2 * 64];
@@ -282,7 +298,8 @@ void large_offset_case() {
 
 int main() {
   std::mt19937_64 rng(1234);
-  const std::int64_t widths[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 47, 48, 64, 100, 128, 200, 400, 512, 1000, 1024, 4096, 4100};
+  const std::int64_t widths[] = {1,  2,   3,   4,   6,   8,   12,   16,   24,   47,  48,
+                                 64, 100, 128, 200, 400, 512, 1000, 1024, 4096, 4100};
   int cases = 0;
   for (std::int64_t rb : widths) {
     for (int table_offset : {0, 1, 4, 8, 13}) {

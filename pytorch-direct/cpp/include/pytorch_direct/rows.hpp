@@ -22,7 +22,7 @@ enum class kernel_kind : int {
 };
 
 struct rows_call {
-  void* table = nullptr;   // host table; kernels use it directly (host pointer == device pointer under UVA)
+  void* table = nullptr;  // host table; kernels use it directly (host pointer == device pointer under UVA)
   std::int64_t rows = 0;
   std::int64_t row_bytes = 0;
   const void* index = nullptr;  // device memory for *_cuda, host memory for *_host and gather_staged

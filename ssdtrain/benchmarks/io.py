@@ -64,6 +64,7 @@ class Disk:
     """The block device holding `path` (a partition's counters are its own), read from /proc/diskstats."""
 
     def __init__(self, path: str):
+        path = os.path.realpath(path)
         st = os.stat(path)
         self.major, self.minor = os.major(st.st_dev), os.minor(st.st_dev)
         self.name = ""
@@ -75,6 +76,19 @@ class Disk:
                         self.name = parts[2]
         except OSError:
             pass
+        if not self.name:  # e.g. an overlay: take the device of the longest mount point above `path`
+            best, device = "", ""
+            try:
+                with open("/proc/mounts") as f:
+                    for line in f:
+                        source, point = line.split()[:2]
+                        inside = path.startswith(point.rstrip("/") + "/") or path == point
+                        if inside and len(point) >= len(best):
+                            best, device = point, source
+            except OSError:
+                pass
+            if device.startswith("/dev/"):
+                self.name = os.path.basename(os.path.realpath(device))
 
     def sample(self):
         """(read requests, bytes read, write requests, bytes written) so far, or None where unknown."""
@@ -89,7 +103,7 @@ class Disk:
 
     def queue(self) -> str:
         """The request limits that decide how the block layer splits a request."""
-        base = f"/sys/dev/block/{self.major}:{self.minor}"
+        base = f"/sys/class/block/{self.name}" if self.name else f"/sys/dev/block/{self.major}:{self.minor}"
         if os.path.exists(base + "/partition"):
             base += "/.."
         out = []

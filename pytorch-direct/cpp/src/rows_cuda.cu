@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pytorch_direct/rows.hpp"
@@ -31,61 +33,71 @@ int multiprocessors() {
   return cache[device];
 }
 
+// Blocks of `kernel` that one SM holds at once (its registers decide), per device; cached.
+int resident_blocks(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> cache;
+  int device = 0;
+  SHARED_CUDA_TRY(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& blocks = cache[{device, kernel}];
+  if (blocks == 0) {
+    SHARED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockThreads, 0));
+    blocks = std::max(blocks, 1);
+  }
+  return blocks;
+}
+
+// Launches `kernel` with the shape of plan `p` for `count` rows.
+template <typename... Params, typename... Args>
+void go(void (*kernel)(Params...), const launch_plan& p, std::int64_t count, int max_sms, cudaStream_t s,
+        Args... args) {
+  const launch_shape shape =
+      shape_for(p, count, max_sms, multiprocessors(), resident_blocks(reinterpret_cast<const void*>(kernel)));
+  const char* problem = launch_shape_problem(shape);
+  SHARED_CUDA_EXPECT(problem[0] == '\0', std::string("internal error, unlaunchable kernel shape: ") + problem);
+  const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
+  kernel<<<grid, shape.block, shape.shared_bytes, s>>>(args...);
+}
+
 // Launches the kernel `p` names. Gather: table -> dense; scatter: dense -> table.
 template <bool Scatter>
 void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t s) {
   auto* table = static_cast<unsigned char*>(c.table);
   auto* dense = static_cast<unsigned char*>(c.dense);
   std::int64_t* err = error_word();
-  const launch_shape shape = shape_for(p, c.count, max_sms, multiprocessors());
-  const char* problem = launch_shape_problem(shape);
-  SHARED_CUDA_EXPECT(problem[0] == '\0', std::string("internal error, unlaunchable kernel shape: ") + problem);
-  const unsigned grid = shape.grid_x;
-  const unsigned block = shape.block;
-  const std::size_t shared = shape.shared_bytes;
+  const std::int64_t n = c.count;
   if (p.kernel == launch_plan::unaligned) {
-    gather_rows_unaligned<<<grid, block, shared, s>>>(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count,
-                                                      c.positions, dense, err, p.group_shift);
+    go(gather_rows_unaligned, p, n, max_sms, s, table, c.rows, c.row_bytes, c.index, c.index_bytes, n, c.positions,
+       dense, err, p.group_shift);
   } else if (p.kernel == launch_plan::naive) {
     if constexpr (Scatter) {
-      if (p.width == 4) {
-        scatter_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                          c.positions, dense, err);
-      } else {
-        scatter_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                          c.positions, dense, err);
-      }
+      auto kernel = p.width == 4 ? scatter_rows_naive<4> : scatter_rows_naive<1>;
+      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err);
     } else {
-      if (p.width == 4) {
-        gather_rows_naive<4><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                         c.positions, dense, err);
-      } else {
-        gather_rows_naive<1><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
-                                                         c.positions, dense, err);
-      }
+      auto kernel = p.width == 4 ? gather_rows_naive<4> : gather_rows_naive<1>;
+      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err);
     }
   } else {
-#define PD_LAUNCH(W)                                                                                             \
-  move_rows<W, Scatter><<<grid, block, shared, s>>>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, \
-                                                    c.positions, dense, err, p.group_shift)
+    auto kernel = move_rows<1, Scatter>;
     switch (p.width) {
       case 16:
-        PD_LAUNCH(16);
+        kernel = move_rows<16, Scatter>;
         break;
       case 8:
-        PD_LAUNCH(8);
+        kernel = move_rows<8, Scatter>;
         break;
       case 4:
-        PD_LAUNCH(4);
+        kernel = move_rows<4, Scatter>;
         break;
       case 2:
-        PD_LAUNCH(2);
+        kernel = move_rows<2, Scatter>;
         break;
       default:
-        PD_LAUNCH(1);
         break;
     }
-#undef PD_LAUNCH
+    go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err,
+       p.group_shift);
   }
 }
 

@@ -62,8 +62,10 @@ __device__ __forceinline__ void record_bad_index(std::int64_t* error, std::int64
 // of V bytes. Rows of at least 128 B start their walk at the 128-byte boundary at or before the row's start in
 // host memory, so each warp-wide access covers whole 128-byte lines of the table (the link's transfer unit) and
 // a row spills into at most one partial line at each end; lanes before the row start or past its end idle.
+// At most 40 registers (3 resident blocks of 512 per SM): the 16-byte variant used 50 (2 blocks), half the rows
+// in flight of the 32-register kernels; 32 would spill the loaded words and serialise the loads.
 template <int V, bool Scatter>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, 3)
     move_rows(unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
               const void* __restrict__ index, int index_bytes, std::int64_t count,
               const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense, std::int64_t* error,
@@ -208,11 +210,22 @@ inline int access_width(const rows_call& c, int limit) {
   return v;
 }
 
-// Smallest power-of-two lane group (<= 32) with one word per lane per row, so a warp's access stays contiguous
-// per row (small rows: several rows per warp, each read by neighbouring lanes in whole sectors).
-inline int group_shift_for(std::int64_t row_words) {
+// Lanes per row (a power of two <= 32, as log2). Without unrolling: one word per lane per row. Unrolled (the
+// vector kernel, kUnroll words per lane per pass): the fewest lanes whose pass still covers the row, but never an
+// access narrower than one 128-byte line per row once the row has that many words. Fewer lanes per row means more
+// rows in flight per warp: at low density every row is a separate page walk and PCIe round trip, and rows in
+// flight, not bytes in flight, bounded 512 B - 1 KB rows on the H200 (the naive kernel, with twice the resident
+// warps, beat one-row-per-warp vector loads there).
+inline int group_shift_for(std::int64_t row_words, int width = 16, bool unrolled = false) {
   int shift = 0;
-  while (shift < 5 && (static_cast<std::int64_t>(1) << shift) < row_words) ++shift;
+  for (; shift < 5; ++shift) {
+    const std::int64_t lanes = static_cast<std::int64_t>(1) << shift;
+    if (lanes >= row_words) break;
+    if (!unrolled) continue;
+    const bool covers = lanes * kUnroll >= row_words;
+    const bool whole_lines = lanes * width >= 128;
+    if (covers && whole_lines) break;
+  }
   return shift;
 }
 
@@ -240,7 +253,7 @@ inline launch_plan plan_gather(const rows_call& c, kernel_kind kind) {
       return p;
     }
     p.kernel = launch_plan::vector;
-    p.group_shift = group_shift_for(c.row_bytes / p.width);
+    p.group_shift = group_shift_for(c.row_bytes / p.width, p.width, true);
   }
   p.row_words = c.row_bytes / p.width;
   return p;
@@ -257,16 +270,17 @@ inline launch_plan plan_scatter(const rows_call& c, kernel_kind kind) {
   } else {
     p.kernel = launch_plan::vector;
     p.width = access_width(c, 16);
-    p.group_shift = group_shift_for(c.row_bytes / p.width);
+    p.group_shift = group_shift_for(c.row_bytes / p.width, p.width, true);
   }
   p.row_words = c.row_bytes / p.width;
   return p;
 }
 
 // The launch configuration of a plan: 1-D grid, kBlockThreads threads per block (the kernels'
-// __launch_bounds__), no dynamic shared memory. Enough blocks for every row group, at most 4 resident blocks per
-// SM (grid-stride beyond), or `max_sms` blocks when capped: one block per SM is how the block scheduler spreads a
-// grid that small. Shared with the emulator, which checks every shape against the hardware limits below.
+// __launch_bounds__), no dynamic shared memory. Enough blocks for every row group, at most the blocks one SM holds
+// at once (`blocks_per_sm`, from the occupancy calculator; grid-stride beyond), or `max_sms` blocks when capped: one
+// block per SM is how the block scheduler spreads a grid that small. Shared with the emulator, which checks every shape
+// against the hardware limits below.
 constexpr int kBlockThreads = 512;
 
 struct launch_shape {
@@ -275,12 +289,15 @@ struct launch_shape {
   std::size_t shared_bytes = 0;
 };
 
-inline launch_shape shape_for(const launch_plan& p, std::int64_t count, int max_sms, int multiprocessors) {
+inline launch_shape shape_for(const launch_plan& p, std::int64_t count, int max_sms, int multiprocessors,
+                              int blocks_per_sm) {
   launch_shape s;
   const int shift = p.kernel == launch_plan::naive ? 5 : p.group_shift;
   const std::int64_t groups_per_block = kBlockThreads >> shift;
   std::int64_t blocks = (count + groups_per_block - 1) / groups_per_block;
-  const std::int64_t limit = max_sms > 0 ? max_sms : static_cast<std::int64_t>(multiprocessors) * 4;
+  // One wave of resident blocks: a grid of more blocks than fit would run its last ones on a mostly idle GPU.
+  const std::int64_t limit =
+      max_sms > 0 ? max_sms : static_cast<std::int64_t>(multiprocessors) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   blocks = blocks < limit ? blocks : limit;
   blocks = blocks < 1 ? 1 : blocks;
   blocks = blocks < 0x7fffffff ? blocks : 0x7fffffff;

@@ -61,7 +61,7 @@ long long bad_shapes = 0;
 void check_gpu_shapes(const rows_call& c, const launch_plan& p) {
   for (const std::int64_t count : {c.count, static_cast<std::int64_t>(1) << 31, static_cast<std::int64_t>(1) << 40}) {
     for (const int max_sms : {0, 1, 7, 132, 100000}) {
-      const launch_shape shape = shape_for(p, count, max_sms, 132);
+      const launch_shape shape = shape_for(p, count, max_sms, 132, 1 + static_cast<int>(count % 4));
       const char* problem = launch_shape_problem(shape);
       if (problem[0] != '\0') {
         if (bad_shapes++ < 10)

@@ -179,11 +179,14 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
         space = _space(dom)
         if n.op is Op.SCATTER_ADD:
             space = _space(p.type_of(n.args[0]).domain)
+        # node-wise args seen through views (a reshape of a reduced value is that value)
+        srcs = [source(a)[0] if t.domain is Domain.NODE else a for a in n.args]
         joinable = cur is not None and all(arg_ok(a, t.domain, n.op) for a in n.args) and (
             cur.space == space or (cur.space == "edge" and t.domain is Domain.NODE
-                                   and all(owner.get(a) == cur_idx or p.node(a).op in _LEAVES for a in n.args)))
+                                   and all(owner.get(a) == cur_idx or p.node(a).op in _LEAVES
+                                           or p.node(a).op is Op.SELECT for a in srcs)))
         if joinable and t.domain is Domain.NODE and n.op is not Op.SCATTER_ADD and cur.space == "edge":
-            joinable = any(a in cur.post_dst for a in n.args)
+            joinable = any(a in cur.post_dst for a in srcs)
         if not joinable:
             close()
             open_group(space)

@@ -263,7 +263,7 @@ def test_stage_host_paths(engine_factory, backend, nbytes, memory, stage_host, s
     assert torch.equal(out, src)
     whole_pages = nbytes // 4096
     copies = engine.stats()["staged_copies"]
-    if staged:
+    if staged and direct:
         assert copies >= 2 * (nbytes // (1 << 20))  # every block of both directions went through a buffer
         assert copies >= 2
     else:

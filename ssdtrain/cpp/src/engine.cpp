@@ -401,8 +401,8 @@ std::vector<piece> engine_impl::plan(const record& rec, memory_view view, bool s
         p.bytes = n - body;
         p.staged = true;
       }
-    } else if (stage_host) {
-      p.staged = true;
+    } else if (stage_host && direct_files) {
+      p.staged = true;  // without O_DIRECT the page cache copies anyway: a second copy would buy nothing
     } else if (direct_files) {
       const auto addr = reinterpret_cast<std::uintptr_t>(view.data) + at;
       if (addr % 4096 != 0) {

@@ -48,7 +48,8 @@ SSDTRAIN_IO_STAGE_HOST         auto            auto | on | off: host tensors cop
                                                segments, more than many devices take in one request (virtio-blk:
                                                254), so the kernel splits it and bandwidth drops by up to half
                                                (benchmarks/RESULTS.md). auto: staged unless the tensor comes from
-                                               huge_empty() (physically contiguous already)
+                                               huge_empty() (physically contiguous already). Only for O_DIRECT
+                                               files: without it the page cache copies anyway
 SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
 SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
                                                then the nvidia-cufile wheel's

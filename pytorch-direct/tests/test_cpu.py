@@ -257,6 +257,8 @@ def test_auto_rules_without_calibration(tmp_cache):
         assert _strategy.choose("gather", 100, 10**6, 10**8) == "sorted"
         assert _strategy.choose("gather", 3000, 10**6, 10**8) == "vector"
         assert abs(_strategy.split_fraction(4096, 10**6, 10**8) - 9 / 11) < 1e-9
+        assert _strategy.split_kernel(4096, 10**6, 10**8) == "vector"
+        assert _strategy.split_kernel(100, 10**6, 10**8) == "sorted"  # the GPU share of a split sorts here
     finally:
         _strategy.set_table(None)
         pd.set_auto_calibrate(True)

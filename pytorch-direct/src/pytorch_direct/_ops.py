@@ -214,14 +214,18 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
             _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
                                 out.data_ptr(), settings.threads, stream.cuda_stream)
         elif strategy == "split":
-            from ._strategy import split_fraction
+            from ._strategy import split_fraction, split_kernel
 
             k = min(n, max(0, int(round(n * split_fraction(rb, n, rows)))))
+            kernel = split_kernel(rb, n, rows)
             host_rest = _host_index(idx[k:])  # before the kernel is queued: this waits for the stream
             side = _Side.get(index.device)
             # `out` was allocated on `stream`: the side stream waits for the work queued so far, not for the kernel.
             side.wait_stream(stream)
-            if k > 0:
+            if k > 0 and kernel == "sorted":
+                ordered, perm = _sort(idx[:k], rows, checked)  # positions 0..k-1: the first k output rows
+                _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
+            elif k > 0:
                 _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
             if k < n:
                 rest = out.view(n, -1)[k:] if out.dim() > 0 else out

@@ -208,3 +208,13 @@ def split_fraction(row_bytes: int, count: int, rows: int) -> float:
     gpu = max(cell.get("vector", 0.0), cell.get("sorted", 0.0))
     cpu = cell.get("staged", 0.0)
     return gpu / (gpu + cpu) if gpu + cpu > 0 else 0.5
+
+
+def split_kernel(row_bytes: int, count: int, rows: int) -> str:
+    """The kernel strategy for the GPU share of a split gather: the faster of ``vector`` and ``sorted`` in the
+    calibration (sorting pays for random indices at >= ~1 % density; without a calibration: ``vector``)."""
+    data = load()
+    if data is None:
+        return "vector"
+    cell = _cell(data, "gather", row_bytes, count / max(rows, 1)) or {}
+    return "sorted" if cell.get("sorted", 0.0) > cell.get("vector", 0.0) else "vector"

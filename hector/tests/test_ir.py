@@ -107,3 +107,14 @@ def test_verifier_rejects_malformed_ir(nodes, outputs, match):
 def test_nodes_are_immutable():
     with pytest.raises(AttributeError):
         X.name = "z"  # type: ignore[misc]
+
+
+def test_user_names_never_collide_with_temporaries():
+    b = Builder("names")
+    x = b.node_input("x", 3)
+    y = x.relu()  # a temporary named like "v1"
+    w = b.param(y.name, (3, 3))  # a param whose user-chosen name equals it
+    p = b.build(y.linear(w))
+    assert verify(p) is p and len({n.name for n in p.nodes}) == len(p.nodes)
+    with pytest.raises(DSLTypeError, match="inputs and params are bound by name"):
+        b.param("x", (3, 3))

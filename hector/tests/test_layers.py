@@ -221,3 +221,12 @@ def test_tiled_reference_execution_matches(name, data, monkeypatch):
     assert rel_err(b, a) < 1e-12
     for u, v in zip(ga, gb, strict=True):
         assert rel_err(u, v) < 1e-12
+
+
+def test_double_backward_is_refused_clearly(data):
+    x, ei, et, _ = data
+    m = hn.RGCNConv(5, 4, R).double()
+    xx = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(m(xx, ei, et).pow(2).sum(), xx, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()

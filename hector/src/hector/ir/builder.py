@@ -150,17 +150,24 @@ class Builder:
         self._types: dict[str, VType] = {}
         self._leaves: dict[tuple[Op, Any], str] = {}
         self._counter = 0
+        self._used: set[str] = set()
 
     # node creation
     def _fresh(self, hint: str) -> str:
-        self._counter += 1
-        return f"{hint}{self._counter}"
+        while True:  # never reuse a name a leaf (user-chosen) already took
+            self._counter += 1
+            name = f"{hint}{self._counter}"
+            if name not in self._used:
+                return name
 
     def _add(self, op: Op, args: list[Value], node_name: str | None = None, **attrs: Any) -> Value:
         for a in args:
             if not isinstance(a, Value) or a._b is not self:
                 raise DSLTypeError(f"{op.value}: argument {a!r} is not a value of this program")
-        node = Node(node_name or self._fresh("v"), op, tuple(a.name for a in args), make_attrs(**attrs))
+        if node_name is None or node_name in self._used:
+            node_name = self._fresh("v")
+        self._used.add(node_name)
+        node = Node(node_name, op, tuple(a.name for a in args), make_attrs(**attrs))
         t = infer(node, [a.type for a in args])
         node = node.replace(type=t)
         self._nodes.append(node)
@@ -190,6 +197,8 @@ class Builder:
             raise DSLTypeError(f"input {name!r}: feature shape {shape} must be positive")
         if (Op.INPUT, name) in self._leaves:
             raise DSLTypeError(f"input {name!r} declared twice")
+        if (Op.PARAM, name) in self._leaves:
+            raise DSLTypeError(f"input {name!r} has the name of a param; inputs and params are bound by name")
         return self._leaf(Op.INPUT, name, name, name=name, domain=Domain.NODE.value, shape=shape)
 
     def param(self, name: str, shape: Sequence[int] | None = None, by: str | Sequence[str] = ()) -> Value:
@@ -205,6 +214,8 @@ class Builder:
         if name in self._param_shapes and tuple(self._param_shapes[name]) != shape:
             raise DSLTypeError(f"param {name!r}: shape {shape} differs from the layer's parameter "
                                f"{tuple(self._param_shapes[name])}")
+        if (Op.INPUT, name) in self._leaves:
+            raise DSLTypeError(f"param {name!r} has the name of an input; inputs and params are bound by name")
         if (Op.PARAM, name) in self._leaves:
             v = Value(self, self._leaves[(Op.PARAM, name)])
             if v.type.shape != shape or v.type.by != by:

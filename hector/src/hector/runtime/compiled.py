@@ -71,6 +71,7 @@ class _Apply(torch.autograd.Function):
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the generated backward is not itself differentiated
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
         compiled: CompiledLayer = ctx.compiled
         leaf_keys = [(Op.INPUT if (Op.INPUT, n) in compiled.leaf_names else Op.PARAM, n) for n in ctx.names]

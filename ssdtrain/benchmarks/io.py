@@ -500,6 +500,15 @@ def print_checks(rows: list[dict]) -> None:
         parts = [f"{m} {r['GBps']:.2f} ({r['device_request_KiB']} KiB, {r['device_bytes_ratio']}x)"
                  for m, r in by_memory.items()]
         print(f"#   {backend:8} {op:8} {fmt_size(size):>5}: " + "; ".join(parts))
+    mode_said = False
+    for (backend, op, size), by_memory in groups.items():
+        own = groups.get(("io_uring", op, size), {}).get("gpu")
+        if backend == "gds" and "gpu" in by_memory and own:
+            if not mode_said:
+                print(f"# gds mode: {by_memory['gpu']['detail']}")
+                mode_said = True
+            print(f"# gds gpu {op} {fmt_size(size)}: {by_memory['gpu']['GBps']:.2f} GB/s = "
+                  f"{by_memory['gpu']['GBps'] / own['GBps']:.2f}x our own staging (io_uring gpu)")
     short = [r for r in rows if r["tool"] == "ssdtrain" and r["device_bytes_ratio"] != ""
              and r["device_bytes_ratio"] < 0.95]
     if short:

@@ -349,7 +349,9 @@ engine_impl::engine_impl(engine_config config) : config_(std::move(config)) {
   if (choice == "io_uring") {
     backend_ = detail::make_io_uring_backend(store_->fds(), config_.queue_depth, staging_->slots());
   } else if (choice == "gds") {
-    backend_ = detail::make_gds_backend(store_->fds(), config_.threads, config_.cufile_library);
+    // As many workers as the threads backend: each cuFile call is synchronous, one block at a time.
+    backend_ = detail::make_gds_backend(store_->fds(), std::min(config_.queue_depth, std::max(config_.threads, 1u) * 4),
+                                        config_.cufile_library);
   } else {
     backend_ = detail::make_threads_backend(std::min(config_.queue_depth, std::max(config_.threads, 1u) * 4));
   }

@@ -160,7 +160,8 @@ def segments_per_block(address: int, nbytes: int, block: int) -> str:
         return f"unknown ({e.strerror})"
     frames = [int.from_bytes(raw[i:i + 8], "little") & ((1 << 55) - 1) for i in range(0, len(raw), 8)]
     if not any(frames):
-        return "unknown (page frames hidden: not root)"
+        return ("unknown (no page frames: not root, or a driver mapping pagemap does not describe, e.g. "
+                "cudaHostAlloc memory)")
     per_block = block // page
     counts = []
     for b in range(0, len(frames), per_block):

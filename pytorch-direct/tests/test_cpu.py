@@ -157,6 +157,33 @@ def test_empty_zeros_shapes():
         pd.empty(-1)
 
 
+def test_from_file_writable_through_pinned_copy(tmp_path, monkeypatch):
+    # The CUDA path of writable=True (a pinned copy written back), with pageable memory standing in for pinned.
+    from pytorch_direct import _memory
+
+    data = torch.randint(0, 256, (16 + 64 * 47,), dtype=torch.uint8)
+    path = tmp_path / "rows.bin"
+    data.numpy().tofile(path)
+    monkeypatch.setattr(_memory, "cuda_usable", lambda: True)
+    real_empty = _memory.empty
+    monkeypatch.setattr(_memory, "empty", lambda *s, dtype: real_empty(*s, dtype=dtype, pin=False))
+
+    def on_disk():
+        return torch.from_file(str(path), size=16 + 64 * 47, dtype=torch.uint8)[16:].view(64, 47)
+
+    w = pd.from_file(path, (64, 47), torch.uint8, offset=16, writable=True)
+    assert torch.equal(w.plain(), data[16:].view(64, 47))
+    w[torch.tensor([3])] = torch.full((1, 47), 7, dtype=torch.uint8)
+    assert not torch.equal(on_disk()[3], torch.full((47,), 7, dtype=torch.uint8))  # not written back yet
+    pd.flush(w)
+    assert torch.equal(on_disk()[3], torch.full((47,), 7, dtype=torch.uint8))
+    w[torch.tensor([4])] = torch.full((1, 47), 9, dtype=torch.uint8)
+    del w
+    gc.collect()
+    assert torch.equal(on_disk()[4], torch.full((47,), 9, dtype=torch.uint8))  # written back when collected
+    assert torch.equal(on_disk()[5], data[16:].view(64, 47)[5])
+
+
 def test_from_file(tmp_path):
     table = random_table((64, 47), torch.uint8)
     path = tmp_path / "t.bin"

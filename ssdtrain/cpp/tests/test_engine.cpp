@@ -198,3 +198,29 @@ TEST(checksum_detects_corruption) {
     CHECK(e.stats().checksum_failures == 1);
   }
 }
+
+TEST(stage_host_per_operation_and_staging_pool_layout) {
+  for (const auto& backend : cpu_backends()) {
+    ssdtrain::engine e(config(temp_dir(), backend));
+    const bool direct = e.directories()[0].direct;
+    const auto t0 = e.stats();
+    CHECK(t0.staging_address % (2u << 20) == 0);  // huge-page aligned pool
+    CHECK(t0.staging_bytes == 4u * (64u << 10));
+    const std::size_t n = 256 << 10;  // 4 whole blocks
+    auto src = random_bytes(n, 9);
+    shared_cuda::aligned_host_buffer in(n, 4096), out(n, 4096);
+    std::memcpy(in.data(), src.data(), n);
+    // In place (0): no staging copies; staged (1): every block both ways.
+    auto [h1, w1] = e.write({in.data(), n, -1}, 0, 0);
+    w1->get();
+    e.read(h1, {out.data(), n, -1}, 0, 0)->get();
+    CHECK(std::memcmp(out.data(), src.data(), n) == 0);
+    CHECK(e.stats().staged_copies == 0);
+    std::memset(out.data(), 0x5A, n);
+    auto [h2, w2] = e.write({in.data(), n, -1}, 0, 1);
+    w2->get();
+    e.read(h2, {out.data(), n, -1}, 0, 1)->get();
+    CHECK(std::memcmp(out.data(), src.data(), n) == 0);
+    CHECK(e.stats().staged_copies == (direct ? 8u : 0u));
+  }
+}

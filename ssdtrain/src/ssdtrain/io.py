@@ -220,7 +220,8 @@ def cufile_config() -> str:
 
     Where CUFILE_ENV_PATH_JSON is unset, ssdtrain writes its own (in the temp directory, per user) that allows
     cuFile's compatibility mode (POSIX I/O inside cuFile where nvidia-fs is absent) and keeps cuFile's log out of
-    the working directory, and points CUFILE_ENV_PATH_JSON at it. cuFile reads it once per process.
+    the working directory, and points CUFILE_ENV_PATH_JSON at it. cuFile reads it once per process. Returns ""
+    where it cannot be written (cuFile then uses its own defaults).
     """
     path = os.environ.get("CUFILE_ENV_PATH_JSON", "")
     if path:
@@ -235,10 +236,14 @@ def cufile_config() -> str:
     except OSError:
         current = None
     if current != text:
-        scratch = f"{path}.{os.getpid()}"
-        with open(scratch, "w") as f:
-            f.write(text)
-        os.replace(scratch, path)
+        scratch = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        try:  # a fresh file (never through a planted link), then renamed over the old one
+            fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(scratch, path)
+        except OSError:
+            return ""  # cuFile then uses its own defaults (/etc/cufile.json or built-in)
     os.environ["CUFILE_ENV_PATH_JSON"] = path
     return path
 

@@ -47,7 +47,7 @@ def backends() -> dict[str, dict]:
     library = defaults()["cufile_library"] or find_cufile()
     config = cufile_config()
     gds = dict(_core.cufile_status(library))
-    gds["detail"] = f"{gds['detail']}; config {config}"
+    gds["detail"] = f"{gds['detail']}; config {config or 'cuFile defaults'}"
     return {"io_uring": _core.io_uring_status(), "gds": gds}
 
 

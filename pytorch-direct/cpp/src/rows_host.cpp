@@ -73,17 +73,33 @@ void check_args(const rows_call& c) {
 // Rows per task: about 256 KiB of copying, enough to amortise scheduling.
 std::int64_t grain_for(std::int64_t row_bytes) { return std::max<std::int64_t>(1, (256 << 10) / row_bytes); }
 
-void copy_rows(const rows_call& c, bool scatter, std::int64_t begin, std::int64_t end, std::int64_t first) {
+// Rows [begin, end) of a call whose indices were checked: index width and direction are template parameters, so
+// the loop has no per-row branch but the optional positions; rows 8 ahead are prefetched (random rows miss the
+// cache and the TLB, and a core overlaps only the misses it knows about).
+template <typename Index, bool Scatter>
+void copy_rows_as(const rows_call& c, std::int64_t begin, std::int64_t end) {
+  const auto* index = static_cast<const Index*>(c.index);
   auto* table = static_cast<unsigned char*>(c.table);
   auto* dense = static_cast<unsigned char*>(c.dense);
+  const auto rb = static_cast<std::size_t>(c.row_bytes);
+  constexpr std::int64_t kAhead = 8;
   for (std::int64_t i = begin; i < end; ++i) {
-    const std::int64_t r = index_at(c.index, c.index_bytes, i);
-    const std::int64_t p = (c.positions != nullptr ? c.positions[i] : i) - first;
-    if (scatter) {
-      std::memcpy(table + r * c.row_bytes, dense + p * c.row_bytes, static_cast<std::size_t>(c.row_bytes));
+    if (i + kAhead < end) __builtin_prefetch(table + static_cast<std::int64_t>(index[i + kAhead]) * c.row_bytes);
+    unsigned char* row = table + static_cast<std::int64_t>(index[i]) * c.row_bytes;
+    unsigned char* out = dense + (c.positions != nullptr ? c.positions[i] : i) * c.row_bytes;
+    if (Scatter) {
+      std::memcpy(row, out, rb);
     } else {
-      std::memcpy(dense + p * c.row_bytes, table + r * c.row_bytes, static_cast<std::size_t>(c.row_bytes));
+      std::memcpy(out, row, rb);
     }
+  }
+}
+
+void copy_rows(const rows_call& c, bool scatter, std::int64_t begin, std::int64_t end) {
+  if (c.index_bytes == 8) {
+    scatter ? copy_rows_as<std::int64_t, true>(c, begin, end) : copy_rows_as<std::int64_t, false>(c, begin, end);
+  } else {
+    scatter ? copy_rows_as<std::int32_t, true>(c, begin, end) : copy_rows_as<std::int32_t, false>(c, begin, end);
   }
 }
 
@@ -151,14 +167,13 @@ void gather_host(const rows_call& c, int threads) {
   check_args(c);
   check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
   parallel(c.count, grain_for(c.row_bytes), threads,
-           [&](std::int64_t b, std::int64_t e) { copy_rows(c, false, b, e, 0); });
+           [&](std::int64_t b, std::int64_t e) { copy_rows(c, false, b, e); });
 }
 
 void scatter_host(const rows_call& c, int threads) {
   check_args(c);
   check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
-  parallel(c.count, grain_for(c.row_bytes), threads,
-           [&](std::int64_t b, std::int64_t e) { copy_rows(c, true, b, e, 0); });
+  parallel(c.count, grain_for(c.row_bytes), threads, [&](std::int64_t b, std::int64_t e) { copy_rows(c, true, b, e); });
 }
 
 #if SHARED_CUDA_HAS_CUDA

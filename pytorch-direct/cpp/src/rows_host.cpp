@@ -52,7 +52,9 @@ void parallel(std::int64_t count, std::int64_t grain, int threads,
               const std::function<void(std::int64_t, std::int64_t)>& body) {
   if (count <= 0) return;
   auto& p = pool();
-  const std::int64_t workers = threads > 0 ? threads : static_cast<std::int64_t>(p.size()) + 1;
+  // One chunk per hardware thread (the pool has one per hardware thread, the caller runs a chunk too and one
+  // pool thread idles): a chunk more than cores would finish last, at half speed, and the call waits for it.
+  const std::int64_t workers = threads > 0 ? threads : static_cast<std::int64_t>(p.size());
   if (workers <= 1 || count <= grain) {
     body(0, count);
     return;

@@ -19,7 +19,12 @@ TESTS_TXT="$(mktemp)"
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
 
-echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S)), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- pytorch-direct 2>/dev/null || echo ' (+ uncommitted changes)')" | tee -a "$LOG"
+COMMIT="unknown (no git checkout)"
+if git rev-parse --short HEAD >/dev/null 2>&1; then
+  COMMIT="$(git rev-parse --short HEAD)"
+  git diff --quiet HEAD -- pytorch-direct || COMMIT="$COMMIT + uncommitted changes in pytorch-direct"
+fi
+echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S)), commit $COMMIT" | tee -a "$LOG"
 echo "== kernel $(uname -r), $(nproc) CPUs usable" | tee -a "$LOG"
 python3 -m pytorch_direct info 2>&1 | tee -a "$LOG"
 # Skipped GPU tests must not pass for a GPU run: fail loudly when CUDA is not usable from torch or from the package.

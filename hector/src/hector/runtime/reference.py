@@ -320,8 +320,6 @@ def _chunkable(program: Program, kernel) -> bool:
             return False
         if n.op is Op.GATHER and (dom is not Domain.EDGE or n.args[0] in inside):
             return False
-        if n.op is Op.SELECT and dom is not Domain.EDGE:
-            return False
     return True
 
 

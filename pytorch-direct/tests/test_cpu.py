@@ -324,6 +324,13 @@ def test_shared_memory_cpu():
         b = pd.shared_memory(name, (10, 3), torch.float32, create=False)
         b[torch.tensor([4])] = torch.ones(1, 3)
         assert torch.equal(a[torch.tensor([4])], torch.ones(1, 3))
+        assert b.data_ptr() == a.data_ptr()  # one mapping (and registration) per process
+        c = pd.shared_memory(name, (30,), torch.float32, create=False)  # same bytes, another shape
+        assert pd.is_unified(c) and c.data_ptr() == a.data_ptr() and c.shape == (30,)
+        del a, b, c
+        gc.collect()
+        d = pd.shared_memory(name, (10, 3), torch.float32, create=False)  # mapped again once all were dropped
+        assert torch.equal(d[torch.tensor([4])], torch.ones(1, 3))
     finally:
         pd.unlink_shared_memory(name)
     with pytest.raises(FileNotFoundError):

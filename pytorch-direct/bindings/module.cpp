@@ -9,9 +9,7 @@ void bind_rows(nanobind::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "pytorch_direct's compiled core (private; use the pytorch_direct package)";
-  // Tensors still alive at interpreter exit (module globals) hold HostMemory owners through DLPack; torch does not
-  // free them at shutdown, so nanobind's leak report would be noise.
-  nanobind::set_leak_warnings(false);
+  // bind_shared also switches nanobind's leak report off (tensors alive at exit hold HostMemory owners).
   shared_cuda::bindings::bind_shared(m);
   pytorch_direct::bindings::bind_rows(m);
 }

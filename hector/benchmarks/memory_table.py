@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from hector_bench_common import (  # noqa: E402
     LAYERS,
     cpu_peak_bytes,
     cuda_peak_bytes,

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LAYERS, hector_layer, hetero_inputs, human, pyg_layer  # noqa: E402
+from hector_bench_common import LAYERS, hector_layer, hetero_inputs, human, pyg_layer  # noqa: E402
 
 from hector import datasets  # noqa: E402
 

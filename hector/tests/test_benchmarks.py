@@ -1,16 +1,25 @@
 """Each benchmark runs at a tiny size (smoke test; speed is never asserted here)."""
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH))  # the scripts import hector_bench_common
+
+
+def load(name):
+    """Import a benchmark script under a package-specific module name (other packages have benchmarks too)."""
+    spec = importlib.util.spec_from_file_location(f"hector_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_memory_table_smoke(tmp_path):
-    import memory_table
+    memory_table = load("memory_table")
 
     out = tmp_path / "m.csv"
     rows = memory_table.run(["aifb"], ["rgcn", "rgat"], 16, 2, 1500, "cpu", 1e9, str(out), full=False)
@@ -20,7 +29,7 @@ def test_memory_table_smoke(tmp_path):
 
 
 def test_memory_table_full_stats_columns():
-    import memory_table
+    memory_table = load("memory_table")
 
     rows = memory_table.run(["aifb"], ["rgat"], 16, 2, 1000, "cpu", 0, None, full=True)
     r = rows[0]
@@ -31,14 +40,14 @@ def test_memory_table_full_stats_columns():
 
 def test_speed_smoke(tmp_path):
     pytest.importorskip("torch_geometric")
-    import speed
+    speed = load("speed")
 
     rows = speed.run(["mutag"], ["rgcn", "hgt"], 8, 2, 0.005, "cpu", 1, 60, str(tmp_path / "s.csv"))
     assert len(rows) == 2 and all(isinstance(r["hector_ms"], float) for r in rows)
 
 
 def test_rgat_ir_dump(capsys):
-    import rgat_ir
+    rgat_ir = load("rgat_ir")
 
     rgat_ir.main(["--dataset", "aifb", "--scale", "0.05", "--dim", "8", "--heads", "2"])
     text = capsys.readouterr().out

@@ -118,3 +118,27 @@ def test_any_valid_graph_preprocesses_consistently(n, e, r, seed):
     m = hn.RGCNConv(3, 2, r)
     out = m(torch.randn(n, 3), ei, et)
     assert out.shape == (n, 2) and torch.isfinite(out).all()
+
+
+def test_config_setters_mirror_environment(monkeypatch):
+    from hector import config
+
+    monkeypatch.setenv("HECTOR_REFERENCE_TILE_BYTES", "4096")
+    assert config.tile_bytes("cpu") == 4096
+    config.set_tile_bytes(128)
+    try:
+        assert config.tile_bytes("cpu") == 128
+    finally:
+        config.set_tile_bytes(None)
+    monkeypatch.setenv("HECTOR_REFERENCE_TILE_BYTES", "0")
+    with pytest.raises(ValueError, match="positive"):
+        config.tile_bytes("cpu")
+    monkeypatch.delenv("HECTOR_REFERENCE_TILE_BYTES")
+    assert config.tile_bytes("cpu") == 1 << 20 and config.tile_bytes("cuda") == 64 << 20
+    monkeypatch.setenv("HECTOR_DEBUG", "1")
+    assert config.debug()
+    config.set_debug(False)
+    try:
+        assert not config.debug()
+    finally:
+        config.set_debug(None)

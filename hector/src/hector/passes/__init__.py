@@ -6,7 +6,6 @@ stages; with ``debug=True`` (or ``HECTOR_DEBUG=1``) the verifier runs after ever
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,9 @@ class Options:
 
     @property
     def debugging(self) -> bool:
-        return self.debug or os.environ.get("HECTOR_DEBUG", "") not in ("", "0")
+        from .. import config
+
+        return self.debug or config.debug()
 
 
 Stage = tuple[str, Callable[[Program], Program]]

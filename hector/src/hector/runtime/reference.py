@@ -287,10 +287,9 @@ def _fused_gather(program: Program, kernel) -> set[str]:
 def tile_rows(program: Program, kernel, graph: Graph, dtype: torch.dtype) -> int:
     """Edges per tile when the reference backend runs an edge-parallel kernel in tiles: each edge temporary
     takes at most HECTOR_REFERENCE_TILE_BYTES (default 1 MiB on CPU, 64 MiB on GPU, where launches cost more)."""
-    import os
+    from .. import config
 
-    default = 64 << 20 if graph.device.type == "cuda" else 1 << 20
-    budget = int(os.environ.get("HECTOR_REFERENCE_TILE_BYTES", default))
+    budget = config.tile_bytes(graph.device.type)
     width = max((program.by_name[n].type.numel for n in kernel.nodes
                  if program.by_name[n].type.domain is Domain.EDGE), default=1)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -50,7 +50,9 @@ void thread_pool::parallel_for(std::size_t begin, std::size_t end, std::size_t g
   grain = std::max<std::size_t>(grain, 1);
   const std::size_t items = end - begin;
   const std::size_t max_chunks = (items + grain - 1) / grain;
-  const std::size_t chunks = std::min(max_chunks, size() + 1);  // the calling thread takes a chunk too
+  // One chunk per worker, the calling thread taking the first: size() runners in all, so with one worker per core
+  // no core runs two chunks (which would make every call wait for the slowest core).
+  const std::size_t chunks = std::min(max_chunks, size());
   const std::size_t per_chunk = (items + chunks - 1) / chunks;
 
   std::vector<std::future<void>> pending;

@@ -37,7 +37,8 @@ class thread_pool {
     return future;
   }
 
-  // Calls body(chunk_begin, chunk_end) over [begin, end) in chunks of at least `grain` items.
+  // Calls body(chunk_begin, chunk_end) over [begin, end) in at most size() chunks of at least `grain` items; the
+  // calling thread runs one of them. Do not call it from inside a task of the same pool (it waits for the others).
   void parallel_for(std::size_t begin, std::size_t end, std::size_t grain,
                     const std::function<void(std::size_t, std::size_t)>& body);
 

@@ -88,20 +88,49 @@ const cufile_api& cufile(const std::string& requested) {
 bool nvidia_fs_loaded() { return ::access("/proc/driver/nvidia-fs/stats", F_OK) == 0; }
 
 // cuFileHandleRegister refuses descriptors opened with O_TMPFILE (CU_FILE_INVALID_FILE_OPEN_FLAG, 5019: O_TMPFILE
-// carries the O_DIRECTORY bit). A second descriptor for the same nameless inode, opened through /proc/self/fd
-// with the original's O_DIRECT, is accepted. Returns -1 (and the reason) where that fails.
-int reopen_for_cufile(int fd, std::string& why) {
+// carries the O_DIRECTORY bit). A second descriptor for the same inode, opened with the original's O_DIRECT, is
+// not refused for its flags, but opened through /proc/self/fd it still has no name: its path reads
+// "/dir/#inode (deleted)", and run C's cuFile then failed with CU_FILE_HANDLE_NOT_REGISTERED (5027), most likely
+// because cuFile resolves the descriptor's path to find its file system. So the nameless inode first gets a
+// name (linkat through /proc/self/fd), is opened by that name and registered, and the name is removed right
+// after registration (`linked` says which name; the caller unlinks it). Where linking fails (a file that was
+// created and unlinked, not O_TMPFILE) the /proc reopen is used. Returns -1 (and the reason) where both fail.
+int reopen_for_cufile(int fd, std::string& why, std::string& linked) {
   const int flags = ::fcntl(fd, F_GETFL);
-  const std::string path = "/proc/self/fd/" + std::to_string(fd);
-  const int copy = ::open(path.c_str(), O_RDWR | O_CLOEXEC | (flags >= 0 ? (flags & O_DIRECT) : 0));
+  const int open_flags = O_RDWR | O_CLOEXEC | (flags >= 0 ? (flags & O_DIRECT) : 0);
+  const std::string proc = "/proc/self/fd/" + std::to_string(fd);
+  std::string path = proc;
+  char target[4096];
+  const ssize_t n = ::readlink(proc.c_str(), target, sizeof(target) - 1);
+  if (n > 0) {
+    const std::string where(target, static_cast<std::size_t>(n));
+    const auto slash = where.rfind('/');
+    if (slash != std::string::npos && slash > 0) {
+      const std::string name =
+          where.substr(0, slash) + "/.ssdtrain-gds-" + std::to_string(::getpid()) + "-" + std::to_string(fd);
+      ::unlink(name.c_str());  // a leftover of an earlier process with the same pid
+      if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, name.c_str(), AT_SYMLINK_FOLLOW) == 0) {
+        path = name;
+        linked = name;
+      } else {
+        why =
+            "naming the file for cuFile failed (" + std::string(std::strerror(errno)) + "), registered through " + proc;
+      }
+    }
+  }
+  const int copy = ::open(path.c_str(), open_flags);
   if (copy < 0) {
     why = "reopening " + path + " failed: " + std::strerror(errno);
+    if (!linked.empty()) ::unlink(linked.c_str());
+    linked.clear();
     return -1;
   }
   struct stat a{}, b{};
   if (::fstat(fd, &a) != 0 || ::fstat(copy, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
     ::close(copy);
     why = "reopening " + path + " gave another file";
+    if (!linked.empty()) ::unlink(linked.c_str());
+    linked.clear();
     return -1;
   }
   return copy;
@@ -119,6 +148,16 @@ std::string cufile_error_name(int err) {
       return "CU_FILE_INVALID_FILE_OPEN_FLAG";
     case 5020:
       return "CU_FILE_DIO_NOT_SET";
+    case 5026:
+      return "CU_FILE_DRIVER_ALREADY_OPEN";
+    case 5027:
+      return "CU_FILE_HANDLE_NOT_REGISTERED";
+    case 5028:
+      return "CU_FILE_HANDLE_ALREADY_REGISTERED";
+    case 5030:
+      return "CU_FILE_INTERNAL_ERROR";
+    case 5034:
+      return "CU_FILE_IO_DISABLED";
     default:
       return "cuFile error";
   }
@@ -134,23 +173,23 @@ class gds_backend final : public worker_backend {
     }
     std::string reopen_note;
     for (int fd : fds) {
-      std::string why;
-      const int copy = reopen_for_cufile(fd, why);
-      if (copy >= 0) {
-        reopened_.push_back(copy);
-      } else if (reopen_note.empty()) {
-        reopen_note = "; " + why;
-      }
+      std::string why, linked;
+      const int copy = reopen_for_cufile(fd, why, linked);
+      if (copy >= 0) reopened_.push_back(copy);
+      if (!why.empty() && reopen_note.empty()) reopen_note = "; " + why;
       cufile_descr d{};
       d.type = 1;
       d.handle.fd = copy >= 0 ? copy : fd;
       cufile_handle h = nullptr;
       const cufile_error e = api_.handle_register(&h, &d);
+      if (!linked.empty()) ::unlink(linked.c_str());  // registered (or refused): the file is nameless again
       if (e.err != 0) {
         for (auto* r : handles_) api_.handle_deregister(r);
         handles_.clear();
         detail_ = "cuFileHandleRegister failed (" + cufile_error_name(e.err) + " " + std::to_string(e.err) +
-                  reopen_note + "): GPU data is staged through pinned buffers (own staging)";
+                  reopen_note +
+                  "; cuFile's log in the logging dir of its config file names the cause): GPU data is staged "
+                  "through pinned buffers (own staging)";
         return;
       }
       handles_.push_back(h);

@@ -143,6 +143,11 @@ def run(args, results: list[dict]) -> None:
         for cell, bw in sorted(data.get(op, {}).items(), key=lambda kv: (int(kv[0].split(":")[0]),
                                                                          float(kv[0].split(":")[1]))):
             print(f"#   calibration {op:7} {cell:12} " + " ".join(f"{k}={v:.1f}" for k, v in bw.items()), flush=True)
+    host = data.get("host_gather") or {}
+    if host:
+        print(f"#   calibration host gather (summed GB/s over 64/256/1024 B rows at 0.2 %): package threads "
+              f"{host.get('native', 0.0):.1f}, torch index_select {host.get('torch', 0.0):.1f}: staged uses "
+              f"{host.get('engine')}", flush=True)
 
     cpu_gather_check(table, table_bytes)
 

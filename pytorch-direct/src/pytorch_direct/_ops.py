@@ -5,7 +5,7 @@ Every op takes the table as a host (CPU) tensor. With CUDA indices the table mus
 tensor); rows move on the current CUDA stream. With CPU indices everything stays on the host (multithreaded).
 """
 
-
+import threading
 
 import torch
 from torch import Tensor
@@ -28,6 +28,25 @@ class _Side:
         if stream is None:
             stream = cls.streams[device.index] = torch.cuda.Stream(device=device)
         return stream
+
+
+class _Slots:
+    """Pinned staging slots (and an event per slot: when its last copy finished) for the staged gather whose host
+    gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time."""
+
+    COUNT = 4
+    BYTES = 4 << 20  # also the chunk size: a chunk's index_select and its copy to the GPU each take ~40-80 us
+    per_device: dict = {}
+    lock = threading.Lock()
+
+    @classmethod
+    def get(cls, device: torch.device) -> tuple[list[Tensor], list[torch.cuda.Event]]:
+        slots = cls.per_device.get(device.index)
+        if slots is None:
+            buffers = [torch.empty(cls.BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(cls.COUNT)]
+            events = [torch.cuda.Event() for _ in range(cls.COUNT)]
+            slots = cls.per_device[device.index] = (buffers, events)
+        return slots
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -174,6 +193,39 @@ def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream):
     )
 
 
+def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
+    """dest (CUDA, rows of rb bytes) = table[host_idx], gathered on the host into pinned slots one chunk at a time,
+    each chunk's copy to the GPU queued on `stream` while the next chunk is gathered. The host gather is torch's
+    ``index_select`` (its OpenMP threads, kept hot by the back-to-back chunks) or the package's own threads,
+    whichever the calibration measured faster on this machine."""
+    from ._strategy import host_gather_engine
+
+    n = host_idx.numel()
+    if host_gather_engine() == "native" or rb > _Slots.BYTES:
+        _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
+                            dest.data_ptr(), settings.threads, stream.cuda_stream)
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        src = table.detach().reshape(rows, -1).view(torch.uint8)  # (rows, rb) bytes
+        dst = dest.view(n, -1).view(torch.uint8)
+    per_chunk = max(1, _Slots.BYTES // rb)
+    with _Slots.lock, torch.cuda.stream(stream):
+        buffers, events = _Slots.get(dest.device)
+        for k, start in enumerate(range(0, n, per_chunk)):
+            end = min(n, start + per_chunk)
+            slot = k % _Slots.COUNT
+            events[slot].synchronize()  # the slot's previous copy (of this call or an earlier one) is done
+            staged = buffers[slot][: (end - start) * rb].view(end - start, rb)
+            try:
+                torch.index_select(src, 0, host_idx[start:end], out=staged)
+            except IndexError:
+                # Name the first bad index the way every other path does (raises), else torch's error stands.
+                _core.check_host_indices(host_idx.data_ptr(), host_idx.element_size(), n, rows, settings.threads)
+                raise
+            dst[start:end].copy_(staged, non_blocking=True)
+            events[slot].record(stream)
+
+
 def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
     check_table(table)
     check_index(index)
@@ -210,9 +262,7 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
             ordered, perm = _sort(idx, rows, checked)
             _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
         elif strategy == "staged":
-            host_idx = _host_index(idx)
-            _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
-                                out.data_ptr(), settings.threads, stream.cuda_stream)
+            _gather_staged(table, rows, rb, _host_index(idx), out, stream)
         elif strategy == "split":
             from ._strategy import split_fraction, split_kernel
 
@@ -229,8 +279,7 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
                 _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
             if k < n:
                 rest = out.view(n, -1)[k:] if out.dim() > 0 else out
-                _core.gather_staged(table.data_ptr(), rows, rb, host_rest.data_ptr(), host_rest.element_size(),
-                                    n - k, rest.data_ptr(), settings.threads, side.cuda_stream)
+                _gather_staged(table, rows, rb, host_rest, rest, side)
                 stream.wait_stream(side)
                 out.record_stream(side)
         else:  # pragma: no cover - _resolve returns a known strategy

@@ -115,6 +115,8 @@ def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats
             scratch.fill_(1)
     result: dict = {"device": torch.cuda.get_device_name(device), "table_bytes": table_bytes,
                     "row_bytes": list(ROW_BYTES), "densities": list(DENSITIES), "gather": {}, "scatter": {}}
+    result["host_gather"] = _measure_host_gather(scratch, table_bytes, repeats)
+    set_table(result)  # the staged measurements below use the engine measured faster
     generator = torch.Generator(device=device).manual_seed(0)
     for rb in ROW_BYTES:
         rows = table_bytes // rb
@@ -151,6 +153,37 @@ def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats
     return result
 
 
+def _measure_host_gather(scratch, table_bytes: int, repeats: int) -> dict:
+    """Host-only gather bandwidth (GB/s, summed over small, medium and 1 KiB rows at 0.2 % density of the table) of
+    the package's threads and of torch's ``index_select`` (torch's OpenMP threads), and the faster one ("engine"),
+    which the staged strategy then uses. Which is faster depends on the machine (core count, virtualisation, how
+    the two thread pools share the cores), so it is measured, not assumed."""
+    totals = {"native": 0.0, "torch": 0.0}
+    for rb in (64, 256, 1024):
+        rows = table_bytes // rb
+        n = max(1, int(rows * 0.002))
+        with torch._C.DisableTorchFunctionSubclass():
+            table = scratch[: rows * rb].view(rows, rb)
+            index = torch.randint(0, rows, (n,))
+            out = torch.empty((n, rb), dtype=torch.uint8, pin_memory=True)
+            native = functools.partial(_core.gather_host, table.data_ptr(), rows, rb, index.data_ptr(), 8, n, 0,
+                                       out.data_ptr(), settings.threads)
+            for engine, fn in (("native", native),
+                               ("torch", functools.partial(torch.index_select, table, 0, index, out=out))):
+                seconds = _time(fn, repeats)
+                totals[engine] += n * rb / seconds / 1e9
+    totals["engine"] = "torch" if totals["torch"] >= totals["native"] else "native"
+    return totals
+
+
+def host_gather_engine() -> str:
+    """The staged gather's host gather: "torch" (``index_select``) unless the calibration measured the package's
+    own threads faster on this machine."""
+    data = load()
+    host = (data or {}).get("host_gather") or {}
+    return "native" if host.get("engine") == "native" else "torch"
+
+
 def _nearest(values, x: float, log: bool) -> float:
     key = (lambda v: abs(math.log(v) - math.log(x))) if log else (lambda v: abs(v - x))
     return min(values, key=key)
@@ -169,6 +202,21 @@ def _rules(op: str, row_bytes: int, density: float) -> str:
     if op == "gather" and row_bytes <= 256 and density < 0.005:
         return "staged"
     return "sorted" if row_bytes < 4096 else "vector"
+
+
+# A host strategy (staged, split) must beat the best kernel by this factor to be chosen: host strategies vary more
+# from call to call (they share the CPU with the caller's threads), and a kernel leaves the CPU free.
+HOST_MARGIN = 1.1
+
+
+def _best(cell: dict) -> str:
+    kernels = {s: v for s, v in cell.items() if s not in ("staged", "split")}
+    hosts = {s: v for s, v in cell.items() if s in ("staged", "split")}
+    best_kernel = max(kernels, key=kernels.get) if kernels else None
+    best_host = max(hosts, key=hosts.get) if hosts else None
+    if best_host is None or (best_kernel is not None and cell[best_host] < HOST_MARGIN * cell[best_kernel]):
+        return best_kernel
+    return best_host
 
 
 def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = False) -> str:
@@ -191,7 +239,7 @@ def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = 
         choice = _rules(op, row_bytes, density)
     else:
         cell = _cell(data, op, row_bytes, density) or {}
-        choice = max(cell, key=cell.get) if cell else _rules(op, row_bytes, density)
+        choice = _best(cell) if cell else _rules(op, row_bytes, density)
     # Host strategies are impossible under capture, and their 4 MiB staging slots cannot hold wider rows.
     if choice in ("staged", "split") and (capturing or row_bytes > STAGED_MAX_ROW_BYTES):
         choice = "sorted"

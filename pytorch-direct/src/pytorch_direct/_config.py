@@ -6,7 +6,8 @@
     ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host
     sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors`.
 ``PYTORCH_DIRECT_THREADS`` (default ``0``, all cores; :func:`set_threads`)
-    CPU threads for CPU gathers and the staged strategy.
+    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers where the calibration
+    measured them faster than torch's ``index_select`` (which uses torch's threads, ``torch.set_num_threads``).
 ``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
     SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
 ``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)

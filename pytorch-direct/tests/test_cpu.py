@@ -480,3 +480,23 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     bad[3000] = rows
     with pytest.raises(IndexError, match=f"index {rows} at position 3000"):
         _ops._gather_staged(table, rows, rb, bad, out, None)
+
+
+def test_auto_host_strategies_need_a_margin(tmp_cache):
+    # A host strategy (staged, split) is chosen only when it measured >= 1.1x the best kernel in its cell; the staged
+    # gather's host engine is the one the calibration measured faster (torch's index_select without a calibration).
+    fake = {"row_bytes": [64, 512], "densities": [0.002], "gather": {
+        "64:0.002": {"vector": 2.0, "sorted": 10.0, "staged": 11.5, "split": 10.5},
+        "512:0.002": {"vector": 20.0, "sorted": 24.0, "staged": 12.8, "split": 25.0}}, "scatter": {},
+        "host_gather": {"native": 50.0, "torch": 120.0, "engine": "torch"}}
+    try:
+        _strategy.set_table(fake)
+        assert _strategy.choose("gather", 64, 10**6, 5 * 10**8) == "staged"  # 1.15x sorted
+        assert _strategy.choose("gather", 512, 10**6, 5 * 10**8) == "sorted"  # split only 1.04x sorted
+        assert _strategy.host_gather_engine() == "torch"
+        _strategy.set_table(dict(fake, host_gather={"native": 90.0, "torch": 60.0, "engine": "native"}))
+        assert _strategy.host_gather_engine() == "native"
+        _strategy.set_table(None)
+        assert _strategy.host_gather_engine() == "torch"  # no calibration in the empty cache directory
+    finally:
+        _strategy.set_table(None)

@@ -115,30 +115,35 @@ def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats
             scratch.fill_(1)
     result: dict = {"device": torch.cuda.get_device_name(device), "table_bytes": table_bytes,
                     "row_bytes": list(ROW_BYTES), "densities": list(DENSITIES), "gather": {}, "scatter": {}}
-    result["host_gather"] = _measure_host_gather(scratch, table_bytes, repeats)
-    set_table(result)  # the staged measurements below use the engine measured faster
-    generator = torch.Generator(device=device).manual_seed(0)
-    for rb in ROW_BYTES:
-        rows = table_bytes // rb
-        with torch._C.DisableTorchFunctionSubclass():
-            table = scratch[: rows * rb].view(rows, rb)
-        for density in DENSITIES:
-            n = max(1, int(rows * density))
-            index = torch.randint(0, rows, (n,), device=device, generator=generator)
-            out = torch.empty((n, rb), dtype=torch.uint8, device=device)
-            cell = f"{rb}:{density}"
-            result["gather"][cell] = {}
-            result["scatter"][cell] = {}
-            for s in GATHER_STRATEGIES:
-                if s == "split":
-                    set_table(result)  # split_fraction reads this cell's vector/sorted/staged numbers
-                seconds = _time(functools.partial(_ops.gather_impl, table, index, s, 0), repeats)
-                result["gather"][cell][s] = n * rb / seconds / 1e9
-            for s in SCATTER_STRATEGIES:
-                seconds = _time(functools.partial(_ops.scatter_impl, table, index, out, s, 0), repeats)
-                result["scatter"][cell][s] = n * rb / seconds / 1e9
-            if verbose:
-                print(f"calibrate {cell}: gather {result['gather'][cell]} scatter {result['scatter'][cell]}")
+    previous = _loaded
+    try:
+        result["host_gather"] = _measure_host_gather(scratch, table_bytes, repeats)
+        set_table(result)  # the staged measurements below use the engine measured faster
+        generator = torch.Generator(device=device).manual_seed(0)
+        for rb in ROW_BYTES:
+            rows = table_bytes // rb
+            with torch._C.DisableTorchFunctionSubclass():
+                table = scratch[: rows * rb].view(rows, rb)
+            for density in DENSITIES:
+                n = max(1, int(rows * density))
+                index = torch.randint(0, rows, (n,), device=device, generator=generator)
+                out = torch.empty((n, rb), dtype=torch.uint8, device=device)
+                cell = f"{rb}:{density}"
+                result["gather"][cell] = {}
+                result["scatter"][cell] = {}
+                for s in GATHER_STRATEGIES:
+                    if s == "split":
+                        set_table(result)  # split_fraction reads this cell's vector/sorted/staged numbers
+                    seconds = _time(functools.partial(_ops.gather_impl, table, index, s, 0), repeats)
+                    result["gather"][cell][s] = n * rb / seconds / 1e9
+                for s in SCATTER_STRATEGIES:
+                    seconds = _time(functools.partial(_ops.scatter_impl, table, index, out, s, 0), repeats)
+                    result["scatter"][cell][s] = n * rb / seconds / 1e9
+                if verbose:
+                    print(f"calibrate {cell}: gather {result['gather'][cell]} scatter {result['scatter'][cell]}")
+    except BaseException:
+        set_table(previous)  # a failed calibration leaves no partial table in use
+        raise
     del scratch
     if save:
         path = calibration_path()

@@ -39,13 +39,15 @@ def install_torch(session: nox.Session) -> None:
     session.install(torch_spec())
 
 
-def fresh_build_dir(session: nox.Session) -> list[str]:
-    """pip options giving scikit-build-core a build folder of this session's own.
+def fresh_build(session: nox.Session) -> list[str]:
+    """pip options that build our packages afresh in every session.
 
-    The packages' default build folder (<pkg>/build/) is kept between builds for speed, but with build isolation
-    each build sees nanobind at a new temporary path; a fresh folder keeps CI runs independent of earlier ones.
+    --no-cache-dir: pip caches wheels built from an sdist by its URL, and the sdist is rebuilt at the same path each
+    run, so without it a session can install the wheel of an earlier run's code. build-dir: the packages' default
+    build folder (<pkg>/build/) is kept between builds for speed; a folder of the session's own keeps CI runs
+    independent of earlier ones.
     """
-    return ["-C", f"build-dir={session.create_tmp()}/build/{{wheel_tag}}"]
+    return ["--no-cache-dir", "-C", f"build-dir={session.create_tmp()}/build/{{wheel_tag}}"]
 
 
 def nvrtc_library(session: nox.Session) -> str:
@@ -96,7 +98,7 @@ def tests(session: nox.Session, package: str) -> None:
     shutil.rmtree(dist, ignore_errors=True)
     session.run("python", "-m", "build", "--sdist", "--outdir", str(dist), package)
     sdist = next(dist.glob("*.tar.gz"))
-    session.install(f"{package}[test,nvrtc] @ {sdist.resolve().as_uri()}", *fresh_build_dir(session))
+    session.install(f"{package}[test,nvrtc] @ {sdist.resolve().as_uri()}", *fresh_build(session))
     # Separate pytest runs: each test folder has its own conftest module, and one process would mix them up.
     session.run("python", "-m", "pytest", f"{package}/tests", *session.posargs)
     session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs,
@@ -107,7 +109,7 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """The three packages installed together (from their folders), then the end-to-end tests."""
     install_torch(session)
-    session.install(*(f"./{p}[test,nvrtc]" for p in PACKAGES), *fresh_build_dir(session))
+    session.install(*(f"./{p}[test,nvrtc]" for p in PACKAGES), *fresh_build(session))
     session.install("-r", "integration-tests/requirements.txt")
     session.run("python", "-m", "pytest", "integration-tests", *session.posargs)
     session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs)
@@ -117,7 +119,7 @@ def integration(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job on built-in synthetic data (GPU when there is one, else CPU). Arguments after -- go to it."""
     install_torch(session)
-    session.install(*(f"./{p}[nvrtc]" for p in PACKAGES), *fresh_build_dir(session))
+    session.install(*(f"./{p}[nvrtc]" for p in PACKAGES), *fresh_build(session))
     session.install("-r", "integration-tests/requirements.txt")
     session.run("python", "integration-tests/demo.py", *session.posargs)
 

@@ -128,20 +128,33 @@ class stream_pool {
 };
 
 // The stream of one device transfer, taken from the engine's pool on the driver thread (on the transfer's device)
-// and given back when the transfer no longer uses it.
+// and given back when the transfer no longer uses it. A stream that still has a wait on the caller's event queued
+// (the transfer failed before its first copy) is destroyed instead: a later transfer must not inherit that
+// dependency on someone else's stream.
 struct op_stream {
   void* handle = nullptr;
   int device = -1;
   stream_pool* pool = nullptr;
+  bool waiting = false;  // a cudaStreamWaitEvent queued and no synchronization since
   op_stream(stream_pool& streams, int dev) : device(dev), pool(&streams) { handle = streams.acquire(dev); }
   op_stream(const op_stream&) = delete;
   op_stream& operator=(const op_stream&) = delete;
-  ~op_stream() { pool->release(device, handle); }
+  ~op_stream() {
+#if SHARED_CUDA_HAS_CUDA
+    if (waiting) {
+      if (handle) cudaStreamDestroy(static_cast<cudaStream_t>(handle));  // returns at once; CUDA frees it later
+      return;
+    }
+#endif
+    pool->release(device, handle);
+  }
   void wait([[maybe_unused]] const stream_mark& mark) {
 #if SHARED_CUDA_HAS_CUDA
-    if (mark.event)
+    if (mark.event) {
       cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(handle), static_cast<cudaEvent_t>(mark.event), 0),
                  "cudaStreamWaitEvent");
+      waiting = true;
+    }
 #endif
   }
   // Copies and waits: the staging buffer is reused right after.
@@ -150,6 +163,7 @@ struct op_stream {
     auto s = static_cast<cudaStream_t>(handle);
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "cudaMemcpyAsync");
     cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    waiting = false;
 #else
     (void)dst, (void)src, (void)bytes;
 #endif
@@ -157,6 +171,7 @@ struct op_stream {
   void synchronize() {
 #if SHARED_CUDA_HAS_CUDA
     cuda_check(cudaStreamSynchronize(static_cast<cudaStream_t>(handle)), "cudaStreamSynchronize");
+    waiting = false;
 #endif
   }
 };

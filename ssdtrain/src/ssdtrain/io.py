@@ -458,6 +458,8 @@ class Future:
         where the driver refuses stream memory operations, through a host function that blocks CUDA's callback
         thread until then. The stream proceeds even if the transfer failed: call result() before trusting the data.
         Returns True when nothing blocks a thread (done already, or the device-side wait), False for the fallback.
+        Caution: GPU run C hung in the first test of block_host=False (most likely the waiting stream sharing a
+        hardware queue with the engine's copy stream; see benchmarks/RESULTS.md); prefer block_host=True for now.
         """
         if block_host or self.done():
             self.result()

@@ -117,12 +117,20 @@ def test_debug_pipeline_verifies_between_stages():
 
 # -- compact materialisation -------------------------------------------------------------------------------------
 
+def two_use_program():
+    """The per-edge message feeds two consumers, so without compaction it must be materialised per edge."""
+    b = Builder("two_use")
+    x = b.node_input("x", FIN)
+    h = b.src(x).linear(b.param("W", (R, FIN, C), by="etype"))
+    return b.build(b.sum_to_dst(h * b.graph_const("inv_deg_dst_rel")) + b.sum_to_dst(h * b.graph_const("inv_deg_dst")))
+
+
 def test_compaction_reduces_rows_from_edges_to_unique_pairs(small):
     ei, et = small
     graph = Graph(ei, et, 14, R)
     stats = graph.stats()
     assert stats["num_unique"] < stats["num_edges"]
-    before = canonicalize(rgcn_program())
+    before = canonicalize(two_use_program())
     after = dce(compact(before))
     typed = lambda p: [n for n in p.nodes if n.op is Op.LINEAR and p.type_of(n.args[1]).by]  # noqa: E731
     assert [n.type.domain for n in typed(before)] == [Domain.EDGE]
@@ -214,7 +222,22 @@ def test_lowering_fuses_softmax_and_aggregation(small_graph):
 
 def test_materialized_bytes_drop_with_compaction(small_graph):
     stats = small_graph.stats()
-    plain = lower(optimize(rgcn_program(), Options(compact=False, reorder=False)))
-    comp = lower(optimize(rgcn_program(), Options(compact=True, reorder=False)))
+    plain = lower(optimize(two_use_program(), Options(compact=False, reorder=False)))
+    comp = lower(optimize(two_use_program(), Options(compact=True, reorder=False)))
     e, u = stats["num_edges"], stats["num_unique"]
     assert materialized_bytes(plain, stats) - materialized_bytes(comp, stats) == (e - u) * C * 4
+
+
+def test_gemm_with_scale_and_scatter_epilogue(small_graph):
+    """RGCN without compaction: gather -> per-relation matmul -> scale by 1/|N_r(i)| -> sum into destinations,
+    one GEMM kernel, no per-edge rows materialised."""
+    p = optimize(rgcn_program(), Options(compact=False, reorder=False))
+    lw = lower(p)
+    gemm = [k for k in lw.kernels if k.kind == "gemm" and dict(k.detail)["by"]]
+    assert len(gemm) == 1
+    ops = [p.node(n).op for n in gemm[0].nodes]
+    assert ops[-3:] == [Op.LINEAR, Op.MUL, Op.SCATTER_ADD] and "scaled by" in gemm[0].layout
+    assert all(p.type_of(m).domain is not Domain.EDGE for m in lw.materialized)
+    lv = leaves_for(p)
+    ref = interpret(rgcn_program(), small_graph, lv)[rgcn_program().outputs[0]]
+    assert rel_err(run_lowered(lw, small_graph, lv)[p.outputs[0]], ref) < 1e-12

@@ -143,18 +143,30 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
             wt = p.type_of(wname) if n.op is Op.LINEAR else n.type
             by = wt.by
             users = p.users[n.name]
-            scatter = None
+            scatter = scale = None
             if n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" and n.name not in keep:
                 u = p.node(users[0])
-                if u.op is Op.SCATTER_ADD:
+                if u.op is Op.MUL and u.name not in keep and u.args[0] != u.args[1]:
+                    # row-scale epilogue (e.g. RGCN's 1/|N_r(i)|), then a scatter: gather -> matmul -> scale -> sum
+                    other = u.args[1] if u.args[0] == n.name else u.args[0]
+                    u_users = p.users[u.name]
+                    # (the scale's sources must already be computed: the GEMM may not wait for a later kernel)
+                    if _row_read(p, other, virtual, owner) and len(u_users) == 1 and u_users[0] != "<output>" \
+                            and p.node(u_users[0]).op is Op.SCATTER_ADD:
+                        scale, scatter = u, p.node(u_users[0])
+                elif u.op is Op.SCATTER_ADD:
                     scatter = u
-                    fused_scatter[u.name] = n.name
+            for m in (scale, scatter):
+                if m is not None:
+                    fused_scatter[m.name] = n.name
             rows = p.type_of(x).domain
             core = wt.shape[len(by):]
             layout = (f"{rows.value} rows grouped by {'x'.join(by)} (segment GEMM, one weight per segment)"
                       if by else f"{rows.value} rows, one shared weight (dense GEMM)")
             if xvia:
                 layout += f"; A rows gathered via {xvia}"
+            if scale is not None:
+                layout += f"; C rows scaled by %{scale.args[1] if scale.args[0] == n.name else scale.args[0]}"
             if scatter is not None:
                 layout += f"; C rows summed into {GATHER_VIA[scatter.attr('via')][0].value} rows via " \
                           f"{scatter.attr('via')} (atomic epilogue)"
@@ -163,7 +175,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
                          "(weight gradient)"
             detail = dict(op=n.op.value, by=by, a=xsrc, a_via=xvia, b=source(n.args[1])[0],
                           transpose=bool(n.attr("transpose")), weight_core=core)
-            nodes = [n.name] + ([scatter.name] if scatter is not None else [])
+            nodes = [n.name] + [m.name for m in (scale, scatter) if m is not None]
             groups.append(dict(kind="gemm", space=_space(rows), nodes=nodes, layout=layout, detail=detail))
             for m in nodes:
                 owner[m] = len(groups) - 1
@@ -229,8 +241,8 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
                                                          and u not in virtual for u in users[m])
                    or any(u != "<output>" and u in virtual and _virtual_escapes(p, u, owner, idx, virtual)
                           for u in users[m])]
-        if kind == "gemm" and len(names) == 2:  # a fused epilogue's result is what the GEMM writes
-            outputs = [names[1]] if names[1] in outputs or names[1] in keep else outputs
+        if kind == "gemm" and len(names) > 1:  # a fused epilogue's result is what the GEMM writes
+            outputs = [names[-1]] if names[-1] in outputs or names[-1] in keep else outputs
         # Bring in the virtual reads this kernel needs, in dependency order.
         ordered: list[str] = []
         reads: list[str] = []
@@ -269,6 +281,17 @@ def _schedule(p: Program) -> Program:
             if waiting[u] == 0:
                 ready.append(u)
     return p.with_nodes([p.node(m) for m in order])
+
+
+def _row_read(p: Program, name: str, virtual: set[str], owner: Mapping[str, int]) -> bool:
+    """Can a kernel read ``name`` row by row without computing anything: a leaf, or views/gathers of leaves and of
+    values already computed by earlier kernels?"""
+    n = p.node(name)
+    if n.op in _LEAVES:
+        return True
+    if name not in virtual:
+        return name in owner
+    return all(_row_read(p, a, virtual, owner) for a in n.args)
 
 
 def _is_virtual(n) -> bool:

@@ -239,6 +239,9 @@ def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.d
         if keep is not None and i:
             for name in [n for n, last in last_use.items() if last == i - 1 and n not in keep]:
                 env.pop(name, None)
+        if kernel.kind == "gemm" and program.by_name[kernel.nodes[-1]].op is Op.SCATTER_ADD:
+            _run_gemm_scatter(program, kernel, graph, env, leaves, dtype)
+            continue
         if _chunkable(program, kernel) and graph.num_edges > tile_rows(program, kernel, graph, dtype):
             _run_chunked(program, kernel, graph, env, leaves, dtype, tile_rows(program, kernel, graph, dtype))
             continue
@@ -416,3 +419,81 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
         acc[name] = eval_node(n, args, [by[a].type for a in n.args], graph, leaves, dtype)
     for name in kernel.outputs:
         env[name] = acc[name]
+
+
+def _rows_of(program: Program, name: str, rows: torch.Tensor, graph: Graph, env: Mapping[str, torch.Tensor],
+             leaves: Mapping[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """The given rows of a leaf or a chain of views/gathers, without building the whole value."""
+    n = program.by_name[name]
+    if name in env:
+        t = env[name]
+        return t if n.type.domain is Domain.PARAM else t.index_select(0, rows)
+    if n.op is Op.GATHER:
+        src = program.by_name[n.args[0]]
+        full = env[src.name] if src.name in env else eval_node(
+            src, [env[a] for a in src.args], [program.by_name[a].type for a in src.args], graph, leaves, dtype)
+        return full.index_select(0, graph.gather_index(n.attr("via")).index_select(0, rows))
+    if n.op is Op.SELECT:
+        p, pby = env[n.args[0]], program.by_name[n.args[0]].type.by
+        if not pby:
+            return p.unsqueeze(0).expand((rows.numel(),) + p.shape)
+        return p.reshape((-1,) + p.shape[len(pby):]).index_select(
+            0, graph.combined_index(n.type.domain, pby).index_select(0, rows))
+    if n.op is Op.RESHAPE:
+        return _rows_of(program, n.args[0], rows, graph, env, leaves, dtype).reshape(
+            (rows.numel(),) + tuple(n.attr("shape")))
+    raise AssertionError(f"{name} is not a row read")  # pragma: no cover - lowering only fuses row reads
+
+
+def _run_gemm_scatter(program: Program, kernel, graph: Graph, env: dict, leaves: Mapping[str, Any],
+                      dtype: torch.dtype) -> None:
+    """gather -> segment matmul -> [scale] -> scatter, one segment tile at a time: no per-row result is ever
+    materialised, as in the CUDA GEMM kernel with a scatter epilogue."""
+    from ..ir.core import GATHER_VIA
+
+    by = program.by_name
+    lin = next(by[m] for m in kernel.nodes if by[m].op is Op.LINEAR)
+    scatter = by[kernel.nodes[-1]]
+    scale = next((by[m] for m in kernel.nodes if by[m].op is Op.MUL), None)
+    x_node = by[lin.args[0]]
+    if x_node.op is Op.GATHER and x_node.name not in env:
+        table = env[x_node.args[0]] if x_node.args[0] in env else None
+        row_index = graph.gather_index(x_node.attr("via"))
+    else:
+        table, row_index = None, None
+    domain = lin.type.domain
+    w, wtype = env[lin.args[1]], by[lin.args[1]].type
+    core = w.shape[len(wtype.by):]
+    head, transpose = len(core) == 3, bool(lin.attr("transpose"))
+    wflat = w.reshape((-1,) + core)
+    if wtype.by:
+        perm, counts = graph.segments(domain, wtype.by)
+    else:
+        perm, counts = torch.arange(graph.num_rows(domain), device=graph.device), [graph.num_rows(domain)]
+    width = max(1, by[scatter.name].type.numel)
+    from .. import config
+
+    step = max(1, config.tile_bytes(graph.device.type) // (width * torch.empty((), dtype=dtype).element_size()))
+    target = graph.num_rows(GATHER_VIA[scatter.attr("via")][0])
+    out = None
+    scatter_index = graph.gather_index(scatter.attr("via"))
+    start = 0
+    for t, c in enumerate(counts):
+        for a in range(start, start + c, step):
+            rows = perm[a:min(a + step, start + c)]
+            if table is not None:
+                xr = table.index_select(0, row_index.index_select(0, rows))
+            else:
+                xr = _rows_of(program, x_node.name, rows, graph, env, leaves, dtype)
+            y = _mm(xr, wflat[t], head, transpose)
+            if scale is not None:
+                other = scale.args[1] if scale.args[0] == lin.name else scale.args[0]
+                s_rows = _rows_of(program, other, rows, graph, env, leaves, dtype)
+                y = _binary(Op.MUL, y, s_rows) if scale.args[0] == lin.name else _binary(Op.MUL, s_rows, y)
+            if out is None:
+                out = y.new_zeros((target,) + y.shape[1:])
+            out.index_add_(0, scatter_index.index_select(0, rows), y)
+        start += c
+    if out is None:  # no rows at all
+        out = torch.zeros((target,) + by[scatter.name].type.shape, dtype=dtype, device=graph.device)
+    env[scatter.name] = out

@@ -89,23 +89,30 @@ def training_estimate(compiled: Any, stats: Mapping[str, int], itemsize: int = 4
                     fwd.flops + bwd.flops, fwd.kernels + bwd.kernels)
 
 
-def choose_options(layer: Any, graph: Any) -> Options:
-    """Try {compaction on/off} x {reordering on/off} and keep the cheapest; cached per graph and layer mode."""
+def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
+    """Try {compaction on/off} x {reordering on/off} and keep the cheapest; cached per graph and layer mode.
+
+    ``objective``: "time" (estimated seconds) or "memory" (peak bytes of the kernel plan, time breaking ties).
+    """
+    if objective not in ("time", "memory"):
+        raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
     stats = graph.stats()
-    key = ("hector.choice", id(layer), layer.training)
+    key = ("hector.choice", id(layer), layer.training, objective)
 
     def compute() -> Options:
         rows = rows_for(stats)
-        best: tuple[float, Options] | None = None
+        best: tuple[tuple[float, float], Options] | None = None
         for compact in (False, True):
             for reorder in (False, True):
                 opts = Options(compact=compact, reorder=reorder, rows=rows)
                 compiled = layer.compiled(None, options=opts)
-                est = training_estimate(compiled, stats) if layer.training else \
-                    estimate(compiled.inference_lowered, stats)
+                plan = compiled.forward_lowered if layer.training else compiled.inference_lowered
+                est = training_estimate(compiled, stats) if layer.training else estimate(plan, stats)
+                score = (float(peak_bytes(plan, stats)), est.seconds) if objective == "memory" else \
+                    (est.seconds, 0.0)
                 # strict improvement needed: ties keep the simpler program
-                if best is None or est.seconds < best[0] * (1 - 1e-9):
-                    best = (est.seconds, opts)
+                if best is None or score < (best[0][0] * (1 - 1e-9), best[0][1] * (1 - 1e-9)):
+                    best = (score, opts)
         assert best is not None
         return best[1]
 

@@ -27,8 +27,8 @@ class RelationalLayer(nn.Module):
     Args:
         num_relations: R; edge types must lie in [0, R).
         num_node_types: T for layers typed by node type (None: node types unused).
-        optimize: "auto" (the cost model picks compaction/reordering per graph), "all", "none", or an
-            :class:`~hector.passes.Options`.
+        optimize: "auto" (the cost model picks compaction/reordering per graph for the least estimated time),
+            "memory" (the same, for the least peak memory), "all", "none", or an :class:`~hector.passes.Options`.
     """
 
     input_name = "x"
@@ -70,13 +70,13 @@ class RelationalLayer(nn.Module):
             return Options(compact=False, reorder=False)
         if self.optimize == "all":
             return Options(compact=True, reorder=True)
-        if self.optimize != "auto":
-            raise ValueError(f"optimize must be 'auto', 'all', 'none' or an Options, got {self.optimize!r}")
+        if self.optimize not in ("auto", "memory"):
+            raise ValueError(f"optimize must be 'auto', 'memory', 'all', 'none' or an Options, got {self.optimize!r}")
         if graph is None:
             return Options()
         from ..cost import choose_options
 
-        return choose_options(self, graph)
+        return choose_options(self, graph, "memory" if self.optimize == "memory" else "time")
 
     def compiled(self, graph: Graph | None = None, training: bool | None = None,
                  options: Options | None = None) -> CompiledLayer:

@@ -47,31 +47,23 @@ std::int64_t index_at(const void* index, int index_bytes, std::int64_t i) {
                           : static_cast<std::int64_t>(static_cast<const std::int32_t*>(index)[i]);
 }
 
-// Runs body(begin, end) over [0, count) on up to `threads` threads (<= 0: the whole pool), in blocks of `block`
-// items that the threads take in turn from a shared counter (dynamic scheduling). Waking a pool thread takes tens
-// of microseconds (more on a virtual machine), and a thread may share its core: with one fixed slice per thread
-// a call waits for the latest thread, while here the threads that start first take over the late ones' blocks.
-// At least `grain` items per thread: below that, waking a thread costs more than it copies.
-void parallel(std::int64_t count, std::int64_t grain, std::int64_t block, int threads,
+// Runs body(begin, end) over [0, count) on up to `threads` threads (<= 0: the whole pool), in chunks of >= grain.
+void parallel(std::int64_t count, std::int64_t grain, int threads,
               const std::function<void(std::int64_t, std::int64_t)>& body) {
   if (count <= 0) return;
   auto& p = pool();
-  const auto size = static_cast<std::int64_t>(p.size());
-  const std::int64_t wanted = threads > 0 ? std::min<std::int64_t>(threads, size) : size;
-  const std::int64_t workers = std::min(wanted, (count + grain - 1) / grain);
-  if (workers <= 1) {
+  // One chunk per hardware thread (the pool has one per hardware thread; parallel_for runs at most size() chunks,
+  // the caller taking one): a chunk more than cores would finish last, at half speed, and the call waits for it.
+  const std::int64_t size = static_cast<std::int64_t>(p.size());
+  const std::int64_t workers = threads > 0 ? std::min<std::int64_t>(threads, size) : size;
+  if (workers <= 1 || count <= grain) {
     body(0, count);
     return;
   }
-  block = std::max<std::int64_t>(1, block);
-  std::atomic<std::int64_t> next{0};
-  // parallel_for runs at most size() chunks, the caller taking the first: one chunk per worker here.
-  p.parallel_for(0, static_cast<std::size_t>(workers), 1, [&](std::size_t, std::size_t) {
-    for (std::int64_t b = next.fetch_add(block, std::memory_order_relaxed); b < count;
-         b = next.fetch_add(block, std::memory_order_relaxed)) {
-      body(b, std::min(count, b + block));
-    }
-  });
+  const std::int64_t chunk = std::max(grain, (count + workers - 1) / workers);
+  p.parallel_for(
+      0, static_cast<std::size_t>(count), static_cast<std::size_t>(chunk),
+      [&](std::size_t b, std::size_t e) { body(static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)); });
 }
 
 void check_args(const rows_call& c) {
@@ -81,91 +73,37 @@ void check_args(const rows_call& c) {
                      "null table, index or dense pointer");
 }
 
-// Rows per thread at least: about 64 KiB of copying, enough to pay for waking the thread.
-std::int64_t grain_for(std::int64_t row_bytes) { return std::max<std::int64_t>(1, (64 << 10) / row_bytes); }
-// Rows per block of the dynamic schedule: about 64 KiB (at least 32 rows), so a 2 MiB chunk is ~32 blocks to
-// share out and the per-block cost (a shared counter, a call) stays small next to the copying.
-std::int64_t block_for(std::int64_t row_bytes) { return std::max<std::int64_t>(32, (64 << 10) / row_bytes); }
+// Rows per task: about 256 KiB of copying, enough to amortise scheduling.
+std::int64_t grain_for(std::int64_t row_bytes) { return std::max<std::int64_t>(1, (256 << 10) / row_bytes); }
 
-// Copies one row. Fixed widths up to 128 B compile to inline vector moves (a libc memcpy call with a run-time size
-// costs about as much as a 64-byte row's copy when the row is in cache); wider rows call memcpy, which measured
-// faster than the inline copy from 256 B on.
-template <std::size_t Width>
-struct row_copier {
-  static void copy(void* to, const void* from, std::size_t) { std::memcpy(to, from, Width); }
-};
-template <>
-struct row_copier<0> {
-  static void copy(void* to, const void* from, std::size_t bytes) { std::memcpy(to, from, bytes); }
-};
-
-// Calls f(row_copier<W>{}) with W the row width when it is one of the specialised widths, else W = 0.
-template <typename F>
-auto with_row_copier(std::int64_t row_bytes, F&& f) {
-  switch (row_bytes) {
-    case 4:
-      return f(row_copier<4>{});
-    case 8:
-      return f(row_copier<8>{});
-    case 16:
-      return f(row_copier<16>{});
-    case 32:
-      return f(row_copier<32>{});
-    case 64:
-      return f(row_copier<64>{});
-    case 128:
-      return f(row_copier<128>{});
-    default:
-      return f(row_copier<0>{});
-  }
-}
-
-// Rows prefetched ahead: random rows miss the cache and the TLB, and a core overlaps only the misses it knows
-// about (16 measured no better than 8 for 64-256 B rows on the 2-core CPU machine).
-constexpr std::int64_t kPrefetchAhead = 8;
-
-// Rows [begin, end) of a call whose indices were checked: index width, direction and (common) row widths are
-// template parameters, so the loop has no per-row branch but the optional positions.
-template <typename Index, bool Scatter, typename Copier>
-void copy_rows_as(const rows_call& c, std::int64_t begin, std::int64_t end, Copier) {
+// Rows [begin, end) of a call whose indices were checked: index width and direction are template parameters, so
+// the loop has no per-row branch but the optional positions; rows 8 ahead are prefetched (random rows miss the
+// cache and the TLB, and a core overlaps only the misses it knows about).
+template <typename Index, bool Scatter>
+void copy_rows_as(const rows_call& c, std::int64_t begin, std::int64_t end) {
   const auto* index = static_cast<const Index*>(c.index);
   auto* table = static_cast<unsigned char*>(c.table);
   auto* dense = static_cast<unsigned char*>(c.dense);
   const auto rb = static_cast<std::size_t>(c.row_bytes);
-  constexpr std::int64_t ahead = kPrefetchAhead;
-  // The block's first rows too: a block of a few dozen rows would otherwise start with `ahead` unprefetched misses.
-  for (std::int64_t i = begin; i < std::min(end, begin + ahead); ++i) {
-    __builtin_prefetch(table + static_cast<std::int64_t>(index[i]) * c.row_bytes, Scatter ? 1 : 0);
-  }
+  constexpr std::int64_t kAhead = 8;
   for (std::int64_t i = begin; i < end; ++i) {
-    if (i + ahead < end) {
-      __builtin_prefetch(table + static_cast<std::int64_t>(index[i + ahead]) * c.row_bytes, Scatter ? 1 : 0);
-    }
+    if (i + kAhead < end) __builtin_prefetch(table + static_cast<std::int64_t>(index[i + kAhead]) * c.row_bytes);
     unsigned char* row = table + static_cast<std::int64_t>(index[i]) * c.row_bytes;
     unsigned char* out = dense + (c.positions != nullptr ? c.positions[i] : i) * c.row_bytes;
     if (Scatter) {
-      Copier::copy(row, out, rb);
+      std::memcpy(row, out, rb);
     } else {
-      Copier::copy(out, row, rb);
+      std::memcpy(out, row, rb);
     }
   }
 }
 
-template <bool Scatter>
-void copy_rows(const rows_call& c, std::int64_t begin, std::int64_t end) {
-  with_row_copier(c.row_bytes, [&](auto copier) {
-    if (c.index_bytes == 8) {
-      copy_rows_as<std::int64_t, Scatter>(c, begin, end, copier);
-    } else {
-      copy_rows_as<std::int32_t, Scatter>(c, begin, end, copier);
-    }
-  });
-}
-
-std::string out_of_range_message(std::int64_t value, std::int64_t position, std::int64_t rows) {
-  return "index " + std::to_string(value) + " at position " + std::to_string(position) +
-         " is out of range for a table of " + std::to_string(rows) + " rows (valid: 0.." + std::to_string(rows - 1) +
-         ")";
+void copy_rows(const rows_call& c, bool scatter, std::int64_t begin, std::int64_t end) {
+  if (c.index_bytes == 8) {
+    scatter ? copy_rows_as<std::int64_t, true>(c, begin, end) : copy_rows_as<std::int64_t, false>(c, begin, end);
+  } else {
+    scatter ? copy_rows_as<std::int32_t, true>(c, begin, end) : copy_rows_as<std::int32_t, false>(c, begin, end);
+  }
 }
 
 }  // namespace
@@ -208,7 +146,7 @@ void check_host_indices(const void* index, int index_bytes, std::int64_t count, 
   std::mutex mutex;
   std::int64_t first_bad_position = -1;
   std::int64_t first_bad = 0;
-  parallel(count, 1 << 16, 1 << 14, threads, [&](std::int64_t b, std::int64_t e) {
+  parallel(count, 1 << 16, threads, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       const std::int64_t r = index_at(index, index_bytes, i);
       if (r < 0 || r >= rows) {
@@ -221,25 +159,24 @@ void check_host_indices(const void* index, int index_bytes, std::int64_t count, 
       }
     }
   });
-  if (first_bad_position >= 0)
-    throw shared_cuda::out_of_range(out_of_range_message(first_bad, first_bad_position, rows));
+  if (first_bad_position >= 0) {
+    throw shared_cuda::out_of_range("index " + std::to_string(first_bad) + " at position " +
+                                    std::to_string(first_bad_position) + " is out of range for a table of " +
+                                    std::to_string(rows) + " rows (valid: 0.." + std::to_string(rows - 1) + ")");
+  }
 }
 
 void gather_host(const rows_call& c, int threads) {
   check_args(c);
-  // A separate pass over the indices (sequential reads): checking inside the row loop measured ~20 % slower for
-  // 256-512 B rows (the check sits between each index load and its row's copy).
   check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
-  parallel(c.count, grain_for(c.row_bytes), block_for(c.row_bytes), threads,
-           [&](std::int64_t b, std::int64_t e) { copy_rows<false>(c, b, e); });
+  parallel(c.count, grain_for(c.row_bytes), threads,
+           [&](std::int64_t b, std::int64_t e) { copy_rows(c, false, b, e); });
 }
 
 void scatter_host(const rows_call& c, int threads) {
   check_args(c);
-  // Writes: nothing reaches the table when an index is bad.
   check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
-  parallel(c.count, grain_for(c.row_bytes), block_for(c.row_bytes), threads,
-           [&](std::int64_t b, std::int64_t e) { copy_rows<true>(c, b, e); });
+  parallel(c.count, grain_for(c.row_bytes), threads, [&](std::int64_t b, std::int64_t e) { copy_rows(c, true, b, e); });
 }
 
 #if SHARED_CUDA_HAS_CUDA
@@ -281,23 +218,23 @@ staging& staging_for_current_device() {
   return *per_device[device];
 }
 
-// The shared state of one staged call. Chunk k of the dense rows goes through slot k % kSlots. A chunk is cut into
-// blocks of ~16 KiB that the workers take in order from a shared counter; the worker that completes a chunk's last
-// rows queues its copy. One parallel region per call (a fork-join per chunk cost thread wake-ups comparable to the
-// copying itself), and dynamic blocks: a thread that wakes late or shares its core delays nobody.
+// The shared state of one staged call. Chunk k of the dense rows goes through slot k % kSlots. Every worker
+// handles a contiguous slice of every chunk; the worker that finishes a chunk's last slice queues its copy. One
+// parallel region per call: a fork-join per chunk cost thread wake-ups comparable to the copying itself.
 struct pipeline {
   pipeline(const rows_call& call, int threads) : c(call) {
     rows_per_chunk = std::max<std::int64_t>(
         1, static_cast<std::int64_t>(std::max<std::size_t>(staging::kChunkBytes, c.row_bytes)) / c.row_bytes);
     chunks = (c.count + rows_per_chunk - 1) / rows_per_chunk;
-    block_rows = std::min(rows_per_chunk, block_for(c.row_bytes));
-    blocks_per_chunk = (rows_per_chunk + block_rows - 1) / block_rows;
-    const auto size = static_cast<std::int64_t>(pool().size());
-    const std::int64_t available = threads > 0 ? std::min<std::int64_t>(threads, size) : size;
+    const std::int64_t available = threads > 0 ? threads : static_cast<std::int64_t>(pool().size());
     // At least ~64 KiB per worker per call: below that, waking a thread costs more than it copies.
     const std::int64_t useful = std::max<std::int64_t>(1, c.count * c.row_bytes / (64 << 10));
-    workers = static_cast<int>(std::max<std::int64_t>(1, std::min(available, useful)));
-    done.reset(new std::atomic<std::int64_t>[chunks]);
+    // Never more workers than threads to run them: a worker waits for the others to finish each chunk, and
+    // parallel_for runs at most size() chunks (the caller taking one), so a worker past size() would run after
+    // another on the same thread and wait for it forever.
+    const auto runners = static_cast<std::int64_t>(pool().size());
+    workers = static_cast<int>(std::max<std::int64_t>(1, std::min({available, useful, runners})));
+    done.reset(new std::atomic<int>[chunks]);
     ready.reset(new std::atomic<bool>[chunks]);
     for (std::int64_t k = 0; k < chunks; ++k) {
       done[k].store(0, std::memory_order_relaxed);
@@ -305,25 +242,11 @@ struct pipeline {
     }
   }
 
-  std::int64_t chunk_rows(std::int64_t k) const {
-    return std::min(c.count, (k + 1) * rows_per_chunk) - k * rows_per_chunk;
-  }
-
-  // The next block: its chunk and rows [begin, end); false when none is left.
-  bool take(std::int64_t& k, std::int64_t& begin, std::int64_t& end) {
-    for (;;) {
-      const std::int64_t id = next_block.fetch_add(1, std::memory_order_relaxed);
-      k = id / blocks_per_chunk;
-      if (k >= chunks) return false;
-      begin = k * rows_per_chunk + (id % blocks_per_chunk) * block_rows;
-      end = std::min(k * rows_per_chunk + chunk_rows(k), begin + block_rows);
-      if (begin < end) return true;  // the last chunk may have fewer blocks
-    }
-  }
-
-  // Adds n finished rows to chunk k; true for the worker that finished the chunk.
-  bool finish(std::int64_t k, std::int64_t n) {
-    return done[k].fetch_add(n, std::memory_order_acq_rel) + n == chunk_rows(k);
+  // Rows [begin, end) of chunk k that worker w handles.
+  std::pair<std::int64_t, std::int64_t> slice(std::int64_t k, int w) const {
+    const std::int64_t b = k * rows_per_chunk;
+    const std::int64_t n = std::min(c.count, b + rows_per_chunk) - b;
+    return {b + n * w / workers, b + n * (w + 1) / workers};
   }
 
   // Spins (yielding) until flag is set; false when another worker failed.
@@ -341,17 +264,33 @@ struct pipeline {
     abort.store(true);
   }
 
-  void rethrow() const {
-    if (error) std::rethrow_exception(error);
+  void bad_index(std::int64_t position, std::int64_t value) {
+    bad.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (bad_position < 0 || position < bad_position) {
+      bad_position = position;
+      bad_value = value;
+    }
   }
 
-  // Runs body() on every worker, one per thread (the caller is one of them).
-  void run(const std::function<void()>& body) {
-    pool().parallel_for(0, static_cast<std::size_t>(workers), 1, [&](std::size_t, std::size_t) {
-      try {
-        body();
-      } catch (...) {
-        fail(std::current_exception());
+  void rethrow() const {
+    if (error) std::rethrow_exception(error);
+    if (bad_position >= 0) {
+      throw shared_cuda::out_of_range("index " + std::to_string(bad_value) + " at position " +
+                                      std::to_string(bad_position) + " is out of range for a table of " +
+                                      std::to_string(c.rows) + " rows (valid: 0.." + std::to_string(c.rows - 1) + ")");
+    }
+  }
+
+  // Runs body(w) for every worker w, one per thread (the caller is worker 0).
+  void run(const std::function<void(int)>& body) {
+    pool().parallel_for(0, static_cast<std::size_t>(workers), 1, [&](std::size_t b, std::size_t e) {
+      for (std::size_t w = b; w < e; ++w) {
+        try {
+          body(static_cast<int>(w));
+        } catch (...) {
+          fail(std::current_exception());
+        }
       }
     });
   }
@@ -359,24 +298,53 @@ struct pipeline {
   const rows_call& c;
   std::int64_t rows_per_chunk = 1;
   std::int64_t chunks = 0;
-  std::int64_t block_rows = 1;
-  std::int64_t blocks_per_chunk = 1;
   int workers = 1;
-  std::atomic<std::int64_t> next_block{0};
-  std::unique_ptr<std::atomic<std::int64_t>[]> done;  // rows of chunk k finished
-  std::unique_ptr<std::atomic<bool>[]> ready;         // chunk k's copy is queued (its slot's event is recorded)
+  std::unique_ptr<std::atomic<int>[]> done;    // slices of chunk k finished
+  std::unique_ptr<std::atomic<bool>[]> ready;  // gather: chunk k's copy is queued; scatter: chunk k's copy is
+                                               // queued (its slot may be read once its event completes)
   std::atomic<bool> abort{false};
+  std::atomic<bool> bad{false};  // an index was out of range
   std::mutex error_mutex;
   std::exception_ptr error;
+  std::int64_t bad_position = -1;
+  std::int64_t bad_value = 0;
 };
 
-// Copies rows [begin, end) between the table and `staged` (row p - first of the slot); indices checked before.
+// Copies rows [begin, end) between the table and `staged` (row p - first of the slot), checking each index.
+// Returns false when an index is out of range (recorded; the row is not touched).
+template <typename Index, bool Scatter>
+bool move_slice_as(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64_t end, std::int64_t first,
+                   unsigned char* staged) {
+  const auto* index = static_cast<const Index*>(c.index);
+  auto* table = static_cast<unsigned char*>(c.table);
+  const auto rb = static_cast<std::size_t>(c.row_bytes);
+  constexpr std::int64_t kAhead = 8;  // rows prefetched ahead: random rows miss cache and TLB, so overlap them
+  for (std::int64_t i = begin; i < end; ++i) {
+    if (i + kAhead < end) {
+      const auto ahead = static_cast<std::int64_t>(index[i + kAhead]);
+      if (ahead >= 0 && ahead < c.rows) __builtin_prefetch(table + ahead * c.row_bytes, Scatter ? 1 : 0);
+    }
+    const auto r = static_cast<std::int64_t>(index[i]);
+    if (r < 0 || r >= c.rows) {
+      pl.bad_index(i, r);
+      return false;
+    }
+    unsigned char* row = table + r * c.row_bytes;
+    unsigned char* slot_row = staged + (i - first) * c.row_bytes;
+    if (Scatter) {
+      std::memcpy(row, slot_row, rb);
+    } else {
+      std::memcpy(slot_row, row, rb);
+    }
+  }
+  return true;
+}
+
 template <bool Scatter>
-void move_block(const rows_call& c, std::int64_t begin, std::int64_t end, std::int64_t first, unsigned char* staged) {
-  rows_call part = c;
-  part.dense = staged - first * c.row_bytes;  // row i of the call is row i - first of the slot
-  part.positions = nullptr;
-  copy_rows<Scatter>(part, begin, end);
+bool move_slice(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64_t end, std::int64_t first,
+                unsigned char* staged) {
+  return c.index_bytes == 8 ? move_slice_as<std::int64_t, Scatter>(c, pl, begin, end, first, staged)
+                            : move_slice_as<std::int32_t, Scatter>(c, pl, begin, end, first, staged);
 }
 
 }  // namespace
@@ -386,32 +354,29 @@ void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view str
   SHARED_CUDA_EXPECT(c.positions == nullptr, "the staged strategy writes rows in index order (no positions)");
   SHARED_CUDA_EXPECT(static_cast<std::size_t>(c.row_bytes) <= staging::kSlotBytes,
                      "rows wider than 4 MiB are not supported by the staged strategy: use 'vector' or 'sorted'");
-  check_host_indices(c.index, c.index_bytes, c.count, c.rows, threads);
   if (c.count == 0) return;
   std::lock_guard<std::mutex> lock(staged_mutex());
   auto& st = staging_for_current_device();
   const auto s = static_cast<cudaStream_t>(stream.handle);
   pipeline pl(c, threads);
-  pl.run([&] {
-    std::int64_t free_through = -1;  // this worker has seen the slots of chunks <= free_through free
-    std::int64_t k = 0, b = 0, e = 0;
-    while (pl.take(k, b, e)) {
+  pl.run([&](int w) {
+    for (std::int64_t k = 0; k < pl.chunks; ++k) {
       const int slot = static_cast<int>(k % staging::kSlots);
-      if (k > free_through) {
-        // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy
-        // must be queued, so that the slot's event is the right one, and finished.
-        if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
-        SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));
-        free_through = k;
-      }
+      // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy
+      // must be queued, so that the slot's event is the right one, and finished.
+      if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
       if (pl.abort.load(std::memory_order_relaxed)) return;
+      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));
       const std::int64_t first = k * pl.rows_per_chunk;
+      const auto [b, e] = pl.slice(k, w);
       auto* staged = static_cast<unsigned char*>(st.slots[slot].data());
-      move_block<false>(c, b, e, first, staged);
-      if (pl.finish(k, e - b)) {
+      // A bad index: keep going through the chunk protocol (others wait on it) but copy nothing more.
+      if (!pl.bad.load(std::memory_order_relaxed)) move_slice<false>(c, pl, b, e, first, staged);
+      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers) {
+        const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
         SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + first * c.row_bytes, staged,
-                                        static_cast<std::size_t>(pl.chunk_rows(k) * c.row_bytes),
-                                        cudaMemcpyHostToDevice, s));
+                                        static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyHostToDevice,
+                                        s));
         SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
         pl.ready[k].store(true, std::memory_order_release);
       }
@@ -434,30 +399,28 @@ void scatter_staged(const rows_call& c, int threads, shared_cuda::stream_view st
   pipeline pl(c, threads);
   auto queue = [&](std::int64_t k) {
     const std::int64_t first = k * pl.rows_per_chunk;
+    const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
     const int slot = static_cast<int>(k % staging::kSlots);
     // An earlier call's copy out of this slot may still run (possibly on another stream): order after it.
     SHARED_CUDA_TRY(cudaStreamWaitEvent(s, st.events[slot], 0));
     SHARED_CUDA_TRY(cudaMemcpyAsync(st.slots[slot].data(), static_cast<unsigned char*>(c.dense) + first * c.row_bytes,
-                                    static_cast<std::size_t>(pl.chunk_rows(k) * c.row_bytes), cudaMemcpyDeviceToHost,
-                                    s));
+                                    static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyDeviceToHost, s));
     SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
     pl.ready[k].store(true, std::memory_order_release);
   };
   for (std::int64_t k = 0; k < std::min<std::int64_t>(pl.chunks, staging::kSlots); ++k) queue(k);
-  pl.run([&] {
-    std::int64_t arrived_through = -1;  // this worker has seen the rows of chunks <= arrived_through in their slots
-    std::int64_t k = 0, b = 0, e = 0;
-    while (pl.take(k, b, e)) {
+  pl.run([&](int w) {
+    for (std::int64_t k = 0; k < pl.chunks; ++k) {
       const int slot = static_cast<int>(k % staging::kSlots);
-      if (k > arrived_through) {
-        if (!pl.wait_for(pl.ready[k])) return;
-        SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));  // the chunk's rows are in the slot
-        arrived_through = k;
-      }
+      if (!pl.wait_for(pl.ready[k])) return;
+      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));  // the chunk's rows are in the slot
       const std::int64_t first = k * pl.rows_per_chunk;
-      move_block<true>(c, b, e, first, static_cast<unsigned char*>(st.slots[slot].data()));
-      // The worker that finishes the slot's rows refills it with chunk k + kSlots.
-      if (pl.finish(k, e - b) && k + staging::kSlots < pl.chunks) queue(k + staging::kSlots);
+      const auto [b, e] = pl.slice(k, w);
+      move_slice<true>(c, pl, b, e, first, static_cast<unsigned char*>(st.slots[slot].data()));
+      // The last worker done with the slot refills it with chunk k + kSlots.
+      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers && k + staging::kSlots < pl.chunks) {
+        queue(k + staging::kSlots);
+      }
     }
   });
   if (pl.error) SHARED_CUDA_TRY(cudaStreamSynchronize(s));  // no copy may still write a slot the next call uses

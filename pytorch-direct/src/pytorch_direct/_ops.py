@@ -201,7 +201,7 @@ def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
     from ._strategy import host_gather_engine
 
     n = host_idx.numel()
-    if host_gather_engine() == "native" or rb > _Slots.BYTES:
+    if host_gather_engine() == "native" or rb > _Slots.BYTES or rows == 0:  # (no rows: it raises the IndexError)
         _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
                             dest.data_ptr(), settings.threads, stream.cuda_stream)
         return

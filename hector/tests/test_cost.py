@@ -63,3 +63,19 @@ def test_backend_frees_values_after_their_last_reader():
     assert intermediates and intermediates <= set(kept_all)
     assert not intermediates & set(lean)
     assert torch.equal(lean[lw.program.outputs[0]], kept_all[lw.program.outputs[0]])
+
+
+def test_memory_objective_picks_the_lowest_peak():
+    from hector.cost import rows_for
+    from hector.passes import Options
+
+    for g in (hub_graph(False), hub_graph(True)):
+        m = hn.RGATConv(16, 4, R, heads=4).eval()
+        stats = g.stats()
+        peaks = {}
+        for compact in (False, True):
+            for reorder in (False, True):
+                opts = Options(compact=compact, reorder=reorder, rows=rows_for(stats))
+                peaks[(compact, reorder)] = peak_bytes(m.compiled(None, options=opts).inference_lowered, stats)
+        choice = choose_options(m, g, "memory")
+        assert peaks[(choice.compact, choice.reorder)] == min(peaks.values())

@@ -62,7 +62,7 @@ def test_layer_gradcheck_float64(name, optimize, data):
 def test_optimisation_choices_agree(name, data):
     x, ei, et, nt = data
     outs = []
-    for opts in ("none", "all", Options(compact=True, reorder=True, force_reorder=True), "auto"):
+    for opts in ("none", "all", Options(compact=True, reorder=True, force_reorder=True), "auto", "memory"):
         m = randomize(layers()[name]().double())
         m.optimize = opts
         outs.append(m(x, ei, et, nt))

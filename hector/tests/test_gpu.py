@@ -50,4 +50,5 @@ def test_cuda_gradcheck_rgat():
 
     inputs = (torch.randn(14, 5, dtype=torch.float64, device="cuda", requires_grad=True),) + tuple(
         p.detach().clone().requires_grad_() for p in m.parameters())
-    assert torch.autograd.gradcheck(f, inputs, atol=1e-7, rtol=1e-5, fast_mode=True)
+    # Scatter-adds on CUDA use atomics, so two backward passes sum in different orders: allow float64 rounding.
+    assert torch.autograd.gradcheck(f, inputs, atol=1e-7, rtol=1e-5, fast_mode=True, nondet_tol=1e-12)

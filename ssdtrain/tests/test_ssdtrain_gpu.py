@@ -2,6 +2,7 @@
 
 import errno
 import gc
+import threading
 
 import pytest
 import torch
@@ -99,46 +100,76 @@ def test_read_waits_for_pending_work_on_destination(gpu_engine):
     assert torch.equal(out, src)
 
 
+def _within(seconds, fn):
+    """fn() on a daemon thread; fail (instead of hanging the run) if it has not returned in `seconds`."""
+    result, error = [], []
+
+    def run():
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"hung for {seconds} s (stream wait never released)"
+    if error:
+        raise error[0]
+    return result[0]
+
+
 def test_stream_waits_without_blocking_the_host(gpu_engine):
     engine = gpu_engine(block_size="64K", queue_depth=2)
     src = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8, device="cuda")
+    expected = src.sum(dtype=torch.int64).item()
     h = engine.write(src).result(timeout=60)
     out = torch.zeros_like(src)
-    fut = engine.read(h, out=out)
-    device_side = fut.wait_stream(block_host=False)  # returns at once; the current stream waits for the read
-    total = out.sum(dtype=torch.int64)  # queued after the wait: must see the read data
-    assert total.item() == src.sum(dtype=torch.int64).item()
+    stream = torch.cuda.current_stream()
+
+    def check():
+        with torch.cuda.stream(stream):
+            fut = engine.read(h, out=out)  # slow (64 KiB blocks, depth 2): the stream would otherwise run ahead
+            fut.wait_stream(stream, block_host=False)  # returns at once; a host function on the stream waits
+            total = out.sum(dtype=torch.int64)  # queued after the wait: must see the read data
+        return fut, total.item()
+
+    fut, total = _within(60, check)
+    assert total == expected
     assert fut.done()
     fut.result()
-    assert device_side  # cuStreamWaitValue32 on the engine's pinned word: no thread was blocked
 
 
-def test_device_side_stream_waits_many_streams_and_reused_words(gpu_engine):
-    # More operations than one chunk of signal words (1024), each waited on by two streams, so words are reused
-    # only after every stream passed them; every sum queued after a wait must see its read's data.
+def test_stream_waits_many_streams(gpu_engine):
+    # Many operations, each waited on by two streams without blocking the host; every sum queued after a wait
+    # must see its read's data, and nothing may hang.
     engine = gpu_engine(block_size="64K")
     src = torch.randint(0, 256, (64 << 10,), dtype=torch.uint8, device="cuda")
     h = engine.write(src).result(timeout=60)
     expected = src.sum(dtype=torch.int64)
     streams = [torch.cuda.Stream() for _ in range(4)]
-    sums, futures, device_side = [], [], []
-    for i in range(1200):
-        a, b = streams[i % 4], streams[(i + 1) % 4]
-        with torch.cuda.stream(a):
-            out = torch.zeros_like(src)  # allocated and zeroed on `a`, the stream the read is ordered after
-            fut = engine.read(h, out=out)
-            device_side.append(fut.wait_stream(block_host=False))
-            fut.wait_stream(b, block_host=False)
-            sums.append(out.sum(dtype=torch.int64))
-        with torch.cuda.stream(b):
-            sums.append(out.sum(dtype=torch.int64))
-        out.record_stream(b)
-        futures.append(fut)
-    torch.cuda.synchronize()
+
+    def run():
+        sums, futures = [], []
+        for i in range(300):
+            a, b = streams[i % 4], streams[(i + 1) % 4]
+            with torch.cuda.stream(a):
+                out = torch.zeros_like(src)  # allocated and zeroed on `a`, the stream the read is ordered after
+                fut = engine.read(h, out=out)
+                fut.wait_stream(block_host=False)
+                fut.wait_stream(b, block_host=False)
+                sums.append(out.sum(dtype=torch.int64))
+            with torch.cuda.stream(b):
+                sums.append(out.sum(dtype=torch.int64))
+            out.record_stream(b)
+            futures.append(fut)
+        torch.cuda.synchronize()
+        return sums, futures
+
+    sums, futures = _within(120, run)
     for f in futures:
         f.result(timeout=60)
     assert all(bool(t == expected) for t in sums)
-    assert any(device_side)
 
 
 def test_cuda_tensor_freed_while_write_in_flight(gpu_engine):
@@ -182,11 +213,19 @@ def test_gds_reports_mode(tmp_path):
 def test_huge_empty_pinned_round_trip(gpu_engine):
     engine = gpu_engine()
     nbytes = (3 << 20) + 4096
-    src = ssdtrain.huge_empty(nbytes)
-    assert src.is_pinned()  # registered with CUDA: device copies from it run at full speed
+    # Two honest outcomes: pinned memory that torch sees as pinned, or a RuntimeError naming the cause. Never a
+    # tensor that silently is not pinned (run E3 on an H200 got one: only the aligned middle of the storage was
+    # registered, and torch checks the storage's base address).
+    try:
+        src = ssdtrain.huge_empty(nbytes)
+    except RuntimeError as e:
+        assert "pin" in str(e) and "cudaHostRegister" in str(e), e
+        src = ssdtrain.huge_empty(nbytes, pin_memory=False)
+    else:
+        assert src.is_pinned()  # registered with CUDA: device copies from it run at full speed
     src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda"), non_blocking=False)
     h = engine.write(src).result(timeout=60)
-    out = ssdtrain.huge_empty(nbytes)
+    out = ssdtrain.huge_empty(nbytes, pin_memory=src.is_pinned())
     out.fill_(0x5A)
     engine.read(h, out=out).result(timeout=60)
     assert torch.equal(out, src)

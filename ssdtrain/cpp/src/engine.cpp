@@ -891,10 +891,6 @@ void operation::fail(std::exception_ptr e) {
 
 void operation::set_staged() { staged_.store(true, std::memory_order_release); }
 
-namespace {
-void release_signal(int slot);
-}
-
 void operation::finish() {
   engine_impl* owner = nullptr;
   {
@@ -908,135 +904,26 @@ void operation::finish() {
     std::lock_guard<std::mutex> lock(mutex_);
     staged_.store(true, std::memory_order_release);
     done_.store(true, std::memory_order_release);
-    if (signal_ >= 0) release_signal(signal_);  // streams waiting on the word go on
     cv_.notify_all();
   }
 }
 
 // ---------------------------------------------------------------------------------------------- stream wait
 
-namespace {
-
-// Pinned, device-mapped 32-bit words that operations set to 1 when they finish; CUDA streams wait on them with
-// cuStreamWaitValue32. A word returns to the pool only when its operation finished and every stream that waited
-// on it has passed the wait (a host function queued after the wait drops that stream's reference), so a reused
-// word is never still watched.
-class signal_pool {
- public:
-  static signal_pool& get() {
-    static auto* pool = new signal_pool();  // leaked: streams may still hold references at exit
-    return *pool;
-  }
-  // A cleared word with one reference (the operation's), or -1 where none can be had.
-  int acquire() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (free_.empty() && !grow()) return -1;
-    const int slot = free_.back();
-    free_.pop_back();
-    __atomic_store_n(word(slot), 0u, __ATOMIC_RELEASE);
-    refs_[slot] = 1;
-    return slot;
-  }
-  void add_ref(int slot) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++refs_[slot];
-  }
-  void release(int slot) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--refs_[slot] == 0) free_.push_back(slot);
-  }
-  std::uint32_t* word(int slot) const { return chunks_[slot / chunk] + slot % chunk; }
-  bool wait_value_usable() const { return wait_value_ != nullptr; }
-  // cuStreamWaitValue32(stream, address, 1, CU_STREAM_WAIT_VALUE_GEQ); false where the driver refused it.
-  bool enqueue_wait(std::uintptr_t stream, int slot) const {
-    return wait_value_ &&
-           wait_value_(reinterpret_cast<void*>(stream), reinterpret_cast<std::uintptr_t>(word(slot)), 1u, 0u) == 0;
-  }
-
- private:
-  static constexpr int chunk = 1024;
-  using wait_value_fn = int (*)(void* stream, std::uintptr_t address, std::uint32_t value, unsigned flags);
-
-  signal_pool() {
+// A host function on the caller's stream waits for the operation (op->wait()); work queued on the stream after
+// it starts only once the operation is done. No GPU-side polling of host memory (the earlier cuStreamWaitValue32
+// design hung on an H200): this cannot deadlock, because the engine's progress never depends on CUDA's callback
+// thread (its copies are synchronised from its own threads, never through host functions). The cost: CUDA's
+// callback thread (one per process) is blocked while it waits, delaying other host functions queued meanwhile.
+void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
 #if SHARED_CUDA_HAS_CUDA
-    cudaDriverEntryPointQueryResult found{};
-    void* fn = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      wait_value_ = reinterpret_cast<wait_value_fn>(fn);
-#endif
-  }
-  bool grow() {
-#if SHARED_CUDA_HAS_CUDA
-    void* p = nullptr;
-    if (cudaHostAlloc(&p, chunk * sizeof(std::uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-      return false;
-    const int base = static_cast<int>(chunks_.size()) * chunk;
-    chunks_.push_back(static_cast<std::uint32_t*>(p));
-    refs_.resize(refs_.size() + chunk, 0);
-    for (int i = chunk - 1; i >= 0; --i) free_.push_back(base + i);
-    return true;
-#else
-    return false;
-#endif
-  }
-
-  std::mutex mutex_;
-  std::vector<std::uint32_t*> chunks_;
-  std::vector<int> refs_;
-  std::vector<int> free_;
-  wait_value_fn wait_value_ = nullptr;
-};
-
-}  // namespace
-
-namespace {
-// Sets the word (the GPU sees it over PCIe) and drops the operation's reference.
-void release_signal(int slot) {
-  auto& pool = signal_pool::get();
-  __atomic_store_n(pool.word(slot), 1u, __ATOMIC_RELEASE);
-  pool.release(slot);
-}
-}  // namespace
-
-bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
-#if SHARED_CUDA_HAS_CUDA
-  if (op->done()) return true;  // nothing to wait for
-  auto& pool = signal_pool::get();
-  int slot = -1;
-  if (pool.wait_value_usable()) {
-    std::lock_guard<std::mutex> lock(op->mutex_);
-    if (op->done()) return true;
-    if (op->signal_ < 0) op->signal_ = pool.acquire();
-    slot = op->signal_;
-    if (slot >= 0) pool.add_ref(slot);  // this stream's reference, dropped once the stream passed the wait
-  }
-  if (slot >= 0) {
-    if (pool.enqueue_wait(stream, slot)) {
-      auto* held = new int(slot);
-      const cudaError_t status = cudaLaunchHostFunc(
-          reinterpret_cast<cudaStream_t>(stream),
-          [](void* p) {
-            auto* s = static_cast<int*>(p);
-            signal_pool::get().release(*s);  // no CUDA calls here (forbidden on the callback thread)
-            delete s;
-          },
-          held);
-      if (status == cudaSuccess) return true;
-      delete held;
-      // The wait is queued but its reference cannot be dropped: keep the word out of the pool for good.
-      cuda_check(status, "cudaLaunchHostFunc");
-    }
-    pool.release(slot);
-  }
-  // Fallback: a host function that waits for the operation on CUDA's callback thread (it makes no CUDA calls; the
-  // engine's progress never depends on that thread).
+  if (op->done()) return;  // nothing to wait for
   auto* held = new operation_ptr(op);
   const cudaError_t status = cudaLaunchHostFunc(
       reinterpret_cast<cudaStream_t>(stream),
       [](void* p) {
         auto* o = static_cast<operation_ptr*>(p);
-        (*o)->wait();
+        (*o)->wait();  // no CUDA calls here (forbidden on the callback thread)
         delete o;
       },
       held);
@@ -1044,7 +931,6 @@ bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
     delete held;
     cuda_check(status, "cudaLaunchHostFunc");
   }
-  return false;
 #else
   (void)op, (void)stream;
   throw shared_cuda::unavailable_error("ssdtrain: stream ordering needs a build with CUDA");

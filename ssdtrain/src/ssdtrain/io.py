@@ -287,7 +287,8 @@ def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> t
     a tensor of scattered 4 KiB pages (``torch.empty``, ``pin_memory=True``) is copied through the staging buffers
     instead (stage_host=auto), which costs a memcpy. Huge pages are a request (``madvise``), not a guarantee:
     with transparent_hugepage=never the tensor still works, only slower. ``pin_memory`` (default: CUDA available)
-    registers it with CUDA for fast device copies.
+    registers it with CUDA (cudaHostRegister through torch's runtime) for fast device copies; if that fails, or torch
+    does not then report ``is_pinned()``, it raises RuntimeError with the cause (never a silently pageable tensor).
     """
     shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
@@ -299,14 +300,30 @@ def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> t
     view.zero_()  # fault the pages in now, as huge pages where the kernel has them
     pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if pinned:
-        err = torch.cuda.cudart().cudaHostRegister(start, rounded, 0)
+        # The whole allocation, not only the aligned range: torch's is_pinned() asks CUDA about the *storage's* base
+        # address (raw.data_ptr(), up to 2 MiB before `start`); registering only [start, start+rounded) gave a
+        # tensor that worked but was not pinned in torch's eyes (GPU run E3). Through torch's own CUDA runtime.
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {rounded} bytes failed ({err}); pass pin_memory=False")
+            raise RuntimeError(f"huge_empty: cannot pin: cudaHostRegister of {raw.numel()} bytes failed "
+                               f"({_cuda_error_text(err)}); pass pin_memory=False")
+        if not view.is_pinned():  # never hand out a tensor that silently is not pinned
+            cudart.cudaHostUnregister(raw.data_ptr())
+            raise RuntimeError("huge_empty: cannot pin: cudaHostRegister succeeded but torch does not see the memory "
+                               "as pinned (is_pinned() is False); pass pin_memory=False")
     storage = raw.untyped_storage()  # lives as long as any view of the memory
     key = id(storage)
     _huge_ranges[key] = (start, start + rounded)
-    weakref.finalize(storage, _forget_huge, key, start, pinned)
+    weakref.finalize(storage, _forget_huge, key, raw.data_ptr(), pinned)
     return view[:nbytes].view(dtype).view(shape)
+
+
+def _cuda_error_text(err) -> str:
+    try:
+        return f"{err}: {torch.cuda.cudart().cudaGetErrorString(err)}"
+    except Exception:  # noqa: BLE001 - the code alone still names the cause
+        return str(err)
 
 
 def _madvise_hugepage(address: int, nbytes: int) -> bool:
@@ -449,25 +466,24 @@ class Future:
             raise error
         return self._value
 
-    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> bool:
+    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> None:
         """Make work queued on `stream` (default: the current stream) after this call see the transfer's data.
 
         block_host=True: wait on the host (the engine's device copies are complete when the transfer is), then raise
-        the failure, if any. block_host=False: return at once; the *stream* waits on the GPU
-        (``cuStreamWaitValue32`` on a pinned word the engine sets when the transfer finishes: no thread blocks), or,
-        where the driver refuses stream memory operations, through a host function that blocks CUDA's callback
-        thread until then. The stream proceeds even if the transfer failed: call result() before trusting the data.
-        Returns True when nothing blocks a thread (done already, or the device-side wait), False for the fallback.
-        Caution: GPU run C hung in the first test of block_host=False (most likely the waiting stream sharing a
-        hardware queue with the engine's copy stream; see benchmarks/RESULTS.md); prefer block_host=True for now.
+        the failure, if any. block_host=False: return at once; a host function queued on the stream
+        (``cudaLaunchHostFunc``) waits for the transfer, so the stream goes on only after it. That host function
+        blocks CUDA's callback thread (one per process) meanwhile, delaying other host functions queued in the
+        process until the transfer finishes; it cannot deadlock, since the engine never needs that thread. There is
+        no GPU-side polling of host memory (the earlier ``cuStreamWaitValue32`` design hung on an H200). The stream
+        proceeds even if the transfer failed: call result() before trusting the data.
         """
         if block_host or self.done():
             self.result()
-            return True
+            return
         if not torch.cuda.is_available():
             raise RuntimeError("wait_stream(block_host=False) needs CUDA; use wait_stream() or result()")
         stream = stream if stream is not None else torch.cuda.current_stream()
-        return bool(_core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream)))
+        _core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream))
 
     @property
     def nbytes(self) -> int:

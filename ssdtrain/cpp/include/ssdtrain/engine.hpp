@@ -111,8 +111,6 @@ class operation {
   std::exception_ptr error_;
   std::atomic<bool> done_{false};
   std::atomic<bool> staged_{false};
-  int signal_ = -1;  // a pinned word set to 1 at finish, which CUDA streams wait on (see enqueue_stream_wait)
-  friend bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
 };
 
 struct directory_info {
@@ -157,12 +155,11 @@ class engine {
   std::shared_ptr<engine_impl> impl_;
 };
 
-// Makes a CUDA stream wait (device side; the calling thread does not block) until `op` is done. Work queued on
-// the stream afterwards sees the data. The failure, if any, is still reported by op->get(): the stream proceeds
-// either way. The stream waits with cuStreamWaitValue32 on a pinned word the engine sets when the operation
-// finishes (no thread blocks anywhere); where the driver refuses stream memory operations, a host function on the
-// stream waits instead (it occupies CUDA's callback thread meanwhile). Returns true for the first kind.
-bool enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
+// Makes a CUDA stream wait until `op` is done; the calling thread does not block. Work queued on the stream
+// afterwards sees the data. The failure, if any, is still reported by op->get(): the stream proceeds either way.
+// A host function queued on the stream waits for the operation, occupying CUDA's callback thread meanwhile (the
+// engine never needs that thread, so this cannot deadlock). Nothing is queued if `op` is done already.
+void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
 
 // crc32c (Castagnoli) of a byte range, continuing from `crc` (0 to start). Hardware instructions where present.
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept;

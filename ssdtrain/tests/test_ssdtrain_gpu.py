@@ -134,7 +134,7 @@ def test_stream_waits_without_blocking_the_host(gpu_engine):
             total = out.sum(dtype=torch.int64)  # queued after the wait: must see the read data
         return fut, total.item()
 
-    fut, total = _within(60, check)
+    fut, total = _within(20, check)
     assert total == expected
     assert fut.done()
     fut.result()
@@ -166,7 +166,7 @@ def test_stream_waits_many_streams(gpu_engine):
         torch.cuda.synchronize()
         return sums, futures
 
-    sums, futures = _within(120, run)
+    sums, futures = _within(20, run)
     for f in futures:
         f.result(timeout=60)
     assert all(bool(t == expected) for t in sums)

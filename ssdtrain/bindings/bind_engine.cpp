@@ -61,7 +61,6 @@ void bind_engine(nb::module_& m) {
       .def("wait", &ssdtrain::operation::wait, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())
       .def("get", &ssdtrain::operation::get, nb::call_guard<nb::gil_scoped_release>())
       .def("failed", [](const ssdtrain::operation& op) { return op.done() && op.error() != nullptr; })
-      .def_static("enqueue_stream_wait", &ssdtrain::enqueue_stream_wait, "op"_a, "stream"_a)
       .def_prop_ro("bytes", &ssdtrain::operation::bytes)
       .def_prop_ro("is_write", &ssdtrain::operation::is_write)
       .def_prop_ro("seconds", &ssdtrain::operation::seconds);

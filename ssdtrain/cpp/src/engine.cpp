@@ -908,35 +908,6 @@ void operation::finish() {
   }
 }
 
-// ---------------------------------------------------------------------------------------------- stream wait
-
-// A host function on the caller's stream waits for the operation (op->wait()); work queued on the stream after
-// it starts only once the operation is done. No GPU-side polling of host memory (the earlier cuStreamWaitValue32
-// design hung on an H200): this cannot deadlock, because the engine's progress never depends on CUDA's callback
-// thread (its copies are synchronised from its own threads, never through host functions). The cost: CUDA's
-// callback thread (one per process) is blocked while it waits, delaying other host functions queued meanwhile.
-void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream) {
-#if SHARED_CUDA_HAS_CUDA
-  if (op->done()) return;  // nothing to wait for
-  auto* held = new operation_ptr(op);
-  const cudaError_t status = cudaLaunchHostFunc(
-      reinterpret_cast<cudaStream_t>(stream),
-      [](void* p) {
-        auto* o = static_cast<operation_ptr*>(p);
-        (*o)->wait();  // no CUDA calls here (forbidden on the callback thread)
-        delete o;
-      },
-      held);
-  if (status != cudaSuccess) {
-    delete held;
-    cuda_check(status, "cudaLaunchHostFunc");
-  }
-#else
-  (void)op, (void)stream;
-  throw shared_cuda::unavailable_error("ssdtrain: stream ordering needs a build with CUDA");
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------- engine
 
 engine::engine(engine_config config) : impl_(std::make_shared<engine_impl>(std::move(config))) {}

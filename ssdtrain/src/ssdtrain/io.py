@@ -12,7 +12,7 @@ Writes and reads are futures (``Future``): ``done()`` polls, ``wait(timeout)`` b
 re-raises the failure (``OSError`` with errno: ENOSPC, EIO, ...; ``ChecksumError`` when stored data was corrupted),
 ``staged()`` says when a write no longer reads its source (for CUDA tensors: once the device-to-host copies are done,
 so GPU memory can be reused before the disk write finishes), ``wait_stream(stream)`` orders a CUDA stream after the
-transfer (on the host, or with ``block_host=False`` on the device only). CUDA work is ordered against the caller's
+transfer (a host wait; the engine's device copies are then complete). CUDA work is ordered against the caller's
 stream or an event: a write starts after the work already queued on the current stream (which produces the tensor) or
 after ``after=event``; a read into a CUDA tensor starts after the work queued on it. Completion is reported to the
 host (``done``/``wait``); the engine's own device copies are finished by then, so any stream may use the data once the
@@ -466,24 +466,16 @@ class Future:
             raise error
         return self._value
 
-    def wait_stream(self, stream: torch.cuda.Stream | None = None, *, block_host: bool = True) -> None:
-        """Make work queued on `stream` (default: the current stream) after this call see the transfer's data.
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make work queued on `stream` (any stream) after this call see the transfer's data; raise its failure.
 
-        block_host=True: wait on the host (the engine's device copies are complete when the transfer is), then raise
-        the failure, if any. block_host=False: return at once; a host function queued on the stream
-        (``cudaLaunchHostFunc``) waits for the transfer, so the stream goes on only after it. That host function
-        blocks CUDA's callback thread (one per process) meanwhile, delaying other host functions queued in the
-        process until the transfer finishes; it cannot deadlock, since the engine never needs that thread. There is
-        no GPU-side polling of host memory (the earlier ``cuStreamWaitValue32`` design hung on an H200). The stream
-        proceeds even if the transfer failed: call result() before trusting the data.
+        The wait is on the host: the engine's own device copies are complete when the transfer is, so once this
+        returns every stream may use the data. There is no device-side (non-blocking) wait: both designs tried, a
+        ``cuStreamWaitValue32`` on a flag and a host function blocking the caller's stream, hung on an H200
+        (benchmarks/RESULTS.md), because the engine's CUDA calls can wait for that stream.
         """
-        if block_host or self.done():
-            self.result()
-            return
-        if not torch.cuda.is_available():
-            raise RuntimeError("wait_stream(block_host=False) needs CUDA; use wait_stream() or result()")
-        stream = stream if stream is not None else torch.cuda.current_stream()
-        _core.Operation.enqueue_stream_wait(self._op, int(stream.cuda_stream))
+        del stream  # any stream: see above
+        self.result()
 
     @property
     def nbytes(self) -> int:

@@ -155,12 +155,6 @@ class engine {
   std::shared_ptr<engine_impl> impl_;
 };
 
-// Makes a CUDA stream wait until `op` is done; the calling thread does not block. Work queued on the stream
-// afterwards sees the data. The failure, if any, is still reported by op->get(): the stream proceeds either way.
-// A host function queued on the stream waits for the operation, occupying CUDA's callback thread meanwhile (the
-// engine never needs that thread, so this cannot deadlock). Nothing is queued if `op` is done already.
-void enqueue_stream_wait(const operation_ptr& op, std::uintptr_t stream);
-
 // crc32c (Castagnoli) of a byte range, continuing from `crc` (0 to start). Hardware instructions where present.
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept;
 

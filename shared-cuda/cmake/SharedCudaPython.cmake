@@ -31,11 +31,6 @@ function(shared_cuda_add_python_module package)
   # C++ template instantiations (std::regex, std::function, ...) can resolve to libtorch's copies, built with
   # another libstdc++, and crash (seen: a segfault in NVRTC error reporting with torch 2.11 loaded).
   target_link_options(_core PRIVATE -Wl,-Bsymbolic -Wl,--exclude-libs,ALL)
-  if(SHARED_CUDA_HAS_CUDA)
-    target_compile_definitions(_core PRIVATE SHARED_CUDA_HAS_CUDA=1)
-  else()
-    target_compile_definitions(_core PRIVATE SHARED_CUDA_HAS_CUDA=0)
-  endif()
   install(TARGETS _core LIBRARY DESTINATION ${package})
   install(FILES ${SHARED_CUDA_SOURCE_DIR}/python/_shared_cuda.py DESTINATION ${package})
 endfunction()

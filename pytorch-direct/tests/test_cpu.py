@@ -463,6 +463,7 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     from pytorch_direct import _ops
 
     monkeypatch.setattr(_ops._Slots, "BYTES", 1 << 16)  # many chunks, slots reused
+    monkeypatch.setattr(_ops._Slots, "FIRST_BYTES", 1 << 12)
     slots = ([torch.empty(1 << 16, dtype=torch.uint8) for _ in range(_ops._Slots.COUNT)],
              [_FakeEvent() for _ in range(_ops._Slots.COUNT)])
     monkeypatch.setattr(_ops._Slots, "get", classmethod(lambda cls, device: slots))
@@ -474,12 +475,30 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     out = torch.empty((idx.numel(),) + tuple(shape[1:]), dtype=dtype)
     _ops._gather_staged(table, rows, rb, idx, out, None)
     assert torch.equal(out, table[idx.long()])
-    per_chunk = (1 << 16) // rb
-    assert sum(e.recorded for e in slots[1]) == -(-idx.numel() // per_chunk)  # one copy per chunk
+    chunks = list(_ops._Slots.chunks(idx.numel(), rb))
+    assert sum(e.recorded for e in slots[1]) == len(chunks)  # one copy per chunk
     bad = idx.clone()
     bad[3000] = rows
     with pytest.raises(IndexError, match=f"index {rows} at position 3000"):
         _ops._gather_staged(table, rows, rb, bad, out, None)
+
+
+@pytest.mark.parametrize("count,row_bytes", [(0, 64), (1, 64), (100_000, 64), (3_000, 4096), (5, 3 << 20),
+                                             (7, 9 << 20)])
+def test_staged_chunk_schedule(count, row_bytes):
+    # Chunks cover the rows in order with no gap, start at FIRST_BYTES, double, never exceed a slot (BYTES) unless
+    # a single row is wider (the caller sends such rows elsewhere), and hold at least one row.
+    from pytorch_direct import _ops
+
+    chunks = list(_ops._Slots.chunks(count, row_bytes))
+    assert [s for s, _ in chunks] == ([0] + [e for _, e in chunks[:-1]] if count else [])
+    assert (chunks[-1][1] if chunks else 0) == count
+    sizes = [(e - s) * row_bytes for s, e in chunks]
+    assert all(e > s for s, e in chunks)
+    assert all(b <= max(_ops._Slots.BYTES, row_bytes) for b in sizes)
+    if row_bytes <= _ops._Slots.FIRST_BYTES and count * row_bytes > 4 * _ops._Slots.BYTES:
+        assert sizes[0] <= _ops._Slots.FIRST_BYTES < sizes[1] < sizes[2]  # small first, then growing
+        assert max(sizes) > _ops._Slots.BYTES // 2
 
 
 def test_auto_host_strategies_need_a_margin(tmp_cache):
@@ -500,3 +519,40 @@ def test_auto_host_strategies_need_a_margin(tmp_cache):
         assert _strategy.host_gather_engine() == "torch"  # no calibration in the empty cache directory
     finally:
         _strategy.set_table(None)
+
+
+def test_eager_calls_skip_the_dispatcher(monkeypatch):
+    # A plain eager call runs the implementation directly; autograd, dispatch modes (fake tensors, export) and the
+    # profiler still see the custom op.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pytorch_direct import _ops
+
+    table = pd.unified(torch.randn(50, 4), copy=True)
+    idx = torch.tensor([3, 1, 3])
+    calls = []
+    real = _ops.gather_op
+    monkeypatch.setattr(_ops, "gather_op", lambda *a, **k: calls.append("op") or real(*a, **k))
+    assert torch.equal(pd.gather(table, idx), table.plain()[idx])
+    assert torch.equal(table[idx], table.plain()[idx])
+    assert calls == []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        pd.gather(table, idx)
+    assert "op" in calls and "pytorch_direct.gather.default" in calls
+    calls.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        pd.gather(table, idx)
+    assert calls == ["op"]
+    calls.clear()
+    table.requires_grad_(True)
+    rows = pd.gather(table, idx)
+    assert calls == ["op"] and rows.grad_fn is not None
+    with torch.no_grad():
+        assert pd.gather(table, idx).grad_fn is None
+    assert calls == ["op"]

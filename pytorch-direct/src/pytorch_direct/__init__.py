@@ -49,12 +49,12 @@ def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
     the GPU)."""
     import torch
 
-    from ._ops import check_index, check_table, gather_op
+    from . import _ops
 
-    check_table(table)
-    check_index(index)
+    _ops.check_table(table)
+    _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        return gather_op(table, index, strategy, int(max_sms))
+        return _ops.gather(table, index, strategy, int(max_sms))
 
 
 def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
@@ -62,12 +62,12 @@ def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
     With duplicate indices one writer wins per element. Returns ``table``."""
     import torch
 
-    from ._ops import check_index, check_table, scatter_op
+    from . import _ops
 
-    check_table(table)
-    check_index(index)
+    _ops.check_table(table)
+    _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        scatter_op(table, index, values, strategy, int(max_sms))
+        _ops.scatter(table, index, values, strategy, int(max_sms))
     return table
 
 
@@ -75,12 +75,12 @@ def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "aut
     """``table[index[i]] += alpha * values[i]`` with duplicate indices summed. Returns ``table``."""
     import torch
 
-    from ._ops import check_index, check_table, index_add_op
+    from . import _ops
 
-    check_table(table)
-    check_index(index)
+    _ops.check_table(table)
+    _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        index_add_op(table, index, values, float(alpha), strategy, int(max_sms))
+        _ops.index_add(table, index, values, float(alpha), strategy, int(max_sms))
     return table
 
 

@@ -5,6 +5,7 @@ Every op takes the table as a host (CPU) tensor. With CUDA indices the table mus
 tensor); rows move on the current CUDA stream. With CPU indices everything stays on the host (multithreaded).
 """
 
+import contextlib
 import threading
 
 import torch
@@ -32,10 +33,15 @@ class _Side:
 
 class _Slots:
     """Pinned staging slots (and an event per slot: when its last copy finished) for the staged gather whose host
-    gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time."""
+    gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time.
+
+    Chunks grow from FIRST_BYTES to BYTES (the slot size): a small first chunk starts the DMA early, large later
+    ones amortise the ~15 us that each ``index_select`` call and each copy cost on the host (measured on an H200
+    host, benchmarks/RESULTS.md run F)."""
 
     COUNT = 4
-    BYTES = 4 << 20  # also the chunk size: a chunk's index_select and its copy to the GPU each take ~40-80 us
+    BYTES = 8 << 20
+    FIRST_BYTES = 1 << 20
     per_device: dict = {}
     lock = threading.Lock()
 
@@ -47,6 +53,15 @@ class _Slots:
             events = [torch.cuda.Event() for _ in range(cls.COUNT)]
             slots = cls.per_device[device.index] = (buffers, events)
         return slots
+
+    @classmethod
+    def chunks(cls, count: int, row_bytes: int):
+        """(start, end) row ranges of a staged call: FIRST_BYTES, doubling up to BYTES, at least one row each."""
+        start, limit = 0, cls.FIRST_BYTES
+        while start < count:
+            end = min(count, start + max(1, limit // row_bytes))
+            yield start, end
+            start, limit = end, min(cls.BYTES, limit * 2)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -129,6 +144,13 @@ def raise_pending_device_error() -> None:
         )
 
 
+def _on_device(device: torch.device):
+    """torch.cuda.device(device), or nothing to do when it is current already (the common case, a few us saved)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
@@ -162,6 +184,51 @@ def _resolve(strategy: str, op: str, row_bytes: int, count: int, rows: int) -> s
             "'sorted' or 'auto' inside a captured region"
         )
     return strategy
+
+
+# ---------------------------------------------------------------------------------------------------- entry points
+
+
+def use_dispatcher(*tensors) -> bool:
+    """Whether a call must go through its custom op (torch's dispatcher): to record autograd, or to be seen by
+    torch.compile / export / fake tensors / functorch transforms / torch function modes / the profiler. A plain
+    eager call runs the implementation directly: the dispatcher costs ~20 us per call, about 4 % of a 34 MB
+    gather on an H200 (benchmarks/RESULTS.md, run F)."""
+    if torch.compiler.is_compiling():  # first: Dynamo folds it and never traces the checks below
+        return True
+    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled()):
+        return True
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if isinstance(t, Tensor) and ((grad and t.requires_grad) or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return True
+    return False
+
+
+def gather(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 0,
+           padding_idx: int | None = None) -> Tensor:
+    """table[index] through the custom op when autograd or tracing needs it, else directly."""
+    if use_dispatcher(table, index):
+        return gather_op(table, index, strategy, max_sms, padding_idx)
+    return gather_impl(table, index, strategy, max_sms)
+
+
+def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto", max_sms: int = 0) -> None:
+    """table[index] = values through the custom op when tracing needs it, else directly."""
+    if use_dispatcher(table, index, values):
+        scatter_op(table, index, values, strategy, max_sms)
+    else:
+        scatter_impl(table, index, values, strategy, max_sms)
+
+
+def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
+              max_sms: int = 0) -> None:
+    """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
+    if use_dispatcher(table, index, values):
+        index_add_op(table, index, values, alpha, strategy, max_sms)
+    else:
+        index_add_impl(table, index, values, alpha, strategy, max_sms)
 
 
 # ---------------------------------------------------------------------------------------------------- gather
@@ -208,11 +275,9 @@ def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         src = table.detach().reshape(rows, -1).view(torch.uint8)  # (rows, rb) bytes
         dst = dest.view(n, -1).view(torch.uint8)
-    per_chunk = max(1, _Slots.BYTES // rb)
     with _Slots.lock, torch.cuda.stream(stream):
         buffers, events = _Slots.get(dest.device)
-        for k, start in enumerate(range(0, n, per_chunk)):
-            end = min(n, start + per_chunk)
+        for k, (start, end) in enumerate(_Slots.chunks(n, rb)):
             slot = k % _Slots.COUNT
             events[slot].synchronize()  # the slot's previous copy (of this call or an earlier one) is done
             staged = buffers[slot][: (end - start) * rb].view(end - start, rb)
@@ -254,7 +319,7 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
         _precheck(idx, rows)
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     strategy = _resolve(strategy, "gather", rb, n, rows)
-    with torch.cuda.device(index.device):
+    with _on_device(index.device):
         stream = torch.cuda.current_stream()
         if strategy in ("vector", "naive"):
             _launch_gather(table, rows, rb, idx, out, None, strategy, max_sms, stream.cuda_stream)
@@ -336,7 +401,7 @@ def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int
         g = g * keep.view(tuple(index.shape) + (1,) * (g.dim() - index.dim()))
     with torch.no_grad():
         rows = g.reshape((index.numel(),) + tuple(table.shape[1:]))
-        index_add_op(table.grad, index.reshape(-1), rows, 1.0, "auto", 0)
+        index_add(table.grad, index.reshape(-1), rows, 1.0, "auto", 0)
 
 
 # ---------------------------------------------------------------------------------------------------- scatter
@@ -387,7 +452,7 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
         _precheck(idx, rows)  # writes: nothing is written when an index is bad
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     strategy = _resolve(strategy, "scatter", rb, n, rows)
-    with torch.cuda.device(index.device):
+    with _on_device(index.device):
         stream = torch.cuda.current_stream()
         if strategy in ("vector", "naive"):
             _launch_scatter(table, rows, rb, idx, vals, None, strategy, max_sms, stream.cuda_stream)
@@ -411,10 +476,7 @@ def _scatter_fake(table, index, values, strategy="auto", max_sms=0):
     return None
 
 
-@torch.library.custom_op("pytorch_direct::index_add_", mutates_args=("table",))
-def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
-                 max_sms: int = 0) -> None:
-    """table[index[i], ...] += alpha * values[i, ...], duplicate indices summed."""
+def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, strategy: str, max_sms: int) -> None:
     check_table(table)
     check_index(index)
     rows, _ = row_layout(table)
@@ -442,6 +504,13 @@ def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.
     sums.index_add_(0, inverse, vals.to(acc), alpha=alpha)
     current = gather_impl(table, unique, strategy, max_sms)
     scatter_impl(table, unique, (current.to(acc) + sums).to(table.dtype), strategy, max_sms)
+
+
+@torch.library.custom_op("pytorch_direct::index_add_", mutates_args=("table",))
+def index_add_op(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
+                 max_sms: int = 0) -> None:
+    """table[index[i], ...] += alpha * values[i, ...], duplicate indices summed."""
+    index_add_impl(table, index, values, alpha, strategy, max_sms)
 
 
 @index_add_op.register_fake

@@ -81,7 +81,7 @@ def _keep_unified(result, args):
 
 def _getitem(self, key):
     if isinstance(self, UnifiedTensor) and _plain_int_index(key):
-        return _ops.gather_op(self, key)
+        return _ops.gather(self, key)
     return NotImplemented
 
 
@@ -94,7 +94,7 @@ def _setitem(self, key, value):
     if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
     value = value.to(dtype=self.dtype).expand(tuple(key.shape) + row_shape)
-    _ops.scatter_op(self, key, value.contiguous())
+    _ops.scatter(self, key, value.contiguous())
     return None
 
 
@@ -102,7 +102,7 @@ def _index_select(self, dim, index, *, out=None):
     if isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index):
         if index.dim() > 1:
             raise IndexError("index_select(): index must be a vector (1-D)")
-        return _ops.gather_op(self, index)
+        return _ops.gather(self, index)
     return NotImplemented
 
 
@@ -117,7 +117,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         )
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    return _ops.gather_op(weight, input, padding_idx=padding_idx)
+    return _ops.gather(weight, input, padding_idx=padding_idx)
 
 
 def _gather(input, dim, index, *, sparse_grad=False, out=None):
@@ -152,19 +152,19 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
     # Out-of-range rows must raise, not land on a neighbouring element: map them outside the flat range.
     flat = torch.where((index >= 0) & (index < rows), flat, torch.full_like(flat, -1))
     elements = input.reshape(-1)
-    return _ops.gather_op(elements, flat)
+    return _ops.gather(elements, flat)
 
 
 def _index_copy_(self, dim, index, source):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
-        _ops.scatter_op(self, index, source)
+        _ops.scatter(self, index, source)
         return self
     return NotImplemented
 
 
 def _index_add_(self, dim, index, source, *, alpha=1):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
-        _ops.index_add_op(self, index, source, float(alpha))
+        _ops.index_add(self, index, source, float(alpha))
         return self
     return NotImplemented
 

@@ -463,7 +463,6 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     from pytorch_direct import _ops
 
     monkeypatch.setattr(_ops._Slots, "BYTES", 1 << 16)  # many chunks, slots reused
-    monkeypatch.setattr(_ops._Slots, "FIRST_BYTES", 1 << 12)
     slots = ([torch.empty(1 << 16, dtype=torch.uint8) for _ in range(_ops._Slots.COUNT)],
              [_FakeEvent() for _ in range(_ops._Slots.COUNT)])
     monkeypatch.setattr(_ops._Slots, "get", classmethod(lambda cls, device: slots))
@@ -486,19 +485,16 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
 @pytest.mark.parametrize("count,row_bytes", [(0, 64), (1, 64), (100_000, 64), (3_000, 4096), (5, 3 << 20),
                                              (7, 9 << 20)])
 def test_staged_chunk_schedule(count, row_bytes):
-    # Chunks cover the rows in order with no gap, start at FIRST_BYTES, double, never exceed a slot (BYTES) unless
-    # a single row is wider (the caller sends such rows elsewhere), and hold at least one row.
+    # Chunks cover the rows in order with no gap, each fills at most one slot (BYTES) unless a single row is wider
+    # (the caller sends such rows elsewhere), and holds at least one row.
     from pytorch_direct import _ops
 
     chunks = list(_ops._Slots.chunks(count, row_bytes))
     assert [s for s, _ in chunks] == ([0] + [e for _, e in chunks[:-1]] if count else [])
     assert (chunks[-1][1] if chunks else 0) == count
-    sizes = [(e - s) * row_bytes for s, e in chunks]
     assert all(e > s for s, e in chunks)
-    assert all(b <= max(_ops._Slots.BYTES, row_bytes) for b in sizes)
-    if row_bytes <= _ops._Slots.FIRST_BYTES and count * row_bytes > 4 * _ops._Slots.BYTES:
-        assert sizes[0] <= _ops._Slots.FIRST_BYTES < sizes[1] < sizes[2]  # small first, then growing
-        assert max(sizes) > _ops._Slots.BYTES // 2
+    assert all((e - s) * row_bytes <= max(_ops._Slots.BYTES, row_bytes) for s, e in chunks)
+    assert len(chunks) == -(-count // max(1, _ops._Slots.BYTES // row_bytes))
 
 
 def test_auto_host_strategies_need_a_margin(tmp_cache):

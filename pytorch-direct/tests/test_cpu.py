@@ -221,7 +221,7 @@ def test_autograd_host_gradient_cpu():
 
 def test_torch_compile_fullgraph_cpu():
     table = torch.randn(100, 8)
-    u = pd.unified(table, copy=True).plain()  # Dynamo cannot trace the subclass (see UnifiedTensor.plain)
+    u = pd.unified(table, copy=True).plain()  # the plain-tensor route (test_compile.py covers the subclass)
     torch._dynamo.reset()
 
     @torch.compile(fullgraph=True, backend="aot_eager")

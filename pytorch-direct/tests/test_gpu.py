@@ -260,7 +260,7 @@ def test_embedding_padding_idx_gradient():
 
 def test_torch_compile_fullgraph():
     table = torch.randn(1000, 16)
-    u = pd.unified(table, copy=True).plain()  # Dynamo cannot trace the subclass (see UnifiedTensor.plain)
+    u = pd.unified(table, copy=True).plain()  # the plain-tensor route (test_compile.py covers the subclass)
     torch._dynamo.reset()
 
     @torch.compile(fullgraph=True)
@@ -271,6 +271,54 @@ def test_torch_compile_fullgraph():
     assert torch.allclose(f(idx).cpu(), table[idx.cpu()].sum(dim=1) * 2, atol=1e-5)
     idx2 = torch.randint(0, 1000, (300,), device="cuda")
     assert torch.allclose(f(idx2).cpu(), table[idx2.cpu()].sum(dim=1) * 2, atol=1e-5)
+
+
+def test_torch_compile_takes_the_unified_tensor():
+    # The unified tensor itself goes into the compiled function (no .plain()): every row operation with CUDA indices
+    # under the default (inductor) backend gives eager's results; the reads compile, the writes run eagerly (a graph
+    # break: run G wrote into a pageable copy of the table when inductor traced them).
+    table = random_table(1000, (16,), torch.float32)
+    u, ref = pd.unified(table, copy=True), pd.unified(table, copy=True)
+    gidx = torch.randint(0, 1000, (64, 16), device="cuda")
+    torch._dynamo.reset()
+
+    def step(t, idx, values):
+        rows = t[idx] + torch.nn.functional.embedding(idx.view(4, -1), t).view(idx.numel(), -1)
+        rows = rows + t.index_select(0, idx) + pd.gather(t, idx, strategy="sorted") + torch.gather(t, 0, gidx).sum()
+        t[idx] = values
+        t.index_add_(0, idx, values, alpha=2)
+        return rows.relu().sum(dim=1), t[idx]
+
+    compiled = torch.compile(step)
+    for n in (256, 300):  # a second length: the recompiled graph has a dynamic index length
+        idx = torch.randperm(1000, device="cuda")[:n]  # distinct rows: the writes do not depend on their order
+        values = torch.randn(n, 16, device="cuda")
+        out, expected = compiled(u, idx, values), step(ref, idx, values)
+        torch.cuda.synchronize()
+        for a, b in zip(out, expected, strict=True):
+            assert a.device.type == "cuda" and torch.allclose(a, b, atol=1e-4)
+        assert torch.equal(u.as_subclass(torch.Tensor), ref.as_subclass(torch.Tensor))
+
+
+def test_torch_compile_gradient_reaches_the_host_table():
+    table = torch.randn(500, 8)
+    emb = pd.unified(table.clone(), copy=True).requires_grad_()
+    ref = pd.unified(table.clone(), copy=True).requires_grad_()
+    idx = torch.randint(0, 500, (4, 64), device="cuda")
+    weight = torch.randn(4, 64, 8, device="cuda")
+    torch._dynamo.reset()
+
+    def loss(t, i):
+        rows = torch.nn.functional.embedding(i, t, padding_idx=0)
+        return (rows * weight).sum() + (t[i.flatten()] ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for _ in range(2):  # the second backward accumulates
+        compiled(emb, idx).backward()
+        loss(ref, idx).backward()
+        torch.cuda.synchronize()
+        assert pd.is_unified(emb.grad) and emb.grad.device.type == "cpu"
+        assert torch.allclose(emb.grad.as_subclass(torch.Tensor), ref.grad.as_subclass(torch.Tensor), atol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["vector", "sorted", "auto"])

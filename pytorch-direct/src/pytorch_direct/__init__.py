@@ -26,7 +26,7 @@ from ._core import CompileError, CudaError, UnavailableError
 from ._memory import cuda_usable, empty, flush, from_file, is_unified, unified, zeros
 from ._sharing import share, shared_memory, unlink_shared_memory
 from ._strategy import calibrate
-from ._tensor import UnifiedTensor
+from ._tensor import UnifiedTensor, op_input
 
 __version__ = _version("pytorch-direct")
 
@@ -54,7 +54,7 @@ def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
     _ops.check_table(table)
     _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        return _ops.gather(table, index, strategy, int(max_sms))
+        return _ops.gather(op_input(table), op_input(index), strategy, int(max_sms))
 
 
 def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
@@ -67,7 +67,7 @@ def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
     _ops.check_table(table)
     _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        _ops.scatter(table, index, values, strategy, int(max_sms))
+        _ops.scatter(op_input(table), op_input(index), op_input(values), strategy, int(max_sms))
     return table
 
 
@@ -80,7 +80,7 @@ def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "aut
     _ops.check_table(table)
     _ops.check_index(index)
     with torch._C.DisableTorchFunctionSubclass():
-        _ops.index_add(table, index, values, float(alpha), strategy, int(max_sms))
+        _ops.index_add(op_input(table), op_input(index), op_input(values), float(alpha), strategy, int(max_sms))
     return table
 
 

@@ -211,6 +211,10 @@ def gather(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 
     return gather_impl(table, index, strategy, max_sms)
 
 
+# Writes run eagerly even inside torch.compile (a graph break): a traced write to a graph input is functionalized,
+# and a torch 2.11 inductor graph then wrote into a pageable copy of the whole table instead of the table (H200,
+# run G); at best that costs a copy of a table as large as host memory allows.
+@torch.compiler.disable
 def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto", max_sms: int = 0) -> None:
     """table[index] = values through the custom op when tracing needs it, else directly."""
     if use_dispatcher(table, index, values):
@@ -219,6 +223,7 @@ def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto"
         scatter_impl(table, index, values, strategy, max_sms)
 
 
+@torch.compiler.disable  # a write: see scatter
 def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
               max_sms: int = 0) -> None:
     """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
@@ -361,15 +366,25 @@ def _gather_fake(table, index, strategy="auto", max_sms=0, padding_idx=None):
     return table.new_empty(tuple(index.shape) + tuple(table.shape[1:]), device=index.device)
 
 
+_NOT_A_LEAF = (
+    "gathering from a view of a unified tensor that requires grad: gather from the table itself "
+    "(the leaf), e.g. table[idx + offset] instead of table[offset:][idx]"
+)
+
+
+def _functionalized(t: Tensor) -> bool:
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor)
+
+
 def _gather_setup(ctx, inputs, output):
     table, index, _strategy, _max_sms, padding_idx = inputs
-    if table.requires_grad and not table.is_leaf:
+    if table.requires_grad and not table.is_leaf and not _functionalized(table):
         # The gradient goes into table.grad directly (never a dense table-sized tensor through autograd), which
-        # only a leaf has.
-        raise NotImplementedError(
-            "gathering from a view of a unified tensor that requires grad: gather from the table itself "
-            "(the leaf), e.g. table[idx + offset] instead of table[offset:][idx]"
-        )
+        # only a leaf has. (AOTAutograd traces a compiled graph with functional wrappers, no leaves, of tables that
+        # Dynamo checked here already as fake tensors.)
+        raise NotImplementedError(_NOT_A_LEAF)
     ctx.table = table  # the leaf itself: its .grad receives the rows' gradients
     ctx.padding_idx = padding_idx
     ctx.save_for_backward(index)
@@ -378,11 +393,41 @@ def _gather_setup(ctx, inputs, output):
 def _gather_backward(ctx, grad):
     (index,) = ctx.saved_tensors
     if ctx.table.requires_grad:
-        accumulate_grad(ctx.table, index, grad, ctx.padding_idx)
+        if use_dispatcher(ctx.table, index, grad):  # e.g. AOTAutograd tracing the backward of a compiled graph
+            accumulate_grad_op(ctx.table, index, grad, ctx.padding_idx)
+        else:
+            _accumulate_grad_of_leaf(ctx.table, index, grad, ctx.padding_idx)
     return None, None, None, None, None
 
 
 gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("pytorch_direct::accumulate_grad", mutates_args=())
+def accumulate_grad_op(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int | None = None) -> None:
+    """The gather's backward as an op, for traced backward graphs (torch.compile)."""
+    _accumulate_grad_of_leaf(table, index, grad, padding_idx)
+
+
+@accumulate_grad_op.register_fake
+def _accumulate_grad_fake(table, index, grad, padding_idx=None):
+    return None
+
+
+# It returns nothing and mutates no argument: graph passes would drop it as dead code without this.
+torch.fx.node.has_side_effect(accumulate_grad_op._opoverload)
+
+
+def _accumulate_grad_of_leaf(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int | None) -> None:
+    """accumulate_grad into the table, or, for a compiled graph's alias of a unified tensor, into the unified tensor
+    that the alias names (see _tensor._CompileAlias)."""
+    owner = getattr(table, "_pytorch_direct_leaf", None)  # a weak reference
+    leaf = table if owner is None else owner()
+    if leaf is None:
+        return  # the unified tensor is gone, and its .grad with it
+    if not leaf.is_leaf:
+        raise NotImplementedError(_NOT_A_LEAF)
+    accumulate_grad(leaf, index, grad, padding_idx)
 
 
 def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int | None) -> None:

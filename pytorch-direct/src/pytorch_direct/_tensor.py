@@ -4,12 +4,20 @@ indexes like any tensor and gathers rows on the GPU when the indices are CUDA te
 Only row indexing is redirected (``t[idx]``, ``index_select``, ``F.embedding``, ``torch.gather`` on dim 0 and the
 writes ``t[idx] = v``, ``index_copy_``, ``index_add_``); every other operation behaves as on a CPU tensor. Results
 that alias the unified memory (views, slices) stay unified tensors; new results are plain tensors.
+
+Inside ``torch.compile`` Dynamo inlines ``__torch_function__`` (it always does for a subclass since
+pytorch/pytorch#149792; checked with torch 2.13): the row operations become the custom ops of ``_ops``, and every op
+receives a plain alias of the unified tensor instead of the tensor itself (see ``_CompileAlias``), so the compiled
+graph holds only plain tensors. There, results of the other operations are plain tensors, views included.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _ops
@@ -19,6 +27,75 @@ def _plain_int_index(key) -> bool:
     return isinstance(key, Tensor) and key.dtype in _ops.INDEX_DTYPES
 
 
+class _CompileAlias:
+    """``t._compile_alias``: a plain ``torch.Tensor`` alias of the unified tensor ``t`` (same memory and
+    metadata), what ops receive instead of ``t`` inside torch.compile.
+
+    Dynamo reads the attribute for real when it traces (the alias becomes a graph input of its own, guarded like any
+    tensor) and again on each call of the compiled code, so the graph only ever receives plain tensors: torch 2.13
+    fails the first call of a compiled graph that hands a ``__torch_function__`` subclass to an op
+    (pytorch/pytorch#193932), and the custom ops' fake kernels describe plain tensors anyway. The alias is kept in
+    ``t.__dict__`` (Dynamo's no-aliasing guard compares the ids of the tensors it reads, so every read must give the
+    same object) and made anew when ``t``'s data pointer, shape, strides, dtype or requires_grad changed.
+
+    While ``t`` requires grad the alias is a detached leaf that requires grad and names ``t`` (weakly): the gather's
+    backward, which returns no gradient for its table, adds into ``t.grad`` (``_ops.accumulate_grad_op``), and the
+    gradient that other ops give the alias moves to ``t.grad`` once accumulated (``_pass_grad_to_owner``). A leaf,
+    not an autograd view of ``t``: AOTAutograd detaches a non-leaf input that gets no gradient, which would cut the
+    compiled gather out of autograd, and a view kept in ``t.__dict__`` would keep ``t`` alive through its grad_fn,
+    a cycle through C++ that the garbage collector cannot break."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        alias = obj.__dict__.get("_pytorch_direct_alias")
+        with torch._C.DisableTorchFunctionSubclass():
+            if alias is not None and _same_view(alias, obj):
+                return alias
+            if obj.requires_grad and not obj.is_leaf:
+                raise NotImplementedError(_NON_LEAF_MESSAGE)
+            alias = obj.detach()
+            if obj.requires_grad:
+                alias.requires_grad_(True)
+                alias._pytorch_direct_leaf = weakref.ref(obj)
+                alias.register_post_accumulate_grad_hook(_pass_grad_to_owner)
+        obj.__dict__["_pytorch_direct_alias"] = alias
+        return alias
+
+    def __set__(self, obj, value):
+        raise AttributeError("_compile_alias is read-only")
+
+
+_NON_LEAF_MESSAGE = (
+    "torch.compile of a function that takes a view of a unified tensor that requires grad: pass the table itself "
+    "(the leaf) and slice or offset inside the compiled function"
+)
+
+
+def _same_view(alias: Tensor, t: Tensor) -> bool:
+    return (
+        alias.data_ptr() == t.data_ptr()
+        and alias.dtype == t.dtype
+        and alias.shape == t.shape
+        and alias.stride() == t.stride()
+        and alias.requires_grad == t.requires_grad
+    )
+
+
+def _pass_grad_to_owner(alias: Tensor) -> None:
+    """Post-accumulate-grad hook of a compile alias that requires grad: moves the gradient that a compiled graph's
+    other ops (not the row operations) gave the alias into the unified tensor's .grad, summing as autograd does."""
+    owner = alias._pytorch_direct_leaf()
+    grad, alias.grad = alias.grad, None
+    if owner is None or grad is None:
+        return  # the unified tensor is gone, and its .grad with it
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        if owner.grad is None:
+            owner.grad = grad
+        else:
+            owner.grad += grad
+
+
 class UnifiedTensor(Tensor):
     """A host tensor mapped into the GPU; see the module docs. Create with :func:`pytorch_direct.unified`,
     :func:`pytorch_direct.empty`, :func:`pytorch_direct.zeros` or :func:`pytorch_direct.from_file`."""
@@ -26,6 +103,8 @@ class UnifiedTensor(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # True only in code that Dynamo traces, never in eager
+            return _traced_torch_function(func, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
             with torch._C.DisableTorchFunctionSubclass():
@@ -34,12 +113,23 @@ class UnifiedTensor(Tensor):
                 return result
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
+        if func == _BASE_GETTER:
+            # A unified tensor is an alias (as_subclass makes a view) of a plain tensor that owns the memory: return
+            # that base as it is. Wrapping it would make a new view whose _base is the same plain tensor, wrapped
+            # anew on the next read: an endless chain of bases, which Dynamo walks when it wraps a graph input.
+            return result
         return _keep_unified(result, args)
 
+    # Inside torch.compile, what ops receive instead of the tensor itself (see _CompileAlias).
+    _compile_alias = _CompileAlias()
+
     def plain(self) -> Tensor:
-        """A plain ``torch.Tensor`` alias of the same memory (same pinning, no redirection). Use it inside
-        ``torch.compile``: Dynamo cannot trace this subclass yet, while ``pytorch_direct.gather(u.plain(), idx)``
-        and ``torch.ops.pytorch_direct.gather`` compile with no graph break."""
+        """A plain ``torch.Tensor`` alias of the same memory (same pinning, no redirection; an autograd view of
+        this tensor). Not needed for ``torch.compile``, which traces unified tensors (``t[idx]``, ``F.embedding``,
+        ``pytorch_direct.gather(t, idx)``, ... compile to the custom ops with no graph break); ``plain()`` gives
+        torch's own behaviour, e.g. to index rows with torch's CPU indexing."""
+        if torch.compiler.is_dynamo_compiling():
+            return op_input(self)  # Dynamo cannot trace as_subclass(Tensor) of a subclass; see _CompileAlias
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(Tensor)
 
@@ -51,6 +141,38 @@ class UnifiedTensor(Tensor):
         # Pickling (e.g. to a spawned process) sends the data as a plain CPU tensor: registration is per process.
         with torch._C.DisableTorchFunctionSubclass():
             return Tensor.__reduce_ex__(self.as_subclass(Tensor), protocol)
+
+
+_BASE_GETTER = Tensor._base.__get__
+
+
+def op_input(t):
+    """What the package's custom ops receive for ``t``: ``t`` itself, but a unified tensor's plain alias inside
+    torch.compile (see _CompileAlias)."""
+    if not (isinstance(t, UnifiedTensor) and torch.compiler.is_dynamo_compiling()):
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        if t.requires_grad and not t.is_leaf:
+            # The alias would be a leaf of its own: gradients would reach neither the view nor its base.
+            raise NotImplementedError(_NON_LEAF_MESSAGE)
+    return t._compile_alias
+
+
+def _traced_torch_function(func, args, kwargs):
+    """``__torch_function__`` as Dynamo traces it (inside torch.compile): the row operations become the package's
+    custom ops; every other function runs on the plain aliases, so its results are plain tensors (views too)."""
+    handler = _HANDLERS.get(func)
+    if handler is not None:
+        with torch._C.DisableTorchFunctionSubclass():
+            result = handler(*args, **kwargs)
+        if result is not NotImplemented:
+            return result
+    if func in _AUTOGRAD_GETTERS:  # about the tensor itself (a view, perhaps), not about its alias (a leaf)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    args, kwargs = pytree.tree_map_only(UnifiedTensor, op_input, (args, kwargs))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 def _unified_storages(args) -> set[int]:
@@ -81,7 +203,7 @@ def _keep_unified(result, args):
 
 def _getitem(self, key):
     if isinstance(self, UnifiedTensor) and _plain_int_index(key):
-        return _ops.gather(self, key)
+        return _ops.gather(op_input(self), op_input(key))
     return NotImplemented
 
 
@@ -94,7 +216,7 @@ def _setitem(self, key, value):
     if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
     value = value.to(dtype=self.dtype).expand(tuple(key.shape) + row_shape)
-    _ops.scatter(self, key, value.contiguous())
+    _ops.scatter(op_input(self), op_input(key), op_input(value).contiguous())
     return None
 
 
@@ -102,7 +224,7 @@ def _index_select(self, dim, index, *, out=None):
     if isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index):
         if index.dim() > 1:
             raise IndexError("index_select(): index must be a vector (1-D)")
-        return _ops.gather(self, index)
+        return _ops.gather(op_input(self), op_input(index))
     return NotImplemented
 
 
@@ -117,7 +239,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         )
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    return _ops.gather(weight, input, padding_idx=padding_idx)
+    return _ops.gather(op_input(weight), op_input(input), padding_idx=padding_idx)
 
 
 def _gather(input, dim, index, *, sparse_grad=False, out=None):
@@ -145,26 +267,29 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
         shape[d] = index.shape[d]
         offset = offset + torch.arange(index.shape[d], device=index.device).view(shape) * input.stride(d)
     rows = input.shape[0]
-    if index.device.type == "cpu" or _ops.settings.bounds_check == "sync":
+    # (Not in code that Dynamo traces, which cannot branch on the indices' values: a bad index raises from the op,
+    # which reports it as -1.)
+    precheck = index.device.type == "cpu" or _ops.settings.bounds_check == "sync"
+    if precheck and not torch.compiler.is_dynamo_compiling():
         if index.device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
             _ops._precheck(index, rows)
     flat = index.long() * input.stride(0) + offset
     # Out-of-range rows must raise, not land on a neighbouring element: map them outside the flat range.
     flat = torch.where((index >= 0) & (index < rows), flat, torch.full_like(flat, -1))
-    elements = input.reshape(-1)
+    elements = op_input(input).reshape(-1)
     return _ops.gather(elements, flat)
 
 
 def _index_copy_(self, dim, index, source):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
-        _ops.scatter(self, index, source)
+        _ops.scatter(op_input(self), op_input(index), op_input(source))
         return self
     return NotImplemented
 
 
 def _index_add_(self, dim, index, source, *, alpha=1):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
-        _ops.index_add(self, index, source, float(alpha))
+        _ops.index_add(op_input(self), op_input(index), op_input(source), float(alpha))
         return self
     return NotImplemented
 
@@ -180,3 +305,5 @@ _HANDLERS = {
     Tensor.index_copy_: _index_copy_,
     Tensor.index_add_: _index_add_,
 }
+# Autograd facts that inside torch.compile are read from the unified tensor, not from its alias (always a leaf).
+_AUTOGRAD_GETTERS = (Tensor.is_leaf.__get__, Tensor.grad_fn.__get__)

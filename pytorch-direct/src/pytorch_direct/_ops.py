@@ -189,7 +189,7 @@ def _resolve(strategy: str, op: str, row_bytes: int, count: int, rows: int) -> s
 def use_dispatcher(*tensors) -> bool:
     """Whether a call must go through its custom op (torch's dispatcher): to record autograd, or to be seen by
     torch.compile / export / fake tensors / functorch transforms / torch function modes / the profiler. A plain
-    eager call runs the implementation directly: the dispatcher costs ~20 us per call, about 4 % of a 34 MB
+    eager call runs the implementation directly: the dispatcher cost ~30 us per call, about 4 % of a 34 MB
     gather on an H200 (benchmarks/RESULTS.md, run F)."""
     if torch.compiler.is_compiling():  # first: Dynamo folds it and never traces the checks below
         return True

@@ -181,6 +181,7 @@ void bind_shared(nb::module_& m) {
         d["disk_hits"] = s.disk_hits;
         d["compilations"] = s.compilations;
         d["disk_errors"] = s.disk_errors;
+        d["corrupt_entries"] = s.corrupt_entries;
         return d;
       });
 }

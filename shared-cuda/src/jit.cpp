@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -242,7 +243,7 @@ std::string cache_key(const std::string& source, const compile_options& options)
     hash.update(std::to_string(text.size()) + ":");
     hash.update(text);
   };
-  field("shared_cuda.jit.v1");
+  field("shared_cuda.jit.v2");  // v2: files carry a checksum header
   field(source);
   field(std::to_string(options.architecture));
   field(std::to_string(nvrtc_version()));
@@ -252,12 +253,34 @@ std::string cache_key(const std::string& source, const compile_options& options)
 
 disk_cache::disk_cache(std::string directory) : directory_(std::move(directory)) {}
 
-bool disk_cache::load(const std::string& key, std::vector<char>& cubin) const {
+namespace {
+// Cache file layout: this tag, the SHA-256 (hex) of the binary, a newline, the binary.
+constexpr char cache_tag[] = "shared_cuda.jit.cubin sha256=";
+std::string checksum(const std::vector<char>& data) {
+  detail::sha256 hash;
+  hash.update(data.data(), data.size());
+  return hash.hex_digest();
+}
+}  // namespace
+
+bool disk_cache::load(const std::string& key, std::vector<char>& cubin, bool* corrupt) const {
+  if (corrupt != nullptr) *corrupt = false;
   if (directory_.empty()) return false;
   std::ifstream in(directory_ + "/" + key + ".cubin", std::ios::binary);
   if (!in) return false;
-  cubin.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return !cubin.empty() && !in.bad();
+  std::vector<char> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return false;
+  const std::size_t tag = sizeof(cache_tag) - 1, header = tag + 64 + 1;
+  const bool valid = file.size() > header && std::equal(cache_tag, cache_tag + tag, file.begin()) &&
+                     file[header - 1] == '\n' &&
+                     std::string(file.begin() + tag, file.begin() + tag + 64) ==
+                         checksum(std::vector<char>(file.begin() + header, file.end()));
+  if (!valid) {
+    if (corrupt != nullptr) *corrupt = true;
+    return false;
+  }
+  cubin.assign(file.begin() + header, file.end());
+  return true;
 }
 
 bool disk_cache::store(const std::string& key, const std::vector<char>& cubin) const {
@@ -271,6 +294,7 @@ bool disk_cache::store(const std::string& key, const std::vector<char>& cubin) c
   {
     std::ofstream out(temp_path, std::ios::binary | std::ios::trunc);
     if (!out) return false;
+    out << cache_tag << checksum(cubin) << '\n';
     out.write(cubin.data(), static_cast<std::streamsize>(cubin.size()));
     if (!out.flush()) {
       std::filesystem::remove(temp_path, ec);
@@ -450,10 +474,12 @@ std::vector<char> loader::get_cubin(const std::string& source, const std::string
   std::vector<char> cubin;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (cache_.load(key, cubin)) {
+    bool corrupt = false;
+    if (cache_.load(key, cubin, &corrupt)) {
       ++stats_.disk_hits;
       return cubin;
     }
+    if (corrupt) ++stats_.corrupt_entries;  // compiled again below; the store replaces the damaged file
   }
   cubin = compile(source, name, options).cubin;  // outside the lock: compiles can take seconds
   std::lock_guard<std::mutex> lock(mutex_);

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "check.hpp"
@@ -79,6 +80,36 @@ TEST(loader_caches_on_disk) {
   jit::loader second(dir);  // a new process would see the same directory
   CHECK(second.get_cubin(saxpy_source, "saxpy.cu", {90, {}}) == cubin);
   CHECK(second.stats().disk_hits == 1 && second.stats().compilations == 0);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(damaged_cache_entry_is_detected_and_rebuilt) {
+  need_nvrtc();
+  const std::string dir = temp_dir();
+  jit::loader first(dir);
+  const auto cubin = first.get_cubin(saxpy_source, "saxpy.cu", {90, {}});
+  const std::string path = dir + "/" + jit::cache_key(saxpy_source, {90, {}}) + ".cubin";
+  for (const bool truncate : {true, false}) {
+    {  // damage the entry: cut it short, or flip a byte of the binary
+      std::vector<char> bytes;
+      {
+        std::ifstream in(path, std::ios::binary);
+        bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      }
+      if (truncate)
+        bytes.resize(bytes.size() / 2);
+      else
+        bytes[bytes.size() - 100] ^= 0x5a;
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    jit::loader second(dir);
+    CHECK(second.get_cubin(saxpy_source, "saxpy.cu", {90, {}}) == cubin);
+    CHECK(second.stats().corrupt_entries == 1 && second.stats().compilations == 1);
+    jit::loader third(dir);  // the rebuilt entry is good again
+    CHECK(third.get_cubin(saxpy_source, "saxpy.cu", {90, {}}) == cubin);
+    CHECK(third.stats().disk_hits == 1 && third.stats().corrupt_entries == 0);
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -60,12 +60,16 @@ compiled_program compile(const std::string& source, const std::string& name, con
 std::string cache_key(const std::string& source, const compile_options& options);
 
 // Binaries stored as <directory>/<key>.cubin, written to a temporary file and renamed, so concurrent processes
-// never see half a file. An unreadable or unwritable directory only disables caching (counted in stats).
+// never see half a file. Each file starts with a SHA-256 of its binary: a damaged entry (truncated, overwritten) is
+// detected on load and reported as `corrupt` instead of being handed to the driver. An unreadable or unwritable
+// directory only disables caching (counted in stats).
 class disk_cache {
  public:
   explicit disk_cache(std::string directory);
   const std::string& directory() const noexcept { return directory_; }
-  bool load(const std::string& key, std::vector<char>& cubin) const;
+  // True with the binary on a hit; false on a miss, with *corrupt (if given) set when the entry exists but fails
+  // its checksum.
+  bool load(const std::string& key, std::vector<char>& cubin, bool* corrupt = nullptr) const;
   bool store(const std::string& key, const std::vector<char>& cubin) const;
 
  private:
@@ -121,6 +125,7 @@ struct cache_stats {
   std::size_t disk_hits = 0;
   std::size_t compilations = 0;
   std::size_t disk_errors = 0;
+  std::size_t corrupt_entries = 0;  // damaged cache files found (and rebuilt)
 };
 
 // Compile-or-fetch, then load: the one entry point most callers need. Looks in memory, then on disk, then compiles

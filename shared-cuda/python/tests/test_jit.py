@@ -65,6 +65,19 @@ def test_disk_cache_survives_the_process(package, core, shared, nvrtc, tmp_path)
     assert "'compilations': 0" in second.stdout and "'disk_hits': 1" in second.stdout
 
 
+def test_damaged_cache_entry_is_rebuilt(core, shared, nvrtc, cache_dir):
+    cubin = shared.compile_kernel_source(core, SAXPY, "saxpy.cu", arch=90)
+    (entry,) = cache_dir.glob("*.cubin")
+    entry.write_bytes(entry.read_bytes()[:200])  # e.g. a disk that filled up mid-write in another process
+    shared.set_jit_cache_dir(cache_dir)  # a fresh loader, as a new process would have
+    assert shared.compile_kernel_source(core, SAXPY, "saxpy.cu", arch=90) == cubin
+    stats = shared.jit_loader(core).stats()
+    assert stats["corrupt_entries"] == 1 and stats["compilations"] == 1
+    shared.set_jit_cache_dir(cache_dir)
+    assert shared.compile_kernel_source(core, SAXPY, "saxpy.cu", arch=90) == cubin
+    assert shared.jit_loader(core).stats()["disk_hits"] == 1
+
+
 def test_unwritable_cache_only_disables_caching(core, shared, nvrtc, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -11,8 +11,8 @@ import torch
 from ..ir.core import Op, Program
 from ..lower.kernels import Lowered, lower
 from ..passes import Backward, Options, differentiate, optimize, optimize_backward
+from .backend import Backend, select
 from .graph import Graph
-from .reference import run_lowered
 
 
 @dataclass
@@ -63,7 +63,9 @@ class _Apply(torch.autograd.Function):
         # without a backward to come (inference), nothing is kept beyond the outputs
         saved = compiled.saved if training else ()
         plan = compiled.forward_lowered if training else compiled.inference_lowered
-        env = run_lowered(plan, graph, leaves, keep=saved)
+        backend: Backend = select(tensors[0].device, tensors[0].dtype)
+        env = backend.run(plan, graph, leaves, keep=saved)
+        ctx.backend = backend
         outs = tuple(env[o] for o in compiled.forward.outputs)
         ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
         ctx.saved_names = tuple(saved)
@@ -82,7 +84,7 @@ class _Apply(torch.autograd.Function):
         leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors, strict=True))
         for o, g in zip(compiled.forward.outputs, grad_outputs, strict=True):
             leaves[f"grad:{o}"] = g.contiguous()
-        env = run_lowered(lowered, ctx.graph, leaves, keep=())
+        env = ctx.backend.run(lowered, ctx.graph, leaves, keep=())
         by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)}
         grads = tuple(by_leaf.get(k) for k in leaf_keys)
         return (None, None, None, None) + grads

@@ -14,6 +14,7 @@ from ..ir.core import Program
 from ..passes import Options
 from ..runtime.compiled import CompiledLayer, apply, compile_program
 from ..runtime.graph import Graph, graph_for
+from . import _ops
 
 
 class RelationalLayer(nn.Module):
@@ -41,6 +42,7 @@ class RelationalLayer(nn.Module):
         self.num_node_types = num_node_types
         self.optimize = optimize
         self._compiled: dict[Any, CompiledLayer] = {}
+        self._layer_id = _ops.register(self)
 
     # to implement
     def program(self, b: Builder) -> Value:  # pragma: no cover - abstract
@@ -115,9 +117,23 @@ class RelationalLayer(nn.Module):
             raise GraphInputError(f"{name}: x is {x.dtype} on {x.device} but the layer's parameters are "
                                   f"{w.dtype} on {w.device}; use layer.to(x) or x.to(...)")
 
+    def output_feature_shape(self) -> tuple[int, ...]:
+        """Per-node shape of the output (the program's output type), e.g. ``(64,)``."""
+        if not hasattr(self, "_output_shape"):
+            program = self.trace(False)
+            self._output_shape = tuple(program.type_of(program.outputs[0]).shape)
+        return self._output_shape
+
     def forward(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None = None,
                 node_type: torch.Tensor | None = None) -> torch.Tensor:
         self._check_x(x)
+        if torch.compiler.is_compiling():
+            # torch.compile: the whole layer is one custom op with a fake kernel (no graph break)
+            if isinstance(edge_index, Graph) or edge_type is None:
+                raise GraphInputError(f"{type(self).__name__}: under torch.compile pass edge_index and edge_type "
+                                      "tensors (not a hector.Graph)")
+            return torch.ops.hector.relational_layer(x, edge_index, edge_type, node_type,
+                                                     list(self._tensors().values()), self._layer_id)
         if isinstance(edge_index, torch.Tensor) and edge_index.device != x.device:
             raise GraphInputError(f"edge_index is on {edge_index.device} but x on {x.device}")
         graph = self.graph(x, edge_index, edge_type, node_type)

@@ -1,0 +1,68 @@
+"""torch.compile of models with hector layers: one custom op per layer (fake kernels), no graph breaks."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import make_graph, rel_err
+
+import hector.nn as hn
+from hector.nn import _ops
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = hn.RGATConv(6, 3, 3, heads=2)
+        self.b = hn.HGTConv(6, 6, 2, 3, heads=2)
+        self.c = hn.RGCNConv(6, 4, 3, num_bases=2)
+
+    def forward(self, x, ei, et, nt):
+        h = self.a(x, ei, et).relu()
+        h = self.b(h, ei, et, nt)
+        return self.c(h, ei, et)
+
+
+def _check(backend):
+    torch.manual_seed(0)
+    ei, et, nt = make_graph(node_types=2)
+    net = Net()
+    x = torch.randn(14, 6, requires_grad=True)
+    ref = net(x, ei, et, nt)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), [x] + list(net.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(net, fullgraph=True, backend=backend)  # fullgraph: a graph break is an error
+    out = compiled(x, ei, et, nt)
+    grads = torch.autograd.grad(out.pow(2).sum(), [x] + list(net.parameters()))
+    assert rel_err(out, ref) < 1e-6
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert rel_err(a, b) < 1e-6
+    net.eval()
+    with torch.no_grad():
+        assert rel_err(compiled(x, ei, et, nt), net(x, ei, et, nt)) < 1e-6
+    return net, compiled, (x, ei, et, nt)
+
+
+def test_compile_fullgraph_aot_eager():
+    _check("aot_eager")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_compile_fullgraph_inductor():
+    _check("inductor")
+
+
+def test_backward_recomputes_an_evicted_forward(monkeypatch):
+    monkeypatch.setattr(_ops, "STASH_LIMIT", 0)  # nothing kept: backward recomputes the forward values
+    _check("aot_eager")
+
+
+def test_custom_op_fake_kernel():
+    """The fake kernel gives the output shape without running anything (opcheck covers schema and fakes)."""
+    layer = hn.RGATConv(6, 3, 3, heads=2)
+    ei, et, _ = make_graph()
+    x = torch.randn(14, 6)
+    args = (x, ei, et, None, list(layer._tensors().values()), layer._layer_id)
+    torch.library.opcheck(torch.ops.hector.relational_layer, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    assert layer.output_feature_shape() == (6,)

@@ -59,11 +59,12 @@ void bind_rows(nb::module_& m) {
   m.def(
       "gather_cuda",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
-         std::uintptr_t pos, std::uintptr_t d, int kind, int max_sms, std::uintptr_t stream) {
-        gather_cuda(make_call(t, rows, rb, i, ib, n, pos, d), static_cast<kernel_kind>(kind), max_sms,
-                    shared_cuda::stream_view::from_address(stream));
+         std::uintptr_t pos, std::uintptr_t d, int kind, int max_sms, std::uintptr_t stream, std::uintptr_t dcount) {
+        rows_call c = make_call(t, rows, rb, i, ib, n, pos, d);
+        c.device_count = reinterpret_cast<const std::int64_t*>(dcount);
+        gather_cuda(c, static_cast<kernel_kind>(kind), max_sms, shared_cuda::stream_view::from_address(stream));
       },
-      PD_ROWS_ARGS, nb::arg("kind"), nb::arg("max_sms"), nb::arg("stream"));
+      PD_ROWS_ARGS, nb::arg("kind"), nb::arg("max_sms"), nb::arg("stream"), nb::arg("device_count") = 0);
   m.def(
       "scatter_cuda",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,

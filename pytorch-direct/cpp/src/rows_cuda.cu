@@ -68,15 +68,17 @@ void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t 
   std::int64_t* err = error_word();
   const std::int64_t n = c.count;
   if (p.kernel == launch_plan::unaligned) {
-    go(gather_rows_unaligned, p, n, max_sms, s, table, c.rows, c.row_bytes, c.index, c.index_bytes, n, c.positions,
-       dense, err, p.group_shift);
+    go(gather_rows_unaligned, p, n, max_sms, s, table, c.rows, c.row_bytes, c.index, c.index_bytes, n, c.device_count,
+       c.positions, dense, err, p.group_shift);
   } else if (p.kernel == launch_plan::naive) {
     if constexpr (Scatter) {
       auto kernel = p.width == 4 ? scatter_rows_naive<4> : scatter_rows_naive<1>;
-      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err);
+      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.device_count, c.positions,
+         dense, err);
     } else {
       auto kernel = p.width == 4 ? gather_rows_naive<4> : gather_rows_naive<1>;
-      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err);
+      go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.device_count, c.positions,
+         dense, err);
     }
   } else {
     auto kernel = move_rows<1, Scatter>;
@@ -96,8 +98,8 @@ void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t 
       default:
         break;
     }
-    go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, dense, err,
-       p.group_shift);
+    go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.device_count, c.positions,
+       dense, err, p.group_shift);
   }
 }
 
@@ -144,6 +146,7 @@ void gather_cuda(const rows_call& c, kernel_kind kind, int max_sms, shared_cuda:
 
 void scatter_cuda(const rows_call& c, kernel_kind kind, int max_sms, shared_cuda::stream_view stream) {
   check_call(c);
+  SHARED_CUDA_EXPECT(c.device_count == nullptr, "a device-side count is for gathers only");
   if (c.count == 0) return;
   launch<true>(c, plan_scatter(c, kind), max_sms, static_cast<cudaStream_t>(stream.handle));
   SHARED_CUDA_TRY(cudaGetLastError());

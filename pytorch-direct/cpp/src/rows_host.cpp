@@ -68,6 +68,7 @@ void parallel(std::int64_t count, std::int64_t grain, int threads,
 
 void check_args(const rows_call& c) {
   SHARED_CUDA_EXPECT(c.index_bytes == 4 || c.index_bytes == 8, "index must be int32 or int64");
+  SHARED_CUDA_EXPECT(c.device_count == nullptr, "a device-side count is for CUDA gathers only");
   SHARED_CUDA_EXPECT(c.row_bytes > 0 && c.rows >= 0 && c.count >= 0, "rows, row_bytes and count must be >= 0");
   SHARED_CUDA_EXPECT(c.count == 0 || (c.table != nullptr && c.index != nullptr && c.dense != nullptr),
                      "null table, index or dense pointer");

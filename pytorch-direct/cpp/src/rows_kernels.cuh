@@ -48,6 +48,14 @@ __device__ __forceinline__ std::int64_t load_index(const void* index, int index_
                           : static_cast<std::int64_t>(static_cast<const std::int32_t*>(index)[i]);
 }
 
+// How many indices a kernel moves: `count`, or fewer when the count lives in device memory (written by an earlier
+// kernel on the same stream, so the host never waits for it).
+__device__ __forceinline__ std::int64_t indices_to_move(std::int64_t count, const std::int64_t* device_count) {
+  if (device_count == nullptr) return count;
+  const std::int64_t n = *device_count;
+  return n < count ? n : count;
+}
+
 // Records a bad index in the mapped error word (host memory); the row is skipped, never touched.
 __device__ __forceinline__ void record_bad_index(std::int64_t* error, std::int64_t bad) {
   volatile std::int64_t* word = error;
@@ -68,15 +76,16 @@ template <int V, bool Scatter>
 __global__ void __launch_bounds__(512, 3)
     move_rows(unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
               const void* __restrict__ index, int index_bytes, std::int64_t count,
-              const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense, std::int64_t* error,
-              int group_shift) {
+              const std::int64_t* __restrict__ device_count, const std::int64_t* __restrict__ positions,
+              unsigned char* __restrict__ dense, std::int64_t* error, int group_shift) {
   using T = typename word<V>::type;
   const int lanes = 1 << group_shift;
   const int lane = threadIdx.x & (lanes - 1);
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
   const bool align_window = static_cast<std::int64_t>(lanes) * V >= 128;
-  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+  const std::int64_t n = indices_to_move(count, device_count);
+  for (std::int64_t i = thread >> group_shift; i < n; i += groups) {
     const std::int64_t r = load_index(index, index_bytes, i);
     if (r < 0 || r >= rows) {
       if (lane == 0) record_bad_index(error, r);
@@ -118,13 +127,14 @@ __global__ void __launch_bounds__(512, 3)
 __global__ void __launch_bounds__(512)
     gather_rows_unaligned(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_bytes,
                           const void* __restrict__ index, int index_bytes, std::int64_t count,
-                          const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense,
-                          std::int64_t* error, int group_shift) {
+                          const std::int64_t* __restrict__ device_count, const std::int64_t* __restrict__ positions,
+                          unsigned char* __restrict__ dense, std::int64_t* error, int group_shift) {
   const int lanes = 1 << group_shift;
   const int lane = threadIdx.x & (lanes - 1);
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
-  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+  const std::int64_t n = indices_to_move(count, device_count);
+  for (std::int64_t i = thread >> group_shift; i < n; i += groups) {
     const std::int64_t r = load_index(index, index_bytes, i);
     if (r < 0 || r >= rows) {
       if (lane == 0) record_bad_index(error, r);
@@ -155,13 +165,14 @@ template <int V>
 __global__ void __launch_bounds__(512)
     gather_rows_naive(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
                       const void* __restrict__ index, int index_bytes, std::int64_t count,
-                      const std::int64_t* __restrict__ positions, unsigned char* __restrict__ dense,
-                      std::int64_t* error) {
+                      const std::int64_t* __restrict__ device_count, const std::int64_t* __restrict__ positions,
+                      unsigned char* __restrict__ dense, std::int64_t* error) {
   using T = typename word<V>::type;
   const int lane = threadIdx.x & 31;
   const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (std::int64_t i = warp; i < count; i += warps) {
+  const std::int64_t n = indices_to_move(count, device_count);
+  for (std::int64_t i = warp; i < n; i += warps) {
     const std::int64_t r = load_index(index, index_bytes, i);
     if (r < 0 || r >= rows) {
       if (lane == 0) record_bad_index(error, r);
@@ -180,13 +191,14 @@ template <int V>
 __global__ void __launch_bounds__(512)
     scatter_rows_naive(unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
                        const void* __restrict__ index, int index_bytes, std::int64_t count,
-                       const std::int64_t* __restrict__ positions, const unsigned char* __restrict__ dense,
-                       std::int64_t* error) {
+                       const std::int64_t* __restrict__ device_count, const std::int64_t* __restrict__ positions,
+                       const unsigned char* __restrict__ dense, std::int64_t* error) {
   using T = typename word<V>::type;
   const int lane = threadIdx.x & 31;
   const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (std::int64_t i = warp; i < count; i += warps) {
+  const std::int64_t n = indices_to_move(count, device_count);
+  for (std::int64_t i = warp; i < n; i += warps) {
     const std::int64_t r = load_index(index, index_bytes, i);
     if (r < 0 || r >= rows) {
       if (lane == 0) record_bad_index(error, r);

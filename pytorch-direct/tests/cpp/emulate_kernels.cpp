@@ -82,22 +82,26 @@ void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64
   const unsigned block = 64;  // smaller than the GPU's 512: more blocks, same per-thread logic
   if (p.kernel == launch_plan::unaligned) {
     run_grid(grid, block, [&] {
-      gather_rows_unaligned(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                            p.group_shift);
+      gather_rows_unaligned(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count, c.device_count, c.positions,
+                            dense, err, p.group_shift);
     });
   } else if (p.kernel == launch_plan::naive) {
     run_grid(grid, block, [&] {
       if constexpr (Scatter) {
         if (p.width == 4) {
-          scatter_rows_naive<4>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err);
+          scatter_rows_naive<4>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err);
         } else {
-          scatter_rows_naive<1>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err);
+          scatter_rows_naive<1>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err);
         }
       } else {
         if (p.width == 4) {
-          gather_rows_naive<4>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err);
+          gather_rows_naive<4>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count, c.positions,
+                               dense, err);
         } else {
-          gather_rows_naive<1>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err);
+          gather_rows_naive<1>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count, c.positions,
+                               dense, err);
         }
       }
     });
@@ -105,24 +109,24 @@ void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64
     run_grid(grid, block, [&] {
       switch (p.width) {
         case 16:
-          move_rows<16, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                                 p.group_shift);
+          move_rows<16, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                 c.positions, dense, err, p.group_shift);
           break;
         case 8:
-          move_rows<8, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                                p.group_shift);
+          move_rows<8, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err, p.group_shift);
           break;
         case 4:
-          move_rows<4, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                                p.group_shift);
+          move_rows<4, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err, p.group_shift);
           break;
         case 2:
-          move_rows<2, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                                p.group_shift);
+          move_rows<2, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err, p.group_shift);
           break;
         default:
-          move_rows<1, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions, dense, err,
-                                p.group_shift);
+          move_rows<1, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+                                c.positions, dense, err, p.group_shift);
           break;
       }
     });
@@ -294,6 +298,45 @@ void large_offset_case() {
   std::free(table);
 }
 
+// A count in device memory (the deduplicating gather's distinct rows): only the first *device_count indices are
+// moved, the rows past it stay untouched, and the host `count` still bounds it.
+void device_count_case() {
+  std::mt19937_64 rng(99);
+  for (const std::int64_t rb : {47, 64, 400, 4096}) {
+    const std::int64_t rows = 50, count = 40;
+    std::vector<unsigned char> table(rows * rb + 64);
+    for (auto& b : table) b = static_cast<unsigned char>(rng());
+    std::vector<std::int64_t> idx(count);
+    for (auto& i : idx) i = static_cast<std::int64_t>(rng() % rows);
+    for (const std::int64_t limit : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}, count, count + 5}) {
+      for (kernel_kind kind : {kernel_kind::vector, kernel_kind::naive}) {
+        std::vector<unsigned char> out(count * rb + 16, 0xCD);
+        rows_call c;
+        c.table = table.data();
+        c.rows = rows;
+        c.row_bytes = rb;
+        c.index = idx.data();
+        c.index_bytes = 8;
+        c.count = count;
+        c.dense = out.data();
+        c.device_count = &limit;
+        std::int64_t err[2] = {0, 0};
+        emulate<false>(c, plan_gather(c, kind), 2, err);
+        const std::int64_t moved = std::min(limit, count);
+        bool ok = err[0] == 0;
+        for (std::int64_t i = 0; i < count && ok; ++i) {
+          if (i < moved) {
+            ok = std::memcmp(out.data() + i * rb, table.data() + idx[i] * rb, rb) == 0;
+          } else {
+            for (std::int64_t b = 0; b < rb; ++b) ok = ok && out[i * rb + b] == 0xCD;
+          }
+        }
+        check(ok, "device-side count", rb, static_cast<int>(limit), static_cast<int>(kind), 0, 8);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -319,6 +362,7 @@ int main() {
   }
   bad_index_case();
   large_offset_case();
+  device_count_case();
   if (misaligned != 0) {
     std::printf("FAIL: %lld misaligned vector accesses\n", misaligned);
     ++failures;

@@ -31,6 +31,9 @@ struct rows_call {
   // Optional int64 slot per index: row i goes to/from dense row positions[i] instead of row i (sorted strategy).
   const std::int64_t* positions = nullptr;
   void* dense = nullptr;  // count rows of row_bytes: the gather output or the scatter source
+  // Optional device memory holding how many of the `count` indices to move (at most count): a count that an earlier
+  // kernel computed (e.g. the distinct rows of a deduplicating gather) with no host round trip. Gather only.
+  const std::int64_t* device_count = nullptr;
 };
 
 // True when this build has the CUDA kernels.
@@ -42,7 +45,8 @@ std::int64_t* error_word();
 // Reads and clears the word. Returns true and sets `bad` when a kernel saw a bad index since the last call.
 bool take_device_error(std::int64_t& bad);
 
-// Gather: dense[p] = table[index[i]] with p = positions ? positions[i] : i. Launched on `stream`, no host sync.
+// Gather: dense[p] = table[index[i]] with p = positions ? positions[i] : i, for i < count (and < *device_count when
+// set). Launched on `stream`, no host sync.
 // max_sms > 0 caps the blocks so the gather occupies about that many SMs (to overlap with other work).
 void gather_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
 // Scatter: table[index[i]] = dense[p]. Duplicate indices: one of the writers wins per element.

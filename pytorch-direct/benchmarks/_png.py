@@ -1,6 +1,6 @@
-"""A dependency-free PNG line plot for machines without matplotlib: one panel per (op, density, order), x = log2
-row bytes, y = GB/s from 0 to the panel's maximum (written in the title), one colour per column, with a legend.
-Text uses a 3x5 pixel font drawn at 2x."""
+"""A dependency-free PNG line plot for machines without matplotlib: one panel per entry of ``panels`` (title, x
+values, {label: y values}), x on a log2 scale, y from 0 to the panel's maximum (written in the title), one colour per
+label, with a legend. Text uses a 3x5 pixel font drawn at 2x."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import struct
 import zlib
 
-COLOURS = [(0, 0, 0), (230, 120, 0), (120, 120, 120), (200, 0, 0), (0, 90, 200), (0, 160, 60), (150, 0, 180),
+COLOURS = [(200, 0, 0), (0, 90, 200), (230, 120, 0), (0, 0, 0), (0, 160, 60), (150, 0, 180), (120, 120, 120),
            (0, 180, 180)]
 
 
@@ -36,11 +36,10 @@ def _png(width, height, pixels) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
 
 
-def line_grid_png(results, path, columns, panel=(360, 240)):
-    panels = sorted({(r["op"], r["density"], r["order"]) for r in results if r["dtype"] == "f32"})
+def line_grid_png(panels, path, panel=(360, 240)):
     if not panels:
         return
-    cols = 3
+    cols = min(5, len(panels))
     nrows = math.ceil(len(panels) / cols)
     pw, ph = panel
     width, height = pw * cols, ph * nrows
@@ -70,29 +69,27 @@ def line_grid_png(results, path, columns, panel=(360, 240)):
             dot(x, y, c)
             dot(x, y + 1, c)
 
-    for k, key in enumerate(panels):
+    labels = list(dict.fromkeys(label for _, _, lines in panels for label in lines))
+    for k, (title, xs_raw, lines) in enumerate(panels):
         ox, oy = (k % cols) * pw, (k // cols) * ph
-        rs = sorted((r for r in results if r["dtype"] == "f32" and (r["op"], r["density"], r["order"]) == key),
-                    key=lambda r: r["row_bytes"])
-        ymax = max([r.get(c, 0) for r in rs for c in columns if not math.isnan(r.get(c, float("nan")))] + [1e-9])
-        xs = [math.log2(r["row_bytes"]) for r in rs]
+        ymax = max([y for ys in lines.values() for y in ys if not math.isnan(y)] + [1e-9])
+        xs = [math.log2(x) for x in xs_raw]
         x_lo, x_hi = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-        op, density, order = key
-        text(ox + 24, oy + 4, f"{op} {density * 100:g}% {order} max {ymax:.1f}gb/s")
-        text(ox + 24, oy + ph - 14, f"{rs[0]['row_bytes']}b", scale=1)
-        text(ox + pw - 40, oy + ph - 14, f"{rs[-1]['row_bytes']}b", scale=1)
+        text(ox + 24, oy + 4, f"{title} max {ymax:.1f}gb/s", scale=1)
+        text(ox + 24, oy + ph - 14, f"{xs_raw[0]}b", scale=1)
+        text(ox + pw - 40, oy + ph - 14, f"{xs_raw[-1]}b", scale=1)
         line(ox + 20, oy + ph - 20, ox + pw - 10, oy + ph - 20, (0, 0, 0))
         line(ox + 20, oy + 10, ox + 20, oy + ph - 20, (0, 0, 0))
-        for ci, c in enumerate(columns):
-            pts = [(ox + 20 + (x - x_lo) / (x_hi - x_lo) * (pw - 40),
-                    oy + ph - 20 - r.get(c, float("nan")) / ymax * (ph - 40))
-                   for x, r in zip(xs, rs, strict=True)]
+        for label, ys in lines.items():
+            colour = COLOURS[labels.index(label) % len(COLOURS)]
+            pts = [(ox + 20 + (x - x_lo) / (x_hi - x_lo) * (pw - 40), oy + ph - 20 - y / ymax * (ph - 40))
+                   for x, y in zip(xs, ys, strict=True)]
             pts = [(round(a), round(b)) for a, b in pts if not math.isnan(b)]
             for (a, b), (c2, d) in zip(pts, pts[1:], strict=False):  # consecutive pairs
-                line(a, b, c2, d, COLOURS[ci % len(COLOURS)])
-    for ci, c in enumerate(columns):  # legend in the last panel row's free space or over the first panel
-        lx, ly = 30 + (ci % 4) * 70, 20 + (ci // 4) * 12
+                line(a, b, c2, d, colour)
+    for ci, label in enumerate(labels):  # legend over the first panel
+        lx, ly = 30 + (ci % 4) * 80, 20 + (ci // 4) * 12
         line(lx, ly + 5, lx + 12, ly + 5, COLOURS[ci % len(COLOURS)])
-        text(lx + 16, ly + 2, c, COLOURS[ci % len(COLOURS)], scale=1)
+        text(lx + 16, ly + 2, label, COLOURS[ci % len(COLOURS)], scale=1)
     with open(path, "wb") as f:
         f.write(_png(width, height, px))

@@ -1,294 +1,375 @@
-"""Gather/scatter bandwidth of unified tensors against the baselines, over row width x density x index order.
+"""What a user gets from ``pd.gather(table, idx)`` with default settings, against what they would use instead.
 
-    python3 pytorch-direct/benchmarks/gather.py                       # full matrix, 16 GiB table
-    python3 pytorch-direct/benchmarks/gather.py --row-bytes 128 1024 --densities 0.016 --no-scatter
+    python3 pytorch-direct/benchmarks/gather.py                  # the full matrix (needs ~50 GiB of host RAM)
+    python3 pytorch-direct/benchmarks/gather.py --table-gib 1 16 --row-bytes 64 1024 --patterns uniform zipf1.2
 
-One pinned table (--table-gib, default 16) is allocated once and viewed at each row width. Per cell, in one run:
-  memcpy   pinned cudaMemcpy of the same number of bytes (the link's ceiling; host->device for gather,
-           device->host for scatter)
-  torch    gather: index_select on the CPU into a pinned buffer + non_blocking copy to the GPU;
-           scatter: copy to a pinned buffer + index_copy_ on the CPU
-  naive    one warp per row, 4-byte loads/stores (the PyTorch-Direct paper's baseline)
-  auto     ours, strategy chosen by the calibration;  vector / sorted / staged / split: ours, forced
-Reported number: useful GB/s = rows moved * row bytes / wall time (synchronised before and after each call).
-Prints a table (ours/auto vs the best baseline and vs the ceiling), writes CSV and a PNG (GB/s vs row width).
+Matrix: table sizes (--table-gib; one pinned allocation of the largest, smaller tables are its first bytes) x row
+widths (47 B rows of uint8, the others float32) x index patterns (uniform, sorted, clustered: runs of 32
+consecutive rows, zipfS: Zipf with exponent S, hot rows spread over the table) x counts (capped at --max-call-mib).
+Columns, in one run (useful GB/s = rows * row bytes / wall time, device synchronised around each call, best of
+--repeats after one warm-up; sync bounds checking, the default, for all of ours):
+
+  memcpy        pinned cudaMemcpy of the same bytes (the link)
+  torch         index_select on the CPU into a pinned buffer + copy to the GPU (CPU indices given)
+  torch_dedupe  torch.unique on the GPU, CPU index_select of the distinct rows, copy, expand on the GPU
+  naive         zero-copy, one warp per row, 4-byte loads (the PyTorch-Direct paper's kernel)
+  vector sorted dedupe staged dedupe_staged split   ours, forced
+  auto          ours, default settings, decisions forgotten first (cache file deleted: as a new process on a new
+                machine); its first call (which measures the candidates on itself) is timed apart: first_ms
+  auto_cal      ours after an explicit pd.calibrate(table=...) on that table and row width (time: calib_s)
+
+Prints a table and the targets (auto >= 0.9x the best forced strategy; auto >= 1.0x the best of torch,
+torch_dedupe and naive in every cell and >= 1.5x as a geometric mean; rows >= 1 KB at >= 0.9x memcpy), writes CSV
+and PNG. --fresh-check N re-measures N cells in a new process, to show that clearing the decisions equals one.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import functools
+import json
 import math
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
+import zlib
 
 import torch
 
 import pytorch_direct as pd
+from pytorch_direct import _strategy
 
-GATHER_COLUMNS = ["memcpy", "torch", "naive", "auto", "vector", "sorted", "staged", "split"]
-SCATTER_COLUMNS = ["memcpy", "torch", "naive", "auto", "vector", "sorted", "staged"]
-BASELINES = ("torch", "naive")
-# (label, dtype, row elements): float32 rows for every width, plus one bf16 and one odd width (47 B) row.
-EXTRA_ROWS = [("bf16", torch.bfloat16, 128), ("f32x100", torch.float32, 100), ("u8x47", torch.uint8, 47)]
+BASELINES = ("torch", "torch_dedupe", "naive")
+FORCED = ("vector", "sorted", "dedupe", "staged", "dedupe_staged", "split")
+COLUMNS = ("memcpy",) + BASELINES + FORCED + ("auto", "auto_cal")
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table-gib", type=float, default=16.0, help="size of the pinned table (default 16)")
-    p.add_argument("--row-bytes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
-    p.add_argument("--densities", type=float, nargs="+", default=[0.002, 0.016, 0.12],
-                   help="batch rows / table rows (default 0.002 0.016 0.12)")
-    p.add_argument("--orders", nargs="+", default=["random", "sorted"], choices=["random", "sorted"])
-    p.add_argument("--no-extra", action="store_true", help="skip the bf16 and odd-width rows")
-    p.add_argument("--no-scatter", action="store_true")
-    p.add_argument("--columns", nargs="+", default=None, help="subset of columns (memcpy torch naive auto ...)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per column (after one warm-up)")
-    p.add_argument("--min-time", type=float, default=0.25,
-                   help="fewer repeats when one run takes longer than this (seconds)")
-    p.add_argument("--calibration-repeats", type=int, default=3,
-                   help="timed runs per calibration cell (best-of, default 3)")
-    p.add_argument("--budget-s", type=float, default=0, help="stop starting new cells after this many seconds")
+    p.add_argument("--table-gib", type=float, nargs="+", default=[1, 16, 48])
+    p.add_argument("--row-bytes", type=int, nargs="+", default=[47, 64, 128, 256, 400, 1024, 4096])
+    p.add_argument("--patterns", nargs="+", default=["uniform", "sorted", "clustered", "zipf0.8", "zipf1.2"])
+    p.add_argument("--counts", type=int, nargs="+", default=[1 << 17, 1 << 20])
+    p.add_argument("--max-call-mib", type=int, default=1024, help="cap on one call's bytes (fewer rows if wider)")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per column after one warm-up")
+    p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
+    p.add_argument("--fresh-check", type=int, default=3, help="cells re-measured in a new process (smallest table)")
+    p.add_argument("--budget-s", type=float, default=0, help="start no new (row width, table) group after this")
     p.add_argument("--csv", default=None)
     p.add_argument("--png", default=None)
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch and the staged strategy")
+    p.add_argument("--fresh-child", default=None, help=argparse.SUPPRESS)  # JSON list of cells, internal
     return p.parse_args(argv)
 
 
-def timed(fn, repeats: int, min_time: float) -> float:
-    """Best-of wall time of fn with the device synchronised around each call."""
+# ---------------------------------------------------------------------------------------------------- indices
+
+
+def indices(pattern: str, count: int, rows: int, seed: int, device: str = "cuda") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    if pattern.startswith("zipf"):
+        return _strategy.synthetic_indices("zipf", count, rows, g, zipf_s=float(pattern[4:]))
+    return _strategy.synthetic_indices(pattern, count, rows, g, cluster=32)
+
+
+def cell_seed(table_gib: float, row_bytes: int, pattern: str, count: int) -> int:
+    """The same in every process (a new process re-creates a cell's indices in --fresh-check)."""
+    return zlib.crc32(f"{table_gib:g}/{row_bytes}/{pattern}/{count}".encode())
+
+
+def count_for(count: int, row_bytes: int, rows: int, max_call_mib: int) -> int:
+    return max(1, min(count, rows, (max_call_mib << 20) // row_bytes))
+
+
+def view_rows(flat: torch.Tensor, table_bytes: int, row_bytes: int) -> torch.Tensor:
+    """The first table_bytes of `flat` as a table of row_bytes rows: uint8 rows for odd widths, float32 otherwise."""
+    rows = table_bytes // row_bytes
+    dtype = torch.float32 if row_bytes % 4 == 0 else torch.uint8
+    width = row_bytes // (4 if dtype == torch.float32 else 1)
+    return flat[: rows * row_bytes].view(dtype).view(rows, width)
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+def sync_time(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    runs = max(1, min(repeats, int(min_time * repeats / max(first, 1e-9))))
-    best = math.inf
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return time.perf_counter() - t0
 
 
-def cells(args):
-    out = []
-    for rb in args.row_bytes:
-        if rb % 4:
-            raise SystemExit(f"--row-bytes {rb}: float32 rows need a multiple of 4; odd widths are in the extra rows")
-        out.append(("f32", torch.float32, rb // 4))
-    if not args.no_extra:
-        out.extend(EXTRA_ROWS)
-    return out
+def best_of(fn, repeats: int, warm: bool = True) -> float:
+    if warm:
+        sync_time(fn)
+    return min(sync_time(fn) for _ in range(max(1, repeats)))
 
 
-def column_functions(tab, utab, idx, idx_cpu, out, src, pin, flat_dev, flat_pin):
-    """The timed function of every gather and scatter column of one cell."""
+def measure_auto(fn, repeats: int) -> tuple[float, float, str, str]:
+    """(first call seconds, steady seconds, plan kept, where it came from) of `fn` with decisions forgotten (the
+    cache file deleted too): a new process on a new machine."""
+    _strategy.reset(delete_file=True)
+    first = sync_time(fn)
+    decision = _strategy.last_decision()
+    steady = best_of(fn, repeats, warm=False)
+    after = _strategy.last_decision()
+    plan = after.plan.strategy if after is not None and after.plan is not None else "?"
+    source = decision.source if decision is not None else "?"
+    return first, steady, plan, source
+
+
+def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row):
+    """Times every column of one cell into results_row (GB/s), auto first (from a clean slate)."""
+    n, rb = idx.numel(), results_row["row_bytes"]
+    nbytes = n * rb
+    out_pin = pin[:nbytes].view(tab.dtype).view((n,) + tuple(tab.shape[1:]))
+    flat_pin, flat_dev = pin[:nbytes], dev[:nbytes]
 
     def torch_gather():
-        torch.index_select(tab, 0, idx_cpu, out=pin)
-        out.copy_(pin, non_blocking=True)
+        torch.index_select(tab, 0, idx_cpu, out=out_pin)
+        return out_pin.to("cuda", non_blocking=True)
 
-    def torch_scatter():
-        pin.copy_(src)  # synchronous D2H into the pinned buffer
-        tab.index_copy_(0, idx_cpu, pin)
+    def torch_dedupe():
+        unique, inverse = torch.unique(idx, return_inverse=True)
+        u = unique.cpu()
+        staged = out_pin[: u.numel()]
+        torch.index_select(tab, 0, u, out=staged)
+        return staged.to("cuda", non_blocking=True)[inverse]
 
-    gather_fns = {
-        "memcpy": lambda: flat_dev.copy_(flat_pin, non_blocking=True),
-        "torch": torch_gather,
-        "naive": lambda: pd.gather(utab, idx, strategy="naive"),
-    }
-    for s in ("auto", "vector", "sorted", "staged", "split"):
-        gather_fns[s] = functools.partial(pd.gather, utab, idx, strategy=s)
-    scatter_fns = {
-        "memcpy": lambda: flat_pin.copy_(flat_dev, non_blocking=True),
-        "torch": torch_scatter,
-        "naive": lambda: pd.scatter_(utab, idx, src, strategy="naive"),
-    }
-    for s in ("auto", "vector", "sorted", "staged"):
-        scatter_fns[s] = functools.partial(pd.scatter_, utab, idx, src, strategy=s)
-    return gather_fns, scatter_fns
+    fns = {"memcpy": lambda: flat_dev.copy_(flat_pin, non_blocking=True), "torch": torch_gather,
+           "torch_dedupe": torch_dedupe}
+    for s in ("naive",) + FORCED:
+        fns[s] = lambda s=s: pd.gather(utab, idx, strategy=s)
+    if "auto" in args.columns:
+        first, steady, plan, source = measure_auto(lambda: pd.gather(utab, idx), args.repeats)
+        results_row.update(auto=nbytes / steady / 1e9, first_ms=first * 1e3, steady_ms=steady * 1e3, choice=plan,
+                           source=source)
+    for col in args.columns:
+        if col in ("auto", "auto_cal"):
+            continue
+        try:
+            results_row[col] = nbytes / best_of(fns[col], args.repeats) / 1e9
+        except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
+            results_row[col] = float("nan")
+            print(f"# {results_row['label']} {col}: {type(e).__name__}: {e}", flush=True)
+            if isinstance(e, pd.CudaError) or "CUDA error" in str(e):
+                raise  # the context is probably lost: every later call would fail too
+
+
+def check_same(utab, tab, idx, idx_cpu) -> None:
+    """auto's rows are the rows: compared with torch on a slice of the cell's indices."""
+    k = min(idx.numel(), 4096)
+    got = pd.gather(utab, idx[:k]).cpu()
+    if not torch.equal(got.view(torch.uint8), tab[idx_cpu[:k]].view(torch.uint8)):
+        raise AssertionError("auto gathered wrong rows")
+
+
+# ---------------------------------------------------------------------------------------------------- the run
 
 
 def run(args, results: list[dict]) -> None:
     if not torch.cuda.is_available() or not pd.cuda_usable():
         raise SystemExit("gather.py needs a CUDA GPU and pytorch_direct built with CUDA")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        pd.set_threads(args.threads)
-    pd.set_bounds_check("async")  # measure the transfer, not a per-call host round trip; checked at the end
-    device = torch.device("cuda")
     start = time.perf_counter()
-    table_bytes = int(args.table_gib * (1 << 30))
-    print(f"# device: {torch.cuda.get_device_name()} | table {args.table_gib} GiB pinned | torch threads "
-          f"{torch.get_num_threads()}", flush=True)
+    sizes = sorted(args.table_gib)
+    biggest = int(max(sizes) * (1 << 30))
+    print(f"# device: {torch.cuda.get_device_name()} | tables {sizes} GiB (one pinned allocation) | "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} | cache {_strategy.cache_path()}",
+          flush=True)
     t0 = time.perf_counter()
-    table = pd.empty(table_bytes, dtype=torch.uint8)  # pinned pages are zeroed and resident already
-    print(f"# allocated the table in {time.perf_counter() - t0:.1f} s", flush=True)
-    t0 = time.perf_counter()
-    from pytorch_direct import _strategy
-
-    # Measured on this table: at 16 GiB, GPU address translation slows small random rows in ways a small scratch
-    # table would not show.
-    if _strategy.load() is None:
-        pd.calibrate(table=table, repeats=args.calibration_repeats)
-    print(f"# calibration ready in {time.perf_counter() - t0:.1f} s ({_strategy.calibration_path()})", flush=True)
-    data = _strategy.load() or {}
-    for op in ("gather", "scatter"):
-        for cell, bw in sorted(data.get(op, {}).items(), key=lambda kv: (int(kv[0].split(":")[0]),
-                                                                         float(kv[0].split(":")[1]))):
-            print(f"#   calibration {op:7} {cell:12} " + " ".join(f"{k}={v:.1f}" for k, v in bw.items()), flush=True)
-    host = data.get("host_gather") or {}
-    if host:
-        print(f"#   calibration host gather (summed GB/s over 64/256/1024 B rows at 0.2 %): package threads "
-              f"{host.get('native', 0.0):.1f}, torch index_select {host.get('torch', 0.0):.1f}: staged uses "
-              f"{host.get('engine')}", flush=True)
-
-    cpu_gather_check(table, table_bytes)
-
-    max_density = max(args.densities)
-    max_bytes = int(table_bytes * max_density) + (1 << 20)
-    dev_buf = torch.empty(max_bytes, dtype=torch.uint8, device=device)
-    src_buf = torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=device)
-    pinned_buf = pd.empty(max_bytes, dtype=torch.uint8).as_subclass(torch.Tensor)
-    plain_table = table.as_subclass(torch.Tensor)
-    gen = torch.Generator(device=device).manual_seed(0)
-    # Cheapest first (low density), so a time budget drops the most expensive cells, not whole row widths.
-    specs = [(label, dtype, elems, o, d) for d in sorted(args.densities) for o in args.orders
-             for (label, dtype, elems) in cells(args)]
-    for k, (label, dtype, elems, order, density) in enumerate(specs):
+    flat = pd.empty(biggest, dtype=torch.uint8).plain()  # pinned pages are resident (and zeroed) already
+    flat[:: 1 << 20].copy_(torch.arange(flat[:: 1 << 20].numel(), dtype=torch.uint8))  # some non-zero bytes
+    print(f"# allocated {biggest / (1 << 30):.0f} GiB pinned in {time.perf_counter() - t0:.1f} s", flush=True)
+    max_call = max(c * rb for c in args.counts for rb in args.row_bytes)
+    max_call = min(max_call, args.max_call_mib << 20)
+    pin = pd.empty(max_call, dtype=torch.uint8).plain()
+    dev = torch.empty(max_call, dtype=torch.uint8, device="cuda")
+    groups = [(rb, gib) for rb in args.row_bytes for gib in sizes]
+    for g, (rb, gib) in enumerate(groups):
         if args.budget_s and time.perf_counter() - start > args.budget_s:
-            print(f"# budget of {args.budget_s:.0f} s reached: {len(specs) - k} cells skipped", flush=True)
+            print(f"# budget of {args.budget_s:.0f} s reached: {len(groups) - g} (row width, table) groups skipped",
+                  flush=True)
             break
-        esize = torch.empty((), dtype=dtype).element_size()
-        rb = elems * esize
-        rows = table_bytes // rb
-        n = max(1, int(rows * density))
-        nbytes = n * rb
-        tab = plain_table[: rows * rb].view(dtype).view(rows, elems)
+        tab = view_rows(flat, int(gib * (1 << 30)), rb)
         utab = tab.as_subclass(pd.UnifiedTensor)
-        idx = torch.randint(0, rows, (n,), device=device, generator=gen)
-        if order == "sorted":
-            idx = torch.sort(idx).values
-        idx_cpu = idx.cpu()
-        out = dev_buf[:nbytes].view(dtype).view(n, elems)
-        src = src_buf[:nbytes].view(dtype).view(n, elems)
-        pin = pinned_buf[:nbytes].view(dtype).view(n, elems)
-        flat_dev, flat_pin = dev_buf[:nbytes], pinned_buf[:nbytes]
-
-        gather_fns, scatter_fns = column_functions(tab, utab, idx, idx_cpu, out, src, pin, flat_dev, flat_pin)
-        ops = [("gather", GATHER_COLUMNS, gather_fns)]
-        if not args.no_scatter:
-            ops.append(("scatter", SCATTER_COLUMNS, scatter_fns))
-        for op, columns, fns in ops:
-            row = {"op": op, "dtype": label, "row_bytes": rb, "density": density, "order": order, "rows": n,
-                   "mbytes": nbytes / 1e6}
-            if op == "gather":
-                row["auto_choice"] = _strategy.choose("gather", rb, n, rows)
-            else:
-                row["auto_choice"] = _strategy.choose("scatter", rb, n, rows)
-            for col in columns:
-                if args.columns and col not in args.columns:
-                    continue
-                try:
-                    seconds = timed(fns[col], args.repeats, args.min_time)
-                    row[col] = nbytes / seconds / 1e9
-                except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
-                    row[col] = float("nan")
-                    print(f"# {op} {label} {rb} B {density} {order} {col}: {type(e).__name__}: {e}", flush=True)
-                    if isinstance(e, pd.CudaError) or "CUDA error" in str(e):
-                        # The context is probably lost (e.g. a memory fault): every later call would fail too.
-                        results.append(row)
-                        raise
-            results.append(row)
-        pd.check_errors()
-        print(f"[{k + 1}/{len(specs)} {time.perf_counter() - start:5.0f} s] {label:7} {rb:5d} B "
-              f"{density * 100:5.1f}% {order:6}  " + "  ".join(
-                  f"{r['op'][0]}:{r.get('auto', float('nan')):.1f}" for r in results[-len(ops):]), flush=True)
-    del table, pinned_buf
+        rows = tab.shape[0]
+        group = []
+        for pattern in args.patterns:
+            for count in sorted({count_for(c, rb, rows, args.max_call_mib) for c in args.counts}):
+                idx = indices(pattern, count, rows, cell_seed(gib, rb, pattern, count))
+                idx_cpu = idx.cpu()
+                row = {"table_gib": gib, "row_bytes": rb, "pattern": pattern, "count": count,
+                       "mbytes": count * rb / 1e6, "label": f"{gib:g}GiB {rb}B {pattern} {count}"}
+                cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, row)
+                check_same(utab, tab, idx, idx_cpu)
+                group.append((row, idx))
+                results.append(row)
+        if "auto_cal" in args.columns:
+            _strategy.reset(delete_file=True)
+            calib = sync_time(lambda utab=utab: pd.calibrate(table=utab))
+            for row, idx in group:
+                row["calib_s"] = calib
+                seconds = best_of(lambda utab=utab, idx=idx: pd.gather(utab, idx), args.repeats)
+                row["auto_cal"] = row["count"] * rb / seconds / 1e9
+                decision = _strategy.last_decision()
+                row["choice_cal"] = decision.plan.strategy if decision and decision.plan else "?"
+        for row, _ in group:
+            print_row(row, time.perf_counter() - start)
+        del group
+    if args.fresh_check and results:
+        fresh_check(args, results)
 
 
-def cpu_gather_check(table, table_bytes: int) -> None:
-    """Diagnostic line: the host-only gather (what the staged strategy does before its DMA) of ours against torch's
-    index_select, both into pinned memory, at 0.2 % density. The staged column cannot beat the slower of this and
-    the link."""
-    print(f"# CPU: os.cpu_count() {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))} CPUs, torch threads "
-          f"{torch.get_num_threads()}", flush=True)
-    plain = table.as_subclass(torch.Tensor)
-    for rb in (64, 256, 1024):
-        ours, theirs = _cpu_gather_pair(plain, table_bytes, rb)
-        print(f"# CPU gather {rb:5d} B rows, 0.2%: ours {ours:6.1f} GB/s, torch index_select {theirs:6.1f} GB/s",
-              flush=True)
+def fresh_check(args, results) -> None:
+    """Re-measures a few cells of the smallest table in a new process with an empty cache directory: the same plan
+    and speed as with the decisions forgotten in this process."""
+    smallest = [r for r in results if r["table_gib"] == min(x["table_gib"] for x in results)]
+    chosen = smallest[:: max(1, len(smallest) // args.fresh_check)][: args.fresh_check]
+    spec = [{k: r[k] for k in ("table_gib", "row_bytes", "pattern", "count")} for r in chosen]
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, PYTORCH_DIRECT_CACHE_DIR=cache)
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--fresh-child", json.dumps(spec),
+                            "--repeats", str(args.repeats)], capture_output=True, text=True, timeout=300, env=env)
+    if r.returncode != 0:
+        print(f"# fresh-process check failed: {r.stderr[-1500:]}", flush=True)
+        return
+    fresh = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"# fresh-process check ({time.perf_counter() - t0:.1f} s incl. start): cell | this process: plan, "
+          "first ms, GB/s | new process: plan, first ms, GB/s", flush=True)
+    for mine, theirs in zip(chosen, fresh, strict=True):
+        mine["fresh_choice"], mine["fresh_auto"], mine["fresh_first_ms"] = theirs["choice"], theirs["auto"], \
+            theirs["first_ms"]
+        print(f"#   {mine['label']:32} | {mine.get('choice')}, {mine.get('first_ms', 0):.1f}, {mine.get('auto', 0):.2f}"
+              f" | {theirs['choice']}, {theirs['first_ms']:.1f}, {theirs['auto']:.2f}", flush=True)
 
 
-def _cpu_gather_pair(plain, table_bytes: int, rb: int) -> tuple[float, float]:
-    from pytorch_direct import _core
-
-    rows = table_bytes // rb
-    n = max(1, int(rows * 0.002))
-    tab = plain[: rows * rb].view(rows, rb)
-    idx = torch.randint(0, rows, (n,))
-    pin = pd.empty(n, rb, dtype=torch.uint8).as_subclass(torch.Tensor)
-
-    def best(fn):
-        fn()
-        t = math.inf
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            t = min(t, time.perf_counter() - t0)
-        return n * rb / t / 1e9
-
-    ours = best(lambda: _core.gather_host(tab.data_ptr(), rows, rb, idx.data_ptr(), 8, n, 0, pin.data_ptr(), 0))
-    return ours, best(lambda: torch.index_select(tab, 0, idx, out=pin))
+def fresh_child(args) -> None:
+    spec = json.loads(args.fresh_child)
+    out = []
+    flat = pd.empty(int(max(s["table_gib"] for s in spec) * (1 << 30)), dtype=torch.uint8).plain()
+    flat[:: 1 << 20].copy_(torch.arange(flat[:: 1 << 20].numel(), dtype=torch.uint8))
+    for s in spec:
+        tab = view_rows(flat, int(s["table_gib"] * (1 << 30)), s["row_bytes"])
+        utab = tab.as_subclass(pd.UnifiedTensor)
+        idx = indices(s["pattern"], s["count"], tab.shape[0], cell_seed(s["table_gib"], s["row_bytes"],
+                                                                           s["pattern"], s["count"]))
+        first = sync_time(lambda utab=utab, idx=idx: pd.gather(utab, idx))  # nothing measured in this process yet
+        steady = best_of(lambda utab=utab, idx=idx: pd.gather(utab, idx), args.repeats, warm=False)
+        decision = _strategy.last_decision()
+        out.append({"choice": decision.plan.strategy if decision and decision.plan else "?",
+                    "auto": s["count"] * s["row_bytes"] / steady / 1e9, "first_ms": first * 1e3})
+    print(json.dumps(out))
 
 
-def _ratio(row):
-    base = [row[c] for c in BASELINES if c in row and not math.isnan(row[c])]
-    ours = row.get("auto", float("nan"))
-    vs_base = ours / max(base) if base else float("nan")
-    vs_ceiling = ours / row["memcpy"] if row.get("memcpy") else float("nan")
-    return vs_base, vs_ceiling
+# ---------------------------------------------------------------------------------------------------- report
 
 
-def print_table(results):
-    for op, columns in (("gather", GATHER_COLUMNS), ("scatter", SCATTER_COLUMNS)):
-        rows = [r for r in results if r["op"] == op]
-        if not rows:
+def ratios(row: dict) -> dict:
+    """auto (and auto_cal) against the best forced strategy, the best baseline and the link."""
+    def best(cols):
+        vals = [row[c] for c in cols if c in row and not math.isnan(row[c])]
+        return max(vals) if vals else float("nan")
+
+    forced, base = best(FORCED), best(BASELINES)
+    out = {"best_forced": forced, "best_baseline": base}
+    for col in ("auto", "auto_cal"):
+        v = row.get(col, float("nan"))
+        out[f"{col}_x_forced"] = v / forced if forced else float("nan")
+        out[f"{col}_x_base"] = v / base if base else float("nan")
+        out[f"{col}_x_link"] = v / row["memcpy"] if row.get("memcpy") else float("nan")
+    return out
+
+
+def print_row(row: dict, elapsed: float) -> None:
+    r = ratios(row)
+    nan = float("nan")
+    print(f"[{elapsed:5.0f} s] {row['label']:32} auto {row.get('auto', nan):6.2f} GB/s "
+          f"({row.get('choice', '?')}, {row.get('source', '?')}, first {row.get('first_ms', nan):.0f} ms) "
+          f"x forced {r['auto_x_forced']:.2f} x base {r['auto_x_base']:.2f} | cal {row.get('auto_cal', nan):.2f}"
+          f" ({row.get('choice_cal', '?')})", flush=True)
+
+
+def geomean(values):
+    values = [v for v in values if v > 0 and not math.isnan(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def print_table(results: list[dict]) -> None:
+    if not results:
+        return
+    cols = [c for c in COLUMNS if any(c in r for r in results)]
+    print("\n## gather, useful GB/s (default settings; x forced = auto / best forced, x base = auto / best of torch, "
+          "torch_dedupe, naive; first = auto's first call)")
+    print(f"{'table':>5} {'row':>5} {'pattern':9} {'count':>8} " + " ".join(f"{c[:9]:>9}" for c in cols)
+          + f" {'choice':>13} {'first ms':>8} {'x forced':>8} {'x base':>6} {'x link':>6} {'cal x f':>7}")
+    for row in results:
+        r = ratios(row)
+        print(f"{row['table_gib']:5g} {row['row_bytes']:5d} {row['pattern']:9} {row['count']:8d} "
+              + " ".join(f"{row.get(c, float('nan')):9.2f}" for c in cols)
+              + f" {row.get('choice', '?'):>13} {row.get('first_ms', float('nan')):8.1f} {r['auto_x_forced']:8.2f}"
+              f" {r['auto_x_base']:6.2f} {r['auto_x_link']:6.2f} {r['auto_cal_x_forced']:7.2f}")
+    summary(results)
+
+
+def summary(results: list[dict]) -> None:
+    rs = [(row, ratios(row)) for row in results]
+    for col in ("auto", "auto_cal"):
+        got = [(row, r) for row, r in rs if not math.isnan(row.get(col, float("nan")))]
+        if not got:
             continue
-        print(f"\n## {op}: useful GB/s (auto = ours; x base = auto / max(torch, naive); x ceil = auto / memcpy)")
-        head = f"{'dtype':7} {'row B':>6} {'dens%':>5} {'order':6} " + " ".join(f"{c:>7}" for c in columns)
-        head += f" {'choice':>7} {'x base':>6} {'x ceil':>6}"
-        print(head)
-        for r in rows:
-            vb, vc = _ratio(r)
-            print(f"{r['dtype']:7} {r['row_bytes']:6d} {r['density'] * 100:5.1f} {r['order']:6} "
-                  + " ".join(f"{r.get(c, float('nan')):7.2f}" for c in columns)
-                  + f" {r['auto_choice']:>7} {vb:6.2f} {vc:6.2f}")
-        ok_base = sum(1 for r in rows if _ratio(r)[0] >= 1.1)
-        print(f"# {op}: auto >= 1.1x best baseline in {ok_base}/{len(rows)} cells")
-        big = [r for r in rows if r["row_bytes"] >= 1024]
-        target = 0.9 if op == "gather" else 0.8
-        ok_ceil = sum(1 for r in big if _ratio(r)[1] >= target)
-        print(f"# {op}: auto >= {target}x memcpy for rows >= 1 KB in {ok_ceil}/{len(big)} cells")
+        n = len(got)
+        forced_ok = sum(1 for _, r in got if r[f"{col}_x_forced"] >= 0.9)
+        base = [r[f"{col}_x_base"] for _, r in got]
+        base_ok = sum(1 for v in base if v >= 1.0)
+        big = [(row, r) for row, r in got if row["row_bytes"] >= 1024]
+        link_ok = sum(1 for _, r in big if r[f"{col}_x_link"] >= 0.9)
+        print(f"# {col}: >= 0.9x best forced in {forced_ok}/{n} cells; x best baseline: geomean {geomean(base):.2f}, "
+              f"min {min(base):.2f}, >= 1.0x in {base_ok}/{n}; rows >= 1 KB at >= 0.9x memcpy in {link_ok}/{len(big)}")
+    firsts = [row["first_ms"] - row["steady_ms"] for row in results if "first_ms" in row]
+    if firsts:
+        firsts.sort()
+        print(f"# auto first-call overhead (first call - steady call, decisions forgotten before each cell): median "
+              f"{firsts[len(firsts) // 2]:.0f} ms, max {firsts[-1]:.0f} ms over {len(firsts)} cells")
+    cal = sorted({(row["table_gib"], row["row_bytes"], row["calib_s"]) for row in results if "calib_s" in row})
+    if cal:
+        print("# calibrate(table=...) seconds per (table GiB, row bytes): "
+              + ", ".join(f"{g:g}/{rb}: {s:.1f}" for g, rb, s in cal))
 
 
-def write_csv(results, path):
-    keys = ["op", "dtype", "row_bytes", "density", "order", "rows", "mbytes", "auto_choice"] + [
-        c for c in GATHER_COLUMNS]
+def write_csv(results: list[dict], path: str) -> None:
+    keys = ["table_gib", "row_bytes", "pattern", "count", "mbytes", *COLUMNS, "choice", "source", "first_ms",
+            "steady_ms", "choice_cal", "calib_s", "fresh_choice", "fresh_auto", "fresh_first_ms", "best_forced",
+            "best_baseline"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
-        for r in results:
-            w.writerow(r)
+        for row in results:
+            w.writerow({**row, **ratios(row)})
 
 
-def write_png(results, path):
+def write_png(results: list[dict], path: str) -> None:
+    """One panel per (table size, pattern) at the largest count: GB/s against row width for auto, the best forced
+    strategy, the best baseline and the link."""
+    panels = []
+    for gib in sorted({r["table_gib"] for r in results}):
+        for pattern in dict.fromkeys(r["pattern"] for r in results):
+            rs = [r for r in results if r["table_gib"] == gib and r["pattern"] == pattern]
+            if not rs:
+                continue
+            largest = {}
+            for r in rs:  # per row width, the cell with the most rows
+                if r["count"] >= largest.get(r["row_bytes"], {"count": -1})["count"]:
+                    largest[r["row_bytes"]] = r
+            rs = [largest[rb] for rb in sorted(largest)]
+            lines = {"auto": [r.get("auto", float("nan")) for r in rs],
+                     "best forced": [ratios(r)["best_forced"] for r in rs],
+                     "best baseline": [ratios(r)["best_baseline"] for r in rs],
+                     "memcpy": [r.get("memcpy", float("nan")) for r in rs]}
+            panels.append((f"{gib:g} GiB {pattern}", [r["row_bytes"] for r in rs], lines))
     try:
         import matplotlib
 
@@ -297,37 +378,32 @@ def write_png(results, path):
     except ImportError:
         from _png import line_grid_png
 
-        line_grid_png(results, path, GATHER_COLUMNS)
-        print(f"# matplotlib missing: wrote an unlabelled plot to {path} (colours: {GATHER_COLUMNS})")
+        line_grid_png(panels, path)
+        print(f"# matplotlib missing: wrote an unlabelled plot to {path}")
         return
-    panels = sorted({(r["op"], r["density"], r["order"]) for r in results if r["dtype"] == "f32"})
-    if not panels:
-        return
-    cols = 3
+    cols = min(5, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
-    for ax, (op, density, order) in zip(axes.flat, panels, strict=False):  # more axes than panels
-        rs = sorted((r for r in results if r["dtype"] == "f32" and (r["op"], r["density"], r["order"]) ==
-                     (op, density, order)), key=lambda r: r["row_bytes"])
-        for c in GATHER_COLUMNS:
-            ys = [r.get(c, float("nan")) for r in rs]
-            if all(math.isnan(y) for y in ys):
-                continue
-            ax.plot([r["row_bytes"] for r in rs], ys, marker="o", label=c, linewidth=2.5 if c == "auto" else 1.2)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (title, xs, lines) in zip(axes.flat, panels, strict=False):
+        for label, ys in lines.items():
+            ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label == "auto" else 1.2)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{op}, density {density * 100:g}%, {order} indices")
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("row bytes")
         ax.set_ylabel("useful GB/s")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.fresh_child:
+        fresh_child(args)
+        return 0
     results: list[dict] = []
     # A timeout (SIGTERM) still prints and saves what was measured.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -1,12 +1,14 @@
-"""The benchmark's reporting on synthetic numbers (CPU), and one tiny real run (GPU)."""
+"""The benchmark: its reporting on synthetic numbers and its index helpers (CPU), and one tiny real run (GPU)."""
 
 import csv
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -16,15 +18,17 @@ import gather  # noqa: E402
 
 def fake_results():
     out = []
-    for op in ("gather", "scatter"):
-        for rb in (64, 1024, 4096):
-            for d in (0.002, 0.12):
-                r = {"op": op, "dtype": "f32", "row_bytes": rb, "density": d, "order": "random", "rows": 10,
-                     "mbytes": 1.0, "auto_choice": "sorted"}
-                for i, c in enumerate(gather.GATHER_COLUMNS):
-                    r[c] = 10.0 + i + rb / 1000
-                r["naive"] = float("nan")  # a failed column must not break the report
-                out.append(r)
+    for gib in (1, 16):
+        for rb in (47, 1024):
+            for pattern in ("uniform", "zipf1.2"):
+                for count in (1000, 4000):
+                    r = {"table_gib": gib, "row_bytes": rb, "pattern": pattern, "count": count, "mbytes": 1.0,
+                         "label": "x", "choice": "sorted", "source": "measured now", "first_ms": 9.0,
+                         "steady_ms": 1.0, "calib_s": 2.0, "choice_cal": "sorted"}
+                    for i, c in enumerate(gather.COLUMNS):
+                        r[c] = 10.0 + i + rb / 1000
+                    r["naive"] = float("nan")  # a failed column must not break the report
+                    out.append(r)
     return out
 
 
@@ -32,32 +36,51 @@ def test_report_table_csv_png(tmp_path, capsys):
     results = fake_results()
     gather.print_table(results)
     text = capsys.readouterr().out
-    assert "## gather" in text and "## scatter" in text and "auto >= 1.1x best baseline" in text
+    assert "## gather" in text and ">= 0.9x best forced in 16/16 cells" in text
+    assert "first-call overhead" in text and "calibrate(table=...) seconds" in text
     gather.write_csv(results, tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert len(rows) == len(results) and float(rows[0]["auto"]) == results[0]["auto"]
+    gather.write_png(results, tmp_path / "m.png")  # matplotlib, where installed
     from _png import line_grid_png
 
-    line_grid_png(results, tmp_path / "p.png", gather.GATHER_COLUMNS)
-    data = (tmp_path / "p.png").read_bytes()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
+    panels = [("a", [64, 1024], {"auto": [1.0, 2.0], "memcpy": [3.0, float("nan")]})]
+    line_grid_png(panels, tmp_path / "p.png")
+    for name in ("p.png",) + (("m.png",) if (tmp_path / "m.png").exists() else ()):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
 
 
-def test_ratio():
-    r = {"torch": 10.0, "naive": 20.0, "auto": 30.0, "memcpy": 50.0}
-    vb, vc = gather._ratio(r)
-    assert math.isclose(vb, 1.5) and math.isclose(vc, 0.6)
+def test_ratios():
+    r = {"torch": 10.0, "torch_dedupe": 12.0, "naive": 20.0, "auto": 30.0, "memcpy": 50.0, "vector": 25.0,
+         "sorted": 40.0, "auto_cal": 36.0}
+    got = gather.ratios(r)
+    assert math.isclose(got["auto_x_base"], 1.5) and math.isclose(got["auto_x_link"], 0.6)
+    assert math.isclose(got["auto_x_forced"], 0.75) and math.isclose(got["auto_cal_x_forced"], 0.9)
+    assert math.isclose(gather.geomean([1.0, 4.0, float("nan")]), 2.0)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "sorted", "clustered", "zipf0.8", "zipf1.2"])
+def test_indices_and_views_on_cpu(pattern):
+    idx = gather.indices(pattern, 5000, 10_000, gather.cell_seed(1, 64, pattern, 5000), device="cpu")
+    assert idx.shape == (5000,) and int(idx.min()) >= 0 and int(idx.max()) < 10_000
+    again = gather.indices(pattern, 5000, 10_000, gather.cell_seed(1, 64, pattern, 5000), device="cpu")
+    assert torch.equal(idx, again)  # a new process re-creates the same cell
+    flat = torch.zeros(4096 * 3, dtype=torch.uint8)
+    assert gather.view_rows(flat, 4096, 47).shape == (87, 47)
+    assert gather.view_rows(flat, 4096, 400).dtype == torch.float32
+    assert gather.count_for(1 << 20, 4096, 10**9, 1024) == 1 << 18
 
 
 @pytest.mark.gpu
 def test_tiny_run(tmp_path):
-    cmd = [sys.executable, str(BENCH / "gather.py"), "--table-gib", "0.0625", "--row-bytes", "64", "1024",
-           "--densities", "0.016", "--orders", "random", "--repeats", "1", "--csv", str(tmp_path / "g.csv"),
-           "--png", str(tmp_path / "g.png")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "PYTORCH_DIRECT_CACHE_DIR": str(tmp_path / "cache")})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "## gather" in r.stdout and "## scatter" in r.stdout
+    cmd = [sys.executable, str(BENCH / "gather.py"), "--table-gib", "0.0625", "0.125", "--row-bytes", "47", "1024",
+           "--patterns", "uniform", "zipf1.2", "--counts", "2000", "20000", "--repeats", "1", "--fresh-check", "1",
+           "--csv", str(tmp_path / "g.csv"), "--png", str(tmp_path / "g.png")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTORCH_DIRECT_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "## gather" in r.stdout and "fresh-process check" in r.stdout
     rows = list(csv.DictReader(open(tmp_path / "g.csv")))
-    assert len(rows) == 2 * 5  # (2 f32 widths + 3 extra rows) x (gather, scatter)
-    assert all(float(row["auto"]) > 0 for row in rows)
+    assert len(rows) == 2 * 2 * 2 * 2
+    assert all(float(row["auto"]) > 0 and float(row["auto_cal"]) > 0 for row in rows)

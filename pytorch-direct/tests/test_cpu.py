@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pytorch_direct as pd
-from pytorch_direct import _config, _strategy
+from pytorch_direct import _config
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.uint8, torch.bool, torch.float64]
@@ -159,14 +159,14 @@ def test_empty_zeros_shapes():
 
 def test_from_file_writable_through_pinned_copy(tmp_path, monkeypatch):
     # The CUDA path of writable=True (a pinned copy written back), with pageable memory standing in for pinned.
-    from pytorch_direct import _memory
+    from pytorch_direct import _create
 
     data = torch.randint(0, 256, (16 + 64 * 47,), dtype=torch.uint8)
     path = tmp_path / "rows.bin"
     data.numpy().tofile(path)
-    monkeypatch.setattr(_memory, "cuda_usable", lambda: True)
-    real_empty = _memory.empty
-    monkeypatch.setattr(_memory, "empty", lambda *s, dtype: real_empty(*s, dtype=dtype, pin=False))
+    monkeypatch.setattr(_create, "cuda_usable", lambda: True)
+    real_empty = _create.empty
+    monkeypatch.setattr(_create, "empty", lambda *s, dtype: real_empty(*s, dtype=dtype, pin=False))
 
     def on_disk():
         return torch.from_file(str(path), size=16 + 64 * 47, dtype=torch.uint8)[16:].view(64, 47)
@@ -262,33 +262,6 @@ def test_settings_and_env(monkeypatch):
         assert torch.equal(u[torch.arange(1000)], plain(u))
     finally:
         pd.set_threads(0)
-
-
-def test_auto_rules_without_calibration(tmp_cache):
-    _strategy.set_table(None)
-    pd.set_auto_calibrate(False)
-    try:
-        assert _strategy.choose("gather", 64, 10, 10**9) == "vector"  # small call: latency
-        assert _strategy.choose("gather", 128, 500_000, 256 * 10**6) == "staged"
-        assert _strategy.choose("gather", 1024, 10**6, 10**7) == "sorted"
-        assert _strategy.choose("gather", 128, 500_000, 256 * 10**6, capturing=True) == "sorted"
-        assert _strategy.choose("gather", 8 << 20, 10, 10**6) == "vector"  # small call
-        _strategy.set_table({"row_bytes": [4096], "densities": [0.01],
-                             "gather": {"4096:0.01": {"staged": 9.0, "vector": 1.0}}, "scatter": {}})
-        assert _strategy.choose("gather", 8 << 20, 100, 10**4) == "sorted"  # rows too wide for staging slots
-        _strategy.set_table(None)
-        fake = {"row_bytes": [64, 4096], "densities": [0.01], "gather": {
-            "64:0.01": {"vector": 1.0, "sorted": 5.0, "staged": 2.0},
-            "4096:0.01": {"vector": 9.0, "sorted": 5.0, "staged": 2.0}}, "scatter": {}}
-        _strategy.set_table(fake)
-        assert _strategy.choose("gather", 100, 10**6, 10**8) == "sorted"
-        assert _strategy.choose("gather", 3000, 10**6, 10**8) == "vector"
-        assert abs(_strategy.split_fraction(4096, 10**6, 10**8) - 9 / 11) < 1e-9
-        assert _strategy.split_kernel(4096, 10**6, 10**8) == "vector"
-        assert _strategy.split_kernel(100, 10**6, 10**8) == "sorted"  # the GPU share of a split sorts here
-    finally:
-        _strategy.set_table(None)
-        pd.set_auto_calibrate(True)
 
 
 def _worker_read(table):
@@ -460,26 +433,25 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     # CPU stand-ins for the slots, events and stream: every row lands in order, across chunk and slot boundaries.
     import contextlib
 
-    from pytorch_direct import _ops
+    from pytorch_direct import _kernels
 
-    monkeypatch.setattr(_ops._Slots, "BYTES", 1 << 16)  # many chunks, slots reused
-    slots = ([torch.empty(1 << 16, dtype=torch.uint8) for _ in range(_ops._Slots.COUNT)],
-             [_FakeEvent() for _ in range(_ops._Slots.COUNT)])
-    monkeypatch.setattr(_ops._Slots, "get", classmethod(lambda cls, device: slots))
+    monkeypatch.setattr(_kernels._Slots, "BYTES", 1 << 16)  # many chunks, slots reused
+    slots = ([torch.empty(1 << 16, dtype=torch.uint8) for _ in range(_kernels._Slots.COUNT)],
+             [_FakeEvent() for _ in range(_kernels._Slots.COUNT)])
+    monkeypatch.setattr(_kernels._Slots, "get", classmethod(lambda cls, device: slots))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(_strategy, "host_gather_engine", lambda: "torch")
     table = (torch.rand(shape) * 100).to(dtype)
-    rows, rb = _ops.row_layout(table)
+    rows, rb = _kernels.row_layout(table)
     idx = torch.randint(0, rows, (4321,), dtype=index_dtype)
     out = torch.empty((idx.numel(),) + tuple(shape[1:]), dtype=dtype)
-    _ops._gather_staged(table, rows, rb, idx, out, None)
+    _kernels._gather_staged(table, rows, rb, idx, out, None)
     assert torch.equal(out, table[idx.long()])
-    chunks = list(_ops._Slots.chunks(idx.numel(), rb))
+    chunks = list(_kernels._Slots.chunks(idx.numel(), rb))
     assert sum(e.recorded for e in slots[1]) == len(chunks)  # one copy per chunk
     bad = idx.clone()
     bad[3000] = rows
     with pytest.raises(IndexError, match=f"index {rows} at position 3000"):
-        _ops._gather_staged(table, rows, rb, bad, out, None)
+        _kernels._gather_staged(table, rows, rb, bad, out, None)
 
 
 @pytest.mark.parametrize("count,row_bytes", [(0, 64), (1, 64), (100_000, 64), (3_000, 4096), (5, 3 << 20),
@@ -487,34 +459,14 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
 def test_staged_chunk_schedule(count, row_bytes):
     # Chunks cover the rows in order with no gap, each fills at most one slot (BYTES) unless a single row is wider
     # (the caller sends such rows elsewhere), and holds at least one row.
-    from pytorch_direct import _ops
+    from pytorch_direct import _kernels
 
-    chunks = list(_ops._Slots.chunks(count, row_bytes))
+    chunks = list(_kernels._Slots.chunks(count, row_bytes))
     assert [s for s, _ in chunks] == ([0] + [e for _, e in chunks[:-1]] if count else [])
     assert (chunks[-1][1] if chunks else 0) == count
     assert all(e > s for s, e in chunks)
-    assert all((e - s) * row_bytes <= max(_ops._Slots.BYTES, row_bytes) for s, e in chunks)
-    assert len(chunks) == -(-count // max(1, _ops._Slots.BYTES // row_bytes))
-
-
-def test_auto_host_strategies_need_a_margin(tmp_cache):
-    # A host strategy (staged, split) is chosen only when it measured >= 1.1x the best kernel in its cell; the staged
-    # gather's host engine is the one the calibration measured faster (torch's index_select without a calibration).
-    fake = {"row_bytes": [64, 512], "densities": [0.002], "gather": {
-        "64:0.002": {"vector": 2.0, "sorted": 10.0, "staged": 11.5, "split": 10.5},
-        "512:0.002": {"vector": 20.0, "sorted": 24.0, "staged": 12.8, "split": 25.0}}, "scatter": {},
-        "host_gather": {"native": 50.0, "torch": 120.0, "engine": "torch"}}
-    try:
-        _strategy.set_table(fake)
-        assert _strategy.choose("gather", 64, 10**6, 5 * 10**8) == "staged"  # 1.15x sorted
-        assert _strategy.choose("gather", 512, 10**6, 5 * 10**8) == "sorted"  # split only 1.04x sorted
-        assert _strategy.host_gather_engine() == "torch"
-        _strategy.set_table(dict(fake, host_gather={"native": 90.0, "torch": 60.0, "engine": "native"}))
-        assert _strategy.host_gather_engine() == "native"
-        _strategy.set_table(None)
-        assert _strategy.host_gather_engine() == "torch"  # no calibration in the empty cache directory
-    finally:
-        _strategy.set_table(None)
+    assert all((e - s) * row_bytes <= max(_kernels._Slots.BYTES, row_bytes) for s, e in chunks)
+    assert len(chunks) == -(-count // max(1, _kernels._Slots.BYTES // row_bytes))
 
 
 def test_eager_calls_skip_the_dispatcher(monkeypatch):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.uint8, torch.bool, torch.float64]
-GATHER_STRATEGIES = ["vector", "sorted", "naive", "staged", "split", "auto"]
+GATHER_STRATEGIES = ["vector", "sorted", "naive", "dedupe", "staged", "dedupe_staged", "split", "auto"]
 SCATTER_STRATEGIES = ["vector", "sorted", "naive", "staged", "auto"]
 # Row widths in bytes: tiny, odd (47), not a multiple of 16 or 128 (400, 100, 12), big, and bigger than a warp pass.
 ROW_BYTES = [1, 2, 3, 4, 8, 12, 16, 47, 64, 100, 128, 400, 512, 1000, 4096, 4100, 20000]
@@ -61,7 +61,7 @@ def test_gather_row_widths(strategy, row_bytes, index_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("strategy", ["vector", "sorted", "staged"])
+@pytest.mark.parametrize("strategy", ["vector", "sorted", "dedupe", "staged"])
 def test_gather_dtypes_and_nd(dtype, strategy):
     table = random_table(777, (3, 5), dtype)
     u = pd.unified(table, copy=True)
@@ -179,7 +179,7 @@ def test_index_add_alpha_and_function():
 
 
 @pytest.mark.parametrize("bad", [-1, 100, 2**40])
-@pytest.mark.parametrize("strategy", ["vector", "sorted", "staged", "auto"])
+@pytest.mark.parametrize("strategy", ["vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "auto"])
 def test_bounds_sync(bad, strategy):
     table = torch.randn(100, 8)
     u = pd.unified(table.clone(), copy=True)
@@ -321,7 +321,7 @@ def test_torch_compile_gradient_reaches_the_host_table():
         assert torch.allclose(emb.grad.as_subclass(torch.Tensor), ref.grad.as_subclass(torch.Tensor), atol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["vector", "sorted", "auto"])
+@pytest.mark.parametrize("strategy", ["vector", "sorted", "dedupe", "auto"])
 def test_cuda_graph_capture(strategy):
     table = torch.randn(5000, 64)
     u = pd.unified(table, copy=True)
@@ -479,18 +479,73 @@ def test_pyg_neighbor_loader_on_gpu():
 def test_calibration_and_auto(tmp_cache):
     from pytorch_direct import _strategy
 
-    data = pd.calibrate(table_bytes=64 << 20, repeats=1)
+    table = pd.unified(random_table(1 << 16, (256,), torch.uint8), copy=True)  # 16 MiB
+    before = table.plain().clone()
+    _strategy.reset()
     try:
-        assert set(data["gather"]) == {f"{rb}:{d}" for rb in _strategy.ROW_BYTES for d in _strategy.DENSITIES}
-        assert all(v > 0 for cell in data["gather"].values() for v in cell.values())
-        assert _strategy.calibration_path().exists()
-        _strategy.set_table(None)
-        assert _strategy.load() == data  # read back from the cache
-        for rb in (64, 4096):
-            assert _strategy.choose("gather", rb, 100000, 10**6) in ("vector", "sorted", "staged", "split")
-        assert _strategy.choose("gather", 64, 100000, 10**6, capturing=True) in ("vector", "sorted")
+        cells = pd.calibrate(table=table, counts=[1 << 12, 1 << 15])
+        assert torch.equal(table.plain(), before)  # measured with reads only
+        assert len(cells) >= 4 and all(c["gbps"][c["best"]] > 0 for c in cells.values())
+        assert set(cells) <= set(_strategy.measured_cells())
+        _strategy.reset()
+        assert set(cells) <= set(_strategy.measured_cells())  # read back from this machine's cache file
+        idx = torch.randint(0, 1 << 16, (1 << 15,), device="cuda")
+        call = _strategy.Call("gather", 1 << 24, 1 << 16, 256, 1 << 15)
+        decision, _, _ = _strategy.choose(call, idx, capturing=False)
+        assert decision.source == "measured"
+        assert_same(pd.gather(table, idx), before[idx.cpu()])
     finally:
-        _strategy.set_table(None)
+        _strategy.reset()
+
+
+def test_auto_measures_on_the_first_call_of_each_kind(tmp_cache):
+    # Default settings: the first call of a kind measures the candidates on itself (correct result, bounded time)
+    # and stores the cell; the next call runs the stored choice.
+    import time
+
+    from pytorch_direct import _strategy
+
+    table = random_table(1 << 18, (64,), torch.uint8)  # 16 MiB of 64 B rows
+    u = pd.unified(table, copy=True)
+    _strategy.reset()
+    pd.set_auto_calibrate(True)
+    try:
+        for pattern in ("uniform", "zipf"):
+            idx = _strategy.synthetic_indices(pattern, 1 << 16, 1 << 18, torch.Generator("cuda").manual_seed(1))
+            poison_cuda_allocator()
+            start = time.perf_counter()
+            out = pd.gather(u, idx)
+            torch.cuda.synchronize()
+            assert time.perf_counter() - start < 2.5
+            assert_same(out, table[idx.cpu()])
+            features, _, _ = _strategy.index_features(idx, 1 << 18, 64)
+            key = _strategy.cell_key(_strategy.Call("gather", 1 << 24, 1 << 18, 64, 1 << 16), features)
+            cell = _strategy.measured_cells()[key]
+            assert cell["best"] == _strategy.pick(cell["gbps"]) and len(cell["gbps"]) >= 3
+            if pattern == "zipf":
+                assert "dedupe" in cell["gbps"] and "dedupe_staged" in cell["gbps"]
+            assert_same(pd.gather(u, idx), table[idx.cpu()])
+        assert _strategy.cache_path().exists()
+    finally:
+        pd.set_auto_calibrate(False)
+        _strategy.reset()
+
+
+@pytest.mark.parametrize("strategy", ["dedupe", "dedupe_staged"])
+def test_dedupe_identical_and_empty_indices_and_gradients(strategy):
+    table = random_table(1000, (33,), torch.float32)
+    u = pd.unified(table, copy=True)
+    for idx in (torch.full((70000,), 999, device="cuda"), torch.empty(0, dtype=torch.int64, device="cuda"),
+                torch.randint(0, 3, (5, 7), device="cuda", dtype=torch.int32)):
+        poison_cuda_allocator()
+        assert_same(pd.gather(u, idx, strategy=strategy), table[idx.long().cpu()])
+    emb = pd.unified(table.clone(), copy=True).requires_grad_()
+    idx = torch.randint(0, 20, (4000,), device="cuda")
+    weight = torch.randn(4000, 33, device="cuda")
+    (pd.gather(emb, idx, strategy=strategy) * weight).sum().backward()
+    torch.cuda.synchronize()
+    ref = torch.zeros(1000, 33).index_add_(0, idx.cpu(), weight.cpu())
+    assert torch.allclose(emb.grad.plain(), ref, atol=1e-4)
 
 
 def test_memory_pinned_by_torch_is_accepted():

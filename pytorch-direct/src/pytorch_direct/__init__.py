@@ -23,7 +23,8 @@ from ._config import (
     set_threads,
 )
 from ._core import CompileError, CudaError, UnavailableError
-from ._memory import cuda_usable, empty, flush, from_file, is_unified, unified, zeros
+from ._create import empty, flush, from_file, is_unified, unified, zeros
+from ._memory import cuda_usable
 from ._sharing import share, shared_memory, unlink_shared_memory
 from ._strategy import calibrate
 from ._tensor import UnifiedTensor, op_input

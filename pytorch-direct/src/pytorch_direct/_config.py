@@ -1,4 +1,4 @@
-"""Run-time settings. Each one reads an environment variable once at import and has a setter that overrides it.
+"""Layer 0: run-time settings. Each reads an environment variable once at import and has a setter that overrides it.
 
 ``PYTORCH_DIRECT_STRATEGY`` (default ``auto``; :func:`set_strategy`)
     gather/scatter strategy when a call passes none.
@@ -6,17 +6,18 @@
     ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host
     sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors`.
 ``PYTORCH_DIRECT_THREADS`` (default ``0``, all cores; :func:`set_threads`)
-    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers where the calibration
-    measured them faster than torch's ``index_select`` (which uses torch's threads, ``torch.set_num_threads``).
+    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers of rows wider than 8 MiB
+    (other staged gathers use torch's ``index_select``, i.e. torch's threads, ``torch.set_num_threads``).
 ``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
     SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
 ``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)
-    where the per-machine calibration is stored.
+    where the per-machine measurements of ``auto`` are stored.
 ``PYTORCH_DIRECT_AUTO_CALIBRATE`` (default ``1``; :func:`set_auto_calibrate`)
-    ``1``: the first ``auto`` call that moves >= 1 MiB measures the calibration (a few seconds, once per machine:
-    cached); ``0``: without a cached calibration ``auto`` uses built-in rules.
+    ``1``: the first ``auto`` call of each kind (table size, row width, count, index order and duplicates) measures
+    the candidate strategies on itself, at most 2 s per process in all, and the choice is cached on disk; ``0``:
+    ``auto`` uses cached measurements or, without them, built-in rules.
 ``PYTORCH_DIRECT_CALIBRATION`` (unset by default; :func:`set_calibration`)
-    path of a calibration JSON file to use instead of the cached one.
+    path of a measurements file (JSON) to use, and add to, instead of the cached one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-STRATEGIES = ("auto", "vector", "sorted", "staged", "split", "naive")
+STRATEGIES = ("auto", "vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "naive")
 """``vector``: our kernel (<= 16-byte loads, 128-byte-aligned warp windows); ``sorted``: sort the indices first and
-permute rows back into the caller's order in the kernel; ``staged``: CPU threads gather into pinned buffers,
-pipelined DMA copies to the GPU; ``split``: part kernel, part staged, at the same time; ``naive``: one warp per row
-with 4-byte loads (a baseline for benchmarks); ``auto``: choose per call from the machine's calibration."""
+permute rows back into the caller's order in the kernel; ``dedupe``: sort, gather each distinct row once, expand the
+duplicates on the GPU (no host synchronisation: allowed in CUDA graphs); ``staged``: CPU threads gather into pinned
+buffers, pipelined DMA copies to the GPU; ``dedupe_staged``: the distinct rows through ``staged``, expanded on the
+GPU; ``split``: part kernel, part staged, at the same time; ``naive``: one warp per row with 4-byte loads (a
+baseline for benchmarks); ``auto``: measured per kind of call on the user's own table (see ``_strategy``).
+Scatters run ``vector``, ``sorted``, ``staged`` or ``naive`` (``dedupe`` -> ``sorted``, ``split`` and
+``dedupe_staged`` -> ``staged``)."""
 
 BOUNDS_CHECKS = ("sync", "async")
 
@@ -108,10 +113,10 @@ def set_cache_dir(path: str | os.PathLike) -> None:
 
 
 def set_calibration(path: str | os.PathLike | None) -> None:
-    """Use this calibration JSON file (None: the cached one); mirrors ``PYTORCH_DIRECT_CALIBRATION``."""
+    """Use this measurements JSON file (None: the cached one); mirrors ``PYTORCH_DIRECT_CALIBRATION``."""
     settings.calibration_file = Path(path).expanduser() if path is not None else None
 
 
 def set_auto_calibrate(enabled: bool) -> None:
-    """Whether ``auto`` may measure the calibration on first use; mirrors ``PYTORCH_DIRECT_AUTO_CALIBRATE``."""
+    """Whether ``auto`` may measure strategies on its first calls; mirrors ``PYTORCH_DIRECT_AUTO_CALIBRATE``."""
     settings.auto_calibrate = bool(enabled)

@@ -1,22 +1,20 @@
-"""Creating unified tensors: host memory the GPU reads directly (pinned allocations or registered memory).
+"""Layer 1: host memory the GPU can read (pinned allocations and registrations), as plain ``torch.Tensor`` objects.
 
-Lifetime is tied to torch's: a unified tensor's storage owns (through its DLPack deleter) the pinned allocation or
-the registration, and a registration also keeps the tensor it registered alive. Views share the storage, so the
-memory is released (unregistered exactly once, by shared-cuda's registry) only after the last view is gone.
+Lifetime is tied to torch's: a tensor's storage owns (through its DLPack deleter) the pinned allocation or the
+registration, and a registration also keeps the tensor it registered alive. Views share the storage, so the memory
+is released (unregistered exactly once, by shared-cuda's registry) only after the last view is gone.
+
+Nothing here knows about strategies or the ``UnifiedTensor`` subclass (``_create`` wraps these tensors in it).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import weakref
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _core
-from ._tensor import UnifiedTensor
 
 _CUDA = None
 
@@ -29,7 +27,8 @@ def cuda_usable() -> bool:
     return _CUDA
 
 
-def _shape(shape) -> tuple[int, ...]:
+def shape_of(shape) -> tuple[int, ...]:
+    """A shape given as ``(2, 3)`` or ``((2, 3),)`` as a tuple of non-negative ints."""
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
     shape = tuple(int(s) for s in shape)
@@ -38,153 +37,38 @@ def _shape(shape) -> tuple[int, ...]:
     return shape
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _wrap(flat_bytes: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> UnifiedTensor:
-    t = flat_bytes.view(dtype).view(shape) if flat_bytes.numel() else torch.empty(shape, dtype=dtype)
-    return t.as_subclass(UnifiedTensor)
-
-
-def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
-    """An uninitialised unified tensor in a new pinned, mapped host allocation (page-aligned).
-
-    pin=None pins when CUDA is usable; on a CPU-only machine the memory is ordinary page-aligned host memory and
-    the same API runs on the CPU."""
-    shape = _shape(shape)
-    nbytes = math.prod(shape) * _element_size(dtype)
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None = None) -> Tensor:
+    """An uninitialised plain tensor in a new page-aligned host allocation: pinned and mapped into the GPU when
+    ``pin`` (default: when CUDA is usable), ordinary memory otherwise."""
+    nbytes = math.prod(shape) * element_size(dtype)
     pin = cuda_usable() if pin is None else pin
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
     memory = _core.pinned_memory(nbytes) if pin else _core.pageable_memory(nbytes)
-    return _wrap(memory.tensor(), shape, dtype)
+    return memory.tensor().view(dtype).view(shape)
 
 
-def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
-    """Like :func:`empty`, filled with zeros (by CPU threads)."""
-    t = empty(*shape, dtype=dtype, pin=pin)
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Like :func:`host_empty`, filled with zeros (by CPU threads)."""
+    t = host_empty(shape, dtype)
     with torch._C.DisableTorchFunctionSubclass():
         t.zero_()
     return t
 
 
-def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
-    """A unified tensor with t's contents.
-
-    copy=False registers t's own memory with CUDA (cudaHostRegister, mapped) and shares it: writes through either
-    are seen by both, and t stays alive as long as the unified tensor does. copy=True copies t into a new pinned
-    allocation. On a CPU-only machine copy=False simply shares t's memory.
-
-    Registration pins whole pages. A small tensor from torch's heap shares its first and last page with unrelated
-    allocations; a CUDA copy of one of those that starts inside the registered pages and ends outside them fails
-    with "invalid argument". Register tensors that own their pages (large ones, :func:`empty`) or use copy=True.
-    """
-    if not isinstance(t, Tensor):
-        raise TypeError(f"unified() takes a torch.Tensor, got {type(t).__name__}")
-    if isinstance(t, UnifiedTensor) and not copy:
+def register_in_place(t: Tensor) -> Tensor:
+    """A plain alias of contiguous CPU tensor ``t`` whose memory the GPU can read: ``t`` registered with CUDA
+    (``cudaHostRegister``, mapped; the registration keeps ``t`` alive), or ``t`` itself when no registration is
+    needed (CPU-only machine, empty, or already page-locked, e.g. by ``pin_memory()``: CUDA refuses a second
+    registration)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0 or not cuda_usable() or t.is_pinned():
         return t
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"unified() takes a CPU tensor, got one on {t.device}: a unified tensor lives in host memory; "
-            "move it with t.cpu() first"
-        )
-    if t.is_sparse or t.layout != torch.strided:
-        raise ValueError("unified() takes a dense (strided) tensor")
-    if copy:
-        out = empty(tuple(t.shape), dtype=t.dtype)
-        with torch._C.DisableTorchFunctionSubclass():
-            out.copy_(t.detach())
-        return out
-    if not t.is_contiguous():
-        raise ValueError(
-            "unified(t, copy=False) registers t's memory in place, which needs a contiguous tensor: "
-            "pass t.contiguous() or copy=True"
-        )
-    plain = t.detach().as_subclass(Tensor) if isinstance(t, UnifiedTensor) else t.detach()
-    nbytes = plain.numel() * plain.element_size()
-    if nbytes == 0 or not cuda_usable():
-        return plain.as_subclass(UnifiedTensor)
-    if plain.is_pinned():
-        # Already page-locked (e.g. by torch's pin_memory): CUDA refuses a second registration, and none is needed.
-        return plain.as_subclass(UnifiedTensor)
-    memory = _core.register_memory(plain.data_ptr(), nbytes, plain)
-    return _wrap(memory.tensor(), tuple(plain.shape), plain.dtype)
-
-
-def from_file(path: str | os.PathLike, shape: Sequence[int], dtype: torch.dtype = torch.float32, *,
-              writable: bool = False, offset: int = 0) -> UnifiedTensor:
-    """A unified tensor backed by a memory-mapped file of raw rows (C order, no header).
-
-    writable=False maps the file privately and registers the mapping: the process sees the file's contents, its own
-    writes stay in memory, and the data is read from disk once, here (registration pins the pages).
-
-    writable=True: writes must reach the file. On a CPU-only machine the tensor is the shared mapping itself. With
-    CUDA the file's contents are copied into pinned memory instead, because Linux >= 6.5 refuses long-term writable
-    pins of file-backed pages (cudaHostRegister fails); the rows are written back to the file by
-    :func:`flush` and when the returned tensor is garbage-collected (or at interpreter exit).
-
-    The file must hold at least offset + prod(shape) * itemsize bytes."""
-    shape = _shape(tuple(shape))
-    path = os.fspath(path)
-    nbytes = math.prod(shape) * _element_size(dtype)
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise FileNotFoundError(e.errno, f"from_file: cannot open {path!r}: {e.strerror}") from None
-    if offset < 0 or size < offset + nbytes:
-        raise ValueError(
-            f"from_file: {path!r} holds {size} bytes, but offset {offset} + shape {shape} of {dtype} needs "
-            f"{offset + nbytes}: check shape, dtype and offset"
-        )
-    if offset % _element_size(dtype):
-        raise ValueError(f"from_file: offset {offset} is not a multiple of the {dtype} element size")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype).as_subclass(UnifiedTensor)
-    mapped = torch.from_file(path, shared=writable, size=offset + nbytes, dtype=torch.uint8)
-    data = mapped[offset:offset + nbytes]
-    if writable and cuda_usable():
-        out = empty(shape, dtype=dtype)
-        with torch._C.DisableTorchFunctionSubclass():
-            pinned = out.view(-1).view(torch.uint8)
-            pinned.copy_(data)
-        # The finalizer holds the mapping and a view of the pinned bytes (not `out`), so it runs when `out` dies.
-        _WRITE_BACK[id(out)] = weakref.finalize(out, _write_back, id(out), data, pinned)
-        return out
-    try:
-        return unified(data.view(dtype).view(shape), copy=False)
-    except _core.CudaError as e:
-        raise _core.CudaError(
-            f"from_file: registering the mapping of {path!r} with CUDA failed ({e}). Linux >= 6.5 refuses "
-            "long-term writable pins of file-backed pages; copy the file into pinned memory instead: "
-            "pytorch_direct.unified(torch.from_file(...), copy=True)"
-        ) from e
-
-
-_WRITE_BACK: dict = {}
-
-
-def _write_back(key: int, mapped: Tensor, pinned: Tensor, keep: bool = False) -> None:
-    if not keep:
-        _WRITE_BACK.pop(key, None)
-    if torch.cuda.is_initialized():
-        try:
-            torch.cuda.synchronize()  # GPU scatters into the pinned copy must land before it is written back
-        except RuntimeError:
-            pass  # at interpreter exit CUDA may be gone; what reached the host is written
-    mapped.copy_(pinned)
-
-
-def flush(t: Tensor) -> None:
-    """Writes a ``from_file(..., writable=True)`` tensor's rows back to its file now, after pending GPU work (it
-    also happens when the tensor is garbage-collected). Any other tensor: nothing to do."""
-    fin = _WRITE_BACK.get(id(t))
-    if fin is None or not fin.alive:
-        return
-    key, mapped, pinned = fin.peek()[2]
-    _write_back(key, mapped, pinned, keep=True)
-
-
-def is_unified(t: object) -> bool:
-    """True for tensors created by this package (their memory is readable by the GPU where CUDA is usable)."""
-    return isinstance(t, UnifiedTensor)
+    memory = _core.register_memory(t.data_ptr(), nbytes, t)
+    return memory.tensor().view(t.dtype).view(tuple(t.shape))

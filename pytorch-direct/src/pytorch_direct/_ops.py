@@ -1,186 +1,60 @@
-"""The row operations as ``torch.library`` custom ops (``torch.ops.pytorch_direct.*``), with fake kernels so they
-trace under ``torch.compile`` without graph breaks, and an autograd formula for the gather.
+"""Layer 4: the row operations as ``torch.library`` custom ops (``torch.ops.pytorch_direct.*``), with fake kernels so
+they trace under ``torch.compile`` without graph breaks, and the gather's autograd formula (gradients go into a
+host-resident ``table.grad``).
 
-Every op takes the table as a host (CPU) tensor. With CUDA indices the table must be pinned or registered (a unified
-tensor); rows move on the current CUDA stream. With CPU indices everything stays on the host (multithreaded).
+Each CUDA call is the same three steps, in :func:`gather_impl` and :func:`scatter_impl`: check the arguments, get a
+plan (``_strategy`` decides an ``auto`` call: its measured or built-in choice, or measuring the candidates on this
+very call), run it (``_kernels``). With CPU indices everything stays on the host (multithreaded).
 """
-
-import contextlib
-import threading
 
 import torch
 from torch import Tensor
 
-from . import _core
+from . import _kernels, _memory, _strategy
 from ._config import STRATEGIES, settings
+from ._kernels import INDEX_DTYPES, check_index, check_table, raise_pending_device_error, row_layout
 
-INDEX_DTYPES = (torch.int32, torch.int64)
-_KIND = {"vector": 0, "naive": 1}
-
-
-class _Side:
-    """One side stream per device for the staged half of a split gather."""
-
-    streams: dict = {}
-
-    @classmethod
-    def get(cls, device: torch.device) -> torch.cuda.Stream:
-        stream = cls.streams.get(device.index)
-        if stream is None:
-            stream = cls.streams[device.index] = torch.cuda.Stream(device=device)
-        return stream
+__all__ = ["INDEX_DTYPES", "check_index", "check_table", "gather", "index_add", "raise_pending_device_error",
+           "row_layout", "scatter"]
 
 
-class _Slots:
-    """Pinned staging slots (and an event per slot: when its last copy finished) for the staged gather whose host
-    gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time.
-
-    A chunk fills one slot. On an H200 host (benchmarks/RESULTS.md, run F) 8 MiB chunks beat 4 MiB ones by 0-9 %
-    (each ``index_select`` call and each copy costs ~15 us on the host), and chunks growing from 1 MiB (to start
-    the DMA sooner) did not measure better (run F2)."""
-
-    COUNT = 4
-    BYTES = 8 << 20
-    per_device: dict = {}
-    lock = threading.Lock()
-
-    @classmethod
-    def get(cls, device: torch.device) -> tuple[list[Tensor], list[torch.cuda.Event]]:
-        slots = cls.per_device.get(device.index)
-        if slots is None:
-            buffers = [torch.empty(cls.BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(cls.COUNT)]
-            events = [torch.cuda.Event() for _ in range(cls.COUNT)]
-            slots = cls.per_device[device.index] = (buffers, events)
-        return slots
-
-    @classmethod
-    def chunks(cls, count: int, row_bytes: int):
-        """(start, end) row ranges of a staged call: as many rows as fit a slot, at least one."""
-        per_chunk = max(1, cls.BYTES // row_bytes)
-        for start in range(0, count, per_chunk):
-            yield start, min(count, start + per_chunk)
-
-
-# ---------------------------------------------------------------------------------------------------- checks
-
-
-def row_layout(table: Tensor) -> tuple[int, int]:
-    """(rows, row_bytes) of a table whose rows are contiguous along dim 0."""
-    if table.dim() == 0:
-        raise ValueError("the table is a 0-d tensor: rows are indexed along dim 0, so it needs at least 1 dimension")
-    if not table.is_contiguous():
-        raise ValueError(
-            "the table is not contiguous, so its rows are not contiguous byte ranges: index a contiguous "
-            "unified tensor (pytorch_direct.unified(t.contiguous())) and slice columns after the gather"
-        )
-    rows = table.shape[0]
-    row_elems = 1
-    for s in table.shape[1:]:
-        row_elems *= s
-    return rows, row_elems * table.element_size()
-
-
-def check_index(index: Tensor, what: str = "index") -> None:
-    if not isinstance(index, Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor of int32 or int64, got {type(index).__name__}")
-    if index.dtype not in INDEX_DTYPES:
-        raise TypeError(
-            f"{what} has dtype {index.dtype}; row indices must be int32 or int64 (convert with .long(); "
-            "for a boolean mask use mask.nonzero().squeeze(1))"
-        )
-
-
-def check_table(table: Tensor) -> None:
-    if not isinstance(table, Tensor):
-        raise TypeError(f"the table must be a torch.Tensor (a unified tensor), got {type(table).__name__}")
-    if table.device.type != "cpu":
-        raise ValueError(
-            f"the table is on {table.device}; a unified tensor lives in host memory: create it with "
-            "pytorch_direct.unified(t.cpu()) and index it with CUDA indices to get CUDA rows"
-        )
-
-
-def _table_for_device(table: Tensor, device: int) -> None:
-    if not _core.kernels_compiled():
-        raise _core.UnavailableError(
-            "pytorch_direct was built without CUDA kernels, so CUDA indices cannot be used: reinstall with nvcc "
-            "available (SHARED_CUDA_CUDA=ON), or pass CPU indices"
-        )
-    nbytes = table.numel() * table.element_size()
-    if device not in _UVA_CHECKED:
-        props = _core.device_properties(device) or {}
-        if not props.get("host_pointer_is_device_pointer", False):
-            raise _core.UnavailableError(
-                f"GPU {device} cannot address registered host memory by its host pointer "
-                "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0), which pytorch_direct's kernels need"
-            )
-        _UVA_CHECKED.add(device)
-    # Our own allocations and registrations are known without a CUDA call; anything else (e.g. memory pinned by
-    # torch) is asked of the driver.
-    if _core.is_tracked_host_range(table.data_ptr(), nbytes):
-        return
-    if not _core.is_device_accessible_host(table.data_ptr(), nbytes):
-        raise ValueError(
-            "the table is not in pinned or registered host memory, so the GPU cannot read it: wrap it once with "
-            "pytorch_direct.unified(t) (registers in place) or pytorch_direct.unified(t, copy=True)"
-        )
-
-
-_UVA_CHECKED: set = set()
-
-
-def raise_pending_device_error() -> None:
-    """Raises IndexError for a bad index a kernel recorded since the last check (async bounds checking)."""
-    if not _core.kernels_compiled():
-        return
-    bad = _core.take_device_error()
-    if bad is not None:
-        raise IndexError(
-            f"an earlier gather/scatter on the GPU saw index {bad}, out of range for its table; its row was "
-            "skipped (left unwritten). Set pytorch_direct.set_bounds_check('sync') to raise at the call"
-        )
-
-
-def _on_device(device: torch.device):
-    """torch.cuda.device(device), or nothing to do when it is current already (the common case, a few us saved)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _precheck(index: Tensor, rows: int) -> None:
-    """Sync-mode bounds check on the device: one reduction, one small copy to the host."""
-    if index.numel() == 0:
-        return
-    lo, hi = torch.aminmax(index)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= rows:
-        bad = lo if lo < 0 else hi
-        raise IndexError(
-            f"index {bad} is out of range for a table of {rows} rows (valid: 0..{rows - 1}); "
-            "negative indices are not wrapped"
-        )
-
-
-def _resolve(strategy: str, op: str, row_bytes: int, count: int, rows: int) -> str:
+def _strategy_name(strategy: str) -> str:
     if strategy == "auto":
         strategy = settings.strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if strategy == "auto":
-        from ._strategy import choose
-
-        strategy = choose(op, row_bytes, count, rows, capturing=_capturing())
-    if strategy in ("staged", "split") and _capturing():
-        raise RuntimeError(
-            f"strategy {strategy!r} copies indices to the host, which CUDA graph capture forbids: use 'vector', "
-            "'sorted' or 'auto' inside a captured region"
-        )
     return strategy
+
+
+def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool) -> _strategy.Decision:
+    """The plan of one CUDA call (or, for an ``auto`` call of a kind never measured, the candidates to measure on
+    it), after the sync-mode bounds check: nothing runs for a call with a bad index."""
+    capturing = _kernels.capturing()
+    if name == "auto":
+        decision, _, bounds = _strategy.choose(call, idx, capturing=capturing)
+    else:
+        decision, bounds = _strategy.Decision(_strategy.forced_plan(op, name, call), source="forced"), None
+    if checked:
+        if bounds is None:
+            _kernels.precheck(idx, call.rows)
+        elif bounds[0] < 0 or bounds[1] >= call.rows:
+            raise _kernels.bounds_error(bounds[0] if bounds[0] < 0 else bounds[1], call.rows)
+    if decision.plan is not None and decision.plan.needs_host and capturing:
+        raise RuntimeError(
+            f"strategy {decision.plan.strategy!r} copies indices to the host, which CUDA graph capture forbids: use "
+            "'vector', 'sorted', 'dedupe' or 'auto' inside a captured region"
+        )
+    return decision
+
+
+def _host_zeros_like(table: Tensor) -> Tensor:
+    """A zeroed pinned host tensor of the table's shape, dtype and class (a unified table's gradient is a unified
+    tensor too)."""
+    grad = _memory.host_zeros(tuple(table.shape), table.dtype)
+    cls = type(table)
+    if cls is not Tensor and not issubclass(cls, torch.nn.Parameter):
+        grad = grad.as_subclass(cls)
+    return grad
 
 
 # ---------------------------------------------------------------------------------------------------- entry points
@@ -236,121 +110,44 @@ def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, 
 # ---------------------------------------------------------------------------------------------------- gather
 
 
-def _host_index(idx: Tensor) -> Tensor:
-    """The indices on the host for the staged strategy: through a pinned buffer (torch's caching host allocator),
-    about 5x faster than a pageable .cpu() copy; waits for the current stream (the indices may be made there)."""
-    host = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
-    host.copy_(idx, non_blocking=True)
-    torch.cuda.current_stream(idx.device).synchronize()
-    return host
-
-
-def _sort(idx: Tensor, rows: int, checked: bool) -> tuple[Tensor, Tensor]:
-    """Indices in ascending order and the position each came from. With every index already checked in range and
-    row numbers below 2^31, the keys are sorted as int32: the radix sort makes half the passes. (Unchecked int64
-    indices keep their width: narrowing could turn a bad index into a valid one.)"""
-    if checked and idx.dtype == torch.int64 and rows <= 2**31:
-        ordered, perm = torch.sort(idx.to(torch.int32))
-        return ordered, perm
-    return torch.sort(idx)
-
-
-def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream):
-    _core.gather_cuda(
-        table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
-        positions.data_ptr() if positions is not None else 0, out.data_ptr(), _KIND[kind], max_sms, stream,
-    )
-
-
-def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
-    """dest (CUDA, rows of rb bytes) = table[host_idx], gathered on the host into pinned slots one chunk at a time,
-    each chunk's copy to the GPU queued on `stream` while the next chunk is gathered. The host gather is torch's
-    ``index_select`` (its OpenMP threads, kept hot by the back-to-back chunks) or the package's own threads,
-    whichever the calibration measured faster on this machine."""
-    from ._strategy import host_gather_engine
-
-    n = host_idx.numel()
-    if host_gather_engine() == "native" or rb > _Slots.BYTES or rows == 0:  # (no rows: it raises the IndexError)
-        _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
-                            dest.data_ptr(), settings.threads, stream.cuda_stream)
-        return
-    with torch._C.DisableTorchFunctionSubclass():
-        src = table.detach().reshape(rows, -1).view(torch.uint8)  # (rows, rb) bytes
-        dst = dest.view(n, -1).view(torch.uint8)
-    with _Slots.lock, torch.cuda.stream(stream):
-        buffers, events = _Slots.get(dest.device)
-        for k, (start, end) in enumerate(_Slots.chunks(n, rb)):
-            slot = k % _Slots.COUNT
-            events[slot].synchronize()  # the slot's previous copy (of this call or an earlier one) is done
-            staged = buffers[slot][: (end - start) * rb].view(end - start, rb)
-            try:
-                torch.index_select(src, 0, host_idx[start:end], out=staged)
-            except IndexError:
-                # Name the first bad index the way every other path does (raises), else torch's error stands.
-                _core.check_host_indices(host_idx.data_ptr(), host_idx.element_size(), n, rows, settings.threads)
-                raise
-            dst[start:end].copy_(staged, non_blocking=True)
-            events[slot].record(stream)
-
-
 def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
     check_table(table)
     check_index(index)
+    name = _strategy_name(strategy)
     rows, rb = row_layout(table)
     out = torch.empty(tuple(index.shape) + tuple(table.shape[1:]), dtype=table.dtype, device=index.device)
     idx = index.contiguous().view(-1)
     n = idx.numel()
     if rb == 0:  # rows of zero bytes: only the bounds check has work to do
         if index.device.type == "cpu":
-            _core.check_host_indices(idx.data_ptr(), idx.element_size(), n, rows, settings.threads)
+            _kernels.check_host_indices(idx, rows)
         else:
-            _precheck(idx, rows)
+            _kernels.precheck(idx, rows)
         return out
     if index.device.type == "cpu":
-        _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
-                          settings.threads)
+        _kernels.gather_host(table, rows, rb, idx, out, dedupe=name in ("dedupe", "dedupe_staged"))
         return out
     if index.device.type != "cuda":
         raise ValueError(f"indices on {index.device} are not supported: use CPU or CUDA indices")
-    _table_for_device(table, index.device.index)
+    _kernels.table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return out
-    checked = settings.bounds_check == "sync" and not _capturing()
-    if checked:
-        _precheck(idx, rows)
+    checked = settings.bounds_check == "sync" and not _kernels.capturing()
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    strategy = _resolve(strategy, "gather", rb, n, rows)
-    with _on_device(index.device):
-        stream = torch.cuda.current_stream()
-        if strategy in ("vector", "naive"):
-            _launch_gather(table, rows, rb, idx, out, None, strategy, max_sms, stream.cuda_stream)
-        elif strategy == "sorted":
-            ordered, perm = _sort(idx, rows, checked)
-            _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
-        elif strategy == "staged":
-            _gather_staged(table, rows, rb, _host_index(idx), out, stream)
-        elif strategy == "split":
-            from ._strategy import split_fraction, split_kernel
+    call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n)
+    decision = _plan("gather", name, call, idx, checked)
+    rows_out = out.view(n, -1)
+    if decision.plan is None:
+        # A kind of call never measured: the candidates run on this call (each writes all of `out`), and the fastest
+        # is kept for the next calls of this kind.
+        def run(plan, prefix=None):
+            i, o = (idx, rows_out) if prefix is None else (idx[:prefix], rows_out[:prefix])
+            _kernels.gather_cuda(table, rows, rb, i, o, plan, max_sms, checked)
 
-            k = min(n, max(0, int(round(n * split_fraction(rb, n, rows)))))
-            kernel = split_kernel(rb, n, rows)
-            host_rest = _host_index(idx[k:])  # before the kernel is queued: this waits for the stream
-            side = _Side.get(index.device)
-            # `out` was allocated on `stream`: the side stream waits for the work queued so far, not for the kernel.
-            side.wait_stream(stream)
-            if k > 0 and kernel == "sorted":
-                ordered, perm = _sort(idx[:k], rows, checked)  # positions 0..k-1: the first k output rows
-                _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
-            elif k > 0:
-                _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
-            if k < n:
-                rest = out.view(n, -1)[k:] if out.dim() > 0 else out
-                _gather_staged(table, rows, rb, host_rest, rest, side)
-                stream.wait_stream(side)
-                out.record_stream(side)
-        else:  # pragma: no cover - _resolve returns a known strategy
-            raise AssertionError(strategy)
+        _strategy.measure(call, decision.features, decision.candidates, run)
+        return out
+    _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
     return out
 
 
@@ -431,12 +228,10 @@ def _accumulate_grad_of_leaf(table: Tensor, index: Tensor, grad: Tensor, padding
 
 
 def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int | None) -> None:
-    """Host-resident gradient: table.grad (a unified tensor of the table's shape, created on first use) +=
+    """Host-resident gradient: table.grad (pinned host memory of the table's shape and class, created on first use) +=
     the rows of grad at index (duplicates summed). The table's full gradient never exists on the GPU."""
-    from ._memory import zeros
-
     if table.grad is None:
-        table.grad = zeros(table.shape, dtype=table.dtype)
+        table.grad = _host_zeros_like(table)
     g = grad.detach()
     if padding_idx is not None:
         keep = (index != padding_idx).to(g.dtype)
@@ -447,13 +242,6 @@ def accumulate_grad(table: Tensor, index: Tensor, grad: Tensor, padding_idx: int
 
 
 # ---------------------------------------------------------------------------------------------------- scatter
-
-
-def _launch_scatter(table, rows, rb, idx, values, positions, kind, max_sms, stream):
-    _core.scatter_cuda(
-        table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
-        positions.data_ptr() if positions is not None else 0, values.data_ptr(), _KIND[kind], max_sms, stream,
-    )
 
 
 def _check_values(table: Tensor, index: Tensor, values: Tensor) -> Tensor:
@@ -475,6 +263,7 @@ def _check_values(table: Tensor, index: Tensor, values: Tensor) -> Tensor:
 def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, max_sms: int) -> None:
     check_table(table)
     check_index(index)
+    name = _strategy_name(strategy)
     rows, rb = row_layout(table)
     idx = index.contiguous().view(-1)
     vals = _check_values(table, index, values)
@@ -482,29 +271,26 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     if rb == 0:
         return
     if index.device.type == "cpu":
-        _core.scatter_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, vals.data_ptr(),
-                           settings.threads)
+        _kernels.scatter_host(table, rows, rb, idx, vals)
         return
-    _table_for_device(table, index.device.index)
+    _kernels.table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return
-    checked = settings.bounds_check == "sync" and not _capturing()
-    if checked:
-        _precheck(idx, rows)  # writes: nothing is written when an index is bad
+    checked = settings.bounds_check == "sync" and not _kernels.capturing()
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    strategy = _resolve(strategy, "scatter", rb, n, rows)
-    with _on_device(index.device):
-        stream = torch.cuda.current_stream()
-        if strategy in ("vector", "naive"):
-            _launch_scatter(table, rows, rb, idx, vals, None, strategy, max_sms, stream.cuda_stream)
-        elif strategy == "sorted":
-            ordered, perm = _sort(idx, rows, checked)
-            _launch_scatter(table, rows, rb, ordered, vals, perm, "vector", max_sms, stream.cuda_stream)
-        else:  # staged (split falls back to staged for writes: both halves would compete for the same rows)
-            host_idx = _host_index(idx)
-            _core.scatter_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
-                                 vals.data_ptr(), settings.threads, stream.cuda_stream)
+    call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n)
+    decision = _plan("scatter", name, call, idx, checked)  # writes: nothing is written when an index is bad
+    if decision.plan is None:
+        # Measured on this call: every candidate writes the same rows (with duplicate indices, one writer per
+        # element wins either way).
+        def run(plan, prefix=None):
+            i, v = (idx, vals) if prefix is None else (idx[:prefix], vals[:prefix])
+            _kernels.scatter_cuda(table, rows, rb, i, v, plan, max_sms, checked)
+
+        _strategy.measure(call, decision.features, decision.candidates, run)
+        return
+    _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
 
 
 @torch.library.custom_op("pytorch_direct::scatter_", mutates_args=("table",))
@@ -531,13 +317,13 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
             raise ValueError(f"alpha={alpha} must be an integer for a {table.dtype} table")
         alpha = int(alpha)  # torch refuses a float alpha for integer tensors
     if index.device.type == "cpu":
-        _core.check_host_indices(idx.data_ptr(), idx.element_size(), idx.numel(), rows, settings.threads)
+        _kernels.check_host_indices(idx, rows)
         table.index_add_(0, idx, vals, alpha=alpha)
         return
     if idx.numel() == 0:
         return
-    if settings.bounds_check == "sync" and not _capturing():
-        _precheck(idx, rows)
+    if settings.bounds_check == "sync" and not _kernels.capturing():
+        _kernels.precheck(idx, rows)
     # Duplicates: sum per unique row on the GPU, then one read-modify-write per unique row over PCIe.
     # Half-precision sums accumulate in float32 (one rounding per row instead of one per duplicate).
     acc = torch.float32 if table.dtype in (torch.float16, torch.bfloat16) else table.dtype

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._memory import _element_size, _shape, unified
+from ._create import unified
+from ._memory import element_size, shape_of
 from ._tensor import UnifiedTensor
 
 SHM_DIR = "/dev/shm"
@@ -38,8 +39,8 @@ def shared_memory(name: str, shape: Sequence[int], dtype: torch.dtype = torch.fl
     """The unified tensor over shared memory segment `name`: create=True makes it (it must not exist yet),
     create=False attaches to one another process created. Remove the name with :func:`unlink_shared_memory` once
     every process has attached; the memory lives until the last process drops its tensor."""
-    shape = _shape(tuple(shape))
-    nbytes = math.prod(shape) * _element_size(dtype)
+    shape = shape_of(tuple(shape))
+    nbytes = math.prod(shape) * element_size(dtype)
     path = _path(name)
     if create:
         if os.path.exists(path):

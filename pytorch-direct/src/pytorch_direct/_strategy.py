@@ -1,273 +1,601 @@
-"""``strategy="auto"``: pick a gather/scatter strategy per call from a calibration measured once per machine.
+"""Layer 3: deciding how an ``auto`` call moves its rows. Execution is ``_kernels``'s; the decision is made here.
 
-The calibration times each strategy on a scratch pinned table for every row width in ROW_BYTES and every density
-in DENSITIES (batch rows / table rows), and is cached as JSON under the cache directory, keyed by GPU name, PCI bus
-id and package version. A call uses the cell nearest its row width (log scale) and density, picks the fastest
-strategy there, and falls back to rules from the measured H200 facts when no calibration exists (calibrating never
-happens implicitly inside CUDA graph capture or ``torch.compile`` tracing).
+What decides the fastest strategy (benchmarks/RESULTS.md has the measurements):
+
+- the table's size: past the GPU's address-translation reach (a few GiB) random zero-copy reads of small rows
+  collapse (16-48 GiB tables: 7-30 GB/s) while a 1 GiB table still runs them at 14-50 GB/s, so nothing measured
+  on a small scratch table carries over to a large one;
+- the row width, the density (rows asked / table rows), the index order (sorted and clustered indices make
+  zero-copy reads sequential; random ones need sorting or the CPU) and the duplicates (each repeated row crosses
+  PCIe once with ``dedupe``).
+
+So ``auto`` measures where the user's calls happen: the first call of each kind (a *cell*: table size class, row
+width class, count class, index order class, duplicate class) runs the candidate strategies on that very call
+(reads only; a scatter writes the same values each time), keeps the fastest and stores it on disk per machine, so
+later calls and later processes of that kind run it directly. The measurements of a process are capped
+(:data:`RACE_BUDGET_S`); past the cap, inside CUDA graph capture, or with auto-calibration off, a call uses the
+nearest measured cell or, with none, :func:`rules` from the H200 measurements. The index features (order,
+estimated duplicates) come from a small sample of the indices, with one host round trip on the first call of each
+(table, row width, count) kind and every :data:`RECHECK_EVERY` calls after it (none inside graph capture).
+
+:func:`decide` is the whole decision as a pure function of the measured cells, the call and its features.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from . import _core
+from . import _core, _kernels, _memory
 from ._config import settings
+from ._kernels import HOST_PLANS, Plan
 
+# Below this many bytes a call is latency-bound: one kernel launch beats sorting, copying indices or measuring.
+SMALL_CALL_BYTES = 256 << 10
+# The index features are recomputed every this many calls of a (table, row width, count) kind.
+RECHECK_EVERY = 16
+# Seconds a process may spend measuring strategies on its calls ("the first call must not stall for long").
+RACE_BUDGET_S = 2.0
+# A host strategy (staged, dedupe_staged, split) must measure this much faster than the best device-only one: it
+# takes CPU cores from the caller, and its speed varies more from call to call.
+HOST_MARGIN = 1.05
+# Candidates within this factor of the fastest are measured a second time before one is kept (one noisy run must
+# not decide a cell).
+RETIME_WITHIN = 1.15
+# Index sample sizes: a contiguous window for the order, strided positions for the duplicates.
+ORDER_WINDOW = 2048
+DUPLICATE_SAMPLE = 4096
+# Consecutive indices whose rows lie within this many bytes count as "near" (clustered reads).
+NEAR_BYTES = 64 << 10
+# Tables larger than this are assumed past the GPU's address-translation reach by the built-in rules.
+TRANSLATION_REACH_BYTES = 4 << 30
+# calibrate(): row widths of a scratch table, counts, and the index patterns measured.
 ROW_BYTES = (64, 128, 256, 512, 1024, 2048, 4096)
-DENSITIES = (0.002, 0.016, 0.12)
-GATHER_STRATEGIES = ("vector", "sorted", "staged", "split")
-SCATTER_STRATEGIES = ("vector", "sorted", "staged")
-# Below this many bytes a call is latency-bound: a kernel launch beats any host round trip.
-SMALL_CALL_BYTES = 1 << 20
+CALIBRATION_COUNTS = (1 << 15, 1 << 18, 1 << 21)
+CALIBRATION_PATTERNS = ("uniform", "sorted", "clustered", "zipf")
 CALIBRATION_TABLE_BYTES = 1 << 30
-STAGED_MAX_ROW_BYTES = 4 << 20  # the staging slot size in cpp/src/rows_host.cpp
-
-_loaded: dict | None = None
-_calibration_failed = False
+CACHE_FORMAT = 2
 
 
-def _key() -> str:
-    return _device_key(max(_core.current_device(), 0))
+# ---------------------------------------------------------------------------------------------------- features
 
 
-@functools.cache
-def _device_key(device: int) -> str:
-    # Cached: device properties never change, and this runs on every "auto" call (also under graph capture).
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The shape of one call: op ("gather" or "scatter"), table size, rows, row width, rows moved."""
+
+    op: str
+    table_bytes: int
+    rows: int
+    row_bytes: int
+    count: int
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.row_bytes
+
+    @property
+    def density(self) -> float:
+        return self.count / max(self.rows, 1)
+
+    @property
+    def kind(self) -> tuple:
+        """What the per-kind feature state is keyed by (the features themselves are not)."""
+        return (self.op, _table_class(self.table_bytes), _row_class(self.row_bytes), _count_class(self.count))
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """Index features from a sample: ``ascending`` and ``near`` are fractions of consecutive index pairs that do not
+    decrease / whose rows lie within :data:`NEAR_BYTES`; ``duplicates`` is the estimated fraction of the indices
+    that repeat an earlier one (0: all distinct)."""
+
+    ascending: float
+    near: float
+    duplicates: float
+
+    @property
+    def order(self) -> str:
+        if self.ascending >= 0.999:  # (runs of consecutive rows in random order are "clustered")
+            return "sorted"
+        if self.near >= 0.5:
+            return "clustered"
+        return "random"
+
+    @property
+    def duplicate_class(self) -> str:
+        if self.duplicates < 0.01:
+            return "none"
+        return "some" if self.duplicates < 0.3 else "heavy"
+
+
+def estimate_duplicates(count: int, rows: int, sample: int, distinct: int, distinct_quarter: int) -> float:
+    """Estimated fraction of `count` indices that repeat an earlier one, from a sample of `sample` of them holding
+    `distinct` distinct values (and `distinct_quarter` in its first quarter). Distinct values grow like a power of
+    the number drawn (``n ** a``: a = 1 for distinct indices, a < 1 for skewed ones such as Zipf); a is fitted on
+    the two sample sizes and extrapolated to `count`. Exact when the sample is the whole index."""
+    if count <= 0 or sample <= 0:
+        return 0.0
+    if sample >= count:
+        return 1.0 - distinct / count
+    quarter = max(1, sample // 4)
+    a = 1.0
+    if distinct_quarter > 0 and distinct > 0:
+        a = min(1.0, max(0.0, math.log(distinct / distinct_quarter) / math.log(sample / quarter)))
+    expected = distinct * (count / sample) ** a
+    expected = min(expected, count, max(rows, 1))
+    return max(0.0, 1.0 - expected / count)
+
+
+def index_features(idx: Tensor, rows: int, row_bytes: int) -> tuple[Features, int, int]:
+    """Features of 1-D indices on the GPU, and their min and max (for the bounds check), with one host round trip.
+    About 15 small kernels on samples of a few thousand indices, whatever the count."""
+    n = idx.numel()
+    window = idx[: min(n, ORDER_WINDOW)]
+    step = window[1:] - window[:-1]
+    near_rows = max(1, NEAR_BYTES // max(row_bytes, 1))
+    sample = idx[:: max(1, n // DUPLICATE_SAMPLE)][:DUPLICATE_SAMPLE]
+    s = sample.numel()
+    values, position = torch.sort(sample, stable=True)
+    first = torch.ones(s, dtype=torch.bool, device=idx.device)
+    if s > 1:
+        torch.ne(values[1:], values[:-1], out=first[1:])
+    lo, hi = torch.aminmax(idx)
+    stats = torch.stack([
+        lo.long(), hi.long(), (step >= 0).sum(), (step.abs() <= near_rows).sum(), first.sum(),
+        (first & (position < max(1, s // 4))).sum(),
+    ]).tolist()
+    lo, hi, ascending, near, distinct, distinct_quarter = stats
+    pairs = max(window.numel() - 1, 1)
+    features = Features(ascending / pairs if n > 1 else 1.0, near / pairs if n > 1 else 1.0,
+                        estimate_duplicates(n, rows, s, distinct, distinct_quarter))
+    return features, lo, hi
+
+
+# ---------------------------------------------------------------------------------------------------- cells
+
+
+def _table_class(table_bytes: int) -> int:
+    return round(math.log2(max(table_bytes, 1)))
+
+
+def _row_class(row_bytes: int) -> int:
+    return round(2 * math.log2(max(row_bytes, 1)))  # half octaves: 47 B and 64 B rows differ
+
+
+def _count_class(count: int) -> int:
+    return round(math.log2(max(count, 1)))
+
+
+def cell_key(call: Call, features: Features) -> str:
+    op, table, row, count = call.kind
+    return f"{op}|t{table}|r{row}|n{count}|{features.order}|{features.duplicate_class}"
+
+
+def _same_kind(cell: dict, call: Call, features: Features | None) -> bool:
+    op, table, row, _ = call.kind
+    if (cell["op"], cell["table_class"], cell["row_class"]) != (op, table, row):
+        return False
+    return features is None or (cell["order"], cell["dup"]) == (features.order, features.duplicate_class)
+
+
+def find_cell(cells: dict, call: Call, features: Features) -> dict | None:
+    """The measured cell that covers this call: its own, or one whose count class lies within the other's span
+    (calibrate() measures every third count class, so its cells span one class on each side)."""
+    cell = cells.get(cell_key(call, features))
+    if cell is not None:
+        return cell
+    count = _count_class(call.count)
+    covering = [c for c in cells.values()
+                if _same_kind(c, call, features) and abs(c["count_class"] - count) <= c["span"]]
+    return min(covering, key=lambda c: abs(c["count_class"] - count)) if covering else None
+
+
+def nearest_cell(cells: dict, call: Call, features: Features | None) -> dict | None:
+    """The closest measured cell of the same op, table size class and row width class: same features first, then
+    the nearest count class."""
+    count = _count_class(call.count)
+    same = [c for c in cells.values() if _same_kind(c, call, None)]
+    if not same:
+        return None
+    return min(same, key=lambda c: (not _same_kind(c, call, features), abs(c["count_class"] - count)))
+
+
+def pick(gbps: dict) -> str:
+    """The fastest measured strategy; a host strategy only at >= HOST_MARGIN x the fastest device-only one."""
+    device = {s: v for s, v in gbps.items() if s not in HOST_PLANS}
+    host = {s: v for s, v in gbps.items() if s in HOST_PLANS}
+    best_device = max(device, key=device.get) if device else None
+    best_host = max(host, key=host.get) if host else None
+    if best_host is None or (best_device is not None and host[best_host] < HOST_MARGIN * device[best_device]):
+        return best_device
+    return best_host
+
+
+def plan_from_cell(cell: dict, capturing: bool) -> Plan | None:
+    gbps = cell["gbps"]
+    if capturing:  # host strategies cannot run inside graph capture: the best device-only one measured
+        gbps = {s: v for s, v in gbps.items() if s not in HOST_PLANS}
+    if not gbps:
+        return None
+    best = pick(gbps)
+    if best == "split":
+        return Plan("split", cell.get("split_fraction", 0.5), cell.get("split_kernel", "vector"))
+    return Plan(best)
+
+
+# ---------------------------------------------------------------------------------------------------- decision
+
+
+def rules(call: Call, features: Features | None, capturing: bool) -> Plan:
+    """The built-in choice where nothing was measured, from the H200 measurements (benchmarks/RESULTS.md):
+    heavy duplicates -> dedupe; sorted or clustered indices, or rows >= 2 KiB -> vector (reads are sequential, or
+    long enough); small rows at low density of a table past the translation reach -> staged (the CPU gathers them
+    at 20-30 GB/s, zero-copy reads at 2-10); otherwise sorted."""
+    order = features.order if features is not None else "random"
+    duplicates = features.duplicates if features is not None else 0.0
+    if call.op == "gather" and duplicates >= 0.3:
+        return Plan("dedupe")
+    if order != "random" or call.row_bytes >= 2048:
+        return Plan("vector")
+    if (call.op == "gather" and not capturing and call.table_bytes > TRANSLATION_REACH_BYTES
+            and call.row_bytes <= 512 and call.density < 0.005):
+        return Plan("staged")
+    return Plan("sorted")
+
+
+def candidates(call: Call, features: Features) -> tuple[str, ...]:
+    """The strategies worth measuring for this call, the rules' choice first (it is the one kept if the measuring
+    budget runs out after it); split last (its share comes from the kernel and staged measurements)."""
+    found = ["vector"]
+    if features.order != "sorted":
+        found.append("sorted")
+    duplicates = call.op == "gather" and features.duplicates >= 0.01
+    if duplicates:
+        found.append("dedupe")
+    found.append("staged")
+    if duplicates:
+        found.append("dedupe_staged")
+    if call.op == "gather":
+        found.append("split")
+    first = rules(call, features, capturing=False).strategy
+    return tuple([first] + [s for s in found if s != first])
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """``plan``: run it. None: measure ``candidates`` on this call first. ``source`` says where the plan came from
+    ("small", "measured", "nearest", "rules", "forced"); ``features``: the index features it was decided on."""
+
+    plan: Plan | None
+    candidates: tuple[str, ...] = ()
+    source: str = ""
+    features: Features | None = None
+
+
+def decide(cells: dict, call: Call, features: Features | None, *, capturing: bool, may_measure: bool) -> Decision:
+    """The decision for one call: a pure function of the measured cells, the call and its index features (None
+    when they could not be computed, e.g. inside graph capture before any call of this kind)."""
+    if call.bytes < SMALL_CALL_BYTES:
+        return Decision(Plan("vector"), source="small")
+    if features is not None:
+        cell = find_cell(cells, call, features)
+        if cell is not None:
+            plan = plan_from_cell(cell, capturing)
+            if plan is not None:
+                return Decision(plan, source="measured")
+        if may_measure and not capturing:
+            return Decision(None, candidates(call, features), source="measure")
+    cell = nearest_cell(cells, call, features)
+    if cell is not None:
+        plan = plan_from_cell(cell, capturing)
+        if plan is not None:
+            return Decision(plan, source="nearest")
+    return Decision(rules(call, features, capturing), source="rules")
+
+
+def forced_plan(op: str, strategy: str, call: Call) -> Plan:
+    """The plan of a strategy named by the caller. Scatters have no deduplicating or split plans (both halves of a
+    split would compete for the same rows): those run their closest scatter plan."""
+    if op == "scatter":
+        strategy = {"split": "staged", "dedupe": "sorted", "dedupe_staged": "staged"}.get(strategy, strategy)
+        return Plan(strategy)
+    if strategy != "split":
+        return Plan(strategy)
+    cell = nearest_cell(_state.cells(), call, None)
+    if cell is not None and "split_fraction" in cell:
+        return Plan("split", cell["split_fraction"], cell["split_kernel"])
+    return Plan("split", 0.5, "sorted" if call.row_bytes < 2048 else "vector")
+
+
+# ---------------------------------------------------------------------------------------------------- state
+
+
+def _machine_key(device: int) -> str:
     from . import __version__
 
     props = _core.device_properties(device) or {}
     name = str(props.get("name", "unknown")).replace(" ", "_").replace("/", "_")
     bus = str(props.get("pci_bus_id", "")).replace(":", "-")
-    return f"calibration-{name}-{bus}-{__version__}.json"
+    return f"{name}-{bus}-{os.cpu_count()}cpu-{__version__}"
 
 
-def calibration_path() -> Path:
+@functools.cache
+def _cached_machine_key(device: int) -> str:
+    return _machine_key(device)  # device properties never change; this runs on every cache access
+
+
+def cache_path() -> Path:
+    """The file holding this machine's measured cells (``PYTORCH_DIRECT_CALIBRATION`` overrides it)."""
     if settings.calibration_file is not None:
         return settings.calibration_file
-    return settings.cache_dir / _key()
+    return settings.cache_dir / f"decisions-{_cached_machine_key(max(_core.current_device(), 0))}.json"
 
 
-def load() -> dict | None:
-    """The calibration in use (None when there is none yet)."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    path = calibration_path()
-    if path.exists():
+class _State:
+    """The measured cells (in memory and on disk), the measuring budget left, and per call kind the features last
+    computed and the calls seen."""
+
+    def __init__(self) -> None:
+        self._cells: dict | None = None
+        self._path: Path | None = None
+        self.budget_s = RACE_BUDGET_S
+        self.kinds: dict = {}
+        self.last: Decision | None = None  # of the last auto call, for diagnostics (last_decision())
+
+    def cells(self) -> dict:
+        path = cache_path()
+        if self._cells is None or path != self._path:
+            self._path, self._cells = path, _read_cells(path)
+        return self._cells
+
+    def record(self, cells: dict, save: bool = True) -> None:
+        self.cells().update(cells)
+        if save:
+            _write_cells(self._path, cells)
+
+
+def _read_cells(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or a broken file: measured again
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("cells"), dict):
+        return {}
+    return dict(data["cells"])
+
+
+def _write_cells(path: Path, cells: dict) -> None:
+    """Merges `cells` into the file (other processes may have added theirs) with an atomic replace."""
+    try:
+        merged = _read_cells(path)
+        merged.update(cells)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"format": CACHE_FORMAT, "cells": merged}, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # an unwritable cache only costs measuring again in the next process
+
+
+_state = _State()
+
+
+def reset(*, delete_file: bool = False) -> None:
+    """Forgets this process's measured cells, features and measuring budget (as in a new process); with
+    ``delete_file`` also this machine's cache file (as on a new machine)."""
+    global _state
+    if delete_file:
         try:
-            data = json.loads(path.read_text())
-            if "gather" in data and "scatter" in data:
-                _loaded = data
-        except (OSError, ValueError):
-            _loaded = None  # a broken cache is re-measured
-    return _loaded
+            cache_path().unlink()
+        except OSError:
+            pass
+    _state = _State()
 
 
-def set_table(data: dict | None) -> None:
-    """Use this calibration (same format as the JSON file) for the rest of the process; None forgets it."""
-    global _loaded
-    _loaded = data
+def measured_cells() -> dict:
+    """The measured cells in use (this machine's cache file plus this process's measurements)."""
+    return dict(_state.cells())
 
 
-def _time(fn, repeats: int) -> float:
-    """Best-of wall time of one call, synchronised around each (as the benchmark measures): one noisy run must not
-    decide the strategy for a whole cell."""
-    fn()  # warm-up
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        fn()
+class _Seen:
+    __slots__ = ("calls", "features")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.features: Features | None = None
+
+
+def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Features | None, tuple[int, int] | None]:
+    """The decision for an ``auto`` call with CUDA indices, its features, and the indices' (min, max) when the
+    features were computed on this call (then no separate bounds check is needed)."""
+    if call.bytes < SMALL_CALL_BYTES:
+        _state.last = Decision(Plan("vector"), source="small")
+        return _state.last, None, None
+    seen = _state.kinds.get(call.kind)
+    if seen is None:
+        seen = _state.kinds[call.kind] = _Seen()
+    bounds = None
+    if not capturing and (seen.features is None or seen.calls % RECHECK_EVERY == 0):
+        seen.features, lo, hi = index_features(idx, call.rows, call.row_bytes)
+        bounds = (lo, hi)
+    seen.calls += 1
+    may_measure = settings.auto_calibrate and _state.budget_s > 0
+    decision = decide(_state.cells(), call, seen.features, capturing=capturing, may_measure=may_measure)
+    _state.last = decision = dataclasses.replace(decision, features=seen.features)
+    return decision, seen.features, bounds
+
+
+def last_decision() -> Decision | None:
+    """The decision of this process's last ``auto`` call with CUDA indices (after measuring: what was kept)."""
+    return _state.last
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():  # (never on a CPU-only machine, where the tests time stand-ins)
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
-def calibrate(*, table_bytes: int = CALIBRATION_TABLE_BYTES, table=None, repeats: int = 3, save: bool = True,
-              verbose: bool = False) -> dict:
-    """Measure every strategy on this machine (a few seconds) and cache the result; returns the table.
+def _timed(run, plan: Plan) -> float:
+    start = time.perf_counter()
+    run(plan)
+    _sync()
+    return time.perf_counter() - start
 
-    By default a scratch pinned table of ``table_bytes`` is allocated; pass ``table`` (a unified tensor whose
-    contents may be overwritten: scatters are measured too) to measure on that memory instead, e.g. a table as
-    large as the one the job uses (GPU address translation makes very large tables slower for small rows)."""
-    from . import _memory, _ops
 
+def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budget_s: float | None = None,
+            span: int = 0, save: bool = True) -> tuple[Plan, dict]:
+    """Runs `run(plan)` (the call itself, all of it) once per candidate, again for those within RETIME_WITHIN of
+    the fastest, keeps the fastest (``pick``) and records the cell. `run(plan, prefix)` first warms each candidate
+    up on a few rows (allocations, lazy initialisation). Stops early, keeping what was measured, when `budget_s`
+    (default: the process's measuring budget left) runs out. Returns the plan kept and the cell."""
+    budget = _state.budget_s if budget_s is None else budget_s
+    start = time.perf_counter()
+    prefix = min(call.count, 4096)
+    seconds: dict = {}
+    split_plan = None
+    for name in names:
+        if seconds and time.perf_counter() - start > budget:
+            break
+        if name == "split":
+            kernel = min((s for s in ("vector", "sorted") if s in seconds), key=seconds.get, default=None)
+            if kernel is None or "staged" not in seconds:
+                continue
+            gpu, cpu = 1 / seconds[kernel], 1 / seconds["staged"]
+            plan = split_plan = Plan("split", gpu / (gpu + cpu), kernel)
+        else:
+            plan = Plan(name)
+        run(plan, prefix)
+        _sync()
+        seconds[name] = _timed(run, plan)
+    fastest = min(seconds.values())
+    for name in [s for s, t in seconds.items() if t <= RETIME_WITHIN * fastest and len(seconds) > 1]:
+        plan = split_plan if name == "split" else Plan(name)
+        seconds[name] = min(seconds[name], _timed(run, plan))
+    gbps = {s: call.bytes / t / 1e9 for s, t in seconds.items()}
+    best = pick(gbps)
+    features_key = cell_key(call, features)
+    op, table, row, count = call.kind
+    cell = {"op": op, "table_class": table, "row_class": row, "count_class": count, "order": features.order,
+            "dup": features.duplicate_class, "span": span, "best": best, "gbps": gbps,
+            "measured_on": {"table_bytes": call.table_bytes, "row_bytes": call.row_bytes, "count": call.count}}
+    if split_plan is not None:
+        cell["split_fraction"], cell["split_kernel"] = split_plan.split_fraction, split_plan.split_kernel
+    if budget_s is None:
+        _state.budget_s -= time.perf_counter() - start
+    _state.record({features_key: cell}, save=save)
+    kept = plan_from_cell(cell, capturing=False)
+    _state.last = Decision(kept, names, source="measured now", features=features)
+    return kept, cell
+
+
+# ---------------------------------------------------------------------------------------------------- calibrate
+
+
+def synthetic_indices(pattern: str, count: int, rows: int, generator: torch.Generator, *, zipf_s: float = 1.0,
+                      cluster: int = 32) -> Tensor:
+    """int64 row indices on the generator's device: ``uniform`` (random rows), ``sorted`` (the same, ascending),
+    ``clustered`` (runs of `cluster` consecutive rows at random places), ``zipf`` (rank r drawn with probability
+    ~ 1 / r**zipf_s, ranks spread over the table by a fixed permutation)."""
+    device = generator.device
+    if pattern in ("uniform", "sorted"):
+        idx = torch.randint(0, rows, (count,), device=device, generator=generator)
+        return torch.sort(idx).values if pattern == "sorted" else idx
+    if pattern == "clustered":
+        run = max(1, min(cluster, rows))
+        starts = torch.randint(0, rows - run + 1, (-(-count // run),), device=device, generator=generator)
+        return (starts[:, None] + torch.arange(run, device=device)).reshape(-1)[:count]
+    if pattern == "zipf":
+        u = torch.rand(count, device=device, generator=generator, dtype=torch.float64)
+        if abs(zipf_s - 1.0) < 1e-9:
+            x = torch.exp(u * math.log(rows))
+        else:
+            a = 1.0 - zipf_s
+            x = ((float(rows) ** a - 1.0) * u + 1.0) ** (1.0 / a)
+        rank = (x.floor().long() - 1).clamp_(0, rows - 1)
+        step = _coprime_step(rows)
+        return (rank * step) % rows  # a bijection: the hot ranks land all over the table
+    raise ValueError(f"unknown index pattern {pattern!r}: uniform, sorted, clustered or zipf")
+
+
+def _coprime_step(rows: int) -> int:
+    step = max(1, min(int(rows * 0.6180339887), (1 << 32) - 1)) | 1
+    while math.gcd(step, rows) != 1:
+        step += 2
+    return step
+
+
+def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_bytes=None, counts=None,
+              save: bool = True, verbose: bool = False) -> dict:
+    """Measures the gather strategies on `table` (reads only: its contents are not changed) or on a scratch pinned
+    table of `table_bytes`, for index patterns uniform / sorted / clustered / Zipf at several counts, and stores
+    the cells for this machine (on disk when `save`). ``auto`` then runs the measured choice for calls of those
+    kinds without measuring on them first. Returns the measured cells.
+
+    `row_bytes`: row widths to view the table's bytes at (default: the table's own rows; the scratch table: 64 B
+    to 4 KiB). `counts`: rows per call (default 32K, 256K and 2M, at most the table's rows and 1 GiB). Takes
+    seconds per row width (more on tables of many GiB, where zero-copy reads are slow)."""
     if not _memory.cuda_usable():
         raise _core.UnavailableError("calibration needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
-    if table is not None:
-        with torch._C.DisableTorchFunctionSubclass():
-            scratch = table.detach().reshape(-1).view(torch.uint8)
-        table_bytes = scratch.numel()
+    if table is None:
+        plain = _memory.host_empty((table_bytes,), torch.uint8)
+        plain.fill_(1)
+        widths = tuple(row_bytes or ROW_BYTES)
     else:
-        scratch = _memory.empty(table_bytes, dtype=torch.uint8)
         with torch._C.DisableTorchFunctionSubclass():
-            scratch.fill_(1)
-    result: dict = {"device": torch.cuda.get_device_name(device), "table_bytes": table_bytes,
-                    "row_bytes": list(ROW_BYTES), "densities": list(DENSITIES), "gather": {}, "scatter": {}}
-    previous = _loaded
-    try:
-        result["host_gather"] = _measure_host_gather(scratch, table_bytes, repeats)
-        set_table(result)  # the staged measurements below use the engine measured faster
-        generator = torch.Generator(device=device).manual_seed(0)
-        for rb in ROW_BYTES:
-            rows = table_bytes // rb
-            with torch._C.DisableTorchFunctionSubclass():
-                table = scratch[: rows * rb].view(rows, rb)
-            for density in DENSITIES:
-                n = max(1, int(rows * density))
-                index = torch.randint(0, rows, (n,), device=device, generator=generator)
+            plain = table.detach()
+            if not plain.is_contiguous():
+                raise ValueError("calibrate(table=...) needs a contiguous table")
+            if row_bytes is None:
+                widths = (_kernels.row_layout(plain)[1],)
+            else:
+                widths = tuple(row_bytes)
+            plain = plain.reshape(-1).view(torch.uint8)
+        _kernels.table_for_device(plain, device.index)
+    total = plain.numel()
+    generator = torch.Generator(device=device).manual_seed(0)
+    measured: dict = {}
+    for rb in widths:
+        rows = total // rb
+        if rows == 0:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            view = plain[: rows * rb].view(rows, rb)
+        for pattern in CALIBRATION_PATTERNS:
+            for n in counts or CALIBRATION_COUNTS:
+                n = min(n, rows, max(1, (1 << 30) // rb))
+                idx = synthetic_indices(pattern, n, rows, generator)
+                features, _, _ = index_features(idx, rows, rb)
+                call = Call("gather", total, rows, rb, n)
+                if call.bytes < SMALL_CALL_BYTES:
+                    continue
                 out = torch.empty((n, rb), dtype=torch.uint8, device=device)
-                cell = f"{rb}:{density}"
-                result["gather"][cell] = {}
-                result["scatter"][cell] = {}
-                for s in GATHER_STRATEGIES:
-                    if s == "split":
-                        set_table(result)  # split_fraction reads this cell's vector/sorted/staged numbers
-                    seconds = _time(functools.partial(_ops.gather_impl, table, index, s, 0), repeats)
-                    result["gather"][cell][s] = n * rb / seconds / 1e9
-                for s in SCATTER_STRATEGIES:
-                    seconds = _time(functools.partial(_ops.scatter_impl, table, index, out, s, 0), repeats)
-                    result["scatter"][cell][s] = n * rb / seconds / 1e9
+                span = 1 if counts is None else 0
+
+                def run(plan, prefix=None, view=view, rows=rows, rb=rb, idx=idx, out=out):
+                    i, o = (idx, out) if prefix is None else (idx[:prefix], out[:prefix])
+                    _kernels.gather_cuda(view, rows, rb, i, o, plan, 0, True)
+
+                _, cell = measure(call, features, candidates(call, features), run, budget_s=math.inf, span=span,
+                                  save=False)
+                measured[cell_key(call, features)] = cell
                 if verbose:
-                    print(f"calibrate {cell}: gather {result['gather'][cell]} scatter {result['scatter'][cell]}")
-    except BaseException:
-        set_table(previous)  # a failed calibration leaves no partial table in use
-        raise
-    del scratch
-    if save:
-        path = calibration_path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-                json.dump(result, f, indent=1)
-            os.replace(f.name, path)  # atomic: concurrent processes never read half a file
-        except OSError:
-            pass  # an unwritable cache only costs a re-measurement next time
-    set_table(result)
-    return result
+                    rates = " ".join(f"{s}={v:.1f}" for s, v in cell["gbps"].items())
+                    print(f"calibrate {rb:6d} B x {n:8d} {pattern:9} -> {cell['best']:13} ({rates} GB/s)",
+                          flush=True)
+    _state.record(measured, save=save)  # in this process either way
+    return measured
 
-
-def _measure_host_gather(scratch, table_bytes: int, repeats: int) -> dict:
-    """Host-only gather bandwidth (GB/s, summed over small, medium and 1 KiB rows at 0.2 % density of the table) of
-    the package's threads and of torch's ``index_select`` (torch's OpenMP threads), and the faster one ("engine"),
-    which the staged strategy then uses. Which is faster depends on the machine (core count, virtualisation, how
-    the two thread pools share the cores), so it is measured, not assumed."""
-    totals = {"native": 0.0, "torch": 0.0}
-    for rb in (64, 256, 1024):
-        rows = table_bytes // rb
-        n = max(1, int(rows * 0.002))
-        with torch._C.DisableTorchFunctionSubclass():
-            table = scratch[: rows * rb].view(rows, rb)
-            index = torch.randint(0, rows, (n,))
-            out = torch.empty((n, rb), dtype=torch.uint8, pin_memory=True)
-            native = functools.partial(_core.gather_host, table.data_ptr(), rows, rb, index.data_ptr(), 8, n, 0,
-                                       out.data_ptr(), settings.threads)
-            for engine, fn in (("native", native),
-                               ("torch", functools.partial(torch.index_select, table, 0, index, out=out))):
-                seconds = _time(fn, repeats)
-                totals[engine] += n * rb / seconds / 1e9
-    totals["engine"] = "torch" if totals["torch"] >= totals["native"] else "native"
-    return totals
-
-
-def host_gather_engine() -> str:
-    """The staged gather's host gather: "torch" (``index_select``) unless the calibration measured the package's
-    own threads faster on this machine."""
-    data = load()
-    host = (data or {}).get("host_gather") or {}
-    return "native" if host.get("engine") == "native" else "torch"
-
-
-def _nearest(values, x: float, log: bool) -> float:
-    key = (lambda v: abs(math.log(v) - math.log(x))) if log else (lambda v: abs(v - x))
-    return min(values, key=key)
-
-
-def _cell(data: dict, op: str, row_bytes: int, density: float) -> dict | None:
-    rb = _nearest(data["row_bytes"], row_bytes, log=True)
-    d = _nearest(data["densities"], max(density, 1e-9), log=True)
-    return data[op].get(f"{rb}:{d}")
-
-
-def _rules(op: str, row_bytes: int, density: float) -> str:
-    """Without a calibration: sorted indices cost a sort but make host reads sequential, which pays on every
-    measured row width at densities >= ~1%; at very low density small rows go to the CPU gather (21-25 GB/s
-    measured vs 4-7 GB/s for the kernel on 128 B rows)."""
-    if op == "gather" and row_bytes <= 256 and density < 0.005:
-        return "staged"
-    return "sorted" if row_bytes < 4096 else "vector"
-
-
-# A host strategy (staged, split) must beat the best kernel by this factor to be chosen: host strategies vary more
-# from call to call (they share the CPU with the caller's threads), and a kernel leaves the CPU free.
-HOST_MARGIN = 1.1
-
-
-def _best(cell: dict) -> str:
-    kernels = {s: v for s, v in cell.items() if s not in ("staged", "split")}
-    hosts = {s: v for s, v in cell.items() if s in ("staged", "split")}
-    best_kernel = max(kernels, key=kernels.get) if kernels else None
-    best_host = max(hosts, key=hosts.get) if hosts else None
-    if best_host is None or (best_kernel is not None and cell[best_host] < HOST_MARGIN * cell[best_kernel]):
-        return best_kernel
-    return best_host
-
-
-def choose(op: str, row_bytes: int, count: int, rows: int, *, capturing: bool = False) -> str:
-    """The strategy for one call (never one that needs the host inside CUDA graph capture)."""
-    density = count / max(rows, 1)
-    if count * row_bytes < SMALL_CALL_BYTES:
-        return "vector"
-    data = load()
-    global _calibration_failed
-    if (data is None and settings.auto_calibrate and not _calibration_failed and not capturing
-            and not torch.compiler.is_compiling()):
-        try:
-            data = calibrate()
-        except Exception as e:  # noqa: BLE001 - a failed calibration must not fail the gather; rules take over
-            _calibration_failed = True  # once per process: retrying on every call would cost seconds each time
-            warnings.warn(f"pytorch_direct: calibration failed ({type(e).__name__}: {e}); 'auto' uses built-in "
-                          "rules. Run pytorch_direct.calibrate() to see the error", RuntimeWarning, stacklevel=3)
-            data = None
-    if data is None:
-        choice = _rules(op, row_bytes, density)
-    else:
-        cell = _cell(data, op, row_bytes, density) or {}
-        choice = _best(cell) if cell else _rules(op, row_bytes, density)
-    # Host strategies are impossible under capture, and their 4 MiB staging slots cannot hold wider rows.
-    if choice in ("staged", "split") and (capturing or row_bytes > STAGED_MAX_ROW_BYTES):
-        choice = "sorted"
-    return choice
-
-
-def split_fraction(row_bytes: int, count: int, rows: int) -> float:
-    """Share of rows the kernel takes in a split gather: proportional to the measured bandwidths, so both halves
-    finish together (they share the link, so this is a first-order guess)."""
-    data = load()
-    if data is None:
-        return 0.5
-    cell = _cell(data, "gather", row_bytes, count / max(rows, 1)) or {}
-    gpu = max(cell.get("vector", 0.0), cell.get("sorted", 0.0))
-    cpu = cell.get("staged", 0.0)
-    return gpu / (gpu + cpu) if gpu + cpu > 0 else 0.5
-
-
-def split_kernel(row_bytes: int, count: int, rows: int) -> str:
-    """The kernel strategy for the GPU share of a split gather: the faster of ``vector`` and ``sorted`` in the
-    calibration (sorting pays for random indices at >= ~1 % density; without a calibration: ``vector``)."""
-    data = load()
-    if data is None:
-        return "vector"
-    cell = _cell(data, "gather", row_bytes, count / max(rows, 1)) or {}
-    return "sorted" if cell.get("sorted", 0.0) > cell.get("vector", 0.0) else "vector"

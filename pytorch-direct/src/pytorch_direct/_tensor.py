@@ -1,4 +1,4 @@
-"""``UnifiedTensor``: a CPU tensor whose memory the GPU can read (pinned or registered host memory), which
+"""Layer 5: ``UnifiedTensor``, a CPU tensor whose memory the GPU can read (pinned or registered host memory), which
 indexes like any tensor and gathers rows on the GPU when the indices are CUDA tensors.
 
 Only row indexing is redirected (``t[idx]``, ``index_select``, ``F.embedding``, ``torch.gather`` on dim 0 and the
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _ops
+from . import _kernels, _ops
+from ._config import settings
 
 
 def _plain_int_index(key) -> bool:
@@ -269,10 +270,10 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
     rows = input.shape[0]
     # (Not in code that Dynamo traces, which cannot branch on the indices' values: a bad index raises from the op,
     # which reports it as -1.)
-    precheck = index.device.type == "cpu" or _ops.settings.bounds_check == "sync"
+    precheck = index.device.type == "cpu" or settings.bounds_check == "sync"
     if precheck and not torch.compiler.is_dynamo_compiling():
         if index.device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
-            _ops._precheck(index, rows)
+            _kernels.precheck(index, rows)
     flat = index.long() * input.stride(0) + offset
     # Out-of-range rows must raise, not land on a neighbouring element: map them outside the flat range.
     flat = torch.where((index >= 0) & (index < rows), flat, torch.full_like(flat, -1))

@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - only without torch_geometric
     raise ImportError("pytorch_direct.pyg needs torch_geometric: pip install torch_geometric") from e
 
-from ._memory import unified
+from ._create import unified
 from ._tensor import UnifiedTensor
 
 

@@ -1,0 +1,145 @@
+"""Creating unified tensors (the public factories): host memory from ``_memory`` wrapped in ``UnifiedTensor``."""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _core
+from ._memory import cuda_usable, element_size, host_empty, register_in_place, shape_of
+from ._tensor import UnifiedTensor
+
+
+def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
+    """An uninitialised unified tensor in a new pinned, mapped host allocation (page-aligned).
+
+    pin=None pins when CUDA is usable; on a CPU-only machine the memory is ordinary page-aligned host memory and
+    the same API runs on the CPU."""
+    return host_empty(shape_of(shape), dtype, pin=pin).as_subclass(UnifiedTensor)
+
+
+def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
+    """Like :func:`empty`, filled with zeros (by CPU threads)."""
+    t = empty(*shape, dtype=dtype, pin=pin)
+    with torch._C.DisableTorchFunctionSubclass():
+        t.zero_()
+    return t
+
+
+def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
+    """A unified tensor with t's contents.
+
+    copy=False registers t's own memory with CUDA (cudaHostRegister, mapped) and shares it: writes through either
+    are seen by both, and t stays alive as long as the unified tensor does. copy=True copies t into a new pinned
+    allocation. On a CPU-only machine copy=False simply shares t's memory.
+
+    Registration pins whole pages. A small tensor from torch's heap shares its first and last page with unrelated
+    allocations; a CUDA copy of one of those that starts inside the registered pages and ends outside them fails
+    with "invalid argument". Register tensors that own their pages (large ones, :func:`empty`) or use copy=True.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"unified() takes a torch.Tensor, got {type(t).__name__}")
+    if isinstance(t, UnifiedTensor) and not copy:
+        return t
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"unified() takes a CPU tensor, got one on {t.device}: a unified tensor lives in host memory; "
+            "move it with t.cpu() first"
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError("unified() takes a dense (strided) tensor")
+    if copy:
+        out = empty(tuple(t.shape), dtype=t.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            out.copy_(t.detach())
+        return out
+    if not t.is_contiguous():
+        raise ValueError(
+            "unified(t, copy=False) registers t's memory in place, which needs a contiguous tensor: "
+            "pass t.contiguous() or copy=True"
+        )
+    plain = t.detach().as_subclass(Tensor) if isinstance(t, UnifiedTensor) else t.detach()
+    return register_in_place(plain).as_subclass(UnifiedTensor)
+
+
+def from_file(path: str | os.PathLike, shape: Sequence[int], dtype: torch.dtype = torch.float32, *,
+              writable: bool = False, offset: int = 0) -> UnifiedTensor:
+    """A unified tensor backed by a memory-mapped file of raw rows (C order, no header).
+
+    writable=False maps the file privately and registers the mapping: the process sees the file's contents, its own
+    writes stay in memory, and the data is read from disk once, here (registration pins the pages).
+
+    writable=True: writes must reach the file. On a CPU-only machine the tensor is the shared mapping itself. With
+    CUDA the file's contents are copied into pinned memory instead, because Linux >= 6.5 refuses long-term writable
+    pins of file-backed pages (cudaHostRegister fails); the rows are written back to the file by
+    :func:`flush` and when the returned tensor is garbage-collected (or at interpreter exit).
+
+    The file must hold at least offset + prod(shape) * itemsize bytes."""
+    shape = shape_of(tuple(shape))
+    path = os.fspath(path)
+    nbytes = math.prod(shape) * element_size(dtype)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise FileNotFoundError(e.errno, f"from_file: cannot open {path!r}: {e.strerror}") from None
+    if offset < 0 or size < offset + nbytes:
+        raise ValueError(
+            f"from_file: {path!r} holds {size} bytes, but offset {offset} + shape {shape} of {dtype} needs "
+            f"{offset + nbytes}: check shape, dtype and offset"
+        )
+    if offset % element_size(dtype):
+        raise ValueError(f"from_file: offset {offset} is not a multiple of the {dtype} element size")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype).as_subclass(UnifiedTensor)
+    mapped = torch.from_file(path, shared=writable, size=offset + nbytes, dtype=torch.uint8)
+    data = mapped[offset:offset + nbytes]
+    if writable and cuda_usable():
+        out = empty(shape, dtype=dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            pinned = out.view(-1).view(torch.uint8)
+            pinned.copy_(data)
+        # The finalizer holds the mapping and a view of the pinned bytes (not `out`), so it runs when `out` dies.
+        _WRITE_BACK[id(out)] = weakref.finalize(out, _write_back, id(out), data, pinned)
+        return out
+    try:
+        return unified(data.view(dtype).view(shape), copy=False)
+    except _core.CudaError as e:
+        raise _core.CudaError(
+            f"from_file: registering the mapping of {path!r} with CUDA failed ({e}). Linux >= 6.5 refuses "
+            "long-term writable pins of file-backed pages; copy the file into pinned memory instead: "
+            "pytorch_direct.unified(torch.from_file(...), copy=True)"
+        ) from e
+
+
+_WRITE_BACK: dict = {}
+
+
+def _write_back(key: int, mapped: Tensor, pinned: Tensor, keep: bool = False) -> None:
+    if not keep:
+        _WRITE_BACK.pop(key, None)
+    if torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()  # GPU scatters into the pinned copy must land before it is written back
+        except RuntimeError:
+            pass  # at interpreter exit CUDA may be gone; what reached the host is written
+    mapped.copy_(pinned)
+
+
+def flush(t: Tensor) -> None:
+    """Writes a ``from_file(..., writable=True)`` tensor's rows back to its file now, after pending GPU work (it
+    also happens when the tensor is garbage-collected). Any other tensor: nothing to do."""
+    fin = _WRITE_BACK.get(id(t))
+    if fin is None or not fin.alive:
+        return
+    key, mapped, pinned = fin.peek()[2]
+    _write_back(key, mapped, pinned, keep=True)
+
+
+def is_unified(t: object) -> bool:
+    """True for tensors created by this package (their memory is readable by the GPU where CUDA is usable)."""
+    return isinstance(t, UnifiedTensor)

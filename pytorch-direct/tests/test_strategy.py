@@ -1,0 +1,270 @@
+"""The ``auto`` decision on the CPU: index features, the duplicate estimate, the pure decision function, measuring
+(with timed stand-ins for the strategies), and the per-machine cache of measured cells."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+import pytorch_direct as pd
+from pytorch_direct import _strategy
+from pytorch_direct._kernels import Plan
+from pytorch_direct._strategy import Call, Features, decide
+
+GIB = 1 << 30
+RANDOM = Features(ascending=0.5, near=0.0, duplicates=0.0)
+SORTED = Features(ascending=1.0, near=0.9, duplicates=0.0)
+CLUSTERED = Features(ascending=0.52, near=0.95, duplicates=0.0)
+ZIPF = Features(ascending=0.5, near=0.01, duplicates=0.6)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(tmp_cache):
+    _strategy.reset()
+    yield
+    _strategy.reset()
+
+
+def gather_call(table_gib=16, row_bytes=256, count=1 << 20):
+    table_bytes = int(table_gib * GIB)
+    return Call("gather", table_bytes, table_bytes // row_bytes, row_bytes, count)
+
+
+def features_of(idx, rows, row_bytes=64):
+    features, lo, hi = _strategy.index_features(idx, rows, row_bytes)
+    assert (lo, hi) == (int(idx.min()), int(idx.max()))
+    return features
+
+
+# ---------------------------------------------------------------------------------------------------- features
+
+
+def test_duplicate_estimate_is_exact_on_the_whole_index():
+    assert _strategy.estimate_duplicates(100, 10**6, 100, 100, 25) == 0.0
+    assert _strategy.estimate_duplicates(100, 10**6, 100, 1, 1) == pytest.approx(0.99)
+    assert _strategy.estimate_duplicates(0, 10, 0, 0, 0) == 0.0
+    # More indices than rows: at least count - rows repeat.
+    assert _strategy.estimate_duplicates(10**6, 1000, 4096, 4096, 1024) >= 1 - 1000 / 10**6
+
+
+@pytest.mark.parametrize("pattern,order", [("uniform", "random"), ("sorted", "sorted"), ("clustered", "clustered")])
+def test_index_order_classes(pattern, order):
+    g = torch.Generator().manual_seed(3)
+    rows = 50_000_000
+    idx = _strategy.synthetic_indices(pattern, 300_000, rows, g, cluster=64)
+    f = features_of(idx, rows)
+    assert f.order == order
+    assert f.duplicate_class == "none"
+
+
+@pytest.mark.parametrize("s,low,high", [(0.8, 0.0, 0.5), (1.0, 0.2, 0.8), (1.2, 0.5, 0.95)])
+def test_zipf_duplicates_are_estimated_from_a_sample(s, low, high):
+    # The estimate (a power law fitted on the sample) against the exact fraction of repeated indices: never
+    # above it by more than noise (dedupe must not be chosen on imagined duplicates), and the right class.
+    g = torch.Generator().manual_seed(int(s * 10))
+    rows, n = 20_000_000, 1_000_000
+    idx = _strategy.synthetic_indices("zipf", n, rows, g, zipf_s=s)
+    exact = 1 - torch.unique(idx).numel() / n
+    f = features_of(idx, rows)
+    assert low <= exact <= high
+    assert f.duplicates <= exact + 0.05
+    assert f.duplicates >= exact / 4
+    if s >= 1.0:
+        assert f.duplicate_class in ("some", "heavy") and f.order == "random"
+
+
+def test_features_of_odd_index_tensors():
+    f = features_of(torch.tensor([5]), 10)
+    assert f.duplicates == 0.0 and f.order == "sorted"
+    f = features_of(torch.full((100_000,), 7, dtype=torch.int32), 10)
+    assert f.duplicates > 0.99 and f.duplicate_class == "heavy"
+    perm = torch.randperm(200_000, generator=torch.Generator().manual_seed(1))
+    assert features_of(perm, 200_000).duplicates < 0.01  # a permutation has no duplicates at full density
+
+
+def test_synthetic_zipf_is_a_permutation_of_ranks():
+    step = _strategy._coprime_step(1000)
+    assert math.gcd(step, 1000) == 1
+    ranks = torch.arange(1000)
+    assert torch.equal(torch.sort((ranks * step) % 1000).values, ranks)
+    with pytest.raises(ValueError, match="unknown index pattern"):
+        _strategy.synthetic_indices("gauss", 10, 10, torch.Generator())
+
+
+# ---------------------------------------------------------------------------------------------------- decision
+
+
+def cell(call, features, gbps, span=0, **extra):
+    op, table, row, count = call.kind
+    return {_strategy.cell_key(call, features): dict(
+        op=op, table_class=table, row_class=row, count_class=count, order=features.order,
+        dup=features.duplicate_class, span=span, best=_strategy.pick(gbps), gbps=gbps, **extra)}
+
+
+def test_small_calls_use_the_vector_kernel():
+    call = gather_call(row_bytes=64, count=1000)
+    assert decide({}, call, RANDOM, capturing=False, may_measure=True) == _strategy.Decision(Plan("vector"),
+                                                                                              source="small")
+
+
+def test_unmeasured_calls_are_measured_with_the_rules_choice_first():
+    call = gather_call(table_gib=48, row_bytes=128, count=1 << 18)  # 0.2 % of a 48 GiB table
+    d = decide({}, call, RANDOM, capturing=False, may_measure=True)
+    assert d.plan is None and d.source == "measure"
+    assert d.candidates[0] == "staged" and d.candidates[-1] == "split"
+    assert set(d.candidates) == {"staged", "vector", "sorted", "split"}  # no duplicates: no dedupe
+    d = decide({}, call, ZIPF, capturing=False, may_measure=True)
+    assert d.candidates[0] == "dedupe" and {"dedupe", "dedupe_staged"} <= set(d.candidates)
+    d = decide({}, call, SORTED, capturing=False, may_measure=True)
+    assert "sorted" not in d.candidates and d.candidates[0] == "vector"  # sorting sorted indices is wasted
+    scatter = Call("scatter", call.table_bytes, call.rows, call.row_bytes, call.count)
+    assert set(decide({}, scatter, ZIPF, capturing=False, may_measure=True).candidates) == {"vector", "sorted",
+                                                                                            "staged"}
+
+
+def test_rules_account_for_table_size_rows_density_order_and_duplicates():
+    rules = _strategy.rules
+    big_sparse = gather_call(table_gib=48, row_bytes=256, count=1 << 18)
+    small_table = gather_call(table_gib=1, row_bytes=256, count=1 << 12 + 4)
+    assert rules(big_sparse, RANDOM, capturing=False) == Plan("staged")
+    assert rules(big_sparse, RANDOM, capturing=True) == Plan("sorted")  # no host strategy in graph capture
+    assert rules(small_table, RANDOM, capturing=False) == Plan("sorted")  # within translation reach: no staging
+    assert rules(big_sparse, SORTED, capturing=False) == Plan("vector")
+    assert rules(big_sparse, CLUSTERED, capturing=False) == Plan("vector")
+    assert rules(gather_call(row_bytes=4096), RANDOM, capturing=False) == Plan("vector")
+    assert rules(big_sparse, ZIPF, capturing=True) == Plan("dedupe")
+    assert rules(big_sparse, None, capturing=False) == Plan("staged")  # no features: assumed random
+
+
+def test_measured_cells_decide_and_graph_capture_gets_the_best_device_strategy():
+    call = gather_call(table_gib=16, row_bytes=400, count=2_000_000)
+    cells = cell(call, RANDOM, {"vector": 12.0, "sorted": 40.0, "staged": 30.0, "split": 44.6},
+                 split_fraction=0.6, split_kernel="sorted")
+    d = decide(cells, call, RANDOM, capturing=False, may_measure=True)
+    assert d == _strategy.Decision(Plan("split", 0.6, "sorted"), source="measured")
+    assert decide(cells, call, RANDOM, capturing=True, may_measure=False).plan == Plan("sorted")
+    # Another index order is another cell: measured, not guessed from this one.
+    assert decide(cells, call, SORTED, capturing=False, may_measure=True).plan is None
+    # Without measuring (budget spent, auto-calibration off): the nearest cell of the same table and row width.
+    assert decide(cells, call, SORTED, capturing=False, may_measure=False).source == "nearest"
+    other_rows = gather_call(table_gib=16, row_bytes=4096, count=200_000)
+    assert decide(cells, other_rows, RANDOM, capturing=False, may_measure=False).source == "rules"
+    other_table = gather_call(table_gib=1, row_bytes=400, count=2_000_000)
+    assert decide(cells, other_table, RANDOM, capturing=False, may_measure=True).plan is None
+
+
+def test_host_strategies_need_a_margin():
+    assert _strategy.pick({"vector": 2.0, "sorted": 10.0, "staged": 11.0}) == "staged"  # 1.1x
+    assert _strategy.pick({"vector": 2.0, "sorted": 10.0, "staged": 10.3}) == "sorted"  # 1.03x
+    assert _strategy.pick({"staged": 1.0}) == "staged"
+    assert _strategy.pick({"dedupe": 5.0, "dedupe_staged": 5.1, "vector": 1.0}) == "dedupe"
+
+
+def test_calibrated_cells_span_neighbouring_counts():
+    call = gather_call(count=1 << 18)
+    cells = cell(call, RANDOM, {"vector": 9.0, "sorted": 30.0}, span=1)
+    assert decide(cells, gather_call(count=1 << 19), RANDOM, capturing=False, may_measure=True).plan == Plan("sorted")
+    assert decide(cells, gather_call(count=1 << 20), RANDOM, capturing=False, may_measure=True).plan is None
+
+
+def test_forced_split_takes_its_share_from_a_measured_cell():
+    call = gather_call()
+    assert _strategy.forced_plan("gather", "split", call) == Plan("split", 0.5, "sorted")
+    _strategy._state.record(cell(call, RANDOM, {"split": 30.0, "sorted": 20.0}, split_fraction=0.7,
+                                 split_kernel="vector"), save=False)
+    assert _strategy.forced_plan("gather", "split", call) == Plan("split", 0.7, "vector")
+    assert _strategy.forced_plan("scatter", "dedupe", call) == Plan("sorted")
+    assert _strategy.forced_plan("scatter", "split", call) == Plan("staged")
+    with pytest.raises(ValueError, match="unknown plan"):
+        Plan("fastest")
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+
+def fake_run(seconds, log):
+    """A call whose strategies take the given seconds (sleeps): what measure() times."""
+
+    def run(plan, prefix=None):
+        log.append((plan.strategy, prefix))
+        if prefix is None:
+            time.sleep(seconds[plan.strategy])
+
+    return run
+
+
+def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(tmp_cache):
+    call = gather_call(count=1 << 20)
+    log = []
+    seconds = {"vector": 0.03, "sorted": 0.01, "staged": 0.015, "split": 0.008}
+    plan, c = _strategy.measure(call, RANDOM, ("vector", "sorted", "staged", "split"), fake_run(seconds, log))
+    assert plan.strategy == "split"
+    # The split's share follows the kernel (sorted) and staged rates: 1/0.01 / (1/0.01 + 1/0.015) = 0.6.
+    assert c["split_kernel"] == "sorted" and c["split_fraction"] == pytest.approx(0.6, abs=0.05)
+    assert [p is not None for _, p in log[:8]] == [True, False] * 4  # each candidate warmed up on a prefix first
+    assert ("split", None) in log and log.count(("sorted", None)) == 1  # sorted > 1.15x split: timed once
+    key = _strategy.cell_key(call, RANDOM)
+    on_disk = json.loads(_strategy.cache_path().read_text())
+    assert on_disk["cells"][key]["best"] == "split"
+    _strategy.reset()  # a new process reads the cell from disk
+    assert decide(_strategy.measured_cells(), call, RANDOM, capturing=False, may_measure=True).plan == plan
+
+
+def test_measuring_stops_at_the_budget():
+    call = gather_call()
+    log = []
+    _strategy._state.budget_s = 0.05
+    seconds = {"staged": 0.06, "vector": 0.01, "sorted": 0.01, "split": 0.01}
+    plan, c = _strategy.measure(call, RANDOM, ("staged", "vector", "sorted", "split"), fake_run(seconds, log))
+    assert plan == Plan("staged") and set(c["gbps"]) == {"staged"}  # the first candidate always runs
+    assert _strategy._state.budget_s < 0
+    decision, _, _ = _strategy.choose(call, torch.arange(call.count), capturing=False)  # sorted: another cell
+    assert decision.source == "nearest"  # no budget left: no more measuring in this process
+
+
+def test_choose_computes_features_on_the_first_call_and_every_few_calls(monkeypatch):
+    call = gather_call(count=1 << 16, row_bytes=64)
+    computed = []
+    real = _strategy.index_features
+    monkeypatch.setattr(_strategy, "index_features", lambda *a: computed.append(1) or real(*a))
+    idx = torch.randint(0, call.rows, (call.count,))
+    pd.set_auto_calibrate(False)
+    try:
+        for k in range(2 * _strategy.RECHECK_EVERY + 1):
+            decision, features, bounds = _strategy.choose(call, idx, capturing=False)
+            assert (bounds is not None) == (k % _strategy.RECHECK_EVERY == 0)
+            assert decision.source == "rules" and features.order == "random"
+        assert len(computed) == 3
+        # Inside graph capture nothing is computed: the last features of this kind are used.
+        decision, features, bounds = _strategy.choose(call, idx, capturing=True)
+        assert bounds is None and len(computed) == 3 and features.order == "random"
+        assert not decision.plan.needs_host
+        _strategy.reset()
+        decision, features, bounds = _strategy.choose(call, idx, capturing=True)
+        assert features is None and decision.plan == Plan("sorted")  # rules, device-only
+    finally:
+        pd.set_auto_calibrate(True)
+
+
+def test_cache_file_problems_only_cost_measuring_again():
+    path = _strategy.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    assert _strategy.measured_cells() == {}
+    path.write_text(json.dumps({"format": 1, "gather": {}}))  # the old calibration format
+    _strategy.reset()
+    assert _strategy.measured_cells() == {}
+    call = gather_call()
+    _strategy._state.record(cell(call, RANDOM, {"sorted": 3.0}))
+    assert json.loads(path.read_text())["format"] == _strategy.CACHE_FORMAT
+    _strategy.reset(delete_file=True)
+    assert not path.exists() and _strategy.measured_cells() == {}
+
+
+def test_calibrate_needs_a_gpu():
+    if pd.cuda_usable():
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(pd.UnavailableError, match="CUDA"):
+        pd.calibrate()

@@ -1,13 +1,19 @@
 """ssdtrain: activation offload for LLM training.
 
-Saved activations stream to pinned host RAM and NVMe (io_uring via liburing, GPUDirect Storage via cuFile) and are
-prefetched before backward needs them.
+Saved activations stream to pinned host RAM and NVMe (io_uring via liburing, GPUDirect Storage via cuFile) or are
+recomputed, per layer, as a planner chooses under a memory budget, and come back before backward needs them:
+
+    with ssdtrain.offload(model, budget="20GiB") as session:
+        loss = model(**batch).loss
+        loss.backward()
+    print(session.plan); print(session.stats())
 """
 
 from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
+from .cache import OffloadError, OffloadWarning
 from .io import (
     ChecksumError,
     Engine,
@@ -20,11 +26,22 @@ from .io import (
     find_cufile,
     huge_empty,
 )
+from .planner import BudgetError, Choice, Plan
+from .session import OffloadSession, find_blocks, offload, plan
 
 __version__ = _version("ssdtrain")
 
 __all__ = [
+    "BudgetError",
     "ChecksumError",
+    "Choice",
+    "OffloadError",
+    "OffloadSession",
+    "OffloadWarning",
+    "Plan",
+    "find_blocks",
+    "offload",
+    "plan",
     "CompileError",
     "CudaError",
     "Engine",

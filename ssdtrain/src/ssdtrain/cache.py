@@ -1,0 +1,539 @@
+"""The tensor cache behind ``saved_tensors_hooks``: what autograd saves goes to a tier and comes back for backward.
+
+``pack(tensor)`` (called by autograd when an op saves a tensor for backward) either returns the tensor itself
+(kept on its device: parameters and their casts/transposes, small tensors, units the plan keeps) or a ``_Saved``
+token naming an ``_Entry``: the bytes of the tensor's *storage*. Views of one storage saved several times (q, k, v
+split from one projection; a reshape of a saved input) share one entry, stored once and rebuilt with their own
+offset, shape and strides on unpack. An entry is moved to pinned host memory (``host``) or on to NVMe (``nvme``,
+through the I/O engine) on side streams, so forward compute never waits for the copy; its GPU memory is released
+as soon as the copy is done. ``unpack(token)`` returns the data: the original if it is still on the device (a copy
+in flight is forwarded, never re-read), else the prefetched copy (the current stream waits on an event, not the
+host), else a copy issued right there (a *miss*). Prefetching restores the next units in reverse order when backward
+reaches a unit. An entry's memory and disk space return to the pool the moment autograd drops the last token
+(``retain_graph=False`` drops it right after the node that used it).
+
+On CPU tensors the same code runs with synchronous copies (no streams), so every path is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+
+# Autograd nodes through which a parameter only changes dtype or layout (AMP's casts, Linear's weight.t(), views).
+_PARAM_VIEW_NODES = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "AsStridedBackward0", "SliceBackward0",
+    "AliasBackward0", "DetachBackward0", "CloneBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "UnsqueezeBackward0",
+})
+
+
+class OffloadError(RuntimeError):
+    """A saved activation cannot be given back (its NVMe write or read failed, or its session was aborted)."""
+
+
+class OffloadWarning(UserWarning):
+    """A tier ran out of room and ssdtrain fell back to another one (the result stays exact)."""
+
+
+def _param_derived(t: torch.Tensor) -> bool:
+    node = t.grad_fn
+    for _ in range(4):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name not in _PARAM_VIEW_NODES:
+            return False
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+    return False
+
+
+class _Entry:
+    """One stored span of a storage: where its bytes are now and what to release when the last token goes."""
+
+    __slots__ = ("cache", "key", "unit", "nbytes", "device", "tier", "src", "ref", "sref", "version", "host", "d2h",
+                 "handle", "write", "read", "restored", "h2d", "unpacked", "lost", "__weakref__")
+
+    def __init__(self, cache, key, unit, nbytes, device, tier, src, original, storage):
+        self.cache = cache
+        self.key = key
+        self.unit = unit
+        self.nbytes = nbytes
+        self.device = device
+        self.tier = tier
+        self.src = src  # device bytes, held until the copy out is done (then forwarded instead of re-read)
+        self.ref = weakref.ref(original)
+        self.sref = _storage_ref(storage)
+        self.version = original._version
+        self.host = None  # host buffer (uint8, pool) holding the bytes
+        self.d2h = None  # event: copy out done
+        self.handle = None  # NVMe handle
+        self.write = None  # NVMe write future in flight
+        self.read = None  # NVMe read future in flight (into `restored`)
+        self.restored = None  # device bytes brought back
+        self.h2d = None  # event: restored is complete
+        self.unpacked = False
+        self.lost = None  # the error that destroyed the only copy
+
+    def storage_alive(self) -> bool:
+        """The stored storage still exists (so equal data pointers mean the same memory, not a reused address)."""
+        return self.src is not None or self.ref() is not None or (self.sref is not None and self.sref() is not None)
+
+    def alive_original(self):
+        t = self.ref()
+        if t is not None and t._version == self.version:
+            return t
+        return None
+
+    def __del__(self):
+        try:
+            self.cache._release(self)
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to give back any more
+            pass
+
+
+def _storage_ref(storage):
+    try:
+        return weakref.ref(storage)
+    except TypeError:  # torch builds whose storages take no weak references: the tensor's reference decides
+        return None
+
+
+class _Saved:
+    """What autograd holds for an offloaded tensor: the entry and the view to rebuild from it."""
+
+    __slots__ = ("entry", "dtype", "offset", "size", "stride")
+
+    def __init__(self, entry, dtype, offset, size, stride):
+        self.entry, self.dtype, self.offset, self.size, self.stride = entry, dtype, offset, size, stride
+
+
+class TensorCache:
+    """Pack/unpack for saved tensors with host and NVMe tiers. Driven by the session (units, plan, step ends)."""
+
+    def __init__(self, *, min_bytes: int, pool, engine_factory, on_full: str = "fallback"):
+        self.min_bytes = int(min_bytes)
+        self.pool = pool
+        self._engine_factory = engine_factory  # creates the NVMe engine on first use (no files or threads before)
+        self.engine = None
+        self.on_full = on_full
+        self.lock = threading.RLock()
+        self.unit = 0  # the unit now running forward (set by the session's module hooks)
+        self.tier_of = lambda unit: "keep"  # the plan, set by the session
+        self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
+        self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
+        self.param_storages: set[int] = set()
+        self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
+        self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
+        self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
+        self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
+        self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
+        self._prefetched: set[int] = set()  # units whose restore was issued this backward
+        self._prefetched_bytes = 0
+        self._inflight_bytes = 0
+        self._streams: dict[int, tuple] = {}
+        self._warned: set[str] = set()
+        self.aborted = False
+        self.counters = collections.Counter()
+        self.gpu_saved_bytes = 0  # offloadable bytes now on the device (kept + in flight + restored)
+        self.peak_gpu_saved_bytes = 0
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _side_streams(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(index)
+        if s is None:
+            s = self._streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
+        return s  # (copy out, prefetch)
+
+    def _warn(self, kind: str, message: str) -> None:
+        self.counters[f"fallback_{kind}"] += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
+                          OffloadWarning, stacklevel=4)
+
+    def _account(self, delta: int) -> None:
+        self.gpu_saved_bytes += delta
+        self.peak_gpu_saved_bytes = max(self.peak_gpu_saved_bytes, self.gpu_saved_bytes)
+
+    def reset_step(self) -> None:
+        with self.lock:
+            for unit in list(self._by_unit):
+                alive = [r for r in self._by_unit[unit] if r() is not None]
+                if alive:
+                    self._by_unit[unit] = alive
+                else:
+                    del self._by_unit[unit]
+            self._prefetched.clear()
+            self._prefetched_bytes = 0
+
+    # ----------------------------------------------------------------------------------------------- pack
+    def pack(self, t: torch.Tensor):
+        if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            return t
+        if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
+            return t
+        with self.lock:
+            self.poll()
+            esize = t.element_size()
+            if isinstance(t, torch.nn.Parameter) or _param_derived(t):
+                self.counters["kept_param_tensors"] += 1
+                return t
+            storage = t.untyped_storage()
+            sptr = storage.data_ptr()
+            if sptr in self.param_storages:
+                self.counters["kept_param_tensors"] += 1
+                return t
+            span = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True) if s > 0)
+            if min(t.stride(), default=0) < 0:
+                return t
+            span_bytes = span * esize
+            whole = 2 * span_bytes >= storage.nbytes()
+            base = 0 if whole else t.storage_offset() * esize
+            length = storage.nbytes() if whole else span_bytes
+            key = (t.device.type, t.device.index, sptr, base, length)
+            unit = self.unit
+            entry = self._live.get(key)
+            if entry is not None and entry.storage_alive() and entry.version == t._version:
+                self.counters["dedup_views"] += 1
+                if self.observer is not None:
+                    self.observer(unit, key, 0, "view")
+                return _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
+            small = length < self.min_bytes
+            if self.observer is not None:
+                self.observer(unit, key, length, "small" if small else "saved")
+            tier = "keep" if small else self.tier_of(unit)
+            if tier == "keep":
+                self.counters["kept_bytes"] += length
+                self.counters["kept_tensors"] += 1
+                return t
+            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, base, (length,), (1,))
+            entry = _Entry(self, key, unit, length, t.device, tier, src, t, storage)
+            self._account(length)  # on the device until its copy out is done
+            if not self._store(entry):
+                self._account(-length)
+                return t  # no room anywhere: kept on the device (warned)
+            self._live[key] = entry
+            self._by_unit[unit].append(weakref.ref(entry))
+            self.counters["packed_tensors"] += 1
+            saved = _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
+            self._throttle()
+            return saved
+
+    def _store(self, entry: _Entry) -> bool:
+        """Start moving `entry` out of device memory; False if it must stay (fallback)."""
+        buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
+        if buf is None:
+            if self.on_full == "raise":
+                raise OffloadError(f"ssdtrain: host memory pool full ({self.pool.limit if self.pool else 0} bytes):"
+                                   " pass host_memory= larger, or on_full='fallback'")
+            if entry.tier == "host" and self._engine() is not None:
+                entry.tier = "nvme"
+                self._warn("host_full", "the host memory pool is full: moving activations to NVMe directly")
+                return self._write_direct(entry)
+            self._warn("host_full", "the host memory pool is full: keeping activations on the device")
+            return False
+        entry.host = buf
+        dst = buf[: entry.nbytes]
+        if entry.device.type == "cuda":
+            out_stream, _ = self._side_streams(entry.device)
+            out_stream.wait_stream(torch.cuda.current_stream(entry.device))  # after the op that produced it
+            with torch.cuda.stream(out_stream):
+                dst.copy_(entry.src, non_blocking=True)
+                entry.d2h = torch.cuda.Event()
+                entry.d2h.record(out_stream)
+            self._pending.append(entry)
+            self._inflight_bytes += entry.nbytes
+        else:
+            dst.copy_(entry.src)
+            entry.src = None
+            self._account(-entry.nbytes)
+            self._after_copy_out(entry)
+        self.counters[f"bytes_to_{entry.tier}"] += entry.nbytes
+        return True
+
+    def _write_direct(self, entry: _Entry) -> bool:
+        """NVMe without a host buffer: the engine stages the device bytes itself (entry.src held until staged)."""
+        engine = self._engine()
+        try:
+            entry.write = engine.write(entry.src)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or self.on_full == "raise":
+                raise
+            self._warn("nvme_full", "the NVMe tier is full: keeping activations on the device")
+            return False
+        entry.handle = entry.write.handle
+        self._writing.append(entry)
+        self.counters["bytes_to_nvme"] += entry.nbytes
+        return True
+
+    def _after_copy_out(self, entry: _Entry) -> None:
+        """The host buffer holds the bytes; NVMe entries go on to disk (the host copy stays until written)."""
+        if entry.tier != "nvme":
+            return
+        engine = self._engine()
+        if engine is None:
+            entry.tier = "host"
+            return
+        try:
+            entry.write = engine.write(entry.host[: entry.nbytes])
+        except OSError as e:
+            if e.errno != errno.ENOSPC or self.on_full == "raise":
+                raise
+            entry.tier = "host"
+            self._warn("nvme_full", "the NVMe tier is full: keeping activations in host memory")
+            return
+        entry.handle = entry.write.handle
+        self._writing.append(entry)
+
+    def _engine(self):
+        if self.engine is None and self._engine_factory is not None:
+            self.engine = self._engine_factory()
+            self._engine_factory = None if self.engine is None else self._engine_factory
+        return self.engine
+
+    def _throttle(self) -> None:
+        while self._inflight_bytes > self.max_inflight and self._pending:
+            t0 = time.perf_counter()
+            self._pending[0].d2h.synchronize()
+            self.counters["throttle_waits"] += 1
+            self.counters["throttle_ns"] += int((time.perf_counter() - t0) * 1e9)
+            self.poll()
+
+    # ----------------------------------------------------------------------------------------------- progress
+    def poll(self) -> None:
+        """Advance transfers that finished (no waiting): release device memory, send host copies to disk."""
+        with self.lock:
+            while self._pending and self._pending[0].d2h.query():
+                entry = self._pending.popleft()
+                self._inflight_bytes -= entry.nbytes
+                entry.src = None
+                self._account(-entry.nbytes)
+                self._after_copy_out(entry)
+            if self._writing:
+                still = []
+                for entry in self._writing:
+                    if entry.write.done():
+                        self._write_done(entry)
+                    elif entry.host is None and entry.src is not None and entry.write.staged():
+                        entry.src = None  # direct write: the device bytes are no longer read
+                        self._account(-entry.nbytes)
+                        still.append(entry)
+                    else:
+                        still.append(entry)
+                self._writing = still
+
+    def _write_done(self, entry: _Entry) -> None:
+        error = entry.write.exception()
+        entry.write = None
+        if error is None:
+            if entry.host is not None and entry.restored is not None:
+                self.pool.release(entry.host, after=entry.h2d)  # already copied back: the disk copy is unneeded
+                entry.host = None
+                self._free_handle(entry)
+            elif entry.host is not None:
+                self.pool.release(entry.host)
+                entry.host = None
+            if entry.src is not None:
+                entry.src = None
+                self._account(-entry.nbytes)
+            return
+        # The disk refused the bytes: keep whatever copy still exists, or remember that they are lost.
+        handle, entry.handle = entry.handle, None
+        if handle is not None:
+            self.engine.free(handle)
+        if entry.host is not None or entry.src is not None:
+            entry.tier = "host" if entry.host is not None else "keep"
+            self._warn("nvme_error", f"an NVMe write failed ({error}): keeping the activation in "
+                       f"{'host memory' if entry.host is not None else 'device memory'}")
+        else:
+            entry.lost = error
+
+    # ----------------------------------------------------------------------------------------------- unpack
+    def unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        entry = saved.entry
+        with self.lock:
+            self.poll()
+            data = self._device_bytes(entry)
+            self._prefetch_from(entry.unit)
+        return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
+            data.untyped_storage(), data.storage_offset() // saved.dtype.itemsize + saved.offset, saved.size,
+            saved.stride)
+
+    def _device_bytes(self, entry: _Entry) -> torch.Tensor:
+        first = not entry.unpacked
+        entry.unpacked = True
+        if first and entry.restored is not None:
+            self._prefetched_bytes -= entry.nbytes
+        if entry.src is not None:
+            self.counters["forwarded"] += first
+            return entry.src
+        original = entry.alive_original()
+        if original is not None and original.device == entry.device:
+            self.counters["forwarded"] += first
+            storage = original.untyped_storage()
+            base = entry.key[3]
+            return torch.empty(0, dtype=torch.uint8, device=entry.device).set_(storage, base, (entry.nbytes,), (1,))
+        if self.aborted:
+            raise OffloadError("ssdtrain: this activation was released when its offload session closed after an "
+                               "error; run forward again inside a new session")
+        if entry.lost is not None:
+            raise OffloadError(f"ssdtrain: an activation was lost: its NVMe write failed ({entry.lost}) after the "
+                               "device copy was released; gradients cannot be computed for this step") from entry.lost
+        if entry.restored is None:
+            self.counters["misses"] += first
+            stream = torch.cuda.current_stream(entry.device) if entry.device.type == "cuda" else None
+            self._restore(entry, stream)
+        else:
+            self.counters["prefetch_hits"] += first
+        if entry.read is not None:
+            fut = entry.read
+            if not fut.done():
+                self.counters["stalls"] += 1
+                t0 = time.perf_counter()
+                fut.wait()
+                self.counters["stall_ns"] += int((time.perf_counter() - t0) * 1e9)
+            error = fut.exception()
+            entry.read = None
+            if error is not None:
+                entry.restored = None
+                raise OffloadError(f"ssdtrain: reading an activation back from NVMe failed ({error}); gradients "
+                                   "cannot be computed for this step") from error
+            self._free_handle(entry)
+        if entry.device.type == "cuda":
+            stream = torch.cuda.current_stream(entry.device)
+            if entry.h2d is not None:
+                if first and not entry.h2d.query():
+                    self.counters["late_prefetch"] += 1
+                stream.wait_event(entry.h2d)  # on the device: the host does not wait
+            entry.restored.record_stream(stream)
+        return entry.restored
+
+    def _restore(self, entry: _Entry, stream) -> None:
+        """Issue the copy back of `entry` on `stream` (None: CPU)."""
+        if entry.device.type == "cpu":
+            if entry.host is not None:
+                entry.restored = entry.host[: entry.nbytes]
+            else:
+                buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
+                out = buf[: entry.nbytes] if buf is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
+                entry.read = self.engine.read(entry.handle, out=out)
+                entry.restored = out
+                entry.host = buf
+            self._account(entry.nbytes)
+            self.counters["bytes_restored"] += entry.nbytes
+            return
+        with torch.cuda.stream(stream):
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+            if entry.host is not None:
+                out.copy_(entry.host[: entry.nbytes], non_blocking=True)
+                entry.h2d = torch.cuda.Event()
+                entry.h2d.record(stream)
+                if entry.write is None:  # the host copy is no longer needed once this copy is done
+                    self.pool.release(entry.host, after=entry.h2d)
+                    entry.host = None
+                    self._free_handle(entry)
+            else:
+                entry.read = self.engine.read(entry.handle, out=out, stream=stream)
+        entry.restored = out
+        self._account(entry.nbytes)
+        self.counters["bytes_restored"] += entry.nbytes
+
+    def _free_handle(self, entry: _Entry) -> None:
+        if entry.handle is not None and entry.write is None and self.engine is not None:
+            self.engine.free(entry.handle)
+            entry.handle = None
+
+    def _prefetch_from(self, unit: int) -> None:
+        """Restore the units before `unit` (backward order) while the prefetch window has room."""
+        u = unit
+        while u >= 0 and self._prefetched_bytes < self.window_bytes:
+            if u not in self._prefetched:
+                self._prefetched.add(u)
+                self._prefetch_unit(u)
+            u -= 1
+
+    def _prefetch_unit(self, unit: int) -> None:
+        refs = self._by_unit.get(unit, [])
+        alive = [e for e in (r() for r in refs) if e is not None]
+        self._by_unit[unit] = [weakref.ref(e) for e in alive]
+        for entry in reversed(alive):
+            if entry.restored is not None or entry.src is not None or entry.unpacked:
+                continue
+            if entry.alive_original() is not None or entry.lost is not None:
+                continue
+            stream = self._side_streams(entry.device)[1] if entry.device.type == "cuda" else None
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(entry.device))  # its buffer may be one just freed
+            self._restore(entry, stream)
+            self._prefetched_bytes += entry.nbytes
+
+    # ----------------------------------------------------------------------------------------------- release
+    def _release(self, entry: _Entry) -> None:
+        """The last token of `entry` is gone: give back its host buffer, disk space and device copy."""
+        with self.lock:
+            if entry.read is not None:
+                entry.read.wait()  # the engine is still filling `restored`: let it finish before the memory goes
+                entry.read = None
+            if entry.restored is not None:
+                self._account(-entry.nbytes)
+                if not entry.unpacked:
+                    self._prefetched_bytes -= entry.nbytes
+            entry.restored = None
+            if entry.host is not None and self.pool is not None:
+                self.pool.release(entry.host, after=entry.h2d or entry.d2h)
+                entry.host = None
+            if entry.handle is not None and self.engine is not None and entry.write is None:
+                try:
+                    self.engine.free(entry.handle)
+                except (ValueError, RuntimeError):
+                    pass  # engine closed: its files are gone already
+                entry.handle = None
+
+    def drain(self) -> None:
+        """Wait for every copy out and NVMe write (used before closing)."""
+        with self.lock:
+            for entry in list(self._pending):
+                entry.d2h.synchronize()
+            for entry in list(self._writing):
+                entry.write.wait()
+            self.poll()
+
+    def close(self, abort: bool) -> None:
+        """Stop: with `abort`, every stored activation is dropped (tokens still held raise OffloadError)."""
+        with self.lock:
+            self.aborted = self.aborted or abort
+            try:
+                self.drain()
+            finally:
+                if abort:
+                    for refs in self._by_unit.values():
+                        for r in refs:
+                            e = r()
+                            if e is not None:
+                                self._release(e)
+                                e.src = None
+                    self._by_unit.clear()
+                    self._live.clear()
+                    self._pending.clear()
+                    self._writing.clear()
+                    self._inflight_bytes = 0
+                    self.gpu_saved_bytes = 0
+
+    def live_entries(self) -> int:
+        return sum(1 for refs in self._by_unit.values() for r in refs if r() is not None)

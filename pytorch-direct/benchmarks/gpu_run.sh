@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# pytorch-direct on the GPU machine: GPU tests, then the gather/scatter benchmark. Run from the repo root with the
-# package installed. Writes at most three files into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed),
-# pytorch-direct-gather.csv and pytorch-direct-gather.png. Exit code: non-zero if the tests or the benchmark failed.
+# pytorch-direct on the GPU machine: GPU tests, then the gather benchmark. Run from the repo root with the package
+# installed. Writes into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed), pytorch-direct-gather.csv and
+# pytorch-direct-gather.png. Exit code: non-zero if the tests or the benchmark failed.
 #
-# The default benchmark is the full matrix on a 16 GiB table, with a time budget so the whole script ends in about
-# 5.5 minutes (cells past the budget, the densest ones, are skipped and reported). PD_BENCH_ARGS overrides it, e.g.
-#   PD_BENCH_ARGS="--table-gib 16" PD_BENCH_TIMEOUT=600 bash pytorch-direct/benchmarks/gpu_run.sh  # no budget
-#   PD_BENCH_ARGS="--densities 0.016 --no-scatter" bash pytorch-direct/benchmarks/gpu_run.sh
+# The default benchmark is the full matrix (tables of 1, 16 and 48 GiB: needs ~52 GiB of host RAM) with a time
+# budget; PD_BENCH_ARGS overrides it and PD_STEPS picks the steps ("tests bench" by default), e.g.
+#   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 LOG="$OUT/pytorch-direct-gpu.log"
 : > "$LOG"
-# The calibration cache goes to a scratch directory, not $OUT (three files at most there).
+# The measurements cache goes to a scratch directory (the benchmark clears it between cells anyway).
 export PYTORCH_DIRECT_CACHE_DIR="${PYTORCH_DIRECT_CACHE_DIR:-$(mktemp -d)}"
-BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 16 --repeats 2 --budget-s 150"}
-TESTS_TXT="$(mktemp)"
+STEPS=${PD_STEPS:-"tests bench"}
+BENCH_ARGS=${PD_BENCH_ARGS:-"--budget-s 200"}
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
 
@@ -24,30 +23,35 @@ if git rev-parse --short HEAD >/dev/null 2>&1; then
   COMMIT="$(git rev-parse --short HEAD)"
   git diff --quiet HEAD -- pytorch-direct || COMMIT="$COMMIT + uncommitted changes in pytorch-direct"
 fi
-echo "== pytorch-direct GPU tests ($(date -u +%H:%M:%S)), commit $COMMIT" | tee -a "$LOG"
-echo "== kernel $(uname -r), $(nproc) CPUs usable" | tee -a "$LOG"
+echo "== pytorch-direct on the GPU ($(date -u +%H:%M:%S)), commit $COMMIT, steps: $STEPS" | tee -a "$LOG"
+echo "== kernel $(uname -r), $(nproc) CPUs usable, $(free -g | awk '/Mem:/ {print $2}') GiB RAM" | tee -a "$LOG"
 python3 -m pytorch_direct info 2>&1 | tee -a "$LOG"
 # Skipped GPU tests must not pass for a GPU run: fail loudly when CUDA is not usable from torch or from the package.
 if ! python3 -c "import torch, pytorch_direct as pd, sys; sys.exit(0 if torch.cuda.is_available() and pd.cuda_usable() else 1)"; then
   echo "== ERROR: torch.cuda.is_available()/pytorch_direct.cuda_usable() is False: no GPU run possible" | tee -a "$LOG"
   exit 3
 fi
-# Full output (-v: one line per test as it finishes, kept even if the limit kills pytest) into the log; the tail
-# (summary, tracebacks, slowest tests) on the console. --maxfail: a kernel fault
-# poisons the CUDA context and would fail every later test, so stop early and keep the first tracebacks.
-timeout 120 python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 --tb=short --durations=15 \
-  $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
-tests_rc=$?
-cat "$TESTS_TXT" >> "$LOG"
-tail -n 60 "$TESTS_TXT"
-rm -f "$TESTS_TXT"
-echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
-
-echo "== pytorch-direct gather/scatter benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
-# shellcheck disable=SC2086
-timeout "${PD_BENCH_TIMEOUT:-200}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
-  --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
-bench_rc=${PIPESTATUS[0]}
-echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+tests_rc=0
+if [[ " $STEPS " == *" tests "* ]]; then
+  TESTS_TXT="$(mktemp)"
+  # Full output (-v: one line per test as it finishes) into the log; the tail (summary, tracebacks, slowest tests)
+  # on the console. --maxfail: a kernel fault poisons the CUDA context and would fail every later test.
+  timeout "${PD_TESTS_TIMEOUT:-180}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
+    --tb=short --durations=10 $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
+  tests_rc=$?
+  cat "$TESTS_TXT" >> "$LOG"
+  tail -n 45 "$TESTS_TXT"
+  rm -f "$TESTS_TXT"
+  echo "== GPU tests exit code: $tests_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
+bench_rc=0
+if [[ " $STEPS " == *" bench "* ]]; then
+  echo "== pytorch-direct gather benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  timeout "${PD_BENCH_TIMEOUT:-300}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
+    --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
+  bench_rc=${PIPESTATUS[0]}
+  echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
 echo "== pytorch-direct summary: tests rc=$tests_rc benchmark rc=$bench_rc" | tee -a "$LOG"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -628,3 +628,36 @@ def test_ddp_two_gloo_processes(tmp_path):
     for r in ranks:
         assert_same_grads(r["offload"], r["plain"])
     assert_same_grads(ranks[0]["offload"], ranks[1]["offload"])  # all-reduced: the same on both ranks
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames it; the old name still works
+def test_alongside_hugging_face_gradient_checkpointing():
+    cls, config, _ = _hf_models()["llama"]
+    torch.manual_seed(0)
+    model = cls(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with ssdtrain.offload(model, min_bytes="2K", verbose=False, profile_steps=1,
+                          overrides={"model.layers.0": "host", "model.layers.1": "host"}) as s:
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert_same_grads(grads(model), grads(ref))
+    assert s.stats()["bytes_offloaded"]["host"] > 0
+
+
+def test_readme_examples_run(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## Activation offload"):readme.index("## Writing and reading tensors")]
+    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented examples must run
+    assert scope["session"].stats()["bytes_offloaded"]["host"] > 0
+    assert isinstance(scope["p"], ssdtrain.Plan)

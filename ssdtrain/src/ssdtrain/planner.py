@@ -243,8 +243,10 @@ class Plan:
         return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units)
 
     def replan(self, budget=None, **limits) -> Plan:
-        """The same measurements planned for another budget (bytes; ``host_limit=``/``nvme_limit=`` too)."""
-        return replan(self, budget=budget, **limits)
+        """The same measurements planned for another budget (bytes or "20GiB"; ``host_limit=``/``nvme_limit=``)."""
+        from .io import parse_size
+
+        return replan(self, budget=None if budget is None else parse_size(budget), **limits)
 
     def choice(self, name: str) -> Choice:
         return self.choices[self._index(name)]

@@ -162,6 +162,8 @@ class _Profile:
         self.cheap_unit: dict[str, int] = {}
         self.cheap_stack: list[str] = []
         self.order: list[tuple[int, int]] = []  # (unit, bytes) in pack order (compiled models)
+        self.count = 0
+        self.address: dict[int, int] = {}  # sequence number -> storage address when saved
 
     def record(self, unit: int, key, nbytes: int, kind: str) -> None:
         sptr = key[2]
@@ -171,10 +173,14 @@ class _Profile:
         if kind == "small":
             self.small[unit] += nbytes
             return
-        self.saved[unit][sptr] = max(nbytes, self.saved[unit].get(sptr, 0))
+        # Keyed by a sequence number, not the address: the allocator reuses the address of a storage freed after
+        # its copy out for the next one, and those are different activations.
+        self.count += 1
+        self.saved[unit][self.count] = nbytes
+        self.address[self.count] = sptr
         self.order.append((unit, nbytes))
         if self.cheap_stack:
-            self.cheap_inside.setdefault(self.cheap_stack[-1], {})[sptr] = nbytes
+            self.cheap_inside.setdefault(self.cheap_stack[-1], {})[self.count] = nbytes
 
 
 # --------------------------------------------------------------------------------------------------- session
@@ -457,8 +463,9 @@ class OffloadSession:
                     for mname, _ in self.cheap[i - 1]:
                         inside = profile.cheap_inside.get(mname, {})
                         cin = profile.cheap_inputs.get(mname, {})
-                        net = sum(b for s, b in inside.items() if s not in cin)
-                        extra = sum(b for s, b in cin.items() if s not in saved)
+                        addresses = {profile.address[k] for k in saved}
+                        net = sum(b for k, b in inside.items() if profile.address[k] not in cin)
+                        extra = sum(b for s, b in cin.items() if s not in addresses)
                         if net - extra > 0:
                             u.cheap_bytes += net - extra
                             u.cheap_s += sum(clock.seconds(a, b) for a, b in profile.cheap_marks.get(mname, [])

@@ -169,3 +169,27 @@ def test_inference_keeps_nothing(emulated):
     with torch.no_grad():
         out = layer(torch.randn(14, 6), ei, et, nt)
     assert out.shape == (14, 6) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype,tf32,tol", [(torch.bfloat16, False, 3e-2), (torch.float16, False, 5e-3),
+                                            (torch.float32, True, 5e-3), (torch.float32, False, 1e-5)])
+def test_tensor_core_gemms(emulated, dtype, tf32, tol):
+    """Widths >= 16 run the segment GEMMs on tensor cores (wmma) for bf16/f16, and for f32 when TF32 is on;
+    exact f32 (TF32 off) stays on CUDA cores and matches to 1e-5. Widths that are not multiples of 16 pad."""
+    from hector import config
+
+    ei, et, nt = make_graph(num_nodes=30, num_edges=200, node_types=2, seed=8)
+    config.set_tf32(tf32)
+    try:
+        _compare(lambda: hn.RGCNConv(40, 24, 3, optimize="none"), ei, et, nt, 30, dtype, tol)
+        _compare(lambda: hn.RGATConv(32, 16, 3, heads=2), ei, et, nt, 30, dtype, tol)
+        _compare(lambda: hn.HGTConv(32, 32, 2, 3, heads=2), ei, et, nt, 30, dtype, tol)
+    finally:
+        config.set_tf32(None)
+    from hector.codegen import CodegenOptions, layer_modules
+    from hector.runtime.cuda import DTYPE_KEY
+
+    layer = hn.RGCNConv(40, 24, 3, optimize="none")
+    source = layer_modules(layer.compiled(Graph(ei, et, 30, 3, nt, 2)), DTYPE_KEY[dtype],
+                           CodegenOptions(tf32=tf32, arch=90))["forward"].source
+    assert ("hw_mma(acc" in source) == (dtype != torch.float32 or tf32)

@@ -109,6 +109,7 @@ inline void sync_warp(unsigned mask) {
 
 // shuffle exchange: one 8-byte slot per lane of each warp
 inline std::vector<std::vector<std::uint64_t>> exchange;
+inline std::vector<std::vector<float>> wmma_a, wmma_b;  // tensor-core operands of each warp
 
 template <typename T>
 T shuffle(unsigned mask, T value, unsigned source_lane) {
@@ -155,6 +156,8 @@ inline int launch(void (*kernel_stub)(void**), unsigned gx, unsigned gy, unsigne
         fibers.assign(n, fiber{});
         warp_barriers.assign(warps, {});
         exchange.assign(warps, std::vector<std::uint64_t>(32, 0));
+        wmma_a.assign(warps, std::vector<float>(256, 0.f));
+        wmma_b.assign(warps, std::vector<float>(256, 0.f));
         block_arrived = 0;
         for (unsigned t = 0; t < n; ++t) {
           fiber& f = fibers[t];
@@ -233,7 +236,52 @@ template <typename T>
 T __ldg(const T* p) {
   return *p;
 }
-inline unsigned hector_emu_dynamic_smem_offset = 0;
+// Tensor-core tiles (the generated code's hw_load_a / hw_load_b / hw_mma / hw_store under HECTOR_EMULATE). The
+// emulator's own fragment layout: lane l holds elements l*n .. l*n+n-1 (row-major) as floats.
+inline float hector_emu_elem_to_float(float v) { return v; }
+inline float hector_emu_tf32(float x) {  // round to nearest, ties away, to a 10-bit mantissa (cvt.rna.tf32.f32)
+  unsigned u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+template <typename T>
+void hector_emu_wmma_load(unsigned (&r)[8], const T* p, int ld, int rows, int cols) {
+  const int per = rows * cols / 32;
+  const int lane = static_cast<int>(hector_emu::lane_id());
+  for (int q = 0; q < per; ++q) {
+    const int e = lane * per + q;
+    const float f = hector_emu_elem_to_float(p[(e / cols) * ld + e % cols]);
+    std::memcpy(&r[q], &f, 4);
+  }
+}
+template <typename T>
+void hector_emu_wmma_mma(float (&d)[8], const unsigned (&a)[8], const unsigned (&b)[8], const T*, int kstep) {
+  const int lane = static_cast<int>(hector_emu::lane_id());
+  auto& A = hector_emu::wmma_a[hector_emu::warp_id()];
+  auto& B = hector_emu::wmma_b[hector_emu::warp_id()];
+  const int per = 16 * kstep / 32;
+  for (int q = 0; q < per; ++q) {
+    std::memcpy(&A[lane * per + q], &a[q], 4);
+    std::memcpy(&B[lane * per + q], &b[q], 4);
+  }
+  hector_emu::sync_warp(0xffffffffu);
+  for (int q = 0; q < 8; ++q) {
+    const int e = lane * 8 + q, row = e / 16, col = e % 16;
+    float sum = 0;
+    for (int k = 0; k < kstep; ++k) sum += A[row * kstep + k] * B[k * 16 + col];
+    d[q] += sum;
+  }
+  hector_emu::sync_warp(0xffffffffu);
+}
+inline void hector_emu_wmma_store(float* p, const float (&d)[8], int ld) {
+  const int lane = static_cast<int>(hector_emu::lane_id());
+  for (int q = 0; q < 8; ++q) {
+    const int e = lane * 8 + q;
+    p[(e / 16) * ld + e % 16] = d[q];
+  }
+}
 #define HECTOR_DYNAMIC_SMEM(name) unsigned char* name = hector_emu::dynamic_smem.data()
 using std::erf;
 using std::min;

@@ -49,3 +49,95 @@ __device__ __forceinline__ float hmax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double hmax(double a, double b) { return fmax(a, b); }
 #define HECTOR_NEG_INF ((acc_t)(-__int_as_float(0x7f800000)))
 """
+
+# Tensor-core tiles through PTX wmma: fragments are loaded from and stored to shared memory by the hardware, so
+# the code never depends on which lane holds which element. 16x16x16 for bf16/f16, 16x16x8 for tf32; fp32
+# accumulation. The emulator (tests) implements the same functions with its own fragment layout.
+WMMA = r"""
+#ifdef HECTOR_EMULATE
+static inline float hector_emu_elem_to_float(bf16_t v) { return __uint_as_float(((unsigned)v.bits) << 16); }
+static inline float hector_emu_elem_to_float(f16_t v) { return hector_f16_to_f32(v.bits); }
+__device__ __forceinline__ float hector_tf32(float x) { return hector_emu_tf32(x); }
+#else
+__device__ __forceinline__ float hector_tf32(float x) {
+  unsigned u; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x)); return __uint_as_float(u); }
+#endif
+"""
+
+WMMA_CUDA = {
+    "bf16": r"""
+#ifndef HECTOR_EMULATE
+struct hw_bf16 { static constexpr int KSTEP = 16; typedef bf16_t elem; };
+__device__ __forceinline__ void hw_load_a(unsigned (&a)[8], const bf16_t* p, int ld) {
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.bf16 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_load_b(unsigned (&b)[8], const bf16_t* p, int ld) {
+  asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.bf16 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_mma(float (&d)[8], const unsigned (&a)[8], const unsigned (&b)[8]) {
+  asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.bf16.bf16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+               "{%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3])); }
+__device__ __forceinline__ void hw_store(float* p, const float (&d)[8], int ld) {
+  asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+               :: "l"(p), "f"(d[0]), "f"(d[1]), "f"(d[2]), "f"(d[3]), "f"(d[4]), "f"(d[5]), "f"(d[6]), "f"(d[7]),
+                  "r"(ld) : "memory"); }
+#endif
+""",
+    "f16": r"""
+#ifndef HECTOR_EMULATE
+struct hw_f16 { static constexpr int KSTEP = 16; typedef f16_t elem; };
+__device__ __forceinline__ void hw_load_a(unsigned (&a)[8], const f16_t* p, int ld) {
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]), "=r"(a[4]), "=r"(a[5]), "=r"(a[6]), "=r"(a[7])
+               : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_load_b(unsigned (&b)[8], const f16_t* p, int ld) {
+  asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]), "=r"(b[4]), "=r"(b[5]), "=r"(b[6]), "=r"(b[7])
+               : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_mma(float (&d)[8], const unsigned (&a)[8], const unsigned (&b)[8]) {
+  asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+               "{%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+                 "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(b[4]), "r"(b[5]), "r"(b[6]), "r"(b[7])); }
+__device__ __forceinline__ void hw_store(float* p, const float (&d)[8], int ld) {
+  asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+               :: "l"(p), "f"(d[0]), "f"(d[1]), "f"(d[2]), "f"(d[3]), "f"(d[4]), "f"(d[5]), "f"(d[6]), "f"(d[7]),
+                  "r"(ld) : "memory"); }
+#endif
+""",
+    "tf32": r"""
+#ifndef HECTOR_EMULATE
+struct hw_tf32 { static constexpr int KSTEP = 8; typedef float elem; };
+__device__ __forceinline__ void hw_load_a(unsigned (&a)[8], const float* p, int ld) {
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k8.tf32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_load_b(unsigned (&b)[8], const float* p, int ld) {
+  asm volatile("wmma.load.b.sync.aligned.row.m16n16k8.tf32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "l"(p), "r"(ld)); }
+__device__ __forceinline__ void hw_mma(float (&d)[8], const unsigned (&a)[8], const unsigned (&b)[8]) {
+  asm volatile("wmma.mma.sync.aligned.row.row.m16n16k8.f32.tf32.tf32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+               "{%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3])); }
+__device__ __forceinline__ void hw_store(float* p, const float (&d)[8], int ld) {
+  asm volatile("wmma.store.d.sync.aligned.row.m16n16k8.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+               :: "l"(p), "f"(d[0]), "f"(d[1]), "f"(d[2]), "f"(d[3]), "f"(d[4]), "f"(d[5]), "f"(d[6]), "f"(d[7]),
+                  "r"(ld) : "memory"); }
+#endif
+""",
+}
+WMMA_EMULATED = r"""
+#ifdef HECTOR_EMULATE
+__device__ __forceinline__ void hw_load_a(unsigned (&a)[8], const HW_ELEM* p, int ld) {
+  hector_emu_wmma_load(a, p, ld, 16, HW_KSTEP); }
+__device__ __forceinline__ void hw_load_b(unsigned (&b)[8], const HW_ELEM* p, int ld) {
+  hector_emu_wmma_load(b, p, ld, HW_KSTEP, 16); }
+__device__ __forceinline__ void hw_mma(float (&d)[8], const unsigned (&a)[8], const unsigned (&b)[8]) {
+  hector_emu_wmma_mma(d, a, b, (HW_ELEM*)0, HW_KSTEP); }
+__device__ __forceinline__ void hw_store(float* p, const float (&d)[8], int ld) { hector_emu_wmma_store(p, d, ld); }
+#endif
+"""
+

@@ -192,8 +192,8 @@ inline int launch(void (*kernel_stub)(void**), unsigned gx, unsigned gy, unsigne
 
 }  // namespace hector_emu
 
-extern "C" int hector_emu_launch(void (*kernel_stub)(void**), unsigned gx, unsigned gy, unsigned gz,
-                                        unsigned bx, unsigned by, unsigned bz, unsigned smem, void** args) {
+extern "C" int hector_emu_launch(void (*kernel_stub)(void**), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned smem, void** args) {
   return hector_emu::launch(kernel_stub, gx, gy, gz, bx, by, bz, smem, args);
 }
 
@@ -284,8 +284,8 @@ inline void hector_emu_wmma_store(float* p, const float (&d)[8], int ld) {
 }
 #define HECTOR_DYNAMIC_SMEM(name) unsigned char* name = hector_emu::dynamic_smem.data()
 using std::erf;
-using std::min;
-using std::max;
 using std::exp;
 using std::fmax;
+using std::max;
+using std::min;
 using std::tanh;

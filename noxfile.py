@@ -117,7 +117,9 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job on built-in synthetic data (GPU when there is one, else CPU). Arguments after -- go to it."""
+    """Both end-to-end trainings (GNN: pytorch-direct + hector; LLM: ssdtrain), each beside the plain PyTorch/PyG
+    way, at the size that fits the machine (tiny on a CPU, small on a GPU); prints the comparison and writes plots to
+    integration-tests/demo-output. Arguments after -- go to integration-tests/demo.py (e.g. --size small)."""
     install_torch(session)
     session.install(*(f"./{p}[nvrtc]" for p in PACKAGES), *fresh_build(session))
     session.install("-r", "integration-tests/requirements.txt")
@@ -128,7 +130,8 @@ def demo(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """For the borrowed GPU machine (no package registry; ci/gpu-machine.sh sets it up): the C++ tests with CUDA,
     then the three packages installed into the current Python without build isolation, their GPU-marked tests and
-    benchmark smoke runs, and the integration tests. ``-- --full`` also runs each package's benchmarks/gpu_run.sh."""
+    benchmark smoke runs, and the integration tests. ``-- --full`` also runs each package's benchmarks/gpu_run.sh
+    and the end-to-end runs at the large size (integration-tests/gpu_run.sh)."""
     build = Path(session.create_tmp()) / "shared-cuda-build"
     session.run("cmake", "-S", "shared-cuda", "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                 external=True)
@@ -148,3 +151,4 @@ def gpu(session: nox.Session) -> None:
             script = ROOT / package / "benchmarks" / "gpu_run.sh"
             if script.exists():
                 session.run("bash", str(script), external=True)
+        session.run("bash", str(ROOT / "integration-tests" / "gpu_run.sh"), "--no-install", external=True)

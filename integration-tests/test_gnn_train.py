@@ -62,3 +62,27 @@ def test_bad_arguments_are_named():
         gnn_train.main(["--size", "huge"])
     with pytest.raises(ValueError, match="labelled type"):
         gnn_train.main(["--size", "tiny", "--device", "cpu", "--num-train", "100000"])
+
+
+@pytest.mark.gpu
+def test_tiny_on_the_gpu():
+    # the GPU paths: sampler on the device, zero-copy gather, hector's CUDA backend, CUDA-event phase timers
+    report = gnn_train.main(["--size", "tiny", "--device", "cuda", "--no-progress"])
+    chance = report["chance_accuracy"]
+    for impl in ("toolkit", "baseline"):
+        assert report["impls"][impl]["epochs"][-1]["val_acc"] > 2.5 * chance, impl
+        assert report["impls"][impl]["peak_gpu_bytes"] > 0
+    ours = [v for e in report["impls"]["toolkit"]["epochs"] for v in e["batch_losses"]]
+    theirs = [v for e in report["impls"]["baseline"]["epochs"] for v in e["batch_losses"]]
+    # TF32 / summation order differ between hector's kernels and PyG's: close, not equal
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_topology_in_host_memory_on_the_gpu():
+    device = gnn_train.main(["--size", "tiny", "--device", "cuda", "--no-progress", "--impl", "toolkit",
+                             "--epochs", "1"])
+    host = gnn_train.main(["--size", "tiny", "--device", "cuda", "--no-progress", "--impl", "toolkit",
+                           "--epochs", "1", "--topology", "host"])
+    first = lambda r: r["impls"]["toolkit"]["epochs"][0]["batch_losses"]  # noqa: E731
+    assert first(host) == pytest.approx(first(device), abs=1e-4)

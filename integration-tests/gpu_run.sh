@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# End-to-end runs on the GPU machine (nvidia-h200-x2: 2 H200, 32 cores, 256 GiB), from the repo root:
+#   1. gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector) and the plain PyTorch/PyG baseline
+#   2. llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
+#      ssdtrain at 1.5x the largest batch keep fitted
+#   3. gnn_train.py --size large, torchrun with 2 processes (DDP, one shared host copy of the features): toolkit
+#   4. llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of step 2
+# then report.py over all of them. Every step runs under its own time limit, whatever happened to the others.
+#
+#   bash integration-tests/gpu_run.sh                # installs the three packages first (no build isolation)
+#   bash integration-tests/gpu_run.sh --no-install   # they are installed already (e.g. from `nox -s gpu`)
+#
+# Files in $OUT (default ./out): e2e.tar.gz (logs, JSON, CSV, PNG of every step), e2e-report.txt, e2e.log.
+# Exits non-zero if any step failed. About 5 minutes of wall time on the machine above, install excluded.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+RESULTS="$OUT/e2e"
+mkdir -p "$RESULTS"
+LOG="$OUT/e2e.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the shared machines (see the device notes): NCCL, PyTorch and NVSHMEM.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# ssdtrain's pinned host pool per process. Its default (half of MemAvailable) reads too little on machines whose
+# memory grows as it is used (MemTotal starts at ~31 GiB there); 2 x 96 GiB fits the 256 GiB of nvidia-h200-x2.
+HOST_MEMORY="${E2E_HOST_MEMORY:-96GiB}"
+# E2E_SIZE=tiny runs the same steps in seconds on a CPU (the 2-process steps on gloo): the script's own smoke test.
+SIZE="${E2E_SIZE:-large}"
+STATUS=0
+say() { echo "$@" | tee -a "$LOG"; }
+
+if [ "${1:-}" != "--no-install" ]; then
+  [ -f .device-kit/gpu-env.sh ] && source .device-kit/gpu-env.sh
+  start=$(date +%s)
+  python3 -m pip install -q --no-build-isolation --no-deps ./pytorch-direct ./hector ./ssdtrain >> "$LOG" 2>&1 \
+    || { say "install failed (see $LOG)"; exit 1; }
+  say "install: $(( $(date +%s) - start )) s"
+fi
+nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
+  2>&1 | tee -a "$LOG"
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+say "GPUs visible: $GPUS"
+
+# step NAME SECONDS COMMAND...: run with a time limit, output to $RESULTS/NAME.log, one summary line.
+declare -a SUMMARY=()
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local start rc
+  start=$(date +%s)
+  say "=== $name (limit ${limit} s): $*"
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  rc=$?
+  local took=$(( $(date +%s) - start ))
+  tail -n 25 "$RESULTS/$name.log" | tee -a "$LOG"
+  if [ $rc -eq 0 ]; then
+    SUMMARY+=("$(printf '%-8s ok       %4d s' "$name" "$took")")
+  else
+    [ $rc -eq 124 ] && what="timed out" || what="exit $rc"
+    SUMMARY+=("$(printf '%-8s FAILED   %4d s  (%s)' "$name" "$took" "$what")")
+    STATUS=1
+  fi
+}
+
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
+step gnn-1 130 python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --json "$RESULTS/gnn-1.json"
+step llm-1 160 python3 integration-tests/llm_train.py --size "$SIZE" --no-progress --host-memory "$HOST_MEMORY" \
+  --json "$RESULTS/llm-1.json"
+if [ "$GPUS" -ge 2 ] || [ "$SIZE" = tiny ]; then
+  step gnn-2 90 "${TORCHRUN[@]}" integration-tests/gnn_train.py --size "$SIZE" --impl toolkit --no-progress \
+    --json "$RESULTS/gnn-2.json"
+  # The per-process batch of the 1-process ssdtrain run, so tokens/s compare like for like.
+  BATCH=$(python3 - "$RESULTS/llm-1.json" "$SIZE" <<'EOF' 2>/dev/null || echo 24
+import json, sys
+runs = [r for r in json.load(open(sys.argv[1]))["runs"] if r["policy"] == "ssdtrain"]
+print(runs[-1]["batch"] if runs else 4 if sys.argv[2] == "tiny" else 24)
+EOF
+)
+  step llm-2 90 "${TORCHRUN[@]}" integration-tests/llm_train.py --size "$SIZE" --policies ssdtrain \
+    --ssdtrain-batch "$BATCH" --no-progress --host-memory "$HOST_MEMORY" --json "$RESULTS/llm-2.json"
+else
+  say "fewer than 2 GPUs: the 2-process runs are skipped"
+fi
+
+python3 integration-tests/report.py --gnn "$RESULTS"/gnn-*.json --llm "$RESULTS"/llm-*.json --out "$RESULTS" \
+  > "$OUT/e2e-report.txt" 2>&1 || STATUS=1
+tar -czf "$OUT/e2e.tar.gz" -C "$OUT" e2e && rm -rf "$RESULTS"
+
+say ""
+say "=== end-to-end report ==="
+tee -a "$LOG" < "$OUT/e2e-report.txt"
+say ""
+say "=== steps (status $STATUS) ==="
+for line in "${SUMMARY[@]}"; do say "$line"; done
+exit "$STATUS"

@@ -131,7 +131,7 @@ class TensorCache:
         self.on_full = on_full
         self.lock = threading.RLock()
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
-        self.tier_of = lambda unit: "keep"  # the plan, set by the session
+        self.tier_of = lambda unit, nbytes: "keep"  # the plan, set by the session
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
@@ -215,7 +215,7 @@ class TensorCache:
             small = length < self.min_bytes
             if self.observer is not None:
                 self.observer(unit, key, length, "small" if small else "saved")
-            tier = "keep" if small else self.tier_of(unit)
+            tier = "keep" if small else self.tier_of(unit, length)
             if tier == "keep":
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
@@ -477,9 +477,9 @@ class TensorCache:
                 continue
             if entry.alive_original() is not None or entry.lost is not None:
                 continue
+            # No wait for the compute stream: the buffer comes from the prefetch stream's own pool, and unpack
+            # records the compute stream on it, so the allocator reuses it only after backward is done with it.
             stream = self._side_streams(entry.device)[1] if entry.device.type == "cuda" else None
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(entry.device))  # its buffer may be one just freed
             self._restore(entry, stream)
             self._prefetched_bytes += entry.nbytes
 

@@ -138,8 +138,10 @@ def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
     return small, movable, extra_s, transient
 
 
-def simulate(units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, window_units: int = 2) -> Prediction:
-    """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit)."""
+def simulate(units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, window_units: int = 2,
+             working_bytes: int = 0) -> Prediction:
+    """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit);
+    `working_bytes` (temporaries that are never saved: measured when profiling) is added to the peak."""
     n = len(units)
     parts = [_split(u, c) for u, c in zip(units, choices, strict=True)]
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent.
@@ -211,7 +213,7 @@ def simulate(units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, win
         live -= res
     host = sum(p[1] for p, c in zip(parts, choices, strict=True) if c.tier == "host")
     nvme = sum(p[1] for p, c in zip(parts, choices, strict=True) if c.tier == "nvme")
-    return Prediction(t, int(peak), stall, host, nvme, per_unit_stall)
+    return Prediction(t, int(peak + working_bytes), stall, host, nvme, per_unit_stall)
 
 
 @dataclass
@@ -231,16 +233,18 @@ class Plan:
     nvme_limit: int
     block_container: str
     window_units: int = 2
+    working_bytes: int = 0  # temporaries on top of saved activations (measured while profiling)
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
     @property
     def prediction(self) -> Prediction:
-        return simulate(self.units, self.choices, self.bandwidth, self.window_units)
+        return simulate(self.units, self.choices, self.bandwidth, self.window_units, self.working_bytes)
 
     @property
     def keep_prediction(self) -> Prediction:
-        return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units)
+        return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units,
+                        self.working_bytes)
 
     def replan(self, budget=None, **limits) -> Plan:
         """The same measurements planned for another budget (bytes or "20GiB"; ``host_limit=``/``nvme_limit=``)."""
@@ -275,7 +279,8 @@ class Plan:
         lines = [
             f"ssdtrain plan for {self.model}: {len(self.units)} units ({self.block_container or 'no repeated blocks'}),"
             f" budget {_fmt_bytes(self.budget) if self.budget is not None else 'none (fastest plan that fits)'}",
-            f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; link D2H "
+            f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; working memory "
+            f"{_fmt_bytes(self.working_bytes)} (never-saved temporaries, in every peak below); link D2H "
             f"{bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s; disk write {bw.disk_write / 1e9:.2f} GB/s, "
             f"read {bw.disk_read / 1e9:.2f} GB/s ({'measured' if bw.disk_measured else 'assumed, not measured'})",
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'choice':>15} {'on GPU MiB':>11} {'moved MiB':>10}"
@@ -310,10 +315,11 @@ def _feasible(pred: Prediction, host_limit: int, nvme_limit: int) -> bool:
     return pred.host_bytes <= host_limit and pred.nvme_bytes <= nvme_limit
 
 
-def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, by_peak=False):
+def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, by_peak=False,
+            working=0):
     """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
     (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
-    current = simulate(units, choices, bw, window)
+    current = simulate(units, choices, bw, window, working)
     while current.peak > target:
         best = None
         for i, u in enumerate(units):
@@ -323,7 +329,7 @@ def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvm
                 if c == choices[i] or (c.tier == "nvme" and not allow_nvme):
                     continue
                 trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = simulate(units, trial, bw, window)
+                pred = simulate(units, trial, bw, window, working)
                 if pred.peak >= current.peak or not _feasible(pred, host_limit, nvme_limit):
                     continue
                 # Least time per byte; a change that reaches the target outright is judged by its time alone.
@@ -340,9 +346,9 @@ def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvm
     return choices, current, True
 
 
-def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window):
+def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, working=0):
     """Undo what is no longer needed: any single change that is faster and still fits, best first."""
-    current = simulate(units, choices, bw, window)
+    current = simulate(units, choices, bw, window, working)
     improved = True
     while improved:
         improved = False
@@ -354,7 +360,7 @@ def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme
                 if c == choices[i] or (c.tier == "nvme" and not allow_nvme):
                     continue
                 trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = simulate(units, trial, bw, window)
+                pred = simulate(units, trial, bw, window, working)
                 if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and _feasible(
                         pred, host_limit, nvme_limit):
                     if best is None or pred.seconds < best[2].seconds:
@@ -368,7 +374,7 @@ def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme
 
 def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: int | None, *, host_limit: int,
               nvme_limit: int, block_container: str, overrides: dict | None = None, window_units: int = 2,
-              speed_target: int | None = None) -> Plan:
+              speed_target: int | None = None, working_bytes: int = 0) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all)."""
     overrides = {k: Choice.parse(v) for k, v in (overrides or {}).items()}
     names = {u.name for u in units}
@@ -382,15 +388,16 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
     target = budget if budget is not None else (speed_target if speed_target is not None else math.inf)
     fixed = set(overrides)
     allow_nvme = nvme_limit > 0
+    w = working_bytes
     plan_choices, pred, ok = _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme,
-                                     window_units)
+                                     window_units, working=w)
     if not ok:  # the cheapest-first path got stuck: try the leanest-first one
         plan_choices, pred, ok = _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme,
-                                         window_units, by_peak=True)
+                                         window_units, by_peak=True, working=w)
     if not ok:
         # The least memory any plan reaches (the leanest-first search towards 0 bytes), for the error message.
         _, low, _ = _search(units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units,
-                            by_peak=True)
+                            by_peak=True, working=w)
         if budget is not None:
             raise BudgetError(
                 f"ssdtrain: no plan fits the activation budget {_fmt_bytes(budget)}; the smallest predicted peak "
@@ -398,10 +405,11 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
                 f"(host_memory=, now {_fmt_bytes(host_limit)}) or an NVMe directory, or reduce the batch",
                 low.peak)
         plan_choices = _search(units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units,
-                               by_peak=True)[0]
-    plan_choices = _relax(units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units)
+                               by_peak=True, working=w)[0]
+    plan_choices = _relax(units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units,
+                          working=w)
     plan = Plan(model_name, units, plan_choices, bw, budget, host_limit, nvme_limit, block_container, window_units,
-                overridden=set(overrides))
+                working_bytes=w, overridden=set(overrides))
     if budget is None and speed_target is not None and not ok:
         plan.notes.append(f"even the leanest plan ({_fmt_bytes(plan.prediction.peak)}) exceeds the free device "
                           f"memory estimate ({_fmt_bytes(speed_target)}); expect an out-of-memory error")
@@ -413,9 +421,11 @@ def replan(plan: Plan, **changes) -> Plan:
     fields = {"budget": plan.budget, "host_limit": plan.host_limit, "nvme_limit": plan.nvme_limit}
     fields.update(changes)
     overrides = {u.name: c for u, c in zip(plan.units, plan.choices, strict=True) if u.name in plan.overridden}
-    return make_plan(plan.model, plan.units, plan.bandwidth, fields["budget"], host_limit=fields["host_limit"],
-                     nvme_limit=fields["nvme_limit"], block_container=plan.block_container, overrides=overrides,
-                     window_units=plan.window_units)
+    new = make_plan(plan.model, plan.units, plan.bandwidth, fields["budget"], host_limit=fields["host_limit"],
+                    nvme_limit=fields["nvme_limit"], block_container=plan.block_container, overrides=overrides,
+                    window_units=plan.window_units, working_bytes=plan.working_bytes)
+    new.notes = list(plan.notes)
+    return new
 
 
 __all__ = ["Bandwidth", "BudgetError", "Choice", "Plan", "Prediction", "UnitProfile", "make_plan", "replan",

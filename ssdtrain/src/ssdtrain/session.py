@@ -121,6 +121,12 @@ def _host_available() -> int:
     return 8 << 30
 
 
+def _device_free(device: torch.device) -> int:
+    """Bytes torch can still allocate: free on the device plus what its caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
@@ -246,6 +252,9 @@ class OffloadSession:
         self._entered = False
         self._closed = False
         self._bandwidth: Bandwidth | None = None
+        self._profile_kept = 0
+        self._profile_allowance = 0
+        self._mem_base = 0
         self._final_engine_stats = None
         self._latest_plan: Plan | None = None
         self._recomputed = 0  # modules the current plan checkpoints
@@ -369,10 +378,14 @@ class OffloadSession:
                 return max(0, i)
         return len(self._order_bounds)
 
-    def _tier_of(self, unit: int) -> str:
+    def _tier_of(self, unit: int, nbytes: int) -> str:
         if self.compiled and self.plan is not None and self._order_bounds:
             unit = self._order_unit()
-        if self._profile is not None or self.plan is None:
+        if self.plan is None:
+            # Profiling: keep on the device what fits in the allowance (fast, clean timings), the rest to host.
+            if self._profile_kept + nbytes <= self._profile_allowance:
+                self._profile_kept += nbytes
+                return "keep"
             return "host"
         return self.plan.choices[min(unit, len(self.plan.choices) - 1)].tier
 
@@ -400,6 +413,11 @@ class OffloadSession:
         cuda = self.device.type == "cuda"
         limit = 1 << 30 if self.budget is None else max(256 * _MIB, min(1 << 30, self.budget // 4))
         self.cache.max_inflight = limit if cuda else float("inf")
+        self._profile_kept = 0
+        self._profile_allowance = 0
+        if cuda:
+            free = _device_free(self.device)
+            self._profile_allowance = free // 2 if self.budget is None else min(free // 2, self.budget // 2)
         done = self._warmups.get(signature, 0)
         if done + 1 < self.profile_steps:
             self._warmups[signature] = done + 1
@@ -407,6 +425,13 @@ class OffloadSession:
         self._profiled += 1
         self._profile = _Profile(len(self.unit_names), self._clock)
         self.cache.observer = self._profile.record
+        if cuda:
+            # Working memory (temporaries never saved) = this step's peak minus what was saved at most. The peak
+            # statistics of torch.cuda are reset for it (documented).
+            torch.cuda.synchronize(self.device)
+            self._mem_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cache.peak_gpu_saved_bytes = self.cache.gpu_saved_bytes
         self._profile_start = self._clock.mark()
         if not self.compiled:
             for block_cheap in self.cheap:
@@ -428,10 +453,14 @@ class OffloadSession:
         self._profile = None
         self.cache.observer = None
         self._remove_cheap_hooks()  # they only serve profiling
+        working = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._mem_base
+            saved = self._profile_kept + sum(profile.small) + self.cache.peak_gpu_saved_bytes
+            working = max(0, peak - saved)
         units = self._units_from(profile)
-        plan = self._make_plan(units)
+        plan = self._make_plan(units, working)
         self._plans[(self._signature, self._plan_key())] = plan
         self._latest_plan = plan
         if self.verbose:
@@ -506,19 +535,18 @@ class OffloadSession:
         self._order_bounds = bounds
         return units
 
-    def _make_plan(self, units: list[UnitProfile]) -> Plan:
+    def _make_plan(self, units: list[UnitProfile], working: int = 0) -> Plan:
         bw = self._measure_bandwidth()
         nvme_limit = self._nvme_limit()
         speed_target = None
         if self.budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            speed_target = int(free * 0.85) + self.cache.gpu_saved_bytes
+            speed_target = int(_device_free(self.device) * 0.85)
         overrides = {k: v for k, v in self.overrides.items()}
         model_name = type(self.model._orig_mod if self.compiled else self.model).__name__
         try:
             plan = make_plan(model_name, units, bw, self.budget, host_limit=self.host_limit, nvme_limit=nvme_limit,
                              block_container=self.container, overrides=overrides, window_units=self.prefetch_units,
-                             speed_target=speed_target)
+                             speed_target=speed_target, working_bytes=working)
         except BudgetError:
             raise
         if self.compiled:

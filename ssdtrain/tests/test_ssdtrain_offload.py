@@ -661,3 +661,26 @@ def test_readme_examples_run(tmp_path, monkeypatch):
         exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented examples must run
     assert scope["session"].stats()["bytes_offloaded"]["host"] > 0
     assert isinstance(scope["p"], ssdtrain.Plan)
+
+
+def test_profiling_checkpoints_blocks_beyond_the_allowance(monkeypatch):
+    """On a GPU, profiling keeps half the free memory and checkpoints the blocks that would not fit; the plan from
+    such a profile must equal the one from a profile that saw every block."""
+    model, ids = make_net(layers=5), batch()
+    want_loss, want = reference(model, ids)
+    m1 = copy.deepcopy(model)
+    seen = ssdtrain.plan(m1, lambda: m1(ids).backward(), min_bytes="4K")
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_cpu_profile_allowance", 1 * MIB)
+    m2 = copy.deepcopy(model)
+    with ssdtrain.offload(m2, "1500K", min_bytes="4K", verbose=False) as s:
+        for _ in range(3):
+            m2.zero_grad()
+            loss = m2(ids)
+            loss.backward()
+    assert torch.equal(loss.detach(), want_loss)
+    assert_same_grads(grads(m2), want)
+    inferred = s.plan.units
+    assert [u.saved_bytes for u in inferred] == [u.saved_bytes for u in seen.units]
+    assert [u.cheap_bytes for u in inferred] == [u.cheap_bytes for u in seen.units]
+    assert all(u.forward_s > 0 for u in inferred[1:-1])
+    assert len(s._profile_checkpointed) >= 2  # some blocks really were checkpointed while profiling

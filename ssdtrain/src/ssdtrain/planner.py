@@ -234,6 +234,7 @@ class Plan:
     block_container: str
     window_units: int = 2
     working_bytes: int = 0  # temporaries on top of saved activations (measured while profiling)
+    order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
@@ -425,6 +426,7 @@ def replan(plan: Plan, **changes) -> Plan:
                     nvme_limit=fields["nvme_limit"], block_container=plan.block_container, overrides=overrides,
                     window_units=plan.window_units, working_bytes=plan.working_bytes)
     new.notes = list(plan.notes)
+    new.order_bounds = list(plan.order_bounds)
     return new
 
 

@@ -193,6 +193,9 @@ class _Profile:
 class OffloadSession:
     """The object ``offload()`` returns; use it as a context manager. See the module docstring."""
 
+    # Device bytes profiling may keep on a CPU "device" (tests lower it to exercise checkpointed profiling).
+    _cpu_profile_allowance = float("inf")
+
     def __init__(self, model: nn.Module, budget=None, *, plan: Plan | None = None, overrides: dict | None = None,
                  host_memory=None, nvme_memory=None, directories=None, min_bytes="1M", prefetch_units: int = 2,
                  on_full: str = "fallback", profile_steps: int = 2, verbose: bool = True):
@@ -253,6 +256,10 @@ class OffloadSession:
         self._closed = False
         self._bandwidth: Bandwidth | None = None
         self._profile_kept = 0
+        self._profile_seen = 0
+        self._block_seen_start = 0
+        self._first_block_bytes = None
+        self._profile_checkpointed: set[int] = set()
         self._profile_allowance = 0
         self._mem_base = 0
         self._final_engine_stats = None
@@ -331,6 +338,8 @@ class OffloadSession:
 
     def _block_pre(self, unit: int):
         def hook(module, args):
+            if unit == 1 and self.plan is None:
+                self._block_seen_start = self._profile_seen
             if self._depth == 0 and self._block_depth == 0 and (self._steps == 0 or unit <= self._last_started):
                 # Blocks called without the model's own forward (e.g. a custom loop over model.layers): a new step
                 # begins when the blocks start over.
@@ -347,6 +356,8 @@ class OffloadSession:
         def hook(module, args, output):
             self._block_depth = max(0, self._block_depth - 1)
             self._last_block = unit
+            if unit == 1 and self.plan is None:
+                self._first_block_bytes = self._profile_seen - self._block_seen_start
             if self._profile is not None and self._profile.marks[unit]:
                 self._profile.marks[unit][-1][1] = self._clock.mark()
             # Tensors saved between blocks belong to the block before; after the last block, to the head.
@@ -378,10 +389,20 @@ class OffloadSession:
                 return max(0, i)
         return len(self._order_bounds)
 
+    def _profile_checkpoint(self, unit: int):
+        def decide() -> bool:
+            if self._first_block_bytes is None or self._profile_kept + self._first_block_bytes \
+                    <= self._profile_allowance:
+                return False
+            self._profile_checkpointed.add(unit)
+            return True
+        return decide
+
     def _tier_of(self, unit: int, nbytes: int) -> str:
         if self.compiled and self.plan is not None and self._order_bounds:
             unit = self._order_unit()
         if self.plan is None:
+            self._profile_seen += nbytes
             # Profiling: keep on the device what fits in the allowance (fast, clean timings), the rest to host.
             if self._profile_kept + nbytes <= self._profile_allowance:
                 self._profile_kept += nbytes
@@ -414,10 +435,19 @@ class OffloadSession:
         limit = 1 << 30 if self.budget is None else max(256 * _MIB, min(1 << 30, self.budget // 4))
         self.cache.max_inflight = limit if cuda else float("inf")
         self._profile_kept = 0
-        self._profile_allowance = 0
+        self._profile_seen = 0
+        self._first_block_bytes = None
+        self._profile_checkpointed = set()
+        self._profile_allowance = self._cpu_profile_allowance
         if cuda:
             free = _device_free(self.device)
             self._profile_allowance = free // 2 if self.budget is None else min(free // 2, self.budget // 2)
+        if self.container and not self.compiled:
+            # Blocks after the first are checkpointed while profiling once keeping them would pass the allowance:
+            # repeated blocks save the same bytes, so the first one's count stands for them, and the profiling
+            # step needs little device memory and no host traffic.
+            for i, (_, block) in enumerate(self.blocks[1:], start=2):
+                self._wrap(block, when=self._profile_checkpoint(i))
         done = self._warmups.get(signature, 0)
         if done + 1 < self.profile_steps:
             self._warmups[signature] = done + 1
@@ -503,6 +533,15 @@ class OffloadSession:
                 else:
                     u.kind = "segment"  # top-level children of a model without repeated blocks: never recomputed
             units.append(u)
+        first = units[1] if len(units) > 2 else None
+        for i in self._profile_checkpointed:
+            # Checkpointed while profiling: its activations were not seen; it saves what the first block saved.
+            u = units[i]
+            u.saved_bytes, u.small_bytes, u.tensors = first.saved_bytes, first.small_bytes, first.tensors
+            u.cheap_bytes, u.cheap_modules = first.cheap_bytes, list(first.cheap_modules)
+            names = {f"{u.name}.{m}" for m in first.cheap_modules}
+            u.cheap_s = sum(clock.seconds(a, b) for m in names for a, b in profile.cheap_marks.get(m, [])
+                            if b is not None) or first.cheap_s
         blocks_total = sum(block_time)
         rest = max(0.0, total_fwd - blocks_total)
         # Stem and head share the forward time outside blocks in proportion to their saved bytes.
@@ -550,6 +589,7 @@ class OffloadSession:
         except BudgetError:
             raise
         if self.compiled:
+            plan.order_bounds = list(self._order_bounds)
             plan.notes.append("torch.compile'd model: units are slices of the saved-tensor order (no module hooks "
                               "run inside a compiled graph), so recompute is not planned; host/NVMe tiers apply")
         return plan
@@ -611,9 +651,8 @@ class OffloadSession:
         if plan is None:
             self.cache.window_bytes = 1 << 30
             return
-        if self.compiled and not self._order_bounds:
-            # A plan made elsewhere for a compiled model: slices of equal tensor count.
-            self._order_bounds = []
+        if self.compiled:
+            self._order_bounds = list(plan.order_bounds)
         moved = []
         for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True)):
             if c.recompute != "none" and u.kind == "block" and not self.compiled:
@@ -635,14 +674,16 @@ class OffloadSession:
         else:
             self.cache.max_inflight = float("inf")
 
-    def _wrap(self, module: nn.Module) -> None:
+    def _wrap(self, module: nn.Module, when=None) -> None:
+        """Checkpoint `module` (non-reentrant: RNG state replayed, inputs saved through the hooks), always or
+        when `when()` says so at call time."""
         if id(module) in self._wrapped:
             return
         had = module.__dict__.get("forward")
         original = module.forward
 
         def forward(*args, **kwargs):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (when is not None and not when()):
                 return original(*args, **kwargs)
             return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 

@@ -1,0 +1,186 @@
+"""The activation offload runtime on a CUDA GPU: gradients equal to keeping everything, Hugging Face models, device
+memory really freed, pinned memory returned, torch.compile (inductor). Skipped where no GPU is usable."""
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain import io as ssd_io
+
+pytestmark = pytest.mark.gpu
+
+MIB = 1 << 20
+
+
+def _hf(name, layers=4, hidden=256, attn="eager"):
+    transformers = pytest.importorskip("transformers")
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, n_positions=512, vocab_size=1000,
+                                      bos_token_id=0, eos_token_id=0)
+        cls, container = transformers.GPT2LMHeadModel, "transformer.h"
+    elif name == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                       max_position_embeddings=512, bos_token_id=0, eos_token_id=0)
+        cls, container = transformers.LlamaForCausalLM, "model.layers"
+    else:
+        cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
+                                      num_attention_heads=4, vocab_size=1000, max_position_embeddings=512)
+        cls, container = transformers.BertForMaskedLM, "bert.encoder.layer"
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls(cfg)
+    return model, container
+
+
+def _step(model, ids):
+    torch.manual_seed(7)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_gradients_bit_identical_to_keep_fp32(name, tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model, container = _hf(name)
+    ids = torch.randint(0, 1000, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref = copy.deepcopy(model)
+    want_loss = _step(ref, ids)
+    want = _grads(ref)
+    overrides = {f"{container}.0": "recompute+host", f"{container}.1": "cheap+nvme", f"{container}.2": "host",
+                 f"{container}.3": "nvme"}
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)],
+                          verbose=False) as s:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = _step(model, ids)
+    torch.cuda.synchronize()
+    assert torch.equal(loss, want_loss)
+    got = _grads(model)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{name}: gradient of {k} differs"
+    stats = s.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 and stats["bytes_offloaded"]["nvme"] > 0
+    assert stats["prefetch_hits"] + stats["forwarded"] > stats["misses"]
+
+
+def test_bf16_sdpa_gpt2_with_budget_close_to_keep():
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
+    model.to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref = copy.deepcopy(model)
+    _step(ref, ids)
+    want = _grads(ref)
+    with ssdtrain.offload(model, budget=None, min_bytes="64K", verbose=False) as s:
+        model.zero_grad()
+        _step(model, ids)
+    keep_peak = s.plan.keep_prediction.peak
+    with ssdtrain.offload(model, budget=int(keep_peak * 0.5), min_bytes="64K", verbose=False) as s:
+        for _ in range(3):
+            model.zero_grad()
+            _step(model, ids)
+    for k, g in want.items():
+        torch.testing.assert_close(_grads(model)[k].float(), g.float(), rtol=2e-2, atol=2e-3)
+    assert any(str(c) != "keep" for c in s.plan.choices)
+
+
+def test_device_memory_really_freed_and_pinned_memory_returned():
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
+    ids = torch.randint(0, 1000, (8, 512), device="cuda")
+
+    def peak_of(run):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+
+    _step(model, ids)  # warm-up (cuBLAS workspaces, autotuning) before measuring
+    keep_peak, _ = peak_of(lambda: _step(model, ids))
+    overrides = {f"{container}.{i}": "host" for i in range(6)}
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            _step(model, ids)
+        host_peak, left = peak_of(lambda: _step(model, ids))
+        assert s.pool.in_use == 0  # every host buffer back in the pool after backward
+        assert s.pool.reserved > 0 and s.stats()["bytes_offloaded"]["host"] > 0
+    model.zero_grad(set_to_none=True)
+    assert host_peak < 0.75 * keep_peak, (host_peak, keep_peak)
+    assert left <= 4 * MIB  # nothing saved stays on the device after backward
+    gc.collect()
+    assert s.pool.reserved == 0 and not ssd_io._huge_ranges  # pinned chunks unregistered and freed
+
+
+def test_exception_in_backward_on_gpu_releases_everything(tmp_path):
+    model, container = _hf("gpt2")
+    ids = torch.randint(0, 1000, (4, 256), device="cuda")
+    overrides = {f"{container}.{i}": ("nvme" if i % 2 else "host") for i in range(4)}
+    gc.collect()
+    before = set(ssd_io._huge_ranges)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    session = ssdtrain.offload(model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)],
+                               verbose=False, profile_steps=1)
+
+    def run():
+        with session:
+            _step(model, ids)
+            out = model(input_ids=ids).logits
+            Boom.apply(out).float().sum().backward()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert session.pool.reserved == 0 and session.cache.engine is None
+    assert set(ssd_io._huge_ranges) <= before
+    assert not any(os.scandir(tmp_path))
+
+
+def test_torch_compile_inductor_model(tmp_path):
+    model, container = _hf("gpt2", attn="sdpa")
+    ids = torch.randint(0, 1000, (4, 256), device="cuda")
+    ref = copy.deepcopy(model)
+    _step(ref, ids)
+    want = _grads(ref)
+    compiled = torch.compile(model)
+    with ssdtrain.offload(compiled, budget=None, min_bytes="64K", verbose=False, profile_steps=1) as s:
+        for _ in range(2):
+            model.zero_grad()
+            _step(compiled, ids)
+    for k, g in want.items():
+        torch.testing.assert_close(_grads(model)[k], g, rtol=1e-3, atol=1e-4)
+    assert s.plan is not None and any("compile" in n for n in s.plan.notes)
+    # A plan that moves every slice to host memory runs under the compiled graph too.
+    plan = s.plan
+    for u in plan.units:
+        plan.override(u.name, "host")
+    with ssdtrain.offload(compiled, plan=plan, min_bytes="64K", verbose=False) as s2:
+        model.zero_grad()
+        _step(compiled, ids)
+    assert s2.stats()["bytes_offloaded"]["host"] > 0
+    for k, g in want.items():
+        torch.testing.assert_close(_grads(model)[k], g, rtol=1e-3, atol=1e-4)

@@ -3,7 +3,6 @@
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -184,18 +183,24 @@ def test_forced_split_takes_its_share_from_a_measured_cell():
 # ---------------------------------------------------------------------------------------------------- measuring
 
 
-def fake_run(seconds, log):
-    """A call whose strategies take the given seconds (sleeps): what measure() times."""
+@pytest.fixture
+def fake_run(monkeypatch):
+    """make(seconds, log): a call whose strategies take the given seconds on a simulated clock (what measure()
+    times), logging each run."""
+    now = [0.0]
+    monkeypatch.setattr(_strategy, "_clock", lambda: now[0])
 
-    def run(plan, prefix=None):
-        log.append((plan.strategy, prefix))
-        if prefix is None:
-            time.sleep(seconds[plan.strategy])
+    def make(seconds, log):
+        def run(plan):
+            log.append(plan.strategy)
+            now[0] += seconds[plan.strategy]
 
-    return run
+        return run
+
+    return make
 
 
-def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(tmp_cache):
+def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(fake_run):
     call = gather_call(count=1 << 20)
     log = []
     seconds = {"vector": 0.03, "sorted": 0.01, "staged": 0.015, "split": 0.008}
@@ -203,8 +208,8 @@ def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(tmp_cache):
     assert plan.strategy == "split"
     # The split's share follows the kernel (sorted) and staged rates: 1/0.01 / (1/0.01 + 1/0.015) = 0.6.
     assert c["split_kernel"] == "sorted" and c["split_fraction"] == pytest.approx(0.6, abs=0.05)
-    assert [p is not None for _, p in log[:8]] == [True, False] * 4  # each candidate warmed up on a prefix first
-    assert ("split", None) in log and log.count(("sorted", None)) == 1  # sorted > 1.15x split: timed once
+    assert log[:6] == ["vector", "vector", "sorted", "sorted", "staged", "staged"]  # a warm-up run, a timed one
+    assert log.count("split") == 3 and log.count("sorted") == 2  # the fastest is timed again, sorted (1.25x) not
     key = _strategy.cell_key(call, RANDOM)
     on_disk = json.loads(_strategy.cache_path().read_text())
     assert on_disk["cells"][key]["best"] == "split"
@@ -212,7 +217,13 @@ def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(tmp_cache):
     assert decide(_strategy.measured_cells(), call, RANDOM, capturing=False, may_measure=True).plan == plan
 
 
-def test_measuring_stops_at_the_budget():
+def test_short_calls_are_timed_three_times(fake_run):
+    log = []
+    _strategy.measure(gather_call(), RANDOM, ("vector", "sorted"), fake_run({"vector": 0.001, "sorted": 0.01}, log))
+    assert log.count("vector") == 1 + 3 + 1 and log.count("sorted") == 2  # warm-up, 3 timed, the retime
+
+
+def test_measuring_stops_at_the_budget(fake_run):
     call = gather_call()
     log = []
     _strategy._state.budget_s = 0.05

@@ -26,6 +26,8 @@ GATHER_PLANS = ("vector", "naive", "sorted", "dedupe", "staged", "dedupe_staged"
 SCATTER_PLANS = ("vector", "naive", "sorted", "staged")
 # Plans that copy indices to the host and wait for the stream: impossible inside CUDA graph capture.
 HOST_PLANS = ("staged", "dedupe_staged", "split")
+# Plans that read every index on the host, which raises IndexError for a bad one: no device-side check needed.
+HOST_CHECKED_PLANS = ("staged", "dedupe_staged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,11 +324,11 @@ def gather_cuda(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, pla
             _launch_gather(table, rows, rb, unique, buf, None, "vector", max_sms, stream.cuda_stream, count)
             expand_rows(buf, inverse, out, rb)
         elif s == "dedupe_staged":
-            unique, count, inverse = dedupe_indices(idx, rows, checked)
-            host_unique = host_index(unique)  # waits for the stream, so count is known below
-            u = int(count.cpu())
-            buf = torch.empty((max(u, 1), rb), dtype=torch.uint8, device=idx.device)
-            _gather_staged(table, rows, rb, host_unique[:u], buf, stream)
+            # The host needs the distinct indices anyway, so torch.unique's wait for their count costs nothing extra,
+            # and only they cross to the host (the device-only dedupe_indices would copy all of them).
+            unique, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+            buf = torch.empty((unique.numel(), rb), dtype=torch.uint8, device=idx.device)
+            _gather_staged(table, rows, rb, host_index(unique), buf, stream)
             expand_rows(buf, inverse, out, rb)
         elif s == "staged":
             _gather_staged(table, rows, rb, host_index(idx), out, stream)

@@ -35,10 +35,11 @@ def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool
     else:
         decision, bounds = _strategy.Decision(_strategy.forced_plan(op, name, call), source="forced"), None
     if checked:
-        if bounds is None:
-            _kernels.precheck(idx, call.rows)
-        elif bounds[0] < 0 or bounds[1] >= call.rows:
-            raise _kernels.bounds_error(bounds[0] if bounds[0] < 0 else bounds[1], call.rows)
+        if bounds is not None:
+            if bounds[0] < 0 or bounds[1] >= call.rows:
+                raise _kernels.bounds_error(bounds[0] if bounds[0] < 0 else bounds[1], call.rows)
+        elif decision.plan is None or decision.plan.strategy not in _kernels.HOST_CHECKED_PLANS:
+            _kernels.precheck(idx, call.rows)  # (host-gathered plans check each index as they read it)
     if decision.plan is not None and decision.plan.needs_host and capturing:
         raise RuntimeError(
             f"strategy {decision.plan.strategy!r} copies indices to the host, which CUDA graph capture forbids: use "
@@ -141,9 +142,8 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     if decision.plan is None:
         # A kind of call never measured: the candidates run on this call (each writes all of `out`), and the fastest
         # is kept for the next calls of this kind.
-        def run(plan, prefix=None):
-            i, o = (idx, rows_out) if prefix is None else (idx[:prefix], rows_out[:prefix])
-            _kernels.gather_cuda(table, rows, rb, i, o, plan, max_sms, checked)
+        def run(plan):
+            _kernels.gather_cuda(table, rows, rb, idx, rows_out, plan, max_sms, checked)
 
         _strategy.measure(call, decision.features, decision.candidates, run)
         return out
@@ -284,9 +284,8 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     if decision.plan is None:
         # Measured on this call: every candidate writes the same rows (with duplicate indices, one writer per
         # element wins either way).
-        def run(plan, prefix=None):
-            i, v = (idx, vals) if prefix is None else (idx[:prefix], vals[:prefix])
-            _kernels.scatter_cuda(table, rows, rb, i, v, plan, max_sms, checked)
+        def run(plan):
+            _kernels.scatter_cuda(table, rows, rb, idx, vals, plan, max_sms, checked)
 
         _strategy.measure(call, decision.features, decision.candidates, run)
         return

@@ -48,9 +48,10 @@ RACE_BUDGET_S = 2.0
 # A host strategy (staged, dedupe_staged, split) must measure this much faster than the best device-only one: it
 # takes CPU cores from the caller, and its speed varies more from call to call.
 HOST_MARGIN = 1.05
-# Candidates within this factor of the fastest are measured a second time before one is kept (one noisy run must
-# not decide a cell).
+# Candidates within this factor of the fastest are measured again before one is kept (one noisy run must not
+# decide a cell); calls shorter than SHORT_CALL_S are timed three times from the start.
 RETIME_WITHIN = 1.15
+SHORT_CALL_S = 3e-3
 # Index sample sizes: a contiguous window for the order, strided positions for the duplicates.
 ORDER_WINDOW = 2048
 DUPLICATE_SAMPLE = 4096
@@ -60,8 +61,9 @@ NEAR_BYTES = 64 << 10
 TRANSLATION_REACH_BYTES = 4 << 30
 # calibrate(): row widths of a scratch table, counts, and the index patterns measured.
 ROW_BYTES = (64, 128, 256, 512, 1024, 2048, 4096)
-CALIBRATION_COUNTS = (1 << 15, 1 << 18, 1 << 21)
-CALIBRATION_PATTERNS = ("uniform", "sorted", "clustered", "zipf")
+CALIBRATION_COUNTS = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
+# (pattern, Zipf exponent): no duplicates in three orders, some and many duplicates.
+CALIBRATION_PATTERNS = (("uniform", 0), ("sorted", 0), ("clustered", 0), ("zipf", 0.9), ("zipf", 1.1))
 CALIBRATION_TABLE_BYTES = 1 << 30
 CACHE_FORMAT = 2
 
@@ -443,31 +445,35 @@ def last_decision() -> Decision | None:
 # ---------------------------------------------------------------------------------------------------- measuring
 
 
+_clock = time.perf_counter  # (tests replace it with a simulated clock)
+
+
 def _sync() -> None:
     if torch.cuda.is_initialized():  # (never on a CPU-only machine, where the tests time stand-ins)
         torch.cuda.synchronize()
 
 
 def _timed(run, plan: Plan) -> float:
-    start = time.perf_counter()
+    start = _clock()
     run(plan)
     _sync()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budget_s: float | None = None,
             span: int = 0, save: bool = True) -> tuple[Plan, dict]:
-    """Runs `run(plan)` (the call itself, all of it) once per candidate, again for those within RETIME_WITHIN of
-    the fastest, keeps the fastest (``pick``) and records the cell. `run(plan, prefix)` first warms each candidate
-    up on a few rows (allocations, lazy initialisation). Stops early, keeping what was measured, when `budget_s`
-    (default: the process's measuring budget left) runs out. Returns the plan kept and the cell."""
+    """Runs `run(plan)` (the call itself, all of it) for each candidate: once untimed (a first run allocates its
+    buffers and fills caches; in H200 run 1, with only a warm-up on a few rows, the first cells kept strategies up
+    to 2x slower than the best one), then timed (three times for calls under SHORT_CALL_S, which vary more), once
+    more for those within RETIME_WITHIN of the fastest; keeps the fastest (``pick``) and records the cell. Stops
+    early, keeping what was measured, when `budget_s` (default: the process's measuring budget left) runs out.
+    Returns the plan kept and the cell."""
     budget = _state.budget_s if budget_s is None else budget_s
-    start = time.perf_counter()
-    prefix = min(call.count, 4096)
+    start = _clock()
     seconds: dict = {}
     split_plan = None
     for name in names:
-        if seconds and time.perf_counter() - start > budget:
+        if seconds and _clock() - start > budget:
             break
         if name == "split":
             kernel = min((s for s in ("vector", "sorted") if s in seconds), key=seconds.get, default=None)
@@ -477,14 +483,15 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
             plan = split_plan = Plan("split", gpu / (gpu + cpu), kernel)
         else:
             plan = Plan(name)
-        run(plan, prefix)
-        _sync()
+        _timed(run, plan)  # warm-up
         seconds[name] = _timed(run, plan)
+        if seconds[name] < SHORT_CALL_S:
+            seconds[name] = min(seconds[name], _timed(run, plan), _timed(run, plan))
     fastest = min(seconds.values())
     for name in [s for s, t in seconds.items() if t <= RETIME_WITHIN * fastest and len(seconds) > 1]:
         plan = split_plan if name == "split" else Plan(name)
         seconds[name] = min(seconds[name], _timed(run, plan))
-    gbps = {s: call.bytes / t / 1e9 for s, t in seconds.items()}
+    gbps = {s: call.bytes / max(t, 1e-9) / 1e9 for s, t in seconds.items()}
     best = pick(gbps)
     features_key = cell_key(call, features)
     op, table, row, count = call.kind
@@ -494,7 +501,7 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
     if split_plan is not None:
         cell["split_fraction"], cell["split_kernel"] = split_plan.split_fraction, split_plan.split_kernel
     if budget_s is None:
-        _state.budget_s -= time.perf_counter() - start
+        _state.budget_s -= _clock() - start
     _state.record({features_key: cell}, save=save)
     kept = plan_from_cell(cell, capturing=False)
     _state.last = Decision(kept, names, source="measured now", features=features)
@@ -540,13 +547,14 @@ def _coprime_step(rows: int) -> int:
 def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_bytes=None, counts=None,
               save: bool = True, verbose: bool = False) -> dict:
     """Measures the gather strategies on `table` (reads only: its contents are not changed) or on a scratch pinned
-    table of `table_bytes`, for index patterns uniform / sorted / clustered / Zipf at several counts, and stores
+    table of `table_bytes`, for index patterns uniform / sorted / clustered / Zipf (exponents 0.9 and 1.1) at
+    several counts, and stores
     the cells for this machine (on disk when `save`). ``auto`` then runs the measured choice for calls of those
     kinds without measuring on them first. Returns the measured cells.
 
     `row_bytes`: row widths to view the table's bytes at (default: the table's own rows; the scratch table: 64 B
-    to 4 KiB). `counts`: rows per call (default 32K, 256K and 2M, at most the table's rows and 1 GiB). Takes
-    seconds per row width (more on tables of many GiB, where zero-copy reads are slow)."""
+    to 4 KiB). `counts`: rows per call (default 8K to 2M in steps of 4x, at most the table's rows and 1 GiB; each
+    cell then also covers the counts 2x either side). Takes a few seconds per row width."""
     if not _memory.cuda_usable():
         raise _core.UnavailableError("calibration needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -574,10 +582,10 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
             continue
         with torch._C.DisableTorchFunctionSubclass():
             view = plain[: rows * rb].view(rows, rb)
-        for pattern in CALIBRATION_PATTERNS:
+        for pattern, zipf_s in CALIBRATION_PATTERNS:
             for n in counts or CALIBRATION_COUNTS:
                 n = min(n, rows, max(1, (1 << 30) // rb))
-                idx = synthetic_indices(pattern, n, rows, generator)
+                idx = synthetic_indices(pattern, n, rows, generator, zipf_s=zipf_s)
                 features, _, _ = index_features(idx, rows, rb)
                 call = Call("gather", total, rows, rb, n)
                 if call.bytes < SMALL_CALL_BYTES:
@@ -585,9 +593,8 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
                 out = torch.empty((n, rb), dtype=torch.uint8, device=device)
                 span = 1 if counts is None else 0
 
-                def run(plan, prefix=None, view=view, rows=rows, rb=rb, idx=idx, out=out):
-                    i, o = (idx, out) if prefix is None else (idx[:prefix], out[:prefix])
-                    _kernels.gather_cuda(view, rows, rb, i, o, plan, 0, True)
+                def run(plan, view=view, rows=rows, rb=rb, idx=idx, out=out):
+                    _kernels.gather_cuda(view, rows, rb, idx, out, plan, 0, True)
 
                 _, cell = measure(call, features, candidates(call, features), run, budget_s=math.inf, span=span,
                                   save=False)

@@ -6,6 +6,7 @@
 # The default benchmark is the full matrix (tables of 1, 16 and 48 GiB: needs ~52 GiB of host RAM) with a time
 # budget; PD_BENCH_ARGS overrides it and PD_STEPS picks the steps ("tests bench" by default), e.g.
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
+# PD_PYTEST_ARGS adds pytest arguments (e.g. -k dedupe), PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -36,8 +37,9 @@ if [[ " $STEPS " == *" tests "* ]]; then
   TESTS_TXT="$(mktemp)"
   # Full output (-v: one line per test as it finishes) into the log; the tail (summary, tracebacks, slowest tests)
   # on the console. --maxfail: a kernel fault poisons the CUDA context and would fail every later test.
+  # shellcheck disable=SC2086
   timeout "${PD_TESTS_TIMEOUT:-180}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
-    --tb=short --durations=10 $TIMEOUT_ARG > "$TESTS_TXT" 2>&1
+    --tb=short --durations=10 $TIMEOUT_ARG ${PD_PYTEST_ARGS:-} > "$TESTS_TXT" 2>&1
   tests_rc=$?
   cat "$TESTS_TXT" >> "$LOG"
   tail -n 45 "$TESTS_TXT"

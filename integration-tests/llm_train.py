@@ -62,7 +62,7 @@ class RunConfig:
 # small: the demo on one GPU. large: the GPU machine -- a 1.3B-parameter GPT-2 at 2048 tokens, bf16.
 SIZES = {
     "tiny": RunConfig(ModelConfig("gpt2", layers=2, hidden=64, heads=4, vocab=512, seq_len=64),
-                      batch_sizes=(4,), steps=16, warmup=3, lr=2e-3, budget="2MiB", scale=1.0,
+                      batch_sizes=(4,), steps=16, warmup=3, lr=2e-3, budget="3MiB", scale=1.0,
                       min_bytes="4KiB"),
     "small": RunConfig(ModelConfig("gpt2", layers=12, hidden=768, heads=12, vocab=50_304, seq_len=1024),
                        batch_sizes=(8, 16, 32, 48, 64, 96, 128), steps=12, warmup=3, lr=3e-4, budget=None),

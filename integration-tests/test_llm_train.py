@@ -44,7 +44,7 @@ def test_policies_reach_the_same_losses(tiny):
 
 
 def test_ssdtrain_kept_its_budget(tiny):
-    # tiny's budget (2 MiB) is about half of what the model saves per step: the plan must move or recompute
+    # tiny's budget (3 MiB) is below what the model saves per step (~4 MiB): the plan must move or recompute
     ssd = runs_by_policy(tiny[0])["ssdtrain"]["ssdtrain"]
     stats = ssd["stats"]
     moved = stats["bytes_offloaded"]["host"] + stats["bytes_offloaded"]["nvme"]

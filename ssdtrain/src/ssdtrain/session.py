@@ -233,7 +233,10 @@ class OffloadSession:
             self.container = ""
         self.blocks = blocks
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
-        self.cheap = [_cheap_modules(m, n) for n, m in blocks] if self.container else [[] for _ in blocks]
+        # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
+        # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
+        self.cheap = [[] if (not self.container or hasattr(m.forward, "_torchdynamo_orig_callable"))
+                      else _cheap_modules(m, n) for n, m in blocks]
 
         self.plan: Plan | None = None
         self._plans: dict = _PLAN_CACHE.setdefault(model, {}) if plan is None else {}
@@ -242,6 +245,7 @@ class OffloadSession:
         self._pending_profile = None
         self._handles: list = []
         self._cheap_hooks: list = []
+        self._restore_cache = None  # a Hugging Face config whose use_cache the session turned off
         self._wrapped: dict[int, tuple[nn.Module, object]] = {}
         self._hooks_ctx = None
         self._depth = 0
@@ -281,6 +285,16 @@ class OffloadSession:
             raise RuntimeError("this offload session is closed; create a new one with ssdtrain.offload()")
         self._entered = True
         self.cache.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
+        # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
+        # the session is active (what transformers itself does under gradient checkpointing).
+        inner = self.model._orig_mod if self.compiled else self.model
+        for m in (inner, getattr(inner, "module", None)):  # DDP wraps the model in .module
+            config = getattr(m, "config", None)
+            if config is not None and getattr(config, "use_cache", False) is True:
+                config.use_cache = False
+                self._restore_cache = config
+                break
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._root_post))
@@ -309,6 +323,9 @@ class OffloadSession:
         self._handles.clear()
         self._remove_cheap_hooks()
         self._unwrap_all()
+        if self._restore_cache is not None:
+            self._restore_cache.use_cache = True
+            self._restore_cache = None
         self.cache.close(abort=abort)
         if abort or self.cache.live_entries() == 0:
             self.pool.close()

@@ -196,7 +196,9 @@ def epoch_batches(train_idx: torch.Tensor, batch_size: int, epoch: int, seed: in
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sampler_factory, proc: harness.Process,
-             args) -> dict:
+             args, result: dict, save=lambda: None) -> None:
+    """Train ``impl``; fills ``result`` (epochs as they finish, then peak memory) and calls ``save`` after each
+    epoch."""
     device = proc.device
     model = model.to(device)
     if proc.distributed:
@@ -223,7 +225,7 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
         optimizer.zero_grad(set_to_none=True)
     harness.reset_peak_memory(device)
 
-    epochs = []
+    epochs = result.setdefault("epochs", [])
     for epoch in range(cfg.epochs):
         model.train()
         batches = epoch_batches(graph.train_idx, cfg.batch_size, epoch, args.seed, proc)
@@ -258,13 +260,15 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
             "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "batch_losses": batch_losses,
         }
         epochs.append(record)
+        result["batches_per_epoch_per_rank"] = len(batches)
+        save()
         proc.print(f"  {impl:8s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  "
                    f"(sample {phases.get('sample', 0):.2f} s, gather {phases.get('gather', 0):.2f} s, "
                    f"compute {phases.get('compute', 0):.2f} s)")
     peak = harness.peak_memory(device)
-    return {"epochs": epochs, "peak_gpu_bytes": proc.max([peak])[0] if peak is not None else None,
-            "batches_per_epoch_per_rank": len(batches)}
+    result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
+    save()
 
 
 @torch.no_grad()
@@ -366,21 +370,24 @@ def main(argv: list[str] | None = None) -> dict:
                                node_type=topology.node_type, device=proc.device, generator=gen)
 
     models = build_models(cfg, args.seed)
-    results = {}
-    for impl in impls:
-        results[impl] = run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, sampler_factory, proc, args)
-
     report = {
         "script": "gnn_train", "size": args.size, "world_size": proc.world_size, "device": str(proc.device.type),
         "sampler": args.sampler, "topology": args.topology, "environment": harness.environment(),
         "config": {**dataclasses.asdict(cfg), "graph": dataclasses.asdict(spec)}, "graph": stats,
         "graph_seconds": graph_seconds, "table_seconds": table_seconds,
         "shared_memory_added_bytes": shm_added, "host_feature_copies": copies,
-        "chance_accuracy": 1.0 / spec.num_classes, "impls": results,
+        "chance_accuracy": 1.0 / spec.num_classes, "impls": {},
     }
+
+    def save() -> None:  # after each epoch: a run stopped later still leaves its results
+        if proc.main:
+            harness.write_json(args.json, report)
+
+    for impl in impls:
+        report["impls"][impl] = {}
+        run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, sampler_factory, proc, args,
+                 report["impls"][impl], save)
     summarize(report, proc)
-    if proc.main:
-        harness.write_json(args.json, report)
     harness.finish(proc)
     return report
 
@@ -398,13 +405,13 @@ def _host_topology(graph):
 
 
 def summarize(report: dict, proc: harness.Process) -> None:
-    impls = report["impls"]
+    impls = {k: v for k, v in report["impls"].items() if v.get("epochs")}
     proc.print(f"\n{'':10s} {'epoch s':>9s} {'seeds/s':>10s} {'final loss':>10s} {'val acc':>8s} {'peak GPU':>10s}")
     for impl, r in impls.items():
         last = r["epochs"][-1]
         mean = sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"])
         proc.print(f"{impl:10s} {mean:9.2f} {last['seeds_per_s']:10,.0f} {last['loss']:10.4f} {last['val_acc']:8.3f} "
-                   f"{harness.gib(r['peak_gpu_bytes']):>10s}")
+                   f"{harness.gib(r.get('peak_gpu_bytes')):>10s}")
     if len(impls) == 2:
         mean = {k: sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"]) for k, r in impls.items()}
         proc.print(f"toolkit epoch time: {mean['baseline'] / mean['toolkit']:.2f}x faster than the baseline "

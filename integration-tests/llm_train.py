@@ -232,8 +232,8 @@ def session_report(session) -> dict:
     return report
 
 
-def sweep_and_train(run: RunConfig, proc: harness.Process, args) -> list[dict]:
-    runs = []
+def sweep_and_train(run: RunConfig, proc: harness.Process, args, runs: list[dict], on_run=lambda: None) -> None:
+    """Appends each run's record to ``runs`` as it finishes (and calls ``on_run``)."""
     policies = [p for p in POLICIES if p in args.policies]
     largest_keep = None
     if "keep" in policies:
@@ -241,6 +241,7 @@ def sweep_and_train(run: RunConfig, proc: harness.Process, args) -> list[dict]:
             record = run_policy("keep", batch, run, proc, args)
             runs.append(record)
             print_run(record, proc)
+            on_run()
             if record["status"] != "ok":
                 break
             largest_keep = batch
@@ -250,7 +251,7 @@ def sweep_and_train(run: RunConfig, proc: harness.Process, args) -> list[dict]:
             record = run_policy(policy, big, run, proc, args)
             runs.append(record)
             print_run(record, proc)
-    return runs
+            on_run()
 
 
 def resolve_ssdtrain_batch(value: str, largest_keep: int | None, run: RunConfig) -> int:
@@ -350,13 +351,17 @@ def main(argv: list[str] | None = None) -> dict:
                f"sequence {m.seq_len}, {run.steps} steps; {proc.world_size} process(es) on {proc.device.type}; "
                f"policies {', '.join(args.policies)}")
     start = time.perf_counter()
-    runs = sweep_and_train(run, proc, args)
     report = {"script": "llm_train", "size": args.size, "world_size": proc.world_size,
               "device": proc.device.type, "environment": harness.environment(),
-              "config": dataclasses.asdict(run), "runs": runs, "seconds": time.perf_counter() - start}
+              "config": dataclasses.asdict(run), "runs": [], "seconds": None}
+
+    def save() -> None:  # after each run: a job stopped later still leaves its results
+        report["seconds"] = time.perf_counter() - start
+        if proc.main:
+            harness.write_json(args.json, report)
+
+    sweep_and_train(run, proc, args, report["runs"], save)
     summarize(report, proc)
-    if proc.main:
-        harness.write_json(args.json, report)
     harness.finish(proc)
     return report
 

@@ -24,7 +24,10 @@ def load(paths) -> list[dict]:
         if not path.exists():
             print(f"report: {path} is missing (that run failed or did not run): left out", file=sys.stderr)
             continue
-        out.append(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if "impls" in data:  # a GNN run stopped early: keep the implementations with at least one epoch
+            data["impls"] = {k: v for k, v in data["impls"].items() if v.get("epochs")}
+        out.append(data)
     return out
 
 

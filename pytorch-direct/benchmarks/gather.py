@@ -221,6 +221,10 @@ def run(args, results: list[dict]) -> None:
             _strategy.reset(delete_file=True)
             calib = sync_time(lambda utab=utab: pd.calibrate(table=utab))
             for row, idx in group:
+                # As a new process with this calibration on disk: no index features or decisions carried over from
+                # the group's other cells (a kind re-samples its features only every RECHECK_EVERY calls; H200
+                # run 2 did not reset here, so its auto_cal column ran other patterns' decisions).
+                _strategy.reset()
                 row["calib_s"] = calib
                 seconds = best_of(lambda utab=utab, idx=idx: pd.gather(utab, idx), args.repeats)
                 row["auto_cal"] = row["count"] * rb / seconds / 1e9

@@ -259,6 +259,31 @@ def test_choose_computes_features_on_the_first_call_and_every_few_calls(monkeypa
         pd.set_auto_calibrate(True)
 
 
+def test_decisions_are_kept_per_kind_until_features_or_cells_change(monkeypatch):
+    call = gather_call(count=1 << 16, row_bytes=64)
+    idx = torch.randint(0, call.rows, (call.count,))
+    decided = []
+    real = _strategy.decide
+    monkeypatch.setattr(_strategy, "decide", lambda *a, **k: decided.append(1) or real(*a, **k))
+    pd.set_auto_calibrate(False)
+    try:
+        first, features, _ = _strategy.choose(call, idx, capturing=False)
+        for _ in range(5):
+            assert _strategy.choose(call, idx, capturing=False)[0] is first
+        assert len(decided) == 1  # a dictionary lookup per call after the first
+        assert first.plan == Plan("staged")
+        assert _strategy.choose(call, idx, capturing=True)[0].plan == Plan("sorted") and len(decided) == 2
+        _strategy._state.record(cell(call, features, {"vector": 40.0, "sorted": 3.0}), save=False)
+        assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")  # new cells: decided again
+        # Another index pattern of the same kind is seen at the next re-check of the features.
+        sorted_idx = torch.sort(idx).values
+        for _ in range(_strategy.RECHECK_EVERY):
+            decision, features, _ = _strategy.choose(call, sorted_idx, capturing=False)
+        assert features.order == "sorted" and decision.source == "nearest"
+    finally:
+        pd.set_auto_calibrate(True)
+
+
 def test_cache_file_problems_only_cost_measuring_again():
     path = _strategy.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)

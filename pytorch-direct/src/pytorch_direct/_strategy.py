@@ -350,18 +350,23 @@ class _State:
     def __init__(self) -> None:
         self._cells: dict | None = None
         self._path: Path | None = None
+        self._where: tuple | None = None
         self.budget_s = RACE_BUDGET_S
         self.kinds: dict = {}
         self.last: Decision | None = None  # of the last auto call, for diagnostics (last_decision())
+        self.version = 0  # changes whenever the cells do: decisions kept per kind are then made again
 
     def cells(self) -> dict:
-        path = cache_path()
-        if self._cells is None or path != self._path:
-            self._path, self._cells = path, _read_cells(path)
+        where = (settings.calibration_file, settings.cache_dir, _core.current_device())  # what cache_path() reads
+        if self._cells is None or where != self._where:
+            self._where, self._path = where, cache_path()
+            self._cells = _read_cells(self._path)
+            self.version += 1
         return self._cells
 
     def record(self, cells: dict, save: bool = True) -> None:
         self.cells().update(cells)
+        self.version += 1
         if save:
             _write_cells(self._path, cells)
 
@@ -410,11 +415,16 @@ def measured_cells() -> dict:
 
 
 class _Seen:
-    __slots__ = ("calls", "features")
+    """Per call kind: calls seen, the features last computed, and the decision they gave (kept until the features
+    are computed again or the cells change, so that most calls decide with a dictionary lookup)."""
+
+    __slots__ = ("calls", "features", "decision", "made_for")
 
     def __init__(self) -> None:
         self.calls = 0
         self.features: Features | None = None
+        self.decision: Decision | None = None
+        self.made_for: tuple | None = None
 
 
 def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Features | None, tuple[int, int] | None]:
@@ -429,11 +439,19 @@ def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Featu
     bounds = None
     if not capturing and (seen.features is None or seen.calls % RECHECK_EVERY == 0):
         seen.features, lo, hi = index_features(idx, call.rows, call.row_bytes)
+        seen.decision = None
         bounds = (lo, hi)
     seen.calls += 1
+    cells = _state.cells()  # (reloads, and changes the version, when the cache file setting changed)
+    made_for = (_state.version, capturing, settings.auto_calibrate)
+    if seen.decision is not None and seen.made_for == made_for:
+        _state.last = seen.decision
+        return seen.decision, seen.features, bounds
     may_measure = settings.auto_calibrate and _state.budget_s > 0
-    decision = decide(_state.cells(), call, seen.features, capturing=capturing, may_measure=may_measure)
+    decision = decide(cells, call, seen.features, capturing=capturing, may_measure=may_measure)
     _state.last = decision = dataclasses.replace(decision, features=seen.features)
+    if decision.plan is not None:
+        seen.decision, seen.made_for = decision, made_for
     return decision, seen.features, bounds
 
 

@@ -142,6 +142,7 @@ class TensorCache:
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._prefetched_bytes = 0
+        self._backward_started = False
         self._inflight_bytes = 0
         self._streams: dict[int, tuple] = {}
         self._warned: set[str] = set()
@@ -179,6 +180,7 @@ class TensorCache:
                     del self._by_unit[unit]
             self._prefetched.clear()
             self._prefetched_bytes = 0
+            self._backward_started = False
 
     # ----------------------------------------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
@@ -341,8 +343,11 @@ class TensorCache:
         entry.write = None
         if error is None:
             if entry.host is not None and entry.restored is not None:
-                self.pool.release(entry.host, after=entry.h2d)  # already copied back: the disk copy is unneeded
-                entry.host = None
+                # Already brought back before the write finished: the disk copy is not needed. On CPU the
+                # restored bytes *are* the host buffer, which then stays with the entry.
+                if entry.device.type == "cuda":
+                    self.pool.release(entry.host, after=entry.h2d)
+                    entry.host = None
                 self._free_handle(entry)
             elif entry.host is not None:
                 self.pool.release(entry.host)
@@ -365,9 +370,14 @@ class TensorCache:
     # ----------------------------------------------------------------------------------------------- unpack
     def unpack(self, saved):
         if not isinstance(saved, _Saved):
+            if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
+                with self.lock:
+                    self._backward_started = True
+                    self._prefetch_from(max(self._by_unit, default=-1))
             return saved
         entry = saved.entry
         with self.lock:
+            self._backward_started = True
             self.poll()
             data = self._device_bytes(entry)
             self._prefetch_from(entry.unit)

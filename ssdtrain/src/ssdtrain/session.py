@@ -599,12 +599,29 @@ class OffloadSession:
             speed_target = int(_device_free(self.device) * 0.85)
         overrides = {k: v for k, v in self.overrides.items()}
         model_name = type(self.model._orig_mod if self.compiled else self.model).__name__
-        try:
-            plan = make_plan(model_name, units, bw, self.budget, host_limit=self.host_limit, nvme_limit=nvme_limit,
+        def make(nvme):
+            return make_plan(model_name, units, bw, self.budget, host_limit=self.host_limit, nvme_limit=nvme,
                              block_container=self.container, overrides=overrides, window_units=self.prefetch_units,
                              speed_target=speed_target, working_bytes=working)
-        except BudgetError:
-            raise
+
+        # NVMe only where host memory is not enough (or an override asks for it): then measure the disk first.
+        wants_nvme = any(Choice.parse(v).tier == "nvme" for v in overrides.values())
+        plan = None
+        if not wants_nvme:
+            try:
+                plan = make(0)
+            except BudgetError:
+                if nvme_limit <= 0:
+                    raise
+            if plan is not None and (nvme_limit <= 0 or (plan.notes == [] and
+                                                         plan.prediction.host_bytes < 0.9 * self.host_limit)):
+                return self._note_compiled(plan)
+        if nvme_limit > 0:
+            self._probe_disk(bw)
+        plan = make(nvme_limit)
+        return self._note_compiled(plan)
+
+    def _note_compiled(self, plan: Plan) -> Plan:
         if self.compiled:
             plan.order_bounds = list(self._order_bounds)
             plan.notes.append("torch.compile'd model: units are slices of the saved-tensor order (no module hooks "
@@ -638,6 +655,30 @@ class OffloadSession:
             d2h = h2d = n / max(time.perf_counter() - t0, 1e-6)
         self._bandwidth = Bandwidth(d2h, h2d, disk_write=2e9, disk_read=2e9)
         return self._bandwidth
+
+    def _probe_disk(self, bw: Bandwidth) -> None:
+        """Measure the NVMe tier's write and read bandwidth (256 MiB through the engine, once per session)."""
+        if bw.disk_measured:
+            return
+        engine = self.cache._engine()
+        if engine is None:
+            return
+        n = min(256 * _MIB if self.device.type == "cuda" else 32 * _MIB, self._nvme_limit() // 4 // 4096 * 4096)
+        if n < _MIB:
+            return  # too little room to measure: the assumed bandwidth stays (the plan says so)
+        buf = huge_empty((n,), torch.uint8, pin_memory=self.device.type == "cuda")
+        buf.fill_(1)
+        try:
+            t0 = time.perf_counter()
+            handle = engine.write(buf).result()
+            t1 = time.perf_counter()
+            engine.read(handle, out=buf).result()
+            t2 = time.perf_counter()
+            engine.free(handle)
+        except OSError:
+            return  # the disk refused (full, I/O error): the tier's own fallbacks handle it during the step
+        bw.disk_write, bw.disk_read = n / max(t1 - t0, 1e-6), n / max(t2 - t1, 1e-6)
+        bw.disk_measured = True
 
     def _dirs(self) -> list[str]:
         if self.directories is not None:

@@ -36,7 +36,7 @@ class HostPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._deferred: list[tuple[object, torch.Tensor]] = []  # (CUDA event, buffer): free once the event is done
         self.reserved = 0  # bytes of chunks
-        self.in_use = 0  # bytes handed out
+        self._in_use = 0  # bytes handed out (deferred releases included until their event is done)
         self.peak_in_use = 0
         self.closed = False
 
@@ -52,8 +52,8 @@ class HostPool:
                 buf = self._carve(size)
             if buf is None:
                 return None
-            self.in_use += buf.numel()
-            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            self._in_use += buf.numel()
+            self.peak_in_use = max(self.peak_in_use, self._in_use)
             return buf
 
     def release(self, buf: torch.Tensor, after=None) -> None:
@@ -75,10 +75,17 @@ class HostPool:
             self._deferred.clear()
             self._tail = None
             self.reserved = 0
-            self.in_use = 0
+            self._in_use = 0
+
+    @property
+    def in_use(self) -> int:
+        """Bytes handed out and not yet returned (releases waiting for their copy are collected first)."""
+        with self._lock:
+            self._collect()
+            return self._in_use
 
     def _put(self, buf: torch.Tensor) -> None:
-        self.in_use -= buf.numel()
+        self._in_use -= buf.numel()
         self._free.setdefault(buf.numel(), []).append(buf)
 
     def _collect(self) -> None:

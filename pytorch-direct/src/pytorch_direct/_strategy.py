@@ -482,7 +482,7 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
             span: int = 0, save: bool = True) -> tuple[Plan, dict]:
     """Runs `run(plan)` (the call itself, all of it) for each candidate: once untimed (a first run allocates its
     buffers and fills caches; in H200 run 1, with only a warm-up on a few rows, the first cells kept strategies up
-    to 2x slower than the best one), then timed (three times for calls under SHORT_CALL_S, which vary more), once
+    to 2.3x slower than the best one), then timed (three times for calls under SHORT_CALL_S, which vary more), once
     more for those within RETIME_WITHIN of the fastest; keeps the fastest (``pick``) and records the cell. Stops
     early, keeping what was measured, when `budget_s` (default: the process's measuring budget left) runs out.
     Returns the plan kept and the cell."""

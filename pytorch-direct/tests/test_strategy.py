@@ -235,6 +235,34 @@ def test_measuring_stops_at_the_budget(fake_run):
     assert decision.source == "nearest"  # no budget left: no more measuring in this process
 
 
+def test_a_candidate_out_of_gpu_memory_is_left_out(fake_run):
+    log = []
+    seconds = {"vector": 0.02, "sorted": 0.01, "dedupe": 0.005}
+    inner = fake_run(seconds, log)
+
+    def run(plan):
+        inner(plan)
+        if plan.strategy == "dedupe":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    plan, c = _strategy.measure(gather_call(), ZIPF, ("vector", "sorted", "dedupe"), run)
+    assert plan == Plan("sorted") and set(c["gbps"]) == {"vector", "sorted"}
+    assert log[-1] == "sorted"  # the failed candidate may have written part of the output: the kept plan ran last
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _strategy.measure(gather_call(), ZIPF, ("dedupe",), run)
+
+
+def test_an_incomplete_cell_is_measured_again_where_budget_is_left(fake_run):
+    call = gather_call()
+    _strategy._state.budget_s = 0.01
+    _, c = _strategy.measure(call, RANDOM, ("staged", "vector"), fake_run({"staged": 0.02, "vector": 0.01}, []))
+    assert c["complete"] is False
+    cells = _strategy.measured_cells()
+    assert decide(cells, call, RANDOM, capturing=False, may_measure=True).plan is None
+    assert decide(cells, call, RANDOM, capturing=False, may_measure=False).plan == Plan("staged")
+    assert decide(cells, call, RANDOM, capturing=True, may_measure=True).plan == Plan("sorted")  # rules: no host
+
+
 def test_choose_computes_features_on_the_first_call_and_every_few_calls(monkeypatch):
     call = gather_call(count=1 << 16, row_bytes=64)
     computed = []

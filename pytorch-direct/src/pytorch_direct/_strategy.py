@@ -291,7 +291,8 @@ def decide(cells: dict, call: Call, features: Features | None, *, capturing: boo
         return Decision(Plan("vector"), source="small")
     if features is not None:
         cell = find_cell(cells, call, features)
-        if cell is not None:
+        # (a cell that a spent budget left incomplete is measured again where there is budget)
+        if cell is not None and (cell.get("complete", True) or capturing or not may_measure):
             plan = plan_from_cell(cell, capturing)
             if plan is not None:
                 return Decision(plan, source="measured")
@@ -323,12 +324,12 @@ def forced_plan(op: str, strategy: str, call: Call) -> Plan:
 
 
 def _machine_key(device: int) -> str:
-    from . import __version__
+    from importlib.metadata import version  # (not from the package root: it sits above this layer)
 
     props = _core.device_properties(device) or {}
     name = str(props.get("name", "unknown")).replace(" ", "_").replace("/", "_")
     bus = str(props.get("pci_bus_id", "")).replace(":", "-")
-    return f"{name}-{bus}-{os.cpu_count()}cpu-{__version__}"
+    return f"{name}-{bus}-{os.cpu_count()}cpu-{version('pytorch-direct')}"
 
 
 @functools.cache
@@ -485,13 +486,21 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
     to 2.3x slower than the best one), then timed (three times for calls under SHORT_CALL_S, which vary more), once
     more for those within RETIME_WITHIN of the fastest; keeps the fastest (``pick``) and records the cell. Stops
     early, keeping what was measured, when `budget_s` (default: the process's measuring budget left) runs out.
-    Returns the plan kept and the cell."""
+    Returns the plan kept and the cell.
+
+    A candidate that runs out of GPU memory (``dedupe`` needs a second buffer as large as the output) is left out:
+    measuring must not fail a call that the rules' choice can serve. The cell is marked incomplete when the budget
+    stopped the measuring, and measured again in a process with budget left."""
     budget = _state.budget_s if budget_s is None else budget_s
     start = _clock()
     seconds: dict = {}
+    out_of_memory: list = []
     split_plan = None
+    complete = True
+    output_from_failed_run = False
     for name in names:
         if seconds and _clock() - start > budget:
+            complete = False
             break
         if name == "split":
             kernel = min((s for s in ("vector", "sorted") if s in seconds), key=seconds.get, default=None)
@@ -501,10 +510,17 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
             plan = split_plan = Plan("split", gpu / (gpu + cpu), kernel)
         else:
             plan = Plan(name)
-        _timed(run, plan)  # warm-up
-        seconds[name] = _timed(run, plan)
-        if seconds[name] < SHORT_CALL_S:
-            seconds[name] = min(seconds[name], _timed(run, plan), _timed(run, plan))
+        try:
+            _timed(run, plan)  # warm-up
+            seconds[name] = _timed(run, plan)
+            if seconds[name] < SHORT_CALL_S:
+                seconds[name] = min(seconds[name], _timed(run, plan), _timed(run, plan))
+            output_from_failed_run = False
+        except torch.cuda.OutOfMemoryError as e:
+            out_of_memory.append(e)
+            output_from_failed_run = True  # it may have written part of the output
+    if not seconds:
+        raise out_of_memory[0]
     fastest = min(seconds.values())
     for name in [s for s, t in seconds.items() if t <= RETIME_WITHIN * fastest and len(seconds) > 1]:
         plan = split_plan if name == "split" else Plan(name)
@@ -514,14 +530,16 @@ def measure(call: Call, features: Features, names: tuple[str, ...], run, *, budg
     features_key = cell_key(call, features)
     op, table, row, count = call.kind
     cell = {"op": op, "table_class": table, "row_class": row, "count_class": count, "order": features.order,
-            "dup": features.duplicate_class, "span": span, "best": best, "gbps": gbps,
+            "dup": features.duplicate_class, "span": span, "best": best, "gbps": gbps, "complete": complete,
             "measured_on": {"table_bytes": call.table_bytes, "row_bytes": call.row_bytes, "count": call.count}}
     if split_plan is not None:
         cell["split_fraction"], cell["split_kernel"] = split_plan.split_fraction, split_plan.split_kernel
+    kept = plan_from_cell(cell, capturing=False)
+    if output_from_failed_run:
+        run(kept)
     if budget_s is None:
         _state.budget_s -= _clock() - start
     _state.record({features_key: cell}, save=save)
-    kept = plan_from_cell(cell, capturing=False)
     _state.last = Decision(kept, names, source="measured now", features=features)
     return kept, cell
 

@@ -584,9 +584,8 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
               save: bool = True, verbose: bool = False) -> dict:
     """Measures the gather strategies on `table` (reads only: its contents are not changed) or on a scratch pinned
     table of `table_bytes`, for index patterns uniform / sorted / clustered / Zipf (exponents 0.9 and 1.1) at
-    several counts, and stores
-    the cells for this machine (on disk when `save`). ``auto`` then runs the measured choice for calls of those
-    kinds without measuring on them first. Returns the measured cells.
+    several counts, and stores the cells for this machine (on disk when `save`). ``auto`` then runs the measured
+    choice for calls of those kinds without measuring on them first. Returns the measured cells.
 
     `row_bytes`: row widths to view the table's bytes at (default: the table's own rows; the scratch table: 64 B
     to 4 KiB). `counts`: rows per call (default 8K to 2M in steps of 4x, at most the table's rows and 1 GiB; each

@@ -352,17 +352,19 @@ def plan_jobs(a) -> list[tuple]:
     """(model, policy, budget spec) in order of importance: a --deadline cuts from the end. The first model is
     the issue's (every policy); the second gets the core ones."""
     first, *others = a.models
-    jobs = [(first, "keep", None), (first, "recompute", None), (first, "ssdtrain", "keep*0.5"),
+    jobs = [(first, "keep", None), (first, "recompute", None), (first, "compile", None),
+            (first, "ssdtrain+compile", "keep*0.5"), (first, "ssdtrain", "keep*0.5"),
             (first, "ssdtrain", "recompute*1.2"), ("gpt2", "determinism", None), (first, "save_on_cpu", None),
             (first, "ssdtrain", "save_on_cpu*1.0"), (first, "torchtune", None)]
     if a.oom_batch:
         jobs += [(first, "keep", "oom"), (first, "ssdtrain", "oom")]
-    jobs += [(first, "compile", None), (first, "compile_budget_0.5", None), (first, "ssdtrain+compile", "keep*0.5")]
+    jobs += [(first, "compile_budget_0.5", None)]
     for kind in others:
         jobs += [(kind, "keep", None), (kind, "ssdtrain", "keep*0.5"), (kind, "recompute", None),
                  (kind, "ssdtrain", "recompute*1.2")]
     jobs += [(first, "torchtune_recompute", None), (first, "compile_budget_0.2", None),
-             (first, "ssdtrain", "keep*0.35"), (first, "ssdtrain", "none")]
+             (first, "ssdtrain+compile", "compile_budget_0.5*1.0"), (first, "ssdtrain", "keep*0.35"),
+             (first, "ssdtrain", "none")]
     if a.no_determinism:
         jobs = [j for j in jobs if j[1] != "determinism"]
     if a.device != "cuda":  # no measured peaks: ssdtrain@none's prediction sets the budgets, so it runs first

@@ -384,7 +384,7 @@ class OffloadSession:
     def _cheap_pre(self, name: str):
         def hook(module, args):
             p = self._profile
-            if p is not None:
+            if p is not None and self._pending_profile is None:  # forward only: not a recompute in backward
                 p.cheap_stack.append(name)
                 p.cheap_inputs.setdefault(name, {}).update(_tensor_storages(args))
                 p.cheap_marks.setdefault(name, []).append([self._clock.mark(), None])
@@ -393,7 +393,7 @@ class OffloadSession:
     def _cheap_post(self, name: str):
         def hook(module, args, output):
             p = self._profile
-            if p is not None and p.cheap_stack:
+            if p is not None and self._pending_profile is None and p.cheap_stack:
                 p.cheap_stack.pop()
                 p.cheap_marks[name][-1][1] = self._clock.mark()
         return hook
@@ -457,8 +457,9 @@ class OffloadSession:
         self._profile_checkpointed = set()
         self._profile_allowance = self._cpu_profile_allowance
         if cuda:
-            free = _device_free(self.device)
-            self._profile_allowance = free // 2 if self.budget is None else min(free // 2, self.budget // 2)
+            # Half the free device memory, whatever the budget: profiling must not run out of memory, and what
+            # it keeps it measures without detours (throttled copies would distort the timings).
+            self._profile_allowance = _device_free(self.device) // 2
         if self.container and not self.compiled:
             # Blocks after the first are checkpointed while profiling once keeping them would pass the allowance:
             # repeated blocks save the same bytes, so the first one's count stands for them, and the profiling

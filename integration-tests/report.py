@@ -44,14 +44,15 @@ def gnn_lines(runs: list[dict]) -> list[str]:
                      f"{graph['edges']:,} edges, {graph['feature_bytes'] / 2**30:.2f} GiB of features in host memory"
                      + (f", {r['host_feature_copies']:.2f} host copies" if r.get("host_feature_copies") is not None
                         else ""))
-        lines.append(f"  {'':9s} {'epoch s':>8s} {'seeds/s':>10s} {'sample s':>9s} {'gather s':>9s} {'compute s':>9s}"
-                     f" {'loss':>7s} {'val acc':>7s}")
+        lines.append(f"  {'(mean/epoch)':12s} {'epoch s':>8s} {'seeds/s':>10s} {'sample s':>9s} {'gather s':>9s} "
+                     f"{'compute s':>9s}  {'last epoch: loss':>16s} {'val acc':>7s}")
         for name, impl in r["impls"].items():
-            last = impl["epochs"][-1]
-            lines.append(f"  {name:9s} {mean_epoch(impl):8.2f} {last['seeds_per_s']:10,.0f} "
-                         f"{last.get('sample_s', 0):9.2f} {last.get('gather_s', 0):9.2f} "
-                         f"{last.get('compute_s', 0):9.2f} "
-                         f"{last['loss']:7.3f} {last['val_acc']:7.3f}")
+            last, n = impl["epochs"][-1], len(impl["epochs"])
+            phase = {k: sum(e.get(f"{k}_s", 0.0) for e in impl["epochs"]) / n for k in ("sample", "gather", "compute")}
+            seeds = sum(e["seeds_per_s"] for e in impl["epochs"]) / n
+            lines.append(f"  {name:12s} {mean_epoch(impl):8.2f} {seeds:10,.0f} {phase['sample']:9.2f} "
+                         f"{phase['gather']:9.2f} {phase['compute']:9.2f}  {last['loss']:16.3f} "
+                         f"{last['val_acc']:7.3f}")
         if {"toolkit", "baseline"} <= set(r["impls"]):
             t, b = r["impls"]["toolkit"], r["impls"]["baseline"]
             lines.append(f"  toolkit: {mean_epoch(b) / mean_epoch(t):.2f}x the baseline's speed (mean epoch time), "
@@ -94,10 +95,12 @@ def _gib(nbytes) -> str:
 
 
 def throughput(r: dict, kind: str) -> tuple[str, float] | None:
-    """The toolkit's throughput in a run: GNN seeds/s (last epoch), LLM ssdtrain tokens/s (None if absent)."""
+    """The toolkit's throughput in a run: GNN seeds/s (mean over epochs), LLM ssdtrain tokens/s (None if absent)."""
     if kind == "gnn":
         impl = r["impls"].get("toolkit")
-        return ("seeds/s", impl["epochs"][-1]["seeds_per_s"]) if impl else None
+        if not impl:
+            return None
+        return "seeds/s", sum(e["seeds_per_s"] for e in impl["epochs"]) / len(impl["epochs"])
     ok = [x for x in r["runs"] if x["policy"] == "ssdtrain" and x["status"] == "ok"]
     return (f"tokens/s at batch {ok[-1]['batch']}", ok[-1]["tokens_per_s"]) if ok else None
 

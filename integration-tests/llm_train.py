@@ -125,7 +125,7 @@ def run_policy(policy: str, batch: int, run: RunConfig, proc: harness.Process, a
     device, cfg = proc.device, run.model
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     record = {"policy": policy, "batch": batch, "seq_len": cfg.seq_len, "world_size": proc.world_size}
-    model = optimizer = session = None
+    model = train_model = optimizer = session = None
     try:
         model = build_model(cfg, device, dtype, args.seed)
         record["parameters"] = sum(p.numel() for p in model.parameters())
@@ -181,7 +181,7 @@ def run_policy(policy: str, batch: int, run: RunConfig, proc: harness.Process, a
         if record["status"] == "failed":
             traceback.print_exc()
     finally:
-        del model, optimizer, session
+        del model, train_model, optimizer, session  # free the device memory before the next run is built
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

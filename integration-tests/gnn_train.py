@@ -24,6 +24,7 @@ import argparse
 import copy
 import dataclasses
 import secrets
+import shutil
 import sys
 import time
 
@@ -167,6 +168,8 @@ def make_table(proc: harness.Process, graph, dtype=torch.float32, show_progress:
     else:
         name = proc.broadcast(f"gnn-train-{secrets.token_hex(6)}")
         creator = proc.local_rank == 0
+        if creator:
+            check_shared_memory_space(spec.num_nodes * spec.feature_dim * torch.empty((), dtype=dtype).element_size())
         try:
             if creator:
                 table = pd.shared_memory(name, shape, dtype, create=True)
@@ -183,6 +186,19 @@ def make_table(proc: harness.Process, graph, dtype=torch.float32, show_progress:
     shm_after = harness.host_shared_memory_bytes()
     added = None if shm_before is None or shm_after is None else max(0, shm_after - shm_before)
     return table, added, time.perf_counter() - start
+
+
+def check_shared_memory_space(nbytes: int) -> None:
+    """Fail with a clear message, not a SIGBUS on the first write past the end, when /dev/shm (where POSIX shared
+    memory, and so pytorch_direct.shared_memory, lives) is too small."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return
+    if free < nbytes:
+        raise SystemExit(f"/dev/shm has {harness.gib(free)} free but the shared feature table needs "
+                         f"{harness.gib(nbytes)}: enlarge it (mount -o remount,size=... /dev/shm; docker run "
+                         f"--shm-size=...) or make the table smaller (--num-nodes, --feature-dim)")
 
 
 def epoch_batches(train_idx: torch.Tensor, batch_size: int, epoch: int, seed: int, proc: harness.Process):

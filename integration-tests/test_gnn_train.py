@@ -86,3 +86,9 @@ def test_topology_in_host_memory_on_the_gpu():
                            "--epochs", "1", "--topology", "host"])
     first = lambda r: r["impls"]["toolkit"]["epochs"][0]["batch_losses"]  # noqa: E731
     assert first(host) == pytest.approx(first(device), abs=1e-4)
+
+
+def test_too_small_shared_memory_is_named():
+    with pytest.raises(SystemExit, match="/dev/shm has .* free but the shared feature table needs"):
+        gnn_train.check_shared_memory_space(1 << 60)
+    gnn_train.check_shared_memory_space(1)

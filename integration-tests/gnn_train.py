@@ -49,7 +49,7 @@ class TrainConfig:
     hidden: int
     heads: int
     lr: float = 0.005
-    warmup_batches: int = 2  # forward + backward without an optimizer step (kernel compilation, allocator)
+    warmup_batches: int = 4  # forward + backward without an optimizer step (kernel compilation, allocator)
 
 
 # tiny: a CPU in seconds. small: the demo on one GPU (a CPU in minutes). large: the GPU machine -- 40M nodes,

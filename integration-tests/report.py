@@ -106,13 +106,19 @@ def throughput(r: dict, kind: str) -> tuple[str, float] | None:
 
 
 def scaling(runs: list[dict], kind: str) -> list[str]:
-    by_world = {r["world_size"]: throughput(r, kind) for r in runs}
-    one = by_world.get(1)
+    """Throughput with N processes against one, between runs of the same configuration."""
+    groups: dict[str, dict[int, tuple[str, float] | None]] = {}
+    for r in runs:
+        config = r.get("config", {})
+        key = json.dumps(config.get("graph") or config.get("model"), sort_keys=True)
+        groups.setdefault(key, {}).setdefault(r["world_size"], throughput(r, kind))
     lines = []
-    for world, value in sorted(by_world.items()):
-        if world > 1 and value and one:
-            lines.append(f"  scaling: {world} processes {value[1]:,.0f} {value[0]} = {value[1] / one[1]:.2f}x one "
-                         f"process ({one[1]:,.0f})")
+    for by_world in groups.values():
+        one = by_world.get(1)
+        for world, value in sorted(by_world.items()):
+            if world > 1 and value and one:
+                lines.append(f"  scaling: {world} processes {value[1]:,.0f} {value[0]} = {value[1] / one[1]:.2f}x "
+                             f"one process ({one[1]:,.0f})")
     return lines
 
 

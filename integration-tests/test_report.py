@@ -7,7 +7,8 @@ import json
 import report
 
 
-def gnn_result(world: int, toolkit_s: list[float], baseline_s: list[float] | None, seeds: int = 1000) -> dict:
+def gnn_result(world: int, toolkit_s: list[float], baseline_s: list[float] | None, seeds: int = 1000,
+               dim: int = 128) -> dict:
     def impl(times):
         return {"epochs": [{"epoch": i + 1, "time_s": t, "seeds_per_s": seeds / t, "edges_per_s": 1.0,
                             "loss": 1.0 / (i + 1), "val_acc": 0.5 + 0.1 * i, "batch_losses": [1.0, 0.9],
@@ -17,6 +18,7 @@ def gnn_result(world: int, toolkit_s: list[float], baseline_s: list[float] | Non
     impls = {"toolkit": impl(toolkit_s)}
     impls["baseline"] = impl(baseline_s) if baseline_s else {}  # {}: stopped before its first epoch
     return {"script": "gnn_train", "size": "large", "world_size": world, "device": "cuda", "chance_accuracy": 0.0625,
+            "config": {"graph": {"num_nodes": 100, "feature_dim": dim}},
             "host_feature_copies": 1.0 if world > 1 else None, "impls": impls,
             "graph": {"nodes": 100, "edges": 1000, "feature_bytes": 2**30}}
 
@@ -44,10 +46,12 @@ def write(tmp_path, name, data):
 def test_ratios_scaling_and_files(tmp_path):
     g1 = write(tmp_path, "g1.json", gnn_result(1, [2.0, 2.0], [5.0, 5.0]))
     g2 = write(tmp_path, "g2.json", gnn_result(2, [1.05, 1.05], None))
+    # another configuration with 1 process: not the reference for the 2-process run above
+    big = write(tmp_path, "big.json", gnn_result(1, [9.0], None, dim=1024))
     l1 = write(tmp_path, "l1.json", llm_result(1, [("keep", 8, 0.4), ("keep", 16, 0.8), ("keep", 20, None),
                                                    ("ssdtrain", 24, 1.25)]))
     l2 = write(tmp_path, "l2.json", llm_result(2, [("ssdtrain", 24, 1.3)]))
-    text = report.report([g1, g2, tmp_path / "missing.json"], [l1, l2], tmp_path / "out")
+    text = report.report([g1, g2, big, tmp_path / "missing.json"], [l1, l2], tmp_path / "out")
     assert "toolkit: 2.50x the baseline's speed" in text
     assert "scaling: 2 processes 952 seeds/s = 1.90x one process (500)" in text
     # keep's largest batch is 16 at 16*2048/0.8 tokens/s; ssdtrain at 24: (24/1.25)/(16/0.8) = 0.96

@@ -76,6 +76,9 @@ def model_config(kind: str, a) -> tuple:
 def build(kind, a, device, dtype, attn="sdpa", seed=0):
     cls, cfg = model_config(kind, a)
     cfg._attn_implementation = attn
+    # Training needs no KV cache; with it, torch.compile recompiles per layer (the cache's per-layer state is
+    # guarded) and hits its recompile limit at layer 8, leaving the rest eager (seen in run P2).
+    cfg.use_cache = False
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(cfg)

@@ -687,3 +687,44 @@ def test_profiling_checkpoints_blocks_beyond_the_allowance(monkeypatch):
     assert [u.cheap_bytes for u in inferred] == [u.cheap_bytes for u in seen.units]
     assert all(u.forward_s > 0 for u in inferred[1:-1])
     assert len(s._profile_checkpointed) >= 2  # some blocks really were checkpointed while profiling
+
+
+@pytest.mark.parametrize("error", [1.5, 1.05, 0.97, 0.5])
+def test_plans_are_calibrated_by_the_measured_peak(error, monkeypatch):
+    """On a GPU the first steps of a plan are measured; a peak above the prediction raises the plan's working
+    memory and replans (a far lower one lowers it once). Here the measurement is simulated: `error` x prediction."""
+    model, ids = make_net(), batch()
+    want_loss, want = reference(model, ids)
+    allocated = {"now": 0, "max": 0}
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_can_measure_peak", lambda self: True)
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_memory_allocated", lambda self: allocated["now"])
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_max_memory_allocated", lambda self: allocated["max"])
+
+    session = ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False, profile_steps=1)
+
+    def reset(self):  # the "measured" peak of the coming step: the current plan's prediction times `error`
+        allocated["max"] = int(self.plan.prediction.peak * error)
+
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_reset_peak", reset)
+    with warnings.catch_warnings(record=True) as caught, session as s:
+        warnings.simplefilter("always")
+        plans = []
+        for _ in range(5):
+            model.zero_grad()
+            loss = model(ids)
+            loss.backward()
+            plans.append(s.plan)
+    no_fit = [w for w in caught if "no plan fits" in str(w.message)]
+    assert torch.equal(loss.detach(), want_loss)
+    assert_same_grads(grads(model), want)
+    first, last = plans[1], plans[-1]
+    if error == 0.97:
+        assert last is first and not last.calibrations  # within the prediction: kept as is
+    elif error > 1 and not (no_fit and last is first):
+        assert len(last.calibrations) >= 1 and last.working_bytes > first.working_bytes
+        assert "measured peak" in str(last)
+        assert len(last.calibrations) <= ssdtrain.OffloadSession.CALIBRATIONS
+    elif error > 1:
+        assert error == 1.5  # a 50% miss on this small model: more than any plan can absorb, and it says so
+    else:
+        assert len(last.calibrations) <= 1  # downward at most once

@@ -236,6 +236,8 @@ class Plan:
     window_units: int = 2
     working_bytes: int = 0  # temporaries on top of saved activations (measured while profiling)
     order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
+    speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
+    calibrations: list[str] = field(default_factory=list)  # measured peaks that corrected working_bytes
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
@@ -305,6 +307,7 @@ class Plan:
                          f"{' ...' if len(cheap) > 4 else ''}; recompute = checkpoint the whole block;"
                          " * = overridden")
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)
 
 
@@ -417,7 +420,7 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
     plan_choices = _relax(units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units,
                           working=w)
     plan = Plan(model_name, units, plan_choices, bw, budget, host_limit, nvme_limit, block_container, window_units,
-                working_bytes=w, overridden=set(overrides))
+                working_bytes=w, overridden=set(overrides), speed_target=speed_target)
     if budget is None and speed_target is not None and not ok:
         plan.notes.append(f"even the leanest plan ({_fmt_bytes(plan.prediction.peak)}) exceeds the free device "
                           f"memory estimate ({_fmt_bytes(speed_target)}); expect an out-of-memory error")
@@ -425,13 +428,16 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
 
 
 def replan(plan: Plan, **changes) -> Plan:
-    """The same profile planned again with other limits (budget=..., host_limit=..., ...)."""
-    fields = {"budget": plan.budget, "host_limit": plan.host_limit, "nvme_limit": plan.nvme_limit}
+    """The same profile planned again with other limits (budget=, host_limit=, nvme_limit=, working_bytes=)."""
+    fields = {"budget": plan.budget, "host_limit": plan.host_limit, "nvme_limit": plan.nvme_limit,
+              "working_bytes": plan.working_bytes}
     fields.update(changes)
     overrides = {u.name: c for u, c in zip(plan.units, plan.choices, strict=True) if u.name in plan.overridden}
     new = make_plan(plan.model, plan.units, plan.bandwidth, fields["budget"], host_limit=fields["host_limit"],
                     nvme_limit=fields["nvme_limit"], block_container=plan.block_container, overrides=overrides,
-                    window_units=plan.window_units, working_bytes=plan.working_bytes)
+                    window_units=plan.window_units, working_bytes=fields["working_bytes"],
+                    speed_target=plan.speed_target)
+    new.calibrations = plan.calibrations
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new

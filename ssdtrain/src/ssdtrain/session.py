@@ -22,12 +22,13 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 
 import torch
 from torch import nn
 
-from .cache import TensorCache
+from .cache import OffloadWarning, TensorCache
 from .hostpool import HostPool
 from .io import Engine, huge_empty, parse_size
 from .planner import Bandwidth, BudgetError, Choice, Plan, UnitProfile, make_plan
@@ -268,6 +269,7 @@ class OffloadSession:
         self._mem_base = 0
         self._final_engine_stats = None
         self._latest_plan: Plan | None = None
+        self._peak_check = None
         self._recomputed = 0  # modules the current plan checkpoints
         self.device = next((p.device for p in inner.parameters()), torch.device("cpu"))
         cuda = self.device.type == "cuda"
@@ -438,12 +440,14 @@ class OffloadSession:
         self._block_depth = 0
         self.cache.unit = 0
         self.cache.reset_step()
+        self._check_peak(signature)
         plan = self.given_plan or self._plans.get((signature, self._plan_key()))
         if plan is None and signature[0] == "blocks" and self._latest_plan is not None:
             plan = self._latest_plan  # a step through the blocks alone: the plan of the model's last shape
         if plan is not None:
             if plan is not self.plan:
                 self._apply(plan)
+            self._start_peak_check(signature, plan)
             return
         # No plan for this input shape yet: warm up (first-call costs, pool growth), then profile one step.
         self._signature = signature
@@ -486,6 +490,74 @@ class OffloadSession:
                 for name, module in block_cheap:
                     self._cheap_hooks.append(module.register_forward_pre_hook(self._cheap_pre(name)))
                     self._cheap_hooks.append(module.register_forward_hook(self._cheap_post(name)))
+
+    # Calibration: the first steps of a plan made here are measured (torch.cuda's peak statistic, reset for it);
+    # a peak above the prediction (temporaries the profile could not see) or far below it corrects the plan's
+    # working memory and the same measurements are planned again, at most CALIBRATIONS times per shape.
+    CALIBRATIONS = 2
+
+    def _start_peak_check(self, signature, plan: Plan) -> None:
+        self._peak_check = None
+        if plan is self.given_plan or not self._can_measure_peak() or (
+                plan.budget is None and plan.speed_target is None):
+            return
+        if len(plan.calibrations) >= self.CALIBRATIONS or getattr(plan, "_verified", False):
+            return
+        self._peak_check = (signature, plan, self._memory_allocated())
+        self._reset_peak()
+
+    def _check_peak(self, signature) -> None:
+        check, self._peak_check = self._peak_check, None
+        if check is None:
+            return
+        old_signature, plan, base = check
+        peak = self._max_memory_allocated() - base
+        predicted = plan.prediction.peak
+        limit = plan.budget if plan.budget is not None else plan.speed_target
+        # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
+        # the prediction was far too high.
+        if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations):
+            plan._verified = True
+            return
+        working = max(0, plan.working_bytes + peak - predicted)
+        if working == plan.working_bytes:
+            plan._verified = True
+            return
+        try:
+            new = plan.replan(budget=plan.budget, working_bytes=working)
+        except BudgetError as e:
+            warnings.warn(f"ssdtrain: the measured activation peak ({peak / 2**30:.2f} GiB) is above the plan's "
+                          f"prediction ({predicted / 2**30:.2f} GiB), and with that much working memory no plan fits "
+                          f"the budget ({e}); the plan stays", OffloadWarning, stacklevel=3)
+            plan._verified = True
+            return
+        new.calibrations = plan.calibrations + [
+            f"step {self._steps - 1}: measured peak {peak / 2**30:.2f} GiB, predicted {predicted / 2**30:.2f} GiB "
+            f"(limit {limit / 2**30:.2f} GiB): working memory {plan.working_bytes / 2**30:.2f} -> "
+            f"{working / 2**30:.2f} GiB"]
+        for key, value in list(self._plans.items()):
+            if value is plan:
+                self._plans[key] = new
+        if self._latest_plan is plan:
+            self._latest_plan = new
+        if self.verbose:
+            print(f"ssdtrain: {new.calibrations[-1]}; replanned: predicted peak {new.prediction.peak / 2**30:.2f} "
+                  f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's",
+                  file=sys.stderr)
+
+    def _can_measure_peak(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _memory_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _max_memory_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def _remove_cheap_hooks(self) -> None:
         for h in self._cheap_hooks:

@@ -72,6 +72,8 @@ def lint(session: nox.Session) -> None:
         ["git", "ls-files", "*.cpp", "*.hpp", "*.cu", "*.cuh", "*.h"], cwd=ROOT, capture_output=True, text=True,
         check=True,
     ).stdout.split()
+    # Snapshots are generated code compared byte for byte with the generator's output, not hand-written C++.
+    sources = [s for s in sources if "/snapshots/" not in s]
     if sources:
         session.run("clang-format", "--dry-run", "--Werror", *sources)
 

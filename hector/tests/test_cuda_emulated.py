@@ -44,6 +44,8 @@ LAYERS = {
     "rgat-shared": lambda: hn.RGATConv(6, 3, 3, heads=2, attention="shared", concat=False, root_weight=True),
     "hgt": lambda: hn.HGTConv(6, 6, 2, 3, heads=2),
     "hgt-in-ne-out": lambda: hn.HGTConv(5, 6, 2, 3, heads=3, optimize="all"),
+    "rgat-unfused": lambda: hn.RGATConv(6, 3, 3, heads=2, optimize=Options(fuse=False)),
+    "hgt-unfused": lambda: hn.HGTConv(6, 6, 2, 3, heads=2, optimize=Options(fuse=False)),
 }
 
 

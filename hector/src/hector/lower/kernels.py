@@ -74,8 +74,9 @@ def _space(domain: Domain) -> str:
     return {Domain.EDGE: "edge", Domain.NODE: "node", Domain.UNIQUE: "unique", Domain.PARAM: "param"}[domain]
 
 
-def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
-    """Fuse ``program`` into kernels; values in ``keep`` (e.g. saved for backward) are materialised."""
+def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowered:
+    """Fuse ``program`` into kernels; values in ``keep`` (e.g. saved for backward) are materialised.
+    ``fuse=False`` (ablation) gives every traversal op its own kernel and fuses no GEMM epilogue."""
     p = _schedule(program)
     keep = set(keep) | set(p.outputs)
     virtual = {n.name for n in p.nodes if _is_virtual(n) and n.name not in keep}
@@ -144,7 +145,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
             by = wt.by
             users = p.users[n.name]
             scatter = scale = None
-            if n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" and n.name not in keep:
+            if fuse and n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" and n.name not in keep:
                 u = p.node(users[0])
                 if u.op is Op.MUL and u.name not in keep and u.args[0] != u.args[1]:
                     # row-scale epilogue (e.g. RGCN's 1/|N_r(i)|), then a scatter: gather -> matmul -> scale -> sum
@@ -193,7 +194,7 @@ def lower(program: Program, keep: Iterable[str] = ()) -> Lowered:
             space = _space(p.type_of(n.args[0]).domain)
         # node-wise args seen through views (a reshape of a reduced value is that value)
         srcs = [source(a)[0] if t.domain is Domain.NODE else a for a in n.args]
-        joinable = cur is not None and all(arg_ok(a, t.domain, n.op) for a in n.args) and (
+        joinable = fuse and cur is not None and all(arg_ok(a, t.domain, n.op) for a in n.args) and (
             cur.space == space or (cur.space == "edge" and t.domain is Domain.NODE
                                    and all(owner.get(a) == cur_idx or p.node(a).op in _LEAVES
                                            or p.node(a).op is Op.SELECT for a in srcs)))

@@ -85,7 +85,7 @@ class RelationalLayer(nn.Module):
         training = self.training if training is None else training
         opts = self.options_for(graph) if options is None else options
         rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
-        key = (training, opts.compact, opts.reorder, opts.force_reorder, rows_key)
+        key = (training, opts.compact, opts.reorder, opts.force_reorder, opts.fuse, rows_key)
         if key not in self._compiled:
             self._compiled[key] = compile_program(self.trace(training), opts)
         return self._compiled[key]

@@ -28,6 +28,7 @@ class Options:
     compact: bool = True
     reorder: bool = True
     force_reorder: bool = False
+    fuse: bool = True  # kernel fusion in the lowering (off only for ablations)
     rows: Mapping[Any, float] | None = field(default=None, hash=False, compare=False)
     debug: bool = False
 

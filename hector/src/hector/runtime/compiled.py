@@ -41,7 +41,7 @@ class CompiledLayer:
             bw = differentiate(self.forward, key)
             prog = optimize_backward(bw.program, self.options)
             bw = Backward(prog, bw.grads_of)
-            self._backward[key] = (bw, lower(prog))
+            self._backward[key] = (bw, lower(prog, fuse=self.options.fuse))
         return self._backward[key]
 
 
@@ -50,7 +50,8 @@ def compile_program(program: Program, options: Options | None = None) -> Compile
     fwd = optimize(program, options)
     bw = differentiate(fwd)
     bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
-    return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved), lower(fwd))
+    return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved, fuse=options.fuse),
+                         lower(fwd, fuse=options.fuse))
 
 
 class _Apply(torch.autograd.Function):

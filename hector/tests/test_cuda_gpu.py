@@ -1,0 +1,189 @@
+"""The CUDA backend on a GPU: generated kernels against the reference backend (forward and gradients, all three
+models, fp32/TF32/bf16/fp16/fp64), torch.compile, CUDA-graph capture, thousands of relations."""
+
+import pytest
+import torch
+from conftest import make_graph, rel_err
+
+import hector.nn as hn
+from hector import config, datasets
+from hector.runtime import backend as backend_mod
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device available", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config.set_tf32(None)
+    yield
+    config.set_backend(None)
+    config.set_tf32(None)
+
+
+MODELS = {
+    "rgcn": lambda d, r, t: hn.RGCNConv(d, d, r),
+    "rgcn-bases": lambda d, r, t: hn.RGCNConv(d, d, r, num_bases=4, optimize="none"),
+    "rgat": lambda d, r, t: hn.RGATConv(d, d // 4, r, heads=4),
+    "rgat-shared": lambda d, r, t: hn.RGATConv(d, d // 4, r, heads=4, attention="shared"),
+    "hgt": lambda d, r, t: hn.HGTConv(d, d, t, r, heads=4),
+}
+
+
+def _run(layer, x, ei, et, nt, backend):
+    config.set_backend(backend)
+    try:
+        xg = x.clone().requires_grad_()
+        out = layer(xg, ei, et, nt)
+        w = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1))
+        grads = torch.autograd.grad((out.float() * w).sum(), [xg] + list(layer.parameters()), allow_unused=True)
+    finally:
+        config.set_backend(None)
+    return out, grads
+
+
+def _twin(name="aifb", scale=0.3):
+    twin = datasets.load(name, scale=scale, seed=0)
+    return twin, twin.edge_index.cuda(), twin.edge_type.cuda(), twin.node_type.cuda()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype,tf32,tol", [(torch.float32, False, 1e-4), (torch.float32, True, 1e-2),
+                                            (torch.bfloat16, False, 5e-2), (torch.float16, False, 1e-2)])
+def test_matches_reference(model, dtype, tf32, tol):
+    twin, ei, et, nt = _twin()
+    torch.manual_seed(0)
+    ref = MODELS[model](64, twin.num_relations, twin.num_node_types).cuda().double()
+    layer = MODELS[model](64, twin.num_relations, twin.num_node_types).cuda().to(dtype)
+    layer.load_state_dict(ref.state_dict())
+    x = twin.features(64).cuda()
+    assert backend_mod.select(x.device, dtype).name == "cuda"
+    a, ga = _run(ref, x.double(), ei, et, nt, "reference")
+    # In 16-bit storage the bound is the larger of `tol` and twice the error torch ops make at the same dtype (the
+    # reference backend): per-edge gradients below fp16's normal range (6e-5) round alike in both.
+    same = _run(layer, x.to(dtype), ei, et, nt, "reference") if dtype in (torch.float16, torch.bfloat16) else None
+    config.set_tf32(tf32)
+    b, gb = _run(layer, x.to(dtype), ei, et, nt, "cuda")
+
+    def bound(i):
+        if same is None:
+            return tol
+        t = same[0] if i is None else same[1][i]
+        v = a if i is None else ga[i]
+        return max(tol, 2 * rel_err(t.double(), v))
+
+    assert b.dtype == dtype and rel_err(b.double(), a) < bound(None), (rel_err(b.double(), a), bound(None))
+    for i, ((name, _), u, v) in enumerate(zip([("x", None)] + list(ref.named_parameters()), gb, ga, strict=True)):
+        if v is None:
+            continue
+        assert rel_err(u.double(), v) < bound(i), (name, rel_err(u.double(), v), bound(i))
+
+
+def test_float64_gradcheck_rgat_and_hgt():
+    ei, et, nt = make_graph(node_types=2)
+    ei, et, nt = ei.cuda(), et.cuda(), nt.cuda()
+    for layer in (hn.RGATConv(5, 3, 3, heads=2).double().cuda(), hn.HGTConv(5, 5, 2, 3, heads=1).double().cuda()):
+        x = torch.randn(14, 5, dtype=torch.float64, device="cuda", requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x_, m=layer: m(x_, ei, et, nt), (x,), atol=1e-7, rtol=1e-5,
+                                        nondet_tol=1e-12)
+
+
+def test_ten_thousand_relations():
+    g = torch.Generator().manual_seed(0)
+    n, e, r = 5000, 60000, 10000
+    ei = torch.randint(0, n, (2, e), generator=g).cuda()
+    et = (torch.rand(e, generator=g) ** 3 * r).long().cuda()  # skewed: few big relations, many tiny or empty
+    for make in (lambda: hn.RGCNConv(32, 32, r), lambda: hn.RGATConv(32, 8, r, heads=4)):
+        torch.manual_seed(0)
+        ref, layer = make().cuda().double(), make().cuda()
+        layer.load_state_dict(ref.state_dict())
+        x = torch.randn(n, 32, device="cuda")
+        a, ga = _run(ref, x.double(), ei, et, None, "reference")
+        b, gb = _run(layer, x, ei, et, None, "cuda")
+        assert rel_err(b.double(), a) < 1e-4
+        assert all(rel_err(u.double(), v) < 1e-4 for u, v in zip(gb, ga, strict=True) if v is not None)
+
+
+def test_cuda_graph_capture_of_a_training_step():
+    twin, ei, et, nt = _twin(scale=0.1)
+    layer = hn.HGTConv(64, 64, twin.num_node_types, twin.num_relations, heads=4).cuda()
+    x = twin.features(64).cuda().requires_grad_()
+    params = [x] + list(layer.parameters())
+
+    def step():
+        out = layer(x, ei, et, nt)
+        return torch.autograd.grad(out.pow(2).sum(), params)
+
+    eager = step()  # warm-up: graph preprocessing, compilation
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):  # fails on any host synchronisation inside the step
+        captured = step()
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_torch_compile_fullgraph_on_gpu():
+    twin, ei, et, nt = _twin(scale=0.1)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([hn.RGATConv(64, 16, twin.num_relations, heads=4),
+                                 hn.RGCNConv(64, 32, twin.num_relations)]).cuda()
+
+    def f(x):
+        return model[1](model[0](x, ei, et).relu(), ei, et)
+
+    x = twin.features(64).cuda().requires_grad_()
+    ref = f(x)
+    ga = torch.autograd.grad(ref.sum(), [x] + list(model.parameters()))
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True)(x)
+    gb = torch.autograd.grad(out.sum(), [x] + list(model.parameters()))
+    assert rel_err(out, ref) < 1e-5
+    assert all(rel_err(u, v) < 1e-5 for u, v in zip(gb, ga, strict=True))
+
+
+def test_unsupported_dtype_falls_back_with_a_warning(monkeypatch):
+    monkeypatch.setattr(backend_mod, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="float8"):
+        assert backend_mod.select(torch.device("cuda"), torch.float8_e4m3fn) is backend_mod.REFERENCE
+
+
+def _edge_case_graph(case):
+    """Small graphs at the edges of the input space: one edge, no edges, most relations empty."""
+    g = torch.Generator().manual_seed(0)
+    n, r = 9, 6
+    if case == "single-edge":
+        ei, et = torch.tensor([[2], [5]]), torch.tensor([4])
+    elif case == "no-edges":
+        ei, et = torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    else:  # empty-relations: every edge in relation 1 or 5, relations 0, 2, 3, 4 empty; node 8 isolated
+        ei = torch.randint(0, n - 1, (2, 40), generator=g)
+        et = torch.where(torch.rand(40, generator=g) < 0.5, 1, 5)
+    nt = torch.randint(0, 2, (n,), generator=g)
+    return n, r, ei.cuda(), et.cuda(), nt.cuda()
+
+
+@pytest.mark.parametrize("case", ["single-edge", "no-edges", "empty-relations"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_edge_case_graphs(model, case):
+    n, r, ei, et, nt = _edge_case_graph(case)
+    torch.manual_seed(0)
+    ref = MODELS[model](16, r, 2).cuda().double()
+    layer = MODELS[model](16, r, 2).cuda()
+    layer.load_state_dict(ref.state_dict())
+    x = torch.randn(n, 16, device="cuda")
+    a, ga = _run(ref, x.double(), ei, et, nt, "reference")
+    b, gb = _run(layer, x, ei, et, nt, "cuda")
+    assert torch.isfinite(b).all() and rel_err(b.double(), a) < 1e-4, rel_err(b.double(), a)
+    for u, v in zip(gb, ga, strict=True):
+        if v is not None:
+            assert torch.isfinite(u).all() and rel_err(u.double(), v) < 1e-4

@@ -53,3 +53,18 @@ def test_rgat_ir_dump(capsys):
     text = capsys.readouterr().out
     assert "## before passes" in text and "## after passes" in text and "edge_softmax" in text
     assert "k0_" in text and "generated backward" in text
+
+
+def test_bench_cuda_smoke(tmp_path):
+    pytest.importorskip("torch_geometric")
+    pytest.importorskip("matplotlib")
+    bench = load("bench_cuda")
+
+    out, png = tmp_path / "b.csv", tmp_path / "b.png"
+    rows, extras = bench.main(["--scale", "0.002", "--datasets", "aifb", "--device", "cpu", "--extras-dataset", "aifb",
+                               "--cap-s", "0.5", "--csv", str(out), "--png", str(png)])
+    assert out.exists() and png.exists() and (tmp_path / "b_extras.csv").exists()
+    assert {(r["model"], r["hidden"], r["layers"]) for r in rows} >= {("rgcn", 64, 1), ("rgat", 128, 1), ("hgt", 64, 2)}
+    assert all(isinstance(r["hector_train_ms"], float) and isinstance(r["hector_infer_ms"], float) for r in rows)
+    assert {e["kind"] for e in extras} == {"ablation", "minibatch"}
+    assert {e["variant"] for e in extras if e["kind"] == "ablation"} >= {"compaction off", "fusion off"}

@@ -1,0 +1,514 @@
+"""hector's generated CUDA kernels vs PyG and vs hector's reference backend: RGCN, RGAT, HGT on the eight twins.
+
+For each dataset (full size by default) and model: one training step (forward + backward, gradients of all
+parameters and the input) and one inference forward, hector's default path (a new user's: ``HECTOR_BACKEND=auto``,
+fp32, PyTorch's default matmul precision), its reference backend (torch ops), and every PyG layer for the model
+(RGCN: ``RGCNConv`` and ``FastRGCNConv``; RGAT: ``RGATConv``; HGT: ``HGTConv``) in the same process. Hidden 64 for
+all, plus 32 and 128 for RGAT, one layer and a 2-layer model (ReLU between). Out-of-memory is recorded as OOM; a
+baseline slower than ``--cap-s`` per step is timed once and marked ``1 run``. Also: peak memory of the training
+step, a sampled mini-batch workload, an ablation (compaction / reordering / fusion off), and the achieved HBM
+bandwidth of the largest traversal and GEMM kernels (compulsory bytes: every buffer a kernel touches, once).
+
+    python hector/benchmarks/bench_cuda.py --csv out.csv --png out.png            # full matrix (GPU)
+    python hector/benchmarks/bench_cuda.py --scale 0.002 --datasets aifb --device cpu   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hector_bench_common import hetero_inputs, human  # noqa: E402
+
+import hector.nn as hn  # noqa: E402
+from hector import config, datasets  # noqa: E402
+from hector.passes import Options  # noqa: E402
+
+ORDER = ["aifb", "mutag", "fb15k", "bgs", "biokg", "am", "wikikg2", "mag"]
+SPEC_BW = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+# ------------------------------------------------------------------------------------------------- timing
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device, cap_s, slow_first_s=None):
+    """(ms per call, runs, peak bytes above the start). One warm-up call (hector compiles its kernels there), then
+    timed calls; a call slower than ``cap_s`` is the result. ``slow_first_s`` (baselines, which compile nothing):
+    a warm-up slower than this is the result itself (a PyG layer taking many seconds per step)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    first = time.perf_counter() - t
+    if slow_first_s is not None and first > slow_first_s:
+        peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
+        return first * 1e3, 1, peak
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    one = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
+    if one > cap_s:
+        return one * 1e3, 1, peak
+    n = max(3, min(30, int(0.2 / max(one, 1e-6))))
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / n * 1e3, n, peak
+
+
+def guarded(fn, device, cap_s, slow_first_s=None):
+    try:
+        return measure(fn, device, cap_s, slow_first_s)
+    except torch.cuda.OutOfMemoryError:
+        return "OOM", 0, float("nan")
+    except Exception as e:  # a failing baseline is recorded, not fatal
+        if "out of memory" in str(e).lower():
+            return "OOM", 0, float("nan")
+        text = (str(e).splitlines() or [""])[0][:60]
+        return f"error: {type(e).__name__} {text}", 0, float("nan")
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+
+class Stack(torch.nn.Module):
+    """``layers`` layers with ReLU between; ``call(layer, x)`` adapts the calling convention."""
+
+    def __init__(self, layers, call):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.call = call
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            out = self.call(layer, x)
+            if isinstance(out, dict):
+                # PyG's HGTConv returns nothing for node types without in-edges: they keep their features
+                out = {k: out[k] if out.get(k) is not None else v for k, v in x.items()}
+            x = out
+            if i + 1 < len(self.layers):
+                x = {k: v.relu() for k, v in x.items()} if isinstance(x, dict) else x.relu()
+        return x
+
+
+def hector_model(kind, dim, twin, layers, optimize="auto"):
+    r, t = twin.num_relations, twin.num_node_types
+    heads = 4
+    if kind == "rgcn":
+        return [hn.RGCNConv(dim, dim, r, optimize=optimize) for _ in range(layers)]
+    if kind == "rgat":
+        return [hn.RGATConv(dim, dim // heads, r, heads=heads, attention="shared", optimize=optimize)
+                for _ in range(layers)]
+    return [hn.HGTConv(dim, dim, t, r, heads=heads, optimize=optimize) for _ in range(layers)]
+
+
+def pyg_models(kind, dim, twin, layers, meta):
+    try:
+        import torch_geometric.nn as pyg
+    except ImportError:
+        return {}
+    r = twin.num_relations
+    if kind == "rgcn":
+        return {"RGCNConv": [pyg.RGCNConv(dim, dim, r) for _ in range(layers)],
+                "FastRGCNConv": [pyg.FastRGCNConv(dim, dim, r) for _ in range(layers)]}
+    if kind == "rgat":
+        return {"RGATConv": [pyg.RGATConv(dim, dim // 4, r, heads=4) for _ in range(layers)]}
+    return {"HGTConv": [pyg.HGTConv(dim, dim, meta, heads=4) for _ in range(layers)]}
+
+
+def _loss(out):
+    if isinstance(out, dict):
+        return sum(v.float().sum() for v in out.values() if v is not None)
+    return out.float().sum()
+
+
+def steps(model, x, needs_grad):
+    """(train step, inference) closures."""
+
+    def train():
+        model.zero_grad(set_to_none=True)
+        xx = x.requires_grad_() if needs_grad else x
+        _loss(model(xx)).backward()
+
+    def infer():
+        with torch.no_grad():
+            model(x)
+
+    return train, infer
+
+
+# ------------------------------------------------------------------------------------------------- matrix
+
+
+def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s, reference=True, shallow=None,
+               deep_limit_s=5.0):
+    """One row. ``shallow``: the row of the same model with one layer; a PyG layer that ran out of memory there or
+    took longer than ``deep_limit_s`` per training step is not run again with more layers (recorded as skipped)."""
+    ei, et, nt = graph_tensors
+    row = {"dataset": twin.name, "model": kind, "hidden": dim, "layers": layers, "edges": twin.num_edges,
+           "relations": twin.num_relations}
+    torch.manual_seed(0)
+    x = twin.features(dim).to(device)
+    m = Stack(hector_model(kind, dim, twin, layers), lambda layer, h: layer(h, ei, et, nt)).to(device).train()
+    train, infer = steps(m, x.clone(), True)
+    row["hector_train_ms"], row["hector_runs"], row["hector_peak"] = guarded(train, device, cap_s)
+    row["hector_infer_ms"], _, _ = guarded(infer, device, cap_s)
+    opts = m.layers[0].options_for(m.layers[0].graph(x, ei, et, nt))
+    row["hector_opts"] = f"c{int(opts.compact)}r{int(opts.reorder)}"
+    if reference:
+        config.set_backend("reference")
+        try:
+            row["ref_train_ms"], row["ref_runs"], _ = guarded(train, device, cap_s)
+            row["ref_infer_ms"], _, _ = guarded(infer, device, cap_s)
+        finally:
+            config.set_backend(None)
+    del m
+    xd, eid, meta = pyg_inputs(dim) if kind == "hgt" else (None, None, None)
+    for name, convs in pyg_models(kind, dim, twin, layers, meta).items():
+        before = (shallow or {}).get(f"{name}_train_ms")
+        if before == "OOM" or (isinstance(before, float) and before > deep_limit_s * 1e3):
+            reason = "OOM" if before == "OOM" else f"{before / 1e3:.0f} s"
+            row[f"{name}_train_ms"] = row[f"{name}_infer_ms"] = f"skipped ({reason} at L=1)"
+            row[f"{name}_runs"] = 0
+            continue
+        if kind == "hgt":
+            pm = Stack(convs, lambda layer, h: layer(h, eid)).to(device).train()
+            xin = {k: v.to(device) for k, v in xd.items()}
+            train_p, infer_p = steps(pm, xin, False)
+        else:
+            pm = Stack(convs, lambda layer, h: layer(h, ei, et)).to(device).train()
+            train_p, infer_p = steps(pm, x.clone(), True)
+        row[f"{name}_train_ms"], row[f"{name}_runs"], row[f"{name}_peak"] = guarded(train_p, device, cap_s,
+                                                                                    slow_first_s=5 * cap_s)
+        row[f"{name}_infer_ms"], _, _ = guarded(infer_p, device, cap_s, slow_first_s=5 * cap_s)
+        del pm
+    return row
+
+
+def best_pyg(row, what):
+    vals = [(v, k[: -len(f"_{what}_ms")]) for k, v in row.items()
+            if k.endswith(f"_{what}_ms") and not k.startswith(("hector", "ref")) and isinstance(v, float)]
+    return min(vals) if vals else (None, None)
+
+
+def fmt_ms(v):
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def print_row(row):
+    peak = row.get("hector_peak")
+    parts = [f"{row['dataset']:8s} {row['model']:4s} d={row['hidden']:<3d} L={row['layers']}",
+             f"hector train {fmt_ms(row.get('hector_train_ms'))} inf {fmt_ms(row.get('hector_infer_ms'))} ms "
+             f"({row.get('hector_opts', '')}, peak {human(peak) if _num(peak) else '-'})"]
+    if "ref_train_ms" in row:
+        parts.append(f"ref {fmt_ms(row['ref_train_ms'])}/{fmt_ms(row['ref_infer_ms'])}")
+    for k in row:
+        if k.endswith("_train_ms") and not k.startswith(("hector", "ref")):
+            name = k[:-9]
+            runs = row.get(f"{name}_runs")
+            parts.append(f"{name} {fmt_ms(row[k])}/{fmt_ms(row.get(f'{name}_infer_ms'))}"
+                         + (" (1 run)" if runs == 1 else ""))
+    for what in ("train", "infer"):
+        b, _ = best_pyg(row, what)
+        h = row.get(f"hector_{what}_ms")
+        if b is not None and isinstance(h, float):
+            row[f"speedup_{what}"] = b / h
+        r = row.get(f"ref_{what}_ms")
+        if isinstance(r, float) and isinstance(h, float):
+            row[f"vs_ref_{what}"] = r / h
+    parts.append(f"x PyG {row.get('speedup_train', float('nan')):.1f}/{row.get('speedup_infer', float('nan')):.1f}")
+    print(" | ".join(parts), flush=True)
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def geomean(xs):
+    xs = [x for x in xs if _num(x) and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summary(rows):
+    lines = ["", "summary (hector default path vs the fastest PyG layer that ran; OOM/errors excluded from ratios):"]
+    for kind in ("rgcn", "rgat", "hgt"):
+        sel = [r for r in rows if r["model"] == kind and r["layers"] == 1 and r["hidden"] == 64]
+        for what in ("train", "infer"):
+            sp = [r.get(f"speedup_{what}") for r in sel]
+            vr = [r.get(f"vs_ref_{what}") for r in sel]
+            ok = [x for x in sp if _num(x)]
+            low = min(ok) if ok else float("nan")
+            pyg_oom = sum(1 for r in sel if best_pyg(r, what)[0] is None)
+            g, gr = geomean(sp), geomean(vr)
+            met = "met" if g >= 5 and low >= 1.5 and gr >= 10 else "MISSED"
+            lines.append(f"  {kind:4s} {what:5s}: geomean x{g:.1f} over PyG (min x{low:.2f}, {len(ok)} graphs; "
+                         f"no PyG layer ran on {pyg_oom}), geomean x{gr:.1f} over the reference backend "
+                         f"[targets >=5x, >=1.5x each, >=10x ref: {met}]")
+    failed = [f"{r['dataset']} {r['model']} d={r['hidden']} L={r['layers']}: {r.get(f'hector_{w}_ms')}"
+              for r in rows for w in ("train", "infer") if not isinstance(r.get(f"hector_{w}_ms"), float)]
+    lines.append(f"  hector OOM or errors: {'; '.join(failed) if failed else 'none'} "
+                 f"({len({r['dataset'] for r in rows})} graphs, hidden 32-128, 1 and 2 layers)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- extras
+
+
+def bandwidth(twin, graph_tensors, device):
+    """Per-kernel times of one hector RGAT and HGT inference on this graph; GB/s of the slowest traversal and GEMM
+    kernel counting every buffer each kernel touches once."""
+    from hector.runtime import backend as backend_mod
+
+    backend = backend_mod.cuda_backend()
+    executor = backend.executor
+    records = []
+    original = executor.launch
+
+    def timed(kernel, grid, block, args, smem, stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        original(kernel, grid, block, args, smem, stream)
+        end.record()
+        seen, nbytes = set(), 0
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
+                seen.add(a.data_ptr())
+                nbytes += a.numel() * a.element_size()
+        records.append((kernel.name, start, end, nbytes))
+
+    ei, et, nt = graph_tensors
+    out = []
+    copy = torch.empty(1 << 28, device=device)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        copy.clone()
+    torch.cuda.synchronize()
+    copy_bw = 2 * copy.numel() * 4 * 5 / (time.perf_counter() - t)
+    del copy
+    for kind in ("rgat", "hgt", "rgcn"):
+        (layer,) = hector_model(kind, 64, twin, 1)
+        layer = layer.to(device).eval()
+        x = twin.features(64).to(device)
+        with torch.no_grad():
+            layer(x, ei, et, nt)
+            torch.cuda.synchronize()
+            executor.launch = timed
+            try:
+                layer(x, ei, et, nt)
+            finally:
+                executor.launch = original
+        torch.cuda.synchronize()
+        for name, s, e, nbytes in records:
+            ms = s.elapsed_time(e)
+            out.append({"model": kind, "kernel": name, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                        "copy_GBps": copy_bw / 1e9})
+        records.clear()
+    return out
+
+
+def ablation(twin, graph_tensors, device, cap_s):
+    ei, et, nt = graph_tensors
+    rows = []
+    variants = {"auto (default)": "auto", "all on": Options(compact=True, reorder=True),
+                "compaction off": Options(compact=False, reorder=True),
+                "reordering off": Options(compact=True, reorder=False),
+                "fusion off": Options(compact=True, reorder=True, fuse=False)}
+    for kind in ("rgat", "hgt"):
+        for label, opt in variants.items():
+            torch.manual_seed(0)
+            x = twin.features(64).to(device)
+            m = Stack(hector_model(kind, 64, twin, 1, optimize=opt), lambda layer, h: layer(h, ei, et, nt)).to(device)
+            train, infer = steps(m, x.clone(), True)
+            tr, _, peak = guarded(train, device, cap_s)
+            inf, _, _ = guarded(infer, device, cap_s)
+            rows.append({"dataset": twin.name, "model": kind, "variant": label, "train_ms": tr, "infer_ms": inf,
+                         "peak": peak})
+            print(f"ablation {twin.name} {kind:4s} {label:15s} train {fmt_ms(tr)} ms, inference {fmt_ms(inf)} ms, "
+                  f"peak {human(peak) if _num(peak) else '-'}", flush=True)
+    return rows
+
+
+def sample_batches(twin, batches, seeds, fanout_hops, gen):
+    """Mini-batches: random seed nodes and their in-neighbourhood over ``fanout_hops`` hops (all in-edges), with
+    nodes relabelled; the subgraph a full-neighbourhood sampler gives."""
+    src, dst = twin.edge_index
+    out = []
+    for _ in range(batches):
+        frontier = torch.randperm(twin.num_nodes, generator=gen)[:seeds]
+        nodes = frontier
+        keep = torch.zeros(src.numel(), dtype=torch.bool)
+        for _ in range(fanout_hops):
+            mask = torch.isin(dst, frontier)
+            keep |= mask
+            frontier = torch.unique(src[mask])
+            nodes = torch.unique(torch.cat([nodes, frontier]))
+        relabel = torch.full((twin.num_nodes,), -1, dtype=torch.long)
+        relabel[nodes] = torch.arange(nodes.numel())
+        ei = relabel[twin.edge_index[:, keep]]
+        out.append((nodes, ei, twin.edge_type[keep]))
+    return out
+
+
+def minibatch(twin, device, cap_s):
+    gen = torch.Generator().manual_seed(0)
+    batches = sample_batches(twin, 8, 1024, 2, gen)
+    x_all = twin.features(64)
+    rows = []
+    for kind in ("rgcn", "rgat"):
+        torch.manual_seed(0)
+        (h,) = hector_model(kind, 64, twin, 1)
+        pyg = next(iter(pyg_models(kind, 64, twin, 1, None).values()), [None])[0]
+        data = [(x_all[n].to(device), ei.to(device), et.to(device), twin.node_type[n].to(device))
+                for n, ei, et in batches]
+        for name, layer in (("hector", h), ("PyG", pyg)):
+            if layer is None:
+                continue
+            layer = layer.to(device).train()
+
+            def epoch(layer=layer, name=name, data=data):
+                for x, ei, et, nt in data:
+                    layer.zero_grad(set_to_none=True)
+                    out = layer(x, ei, et, nt) if name == "hector" else layer(x, ei, et)
+                    out.sum().backward()
+
+            ms, runs, peak = guarded(epoch, device, cap_s)
+            rows.append({"dataset": twin.name, "model": kind, "impl": name, "ms_per_batch": ms / len(data)
+                         if isinstance(ms, float) else ms, "edges_per_batch": sum(b[1].shape[1] for b in batches)
+                         / len(batches)})
+            print(f"minibatch {twin.name} {kind} {name:6s}: {fmt_ms(rows[-1]['ms_per_batch'])} ms per batch "
+                  f"({rows[-1]['edges_per_batch']:.0f} edges)", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def write_csv(path, rows):
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(path, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r["layers"] == 1 and r["hidden"] == 64]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, what in zip(axes, ("train", "infer"), strict=True):
+        labels = [f"{r['dataset']}\n{r['model']}" for r in sel]
+        vals = [r.get(f"speedup_{what}", float("nan")) for r in sel]
+        ax.bar(range(len(sel)), [v if _num(v) else 0 for v in vals], color="tab:blue")
+        ax.set_xticks(range(len(sel)), labels, fontsize=6, rotation=90)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(5.0, color="tab:red", lw=0.8, ls="--")
+        ax.set_title(f"hector (CUDA) speedup over the fastest PyG layer: {what}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", default=",".join(ORDER))
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cap-s", type=float, default=1.0, help="a baseline slower than this per step runs once")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="no new dataset after this many seconds")
+    ap.add_argument("--memory-gb", type=float, default=80.0, help="cap GPU memory (emulates an 80 GB H100)")
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--extras-dataset", default="am", help="graph for the ablation, mini-batches, bandwidth")
+    ap.add_argument("--csv")
+    ap.add_argument("--png")
+    a = ap.parse_args(argv)
+    device = a.device
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        frac = min(1.0, a.memory_gb * 1e9 / total)
+        torch.cuda.set_per_process_memory_fraction(frac)
+        print(f"{torch.cuda.get_device_name(0)}: memory capped at {frac * total / 1e9:.0f} GB of "
+              f"{total / 1e9:.0f} GB", flush=True)
+    start = time.time()
+    rows, extras = [], []
+    configs = [("rgcn", 64, 1), ("rgat", 64, 1), ("hgt", 64, 1), ("rgat", 32, 1), ("rgat", 128, 1),
+               ("rgcn", 64, 2), ("rgat", 64, 2), ("hgt", 64, 2)]
+    names = [n for n in ORDER if n in a.datasets.split(",")]
+    for name in names:
+        if time.time() - start > a.budget_s:
+            print(f"budget reached: {name} not run", flush=True)
+            continue
+        twin = datasets.load(name, scale=a.scale, seed=0)
+        gt = (twin.edge_index.to(device), twin.edge_type.to(device), twin.node_type.to(device))
+        cache = {}
+
+        def pyg_inputs(dim, twin=twin, cache=cache):
+            if dim not in cache:
+                node_types, edge_types, xd, eid = hetero_inputs(twin, twin.features(dim))
+                cache[dim] = (xd, {k: v.to(device) for k, v in eid.items()}, (node_types, edge_types))
+            return cache[dim]
+
+        for kind, dim, layers in configs:
+            shallow = next((r for r in rows if r["dataset"] == twin.name and r["model"] == kind
+                            and r["hidden"] == dim and r["layers"] == 1), None)
+            row = run_config(twin, gt, pyg_inputs, kind, dim, layers, device, a.cap_s,
+                             reference=not a.no_reference and layers == 1, shallow=shallow)
+            print_row(row)
+            rows.append(row)
+            if a.csv:
+                write_csv(a.csv, rows)
+        if name == a.extras_dataset:
+            extras += [dict(kind="ablation", **r) for r in ablation(twin, gt, device, a.cap_s)]
+            extras += [dict(kind="minibatch", **r) for r in minibatch(twin, device, a.cap_s)]
+            if device == "cuda":
+                bw = bandwidth(twin, gt, device)
+                for kind in ("traversal", "gemm"):
+                    cand = [r for r in bw if kind in r["kernel"]]
+                    if cand:
+                        r = max(cand, key=lambda r: r["ms"])
+                        spec = next((v for k, v in SPEC_BW.items() if k in torch.cuda.get_device_name(0)), None)
+                        frac = f", {r['GBps'] * 1e9 / spec:.0%} of the {spec / 1e12:.2f} TB/s spec" if spec else ""
+                        print(f"bandwidth {name} {r['model']} {r['kernel']}: {r['ms']:.3f} ms, "
+                              f"{human(r['bytes'])} -> {r['GBps']:.0f} GB/s ({r['GBps'] / r['copy_GBps']:.0%} of a "
+                              f"device copy's {r['copy_GBps']:.0f} GB/s{frac})", flush=True)
+                extras += [dict(kind="bandwidth", dataset=name, **r) for r in bw]
+    print(summary(rows), flush=True)
+    if a.csv:
+        write_csv(a.csv, rows)
+        write_csv(str(Path(a.csv).with_suffix("")) + "_extras.csv", extras)
+    if a.png:
+        plot(a.png, rows)
+    return rows, extras
+
+
+if __name__ == "__main__":
+    main()

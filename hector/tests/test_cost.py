@@ -79,3 +79,26 @@ def test_memory_objective_picks_the_lowest_peak():
                 peaks[(compact, reorder)] = peak_bytes(m.compiled(None, options=opts).inference_lowered, stats)
         choice = choose_options(m, g, "memory")
         assert peaks[(choice.compact, choice.reorder)] == min(peaks.values())
+
+
+def test_choice_is_made_once_per_size_class(monkeypatch):
+    """Mini-batches of similar size share one decision (no cost model, no lowering per batch)."""
+    import hector.cost as cost
+
+    calls = []
+    real = cost.training_estimate
+    monkeypatch.setattr(cost, "training_estimate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = hn.RGATConv(8, 4, R, heads=2)
+
+    def batch(seed, n=300, e=1400):
+        g = torch.Generator().manual_seed(seed)
+        return Graph(torch.randint(0, n, (2, e), generator=g), torch.randint(0, R, (e,), generator=g), n, R)
+
+    a, b = batch(0), batch(1)
+    assert cost.size_class(a.stats()) == cost.size_class(b.stats())
+    first = choose_options(m, a)
+    assert calls, "the first graph is estimated"
+    done = len(calls)
+    assert choose_options(m, b) == first and len(calls) == done  # same size class: kept
+    choose_options(m, batch(2, n=3000, e=10000))  # 10x larger: decided anew
+    assert len(calls) > done

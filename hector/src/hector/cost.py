@@ -81,23 +81,30 @@ def rows_for(stats: Mapping[str, int]) -> dict[Any, float]:
 
 def training_estimate(compiled: Any, stats: Mapping[str, int], itemsize: int = 4) -> Estimate:
     """Forward plus the full generated backward."""
-    from .lower.kernels import lower
-
     fwd = estimate(compiled.forward_lowered, stats, itemsize)
-    bwd = estimate(lower(compiled.full_backward.program), stats, itemsize)
+    bwd = estimate(compiled.full_backward_lowered, stats, itemsize)
     return Estimate(fwd.materialized_bytes + bwd.materialized_bytes, fwd.moved_bytes + bwd.moved_bytes,
                     fwd.flops + bwd.flops, fwd.kernels + bwd.kernels)
 
 
+def size_class(stats: Mapping[str, int]) -> tuple[int, ...]:
+    """Graphs of one size class (row counts within a factor of ~1.4, the same type counts) get the same choice:
+    mini-batches of one sampler then share one decision and one compiled program instead of one per batch."""
+    rows = (stats["num_nodes"], stats["num_edges"], stats["num_unique"])
+    return tuple(round(2 * math.log2(max(v, 1))) for v in rows) + (stats["num_relations"], stats["num_node_types"])
+
+
 def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
-    """Try {compaction on/off} x {reordering on/off} and keep the cheapest; cached per graph and layer mode.
+    """Try {compaction on/off} x {reordering on/off} and keep the cheapest; cached per layer mode and graph size
+    class (:func:`size_class`), on the layer.
 
     ``objective``: "time" (estimated seconds) or "memory" (peak bytes of the kernel plan, time breaking ties).
     """
     if objective not in ("time", "memory"):
         raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
     stats = graph.stats()
-    key = ("hector.choice", id(layer), layer.training, objective)
+    key = (layer.training, objective, size_class(stats))
+    choices = layer.__dict__.setdefault("_hector_choices", {})
 
     def compute() -> Options:
         rows = rows_for(stats)
@@ -116,7 +123,9 @@ def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
         assert best is not None
         return best[1]
 
-    return graph.cached(key, compute)
+    if key not in choices:
+        choices[key] = compute()
+    return choices[key]
 
 
 def peak_bytes(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4,

@@ -25,6 +25,7 @@ class CompiledLayer:
     full_backward: Backward
     forward_lowered: Lowered
     inference_lowered: Lowered  # the same program planned with nothing kept for a backward pass
+    full_backward_lowered: Lowered  # the backward for every leaf, lowered once (the cost model reads it)
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
 
     @property
@@ -51,7 +52,7 @@ def compile_program(program: Program, options: Options | None = None) -> Compile
     bw = differentiate(fwd)
     bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
     return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved, fuse=options.fuse),
-                         lower(fwd, fuse=options.fuse))
+                         lower(fwd, fuse=options.fuse), lower(bw.program, fuse=options.fuse))
 
 
 class _Apply(torch.autograd.Function):

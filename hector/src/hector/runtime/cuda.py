@@ -83,18 +83,19 @@ class DeviceGraph:
         most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph."""
 
         def compute():
-            if by:
-                _, counts = self.graph.segments(domain, by)
-            else:
-                counts = [self.rows(domain)]
-            entries = []
-            start = 0
-            for t, c in enumerate(counts):
-                for a in range(0, c, rows):
-                    entries.append((t, start + a, min(rows, c - a)))
-                start += c
-            table = torch.tensor(entries or [(0, 0, 0)], dtype=torch.int32).to(self.device)
-            return table.contiguous(), len(entries)
+            counts = torch.tensor(self.graph.segments(domain, by)[1] if by else [self.rows(domain)],
+                                  dtype=torch.long)
+            per_type = (counts + rows - 1) // rows  # tiles of each type
+            n = int(per_type.sum())
+            if n == 0:
+                return torch.zeros(1, 3, dtype=torch.int32, device=self.device), 0
+            types = torch.repeat_interleave(torch.arange(counts.numel()), per_type)
+            first_tile = torch.cumsum(per_type, 0) - per_type
+            offset = (torch.arange(n) - first_tile[types]) * rows  # row offset of each tile within its type
+            begin = (torch.cumsum(counts, 0) - counts)[types] + offset
+            count = torch.clamp(counts[types] - offset, max=rows)
+            table = torch.stack([types, begin, count], 1).to(torch.int32)
+            return table.to(self.device).contiguous(), n
 
         return self._cached(("tiles", domain, by, rows), compute)
 

@@ -33,14 +33,17 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     return t.long()
 
 
-def _check_range(name: str, t: torch.Tensor, upper: int, what: str) -> None:
-    if t.numel() == 0:
+def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
+    """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them."""
+    checks = [c for c in checks if c[1].numel()]
+    if not checks:
         return
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= upper:
-        bad = lo if lo < 0 else hi
-        raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
-                              f"check {what} ids against the declared count ({upper})")
+    bounds = torch.stack([v for _, t, _, _ in checks for v in (t.min(), t.max())]).tolist()
+    for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=True):
+        if lo < 0 or hi >= upper:
+            bad = lo if lo < 0 else hi
+            raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
+                                  f"check {what} ids against the declared count ({upper})")
 
 
 class Graph:
@@ -72,8 +75,8 @@ class Graph:
             raise GraphInputError(f"edge_type is on {edge_type.device} but edge_index on {edge_index.device}")
         self.num_nodes = int(num_nodes)
         self.num_relations = int(num_relations)
-        _check_range("edge_index", edge_index, self.num_nodes, "node")
-        _check_range("edge_type", edge_type, self.num_relations, "relation")
+        checks = [("edge_index", edge_index, self.num_nodes, "node"),
+                  ("edge_type", edge_type, self.num_relations, "relation")]
         if node_type is None:
             self.num_node_types = 1 if num_node_types is None else int(num_node_types)
             node_type = torch.zeros(self.num_nodes, dtype=torch.long, device=edge_index.device)
@@ -84,8 +87,9 @@ class Graph:
             if num_node_types is None:
                 num_node_types = int(node_type.max()) + 1
             self.num_node_types = int(num_node_types)
-            _check_range("node_type", node_type, self.num_node_types, "node type")
             node_type = node_type.to(edge_index.device)
+            checks.append(("node_type", node_type, self.num_node_types, "node type"))
+        _check_ranges(checks)
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()
         self.etype = edge_type.contiguous()

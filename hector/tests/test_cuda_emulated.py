@@ -9,11 +9,12 @@ from emulation import EmulatedExecutor, compiler
 from test_random_programs import F, R, T, bind, random_program
 
 import hector.nn as hn
+from hector.ir.core import Domain
 from hector.passes import Options
 from hector.runtime import backend as backend_mod
 from hector.runtime import compiled as compiled_mod
 from hector.runtime.compiled import apply, compile_program
-from hector.runtime.cuda import CudaBackend
+from hector.runtime.cuda import CudaBackend, device_graph
 from hector.runtime.graph import Graph
 from hector.runtime.reference import interpret
 
@@ -195,3 +196,15 @@ def test_tensor_core_gemms(emulated, dtype, tf32, tol):
     source = layer_modules(layer.compiled(Graph(ei, et, 30, 3, nt, 2)), DTYPE_KEY[dtype],
                            CodegenOptions(tf32=tf32, arch=90))["forward"].source
     assert ("hw_mma(acc" in source) == (dtype != torch.float32 or tf32)
+
+
+def test_weight_gradient_tiles_sized_to_the_graph(emulated):
+    """Weight-gradient tiles grow with the rows per multiprocessor (one atomic flush per tile): 9,000 edges on the
+    emulator's 2 multiprocessors give 512-row tiles, which must sum to the same gradients."""
+    g = torch.Generator().manual_seed(7)
+    n, e = 3000, 9000
+    ei = torch.randint(0, n, (2, e), generator=g)
+    et = (torch.rand(e, generator=g) ** 2 * 3).long()  # skewed: one relation holds most edges
+    dg = device_graph(Graph(ei, et, n, 3))
+    assert dg.tile_rows(Domain.EDGE, 0, 2) == 512 and dg.tile_rows(Domain.EDGE, 64, 2) == 64
+    _compare(lambda: hn.RGCNConv(4, 3, 3, optimize="none"), ei, et, None, n, torch.float32, 1e-5)

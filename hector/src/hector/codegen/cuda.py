@@ -68,7 +68,9 @@ class Launch:
 
     kind: str
     block: int
-    work: tuple = ()  # groups: ("rows", domain) / ("dst",); tiles: ("tiles", domain, by, rows); elements: (n,)
+    # groups: ("rows", domain) / ("dst",); tiles: ("tiles", domain, by, rows), rows 0 = sized by the runtime to the
+    # graph and GPU (DeviceGraph.tile_rows); elements: (n,)
+    work: tuple = ()
     group: int = 1  # threads per group (groups)
     grid_y: int = 1
     smem: int = 0  # dynamic shared memory bytes
@@ -933,10 +935,13 @@ class _Gemm(_Emitter):
 
 
 class _OuterSum(_Emitter):
-    """Weight gradient ``C[type] += sum_r A[r]^T B[r]`` per tile of rows, accumulated in registers."""
+    """Weight gradient ``C[type] += sum_r A[r]^T B[r]`` per tile of rows, accumulated in registers and added to C
+    with one atomic per cell and tile. Tiles are sized at run time (``rows`` 0): with few types and millions of rows,
+    fixed 256-row tiles sent every tile's atomics to the same few thousand cells (H100, mag, 4 relations: 117 of a
+    176 ms RGAT training step in this kernel)."""
 
     CHUNK = 32
-    ROWS = 256
+    ROWS = 0
 
     def generate(self) -> tuple[str, KernelCode]:
         g, p = self.g, self.p

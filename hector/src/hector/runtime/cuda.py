@@ -78,6 +78,17 @@ class DeviceGraph:
         return self._cached(("perm", domain, by),
                             lambda: self.graph.segments(domain, by)[0].to(torch.int32).contiguous())
 
+    def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
+        """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles
+        per multiprocessor (fewer, longer tiles where the graph is large: one atomic flush per tile)."""
+        if rows:
+            return rows
+        want = -(-self.rows(domain) // (8 * multiprocessors))
+        size = 256
+        while size * 2 <= min(want, 4096):
+            size *= 2
+        return size
+
     def tiles(self, domain: Domain, by: tuple[str, ...], rows: int) -> tuple[torch.Tensor, int]:
         """Tile schedule of a segment GEMM: (type, first position in the type-sorted rows, count) per tile of at
         most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph."""
@@ -248,7 +259,7 @@ class CudaBackend:
             grid = self._grid(kc, dg, sms)
             if grid[0] == 0:
                 continue
-            args = [self._bind(a.bind, env, dg) for a in kc.args]
+            args = [self._bind(a.bind, env, dg, sms) for a in kc.args]
             self.executor.launch(kernel, grid, kc.launch.block, args, kc.launch.smem, stream)
         if keep is not None:
             for name in [n for n in env if n not in keep and n not in leaf_names]:
@@ -275,10 +286,11 @@ class CudaBackend:
             return (min(-(-work // per_block), sms * 32), 1)
         if launch.kind == "tiles":
             _, domain, by, rows = launch.work
+            rows = dg.tile_rows(Domain(domain), rows, sms)
             return (dg.tiles(Domain(domain), by, rows)[1], launch.grid_y)
         return (-(-launch.work[0] // launch.block), 1)
 
-    def _bind(self, bind: tuple, env: Mapping[str, torch.Tensor], dg: DeviceGraph) -> Any:
+    def _bind(self, bind: tuple, env: Mapping[str, torch.Tensor], dg: DeviceGraph, sms: int) -> Any:
         kind = bind[0]
         if kind in ("value", "out"):
             return env[bind[1]]
@@ -293,7 +305,8 @@ class CudaBackend:
         if kind == "perm":
             return dg.perm(Domain(bind[1]), tuple(bind[2]))
         if kind == "tiles":
-            return dg.tiles(Domain(bind[1]), tuple(bind[2]), bind[3])[0]
+            domain = Domain(bind[1])
+            return dg.tiles(domain, tuple(bind[2]), dg.tile_rows(domain, bind[3], sms))[0]
         if kind == "rows":
             return dg.rows(Domain(bind[1]))
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover

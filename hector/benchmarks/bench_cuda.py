@@ -330,6 +330,55 @@ def bandwidth(twin, graph_tensors, device):
     return out
 
 
+def profile_train(twin, graph_tensors, kind, dim=64):
+    """Where one training step of hector's ``kind`` layer goes: each generated kernel's time (CUDA events around
+    its launch, forward and backward), their sum, and the step's wall time (the rest: torch ops such as zero
+    fills and the host)."""
+    from hector.runtime import backend as backend_mod
+
+    executor = backend_mod.cuda_backend().executor
+    original = executor.launch
+    records = []
+
+    def timed(kernel, grid, block, args, smem, stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        original(kernel, grid, block, args, smem, stream)
+        end.record()
+        records.append((kernel.name, grid, start, end))
+
+    ei, et, nt = graph_tensors
+    (layer,) = hector_model(kind, dim, twin, 1)
+    layer = layer.cuda().train()
+    x = twin.features(dim).cuda().requires_grad_()
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        layer(x, ei, et, nt).float().sum().backward()
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    executor.launch = timed
+    try:
+        step()
+    finally:
+        executor.launch = original
+    torch.cuda.synchronize()
+    rows = sorted(((s.elapsed_time(e), name, grid) for name, grid, s, e in records), reverse=True)
+    total = sum(ms for ms, _, _ in rows)
+    print(f"profile {twin.name} {kind} d={dim} training step: {wall:.2f} ms wall, {len(rows)} generated kernels "
+          f"{total:.2f} ms", flush=True)
+    for ms, name, grid in rows:
+        print(f"  {ms:8.3f} ms  {name:28s} grid {grid}", flush=True)
+    return [{"kind": "profile", "dataset": twin.name, "model": kind, "kernel": name, "ms": ms, "wall_ms": wall}
+            for ms, name, _ in rows]
+
+
 def ablation(twin, graph_tensors, device, cap_s):
     ei, et, nt = graph_tensors
     rows = []
@@ -448,6 +497,8 @@ def main(argv=None):
     ap.add_argument("--memory-gb", type=float, default=80.0, help="cap GPU memory (emulates an 80 GB H100)")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--extras-dataset", default="am", help="graph for the ablation, mini-batches, bandwidth")
+    ap.add_argument("--profile", default="", help="only profile a training step of these models (e.g. rgat,rgcn) "
+                    "on --extras-dataset: per-kernel times")
     ap.add_argument("--csv")
     ap.add_argument("--png")
     a = ap.parse_args(argv)
@@ -458,6 +509,12 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(frac)
         print(f"{torch.cuda.get_device_name(0)}: memory capped at {frac * total / 1e9:.0f} GB of "
               f"{total / 1e9:.0f} GB", flush=True)
+    if a.profile:
+        twin = datasets.load(a.extras_dataset, scale=a.scale, seed=0)
+        gt = (twin.edge_index.cuda(), twin.edge_type.cuda(), twin.node_type.cuda())
+        for kind in a.profile.split(","):
+            profile_train(twin, gt, kind)
+        return [], []
     start = time.time()
     rows, extras = [], []
     configs = [("rgcn", 64, 1), ("rgat", 64, 1), ("hgt", 64, 1), ("rgat", 32, 1), ("rgat", 128, 1),

@@ -489,7 +489,7 @@ def plot(path, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", default=",".join(ORDER))
+    ap.add_argument("--datasets", default=",".join(ORDER), help="run in this order (smallest first by default)")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cap-s", type=float, default=1.0, help="a baseline slower than this per step runs once")
@@ -519,7 +519,10 @@ def main(argv=None):
     rows, extras = [], []
     configs = [("rgcn", 64, 1), ("rgat", 64, 1), ("hgt", 64, 1), ("rgat", 32, 1), ("rgat", 128, 1),
                ("rgcn", 64, 2), ("rgat", 64, 2), ("hgt", 64, 2)]
-    names = [n for n in ORDER if n in a.datasets.split(",")]
+    names = [n.strip() for n in a.datasets.split(",") if n.strip()]  # in the order given
+    unknown = [n for n in names if n not in ORDER]
+    if unknown:
+        ap.error(f"unknown datasets {unknown}; choose from {', '.join(ORDER)}")
     for name in names:
         if time.time() - start > a.budget_s:
             print(f"budget reached: {name} not run", flush=True)

@@ -5,7 +5,9 @@
     python ssdtrain/benchmarks/llm.py --quick            # tiny sizes, any device (the smoke test)
     python ssdtrain/benchmarks/llm.py --csv llm.csv --png rok.png --deadline 200
 
-Policies (each in its own forked process, so every peak starts clean):
+Policies (each in its own forked process, so every peak starts clean; the parent only imports torch and
+transformers and never runs an op or touches CUDA, which is what makes forking it safe: run it as a fresh process,
+not from inside a program that has used torch's thread pools):
 
   keep                 eager, every activation kept
   recompute            eager, full recompute: Hugging Face gradient checkpointing of every block (non-reentrant)

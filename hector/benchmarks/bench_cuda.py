@@ -44,28 +44,26 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def one_call(fn, device):
+    """(seconds, peak bytes allocated above the start) of one synchronised call."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    seconds = time.perf_counter() - t
+    return seconds, torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
+
+
 def measure(fn, device, cap_s, slow_first_s=None):
     """(ms per call, runs, peak bytes above the start). One warm-up call (hector compiles its kernels there), then
     timed calls; a call slower than ``cap_s`` is the result. ``slow_first_s`` (baselines, which compile nothing):
     a warm-up slower than this is the result itself (a PyG layer taking many seconds per step)."""
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - t
+    first, peak = one_call(fn, device)
     if slow_first_s is not None and first > slow_first_s:
-        peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
         return first * 1e3, 1, peak
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    one = time.perf_counter() - t
-    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
+    one, peak = one_call(fn, device)
     if one > cap_s:
         return one * 1e3, 1, peak
     n = max(3, min(30, int(0.2 / max(one, 1e-6))))

@@ -16,6 +16,7 @@ bandwidth of the largest traversal and GEMM kernels (compulsory bytes: every buf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import sys
@@ -216,6 +217,20 @@ def fmt_ms(v):
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def add_ratios(row):
+    """speedup_{train,infer} (fastest PyG layer / hector) and vs_ref_{train,infer} (reference / hector), where
+    both ran."""
+    for what in ("train", "infer"):
+        b, _ = best_pyg(row, what)
+        h = row.get(f"hector_{what}_ms")
+        if b is not None and isinstance(h, float):
+            row[f"speedup_{what}"] = b / h
+        r = row.get(f"ref_{what}_ms")
+        if isinstance(r, float) and isinstance(h, float):
+            row[f"vs_ref_{what}"] = r / h
+    return row
+
+
 def print_row(row):
     peak = row.get("hector_peak")
     parts = [f"{row['dataset']:8s} {row['model']:4s} d={row['hidden']:<3d} L={row['layers']}",
@@ -229,14 +244,6 @@ def print_row(row):
             runs = row.get(f"{name}_runs")
             parts.append(f"{name} {fmt_ms(row[k])}/{fmt_ms(row.get(f'{name}_infer_ms'))}"
                          + (" (1 run)" if runs == 1 else ""))
-    for what in ("train", "infer"):
-        b, _ = best_pyg(row, what)
-        h = row.get(f"hector_{what}_ms")
-        if b is not None and isinstance(h, float):
-            row[f"speedup_{what}"] = b / h
-        r = row.get(f"ref_{what}_ms")
-        if isinstance(r, float) and isinstance(h, float):
-            row[f"vs_ref_{what}"] = r / h
     parts.append(f"x PyG {row.get('speedup_train', float('nan')):.1f}/{row.get('speedup_infer', float('nan')):.1f}")
     print(" | ".join(parts), flush=True)
 
@@ -275,14 +282,14 @@ def summary(rows):
 # ------------------------------------------------------------------------------------------------- extras
 
 
-def bandwidth(twin, graph_tensors, device):
-    """Per-kernel times of one hector RGAT and HGT inference on this graph; GB/s of the slowest traversal and GEMM
-    kernel counting every buffer each kernel touches once."""
+@contextlib.contextmanager
+def timed_launches():
+    """Yields a list to which, while active, every generated kernel launch appends (name, grid, bytes of the
+    buffers it touches, start event, end event): CUDA events recorded around it on the launch stream."""
     from hector.runtime import backend as backend_mod
 
-    backend = backend_mod.cuda_backend()
-    executor = backend.executor
     records = []
+    executor = backend_mod.cuda_backend().executor
     original = executor.launch
 
     def timed(kernel, grid, block, args, smem, stream):
@@ -290,13 +297,28 @@ def bandwidth(twin, graph_tensors, device):
         start.record()
         original(kernel, grid, block, args, smem, stream)
         end.record()
-        seen, nbytes = set(), 0
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
-                seen.add(a.data_ptr())
-                nbytes += a.numel() * a.element_size()
-        records.append((kernel.name, start, end, nbytes))
+        records.append((kernel.name, grid, touched_bytes(args), start, end))
 
+    executor.launch = timed
+    try:
+        yield records
+    finally:
+        executor.launch = original
+
+
+def touched_bytes(args):
+    """Bytes of the distinct tensors a kernel was given: each buffer counted once."""
+    seen, nbytes = set(), 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
+            seen.add(a.data_ptr())
+            nbytes += a.numel() * a.element_size()
+    return nbytes
+
+
+def bandwidth(twin, graph_tensors, device):
+    """Per-kernel times of one hector RGAT, HGT and RGCN inference on this graph, with GB/s counting every buffer
+    each kernel touches once, and a device-to-device copy's GB/s for comparison."""
     ei, et, nt = graph_tensors
     out = []
     copy = torch.empty(1 << 28, device=device)
@@ -314,17 +336,13 @@ def bandwidth(twin, graph_tensors, device):
         with torch.no_grad():
             layer(x, ei, et, nt)
             torch.cuda.synchronize()
-            executor.launch = timed
-            try:
+            with timed_launches() as records:
                 layer(x, ei, et, nt)
-            finally:
-                executor.launch = original
         torch.cuda.synchronize()
-        for name, s, e, nbytes in records:
+        for name, _, nbytes, s, e in records:
             ms = s.elapsed_time(e)
             out.append({"model": kind, "kernel": name, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
                         "copy_GBps": copy_bw / 1e9})
-        records.clear()
     return out
 
 
@@ -332,19 +350,6 @@ def profile_train(twin, graph_tensors, kind, dim=64):
     """Where one training step of hector's ``kind`` layer goes: each generated kernel's time (CUDA events around
     its launch, forward and backward), their sum, and the step's wall time (the rest: torch ops such as zero
     fills and the host)."""
-    from hector.runtime import backend as backend_mod
-
-    executor = backend_mod.cuda_backend().executor
-    original = executor.launch
-    records = []
-
-    def timed(kernel, grid, block, args, smem, stream):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        original(kernel, grid, block, args, smem, stream)
-        end.record()
-        records.append((kernel.name, grid, start, end))
-
     ei, et, nt = graph_tensors
     (layer,) = hector_model(kind, dim, twin, 1)
     layer = layer.cuda().train()
@@ -361,13 +366,10 @@ def profile_train(twin, graph_tensors, kind, dim=64):
     step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) * 1e3
-    executor.launch = timed
-    try:
+    with timed_launches() as records:
         step()
-    finally:
-        executor.launch = original
     torch.cuda.synchronize()
-    rows = sorted(((s.elapsed_time(e), name, grid) for name, grid, s, e in records), reverse=True)
+    rows = sorted(((s.elapsed_time(e), name, grid) for name, grid, _, s, e in records), reverse=True)
     total = sum(ms for ms, _, _ in rows)
     print(f"profile {twin.name} {kind} d={dim} training step: {wall:.2f} ms wall, {len(rows)} generated kernels "
           f"{total:.2f} ms", flush=True)
@@ -508,6 +510,8 @@ def main(argv=None):
         print(f"{torch.cuda.get_device_name(0)}: memory capped at {frac * total / 1e9:.0f} GB of "
               f"{total / 1e9:.0f} GB", flush=True)
     if a.profile:
+        if device != "cuda":
+            ap.error("--profile times generated CUDA kernels: it needs a CUDA GPU")
         twin = datasets.load(a.extras_dataset, scale=a.scale, seed=0)
         gt = (twin.edge_index.cuda(), twin.edge_type.cuda(), twin.node_type.cuda())
         for kind in a.profile.split(","):
@@ -538,8 +542,8 @@ def main(argv=None):
         for kind, dim, layers in configs:
             shallow = next((r for r in rows if r["dataset"] == twin.name and r["model"] == kind
                             and r["hidden"] == dim and r["layers"] == 1), None)
-            row = run_config(twin, gt, pyg_inputs, kind, dim, layers, device, a.cap_s,
-                             reference=not a.no_reference and layers == 1, shallow=shallow)
+            row = add_ratios(run_config(twin, gt, pyg_inputs, kind, dim, layers, device, a.cap_s,
+                                        reference=not a.no_reference and layers == 1, shallow=shallow))
             print_row(row)
             rows.append(row)
             if a.csv:

@@ -104,7 +104,6 @@ def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
         raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
     stats = graph.stats()
     key = (layer.training, objective, size_class(stats))
-    choices = layer.__dict__.setdefault("_hector_choices", {})
 
     def compute() -> Options:
         rows = rows_for(stats)
@@ -123,9 +122,9 @@ def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
         assert best is not None
         return best[1]
 
-    if key not in choices:
-        choices[key] = compute()
-    return choices[key]
+    if key not in layer._choices:
+        layer._choices[key] = compute()
+    return layer._choices[key]
 
 
 def peak_bytes(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4,

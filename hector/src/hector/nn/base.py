@@ -42,6 +42,7 @@ class RelationalLayer(nn.Module):
         self.num_node_types = num_node_types
         self.optimize = optimize
         self._compiled: dict[Any, CompiledLayer] = {}
+        self._choices: dict[Any, Any] = {}  # the cost model's Options per graph size class (hector.cost)
         self._layer_id = _ops.register(self)
 
     # to implement

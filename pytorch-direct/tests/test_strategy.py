@@ -113,7 +113,8 @@ def test_unmeasured_calls_are_measured_with_the_rules_choice_first():
     d = decide({}, call, RANDOM, capturing=False, may_measure=True)
     assert d.plan is None and d.source == "measure"
     assert d.candidates[0] == "staged" and d.candidates[-1] == "split"
-    assert set(d.candidates) == {"staged", "vector", "sorted", "split"}  # no duplicates: no dedupe
+    # No duplicates: no dedupe; dedupe_staged all the same (its host gather reads the rows in address order).
+    assert set(d.candidates) == {"staged", "vector", "sorted", "dedupe_staged", "split"}
     d = decide({}, call, ZIPF, capturing=False, may_measure=True)
     assert d.candidates[0] == "dedupe" and {"dedupe", "dedupe_staged"} <= set(d.candidates)
     d = decide({}, call, SORTED, capturing=False, may_measure=True)
@@ -209,7 +210,9 @@ def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(fake_run):
     # The split's share follows the kernel (sorted) and staged rates: 1/0.01 / (1/0.01 + 1/0.015) = 0.6.
     assert c["split_kernel"] == "sorted" and c["split_fraction"] == pytest.approx(0.6, abs=0.05)
     assert log[:6] == ["vector", "vector", "sorted", "sorted", "staged", "staged"]  # a warm-up run, a timed one
-    assert log.count("split") == 3 and log.count("sorted") == 2  # the fastest is timed again, sorted (1.25x) not
+    # The finalists (within RETIME_WITHIN of the fastest: split and sorted at 1.25x) are timed in two more rounds.
+    assert log.count("split") == 4 and log.count("sorted") == 4 and log.count("vector") == 2
+    assert log[-4:] == ["sorted", "split", "split", "sorted"]  # interleaved, the second round reversed
     key = _strategy.cell_key(call, RANDOM)
     on_disk = json.loads(_strategy.cache_path().read_text())
     assert on_disk["cells"][key]["best"] == "split"
@@ -220,7 +223,27 @@ def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(fake_run):
 def test_short_calls_are_timed_three_times(fake_run):
     log = []
     _strategy.measure(gather_call(), RANDOM, ("vector", "sorted"), fake_run({"vector": 0.001, "sorted": 0.01}, log))
-    assert log.count("vector") == 1 + 3 + 1 and log.count("sorted") == 2  # warm-up, 3 timed, the retime
+    assert log.count("vector") == 1 + 3 and log.count("sorted") == 2  # warm-up, 3 timed; no finalist to retime
+
+
+def test_finalists_are_compared_interleaved_not_one_after_the_other(monkeypatch):
+    """A drift during measuring (here: every run 0.8 ms faster than the one before, as with caches warming up) must
+    not hand the cell to whichever candidate ran last: the finalists are timed again in alternating order."""
+    now = [0.0]
+    runs = []
+    true_seconds = {"staged": 0.020, "dedupe_staged": 0.021}  # staged is the faster one
+    monkeypatch.setattr(_strategy, "_clock", lambda: now[0])
+
+    def run(plan):
+        runs.append(plan.strategy)
+        now[0] += true_seconds[plan.strategy] - 0.0008 * len(runs)
+
+    call = gather_call()
+    _strategy.measure(call, RANDOM, ("staged", "dedupe_staged"), run, budget_s=math.inf)
+    # One after the other (staged: runs 1-2, dedupe_staged: runs 3-4), dedupe_staged measured 17.8 ms against
+    # staged's 18.4, and would have been kept.
+    assert runs == ["staged"] * 2 + ["dedupe_staged"] * 2 + ["staged", "dedupe_staged", "dedupe_staged", "staged"]
+    assert _strategy.measured_cells()[_strategy.cell_key(call, RANDOM)]["best"] == "staged"
 
 
 def test_measuring_stops_at_the_budget(fake_run):
@@ -332,3 +355,17 @@ def test_calibrate_needs_a_gpu():
         pytest.skip("a GPU is usable here")
     with pytest.raises(pd.UnavailableError, match="CUDA"):
         pd.calibrate()
+
+
+def test_measured_runs_pay_the_bounds_check_their_plan_pays_later():
+    """Candidates are compared at what a later call of theirs costs: the device-checked plans with the sync bounds
+    check (one reduction and a host round trip), the host-gathered ones without (they check as they read)."""
+    from pytorch_direct import _kernels, _ops
+
+    bad = torch.tensor([0, 5, 10])  # 10 is out of range for 10 rows
+    for strategy in ("vector", "sorted", "dedupe", "split"):
+        with pytest.raises(IndexError, match="index 10 is out of range"):
+            _ops._steady_check(Plan(strategy), bad, 10, checked=True)
+        _ops._steady_check(Plan(strategy), bad, 10, checked=False)  # async mode: no check at the call
+    for strategy in _kernels.HOST_CHECKED_PLANS:
+        _ops._steady_check(Plan(strategy), bad, 10, checked=True)

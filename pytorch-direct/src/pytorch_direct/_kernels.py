@@ -207,6 +207,13 @@ def precheck(index: Tensor, rows: int) -> None:
         raise bounds_error(lo if lo < 0 else hi, rows)
 
 
+def precheck_for(plan: Plan, index: Tensor, rows: int) -> None:
+    """The sync-mode bounds check that `plan` needs before it runs: none for plans that read every index on the host
+    (they raise IndexError as they read it)."""
+    if plan.strategy not in HOST_CHECKED_PLANS:
+        precheck(index, rows)
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 
 

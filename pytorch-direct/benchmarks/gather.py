@@ -118,17 +118,21 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure_auto(fn, repeats: int) -> tuple[float, float, str, str]:
-    """(first call seconds, steady seconds, plan kept, where it came from) of `fn` with decisions forgotten (the
-    cache file deleted too): a new process on a new machine. Steady: timed like every other column."""
+def measure_auto(fn, repeats: int) -> tuple[float, float, str, str, str]:
+    """(first call seconds, steady seconds, plan kept, where it came from, what its first call measured) of `fn`
+    with decisions forgotten (the cache file deleted too): a new process on a new machine. Steady: timed like every
+    other column. The measured rates ("vector=12.3 sorted=40.1 ...", GB/s) tell a wrong choice made on noisy
+    measurements from one made on faithful ones."""
     _strategy.reset(delete_file=True)
     first = sync_time(fn)
     decision = _strategy.last_decision()
+    cells = list(_strategy.measured_cells().values())  # the one cell this call measured (none for a small call)
+    measured = " ".join(f"{s}={v:.2f}" for s, v in cells[0]["gbps"].items()) if len(cells) == 1 else ""
     steady = best_of(fn, repeats)
     after = _strategy.last_decision()
     plan = after.plan.strategy if after is not None and after.plan is not None else "?"
     source = decision.source if decision is not None else "?"
-    return first, steady, plan, source
+    return first, steady, plan, source, measured
 
 
 def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row):
@@ -154,9 +158,9 @@ def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row):
     for s in ("naive",) + FORCED:
         fns[s] = lambda s=s: pd.gather(utab, idx, strategy=s)
     if "auto" in args.columns:
-        first, steady, plan, source = measure_auto(lambda: pd.gather(utab, idx), args.repeats)
+        first, steady, plan, source, measured = measure_auto(lambda: pd.gather(utab, idx), args.repeats)
         results_row.update(auto=nbytes / steady / 1e9, first_ms=first * 1e3, steady_ms=steady * 1e3, choice=plan,
-                           source=source)
+                           source=source, auto_measured=measured)
     for col in args.columns:
         if col in ("auto", "auto_cal"):
             continue
@@ -356,8 +360,8 @@ def summary(results: list[dict]) -> None:
 
 def write_csv(results: list[dict], path: str) -> None:
     keys = ["table_gib", "row_bytes", "pattern", "count", "mbytes", *COLUMNS, "choice", "source", "first_ms",
-            "steady_ms", "choice_cal", "calib_s", "fresh_choice", "fresh_auto", "fresh_first_ms", "best_forced",
-            "best_baseline"]
+            "steady_ms", "auto_measured", "choice_cal", "calib_s", "fresh_choice", "fresh_auto", "fresh_first_ms",
+            "best_forced", "best_baseline"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

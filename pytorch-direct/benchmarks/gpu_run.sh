@@ -6,7 +6,9 @@
 # The default benchmark is the full matrix (tables of 1, 16 and 48 GiB: needs ~52 GiB of host RAM) with a time
 # budget; PD_BENCH_ARGS overrides it and PD_STEPS picks the steps ("tests bench" by default), e.g.
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
-# PD_PYTEST_ARGS adds pytest arguments (e.g. -k dedupe), PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
+# PD_PYTEST_K selects GPU tests by a pytest -k expression, passed as one argument (spaces allowed: "dedupe or auto";
+# PD_PYTEST_ARGS is split at spaces, so an expression there must have none: H200 run I passed "a|b", which pytest
+# rejects, and no test ran). PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -39,8 +41,13 @@ if [[ " $STEPS " == *" tests "* ]]; then
   # on the console. --maxfail: a kernel fault poisons the CUDA context and would fail every later test.
   # shellcheck disable=SC2086
   timeout "${PD_TESTS_TIMEOUT:-180}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
-    --tb=short --durations=10 $TIMEOUT_ARG ${PD_PYTEST_ARGS:-} > "$TESTS_TXT" 2>&1
+    --tb=short --durations=10 $TIMEOUT_ARG ${PD_PYTEST_K:+-k "$PD_PYTEST_K"} ${PD_PYTEST_ARGS:-} > "$TESTS_TXT" 2>&1
   tests_rc=$?
+  # pytest exit codes 2-4 (interrupted, internal error, usage error such as a bad -k expression) and 5 (nothing
+  # collected) mean no GPU test ran: say so, a run must not read as tested.
+  if [ "$tests_rc" -ge 2 ] && [ "$tests_rc" -le 5 ]; then
+    echo "== ERROR: pytest exit code $tests_rc: the GPU tests did not run (see the log)" | tee -a "$LOG"
+  fi
   cat "$TESTS_TXT" >> "$LOG"
   tail -n 45 "$TESTS_TXT"
   rm -f "$TESTS_TXT"

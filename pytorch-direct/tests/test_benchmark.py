@@ -24,7 +24,8 @@ def fake_results():
                 for count in (1000, 4000):
                     r = {"table_gib": gib, "row_bytes": rb, "pattern": pattern, "count": count, "mbytes": 1.0,
                          "label": "x", "choice": "sorted", "source": "measured now", "first_ms": 9.0,
-                         "steady_ms": 1.0, "calib_s": 2.0, "choice_cal": "sorted"}
+                         "steady_ms": 1.0, "calib_s": 2.0, "choice_cal": "sorted",
+                         "auto_measured": "vector=12.00 sorted=14.50"}
                     for i, c in enumerate(gather.COLUMNS):
                         r[c] = 10.0 + i + rb / 1000
                     r["naive"] = float("nan")  # a failed column must not break the report
@@ -41,6 +42,7 @@ def test_report_table_csv_png(tmp_path, capsys):
     gather.write_csv(results, tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert len(rows) == len(results) and float(rows[0]["auto"]) == results[0]["auto"]
+    assert rows[0]["auto_measured"] == "vector=12.00 sorted=14.50"  # what auto's first call measured
     gather.write_png(results, tmp_path / "m.png")  # matplotlib, where installed
     from _png import line_grid_png
 

@@ -44,20 +44,25 @@ def gnn_lines(runs: list[dict]) -> list[str]:
                      f"{graph['edges']:,} edges, {graph['feature_bytes'] / 2**30:.2f} GiB of features in host memory"
                      + (f", {r['host_feature_copies']:.2f} host copies" if r.get("host_feature_copies") is not None
                         else ""))
-        lines.append(f"  {'(mean/epoch)':12s} {'epoch s':>8s} {'seeds/s':>10s} {'sample s':>9s} {'gather s':>9s} "
-                     f"{'compute s':>9s}  {'last epoch: loss':>16s} {'val acc':>7s}")
+        # With batches made ahead (a loader thread), sample and gather overlap compute: they are the loader's busy
+        # time, and "wait" is how long training waited for a batch.
+        lines.append(f"  {'(mean/epoch)':20s} {'ahead':>5s} {'epoch s':>8s} {'seeds/s':>10s} {'sample s':>9s} "
+                     f"{'gather s':>9s} {'wait s':>7s} {'compute s':>9s}  {'last epoch: loss':>16s} {'val acc':>7s}")
         for name, impl in r["impls"].items():
             last, n = impl["epochs"][-1], len(impl["epochs"])
-            phase = {k: sum(e.get(f"{k}_s", 0.0) for e in impl["epochs"]) / n for k in ("sample", "gather", "compute")}
+            phase = {k: sum(e.get(f"{k}_s", e.get(f"loader_{k}_s", 0.0)) for e in impl["epochs"]) / n
+                     for k in ("sample", "gather", "wait", "compute")}
             seeds = sum(e["seeds_per_s"] for e in impl["epochs"]) / n
-            lines.append(f"  {name:12s} {mean_epoch(impl):8.2f} {seeds:10,.0f} {phase['sample']:9.2f} "
-                         f"{phase['gather']:9.2f} {phase['compute']:9.2f}  {last['loss']:16.3f} "
-                         f"{last['val_acc']:7.3f}")
-        if {"toolkit", "baseline"} <= set(r["impls"]):
-            t, b = r["impls"]["toolkit"], r["impls"]["baseline"]
-            lines.append(f"  toolkit: {mean_epoch(b) / mean_epoch(t):.2f}x the baseline's speed (mean epoch time), "
-                         f"val acc {t['epochs'][-1]['val_acc']:.3f} vs {b['epochs'][-1]['val_acc']:.3f} "
-                         f"(chance {r['chance_accuracy']:.3f})")
+            lines.append(f"  {name:20s} {impl.get('ahead', 0):5d} {mean_epoch(impl):8.2f} {seeds:10,.0f} "
+                         f"{phase['sample']:9.2f} {phase['gather']:9.2f} {phase['wait']:7.2f} {phase['compute']:9.2f}"
+                         f"  {last['loss']:16.3f} {last['val_acc']:7.3f}")
+        for toolkit, baseline in (("toolkit", "baseline"), ("toolkit", "baseline-sequential"),
+                                  ("toolkit-sequential", "baseline-sequential")):
+            if {toolkit, baseline} <= set(r["impls"]):
+                t, b = r["impls"][toolkit], r["impls"][baseline]
+                lines.append(f"  {toolkit}: {mean_epoch(b) / mean_epoch(t):.2f}x the speed of {baseline} (mean "
+                             f"epoch time), val acc {t['epochs'][-1]['val_acc']:.3f} vs "
+                             f"{b['epochs'][-1]['val_acc']:.3f} (chance {r['chance_accuracy']:.3f})")
     lines += scaling(runs, "gnn")
     return lines
 
@@ -127,7 +132,8 @@ def write_csv(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
     if gnn:
         path = out / "gnn.csv"
         fields = ["size", "world_size", "impl", "epoch", "time_s", "seeds_per_s", "edges_per_s", "loss", "val_acc",
-                  "sample_s", "gather_s", "compute_s", "peak_gpu_bytes"]
+                  "sample_s", "gather_s", "compute_s", "wait_s", "loader_sample_s", "loader_gather_s", "ahead",
+                  "peak_gpu_bytes"]
         with path.open("w", newline="") as f:
             w = csv.DictWriter(f, fields, extrasaction="ignore")
             w.writeheader()
@@ -135,7 +141,7 @@ def write_csv(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
                 for name, impl in r["impls"].items():
                     for e in impl["epochs"]:
                         w.writerow({"size": r["size"], "world_size": r["world_size"], "impl": name,
-                                    "peak_gpu_bytes": impl.get("peak_gpu_bytes"), **e})
+                                    "ahead": impl.get("ahead", 0), "peak_gpu_bytes": impl.get("peak_gpu_bytes"), **e})
         written.append(path)
     if llm:
         path = out / "llm.csv"
@@ -169,7 +175,9 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
     for r in gnn:
         for name, impl in r["impls"].items():
             losses = [v for e in impl["epochs"] for v in e["batch_losses"]]
-            axes[0].plot(range(1, len(losses) + 1), losses, color=colors.get(name), linestyle=styles.get(name),
+            base = name.removesuffix("-sequential")  # batches made in turn: same colour, dotted
+            axes[0].plot(range(1, len(losses) + 1), losses, color=colors.get(base),
+                         linestyle=":" if base != name else styles.get(name),
                          alpha=1.0 if r["world_size"] == 1 else 0.5, label=f"{name} ({r['world_size']} proc.)")
     axes[0].set(title="GNN: training loss per mini-batch", xlabel="step (per process)", ylabel="cross-entropy")
     for r in llm:
@@ -192,9 +200,10 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
         for r in gnn:
             for name, impl in r["impls"].items():
                 for e in impl["epochs"]:
-                    labels.append(f"{name[:4]} {r['world_size']}p e{e['epoch']}")
+                    short = name.replace("toolkit", "tk").replace("baseline", "pyg").replace("-sequential", "-seq")
+                    labels.append(f"{short} {r['world_size']}p e{e['epoch']}")
                     values.append(e["time_s"])
-                    bar_colors.append(colors.get(name))
+                    bar_colors.append(colors.get(name.removesuffix("-sequential")))
         ax.bar(range(len(values)), values, color=bar_colors)
         ax.set_xticks(range(len(values)), labels, rotation=60, fontsize=7, ha="right")
         ax.set(title="GNN epoch time: toolkit (blue) vs plain PyTorch/PyG (orange)", ylabel="seconds")

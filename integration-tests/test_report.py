@@ -52,7 +52,7 @@ def test_ratios_scaling_and_files(tmp_path):
                                                    ("ssdtrain", 24, 1.25)]))
     l2 = write(tmp_path, "l2.json", llm_result(2, [("ssdtrain", 24, 1.3)]))
     text = report.report([g1, g2, big, tmp_path / "missing.json"], [l1, l2], tmp_path / "out")
-    assert "toolkit: 2.50x the baseline's speed" in text
+    assert "toolkit: 2.50x the speed of baseline" in text
     assert "scaling: 2 processes 952 seeds/s = 1.90x one process (500)" in text
     # keep's largest batch is 16 at 16*2048/0.8 tokens/s; ssdtrain at 24: (24/1.25)/(16/0.8) = 0.96
     assert "ssdtrain at batch 24 = 1.50x keep's largest (16): 0.96x keep's tokens/s; keep ran out of memory at " \

@@ -390,6 +390,54 @@ def _units(n=6, fwd=0.01, saved=100 * MIB, cheap=40 * MIB):
     return units
 
 
+def _cache_with_two_units():
+    """A host-tier cache holding one 64 KiB activation in unit 1 and one in unit 2 (unit 1's copy out is then
+    made to look still in flight, as on a GPU when the host runs ahead of the device)."""
+    from ssdtrain.cache import TensorCache
+    from ssdtrain.hostpool import HostPool
+
+    cache = TensorCache(min_bytes=4 * KIB, pool=HostPool(1 << 24, pinned=False), engine_factory=None)
+    cache.tier_of = lambda unit, nbytes: "host"
+    cache.window_bytes = 1 << 20
+    tensors, tokens = [], []
+    for unit in (1, 2):
+        cache.unit = unit
+        t = torch.randn(16 * KIB)
+        tensors.append(t.clone())
+        tokens.append(cache.pack(t))
+    first = tokens[0].entry
+    first.src = first.host[: first.nbytes].clone()  # the device bytes, still held while "copying out"
+    return cache, tensors, tokens, first
+
+
+@pytest.mark.parametrize("retried", [True, False])
+def test_prefetch_retries_units_whose_copy_out_was_in_flight(retried):
+    """A unit prefetched while one of its activations is still being copied out leaves that one alone (it would be
+    used in place); once the copy is done, the next prefetch call restores it, and a miss says why it happened."""
+    cache, tensors, tokens, first = _cache_with_two_units()
+    assert torch.equal(cache.unpack(tokens[1]), tensors[1])  # backward starts in unit 2: prefetches unit 1
+    assert first.skipped == "in_flight" and first.restored is None and 1 in cache._retry
+    first.src = None  # the copy out finished
+    if retried:
+        cache._prefetch_from(2)  # what the next unpack of the step does
+        assert cache.counters["prefetch_retried"] == 1 and first.restored is not None
+    assert torch.equal(cache.unpack(tokens[0]), tensors[0])
+    c = cache.counters
+    assert c["misses"] == (1 if retried else 2)  # unit 2's own first unpack had no prefetch before it
+    assert c["miss_not_reached"] == 1 and c["miss_in_flight"] == (0 if retried else 1)
+    assert c["prefetch_hits"] == (1 if retried else 0)
+    cache.reset_step()
+    assert not cache._retry
+
+
+def test_prefetch_leaves_in_flight_bytes_in_place():
+    """Still in flight when backward uses it: forwarded from the device bytes, never a miss or a restore."""
+    cache, tensors, tokens, first = _cache_with_two_units()
+    cache.unpack(tokens[1])
+    assert torch.equal(cache.unpack(tokens[0]), tensors[0])
+    assert cache.counters["forwarded"] == 1 and cache.counters["miss_in_flight"] == 0 and first.restored is None
+
+
 def test_simulator_hidden_and_exposed_transfers():
     units = _units()
     fast = Bandwidth(d2h=50e9, h2d=50e9, disk_write=2e9, disk_read=2e9)

@@ -64,7 +64,7 @@ class _Entry:
     """One stored span of a storage: where its bytes are now and what to release when the last token goes."""
 
     __slots__ = ("cache", "key", "unit", "nbytes", "device", "tier", "src", "ref", "sref", "version", "host", "d2h",
-                 "handle", "write", "read", "restored", "h2d", "unpacked", "lost", "__weakref__")
+                 "handle", "write", "read", "restored", "h2d", "unpacked", "lost", "skipped", "__weakref__")
 
     def __init__(self, cache, key, unit, nbytes, device, tier, src, original, storage):
         self.cache = cache
@@ -86,6 +86,7 @@ class _Entry:
         self.h2d = None  # event: restored is complete
         self.unpacked = False
         self.lost = None  # the error that destroyed the only copy
+        self.skipped = None  # why prefetching its unit left it alone ("in_flight", "alive"), for miss counters
 
     def storage_alive(self) -> bool:
         """The stored storage still exists (so equal data pointers mean the same memory, not a reused address)."""
@@ -141,6 +142,7 @@ class TensorCache:
         self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
+        self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
         self._prefetched_bytes = 0
         self._backward_started = False
         self._inflight_bytes = 0
@@ -179,6 +181,7 @@ class TensorCache:
                 else:
                     del self._by_unit[unit]
             self._prefetched.clear()
+            self._retry.clear()
             self._prefetched_bytes = 0
             self._backward_started = False
 
@@ -407,6 +410,10 @@ class TensorCache:
                                "device copy was released; gradients cannot be computed for this step") from entry.lost
         if entry.restored is None:
             self.counters["misses"] += first
+            if first:
+                # Why it was not prefetched: its unit was never reached, or it was still being copied out (or its
+                # original was still alive) when the unit was prefetched, and no longer is now.
+                self.counters[f"miss_{entry.skipped or 'not_reached'}"] += 1
             stream = torch.cuda.current_stream(entry.device) if entry.device.type == "cuda" else None
             self._restore(entry, stream)
         else:
@@ -473,7 +480,7 @@ class TensorCache:
         """Restore the units before `unit` (backward order) while the prefetch window has room."""
         u = unit
         while u >= 0 and self._prefetched_bytes < self.window_bytes:
-            if u not in self._prefetched:
+            if u not in self._prefetched or u in self._retry:
                 self._prefetched.add(u)
                 self._prefetch_unit(u)
             u -= 1
@@ -482,14 +489,25 @@ class TensorCache:
         refs = self._by_unit.get(unit, [])
         alive = [e for e in (r() for r in refs) if e is not None]
         self._by_unit[unit] = [weakref.ref(e) for e in alive]
+        self._retry.discard(unit)
         for entry in reversed(alive):
-            if entry.restored is not None or entry.src is not None or entry.unpacked:
+            if entry.restored is not None or entry.unpacked:
+                continue
+            if entry.src is not None:
+                # Still being copied out (the host runs ahead of the device): used in place if that is still so
+                # when backward needs it, else restored by a later prefetch call (the unit is tried again).
+                entry.skipped = "in_flight"
+                self._retry.add(unit)
                 continue
             if entry.alive_original() is not None or entry.lost is not None:
+                entry.skipped = "alive" if entry.lost is None else None
                 continue
             # No wait for the compute stream: the buffer comes from the prefetch stream's own pool, and unpack
             # records the compute stream on it, so the allocator reuses it only after backward is done with it.
             stream = self._side_streams(entry.device)[1] if entry.device.type == "cuda" else None
+            if entry.skipped == "in_flight":
+                self.counters["prefetch_retried"] += 1
+            entry.skipped = None
             self._restore(entry, stream)
             self._prefetched_bytes += entry.nbytes
 

@@ -846,8 +846,13 @@ class OffloadSession:
             "views_deduplicated": c["dedup_views"],
             "bytes_restored": c["bytes_restored"],
             "prefetch_hits": c["prefetch_hits"],
+            "prefetch_retried": c["prefetch_retried"],  # restored on a second try: in flight at the first
             "forwarded": c["forwarded"],
             "misses": c["misses"],
+            # Misses by cause: "not_reached" (the prefetch window had not come to its unit), "in_flight" (its copy
+            # out was still running when its unit was prefetched, and done by the time backward used it),
+            # "alive" (its original tensor was still alive then).
+            "miss_reasons": {k.removeprefix("miss_"): v for k, v in c.items() if k.startswith("miss_")},
             "late_prefetches": c["late_prefetch"],
             "stalls": c["stalls"],
             "stall_seconds": c["stall_ns"] / 1e9,

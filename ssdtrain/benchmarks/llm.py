@@ -3,7 +3,7 @@
     python ssdtrain/benchmarks/llm.py                    # GPT-2-style 24 x 2048, batch 8 x 2048, bf16, AdamW,
                                                          # and a Llama-style model of the same size, on the GPU
     python ssdtrain/benchmarks/llm.py --quick            # tiny sizes, any device (the smoke test)
-    python ssdtrain/benchmarks/llm.py --csv llm.csv --png rok.png --deadline 200
+    python ssdtrain/benchmarks/llm.py --csv llm.csv --png rok.png --deadline 200 --hard-end 230
 
 Policies (each in its own forked process, so every peak starts clean; the parent only imports torch and
 transformers and never runs an op or touches CUDA, which is what makes forking it safe: run it as a fresh process,
@@ -21,12 +21,15 @@ not from inside a program that has used torch's thread pools):
                        (e.g. keep*0.5 = half of keep's measured activation peak) or "none" (plan for speed)
   ssdtrain+compile@B   the same around the regionally compiled model
 
-Step time: median over the timed steps (after warm-up; ssdtrain's warm-up includes its two profiling steps) of
-forward + backward + AdamW step, CUDA events. Activation peak: max_memory_allocated over the timed steps minus the
-memory after model and optimizer state (gradients are set to None between steps, so they count as activations,
-the same for every policy). Targets of issue 10 are checked at the end from the same run. Also: (4) a batch that
-runs out of memory with keep, trained by ssdtrain; (5) 20 steps of a small fp32 model with deterministic
-algorithms: the same losses as keep and bit-identical gradients and parameters.
+Step time: median over the timed steps (after warm-up; ssdtrain's warm-up adds its two profiling steps and the
+steps whose measured peaks calibrate its plan, so timing starts under the final plan; save_on_cpu and torchtune
+warm up one step, which pins their host memory) of forward + backward + AdamW step, CUDA events. Activation peak:
+max_memory_allocated over the timed steps minus the memory after model and optimizer state (gradients are set to
+None between steps, so they count as activations, the same for every policy). ssdtrain rows also give the prefetch
+counters of the timed steps (misses by cause) and how often the plan was calibrated. Targets of issue 10 are
+checked at the end from the same run. Also: (4) a batch that runs out of memory with keep, trained by ssdtrain;
+(5) 20 steps of a small fp32 model with deterministic algorithms: the same losses as keep and bit-identical
+gradients and parameters.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def run_policy(job: dict) -> dict:
         def forward_ctx():
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
     elif policy.startswith("torchtune"):
-        cls, why = load_torchtune_offload()
+        cls, why = load_torchtune_offload() if cuda else (None, "torchtune's OffloadActivations needs CUDA")
         if cls is None:
             return dict(row, status="unavailable", detail=why)
 
@@ -183,8 +186,14 @@ def run_policy(job: dict) -> dict:
         row["budget_gib"] = round(budget / GIB, 3) if budget else ""
 
     slow = policy in ("save_on_cpu", "torchtune")
-    warmup = a.warmup + (2 if session is not None else 0)
+    warmup = a.slow_warmup if slow else a.warmup
+    if session is not None:
+        # Its profiling steps, then the steps whose measured peaks calibrate the plan (each check reads the peak
+        # of the step before, which the timed loop's reset of the peak statistics would hide): timing starts
+        # under the final plan.
+        warmup += session.profile_steps + session.CALIBRATIONS - 1
     timed = a.slow_steps if slow else a.steps
+    before = None
     losses, times = [], []
     try:
         with session if session is not None else contextlib.nullcontext():
@@ -196,6 +205,7 @@ def run_policy(job: dict) -> dict:
                         torch.cuda.reset_peak_memory_stats()
                     else:
                         base = 0
+                    before = session.stats() if session is not None else None
                 t0 = _mark(cuda)
                 with forward_ctx():
                     loss = model(input_ids=ids, labels=ids).loss
@@ -227,9 +237,17 @@ def run_policy(job: dict) -> dict:
         row["predicted_peak_gib"] = round(pred.peak / GIB, 3)
         row["keep_peak_gib"] = round(plan.keep_prediction.peak / GIB, 6)
         row["host_gib"] = round(stats["bytes_offloaded"]["host"] / max(1, stats["steps"]) / GIB, 3)
-        row["detail"] = (f"prefetch hits {stats['prefetch_hits']}, forwarded {stats['forwarded']}, misses "
-                         f"{stats['misses']}, late {stats['late_prefetches']}, throttle waits "
-                         f"{stats['throttle_waits']}, fallbacks {stats['fallbacks']}")
+        row["calibrations"] = len(plan.calibrations)
+        row["working_gib"] = round(plan.working_bytes / GIB, 3)
+        # Counters of the timed steps alone (profiling and calibration steps left out).
+        d = {k: stats[k] - before[k] for k in ("prefetch_hits", "forwarded", "misses", "late_prefetches",
+                                                "throttle_waits")}
+        why = {k: v - before["miss_reasons"].get(k, 0) for k, v in stats["miss_reasons"].items()}
+        why = ", ".join(f"{k} {v}" for k, v in sorted(why.items()) if v)
+        row["detail"] = (f"timed steps: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses "
+                         f"{d['misses']}{f' ({why})' if why else ''}, late {d['late_prefetches']}, throttle waits "
+                         f"{d['throttle_waits']}; plan calibrated {len(plan.calibrations)}x (working memory "
+                         f"{plan.working_bytes / GIB:.2f} GiB); fallbacks {stats['fallbacks']}")
         row["plan_text"] = str(plan)
     return row
 
@@ -359,19 +377,20 @@ def plan_jobs(a) -> list[tuple]:
     """(model, policy, budget spec) in order of importance: a --deadline cuts from the end. The first model is
     the issue's (every policy); the second gets the core ones."""
     first, *others = a.models
+    # Every baseline the targets compare with first (an ssdtrain row at "<policy>*x" needs that policy's peak),
+    # then ssdtrain at the targets' memory levels, target (4), the second model, and the extras.
     jobs = [(first, "keep", None), (first, "recompute", None), (first, "compile", None),
-            (first, "ssdtrain+compile", "keep*0.5"), (first, "ssdtrain", "keep*0.5"),
-            (first, "ssdtrain", "recompute*1.2"), ("gpt2", "determinism", None), (first, "save_on_cpu", None),
-            (first, "ssdtrain", "save_on_cpu*1.0"), (first, "torchtune", None)]
+            (first, "compile_budget_0.5", None), (first, "compile_budget_0.2", None), (first, "save_on_cpu", None),
+            (first, "torchtune", None), (first, "torchtune_recompute", None),
+            (first, "ssdtrain", "keep*0.5"), (first, "ssdtrain+compile", "keep*0.5"),
+            (first, "ssdtrain", "recompute*1.2"), (first, "ssdtrain", "save_on_cpu*1.0")]
     if a.oom_batch:
         jobs += [(first, "keep", "oom"), (first, "ssdtrain", "oom")]
-    jobs += [(first, "compile_budget_0.5", None)]
     for kind in others:
-        jobs += [(kind, "keep", None), (kind, "ssdtrain", "keep*0.5"), (kind, "recompute", None),
+        jobs += [(kind, "keep", None), (kind, "recompute", None), (kind, "ssdtrain", "keep*0.5"),
                  (kind, "ssdtrain", "recompute*1.2")]
-    jobs += [(first, "torchtune_recompute", None), (first, "compile_budget_0.2", None),
-             (first, "ssdtrain+compile", "compile_budget_0.5*1.0"), (first, "ssdtrain", "keep*0.35"),
-             (first, "ssdtrain", "none")]
+    jobs += [("gpt2", "determinism", None), (first, "ssdtrain+compile", "compile_budget_0.5*1.0"),
+             (first, "ssdtrain", "keep*0.35"), (first, "ssdtrain", "none")]
     if a.no_determinism:
         jobs = [j for j in jobs if j[1] != "determinism"]
     if a.device != "cuda":  # no measured peaks: ssdtrain@none's prediction sets the budgets, so it runs first
@@ -396,12 +415,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (ssdtrain adds its 2 profiling steps)")
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps of save_on_cpu and torchtune (~3 s each)")
+    p.add_argument("--slow-warmup", type=int, default=1,
+                   help="their warm-up steps (the first pins host memory; the next ones run on the cached pinned pool)")
     p.add_argument("--min-bytes", default="1M", help="ssdtrain's min_bytes")
     p.add_argument("--policies", default="", help="comma-separated subset, e.g. keep,recompute,ssdtrain@keep*0.5")
     p.add_argument("--oom-batch", type=int, default=-1, help="target (4): a batch that OOMs with keep (0: skip)")
     p.add_argument("--no-determinism", action="store_true", help="skip target (5)")
     p.add_argument("--deadline", type=float, default=0, help="seconds; jobs that would start later are skipped")
     p.add_argument("--child-timeout", type=float, default=240)
+    p.add_argument("--hard-end", type=float, default=0,
+                   help="seconds; a job still running then is stopped (its row says timeout), so the run ends by then")
     p.add_argument("--csv")
     p.add_argument("--png")
     p.add_argument("--json")
@@ -415,7 +438,7 @@ def main(argv=None) -> int:
             setattr(a, k, v)
     if a.quick:
         a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
-        a.warmup, a.steps, a.slow_steps = 1, 2, 1
+        a.warmup, a.steps, a.slow_steps, a.slow_warmup = 1, 2, 1, 1
     if a.oom_batch < 0:
         a.oom_batch = 0 if a.quick or a.device != "cuda" else 3 * a.batch
     a.models = [m for m in a.models.split(",") if m]
@@ -427,7 +450,8 @@ def main(argv=None) -> int:
 
     print(f"# ssdtrain LLM benchmark: {a.device}, {a.dtype}, {a.layers} layers x {a.hidden}, batch {a.batch} x "
           f"{a.seq}, models {','.join(a.models)}; {a.warmup} warm-up + {a.steps} timed steps "
-          f"({a.slow_steps} for save_on_cpu/torchtune)", flush=True)
+          f"({a.slow_warmup} + {a.slow_steps} for save_on_cpu/torchtune; ssdtrain adds its profiling and calibration "
+          "steps to the warm-up)", flush=True)
     rows: dict[str, dict] = {}
     results = []
     for kind, policy, spec in plan_jobs(a):
@@ -451,7 +475,14 @@ def main(argv=None) -> int:
                                 "detail": f"no measured peak for {spec}"})
                 continue
         job = {"model": kind, "policy": policy, "budget": budget, "args": job_args}
-        result = run_child(job, a.child_timeout)
+        timeout = a.child_timeout
+        if a.hard_end:
+            if a.hard_end - elapsed < 20:
+                results.append({"model": kind, "policy": name, "status": "skipped",
+                                "detail": f"hard end {a.hard_end:.0f} s reached"})
+                continue
+            timeout = min(timeout, a.hard_end - elapsed)
+        result = run_child(job, timeout)
         result["policy"] = name
         rows[f"{kind}/{name}"] = result
         results.append(result)
@@ -488,7 +519,8 @@ def _fmt(v, f):
 
 
 COLUMNS = ["model", "policy", "status", "step_ms", "x_keep_time", "peak_gib", "x_keep_peak", "budget_gib",
-           "predicted_ms", "predicted_peak_gib", "host_gib", "plan", "batch", "seq", "wall_s", "detail"]
+           "predicted_ms", "predicted_peak_gib", "host_gib", "calibrations", "working_gib", "plan", "batch", "seq",
+           "wall_s", "detail"]
 
 
 def _ratios(results):

@@ -112,8 +112,14 @@ class Disk:
         if os.path.exists(base + "/partition"):
             base += "/.."
         out = []
-        for key in ("max_segments", "max_segment_size", "max_sectors_kb", "max_hw_sectors_kb", "nr_requests",
-                    "scheduler"):
+        for key in (
+            "max_segments",
+            "max_segment_size",
+            "max_sectors_kb",
+            "max_hw_sectors_kb",
+            "nr_requests",
+            "scheduler",
+        ):
             try:
                 with open(f"{base}/queue/{key}") as f:
                     out.append(f"{key}={f.read().strip()}")
@@ -163,14 +169,16 @@ def segments_per_block(address: int, nbytes: int, block: int) -> str:
             raw = f.read(count * 8)
     except OSError as e:
         return f"unknown ({e.strerror})"
-    frames = [int.from_bytes(raw[i:i + 8], "little") & ((1 << 55) - 1) for i in range(0, len(raw), 8)]
+    frames = [int.from_bytes(raw[i : i + 8], "little") & ((1 << 55) - 1) for i in range(0, len(raw), 8)]
     if not any(frames):
-        return ("unknown (no page frames: not root, or a driver mapping pagemap does not describe, e.g. "
-                "cudaHostAlloc memory)")
+        return (
+            "unknown (no page frames: not root, or a driver mapping pagemap does not describe, e.g. "
+            "cudaHostAlloc memory)"
+        )
     per_block = block // page
     counts = []
     for b in range(0, len(frames), per_block):
-        chunk = frames[b:b + per_block]
+        chunk = frames[b : b + per_block]
         counts.append(1 + sum(1 for x, y in zip(chunk[:-1], chunk[1:], strict=True) if y != x + 1))
     counts.sort()
     return f"avg {sum(counts) / len(counts):.1f}, max {counts[-1]} (over {len(counts)} blocks)"
@@ -196,9 +204,17 @@ def host_tensor(nbytes: int, huge: bool = False) -> torch.Tensor:
 
 def make_engine(args, backend: str, stage_host: str = "auto") -> ssdtrain.Engine:
     capacity = max(args.sizes) * 2 + args.random_count * MiB + 256 * MiB
-    return ssdtrain.Engine([args.dir], backend=backend, capacity_per_directory=capacity, block_size=args.block_size,
-                           queue_depth=args.queue_depth, staging_buffers=args.staging_buffers,
-                           threads=args.engine_threads, checksum=args.checksum, stage_host=stage_host)
+    return ssdtrain.Engine(
+        [args.dir],
+        backend=backend,
+        capacity_per_directory=capacity,
+        block_size=args.block_size,
+        queue_depth=args.queue_depth,
+        staging_buffers=args.staging_buffers,
+        threads=args.engine_threads,
+        checksum=args.checksum,
+        stage_host=stage_host,
+    )
 
 
 # Memory kinds: host = torch's pinned tensor (page-aligned pageable where CUDA is absent) with the default
@@ -232,9 +248,11 @@ def engine_seq_rows(args, engine, backend: str, memory: str, size: int, describe
     sync = torch.cuda.synchronize if memory == "gpu" else (lambda: None)
     src, dst = new_tensor(memory, size), new_tensor(memory, size, fill=False)
     if describe and memory != "gpu":
-        print(f"# {memory} {fmt_size(size)} tensor ({'pinned' if src.is_pinned() else 'pageable'}): segments per "
-              f"{fmt_size(args.block_size)} block: {segments_per_block(src.data_ptr(), size, args.block_size)}",
-              flush=True)
+        print(
+            f"# {memory} {fmt_size(size)} tensor ({'pinned' if src.is_pinned() else 'pageable'}): segments per "
+            f"{fmt_size(args.block_size)} block: {segments_per_block(src.data_ptr(), size, args.block_size)}",
+            flush=True,
+        )
     fio = same_file_fio(args, memory)
     handle_box = []
     runs = {"write": [], "read": [], "fio-write": [], "fio-read": []}
@@ -310,13 +328,19 @@ def engine_random_rows(args, engine, backend: str, memory: str) -> list[dict]:
     for _ in range(args.repeat):
         runs.append(random_once())
         if same_file_fio(args, memory):  # the 1 MiB handles fill [0, random_count MiB) of the file, in order
-            fio_runs.append(fio_once(engine_file(engine), "randread", args.random_count * MiB, args.random_depth,
-                                     MiB))
+            fio_runs.append(fio_once(engine_file(engine), "randread", args.random_count * MiB, args.random_depth, MiB))
     for tool, samples in (("fio-same", fio_runs), ("ssdtrain", runs)):
         if samples:
-            r = row(tool, backend if tool == "ssdtrain" else "io_uring", memory, "randread", MiB, args,
-                    sorted(samples, key=lambda x: x[0])[len(samples) // 2],
-                    engine.backend_detail if tool == "ssdtrain" else "")
+            r = row(
+                tool,
+                backend if tool == "ssdtrain" else "io_uring",
+                memory,
+                "randread",
+                MiB,
+                args,
+                sorted(samples, key=lambda x: x[0])[len(samples) // 2],
+                engine.backend_detail if tool == "ssdtrain" else "",
+            )
             r["queue_depth"] = args.random_depth
             rows.append(r)
     for h in handles:
@@ -355,10 +379,28 @@ def row(tool, backend, memory, op, size, args, run, detail=""):
 def fio_once(path: str, rw: str, nbytes: int, depth: int, bs: int):
     """One fio job (io_uring, O_DIRECT) over [0, nbytes) of `path`: (seconds, bytes, cpu seconds)."""
     box = []
-    _, _, disk = measured(lambda: box.append(subprocess.run(
-        ["fio", "--name=bench", f"--filename={path}", f"--size={nbytes}", f"--bs={bs}", f"--rw={rw}",
-         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"],
-        check=True, capture_output=True, text=True)))
+    _, _, disk = measured(
+        lambda: box.append(
+            subprocess.run(
+                [
+                    "fio",
+                    "--name=bench",
+                    f"--filename={path}",
+                    f"--size={nbytes}",
+                    f"--bs={bs}",
+                    f"--rw={rw}",
+                    f"--iodepth={depth}",
+                    "--ioengine=io_uring",
+                    "--direct=1",
+                    "--numjobs=1",
+                    "--output-format=json",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+        )
+    )
     job = json.loads(box[0].stdout)["jobs"][0]
     part = job["write" if "write" in rw else "read"]
     seconds = part["runtime"] / 1000
@@ -379,15 +421,18 @@ def fio_rows(args, size: int | None) -> list[dict]:
     if size is None:
         jobs = [("randread", "randread", args.random_count * MiB, args.random_depth, MiB)]
     else:
-        jobs = [(op, rw, size, args.queue_depth, args.block_size) for op, rw in (("seqwrite", "write"),
-                                                                                 ("seqread", "read"))]
+        jobs = [
+            (op, rw, size, args.queue_depth, args.block_size) for op, rw in (("seqwrite", "write"), ("seqread", "read"))
+        ]
     try:
         for op, rw, nbytes, depth, bs in jobs:
+
             def once(rw=rw, nbytes=nbytes, depth=depth, bs=bs):
                 return fio_once(path, rw, nbytes, depth, bs)
 
-            r = row("fio", "io_uring", "host", op, nbytes if op != "randread" else bs, args,
-                    median_run(once, args.repeat))
+            r = row(
+                "fio", "io_uring", "host", op, nbytes if op != "randread" else bs, args, median_run(once, args.repeat)
+            )
             r["queue_depth"], r["block"] = depth, bs
             rows.append(r)
     finally:
@@ -404,11 +449,16 @@ def dd_rows(args, size: int) -> list[dict]:
     path = os.path.join(args.dir, "ssdtrain-bench.dd")
     bs = 8 * MiB
     count = max(1, size // bs)
-    commands = (("seqwrite", ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct",
-                              "conv=notrunc"]),
-                ("seqread", ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"]))
+    commands = (
+        (
+            "seqwrite",
+            ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct", "conv=notrunc"],
+        ),
+        ("seqread", ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"]),
+    )
     try:
         for op, cmd in commands:
+
             def once(cmd=cmd):
                 c0 = cpu_seconds(children=True)
                 seconds, _, disk = measured(lambda: subprocess.run(cmd, check=True, capture_output=True))
@@ -454,8 +504,15 @@ def pthread_rows(args, size: int) -> list[dict]:
     try:
         os.posix_fallocate(fd, 0, size)
         for op, write in (("seqwrite", True), ("seqread", False)):
-            r = row("pthreads", f"{nthreads} threads", "host", op, size, args,
-                    median_run(lambda write=write: run(write), args.repeat))
+            r = row(
+                "pthreads",
+                f"{nthreads} threads",
+                "host",
+                op,
+                size,
+                args,
+                median_run(lambda write=write: run(write), args.repeat),
+            )
             r["queue_depth"] = nthreads
             rows.append(r)
     finally:
@@ -468,21 +525,28 @@ def pthread_rows(args, size: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'tool':9} {'backend':10} {'memory':11} {'op':9} {'size':>8} {'block':>6} {'qd':>3} {'GB/s':>7} " \
-           f"{'cpu s/GB':>8} {'dev/x':>6} {'req KiB':>7}  vs fio   vs host"
+    head = (
+        f"{'tool':9} {'backend':10} {'memory':11} {'op':9} {'size':>8} {'block':>6} {'qd':>3} {'GB/s':>7} "
+        f"{'cpu s/GB':>8} {'dev/x':>6} {'req KiB':>7}  vs fio   vs host"
+    )
     print(head)
     print("-" * len(head))
     fio = {(r["op"], r["size"]): r["GBps"] for r in rows if r["tool"] == "fio"}
-    host = {(r["backend"], r["op"], r["size"]): r["GBps"] for r in rows
-            if r["tool"] == "ssdtrain" and r["memory"] == "host"}
+    host = {
+        (r["backend"], r["op"], r["size"]): r["GBps"] for r in rows if r["tool"] == "ssdtrain" and r["memory"] == "host"
+    }
     last_same = None
     for r in rows:
         key = (r["op"], r["size"])
         if r["tool"] == "fio-same":
             last_same = r
         reference = fio.get(key)
-        if r["tool"] == "ssdtrain" and last_same is not None and (last_same["op"], last_same["size"]) == key \
-                and r["memory"] == "host":
+        if (
+            r["tool"] == "ssdtrain"
+            and last_same is not None
+            and (last_same["op"], last_same["size"]) == key
+            and r["memory"] == "host"
+        ):
             reference = last_same["GBps"]  # the same blocks, measured alternately with this engine
         vs_fio = f"{r['GBps'] / reference:6.2f}x" if r["tool"] == "ssdtrain" and reference else "       "
         h = host.get((r["backend"], r["op"], r["size"]))
@@ -490,9 +554,11 @@ def print_table(rows: list[dict]) -> None:
         vs_host = f"{r['GBps'] / h:6.2f}x" if other and h else ""
         r["vs_fio"] = round(r["GBps"] / reference, 3) if r["tool"] == "ssdtrain" and reference else ""
         r["vs_host"] = round(r["GBps"] / h, 3) if other and h else ""
-        print(f"{r['tool']:9} {r['backend']:10} {r['memory']:11} {r['op']:9} {fmt_size(r['size']):>8} "
-              f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f} "
-              f"{r['device_bytes_ratio']!s:>6} {r['device_request_KiB']!s:>7}  {vs_fio} {vs_host}")
+        print(
+            f"{r['tool']:9} {r['backend']:10} {r['memory']:11} {r['op']:9} {fmt_size(r['size']):>8} "
+            f"{fmt_size(r['block']):>6} {r['queue_depth']:>3} {r['GBps']:7.2f} {r['cpu_s_per_GB']:8.3f} "
+            f"{r['device_bytes_ratio']!s:>6} {r['device_request_KiB']!s:>7}  {vs_fio} {vs_host}"
+        )
 
 
 def print_checks(rows: list[dict]) -> None:
@@ -503,8 +569,10 @@ def print_checks(rows: list[dict]) -> None:
         if r["tool"] == "ssdtrain":
             groups.setdefault((r["backend"], r["op"], r["size"]), {})[r["memory"]] = r
     for (backend, op, size), by_memory in groups.items():
-        parts = [f"{m} {r['GBps']:.2f} ({r['device_request_KiB']} KiB, {r['device_bytes_ratio']}x)"
-                 for m, r in by_memory.items()]
+        parts = [
+            f"{m} {r['GBps']:.2f} ({r['device_request_KiB']} KiB, {r['device_bytes_ratio']}x)"
+            for m, r in by_memory.items()
+        ]
         print(f"#   {backend:8} {op:8} {fmt_size(size):>5}: " + "; ".join(parts))
     mode_said = False
     for (backend, op, size), by_memory in groups.items():
@@ -513,17 +581,24 @@ def print_checks(rows: list[dict]) -> None:
             if not mode_said:
                 print(f"# gds mode: {by_memory['gpu']['detail']}")
                 mode_said = True
-            print(f"# gds gpu {op} {fmt_size(size)}: {by_memory['gpu']['GBps']:.2f} GB/s = "
-                  f"{by_memory['gpu']['GBps'] / own['GBps']:.2f}x our own staging (io_uring gpu)")
-    short = [r for r in rows if r["tool"] == "ssdtrain" and r["device_bytes_ratio"] != ""
-             and r["device_bytes_ratio"] < 0.95]
+            print(
+                f"# gds gpu {op} {fmt_size(size)}: {by_memory['gpu']['GBps']:.2f} GB/s = "
+                f"{by_memory['gpu']['GBps'] / own['GBps']:.2f}x our own staging (io_uring gpu)"
+            )
+    short = [
+        r for r in rows if r["tool"] == "ssdtrain" and r["device_bytes_ratio"] != "" and r["device_bytes_ratio"] < 0.95
+    ]
     if short:
-        print("# WARNING: the device moved less than 95% of the bytes in: "
-              + ", ".join(f"{r['backend']}/{r['memory']}/{r['op']}/{fmt_size(r['size'])}" for r in short)
-              + " (a cache answered, or other I/O ran at the same time)")
+        print(
+            "# WARNING: the device moved less than 95% of the bytes in: "
+            + ", ".join(f"{r['backend']}/{r['memory']}/{r['op']}/{fmt_size(r['size'])}" for r in short)
+            + " (a cache answered, or other I/O ran at the same time)"
+        )
     else:
-        print("# every ssdtrain row: the device moved >= 95% of the bytes inside the timed region (no cache "
-              "answered; O_DIRECT in force)")
+        print(
+            "# every ssdtrain row: the device moved >= 95% of the bytes inside the timed region (no cache "
+            "answered; O_DIRECT in force)"
+        )
 
 
 def fmt_size(n: int) -> str:
@@ -535,8 +610,11 @@ def fmt_size(n: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=os.environ.get("SSDTRAIN_IO_DIRS", tempfile.gettempdir()).split(os.pathsep)[0],
-                   help="directory on the disk to measure (not a tmpfs)")
+    p.add_argument(
+        "--dir",
+        default=os.environ.get("SSDTRAIN_IO_DIRS", tempfile.gettempdir()).split(os.pathsep)[0],
+        help="directory on the disk to measure (not a tmpfs)",
+    )
     p.add_argument("--sizes", default="64M,256M,1G", help="comma-separated tensor sizes")
     p.add_argument("--block-size", default="1M")
     p.add_argument("--queue-depth", type=int, default=32)
@@ -560,17 +638,27 @@ def main(argv=None) -> int:
     if ssdtrain.io.parse_size(shutil.disk_usage(args.dir).free) < 3 * max(args.sizes) + args.random_count * MiB:
         raise SystemExit(f"not enough free space in {args.dir} for sizes up to {fmt_size(max(args.sizes))}")
 
-    backends = args.backends.split(",") if args.backends else (
-        (["io_uring"] if ssdtrain._core.io_uring_status()["usable"] else []) + ["threads"]
-        + (["gds"] if torch.cuda.is_available() and ssdtrain.backends()["gds"]["usable"] else []))
-    memories = args.memory.split(",") if args.memory else [
-        m for m in MEMORIES if m != "gpu" or torch.cuda.is_available()]
+    backends = (
+        args.backends.split(",")
+        if args.backends
+        else (
+            (["io_uring"] if ssdtrain._core.io_uring_status()["usable"] else [])
+            + ["threads"]
+            + (["gds"] if torch.cuda.is_available() and ssdtrain.backends()["gds"]["usable"] else [])
+        )
+    )
+    memories = (
+        args.memory.split(",") if args.memory else [m for m in MEMORIES if m != "gpu" or torch.cuda.is_available()]
+    )
     for m in memories:
         if m not in MEMORIES:
             raise SystemExit(f"unknown memory {m!r}: use {', '.join(MEMORIES)}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    print(f"# ssdtrain I/O benchmark: dir={args.dir} block={fmt_size(args.block_size)} qd={args.queue_depth} "
-          f"repeat={args.repeat} cpus={os.cpu_count()} gpu={gpu}", flush=True)
+    print(
+        f"# ssdtrain I/O benchmark: dir={args.dir} block={fmt_size(args.block_size)} qd={args.queue_depth} "
+        f"repeat={args.repeat} cpus={os.cpu_count()} gpu={gpu}",
+        flush=True,
+    )
     global DISK
     DISK = Disk(args.dir)
     thp = ""
@@ -580,10 +668,13 @@ def main(argv=None) -> int:
     except OSError:
         pass
     print(f"# device {DISK.name or 'unknown'}: {DISK.queue()}; transparent huge pages: {thp}", flush=True)
-    print("# columns: dev/x = bytes the device moved in that direction during the timed run / bytes asked for "
-          "(from /proc/diskstats; ~1.0 means the data really went to/came from the device, 0 means a cache "
-          "answered); req KiB = average size of the device's requests (a 1M request split by the block layer shows "
-          "less); vs host = this row / the same backend's 'host' row", flush=True)
+    print(
+        "# columns: dev/x = bytes the device moved in that direction during the timed run / bytes asked for "
+        "(from /proc/diskstats; ~1.0 means the data really went to/came from the device, 0 means a cache "
+        "answered); req KiB = average size of the device's requests (a 1M request split by the block layer shows "
+        "less); vs host = this row / the same backend's 'host' row",
+        flush=True,
+    )
 
     # Per size, the references and every engine back to back, so drift in a shared disk's speed hits all alike.
     engines = {}
@@ -594,10 +685,13 @@ def main(argv=None) -> int:
     for (backend, _), engine in engines.items():
         st = engine.stats()
         flags = ", ".join(f"{d['path']}: O_DIRECT {o_direct(d['fd'])}" for d in engine.directories())
-        print(f"# {backend} (stage_host={engine.settings['stage_host']}): {engine.backend_detail}; files: {flags}; "
-              f"staging "
-              f"buffer segments per {fmt_size(args.block_size)}: "
-              f"{segments_per_block(st['staging_address'], st['staging_bytes'], args.block_size)}", flush=True)
+        print(
+            f"# {backend} (stage_host={engine.settings['stage_host']}): {engine.backend_detail}; files: {flags}; "
+            f"staging "
+            f"buffer segments per {fmt_size(args.block_size)}: "
+            f"{segments_per_block(st['staging_address'], st['staging_bytes'], args.block_size)}",
+            flush=True,
+        )
     rows = []
     try:
         measure_all(args, backends, memories, engines, rows)

@@ -63,15 +63,29 @@ def model_config(kind: str, a) -> tuple:
 
     if kind == "gpt2":
         # transformers' GPT-2 defaults otherwise (tanh GELU written as elementwise ops, dropout 0.1).
-        cfg = transformers.GPT2Config(n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, n_positions=a.seq,
-                                      vocab_size=a.vocab, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            n_layer=a.layers,
+            n_embd=a.hidden,
+            n_head=a.heads,
+            n_positions=a.seq,
+            vocab_size=a.vocab,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = transformers.GPT2LMHeadModel
     elif kind == "llama":
         inter = int(a.hidden * 8 / 3 + 255) // 256 * 256
-        cfg = transformers.LlamaConfig(num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=inter,
-                                       num_attention_heads=a.heads, num_key_value_heads=a.heads,
-                                       vocab_size=a.llama_vocab, max_position_embeddings=a.seq, bos_token_id=0,
-                                       eos_token_id=0)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=a.layers,
+            hidden_size=a.hidden,
+            intermediate_size=inter,
+            num_attention_heads=a.heads,
+            num_key_value_heads=a.heads,
+            vocab_size=a.llama_vocab,
+            max_position_embeddings=a.seq,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"unknown model {kind!r}: gpt2 or llama")
@@ -149,8 +163,16 @@ def run_policy(job: dict) -> dict:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.dtype]
-    row = {"model": kind, "policy": policy, "batch": a.batch, "seq": a.seq, "layers": a.layers,
-           "hidden": a.hidden, "status": "ok", "detail": ""}
+    row = {
+        "model": kind,
+        "policy": policy,
+        "batch": a.batch,
+        "seq": a.seq,
+        "layers": a.layers,
+        "hidden": a.hidden,
+        "status": "ok",
+        "detail": "",
+    }
     backend = "inductor" if cuda else "aot_eager"
     if policy.startswith("compile_budget_") or "compile_budget" in policy:
         import torch._functorch.config as fconfig
@@ -168,6 +190,7 @@ def run_policy(job: dict) -> dict:
     session = None
     forward_ctx = contextlib.nullcontext
     if policy == "save_on_cpu":
+
         def forward_ctx():
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
     elif policy.startswith("torchtune"):
@@ -181,8 +204,7 @@ def run_policy(job: dict) -> dict:
         import ssdtrain
 
         budget = job.get("budget")
-        session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, verbose=False,
-                                   profile_steps=2)
+        session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, verbose=False, profile_steps=2)
         row["budget_gib"] = round(budget / GIB, 3) if budget else ""
 
     slow = policy in ("save_on_cpu", "torchtune")
@@ -240,14 +262,18 @@ def run_policy(job: dict) -> dict:
         row["calibrations"] = len(plan.calibrations)
         row["working_gib"] = round(plan.working_bytes / GIB, 3)
         # Counters of the timed steps alone (profiling and calibration steps left out).
-        d = {k: stats[k] - before[k] for k in ("prefetch_hits", "forwarded", "misses", "late_prefetches",
-                                                "throttle_waits")}
+        d = {
+            k: stats[k] - before[k]
+            for k in ("prefetch_hits", "forwarded", "misses", "late_prefetches", "throttle_waits")
+        }
         why = {k: v - before["miss_reasons"].get(k, 0) for k, v in stats["miss_reasons"].items()}
         why = ", ".join(f"{k} {v}" for k, v in sorted(why.items()) if v)
-        row["detail"] = (f"timed steps: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses "
-                         f"{d['misses']}{f' ({why})' if why else ''}, late {d['late_prefetches']}, throttle waits "
-                         f"{d['throttle_waits']}; plan calibrated {len(plan.calibrations)}x (working memory "
-                         f"{plan.working_bytes / GIB:.2f} GiB); fallbacks {stats['fallbacks']}")
+        row["detail"] = (
+            f"timed steps: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses "
+            f"{d['misses']}{f' ({why})' if why else ''}, late {d['late_prefetches']}, throttle waits "
+            f"{d['throttle_waits']}; plan calibrated {len(plan.calibrations)}x (working memory "
+            f"{plan.working_bytes / GIB:.2f} GiB); fallbacks {stats['fallbacks']}"
+        )
         row["plan_text"] = str(plan)
     return row
 
@@ -279,8 +305,9 @@ def run_determinism(job: dict) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    small = argparse.Namespace(**dict(vars(a), layers=4, hidden=64 if a.quick else 512, heads=4,
-                                      seq=min(a.seq, 512), vocab=min(a.vocab, 4096)))
+    small = argparse.Namespace(
+        **dict(vars(a), layers=4, hidden=64 if a.quick else 512, heads=4, seq=min(a.seq, 512), vocab=min(a.vocab, 4096))
+    )
     steps = 6 if a.quick else 20
     batch = 2 if a.quick else 4
     runs = {}
@@ -292,8 +319,12 @@ def run_determinism(job: dict) -> dict:
         session = contextlib.nullcontext()
         if mode == "ssdtrain":
             blocks = [n for n, _ in ssdtrain.find_blocks(model)[1]]
-            session = ssdtrain.offload(model, min_bytes="16K", verbose=False, overrides={
-                blocks[0]: "recompute+host", blocks[1]: "cheap+nvme", blocks[2]: "host", blocks[3]: "cheap"})
+            session = ssdtrain.offload(
+                model,
+                min_bytes="16K",
+                verbose=False,
+                overrides={blocks[0]: "recompute+host", blocks[1]: "cheap+nvme", blocks[2]: "host", blocks[3]: "cheap"},
+            )
         torch.manual_seed(5)  # the same dropout masks in both runs
         losses, first = [], None
         with session:
@@ -305,20 +336,33 @@ def run_determinism(job: dict) -> dict:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
-        runs[mode] = (losses, first, {n: p.detach().clone() for n, p in model.named_parameters()},
-                      session.stats() if mode == "ssdtrain" else None)
+        runs[mode] = (
+            losses,
+            first,
+            {n: p.detach().clone() for n, p in model.named_parameters()},
+            session.stats() if mode == "ssdtrain" else None,
+        )
     (l0, g0, w0, _), (l1, g1, w1, stats) = runs["keep"], runs["ssdtrain"]
     lc, gc, wc, _ = runs["keep again"]
     control = lc == l0 and all(torch.equal(g0[k], gc[k]) for k in g0) and all(torch.equal(w0[k], wc[k]) for k in w0)
     same_losses = l0 == l1
     same_grads = all(torch.equal(g0[k], g1[k]) for k in g0)
     same_weights = all(torch.equal(w0[k], w1[k]) for k in w0)
-    return {"model": "gpt2-small-fp32", "policy": "determinism", "status": "ok",
-            "detail": (f"{steps} steps: losses equal {same_losses}, step-1 gradients bit-identical {same_grads}, final "
-                       f"weights bit-identical {same_weights} (control, keep twice: identical {control}); ssdtrain "
-                       f"moved {stats['bytes_offloaded']} bytes, recomputed {stats['recomputed_modules']} modules"),
-            "losses": l1, "keep_losses": l0, "same_losses": same_losses, "same_grads": same_grads,
-            "same_weights": same_weights}
+    return {
+        "model": "gpt2-small-fp32",
+        "policy": "determinism",
+        "status": "ok",
+        "detail": (
+            f"{steps} steps: losses equal {same_losses}, step-1 gradients bit-identical {same_grads}, final "
+            f"weights bit-identical {same_weights} (control, keep twice: identical {control}); ssdtrain "
+            f"moved {stats['bytes_offloaded']} bytes, recomputed {stats['recomputed_modules']} modules"
+        ),
+        "losses": l1,
+        "keep_losses": l0,
+        "same_losses": same_losses,
+        "same_grads": same_grads,
+        "same_weights": same_weights,
+    }
 
 
 def _child(job, conn):
@@ -326,8 +370,13 @@ def _child(job, conn):
         fn = run_determinism if job["policy"] == "determinism" else run_policy
         result = fn(job)
     except Exception as e:  # noqa: BLE001 - reported as a row, the benchmark goes on
-        result = {"model": job["model"], "policy": job["policy"], "status": "error",
-                  "detail": f"{type(e).__name__}: {e}"[:300], "traceback": traceback.format_exc()[-2000:]}
+        result = {
+            "model": job["model"],
+            "policy": job["policy"],
+            "status": "error",
+            "detail": f"{type(e).__name__}: {e}"[:300],
+            "traceback": traceback.format_exc()[-2000:],
+        }
     conn.send(result)
     conn.close()
 
@@ -350,9 +399,12 @@ def run_child(job: dict, timeout: float) -> dict:
         p.kill()
         p.join()
     if result is None:
-        result = {"model": job["model"], "policy": job["policy"],
-                  "status": "timeout" if time.perf_counter() - t0 >= timeout else "crashed",
-                  "detail": f"exit code {p.exitcode}"}
+        result = {
+            "model": job["model"],
+            "policy": job["policy"],
+            "status": "timeout" if time.perf_counter() - t0 >= timeout else "crashed",
+            "detail": f"exit code {p.exitcode}",
+        }
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
 
@@ -379,18 +431,35 @@ def plan_jobs(a) -> list[tuple]:
     first, *others = a.models
     # Every baseline the targets compare with first (an ssdtrain row at "<policy>*x" needs that policy's peak),
     # then ssdtrain at the targets' memory levels, target (4), the second model, and the extras.
-    jobs = [(first, "keep", None), (first, "recompute", None), (first, "compile", None),
-            (first, "compile_budget_0.5", None), (first, "compile_budget_0.2", None), (first, "save_on_cpu", None),
-            (first, "torchtune", None), (first, "torchtune_recompute", None),
-            (first, "ssdtrain", "keep*0.5"), (first, "ssdtrain+compile", "keep*0.5"),
-            (first, "ssdtrain", "recompute*1.2"), (first, "ssdtrain", "save_on_cpu*1.0")]
+    jobs = [
+        (first, "keep", None),
+        (first, "recompute", None),
+        (first, "compile", None),
+        (first, "compile_budget_0.5", None),
+        (first, "compile_budget_0.2", None),
+        (first, "save_on_cpu", None),
+        (first, "torchtune", None),
+        (first, "torchtune_recompute", None),
+        (first, "ssdtrain", "keep*0.5"),
+        (first, "ssdtrain+compile", "keep*0.5"),
+        (first, "ssdtrain", "recompute*1.2"),
+        (first, "ssdtrain", "save_on_cpu*1.0"),
+    ]
     if a.oom_batch:
         jobs += [(first, "keep", "oom"), (first, "ssdtrain", "oom")]
     for kind in others:
-        jobs += [(kind, "keep", None), (kind, "recompute", None), (kind, "ssdtrain", "keep*0.5"),
-                 (kind, "ssdtrain", "recompute*1.2")]
-    jobs += [("gpt2", "determinism", None), (first, "ssdtrain+compile", "compile_budget_0.5*1.0"),
-             (first, "ssdtrain", "keep*0.35"), (first, "ssdtrain", "none")]
+        jobs += [
+            (kind, "keep", None),
+            (kind, "recompute", None),
+            (kind, "ssdtrain", "keep*0.5"),
+            (kind, "ssdtrain", "recompute*1.2"),
+        ]
+    jobs += [
+        ("gpt2", "determinism", None),
+        (first, "ssdtrain+compile", "compile_budget_0.5*1.0"),
+        (first, "ssdtrain", "keep*0.35"),
+        (first, "ssdtrain", "none"),
+    ]
     if a.no_determinism:
         jobs = [j for j in jobs if j[1] != "determinism"]
     if a.device != "cuda":  # no measured peaks: ssdtrain@none's prediction sets the budgets, so it runs first
@@ -415,16 +484,24 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (ssdtrain adds its 2 profiling steps)")
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps of save_on_cpu and torchtune (~3 s each)")
-    p.add_argument("--slow-warmup", type=int, default=1,
-                   help="their warm-up steps (the first pins host memory; the next ones run on the cached pinned pool)")
+    p.add_argument(
+        "--slow-warmup",
+        type=int,
+        default=1,
+        help="their warm-up steps (the first pins host memory; the next ones run on the cached pinned pool)",
+    )
     p.add_argument("--min-bytes", default="1M", help="ssdtrain's min_bytes")
     p.add_argument("--policies", default="", help="comma-separated subset, e.g. keep,recompute,ssdtrain@keep*0.5")
     p.add_argument("--oom-batch", type=int, default=-1, help="target (4): a batch that OOMs with keep (0: skip)")
     p.add_argument("--no-determinism", action="store_true", help="skip target (5)")
     p.add_argument("--deadline", type=float, default=0, help="seconds; jobs that would start later are skipped")
     p.add_argument("--child-timeout", type=float, default=240)
-    p.add_argument("--hard-end", type=float, default=0,
-                   help="seconds; a job still running then is stopped (its row says timeout), so the run ends by then")
+    p.add_argument(
+        "--hard-end",
+        type=float,
+        default=0,
+        help="seconds; a job still running then is stopped (its row says timeout), so the run ends by then",
+    )
     p.add_argument("--csv")
     p.add_argument("--png")
     p.add_argument("--json")
@@ -448,10 +525,13 @@ def main(argv=None) -> int:
     args = {k: v for k, v in vars(a).items() if k not in ("csv", "png", "json", "policies")}
     wanted = {s for s in a.policies.split(",") if s}
 
-    print(f"# ssdtrain LLM benchmark: {a.device}, {a.dtype}, {a.layers} layers x {a.hidden}, batch {a.batch} x "
-          f"{a.seq}, models {','.join(a.models)}; {a.warmup} warm-up + {a.steps} timed steps "
-          f"({a.slow_warmup} + {a.slow_steps} for save_on_cpu/torchtune; ssdtrain adds its profiling and calibration "
-          "steps to the warm-up)", flush=True)
+    print(
+        f"# ssdtrain LLM benchmark: {a.device}, {a.dtype}, {a.layers} layers x {a.hidden}, batch {a.batch} x "
+        f"{a.seq}, models {','.join(a.models)}; {a.warmup} warm-up + {a.steps} timed steps "
+        f"({a.slow_warmup} + {a.slow_steps} for save_on_cpu/torchtune; ssdtrain adds its profiling and calibration "
+        "steps to the warm-up)",
+        flush=True,
+    )
     rows: dict[str, dict] = {}
     results = []
     for kind, policy, spec in plan_jobs(a):
@@ -460,8 +540,9 @@ def main(argv=None) -> int:
             continue
         elapsed = time.perf_counter() - start
         if a.deadline and elapsed > a.deadline:
-            results.append({"model": kind, "policy": name, "status": "skipped",
-                            "detail": f"deadline {a.deadline:.0f} s reached"})
+            results.append(
+                {"model": kind, "policy": name, "status": "skipped", "detail": f"deadline {a.deadline:.0f} s reached"}
+            )
             continue
         job_args = dict(args)
         budget = None
@@ -471,15 +552,22 @@ def main(argv=None) -> int:
         elif spec is not None:
             budget = budget_of(spec, {k.split("/", 1)[1]: v for k, v in rows.items() if k.startswith(kind + "/")})
             if budget == -1:
-                results.append({"model": kind, "policy": name, "status": "skipped",
-                                "detail": f"no measured peak for {spec}"})
+                results.append(
+                    {"model": kind, "policy": name, "status": "skipped", "detail": f"no measured peak for {spec}"}
+                )
                 continue
         job = {"model": kind, "policy": policy, "budget": budget, "args": job_args}
         timeout = a.child_timeout
         if a.hard_end:
             if a.hard_end - elapsed < 20:
-                results.append({"model": kind, "policy": name, "status": "skipped",
-                                "detail": f"hard end {a.hard_end:.0f} s reached"})
+                results.append(
+                    {
+                        "model": kind,
+                        "policy": name,
+                        "status": "skipped",
+                        "detail": f"hard end {a.hard_end:.0f} s reached",
+                    }
+                )
                 continue
             timeout = min(timeout, a.hard_end - elapsed)
         result = run_child(job, timeout)
@@ -509,18 +597,38 @@ def main(argv=None) -> int:
 
 
 def _print_row(r):
-    print(f"  {r['model']:<6} {r['policy']:<34} {r['status']:<8} "
-          f"{_fmt(r.get('step_ms'), '{:9.1f} ms')} {_fmt(r.get('peak_gib'), '{:7.2f} GiB')}  "
-          f"{r.get('plan', '')} [{r.get('wall_s', '')} s] {r.get('detail', '')[:160]}", flush=True)
+    print(
+        f"  {r['model']:<6} {r['policy']:<34} {r['status']:<8} "
+        f"{_fmt(r.get('step_ms'), '{:9.1f} ms')} {_fmt(r.get('peak_gib'), '{:7.2f} GiB')}  "
+        f"{r.get('plan', '')} [{r.get('wall_s', '')} s] {r.get('detail', '')[:160]}",
+        flush=True,
+    )
 
 
 def _fmt(v, f):
     return f.format(v) if isinstance(v, (int, float)) else " " * len(f.format(0))
 
 
-COLUMNS = ["model", "policy", "status", "step_ms", "x_keep_time", "peak_gib", "x_keep_peak", "budget_gib",
-           "predicted_ms", "predicted_peak_gib", "host_gib", "calibrations", "working_gib", "plan", "batch", "seq",
-           "wall_s", "detail"]
+COLUMNS = [
+    "model",
+    "policy",
+    "status",
+    "step_ms",
+    "x_keep_time",
+    "peak_gib",
+    "x_keep_peak",
+    "budget_gib",
+    "predicted_ms",
+    "predicted_peak_gib",
+    "host_gib",
+    "calibrations",
+    "working_gib",
+    "plan",
+    "batch",
+    "seq",
+    "wall_s",
+    "detail",
+]
 
 
 def _ratios(results):
@@ -535,15 +643,19 @@ def _ratios(results):
 
 def format_table(results) -> str:
     _ratios(results)
-    head = (f"{'model':<6} {'policy':<34} {'status':<8} {'step ms':>9} {'x keep':>7} {'act. peak GiB':>13} "
-            f"{'x keep':>7} {'budget':>7} {'pred ms':>8} {'pred GiB':>8}  plan")
+    head = (
+        f"{'model':<6} {'policy':<34} {'status':<8} {'step ms':>9} {'x keep':>7} {'act. peak GiB':>13} "
+        f"{'x keep':>7} {'budget':>7} {'pred ms':>8} {'pred GiB':>8}  plan"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r['model']:<6} {r['policy']:<34} {r['status']:<8} {_fmt(r.get('step_ms'), '{:9.1f}')} "
-                     f"{_fmt(r.get('x_keep_time'), '{:7.2f}')} {_fmt(r.get('peak_gib'), '{:13.2f}')} "
-                     f"{_fmt(r.get('x_keep_peak'), '{:7.2f}')} {_fmt(r.get('budget_gib'), '{:7.2f}')} "
-                     f"{_fmt(r.get('predicted_ms'), '{:8.1f}')} {_fmt(r.get('predicted_peak_gib'), '{:8.2f}')}  "
-                     f"{r.get('plan', '') or r.get('detail', '')[:100]}")
+        lines.append(
+            f"{r['model']:<6} {r['policy']:<34} {r['status']:<8} {_fmt(r.get('step_ms'), '{:9.1f}')} "
+            f"{_fmt(r.get('x_keep_time'), '{:7.2f}')} {_fmt(r.get('peak_gib'), '{:13.2f}')} "
+            f"{_fmt(r.get('x_keep_peak'), '{:7.2f}')} {_fmt(r.get('budget_gib'), '{:7.2f}')} "
+            f"{_fmt(r.get('predicted_ms'), '{:8.1f}')} {_fmt(r.get('predicted_peak_gib'), '{:8.2f}')}  "
+            f"{r.get('plan', '') or r.get('detail', '')[:100]}"
+        )
     return "\n".join(lines)
 
 
@@ -569,46 +681,74 @@ def targets(results, a) -> list[str]:
     _ratios(results)
     for model in a.models:
         keep, rec = _ok(results, model, "keep"), _ok(results, model, "recompute")
-        ssd = [r for r in results if r["model"] == model and r["policy"].startswith("ssdtrain") and
-               r["status"] == "ok" and r.get("peak_gib") not in (None, "") and r.get("batch") == a.batch]
+        ssd = [
+            r
+            for r in results
+            if r["model"] == model
+            and r["policy"].startswith("ssdtrain")
+            and r["status"] == "ok"
+            and r.get("peak_gib") not in (None, "")
+            and r.get("batch") == a.batch
+        ]
         if keep and ssd:
             fit = [r for r in ssd if r["peak_gib"] <= 0.5 * keep["peak_gib"]]
             best = min(fit, key=lambda r: r["step_ms"]) if fit else None
-            out.append(_verdict(f"(1) {model}: peak <= 0.5x keep ({0.5 * keep['peak_gib']:.2f} GiB), time <= 1.05x "
-                                f"keep ({1.05 * keep['step_ms']:.1f} ms)", best,
-                                best is not None and best["step_ms"] <= 1.05 * keep["step_ms"]))
-            comp = [r for r in results if r["model"] == model and r["policy"].startswith("compile_budget")
-                    and r["status"] == "ok"]
+            out.append(
+                _verdict(
+                    f"(1) {model}: peak <= 0.5x keep ({0.5 * keep['peak_gib']:.2f} GiB), time <= 1.05x "
+                    f"keep ({1.05 * keep['step_ms']:.1f} ms)",
+                    best,
+                    best is not None and best["step_ms"] <= 1.05 * keep["step_ms"],
+                )
+            )
+            comp = [
+                r
+                for r in results
+                if r["model"] == model and r["policy"].startswith("compile_budget") and r["status"] == "ok"
+            ]
             for c in comp:
                 fit = [r for r in ssd if r["peak_gib"] <= c["peak_gib"]]
                 if fit:
                     b = min(fit, key=lambda r: r["step_ms"])
-                    out.append(f"    vs {c['policy']} ({c['step_ms']:.1f} ms, {c['peak_gib']:.2f} GiB): best "
-                               f"ssdtrain at <= its memory {b['policy']} {b['step_ms']:.1f} ms = "
-                               f"{c['step_ms'] / b['step_ms']:.2f}x faster (target >= 1.10x)")
+                    out.append(
+                        f"    vs {c['policy']} ({c['step_ms']:.1f} ms, {c['peak_gib']:.2f} GiB): best "
+                        f"ssdtrain at <= its memory {b['policy']} {b['step_ms']:.1f} ms = "
+                        f"{c['step_ms'] / b['step_ms']:.2f}x faster (target >= 1.10x)"
+                    )
         if rec and ssd:
             fit = [r for r in ssd if r["peak_gib"] <= 1.2 * rec["peak_gib"]]
             best = min(fit, key=lambda r: r["step_ms"]) if fit else None
-            out.append(_verdict(f"(2) {model}: peak <= 1.2x recompute ({1.2 * rec['peak_gib']:.2f} GiB), time <= "
-                                f"0.95x recompute ({0.95 * rec['step_ms']:.1f} ms)", best,
-                                best is not None and best["step_ms"] <= 0.95 * rec["step_ms"]))
+            out.append(
+                _verdict(
+                    f"(2) {model}: peak <= 1.2x recompute ({1.2 * rec['peak_gib']:.2f} GiB), time <= "
+                    f"0.95x recompute ({0.95 * rec['step_ms']:.1f} ms)",
+                    best,
+                    best is not None and best["step_ms"] <= 0.95 * rec["step_ms"],
+                )
+            )
         for slow in ("save_on_cpu", "torchtune"):
             s = _ok(results, model, slow)
             if s and ssd:
                 fit = [r for r in ssd if r["peak_gib"] <= s["peak_gib"] * 1.05]
                 best = min(fit, key=lambda r: r["step_ms"]) if fit else None
-                out.append(_verdict(f"(3) {model}: >= 5x faster than {slow} ({s['step_ms']:.0f} ms, "
-                                    f"{s['peak_gib']:.2f} GiB) at equal memory (<= 1.05x its peak)", best,
-                                    best is not None and s["step_ms"] / best["step_ms"] >= 5,
-                                    extra=(f" = {s['step_ms'] / best['step_ms']:.1f}x" if best else "")))
+                out.append(
+                    _verdict(
+                        f"(3) {model}: >= 5x faster than {slow} ({s['step_ms']:.0f} ms, "
+                        f"{s['peak_gib']:.2f} GiB) at equal memory (<= 1.05x its peak)",
+                        best,
+                        best is not None and s["step_ms"] / best["step_ms"] >= 5,
+                        extra=(f" = {s['step_ms'] / best['step_ms']:.1f}x" if best else ""),
+                    )
+                )
     oom_keep = [r for r in results if r["policy"].startswith("keep (batch")]
     oom_ssd = [r for r in results if r["policy"].startswith("ssdtrain (batch")]
     if oom_keep and oom_ssd:
         k, s = oom_keep[0], oom_ssd[0]
         got = f" ({s.get('step_ms')} ms, {s.get('peak_gib')} GiB)" if s["status"] == "ok" else ""
         met = k["status"] == "oom" and s["status"] == "ok"
-        out.append(f"(4) batch {a.oom_batch}: keep {k['status']}, ssdtrain {s['status']}{got} -> "
-                   f"{'MET' if met else 'MISSED'}")
+        out.append(
+            f"(4) batch {a.oom_batch}: keep {k['status']}, ssdtrain {s['status']}{got} -> {'MET' if met else 'MISSED'}"
+        )
     det = [r for r in results if r["policy"] == "determinism"]
     if det:
         d = det[0]
@@ -620,8 +760,10 @@ def targets(results, a) -> list[str]:
 def _verdict(what, best, met, extra=""):
     if best is None:
         return f"{what}: no ssdtrain run at that memory -> MISSED"
-    return (f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
-            f"{best['peak_gib']:.2f} GiB{extra} -> {'MET' if met else 'MISSED'}")
+    return (
+        f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
+        f"{best['peak_gib']:.2f} GiB{extra} -> {'MET' if met else 'MISSED'}"
+    )
 
 
 def plot(path, results, a):
@@ -635,8 +777,11 @@ def plot(path, results, a):
         models = a.models[:1]
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        rows = [r for r in results if r["model"] == model and r["status"] == "ok" and r.get("step_ms")
-                and r.get("batch") == a.batch]
+        rows = [
+            r
+            for r in results
+            if r["model"] == model and r["status"] == "ok" and r.get("step_ms") and r.get("batch") == a.batch
+        ]
         if rows and all(math.isnan(_num(r.get("peak_gib"))) for r in rows):
             # No device memory to measure (CPU): policies side by side instead.
             ax.bar(range(len(rows)), [r["step_ms"] for r in rows], color="C0")
@@ -644,14 +789,26 @@ def plot(path, results, a):
             ax.set_ylabel("step time (ms)")
             ax.set_title(f"{model} on {a.device}: no activation peak measured")
             continue
-        ssd = sorted([r for r in rows if r["policy"].startswith("ssdtrain") and "compile" not in r["policy"]],
-                     key=lambda r: _num(r.get("peak_gib")))
+        ssd = sorted(
+            [r for r in rows if r["policy"].startswith("ssdtrain") and "compile" not in r["policy"]],
+            key=lambda r: _num(r.get("peak_gib")),
+        )
         if ssd:
-            ax.plot([_num(r.get("peak_gib")) for r in ssd], [r["step_ms"] for r in ssd], "o-", color="C0",
-                    label="ssdtrain (budget sweep)")
+            ax.plot(
+                [_num(r.get("peak_gib")) for r in ssd],
+                [r["step_ms"] for r in ssd],
+                "o-",
+                color="C0",
+                label="ssdtrain (budget sweep)",
+            )
         for i, r in enumerate(x for x in rows if not x["policy"].startswith("ssdtrain") or "compile" in x["policy"]):
-            ax.scatter([_num(r.get("peak_gib"))], [r["step_ms"]], marker="s^vD<>xP*"[i % 9], color=f"C{i % 9 + 1}",
-                       label=r["policy"])
+            ax.scatter(
+                [_num(r.get("peak_gib"))],
+                [r["step_ms"]],
+                marker="s^vD<>xP*"[i % 9],
+                color=f"C{i % 9 + 1}",
+                label=r["policy"],
+            )
         for r in ssd:
             ax.annotate(r["policy"].split("@", 1)[-1], (_num(r.get("peak_gib")), r["step_ms"]), fontsize=7)
         ax.set_xlabel("activation peak (GiB)" if a.device == "cuda" else "activation peak (not measured on CPU)")

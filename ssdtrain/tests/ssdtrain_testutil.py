@@ -17,8 +17,10 @@ def mounted_tmpfs(path, size: str, options: str = ""):
     opts = f"size={size}" + (f",{options}" if options else "")
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); "
-                    "the fault-injection tests cover this case")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); "
+            "the fault-injection tests cover this case"
+        )
     try:
         yield path
     finally:

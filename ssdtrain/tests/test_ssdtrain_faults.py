@@ -90,15 +90,15 @@ def test_tmpfs_directory_works(backend):
 
 def test_file_system_without_o_direct_and_direct_on_raises(tmp_path, backend):
     with pytest.raises(OSError) as info:
-        ssdtrain.Engine([tmp_path], backend=backend, capacity_per_directory="16M", direct="on",
-                        _fault=("direct", 0, 0))
+        ssdtrain.Engine([tmp_path], backend=backend, capacity_per_directory="16M", direct="on", _fault=("direct", 0, 0))
     assert info.value.errno == errno.EINVAL
     assert "O_DIRECT" in str(info.value) and "direct='auto'" in str(info.value)
 
 
 def test_file_system_without_o_direct_falls_back_in_auto(tmp_path, backend):
-    with ssdtrain.Engine([tmp_path], backend=backend, capacity_per_directory="16M", direct="auto",
-                         _fault=("direct", 0, 0)) as engine:
+    with ssdtrain.Engine(
+        [tmp_path], backend=backend, capacity_per_directory="16M", direct="auto", _fault=("direct", 0, 0)
+    ) as engine:
         assert engine.directories()[0]["direct"] is False
         raw = torch.empty(300_002, dtype=torch.uint8)
         src = raw[2:].copy_(random_tensor(300_000))

@@ -121,8 +121,13 @@ def test_cuda_checksum_mismatch(gpu_engine):
 
 
 def test_cuda_write_fault(tmp_path):
-    with ssdtrain.Engine([tmp_path], backend="threads", capacity_per_directory="64M", block_size="64K",
-                         _fault=("write", errno.EIO, 65536)) as engine:
+    with ssdtrain.Engine(
+        [tmp_path],
+        backend="threads",
+        capacity_per_directory="64M",
+        block_size="64K",
+        _fault=("write", errno.EIO, 65536),
+    ) as engine:
         fut = engine.write(torch.ones(1 << 20, dtype=torch.uint8, device="cuda"))
         with pytest.raises(OSError) as info:
             fut.result(timeout=60)

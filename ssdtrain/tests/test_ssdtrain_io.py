@@ -129,8 +129,9 @@ def test_striping_over_directories(tmp_path, backend):
     dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
     for d in dirs:
         d.mkdir()
-    with ssdtrain.Engine(dirs, backend=backend, capacity_per_directory="64M", block_size="64K",
-                         stripe_threshold="256K", checksum=True) as engine:
+    with ssdtrain.Engine(
+        dirs, backend=backend, capacity_per_directory="64M", block_size="64K", stripe_threshold="256K", checksum=True
+    ) as engine:
         big = random_tensor(3_000_001, seed=3)
         handle = engine.write(big).result()
         used = [d["bytes_in_use"] for d in engine.directories()]
@@ -244,13 +245,16 @@ def test_info_reports_backends():
 
 
 @pytest.mark.parametrize("nbytes", [4096, (1 << 20) + 4096, (3 << 20) + 17])
-@pytest.mark.parametrize(("memory", "stage_host", "staged"), [
-    ("torch", "auto", True),   # scattered 4 KiB pages: copied through the huge-page staging buffers
-    ("torch", "off", False),   # moved from its own pages (page-aligned whole pages)
-    ("torch", "on", True),
-    ("huge", "auto", False),   # huge_empty(): physically contiguous already, moved in place
-    ("huge", "on", True),
-])
+@pytest.mark.parametrize(
+    ("memory", "stage_host", "staged"),
+    [
+        ("torch", "auto", True),  # scattered 4 KiB pages: copied through the huge-page staging buffers
+        ("torch", "off", False),  # moved from its own pages (page-aligned whole pages)
+        ("torch", "on", True),
+        ("huge", "auto", False),  # huge_empty(): physically contiguous already, moved in place
+        ("huge", "on", True),
+    ],
+)
 def test_stage_host_paths(engine_factory, backend, nbytes, memory, stage_host, staged):
     engine = engine_factory(backend=backend, stage_host=stage_host, checksum=True)
     direct = engine.directories()[0]["direct"]

@@ -18,9 +18,29 @@ def test_llm_benchmark_quick(tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "llm.csv", tmp_path / "rok.png"
     policies = "keep,recompute,save_on_cpu,compile_budget_0.5,torchtune,ssdtrain@none,ssdtrain@keep*0.5,determinism"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--device", "cpu", "--models", "gpt2",
-                           "--policies", policies, "--csv", str(out), "--png", str(png), "--child-timeout", "300"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--device",
+            "cpu",
+            "--models",
+            "gpt2",
+            "--policies",
+            policies,
+            "--csv",
+            str(out),
+            "--png",
+            str(png),
+            "--child-timeout",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     text = proc.stdout
     assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
     rows = {r["policy"]: r for r in csv.DictReader(out.open())}

@@ -128,8 +128,9 @@ def test_plain_module_gradients_identical_under_budgets(fraction, tmp_path):
         assert any(c != Choice() for c in session.plan.choices)
 
 
-@pytest.mark.parametrize("choice", ["keep", "host", "nvme", "recompute", "cheap", "recompute+host", "cheap+nvme",
-                                    "recompute+nvme"])
+@pytest.mark.parametrize(
+    "choice", ["keep", "host", "nvme", "recompute", "cheap", "recompute+host", "cheap+nvme", "recompute+nvme"]
+)
 def test_every_choice_gives_identical_gradients(choice, tmp_path):
     model, ids = make_net(seed=3, layers=3, width=40), batch(seed=4)
     want_loss, want = reference(model, ids)
@@ -163,8 +164,9 @@ def test_views_of_one_storage_are_stored_once():
     m = M()
     ref = copy.deepcopy(m)
     ref(x).backward()
-    with ssdtrain.offload(m, min_bytes=1, overrides={"lin": "host", "<head>": "host"}, profile_steps=1,
-                          verbose=False) as s:
+    with ssdtrain.offload(
+        m, min_bytes=1, overrides={"lin": "host", "<head>": "host"}, profile_steps=1, verbose=False
+    ) as s:
         for _ in range(3):  # a profiling step (everything kept on a CPU), then two planned steps
             m.zero_grad()
             m(x).backward()
@@ -182,8 +184,7 @@ def test_parameters_and_their_casts_and_transposes_stay():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     x = torch.randn(4, 256, requires_grad=True)
-    with ssdtrain.offload(m, min_bytes=1, overrides={"0": "host", "1": "host"}, profile_steps=1,
-                          verbose=False) as s:
+    with ssdtrain.offload(m, min_bytes=1, overrides={"0": "host", "1": "host"}, profile_steps=1, verbose=False) as s:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             m(x).float().sum().backward()
     stats = s.stats()
@@ -194,17 +195,21 @@ def test_parameters_and_their_casts_and_transposes_stay():
 
 def test_small_tensors_stay_on_device():
     model, ids = make_net(layers=2, width=16), batch(shape=(2, 8))
-    _, _, session = run(model, ids, min_bytes="1M", overrides={"blocks.0": "host", "blocks.1": "host"},
-                        profile_steps=1)
+    _, _, session = run(model, ids, min_bytes="1M", overrides={"blocks.0": "host", "blocks.1": "host"}, profile_steps=1)
     assert session.stats()["bytes_offloaded"]["host"] == 0
 
 
 def test_memory_and_disk_return_as_backward_uses_them(tmp_path):
     model, ids = make_net(layers=4), batch()
     seen = []
-    with ssdtrain.offload(model, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1,
-                          overrides={"blocks.0": "nvme", "blocks.1": "nvme", "blocks.2": "host",
-                                     "blocks.3": "host"}) as s:
+    with ssdtrain.offload(
+        model,
+        min_bytes="4K",
+        directories=[str(tmp_path)],
+        verbose=False,
+        profile_steps=1,
+        overrides={"blocks.0": "nvme", "blocks.1": "nvme", "blocks.2": "host", "blocks.3": "host"},
+    ) as s:
         model(ids).backward()  # profile
         model.zero_grad()
         x = model.embed(ids)
@@ -257,8 +262,9 @@ def test_dtypes(dtype):
     model = make_net(layers=3, width=32).to(dtype)
     ids = batch()
     want_loss, want = reference(model, ids)
-    loss, got, _ = run(model, ids, overrides={"blocks.0": "host", "blocks.1": "recompute+host", "blocks.2": "cheap"},
-                       profile_steps=1)
+    loss, got, _ = run(
+        model, ids, overrides={"blocks.0": "host", "blocks.1": "recompute+host", "blocks.2": "cheap"}, profile_steps=1
+    )
     assert torch.equal(loss, want_loss)
     assert_same_grads(got, want)
 
@@ -297,14 +303,39 @@ def test_torch_compile_model():
 # ------------------------------------------------------------------------------------------------ Hugging Face
 def _hf_models():
     transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=211,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    llama = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=176,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
-                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
-    bert = transformers.BertConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=160,
-                                   num_attention_heads=4, vocab_size=211, max_position_embeddings=64,
-                                   hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    gpt2 = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        vocab_size=211,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    llama = transformers.LlamaConfig(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=211,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    bert = transformers.BertConfig(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=160,
+        num_attention_heads=4,
+        vocab_size=211,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     return {
         "gpt2": (transformers.GPT2LMHeadModel, gpt2, "transformer.h"),
         "llama": (transformers.LlamaForCausalLM, llama, "model.layers"),
@@ -332,8 +363,9 @@ def test_hugging_face_models(name, attn, tmp_path):
     want = grads(ref)
     blocks = [f"{container}.{i}" for i in range(3)]
     overrides = {blocks[0]: "recompute+host", blocks[1]: "cheap+nvme", blocks[2]: "host"}
-    with ssdtrain.offload(model, min_bytes="2K", overrides=overrides, directories=[str(tmp_path)],
-                          verbose=False, profile_steps=1) as s:
+    with ssdtrain.offload(
+        model, min_bytes="2K", overrides=overrides, directories=[str(tmp_path)], verbose=False, profile_steps=1
+    ) as s:
         for _ in range(2):
             model.zero_grad()
             loss = step(model)
@@ -384,8 +416,19 @@ def test_hugging_face_budget_plan_and_minimum():
 # ------------------------------------------------------------------------------------------------ planner
 def _units(n=6, fwd=0.01, saved=100 * MIB, cheap=40 * MIB):
     units = [UnitProfile("<stem>", "stem", forward_s=fwd / 10, saved_bytes=MIB)]
-    units += [UnitProfile(f"b.{i}", "block", forward_s=fwd, saved_bytes=saved, input_bytes=8 * MIB,
-                          cheap_bytes=cheap, cheap_s=fwd / 20, cheap_modules=["act"]) for i in range(n)]
+    units += [
+        UnitProfile(
+            f"b.{i}",
+            "block",
+            forward_s=fwd,
+            saved_bytes=saved,
+            input_bytes=8 * MIB,
+            cheap_bytes=cheap,
+            cheap_s=fwd / 20,
+            cheap_modules=["act"],
+        )
+        for i in range(n)
+    ]
     units.append(UnitProfile("<head>", "head", forward_s=fwd / 2, saved_bytes=20 * MIB))
     return units
 
@@ -508,8 +551,9 @@ def test_host_pool_full_falls_back_to_nvme_then_device(tmp_path):
     want_loss, want = reference(model, ids)
     overrides = {f"blocks.{i}": "host" for i in range(4)}
     with pytest.warns(ssdtrain.OffloadWarning, match="host memory pool is full"):
-        loss, got, s = run(model, ids, overrides=overrides, host_memory="64K", directories=[str(tmp_path)],
-                           profile_steps=1)
+        loss, got, s = run(
+            model, ids, overrides=overrides, host_memory="64K", directories=[str(tmp_path)], profile_steps=1
+        )
     assert torch.equal(loss, want_loss)
     assert_same_grads(got, want)
     assert s.stats()["bytes_offloaded"]["nvme"] > 0 and s.stats()["fallbacks"]["host_full"] > 0
@@ -525,8 +569,9 @@ def test_disk_full_keeps_data_in_host_memory(tmp_path):
     want_loss, want = reference(model, ids)
     overrides = {f"blocks.{i}": "nvme" for i in range(4)}
     with pytest.warns(ssdtrain.OffloadWarning, match="NVMe tier is full"):
-        loss, got, s = run(model, ids, overrides=overrides, nvme_memory="64K", directories=[str(tmp_path)],
-                           profile_steps=1)
+        loss, got, s = run(
+            model, ids, overrides=overrides, nvme_memory="64K", directories=[str(tmp_path)], profile_steps=1
+        )
     assert torch.equal(loss, want_loss)
     assert_same_grads(got, want)
     assert s.stats()["fallbacks"]["nvme_full"] > 0
@@ -541,14 +586,16 @@ def test_full_raises_when_asked():
 def _faulty_engine(session, tmp_path, op, code, after=0):
     def make():
         return ssd_io.Engine([str(tmp_path)], capacity_per_directory="256M", _fault=(op, code, after))
+
     session.cache._engine_factory = make
 
 
 def test_nvme_write_error_keeps_host_copy_and_exact_gradients(tmp_path):
     model, ids = make_net(), batch()
     want_loss, want = reference(model, ids)
-    s = ssdtrain.offload(model, overrides={f"blocks.{i}": "nvme" for i in range(4)}, min_bytes="4K",
-                         verbose=False, profile_steps=1)
+    s = ssdtrain.offload(
+        model, overrides={f"blocks.{i}": "nvme" for i in range(4)}, min_bytes="4K", verbose=False, profile_steps=1
+    )
     _faulty_engine(s, tmp_path, "write", errno.EIO)
     with pytest.warns(ssdtrain.OffloadWarning, match="NVMe write failed"), s:
         for _ in range(2):
@@ -562,8 +609,9 @@ def test_nvme_write_error_keeps_host_copy_and_exact_gradients(tmp_path):
 
 def test_nvme_read_error_raises_never_a_wrong_gradient(tmp_path):
     model, ids = make_net(), batch()
-    s = ssdtrain.offload(model, overrides={f"blocks.{i}": "nvme" for i in range(4)}, min_bytes="4K",
-                         verbose=False, profile_steps=1)
+    s = ssdtrain.offload(
+        model, overrides={f"blocks.{i}": "nvme" for i in range(4)}, min_bytes="4K", verbose=False, profile_steps=1
+    )
     _faulty_engine(s, tmp_path, "read", errno.EIO)
     with pytest.raises(ssdtrain.OffloadError, match="reading an activation back from NVMe failed"):
         with s:
@@ -590,8 +638,9 @@ def test_exception_leaves_no_pinned_memory_files_or_threads(where, tmp_path):
     gc.collect()
     threads, native, chunks = threading.active_count(), _native_threads(), set(ssd_io._huge_ranges)
     overrides = {"blocks.0": "nvme", "blocks.1": "host", "blocks.2": "nvme", "blocks.3": "host"}
-    session = ssdtrain.offload(model, overrides=overrides, min_bytes="4K", directories=[str(tmp_path)],
-                               verbose=False, profile_steps=1)
+    session = ssdtrain.offload(
+        model, overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1
+    )
     with pytest.raises(RuntimeError, match="boom"):
         with session:
             model(ids).backward()
@@ -617,8 +666,7 @@ def test_exception_leaves_no_pinned_memory_files_or_threads(where, tmp_path):
 def test_exit_without_backward_keeps_activations_valid():
     model, ids = make_net(), batch()
     want_loss, want = reference(model, ids)
-    with ssdtrain.offload(model, overrides={"blocks.1": "host"}, min_bytes="4K", verbose=False,
-                          profile_steps=1):
+    with ssdtrain.offload(model, overrides={"blocks.1": "host"}, min_bytes="4K", verbose=False, profile_steps=1):
         loss = model(ids)
     loss.backward()  # after the session closed: the stored activations are still there
     assert_same_grads(grads(model), want)
@@ -628,8 +676,14 @@ def test_warns_once_per_kind():
     model, ids = make_net(), batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(model, ids, overrides={f"blocks.{i}": "host" for i in range(4)}, host_memory="4K", nvme_memory=0,
-            profile_steps=1)
+        run(
+            model,
+            ids,
+            overrides={f"blocks.{i}": "host" for i in range(4)},
+            host_memory="4K",
+            nvme_memory=0,
+            profile_steps=1,
+        )
     assert sum(issubclass(w.category, ssdtrain.OffloadWarning) for w in caught) == 1
 
 
@@ -657,8 +711,9 @@ def _ddp_worker(rank, world, init_file, out_dir):
                     model.zero_grad()
                     model(ids).backward()
             else:
-                with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False,
-                                      overrides={"module.blocks.0": "recompute+host"}) as s:
+                with ssdtrain.offload(
+                    model, "1500K", min_bytes="4K", verbose=False, overrides={"module.blocks.0": "recompute+host"}
+                ) as s:
                     for _ in range(3):
                         model.zero_grad()
                         model(ids).backward()
@@ -673,8 +728,9 @@ def _ddp_worker(rank, world, init_file, out_dir):
 def test_ddp_two_gloo_processes(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert_same_grads(r["offload"], r["plain"])
@@ -691,8 +747,13 @@ def test_alongside_hugging_face_gradient_checkpointing():
     ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
     ref = copy.deepcopy(model)
     ref(input_ids=ids, labels=ids).loss.backward()
-    with ssdtrain.offload(model, min_bytes="2K", verbose=False, profile_steps=1,
-                          overrides={"model.layers.0": "host", "model.layers.1": "host"}) as s:
+    with ssdtrain.offload(
+        model,
+        min_bytes="2K",
+        verbose=False,
+        profile_steps=1,
+        overrides={"model.layers.0": "host", "model.layers.1": "host"},
+    ) as s:
         for _ in range(2):
             model.zero_grad()
             model(input_ids=ids, labels=ids).loss.backward()
@@ -703,7 +764,7 @@ def test_alongside_hugging_face_gradient_checkpointing():
 def test_readme_examples_run(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Activation offload"):readme.index("## Writing and reading tensors")]
+    section = readme[readme.index("## Activation offload") : readme.index("## Writing and reading tensors")]
     blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
     assert len(blocks) == 2
     monkeypatch.chdir(tmp_path)

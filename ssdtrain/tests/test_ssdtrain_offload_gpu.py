@@ -30,18 +30,41 @@ def deterministic():
 def _hf(name, layers=4, hidden=256, attn="eager", dropout=0.1):
     transformers = pytest.importorskip("transformers")
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, n_positions=512, vocab_size=1000,
-                                      bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
-                                      attn_pdrop=dropout)
+        cfg = transformers.GPT2Config(
+            n_layer=layers,
+            n_embd=hidden,
+            n_head=4,
+            n_positions=512,
+            vocab_size=1000,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
         cls, container = transformers.GPT2LMHeadModel, "transformer.h"
     elif name == "llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                       max_position_embeddings=512, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            max_position_embeddings=512,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls, container = transformers.LlamaForCausalLM, "model.layers"
     else:
-        cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
-                                      num_attention_heads=4, vocab_size=1000, max_position_embeddings=512)
+        cfg = transformers.BertConfig(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_attention_heads=4,
+            vocab_size=1000,
+            max_position_embeddings=512,
+        )
         cls, container = transformers.BertForMaskedLM, "bert.encoder.layer"
     cfg._attn_implementation = attn
     torch.manual_seed(0)
@@ -68,10 +91,13 @@ def test_gradients_bit_identical_to_keep_fp32(name, tmp_path, deterministic):
     ref = copy.deepcopy(model)
     want_loss = _step(ref, ids)
     want = _grads(ref)
-    overrides = {f"{container}.0": "recompute+host", f"{container}.1": "cheap+nvme", f"{container}.2": "host",
-                 f"{container}.3": "nvme"}
-    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)],
-                          verbose=False) as s:
+    overrides = {
+        f"{container}.0": "recompute+host",
+        f"{container}.1": "cheap+nvme",
+        f"{container}.2": "host",
+        f"{container}.3": "nvme",
+    }
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)], verbose=False) as s:
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             loss = _step(model, ids)
@@ -157,8 +183,9 @@ def test_exception_in_backward_on_gpu_releases_everything(tmp_path):
         def backward(ctx, g):
             raise RuntimeError("boom")
 
-    session = ssdtrain.offload(model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)],
-                               verbose=False, profile_steps=1)
+    session = ssdtrain.offload(
+        model, overrides=overrides, min_bytes="64K", directories=[str(tmp_path)], verbose=False, profile_steps=1
+    )
 
     def run():
         with session:

@@ -27,12 +27,26 @@ import weakref
 import torch
 
 # Autograd nodes through which a parameter only changes dtype or layout (AMP's casts, Linear's weight.t(), views).
-_PARAM_VIEW_NODES = frozenset({
-    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-    "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "AsStridedBackward0", "SliceBackward0",
-    "AliasBackward0", "DetachBackward0", "CloneBackward0", "SqueezeBackward0", "SqueezeBackward1",
-    "UnsqueezeBackward0",
-})
+_PARAM_VIEW_NODES = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "AsStridedBackward0",
+        "SliceBackward0",
+        "AliasBackward0",
+        "DetachBackward0",
+        "CloneBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+    }
+)
 
 
 class OffloadError(RuntimeError):
@@ -63,8 +77,29 @@ def _param_derived(t: torch.Tensor) -> bool:
 class _Entry:
     """One stored span of a storage: where its bytes are now and what to release when the last token goes."""
 
-    __slots__ = ("cache", "key", "unit", "nbytes", "device", "tier", "src", "ref", "sref", "version", "host", "d2h",
-                 "handle", "write", "read", "restored", "h2d", "unpacked", "lost", "skipped", "__weakref__")
+    __slots__ = (
+        "cache",
+        "key",
+        "unit",
+        "nbytes",
+        "device",
+        "tier",
+        "src",
+        "ref",
+        "sref",
+        "version",
+        "host",
+        "d2h",
+        "handle",
+        "write",
+        "read",
+        "restored",
+        "h2d",
+        "unpacked",
+        "lost",
+        "skipped",
+        "__weakref__",
+    )
 
     def __init__(self, cache, key, unit, nbytes, device, tier, src, original, storage):
         self.cache = cache
@@ -165,8 +200,11 @@ class TensorCache:
         self.counters[f"fallback_{kind}"] += 1
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
-                          OffloadWarning, stacklevel=4)
+            warnings.warn(
+                f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
+                OffloadWarning,
+                stacklevel=4,
+            )
 
     def _account(self, delta: int) -> None:
         self.gpu_saved_bytes += delta
@@ -243,8 +281,10 @@ class TensorCache:
         buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
         if buf is None:
             if self.on_full == "raise":
-                raise OffloadError(f"ssdtrain: host memory pool full ({self.pool.limit if self.pool else 0} bytes):"
-                                   " pass host_memory= larger, or on_full='fallback'")
+                raise OffloadError(
+                    f"ssdtrain: host memory pool full ({self.pool.limit if self.pool else 0} bytes):"
+                    " pass host_memory= larger, or on_full='fallback'"
+                )
             if entry.tier == "host" and self._engine() is not None:
                 entry.tier = "nvme"
                 self._warn("host_full", "the host memory pool is full: moving activations to NVMe directly")
@@ -365,8 +405,11 @@ class TensorCache:
             self.engine.free(handle)
         if entry.host is not None or entry.src is not None:
             entry.tier = "host" if entry.host is not None else "keep"
-            self._warn("nvme_error", f"an NVMe write failed ({error}): keeping the activation in "
-                       f"{'host memory' if entry.host is not None else 'device memory'}")
+            self._warn(
+                "nvme_error",
+                f"an NVMe write failed ({error}): keeping the activation in "
+                f"{'host memory' if entry.host is not None else 'device memory'}",
+            )
         else:
             entry.lost = error
 
@@ -385,8 +428,11 @@ class TensorCache:
             data = self._device_bytes(entry)
             self._prefetch_from(entry.unit)
         return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
-            data.untyped_storage(), data.storage_offset() // saved.dtype.itemsize + saved.offset, saved.size,
-            saved.stride)
+            data.untyped_storage(),
+            data.storage_offset() // saved.dtype.itemsize + saved.offset,
+            saved.size,
+            saved.stride,
+        )
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         first = not entry.unpacked
@@ -403,11 +449,15 @@ class TensorCache:
             base = entry.key[3]
             return torch.empty(0, dtype=torch.uint8, device=entry.device).set_(storage, base, (entry.nbytes,), (1,))
         if self.aborted:
-            raise OffloadError("ssdtrain: this activation was released when its offload session closed after an "
-                               "error; run forward again inside a new session")
+            raise OffloadError(
+                "ssdtrain: this activation was released when its offload session closed after an "
+                "error; run forward again inside a new session"
+            )
         if entry.lost is not None:
-            raise OffloadError(f"ssdtrain: an activation was lost: its NVMe write failed ({entry.lost}) after the "
-                               "device copy was released; gradients cannot be computed for this step") from entry.lost
+            raise OffloadError(
+                f"ssdtrain: an activation was lost: its NVMe write failed ({entry.lost}) after the "
+                "device copy was released; gradients cannot be computed for this step"
+            ) from entry.lost
         if entry.restored is None:
             self.counters["misses"] += first
             if first:
@@ -429,8 +479,10 @@ class TensorCache:
             entry.read = None
             if error is not None:
                 entry.restored = None
-                raise OffloadError(f"ssdtrain: reading an activation back from NVMe failed ({error}); gradients "
-                                   "cannot be computed for this step") from error
+                raise OffloadError(
+                    f"ssdtrain: reading an activation back from NVMe failed ({error}); gradients "
+                    "cannot be computed for this step"
+                ) from error
             self._free_handle(entry)
         if entry.device.type == "cuda":
             stream = torch.cuda.current_stream(entry.device)

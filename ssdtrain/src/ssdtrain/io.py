@@ -228,8 +228,7 @@ def cufile_config() -> str:
         return path
     tmp = tempfile.gettempdir()
     path = os.path.join(tmp, f"ssdtrain-cufile-{os.getuid()}.json")
-    text = json.dumps({"logging": {"dir": tmp, "level": "ERROR"},
-                       "properties": {"allow_compat_mode": True}}, indent=1)
+    text = json.dumps({"logging": {"dir": tmp, "level": "ERROR"}, "properties": {"allow_compat_mode": True}}, indent=1)
     try:
         with open(path) as f:
             current = f.read()
@@ -296,7 +295,7 @@ def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> t
     raw = torch.empty(rounded + _HUGE, dtype=torch.uint8)  # not touched yet: pages fault in after madvise
     start = raw.data_ptr() + (-raw.data_ptr()) % _HUGE
     _madvise_hugepage(start, rounded)
-    view = raw[start - raw.data_ptr():][:rounded]
+    view = raw[start - raw.data_ptr() :][:rounded]
     view.zero_()  # fault the pages in now, as huge pages where the kernel has them
     pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if pinned:
@@ -306,12 +305,16 @@ def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> t
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
         if int(err) != 0:
-            raise RuntimeError(f"huge_empty: cannot pin: cudaHostRegister of {raw.numel()} bytes failed "
-                               f"({_cuda_error_text(err)}); pass pin_memory=False")
+            raise RuntimeError(
+                f"huge_empty: cannot pin: cudaHostRegister of {raw.numel()} bytes failed "
+                f"({_cuda_error_text(err)}); pass pin_memory=False"
+            )
         if not view.is_pinned():  # never hand out a tensor that silently is not pinned
             cudart.cudaHostUnregister(raw.data_ptr())
-            raise RuntimeError("huge_empty: cannot pin: cudaHostRegister succeeded but torch does not see the memory "
-                               "as pinned (is_pinned() is False); pass pin_memory=False")
+            raise RuntimeError(
+                "huge_empty: cannot pin: cudaHostRegister succeeded but torch does not see the memory "
+                "as pinned (is_pinned() is False); pass pin_memory=False"
+            )
     storage = raw.untyped_storage()  # lives as long as any view of the memory
     key = id(storage)
     _huge_ranges[key] = (start, start + rounded)
@@ -643,8 +646,9 @@ class Engine:
             self._inflight.append(future)
 
     # -------------------------------------------------------------------------------------------- transfers
-    def write(self, tensor: torch.Tensor, *, stream: torch.cuda.Stream | None = None,
-              after: torch.cuda.Event | None = None) -> WriteFuture:
+    def write(
+        self, tensor: torch.Tensor, *, stream: torch.cuda.Stream | None = None, after: torch.cuda.Event | None = None
+    ) -> WriteFuture:
         """Start writing a contiguous CPU or CUDA tensor; the returned future's ``handle`` is usable at once.
 
         For CUDA tensors the copy starts after the work queued so far on `stream` (default: the current stream), or
@@ -658,15 +662,20 @@ class Engine:
         device = tensor.device
         pinned = device.type == "cpu" and tensor.is_pinned()
         address = _stream_address(device, stream, after)
-        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), address,
-                               self._stage(tensor, nbytes))
+        hid, op = engine.write(tensor.data_ptr(), nbytes, _device_index(device), address, self._stage(tensor, nbytes))
         handle = Handle(hid, nbytes, tuple(tensor.shape), tensor.dtype, device, pinned, self._id)
         future = WriteFuture(op, tensor, handle)
         self._track(future)
         return future
 
-    def read(self, handle: Handle, out: torch.Tensor | None = None, *,
-             stream: torch.cuda.Stream | None = None, after: torch.cuda.Event | None = None) -> Future:
+    def read(
+        self,
+        handle: Handle,
+        out: torch.Tensor | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        after: torch.cuda.Event | None = None,
+    ) -> Future:
         """Start reading `handle` into `out` (default: a new tensor like the one written, on the same device).
 
         `out` must be contiguous with exactly the handle's byte size (any dtype/shape). The read is ordered after
@@ -681,15 +690,20 @@ class Engine:
             raise ValueError(f"handle {handle.id} was written by another Engine; read it there")
         if out is None:
             if handle.device.type == "cpu":
-                out = (torch.empty(handle.shape, dtype=handle.dtype, pin_memory=True) if handle.pinned
-                       else aligned_empty(handle.shape, handle.dtype))
+                out = (
+                    torch.empty(handle.shape, dtype=handle.dtype, pin_memory=True)
+                    if handle.pinned
+                    else aligned_empty(handle.shape, handle.dtype)
+                )
             else:
                 out = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
         out = _check_tensor(out, "read into", writable=True)
         nbytes = out.numel() * out.element_size()
         if nbytes != handle.nbytes:
-            raise ValueError(f"out has {nbytes} bytes but handle {handle.id} holds {handle.nbytes}: pass a tensor "
-                             f"of shape {handle.shape} and dtype {handle.dtype} (or any of the same byte size)")
+            raise ValueError(
+                f"out has {nbytes} bytes but handle {handle.id} holds {handle.nbytes}: pass a tensor "
+                f"of shape {handle.shape} and dtype {handle.dtype} (or any of the same byte size)"
+            )
         device = out.device
         address = _stream_address(device, stream, after)
         op = engine.read(handle.id, out.data_ptr(), nbytes, _device_index(device), address, self._stage(out, nbytes))

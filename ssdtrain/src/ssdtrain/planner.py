@@ -96,8 +96,10 @@ class Choice:
             elif p in TIERS:
                 tier = p
             else:
-                raise ValueError(f"cannot read {text!r} as a choice: use keep, host, nvme, recompute or cheap, "
-                                 "optionally joined with '+' (e.g. 'recompute+host')")
+                raise ValueError(
+                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute or cheap, "
+                    "optionally joined with '+' (e.g. 'recompute+host')"
+                )
         return Choice(recompute, tier)
 
 
@@ -139,8 +141,9 @@ def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
     return small, movable, extra_s, transient
 
 
-def simulate(units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, window_units: int = 2,
-             working_bytes: int = 0) -> Prediction:
+def simulate(
+    units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, window_units: int = 2, working_bytes: int = 0
+) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit);
     `working_bytes` (temporaries that are never saved: measured when profiling) is added to the peak."""
     n = len(units)
@@ -247,8 +250,7 @@ class Plan:
 
     @property
     def keep_prediction(self) -> Prediction:
-        return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units,
-                        self.working_bytes)
+        return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units, self.working_bytes)
 
     def replan(self, budget=None, **limits) -> Plan:
         """The same measurements planned for another budget (bytes or "20GiB"; ``host_limit=``/``nvme_limit=``)."""
@@ -294,18 +296,24 @@ class Plan:
             res, moved, _, _ = _split(u, c)
             mark = " *" if u.name in self.overridden else ""
             cheap = f"{u.cheap_s * 1e3:.2f}/{u.cheap_bytes / _MIB:.0f}" if u.cheap_bytes else "-"
-            lines.append(f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
-                         f" {cheap:>13} {str(c) + mark:>15} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}")
-        lines.append(f"  predicted forward+backward {p.seconds * 1e3:.1f} ms (keep everything: "
-                     f"{k.seconds * 1e3:.1f} ms, {p.seconds / k.seconds:.2f}x), activation peak {_fmt_bytes(p.peak)}"
-                     " (keep everything: "
-                     f"{_fmt_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; host RAM {_fmt_bytes(p.host_bytes)} "
-                     f"of {_fmt_bytes(self.host_limit)}, NVMe {_fmt_bytes(p.nvme_bytes)}")
+            lines.append(
+                f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
+                f" {cheap:>13} {str(c) + mark:>15} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
+            )
+        lines.append(
+            f"  predicted forward+backward {p.seconds * 1e3:.1f} ms (keep everything: "
+            f"{k.seconds * 1e3:.1f} ms, {p.seconds / k.seconds:.2f}x), activation peak {_fmt_bytes(p.peak)}"
+            " (keep everything: "
+            f"{_fmt_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; host RAM {_fmt_bytes(p.host_bytes)} "
+            f"of {_fmt_bytes(self.host_limit)}, NVMe {_fmt_bytes(p.nvme_bytes)}"
+        )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         if cheap:
-            lines.append(f"  cheap = recompute the parameter-free submodules {', '.join(cheap[:4])}"
-                         f"{' ...' if len(cheap) > 4 else ''}; recompute = checkpoint the whole block;"
-                         " * = overridden")
+            lines.append(
+                f"  cheap = recompute the parameter-free submodules {', '.join(cheap[:4])}"
+                f"{' ...' if len(cheap) > 4 else ''}; recompute = checkpoint the whole block;"
+                " * = overridden"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)
@@ -321,8 +329,7 @@ def _feasible(pred: Prediction, host_limit: int, nvme_limit: int) -> bool:
     return pred.host_bytes <= host_limit and pred.nvme_bytes <= nvme_limit
 
 
-def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, by_peak=False,
-            working=0):
+def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, by_peak=False, working=0):
     """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
     (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
     current = simulate(units, choices, bw, window, working)
@@ -367,8 +374,11 @@ def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme
                     continue
                 trial = choices[:i] + [c] + choices[i + 1 :]
                 pred = simulate(units, trial, bw, window, working)
-                if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and _feasible(
-                        pred, host_limit, nvme_limit):
+                if (
+                    pred.peak <= target
+                    and pred.seconds < current.seconds - 1e-7
+                    and _feasible(pred, host_limit, nvme_limit)
+                ):
                     if best is None or pred.seconds < best[2].seconds:
                         best = (i, c, pred)
         if best is not None:
@@ -378,9 +388,20 @@ def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme
     return choices
 
 
-def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: int | None, *, host_limit: int,
-              nvme_limit: int, block_container: str, overrides: dict | None = None, window_units: int = 2,
-              speed_target: int | None = None, working_bytes: int = 0) -> Plan:
+def make_plan(
+    model_name: str,
+    units: list[UnitProfile],
+    bw: Bandwidth,
+    budget: int | None,
+    *,
+    host_limit: int,
+    nvme_limit: int,
+    block_container: str,
+    overrides: dict | None = None,
+    window_units: int = 2,
+    speed_target: int | None = None,
+    working_bytes: int = 0,
+) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all)."""
     overrides = {k: Choice.parse(v) for k, v in (overrides or {}).items()}
     names = {u.name for u in units}
@@ -393,20 +414,24 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
     # The budget is planned with a margin (BUDGET_MARGIN): measured peaks landed within a few percent of the
     # prediction on an H200 (benchmarks/RESULTS.md), on either side.
-    target = budget * (1 - BUDGET_MARGIN) if budget is not None else (
-        speed_target if speed_target is not None else math.inf)
+    target = (
+        budget * (1 - BUDGET_MARGIN) if budget is not None else (speed_target if speed_target is not None else math.inf)
+    )
     fixed = set(overrides)
     allow_nvme = nvme_limit > 0
     w = working_bytes
-    plan_choices, pred, ok = _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme,
-                                     window_units, working=w)
+    plan_choices, pred, ok = _search(
+        units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, working=w
+    )
     if not ok:  # the cheapest-first path got stuck: try the leanest-first one
-        plan_choices, pred, ok = _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme,
-                                         window_units, by_peak=True, working=w)
+        plan_choices, pred, ok = _search(
+            units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
+        )
     if not ok:
         # The least memory any plan reaches (the leanest-first search towards 0 bytes), for the error message.
-        _, low, _ = _search(units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units,
-                            by_peak=True, working=w)
+        _, low, _ = _search(
+            units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
+        )
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
@@ -414,34 +439,63 @@ def make_plan(model_name: str, units: list[UnitProfile], bw: Bandwidth, budget: 
                 f"is {_fmt_bytes(low.peak)}, so the smallest budget is {minimum} bytes ({_fmt_bytes(minimum)}, "
                 f"with the {BUDGET_MARGIN:.0%} margin): pass budget >= that, give more host RAM "
                 f"(host_memory=, now {_fmt_bytes(host_limit)}) or an NVMe directory, or reduce the batch",
-                minimum)
-        plan_choices = _search(units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units,
-                               by_peak=True, working=w)[0]
-    plan_choices = _relax(units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units,
-                          working=w)
-    plan = Plan(model_name, units, plan_choices, bw, budget, host_limit, nvme_limit, block_container, window_units,
-                working_bytes=w, overridden=set(overrides), speed_target=speed_target)
+                minimum,
+            )
+        plan_choices = _search(
+            units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
+        )[0]
+    plan_choices = _relax(
+        units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, working=w
+    )
+    plan = Plan(
+        model_name,
+        units,
+        plan_choices,
+        bw,
+        budget,
+        host_limit,
+        nvme_limit,
+        block_container,
+        window_units,
+        working_bytes=w,
+        overridden=set(overrides),
+        speed_target=speed_target,
+    )
     if budget is None and speed_target is not None and not ok:
-        plan.notes.append(f"even the leanest plan ({_fmt_bytes(plan.prediction.peak)}) exceeds the free device "
-                          f"memory estimate ({_fmt_bytes(speed_target)}); expect an out-of-memory error")
+        plan.notes.append(
+            f"even the leanest plan ({_fmt_bytes(plan.prediction.peak)}) exceeds the free device "
+            f"memory estimate ({_fmt_bytes(speed_target)}); expect an out-of-memory error"
+        )
     return plan
 
 
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, host_limit=, nvme_limit=, working_bytes=)."""
-    fields = {"budget": plan.budget, "host_limit": plan.host_limit, "nvme_limit": plan.nvme_limit,
-              "working_bytes": plan.working_bytes}
+    fields = {
+        "budget": plan.budget,
+        "host_limit": plan.host_limit,
+        "nvme_limit": plan.nvme_limit,
+        "working_bytes": plan.working_bytes,
+    }
     fields.update(changes)
     overrides = {u.name: c for u, c in zip(plan.units, plan.choices, strict=True) if u.name in plan.overridden}
-    new = make_plan(plan.model, plan.units, plan.bandwidth, fields["budget"], host_limit=fields["host_limit"],
-                    nvme_limit=fields["nvme_limit"], block_container=plan.block_container, overrides=overrides,
-                    window_units=plan.window_units, working_bytes=fields["working_bytes"],
-                    speed_target=plan.speed_target)
+    new = make_plan(
+        plan.model,
+        plan.units,
+        plan.bandwidth,
+        fields["budget"],
+        host_limit=fields["host_limit"],
+        nvme_limit=fields["nvme_limit"],
+        block_container=plan.block_container,
+        overrides=overrides,
+        window_units=plan.window_units,
+        working_bytes=fields["working_bytes"],
+        speed_target=plan.speed_target,
+    )
     new.calibrations = plan.calibrations
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new
 
 
-__all__ = ["Bandwidth", "BudgetError", "Choice", "Plan", "Prediction", "UnitProfile", "make_plan", "replan",
-           "simulate"]
+__all__ = ["Bandwidth", "BudgetError", "Choice", "Plan", "Prediction", "UnitProfile", "make_plan", "replan", "simulate"]

@@ -197,9 +197,22 @@ class OffloadSession:
     # Device bytes profiling may keep on a CPU "device" (tests lower it to exercise checkpointed profiling).
     _cpu_profile_allowance = float("inf")
 
-    def __init__(self, model: nn.Module, budget=None, *, plan: Plan | None = None, overrides: dict | None = None,
-                 host_memory=None, nvme_memory=None, directories=None, min_bytes="1M", prefetch_units: int = 2,
-                 on_full: str = "fallback", profile_steps: int = 2, verbose: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        budget=None,
+        *,
+        plan: Plan | None = None,
+        overrides: dict | None = None,
+        host_memory=None,
+        nvme_memory=None,
+        directories=None,
+        min_bytes="1M",
+        prefetch_units: int = 2,
+        on_full: str = "fallback",
+        profile_steps: int = 2,
+        verbose: bool = True,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
         if on_full not in ("fallback", "raise"):
@@ -236,8 +249,10 @@ class OffloadSession:
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
         # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
         # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
-        self.cheap = [[] if (not self.container or hasattr(m.forward, "_torchdynamo_orig_callable"))
-                      else _cheap_modules(m, n) for n, m in blocks]
+        self.cheap = [
+            [] if (not self.container or hasattr(m.forward, "_torchdynamo_orig_callable")) else _cheap_modules(m, n)
+            for n, m in blocks
+        ]
 
         self.plan: Plan | None = None
         self._plans: dict = _PLAN_CACHE.setdefault(model, {}) if plan is None else {}
@@ -275,8 +290,9 @@ class OffloadSession:
         cuda = self.device.type == "cuda"
         self._clock = _Clock(cuda)
         self.pool = HostPool(self.host_limit, pinned=cuda)
-        self.cache = TensorCache(min_bytes=self.min_bytes, pool=self.pool, engine_factory=self._make_engine,
-                                 on_full=on_full)
+        self.cache = TensorCache(
+            min_bytes=self.min_bytes, pool=self.pool, engine_factory=self._make_engine, on_full=on_full
+        )
         self.cache.tier_of = self._tier_of
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -369,6 +385,7 @@ class OffloadSession:
             if self._profile is not None:
                 self._profile.marks[unit].append([self._clock.mark(), None])
                 self._profile.inputs[unit].update(_tensor_storages(args))
+
         return hook
 
     def _block_post(self, unit: int):
@@ -381,6 +398,7 @@ class OffloadSession:
                 self._profile.marks[unit][-1][1] = self._clock.mark()
             # Tensors saved between blocks belong to the block before; after the last block, to the head.
             self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
+
         return hook
 
     def _cheap_pre(self, name: str):
@@ -390,6 +408,7 @@ class OffloadSession:
                 p.cheap_stack.append(name)
                 p.cheap_inputs.setdefault(name, {}).update(_tensor_storages(args))
                 p.cheap_marks.setdefault(name, []).append([self._clock.mark(), None])
+
         return hook
 
     def _cheap_post(self, name: str):
@@ -398,6 +417,7 @@ class OffloadSession:
             if p is not None and self._pending_profile is None and p.cheap_stack:
                 p.cheap_stack.pop()
                 p.cheap_marks[name][-1][1] = self._clock.mark()
+
         return hook
 
     def _order_unit(self) -> int:
@@ -410,11 +430,14 @@ class OffloadSession:
 
     def _profile_checkpoint(self, unit: int):
         def decide() -> bool:
-            if self._first_block_bytes is None or self._profile_kept + self._first_block_bytes \
-                    <= self._profile_allowance:
+            if (
+                self._first_block_bytes is None
+                or self._profile_kept + self._first_block_bytes <= self._profile_allowance
+            ):
                 return False
             self._profile_checkpointed.add(unit)
             return True
+
         return decide
 
     def _tier_of(self, unit: int, nbytes: int) -> str:
@@ -498,8 +521,11 @@ class OffloadSession:
 
     def _start_peak_check(self, signature, plan: Plan) -> None:
         self._peak_check = None
-        if plan is self.given_plan or not self._can_measure_peak() or (
-                plan.budget is None and plan.speed_target is None):
+        if (
+            plan is self.given_plan
+            or not self._can_measure_peak()
+            or (plan.budget is None and plan.speed_target is None)
+        ):
             return
         if len(plan.calibrations) >= self.CALIBRATIONS or getattr(plan, "_verified", False):
             return
@@ -526,24 +552,31 @@ class OffloadSession:
         try:
             new = plan.replan(budget=plan.budget, working_bytes=working)
         except BudgetError as e:
-            warnings.warn(f"ssdtrain: the measured activation peak ({peak / 2**30:.2f} GiB) is above the plan's "
-                          f"prediction ({predicted / 2**30:.2f} GiB), and with that much working memory no plan fits "
-                          f"the budget ({e}); the plan stays", OffloadWarning, stacklevel=3)
+            warnings.warn(
+                f"ssdtrain: the measured activation peak ({peak / 2**30:.2f} GiB) is above the plan's "
+                f"prediction ({predicted / 2**30:.2f} GiB), and with that much working memory no plan fits "
+                f"the budget ({e}); the plan stays",
+                OffloadWarning,
+                stacklevel=3,
+            )
             plan._verified = True
             return
         new.calibrations = plan.calibrations + [
             f"step {self._steps - 1}: measured peak {peak / 2**30:.2f} GiB, predicted {predicted / 2**30:.2f} GiB "
             f"(limit {limit / 2**30:.2f} GiB): working memory {plan.working_bytes / 2**30:.2f} -> "
-            f"{working / 2**30:.2f} GiB"]
+            f"{working / 2**30:.2f} GiB"
+        ]
         for key, value in list(self._plans.items()):
             if value is plan:
                 self._plans[key] = new
         if self._latest_plan is plan:
             self._latest_plan = new
         if self.verbose:
-            print(f"ssdtrain: {new.calibrations[-1]}; replanned: predicted peak {new.prediction.peak / 2**30:.2f} "
-                  f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's",
-                  file=sys.stderr)
+            print(
+                f"ssdtrain: {new.calibrations[-1]}; replanned: predicted peak {new.prediction.peak / 2**30:.2f} "
+                f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's",
+                file=sys.stderr,
+            )
 
     def _can_measure_peak(self) -> bool:
         return self.device.type == "cuda"
@@ -565,8 +598,14 @@ class OffloadSession:
         self._cheap_hooks.clear()
 
     def _plan_key(self):
-        return (self.budget, self.host_limit, self.nvme_limit, tuple(sorted(self.overrides.items())),
-                self.min_bytes, self.prefetch_units)
+        return (
+            self.budget,
+            self.host_limit,
+            self.nvme_limit,
+            tuple(sorted(self.overrides.items())),
+            self.min_bytes,
+            self.prefetch_units,
+        )
 
     def _finish_profile(self) -> None:
         profile, self._pending_profile = self._pending_profile, None
@@ -589,9 +628,12 @@ class OffloadSession:
             for c in plan.choices:
                 counts[str(c)] = counts.get(str(c), 0) + 1
             mix = ", ".join(f"{v} {key}" for key, v in sorted(counts.items()))
-            print(f"ssdtrain: plan for {plan.model} ({mix}): predicted activation peak {p.peak / 2**30:.2f} GiB "
-                  f"(keep: {k.peak / 2**30:.2f} GiB), forward+backward {p.seconds / k.seconds:.2f}x keep's; "
-                  "print(session.plan) for details", file=sys.stderr)
+            print(
+                f"ssdtrain: plan for {plan.model} ({mix}): predicted activation peak {p.peak / 2**30:.2f} GiB "
+                f"(keep: {k.peak / 2**30:.2f} GiB), forward+backward {p.seconds / k.seconds:.2f}x keep's; "
+                "print(session.plan) for details",
+                file=sys.stderr,
+            )
 
     def _units_from(self, profile: _Profile) -> list[UnitProfile]:
         clock = self._clock
@@ -602,8 +644,9 @@ class OffloadSession:
         for i, name in enumerate(self.unit_names):
             kind = "stem" if i == 0 else ("head" if i == n - 1 else "block")
             saved = profile.saved[i]
-            u = UnitProfile(name, kind, saved_bytes=sum(saved.values()), small_bytes=profile.small[i],
-                            tensors=profile.tensors[i])
+            u = UnitProfile(
+                name, kind, saved_bytes=sum(saved.values()), small_bytes=profile.small[i], tensors=profile.tensors[i]
+            )
             if kind == "block":
                 u.forward_s = block_time[i]
                 inputs = profile.inputs[i]
@@ -617,8 +660,9 @@ class OffloadSession:
                         extra = sum(b for s, b in cin.items() if s not in addresses)
                         if net - extra > 0:
                             u.cheap_bytes += net - extra
-                            u.cheap_s += sum(clock.seconds(a, b) for a, b in profile.cheap_marks.get(mname, [])
-                                             if b is not None)
+                            u.cheap_s += sum(
+                                clock.seconds(a, b) for a, b in profile.cheap_marks.get(mname, []) if b is not None
+                            )
                             u.cheap_modules.append(mname.removeprefix(name + "."))
                 else:
                     u.kind = "segment"  # top-level children of a model without repeated blocks: never recomputed
@@ -630,8 +674,10 @@ class OffloadSession:
             u.saved_bytes, u.small_bytes, u.tensors = first.saved_bytes, first.small_bytes, first.tensors
             u.cheap_bytes, u.cheap_modules = first.cheap_bytes, list(first.cheap_modules)
             names = {f"{u.name}.{m}" for m in first.cheap_modules}
-            u.cheap_s = sum(clock.seconds(a, b) for m in names for a, b in profile.cheap_marks.get(m, [])
-                            if b is not None) or first.cheap_s
+            u.cheap_s = (
+                sum(clock.seconds(a, b) for m in names for a, b in profile.cheap_marks.get(m, []) if b is not None)
+                or first.cheap_s
+            )
         blocks_total = sum(block_time)
         rest = max(0.0, total_fwd - blocks_total)
         # Stem and head share the forward time outside blocks in proportion to their saved bytes.
@@ -672,10 +718,21 @@ class OffloadSession:
             speed_target = int(_device_free(self.device) * 0.85)
         overrides = {k: v for k, v in self.overrides.items()}
         model_name = type(self.model._orig_mod if self.compiled else self.model).__name__
+
         def make(nvme):
-            return make_plan(model_name, units, bw, self.budget, host_limit=self.host_limit, nvme_limit=nvme,
-                             block_container=self.container, overrides=overrides, window_units=self.prefetch_units,
-                             speed_target=speed_target, working_bytes=working)
+            return make_plan(
+                model_name,
+                units,
+                bw,
+                self.budget,
+                host_limit=self.host_limit,
+                nvme_limit=nvme,
+                block_container=self.container,
+                overrides=overrides,
+                window_units=self.prefetch_units,
+                speed_target=speed_target,
+                working_bytes=working,
+            )
 
         # NVMe only where host memory is not enough (or an override asks for it): then measure the disk first.
         wants_nvme = any(Choice.parse(v).tier == "nvme" for v in overrides.values())
@@ -686,8 +743,9 @@ class OffloadSession:
             except BudgetError:
                 if nvme_limit <= 0:
                     raise
-            if plan is not None and (nvme_limit <= 0 or (plan.notes == [] and
-                                                         plan.prediction.host_bytes < 0.9 * self.host_limit)):
+            if plan is not None and (
+                nvme_limit <= 0 or (plan.notes == [] and plan.prediction.host_bytes < 0.9 * self.host_limit)
+            ):
                 return self._note_compiled(plan)
         if nvme_limit > 0:
             self._probe_disk(bw)
@@ -697,8 +755,10 @@ class OffloadSession:
     def _note_compiled(self, plan: Plan) -> Plan:
         if self.compiled:
             plan.order_bounds = list(self._order_bounds)
-            plan.notes.append("torch.compile'd model: units are slices of the saved-tensor order (no module hooks "
-                              "run inside a compiled graph), so recompute is not planned; host/NVMe tiers apply")
+            plan.notes.append(
+                "torch.compile'd model: units are slices of the saved-tensor order (no module hooks "
+                "run inside a compiled graph), so recompute is not planned; host/NVMe tiers apply"
+            )
         return plan
 
     def _measure_bandwidth(self) -> Bandwidth:
@@ -859,8 +919,12 @@ class OffloadSession:
             "throttle_waits": c["throttle_waits"],
             "throttle_seconds": c["throttle_ns"] / 1e9,
             "fallbacks": {k.removeprefix("fallback_"): v for k, v in c.items() if k.startswith("fallback_")},
-            "host_pool": {"limit": self.pool.limit, "reserved": self.pool.reserved, "in_use": self.pool.in_use,
-                          "peak_in_use": self.pool.peak_in_use},
+            "host_pool": {
+                "limit": self.pool.limit,
+                "reserved": self.pool.reserved,
+                "in_use": self.pool.in_use,
+                "peak_in_use": self.pool.peak_in_use,
+            },
             "peak_device_saved_bytes": self.cache.peak_gpu_saved_bytes,
             "recomputed_modules": self._recomputed,
             "nvme": self._engine_stats() if engine is not None else self._final_engine_stats,
@@ -869,8 +933,18 @@ class OffloadSession:
 
     def _engine_stats(self) -> dict:
         s = self.cache.engine.stats()
-        return {k: s[k] for k in ("bytes_written", "bytes_read", "write_bandwidth_gbps", "read_bandwidth_gbps",
-                                  "errors", "live_handles") if k in s}
+        return {
+            k: s[k]
+            for k in (
+                "bytes_written",
+                "bytes_read",
+                "write_bandwidth_gbps",
+                "read_bandwidth_gbps",
+                "errors",
+                "live_handles",
+            )
+            if k in s
+        }
 
 
 def offload(model: nn.Module, budget=None, **options) -> OffloadSession:
@@ -901,8 +975,10 @@ def plan(model: nn.Module, step_fn, budget=None, **options) -> Plan:
             for _ in range(session.profile_steps):
                 step_fn()
             if session._pending_profile is None:
-                raise RuntimeError("plan(): step_fn() did not call the model's forward; it must run model(...) "
-                                   "(and backward) on the model passed to plan()")
+                raise RuntimeError(
+                    "plan(): step_fn() did not call the model's forward; it must run model(...) "
+                    "(and backward) on the model passed to plan()"
+                )
             session._finish_profile()
     except BudgetError:
         raise

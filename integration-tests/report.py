@@ -56,8 +56,8 @@ def gnn_lines(runs: list[dict]) -> list[str]:
             lines.append(f"  {name:20s} {impl.get('ahead', 0):5d} {mean_epoch(impl):8.2f} {seeds:10,.0f} "
                          f"{phase['sample']:9.2f} {phase['gather']:9.2f} {phase['wait']:7.2f} {phase['compute']:9.2f}"
                          f"  {last['loss']:16.3f} {last['val_acc']:7.3f}")
-        for toolkit, baseline in (("toolkit", "baseline"), ("toolkit", "baseline-sequential"),
-                                  ("toolkit-sequential", "baseline-sequential")):
+        for toolkit, baseline in (("toolkit", "baseline"), ("toolkit", "baseline-prefetch"),
+                                  ("toolkit-prefetch", "baseline-prefetch")):
             if {toolkit, baseline} <= set(r["impls"]):
                 t, b = r["impls"][toolkit], r["impls"][baseline]
                 lines.append(f"  {toolkit}: {mean_epoch(b) / mean_epoch(t):.2f}x the speed of {baseline} (mean "
@@ -175,7 +175,7 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
     for r in gnn:
         for name, impl in r["impls"].items():
             losses = [v for e in impl["epochs"] for v in e["batch_losses"]]
-            base = name.removesuffix("-sequential")  # batches made in turn: same colour, dotted
+            base = name.removesuffix("-prefetch")  # batches made ahead by a loader thread: same colour, dotted
             axes[0].plot(range(1, len(losses) + 1), losses, color=colors.get(base),
                          linestyle=":" if base != name else styles.get(name),
                          alpha=1.0 if r["world_size"] == 1 else 0.5, label=f"{name} ({r['world_size']} proc.)")
@@ -200,10 +200,10 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
         for r in gnn:
             for name, impl in r["impls"].items():
                 for e in impl["epochs"]:
-                    short = name.replace("toolkit", "tk").replace("baseline", "pyg").replace("-sequential", "-seq")
+                    short = name.replace("toolkit", "tk").replace("baseline", "pyg").replace("-prefetch", "-pf")
                     labels.append(f"{short} {r['world_size']}p e{e['epoch']}")
                     values.append(e["time_s"])
-                    bar_colors.append(colors.get(name.removesuffix("-sequential")))
+                    bar_colors.append(colors.get(name.removesuffix("-prefetch")))
         ax.bar(range(len(values)), values, color=bar_colors)
         ax.set_xticks(range(len(values)), labels, rotation=60, fontsize=7, ha="right")
         ax.set(title="GNN epoch time: toolkit (blue) vs plain PyTorch/PyG (orange)", ylabel="seconds")

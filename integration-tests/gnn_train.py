@@ -344,13 +344,14 @@ def parse_args(argv):
     parser.add_argument("--topology", choices=("device", "host"), default="device",
                         help="where the sampler reads the graph: device memory, or host memory as unified tensors "
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
-    parser.add_argument("--prefetch", type=int, default=0, metavar="K",
+    parser.add_argument("--prefetch", type=int, default=None, metavar="K",
                         help="mini-batches sampled and gathered ahead of training by a loader thread, for both "
-                             "implementations (default 0: each batch made in turn; on an H200 a thread slowed the "
-                             "toolkit, whose compute is bound by the host, and sped up the baseline: RESULTS.md)")
+                             "implementations (default: 1 on a GPU, where it overlaps compute; 0 on a CPU, whose "
+                             "cores the compute already uses)")
     parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also train both implementations with a loader thread one batch ahead, reported as "
-                             "toolkit-prefetch / baseline-prefetch")
+                        help="also train both implementations the other way: without the loader thread when the "
+                             "default has one (reported as toolkit-sequential / baseline-sequential), else with one "
+                             "batch ahead (toolkit-prefetch / baseline-prefetch)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -366,7 +367,7 @@ def parse_args(argv):
     group.add_argument("--heads", type=int)
     group.add_argument("--lr", type=float)
     args = parser.parse_args(argv)
-    if args.prefetch < 0:
+    if args.prefetch is not None and args.prefetch < 0:
         parser.error(f"--prefetch must be >= 0 batches, got {args.prefetch}")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
@@ -379,11 +380,12 @@ def main(argv: list[str] | None = None) -> dict:
     proc = harness.start(args.device)
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    ahead = args.prefetch
+    ahead = args.prefetch if args.prefetch is not None else int(proc.device.type == "cuda")
     # (name in the report, implementation, batches made ahead)
     runs = [(impl, impl, ahead) for impl in impls]
-    if args.compare_prefetch and not ahead:
-        runs += [(f"{impl}-prefetch", impl, 1) for impl in impls]
+    if args.compare_prefetch:  # the other way too: with a loader thread if the default has none, else without
+        other, suffix = (0, "sequential") if ahead else (1, "prefetch")
+        runs += [(f"{impl}-{suffix}", impl, other) for impl in impls]
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
                f"{spec.num_relations} relations, {spec.num_classes} classes, features {spec.feature_dim} x fp32 "
                f"({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} process(es) on "
@@ -462,7 +464,7 @@ def summarize(report: dict, proc: harness.Process) -> None:
         proc.print(f"{impl:20s} {mean:9.2f} {last['seeds_per_s']:10,.0f} {last['loss']:10.4f} {last['val_acc']:8.3f} "
                    f"{harness.gib(r.get('peak_gpu_bytes')):>10s}")
     mean = {k: sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"]) for k, r in impls.items()}
-    for baseline in ("baseline", "baseline-prefetch"):
+    for baseline in ("baseline", "baseline-prefetch", "baseline-sequential"):
         if {"toolkit", baseline} <= set(mean):
             proc.print(f"toolkit epoch time: {mean[baseline] / mean['toolkit']:.2f}x faster than {baseline} "
                        f"(chance accuracy {report['chance_accuracy']:.3f})")

@@ -107,8 +107,9 @@ def test_batches_made_ahead_train_the_same(tiny):
         epoch = ahead["impls"][f"{impl}-prefetch"]["epochs"][0]
         assert {"wait_s", "compute_s", "loader_sample_s", "loader_gather_s"} <= set(epoch), impl
     two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "toolkit",
-                          "--prefetch", "2"])
-    assert first(two, "toolkit") == first(report, "toolkit")
+                          "--prefetch", "2", "--compare-prefetch"])
+    assert set(two["impls"]) == {"toolkit", "toolkit-sequential"} and two["impls"]["toolkit"]["ahead"] == 2
+    assert first(two, "toolkit") == first(two, "toolkit-sequential") == first(report, "toolkit")
     with pytest.raises(SystemExit):
         gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "-1"])
 
@@ -120,6 +121,6 @@ def test_batches_made_ahead_on_the_gpu():
                              "--compare-prefetch"])
     first = lambda impl: report["impls"][impl]["epochs"][0]["batch_losses"]  # noqa: E731
     for impl in ("toolkit", "baseline"):
-        assert report["impls"][f"{impl}-prefetch"]["ahead"] == 1
+        assert report["impls"][impl]["ahead"] == 1 and report["impls"][f"{impl}-sequential"]["ahead"] == 0
         # hector's kernels add with atomics: the order of additions, not the batches, may differ
-        assert first(f"{impl}-prefetch") == pytest.approx(first(impl), abs=1e-4), impl
+        assert first(impl) == pytest.approx(first(f"{impl}-sequential"), abs=1e-4), impl

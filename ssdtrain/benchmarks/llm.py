@@ -264,12 +264,13 @@ def run_policy(job: dict) -> dict:
         # Counters of the timed steps alone (profiling and calibration steps left out).
         d = {
             k: stats[k] - before[k]
-            for k in ("prefetch_hits", "forwarded", "misses", "late_prefetches", "throttle_waits")
+            for k in ("prefetch_hits", "prefetch_retried", "forwarded", "misses", "late_prefetches", "throttle_waits")
         }
         why = {k: v - before["miss_reasons"].get(k, 0) for k, v in stats["miss_reasons"].items()}
         why = ", ".join(f"{k} {v}" for k, v in sorted(why.items()) if v)
         row["detail"] = (
-            f"timed steps: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses "
+            f"timed steps: prefetch hits {d['prefetch_hits']} (retried {d['prefetch_retried']}), forwarded "
+            f"{d['forwarded']}, misses "
             f"{d['misses']}{f' ({why})' if why else ''}, late {d['late_prefetches']}, throttle waits "
             f"{d['throttle_waits']}; plan calibrated {len(plan.calibrations)}x (working memory "
             f"{plan.working_bytes / GIB:.2f} GiB); fallbacks {stats['fallbacks']}"

@@ -481,6 +481,31 @@ def test_prefetch_leaves_in_flight_bytes_in_place():
     assert cache.counters["forwarded"] == 1 and cache.counters["miss_in_flight"] == 0 and first.restored is None
 
 
+def test_unpack_uses_bytes_in_place_whose_copy_out_just_finished():
+    """The copy out finished but no poll has seen it yet: unpack uses the device bytes in place before polling,
+    instead of letting the poll free them and copying the same bytes back (GPU run P3: every miss was such a one)."""
+
+    class _Done:
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    cache, tensors, tokens, first = _cache_with_two_units()
+    cache.unpack(tokens[1])
+    assert first.skipped == "in_flight"
+    first.d2h = _Done()  # done on the device; the cache learns it at its next poll
+    cache._pending.append(first)
+    cache._inflight_bytes += first.nbytes
+    cache._account(first.nbytes)
+    assert torch.equal(cache.unpack(tokens[0]), tensors[0])
+    c = cache.counters
+    assert c["forwarded"] == 1 and c["miss_in_flight"] == 0 and first.restored is None
+    assert c["misses"] == 1 and c["miss_not_reached"] == 1  # unit 2's own first unpack, as before
+    assert first.src is None and not cache._pending  # the poll after it released the device reference
+
+
 def test_simulator_hidden_and_exposed_transfers():
     units = _units()
     fast = Bandwidth(d2h=50e9, h2d=50e9, disk_write=2e9, disk_read=2e9)

@@ -133,35 +133,53 @@ def test_bf16_sdpa_gpt2_with_budget_close_to_keep():
 
 
 def test_device_memory_really_freed_and_pinned_memory_returned():
+    """With every block in host memory, what stays on the device once the copies out are done, and backward's peak
+    (the prefetch window), are well below keep's peak. Forward's own peak is not asserted: with budget=None nothing
+    throttles the copies out, so it depends on how far the copy stream lags the host (GPU run P3: the whole step's
+    peak was 0.78x keep's where runs P1/P2 passed < 0.75x, with the same code path)."""
     model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
     ids = torch.randint(0, 1000, (8, 512), device="cuda")
 
-    def peak_of(run):
+    def measure(session=None):
+        """(step's peak, after forward once its copies are done, backward's peak, left after the step), all
+        above the memory allocated before the step."""
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        run()
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids).loss
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        step_peak = torch.cuda.max_memory_allocated()
+        if session is not None:
+            session.cache.poll()  # every copy out is done: release the device copies now, not at the next hook
+        after_forward = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        torch.cuda.synchronize()
+        backward_peak = torch.cuda.max_memory_allocated() - base
+        step_peak = max(step_peak - base, backward_peak)
+        del loss
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.synchronize()
-        return peak, torch.cuda.memory_allocated() - base
+        return step_peak, after_forward, backward_peak, torch.cuda.memory_allocated() - base
 
     _step(model, ids)  # warm-up (cuBLAS workspaces, autotuning) before measuring
-    keep_peak, _ = peak_of(lambda: _step(model, ids))
+    keep_peak, keep_after_forward, _, _ = measure()
     overrides = {f"{container}.{i}": "host" for i in range(6)}
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             _step(model, ids)
-        host_peak, left = peak_of(lambda: _step(model, ids))
+        step_peak, after_forward, backward_peak, left = measure(s)
         assert s.pool.in_use == 0  # every host buffer back in the pool after backward
         assert s.pool.reserved > 0 and s.stats()["bytes_offloaded"]["host"] > 0
     model.zero_grad(set_to_none=True)
-    assert host_peak < 0.75 * keep_peak, (host_peak, keep_peak)
+    detail = (step_peak, after_forward, backward_peak, keep_peak, keep_after_forward)
+    assert after_forward < 0.25 * keep_after_forward, detail  # the saved activations left the device
+    assert backward_peak < 0.75 * keep_peak, detail  # prefetch brings back a window, not everything
     assert left <= 4 * MIB  # nothing saved stays on the device after backward
     gc.collect()
     assert s.pool.reserved == 0 and not ssd_io._huge_ranges  # pinned chunks unregistered and freed

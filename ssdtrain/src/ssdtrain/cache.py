@@ -424,8 +424,10 @@ class TensorCache:
         entry = saved.entry
         with self.lock:
             self._backward_started = True
-            self.poll()
+            # This entry first, then the poll: a poll first would free its device bytes the moment their copy out
+            # finished and force a copy back of the same bytes (a miss) where they can be used in place.
             data = self._device_bytes(entry)
+            self.poll()
             self._prefetch_from(entry.unit)
         return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
             data.untyped_storage(),

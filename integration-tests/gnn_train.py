@@ -346,12 +346,12 @@ def parse_args(argv):
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
     parser.add_argument("--prefetch", type=int, default=None, metavar="K",
                         help="mini-batches sampled and gathered ahead of training by a loader thread, for both "
-                             "implementations (default: 1 on a GPU, where it overlaps compute; 0 on a CPU, whose "
-                             "cores the compute already uses)")
+                             "implementations (default 0: each batch made in turn; the thread speeds the baseline "
+                             "up but slows the toolkit, whose compute is bound by Python on the host: RESULTS.md)")
     parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also train both implementations the other way: without the loader thread when the "
-                             "default has one (reported as toolkit-sequential / baseline-sequential), else with one "
-                             "batch ahead (toolkit-prefetch / baseline-prefetch)")
+                        help="also train both implementations the other way: with a loader thread one batch ahead "
+                             "(reported as toolkit-prefetch / baseline-prefetch), or without it when --prefetch "
+                             "is given (toolkit-sequential / baseline-sequential)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc = harness.start(args.device)
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    ahead = args.prefetch if args.prefetch is not None else int(proc.device.type == "cuda")
+    ahead = args.prefetch if args.prefetch is not None else 0
     # (name in the report, implementation, batches made ahead)
     runs = [(impl, impl, ahead) for impl in impls]
     if args.compare_prefetch:  # the other way too: with a loader thread if the default has none, else without

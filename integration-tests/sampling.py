@@ -101,8 +101,11 @@ class NeighborSampler:
             for fanout in self.num_neighbors:
                 pos, dst_local = self._sample_hop(frontier, frontier_start, fanout)
                 src = self._read(self.row, pos).long()
-                seen = local[src]
-                new = torch.unique(src[seen < 0])  # sorted: rows are read in address order
+                # the sources not in the batch yet, sorted (rows are read in address order); unseen ones keep their
+                # id, the others become the sentinel num_nodes, which is added once more so it is always the last
+                # value and can be dropped without asking the device whether it occurred
+                sentinel = torch.full((1,), self.num_nodes, dtype=src.dtype, device=self.device)
+                new = torch.unique(torch.cat([torch.where(local[src] < 0, src, sentinel), sentinel]))[:-1]
                 local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
                 srcs.append(local[src].long())
                 dsts.append(dst_local)
@@ -123,24 +126,31 @@ class NeighborSampler:
                                num_nodes_per_hop, num_edges_per_hop)
 
     def _sample_hop(self, frontier: Tensor, frontier_start: int, fanout: int) -> tuple[Tensor, Tensor]:
-        """(CSC positions of the sampled in-edges, local id of each edge's destination)."""
+        """(CSC positions of the sampled in-edges, local id of each edge's destination). One host round trip: the
+        number of in-edges and of sampled edges, which size everything else."""
         n = frontier.numel()
+        arange_n = torch.arange(n, device=self.device)
         begin = self._read(self.colptr, frontier).long()
         degree = self._read(self.colptr, frontier + 1).long() - begin
-        dst_local = torch.arange(frontier_start, frontier_start + n, device=self.device)
+        dst_local = arange_n + frontier_start
+        take = degree if fanout < 0 else degree.clamp(max=fanout)
+        total, taken = torch.stack([degree.sum(), take.sum()]).tolist()
         # every in-edge of the frontier, grouped by its destination (owner), with its offset in that group
-        owner = torch.repeat_interleave(torch.arange(n, device=self.device), degree)
-        offsets = torch.arange(owner.numel(), device=self.device) - (torch.cumsum(degree, 0) - degree)[owner]
+        owner = torch.repeat_interleave(arange_n, degree, output_size=total)
+        start = torch.cumsum(degree, 0) - degree
         if fanout < 0:
-            return begin[owner] + offsets, dst_local[owner]
-        # A random key per edge, sorted within each group: the first min(degree, fanout) edges of a group are a
-        # uniform sample without replacement. One sort of the frontier's edges instead of a loop of fanout steps
-        # of small kernels: the sampler's time was launch overhead on the host, not GPU work.
-        key = owner.double() + torch.rand(owner.numel(), dtype=torch.float64, device=self.device,
-                                          generator=self.generator)
-        order = torch.argsort(key)  # groups stay in owner order, so position i still belongs to owner[i]
-        chosen = order[offsets < fanout]
-        return begin[owner[chosen]] + offsets[chosen], dst_local[owner[chosen]]
+            return begin[owner] + torch.arange(total, device=self.device) - start[owner], dst_local[owner]
+        # A random key per edge; sorted, each group's edges stay together (keys of group i lie in [i, i + 1)) in a
+        # random order, and their first min(degree, fanout) are a uniform sample without replacement. One sort of
+        # the frontier's edges instead of a loop of fanout steps of small kernels: the sampler's time was launch
+        # overhead on the host, not GPU work.
+        key = owner.double() + torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        order = torch.argsort(key)
+        # the j-th sampled edge of a group sits at position start + j of the sorted order
+        owner_taken = torch.repeat_interleave(arange_n, take, output_size=taken)
+        j = torch.arange(taken, device=self.device) - (torch.cumsum(take, 0) - take)[owner_taken]
+        edge = order[start[owner_taken] + j]  # index among the frontier's in-edges
+        return begin[owner_taken] + edge - start[owner_taken], dst_local[owner_taken]
 
 
 def pyg_neighbor_loader_available() -> bool:

@@ -344,14 +344,14 @@ def parse_args(argv):
     parser.add_argument("--topology", choices=("device", "host"), default="device",
                         help="where the sampler reads the graph: device memory, or host memory as unified tensors "
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
-    parser.add_argument("--prefetch", type=int, default=None, metavar="K",
+    parser.add_argument("--prefetch", type=int, default=0, metavar="K",
                         help="mini-batches sampled and gathered ahead of training by a loader thread, for both "
                              "implementations (default 0: each batch made in turn; the thread speeds the baseline "
                              "up but slows the toolkit, whose compute is bound by Python on the host: RESULTS.md)")
     parser.add_argument("--compare-prefetch", action="store_true",
                         help="also train both implementations the other way: with a loader thread one batch ahead "
-                             "(reported as toolkit-prefetch / baseline-prefetch), or without it when --prefetch "
-                             "is given (toolkit-sequential / baseline-sequential)")
+                             "(reported as toolkit-prefetch / baseline-prefetch), or without it when --prefetch is "
+                             "above 0 (toolkit-sequential / baseline-sequential)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -367,7 +367,7 @@ def parse_args(argv):
     group.add_argument("--heads", type=int)
     group.add_argument("--lr", type=float)
     args = parser.parse_args(argv)
-    if args.prefetch is not None and args.prefetch < 0:
+    if args.prefetch < 0:
         parser.error(f"--prefetch must be >= 0 batches, got {args.prefetch}")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc = harness.start(args.device)
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    ahead = args.prefetch if args.prefetch is not None else 0
+    ahead = args.prefetch
     # (name in the report, implementation, batches made ahead)
     runs = [(impl, impl, ahead) for impl in impls]
     if args.compare_prefetch:  # the other way too: with a loader thread if the default has none, else without

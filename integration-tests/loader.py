@@ -53,9 +53,6 @@ class BatchLoader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __len__(self) -> int:
-        return len(self.seed_batches)
-
     def __iter__(self) -> Iterator[tuple[SampledSubgraph, Tensor]]:
         if not self.ahead:
             for seeds in self.seed_batches:

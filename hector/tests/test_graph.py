@@ -142,3 +142,82 @@ def test_config_setters_mirror_environment(monkeypatch):
         assert not config.debug()
     finally:
         config.set_debug(None)
+
+
+def _skewed_graph(n=500, e=4000, relations=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ei = torch.randint(0, n, (2, e), generator=g)
+    et = (torch.rand(e, generator=g) ** 3 * relations).long()  # skewed: some relations hold few edges, one most
+    nt = torch.randint(0, 2, (n,), generator=g)
+    return Graph(ei, et, n, relations, nt, 2)
+
+
+LAYOUTS = [(Domain.EDGE, ("etype",)), (Domain.UNIQUE, ("etype",)), (Domain.EDGE, ("src_ntype", "etype")),
+           (Domain.UNIQUE, ("src_ntype", "etype")), (Domain.NODE, ("ntype",)), (Domain.EDGE, ())]
+
+
+def test_device_layout_reads_nothing_on_the_host(monkeypatch):
+    """The CUDA backend's per-graph layout (destination order, CSC offsets, type orders, tile schedules) reads no
+    value on the host once the unique (source, relation) pairs are known: on a GPU each such read waits for every
+    kernel queued before it (e.g. the mini-batch's feature gather)."""
+    from hector.runtime.cuda import DeviceGraph
+
+    graph = _skewed_graph()
+    graph.size_stats()  # the one read: the number of unique pairs
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    dg = DeviceGraph(graph)
+    for domain, by in LAYOUTS:
+        for rows in (7, 256):
+            dg.tiles(domain, by, rows)
+        if by:
+            dg.perm(domain, by)
+            dg.index(domain, by)
+    monkeypatch.undo()
+    assert dg.num_unique == graph.num_unique
+    assert torch.equal(dg.csc_ptr.long(), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                     torch.cumsum(torch.bincount(graph.dst, minlength=500), 0)]))
+
+
+@pytest.mark.parametrize("domain,by", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 7, 64, 4096])
+def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows):
+    """Tiles of at most ``rows`` rows, one type each, covering the type-sorted rows exactly once; the spare slots
+    of the schedule (sized before the per-type counts are known) have count 0."""
+    from hector.runtime.cuda import DeviceGraph
+
+    dg = DeviceGraph(_skewed_graph())
+    table, slots = dg.tiles(domain, by, rows)
+    assert table.shape == (slots, 3)
+    kind, begin, count = table.long().unbind(1)
+    assert bool((count <= rows).all()) and bool((count >= 0).all())
+    real = count > 0
+    total = dg.rows(domain)
+    assert int(real.sum()) == sum(-(-c // rows) for c in (dg.graph.segments(domain, by)[1] if by else [total]))
+    covered = torch.cat([torch.arange(b, b + c) for b, c in zip(begin[real].tolist(), count[real].tolist(),
+                                                                strict=True)])
+    assert torch.equal(covered, torch.arange(total)), "every position of the type order exactly once, in order"
+    if by:
+        types = dg.graph.combined_index(domain, by)[dg.perm(domain, by).long()]
+        assert torch.equal(types[covered], torch.repeat_interleave(kind[real], count[real]))
+
+
+def test_prepare_graph_returns_the_graph_the_layers_use():
+    """hector.prepare_graph preprocesses the graph that a layer called on the same tensors then uses (cached by
+    tensor identity), so the layer's forward has nothing left that reads the device."""
+    import hector
+
+    g = _skewed_graph()
+    ei, et = torch.stack([g.src, g.dst]), g.etype
+    prepared = hector.prepare_graph(ei, et, g.num_nodes, g.num_relations)
+    assert "size_stats" in prepared._cache and prepared.num_unique == g.num_unique
+    layer = hn.RGATConv(4, 3, g.num_relations, heads=2)
+    x = torch.randn(g.num_nodes, 4)
+    assert layer.graph(x, ei, et) is prepared
+    assert torch.allclose(layer(x, prepared), layer(x, ei, et))
+    with pytest.raises(GraphInputError, match="outside"):
+        hector.prepare_graph(ei, et, g.num_nodes, 2)  # relation ids up to 4 with num_relations=2

@@ -14,12 +14,33 @@ from ._core import CompileError, CudaError, UnavailableError
 from .errors import DSLTypeError, GraphInputError, HectorError, IRVerificationError
 from .ir import Builder
 from .passes import Options
-from .runtime.graph import Graph
+from .runtime.backend import prepare
+from .runtime.graph import Graph, graph_for
 
 __version__ = _version("hector")
 
 __all__ = ["Builder", "CompileError", "CudaError", "DSLTypeError", "Graph", "GraphInputError", "HectorError",
-           "IRVerificationError", "Options", "UnavailableError", "__version__", "info"]
+           "IRVerificationError", "Options", "UnavailableError", "__version__", "info", "prepare_graph"]
+
+
+def prepare_graph(edge_index, edge_type, num_nodes: int, num_relations: int, node_type=None,
+                  num_node_types: int | None = None) -> Graph:
+    """Validates a (mini-batch) graph and does now the preprocessing that waits for the GPU, so that hector's
+    layers called on the same tensors only launch kernels. Returns the :class:`Graph` the layers will use (also
+    accepted by them in place of ``edge_index``).
+
+    Call it where a mini-batch is made, before launching work the layers do not need yet, such as the feature
+    gather: a layer that preprocesses a new graph itself waits at its first host synchronisation for all work
+    queued before it::
+
+        sub = sampler.sample(seeds)
+        hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
+        x = features[sub.n_id]                          # queued; the layers below do not wait for it
+        out = model(x, sub.edge_index, sub.edge_type)
+
+    The arguments are those the layers get (``num_nodes`` = ``x.size(0)``; ``node_type``/``num_node_types`` only
+    for layers typed by node type)."""
+    return prepare(graph_for(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types))
 
 
 def info() -> dict:

@@ -102,7 +102,7 @@ def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:
     """
     if objective not in ("time", "memory"):
         raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
-    stats = graph.stats()
+    stats = graph.size_stats()
     key = (layer.training, objective, size_class(stats))
 
     def compute() -> Options:

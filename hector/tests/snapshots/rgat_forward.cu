@@ -71,6 +71,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_gemm(const int* __restrict_
   __shared__ int c_row[BM];
   const int tile = blockIdx.x;
   const int type = tiles[3 * tile], begin = tiles[3 * tile + 1], count = tiles[3 * tile + 2];
+  if (count == 0) return;  // a spare slot of the schedule (DeviceGraph.tiles)
   const int n0 = blockIdx.y * BN;
   for (int i = threadIdx.x; i < BM; i += blockDim.x) {
     if (i < count) {
@@ -137,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(256) k2_gemm(const int* __restrict_
   __shared__ int c_row[BM];
   const int tile = blockIdx.x;
   const int type = tiles[3 * tile], begin = tiles[3 * tile + 1], count = tiles[3 * tile + 2];
+  if (count == 0) return;  // a spare slot of the schedule (DeviceGraph.tiles)
   const int n0 = blockIdx.y * BN;
   for (int i = threadIdx.x; i < BM; i += blockDim.x) {
     if (i < count) {
@@ -202,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm(const int* __restrict_
   __shared__ int c_row[BM];
   const int tile = blockIdx.x;
   const int type = tiles[3 * tile], begin = tiles[3 * tile + 1], count = tiles[3 * tile + 2];
+  if (count == 0) return;  // a spare slot of the schedule (DeviceGraph.tiles)
   const int n0 = blockIdx.y * BN;
   for (int i = threadIdx.x; i < BM; i += blockDim.x) {
     if (i < count) {

@@ -87,4 +87,16 @@ def select(device: torch.device, dtype: torch.dtype) -> Backend:
     return REFERENCE
 
 
-__all__ = ["REFERENCE", "Backend", "ReferenceBackend", "cuda_backend", "select"]
+def prepare(graph: Graph) -> Graph:
+    """Does now the preprocessing of ``graph`` that waits for the GPU: the unique (source, relation) pairs that
+    size the layers' rows and, where the CUDA backend will run, its destination-sorted layout. The layers then
+    only launch kernels (see :func:`hector.prepare_graph`). Returns ``graph``."""
+    graph.size_stats()
+    if graph.device.type == "cuda" and config.backend() != "reference":
+        from .cuda import device_graph
+
+        device_graph(graph)
+    return graph
+
+
+__all__ = ["REFERENCE", "Backend", "ReferenceBackend", "cuda_backend", "prepare", "select"]

@@ -35,22 +35,27 @@ _LEAF_OPS = (Op.INPUT, Op.PARAM, Op.SAVED)
 
 
 class DeviceGraph:
-    """A graph prepared for the generated kernels: destination-sorted edges and int32 indices, cached."""
+    """A graph prepared for the generated kernels: destination-sorted edges and int32 indices, cached.
+
+    Built without host synchronisation (the caller's graph was validated once; its unique (source, relation) pairs,
+    which size the UNIQUE rows, are computed on it once and reused here): a mini-batch's layers then only launch
+    kernels, and the host runs ahead of the GPU."""
 
     def __init__(self, graph: Graph):
         if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
             raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
         order = torch.sort(graph.dst, stable=True).indices
         self.order = order  # sorted position -> original edge id
-        self.graph = Graph(torch.stack([graph.src[order], graph.dst[order]]), graph.etype[order], graph.num_nodes,
-                           graph.num_relations, graph.ntype, graph.num_node_types)
-        g = self.graph
+        g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph)
+        # the same (source, relation) pairs in the same order; each edge keeps its pair
+        g._cache["unique"] = (graph.unique_src, graph.unique_etype, graph.edge_to_unique[order])
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
-        deg = torch.bincount(g.dst, minlength=g.num_nodes)
-        ptr = torch.zeros(g.num_nodes + 1, dtype=torch.long, device=g.device)
-        ptr[1:] = torch.cumsum(deg, 0)
+        # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
+        nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
+        ptr = torch.searchsorted(g.dst, nodes)
         self.csc_ptr = ptr.to(torch.int32)
+        deg = ptr[1:] - ptr[:-1]
         # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
         self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
         self._cache: dict[Any, Any] = {}
@@ -76,7 +81,7 @@ class DeviceGraph:
 
     def perm(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         return self._cached(("perm", domain, by),
-                            lambda: self.graph.segments(domain, by)[0].to(torch.int32).contiguous())
+                            lambda: self.graph.type_order(domain, by).to(torch.int32).contiguous())
 
     def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
         """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles
@@ -91,22 +96,32 @@ class DeviceGraph:
 
     def tiles(self, domain: Domain, by: tuple[str, ...], rows: int) -> tuple[torch.Tensor, int]:
         """Tile schedule of a segment GEMM: (type, first position in the type-sorted rows, count) per tile of at
-        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph."""
+        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph, on the
+        device: the per-type counts never come to the host. The schedule has a slot for the most tiles the row
+        count allows (each type adds at most one partial tile); the slots past the last tile have count 0 and
+        their blocks return at once."""
 
         def compute():
-            counts = torch.tensor(self.graph.segments(domain, by)[1] if by else [self.rows(domain)],
-                                  dtype=torch.long)
-            per_type = (counts + rows - 1) // rows  # tiles of each type
-            n = int(per_type.sum())
-            if n == 0:
+            total = self.rows(domain)
+            if total == 0:
                 return torch.zeros(1, 3, dtype=torch.int32, device=self.device), 0
-            types = torch.repeat_interleave(torch.arange(counts.numel()), per_type)
-            first_tile = torch.cumsum(per_type, 0) - per_type
-            offset = (torch.arange(n) - first_tile[types]) * rows  # row offset of each tile within its type
-            begin = (torch.cumsum(counts, 0) - counts)[types] + offset
-            count = torch.clamp(counts[types] - offset, max=rows)
-            table = torch.stack([types, begin, count], 1).to(torch.int32)
-            return table.to(self.device).contiguous(), n
+            if by:
+                counts = self.graph.type_counts(domain, by)
+            else:
+                counts = torch.full((1,), total, dtype=torch.long, device=self.device)
+            types = counts.numel()
+            slots = -(-total // rows) + types - 1  # an upper bound on sum(ceil(count / rows))
+            per_type = (counts + rows - 1) // rows
+            tiles_end = torch.cumsum(per_type, 0)  # one past each type's last tile
+            slot = torch.arange(slots, device=self.device)
+            kind = torch.searchsorted(tiles_end, slot, right=True)  # == types past the last tile
+            valid = kind < types
+            kind = kind.clamp(max=types - 1)
+            offset = (slot - (tiles_end - per_type)[kind]) * rows  # row offset of each tile within its type
+            begin = (torch.cumsum(counts, 0) - counts)[kind] + offset
+            count = torch.where(valid, torch.clamp(counts[kind] - offset, max=rows), 0)
+            table = torch.stack([kind, torch.where(valid, begin, 0), count], 1).to(torch.int32)
+            return table.contiguous(), slots
 
         return self._cached(("tiles", domain, by, rows), compute)
 

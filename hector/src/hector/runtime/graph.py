@@ -97,6 +97,17 @@ class Graph:
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
 
+    @classmethod
+    def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph) -> Graph:
+        """A graph over the same nodes as the checked graph ``like`` whose edges are a permutation of its edges:
+        nothing to validate again (validation reads the ids on the host, a synchronisation)."""
+        g = cls.__new__(cls)
+        g.num_nodes, g.num_relations, g.num_node_types = like.num_nodes, like.num_relations, like.num_node_types
+        g.src, g.dst, g.etype, g.ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like.ntype
+        g.device = like.device
+        g._cache = {}
+        return g
+
     @property
     def num_edges(self) -> int:
         return self.src.numel()
@@ -168,19 +179,33 @@ class Graph:
 
         return self.cached(("combined", domain, by), compute)
 
-    def segments(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
-        """Rows sorted by their (combined) type, and the row count of each type: the segmented-GEMM layout."""
+    def num_combined_types(self, by: tuple[str, ...]) -> int:
+        total = 1
+        for kind in by:
+            total *= self.num_types(kind)
+        return total
+
+    def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
+        return self.cached(("type_order", domain, by),
+                           lambda: torch.sort(self.combined_index(domain, by), stable=True).indices)
+
+    def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Rows of each (combined) type, a tensor on the graph's device. No host synchronisation (unlike
+        ``bincount`` on a GPU, which reads the largest id on the host to size its output)."""
 
         def compute():
             idx = self.combined_index(domain, by)
-            total = 1
-            for kind in by:
-                total *= self.num_types(kind)
-            perm = torch.sort(idx, stable=True).indices
-            counts = torch.bincount(idx, minlength=total).tolist()
-            return perm, counts
+            counts = torch.zeros(self.num_combined_types(by), dtype=torch.long, device=self.device)
+            return counts.index_add_(0, idx, torch.ones_like(idx))
 
-        return self.cached(("segments", domain, by), compute)
+        return self.cached(("type_counts", domain, by), compute)
+
+    def segments(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
+        """Rows sorted by their (combined) type, and the row count of each type as a host list (one
+        synchronisation): the segmented-GEMM layout of the reference backend."""
+        return self.cached(("segments", domain, by),
+                           lambda: (self.type_order(domain, by), self.type_counts(domain, by).tolist()))
 
     def gather_index(self, via: str) -> torch.Tensor:
         if via not in GATHER_VIA:
@@ -231,19 +256,24 @@ class Graph:
 
         return self.cached(("const", kind, dtype), lambda: compute().to(dtype))
 
+    def size_stats(self) -> dict[str, int]:
+        """The row and type counts the cost model and the kernels are sized by. Only ``num_unique`` reads the
+        device (the unique (source, relation) pairs, computed once per graph)."""
+        return self.cached("size_stats", lambda: {
+            "num_nodes": self.num_nodes,
+            "num_edges": self.num_edges,
+            "num_unique": self.num_unique,
+            "num_relations": self.num_relations,
+            "num_node_types": self.num_node_types,
+        })
+
     def stats(self) -> dict[str, Any]:
-        """Counts the cost model uses."""
+        """:meth:`size_stats` and the largest relation's edge count (one more host synchronisation)."""
 
         def compute():
-            per_rel = torch.bincount(self.etype, minlength=self.num_relations)
-            return {
-                "num_nodes": self.num_nodes,
-                "num_edges": self.num_edges,
-                "num_unique": self.num_unique,
-                "num_relations": self.num_relations,
-                "num_node_types": self.num_node_types,
-                "max_edges_per_relation": int(per_rel.max()) if self.num_edges else 0,
-            }
+            per_rel = self.type_counts(Domain.EDGE, ("etype",))
+            return {**self.size_stats(),
+                    "max_edges_per_relation": int(per_rel.max()) if self.num_edges else 0}
 
         return self.cached("stats", compute)
 

@@ -204,12 +204,13 @@ def check_shared_memory_space(nbytes: int) -> None:
 
 def epoch_batches(train_idx: torch.Tensor, batch_size: int, epoch: int, seed: int, proc: harness.Process):
     """This rank's seed batches for an epoch: one shuffled order shared by all ranks, dealt round robin; every rank
-    gets the same number of full batches (DDP steps together)."""
+    gets the same number of full batches (DDP steps together). On the training device: one copy per epoch, not a
+    copy from pageable host memory per batch (each of which waits for the GPU to finish the work queued before)."""
     gen = torch.Generator().manual_seed(seed * 1000 + epoch)
     order = train_idx.cpu()[torch.randperm(train_idx.numel(), generator=gen)]
     per_rank = train_idx.numel() // (batch_size * proc.world_size)
     mine = order[: per_rank * batch_size * proc.world_size].view(-1, batch_size)[proc.rank::proc.world_size]
-    return list(mine)
+    return list(mine.to(proc.device))
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sampler_factory, proc: harness.Process,
@@ -229,9 +230,19 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
     labels = graph.labels
     sampler = sampler_factory()
 
+    # The toolkit prepares each batch's graph for hector before queueing the gather: hector's preprocessing reads
+    # a few sizes on the host, and done inside the first layer that read would wait for the gather to finish. (Not
+    # in a loader thread: the graph's tensors would be made on its stream and freed on the training stream.)
+    prepare = impl == "toolkit" and not ahead
+    num_relations = cfg.graph.num_relations
+
     def make_batch(seeds: torch.Tensor, timer: harness.PhaseTimes) -> tuple[SampledSubgraph, torch.Tensor]:
         timer.phase("sample")
         sub = sampler.sample(seeds)
+        if prepare:
+            import hector
+
+            hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
         timer.phase("gather")
         return sub, features(sub.n_id)
 

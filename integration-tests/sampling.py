@@ -84,15 +84,16 @@ class NeighborSampler:
         seeds = seeds.to(self.device, torch.long)
         if seeds.dim() != 1 or seeds.numel() == 0:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
-        low, high = torch.stack([seeds.min(), seeds.max()]).tolist()  # one host round trip
+        ordered = torch.sort(seeds).values
+        repeats = (ordered[1:] == ordered[:-1]).sum()
+        low, high, repeated = torch.stack([ordered[0], ordered[-1], repeats]).tolist()  # one host round trip
         if low < 0 or high >= self.num_nodes:
             raise IndexError(f"seed ids must lie in [0, {self.num_nodes}), got [{low}, {high}]")
+        if repeated:
+            raise ValueError(f"seeds must be distinct node ids ({repeated} seed(s) appear more than once)")
         local = self._local
         batch = seeds.numel()
         local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
-        if not bool((local[seeds] == torch.arange(batch, dtype=torch.int32, device=self.device)).all()):
-            local[seeds] = -1
-            raise ValueError("seeds must be distinct node ids (a seed appears twice)")
         nodes = [seeds]
         srcs, dsts, etypes, eids = [], [], [], []
         num_nodes_per_hop, num_edges_per_hop = [batch], []
@@ -118,7 +119,7 @@ class NeighborSampler:
             n_id = torch.cat(nodes)
         finally:
             for part in nodes:
-                local[part] = -1
+                local.index_fill_(0, part, -1)  # (local[part] = -1 would copy the -1 from the host: a sync)
         node_type = self._read(self.node_type, n_id).long() if self.node_type is not None else \
             torch.zeros_like(n_id)
         edge_index = torch.stack([torch.cat(srcs), torch.cat(dsts)])

@@ -107,3 +107,12 @@ def test_backend_setting_validated(monkeypatch):
     monkeypatch.setenv("HECTOR_BACKEND", "reference")
     assert config.backend() == "reference"
     _ = torch
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_tile_schedule_kernel_compiles_with_nvrtc(arch):
+    """The backend's fixed tile-schedule kernel (hector.codegen.schedule) compiles like the generated modules."""
+    from hector.codegen import compile_module, schedule
+
+    _nvrtc()
+    assert compile_module(schedule.MODULE, arch)

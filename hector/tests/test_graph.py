@@ -152,6 +152,17 @@ def _skewed_graph(n=500, e=4000, relations=5, seed=3):
     return Graph(ei, et, n, relations, nt, 2)
 
 
+def _emulated_schedule_builder():
+    """The CUDA backend's tile-schedule kernel, run on the CPU by the kernel emulator (tests/emulation.py)."""
+    from emulation import EmulatedExecutor, compiler
+
+    from hector.runtime.cuda import CudaBackend
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    return CudaBackend(EmulatedExecutor()).build_schedule
+
+
 LAYOUTS = [(Domain.EDGE, ("etype",)), (Domain.UNIQUE, ("etype",)), (Domain.EDGE, ("src_ntype", "etype")),
            (Domain.UNIQUE, ("src_ntype", "etype")), (Domain.NODE, ("ntype",)), (Domain.EDGE, ())]
 
@@ -168,12 +179,13 @@ def test_device_layout_reads_nothing_on_the_host(monkeypatch):
     def host_read(*args, **kwargs):
         raise AssertionError("a tensor value was read on the host")
 
+    build = _emulated_schedule_builder()
     for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, host_read)
     dg = DeviceGraph(graph)
     for domain, by in LAYOUTS:
         for rows in (7, 256):
-            dg.tiles(domain, by, rows)
+            dg.tiles(domain, by, rows, build)
         if by:
             dg.perm(domain, by)
             dg.index(domain, by)
@@ -191,7 +203,7 @@ def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows):
     from hector.runtime.cuda import DeviceGraph
 
     dg = DeviceGraph(_skewed_graph())
-    table, slots = dg.tiles(domain, by, rows)
+    table, slots = dg.tiles(domain, by, rows, _emulated_schedule_builder())
     assert table.shape == (slots, 3)
     kind, begin, count = table.long().unbind(1)
     assert bool((count <= rows).all()) and bool((count >= 0).all())
@@ -221,3 +233,22 @@ def test_prepare_graph_returns_the_graph_the_layers_use():
     assert torch.allclose(layer(x, prepared), layer(x, ei, et))
     with pytest.raises(GraphInputError, match="outside"):
         hector.prepare_graph(ei, et, g.num_nodes, 2)  # relation ids up to 4 with num_relations=2
+
+
+def test_record_stream_reaches_every_cached_tensor(monkeypatch):
+    """Graph.record_stream marks the graph's tensors and those of its cached preprocessing, the CUDA backend's
+    layout included (tensor.record_stream itself needs a GPU: counted here through a stand-in)."""
+    from hector.runtime.cuda import device_graph
+
+    graph = _skewed_graph()
+    dg = device_graph(graph)
+    dg.tiles(Domain.EDGE, ("etype",), 64, _emulated_schedule_builder())
+    graph.size_stats()
+    marked = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: marked.append(t))
+    graph.record_stream("stream")
+    ids = {id(t) for t in marked}
+    for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, dg.dst_order, dg.order, dg.graph.src,
+              dg._cache[("tiles", Domain.EDGE, ("etype",), 64)][0]):
+        assert id(t) in ids

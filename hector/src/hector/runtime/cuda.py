@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +23,9 @@ import torch
 
 from .. import config
 from ..codegen import CodegenOptions, ModuleCode, generate
+from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
-from .graph import Graph
+from .graph import Graph, record_stream_of
 
 TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 DTYPE_KEY = {v: k for k, v in TORCH_DTYPE.items()}
@@ -64,6 +65,11 @@ class DeviceGraph:
     def num_unique(self) -> int:
         return self.graph.num_unique
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """See :meth:`Graph.record_stream`."""
+        self.graph.record_stream(stream)
+        record_stream_of((self.order, self.csc_ptr, self.dst_order, self._cache), stream)
+
     def rows(self, domain: Domain) -> int:
         return self.graph.num_rows(domain)
 
@@ -94,12 +100,13 @@ class DeviceGraph:
             size *= 2
         return size
 
-    def tiles(self, domain: Domain, by: tuple[str, ...], rows: int) -> tuple[torch.Tensor, int]:
+    def tiles(self, domain: Domain, by: tuple[str, ...], rows: int,
+              build: Callable[[torch.Tensor, int, int], torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Tile schedule of a segment GEMM: (type, first position in the type-sorted rows, count) per tile of at
-        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph, on the
-        device: the per-type counts never come to the host. The schedule has a slot for the most tiles the row
-        count allows (each type adds at most one partial tile); the slots past the last tile have count 0 and
-        their blocks return at once."""
+        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph by
+        ``build(counts, rows, slots)`` (the backend's schedule kernel) from the per-type counts, which stay on the
+        device. The schedule has ``slots`` entries, the most tiles the row count allows (each type adds at most one
+        partial tile); the entries past the last tile have count 0 and their blocks return at once."""
 
         def compute():
             total = self.rows(domain)
@@ -109,19 +116,8 @@ class DeviceGraph:
                 counts = self.graph.type_counts(domain, by)
             else:
                 counts = torch.full((1,), total, dtype=torch.long, device=self.device)
-            types = counts.numel()
-            slots = -(-total // rows) + types - 1  # an upper bound on sum(ceil(count / rows))
-            per_type = (counts + rows - 1) // rows
-            tiles_end = torch.cumsum(per_type, 0)  # one past each type's last tile
-            slot = torch.arange(slots, device=self.device)
-            kind = torch.searchsorted(tiles_end, slot, right=True)  # == types past the last tile
-            valid = kind < types
-            kind = kind.clamp(max=types - 1)
-            offset = (slot - (tiles_end - per_type)[kind]) * rows  # row offset of each tile within its type
-            begin = (torch.cumsum(counts, 0) - counts)[kind] + offset
-            count = torch.where(valid, torch.clamp(counts[kind] - offset, max=rows), 0)
-            table = torch.stack([kind, torch.where(valid, begin, 0), count], 1).to(torch.int32)
-            return table.contiguous(), slots
+            slots = -(-total // rows) + counts.numel() - 1  # >= sum(ceil(count / rows))
+            return build(counts, rows, slots), slots
 
         return self._cached(("tiles", domain, by, rows), compute)
 
@@ -185,6 +181,7 @@ class CudaBackend:
     def __init__(self, executor: Any = None):
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
+        self._schedule: Any = None
         self.compiled_modules = 0
 
     # -- support ---------------------------------------------------------------------------------------------
@@ -233,6 +230,16 @@ class CudaBackend:
         plan = _Plan(module, kernels)
         self._plans[key] = (lowered, plan)
         return plan
+
+    def build_schedule(self, counts: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
+        """A tile schedule ([slots, 3] int32, see :meth:`DeviceGraph.tiles`) written by the schedule kernel."""
+        if self._schedule is None:
+            handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
+            self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+        table = torch.empty(slots, 3, dtype=torch.int32, device=counts.device)
+        args = [counts, counts.numel(), rows, slots, table]
+        self.executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, self.executor.stream())
+        return table
 
     # -- execution -------------------------------------------------------------------------------------------
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
@@ -302,7 +309,7 @@ class CudaBackend:
         if launch.kind == "tiles":
             _, domain, by, rows = launch.work
             rows = dg.tile_rows(Domain(domain), rows, sms)
-            return (dg.tiles(Domain(domain), by, rows)[1], launch.grid_y)
+            return (dg.tiles(Domain(domain), by, rows, self.build_schedule)[1], launch.grid_y)
         return (-(-launch.work[0] // launch.block), 1)
 
     def _bind(self, bind: tuple, env: Mapping[str, torch.Tensor], dg: DeviceGraph, sms: int) -> Any:
@@ -321,7 +328,7 @@ class CudaBackend:
             return dg.perm(Domain(bind[1]), tuple(bind[2]))
         if kind == "tiles":
             domain = Domain(bind[1])
-            return dg.tiles(domain, tuple(bind[2]), dg.tile_rows(domain, bind[3], sms))[0]
+            return dg.tiles(domain, tuple(bind[2]), dg.tile_rows(domain, bind[3], sms), self.build_schedule)[0]
         if kind == "rows":
             return dg.rows(Domain(bind[1]))
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover

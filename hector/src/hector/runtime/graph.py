@@ -9,6 +9,7 @@ called repeatedly on the same tensors (full-graph training) preprocesses once, w
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -277,13 +278,37 @@ class Graph:
 
         return self.cached("stats", compute)
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """:meth:`torch.Tensor.record_stream` for every tensor of the graph and of its cached preprocessing (the
+        CUDA backend's layout included). Call it when the graph was made (e.g. by :func:`hector.prepare_graph`) on
+        one CUDA stream and the layers run on another: the caching allocator then does not hand its memory to the
+        first stream's next allocations while the second may still read it."""
+        record_stream_of((self.src, self.dst, self.etype, self.ntype, self._cache), stream)
+
     def __repr__(self) -> str:
         return (f"Graph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, num_relations={self.num_relations}, "
                 f"num_node_types={self.num_node_types})")
 
 
+def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:
+    """``record_stream(stream)`` on every CUDA tensor in ``value``: tensors, tuples, lists and dicts of them, and
+    objects with their own ``record_stream`` (cached layouts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            record_stream_of(v, stream)
+    elif isinstance(value, dict):
+        for v in value.values():
+            record_stream_of(v, stream)
+    elif hasattr(value, "record_stream"):
+        value.record_stream(stream)
+
+
 _GRAPHS: OrderedDict[tuple, tuple[list[weakref.ref], Graph]] = OrderedDict()
 _MAX_GRAPHS = 16
+_GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.prepare_graph) while layers run
 
 
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
@@ -297,12 +322,14 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
     key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
-    hit = _GRAPHS.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
-        _GRAPHS.move_to_end(key)
-        return hit[1]
+    with _GRAPHS_LOCK:
+        hit = _GRAPHS.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
+            _GRAPHS.move_to_end(key)
+            return hit[1]
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types)
-    _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
-    while len(_GRAPHS) > _MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
+    with _GRAPHS_LOCK:
+        _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
+        while len(_GRAPHS) > _MAX_GRAPHS:
+            _GRAPHS.popitem(last=False)
     return g

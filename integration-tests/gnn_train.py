@@ -231,10 +231,11 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
     sampler = sampler_factory()
 
     # The toolkit prepares each batch's graph for hector before queueing the gather: hector's preprocessing reads
-    # a few sizes on the host, and done inside the first layer that read would wait for the gather to finish. (Not
-    # in a loader thread: the graph's tensors would be made on its stream and freed on the training stream.)
-    prepare = impl == "toolkit" and not ahead
+    # a few sizes on the host, and done inside the first layer that read would wait for the gather to finish. The
+    # graph is made on the loader's stream and used on the training stream (record_stream, as for the batch).
+    prepare = impl == "toolkit"
     num_relations = cfg.graph.num_relations
+    training_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def make_batch(seeds: torch.Tensor, timer: harness.PhaseTimes) -> tuple[SampledSubgraph, torch.Tensor]:
         timer.phase("sample")
@@ -242,7 +243,9 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
         if prepare:
             import hector
 
-            hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
+            graph = hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
+            if training_stream is not None:
+                graph.record_stream(training_stream)
         timer.phase("gather")
         return sub, features(sub.n_id)
 
@@ -357,8 +360,8 @@ def parse_args(argv):
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
     parser.add_argument("--prefetch", type=int, default=0, metavar="K",
                         help="mini-batches sampled and gathered ahead of training by a loader thread, for both "
-                             "implementations (default 0: each batch made in turn; the thread speeds the baseline "
-                             "up but slows the toolkit, whose compute is bound by Python on the host: RESULTS.md)")
+                             "implementations (default 0: each batch made in turn, on a GPU on its own CUDA stream "
+                             "so that its host round trips do not wait for the previous step: RESULTS.md)")
     parser.add_argument("--compare-prefetch", action="store_true",
                         help="also train both implementations the other way: with a loader thread one batch ahead "
                              "(reported as toolkit-prefetch / baseline-prefetch), or without it when --prefetch is "

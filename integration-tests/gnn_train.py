@@ -214,13 +214,14 @@ def epoch_batches(train_idx: torch.Tensor, batch_size: int, epoch: int, seed: in
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sampler_factory, proc: harness.Process,
-             args, result: dict, save=lambda: None, ahead: int = 0, name: str | None = None) -> None:
-    """Train ``impl`` with batches made ``ahead`` of training by a loader thread (0: made in turn, sequentially);
-    fills ``result`` (epochs as they finish, then peak memory) and calls ``save`` after each epoch. ``name``
-    labels the progress output (default: ``impl``)."""
+             args, result: dict, save=lambda: None, ahead: int = 0, thread: bool = False,
+             name: str | None = None) -> None:
+    """Train ``impl`` with batches made ``ahead`` of training (0: in turn), by the training thread or a loader
+    ``thread`` (loader.py); fills ``result`` (epochs as they finish, then peak memory) and calls ``save`` after each
+    epoch. ``name`` labels the progress output (default: ``impl``)."""
     name = name or impl
     device = proc.device
-    result["ahead"] = ahead
+    result["ahead"], result["loader"] = ahead, loader_mode(ahead, thread)
     model = model.to(device)
     if proc.distributed:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -252,8 +253,11 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
     def forward(sub: SampledSubgraph, x: torch.Tensor) -> torch.Tensor:
         return model(x, sub.edge_index, sub.edge_type)[: sub.batch_size]
 
+    loader_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
     def loader(seed_batches, timer: harness.PhaseTimes) -> BatchLoader:
-        return BatchLoader(make_batch, seed_batches, ahead=ahead, device=device, timer=timer)
+        return BatchLoader(make_batch, seed_batches, ahead=ahead, thread=thread, device=device, timer=timer,
+                           stream=loader_stream)
 
     # Warm-up: kernel compilation, allocator, page mapping; gradients dropped, weights unchanged. Through the
     # loader, so its thread and stream are warm too.
@@ -289,7 +293,7 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
             elapsed = harness.now(device) - begin
         bar.close()
         phases = timer.totals()
-        if made.loader_timer is not timer:  # the loader thread's busy time, overlapped with the phases above
+        if made.loader_timer is not timer:  # the loader's busy time, on its own stream or thread
             phases.update({f"loader_{k}": v for k, v in made.loader_timer.totals().items()})
         batch_losses = [v / proc.world_size for v in proc.sum(torch.stack(losses).tolist())]
         seeds_total, edges_total = proc.sum([len(batches) * cfg.batch_size, edges])
@@ -358,14 +362,16 @@ def parse_args(argv):
     parser.add_argument("--topology", choices=("device", "host"), default="device",
                         help="where the sampler reads the graph: device memory, or host memory as unified tensors "
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
-    parser.add_argument("--prefetch", type=int, default=0, metavar="K",
-                        help="mini-batches sampled and gathered ahead of training by a loader thread, for both "
-                             "implementations (default 0: each batch made in turn, on a GPU on its own CUDA stream "
-                             "so that its host round trips do not wait for the previous step: RESULTS.md)")
+    parser.add_argument("--prefetch", type=int, default=1, metavar="K",
+                        help="mini-batches sampled and gathered ahead of training, for both implementations, on "
+                             "a GPU on the loader's own CUDA stream (default 1; 0: each batch made when training "
+                             "asks for it). By the training thread itself unless --loader-thread (loader.py)")
+    parser.add_argument("--loader-thread", action="store_true",
+                        help="make the batches ahead in a background thread (competes with training for the "
+                             "interpreter lock: RESULTS.md)")
     parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also train both implementations the other way: with a loader thread one batch ahead "
-                             "(reported as toolkit-prefetch / baseline-prefetch), or without it when --prefetch is "
-                             "above 0 (toolkit-sequential / baseline-sequential)")
+                        help="also train both implementations the two other ways of in turn (-inturn), ahead by "
+                             "the training thread (-ahead) and ahead by a loader thread (-thread)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -383,6 +389,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.prefetch < 0:
         parser.error(f"--prefetch must be >= 0 batches, got {args.prefetch}")
+    if args.loader_thread and not args.prefetch:
+        parser.error("--loader-thread needs --prefetch of at least 1 batch")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
     return args
@@ -394,17 +402,19 @@ def main(argv: list[str] | None = None) -> dict:
     proc = harness.start(args.device)
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    ahead = args.prefetch
-    # (name in the report, implementation, batches made ahead)
-    runs = [(impl, impl, ahead) for impl in impls]
-    if args.compare_prefetch:  # the other way too: with a loader thread if the default has none, else without
-        other, suffix = (0, "sequential") if ahead else (1, "prefetch")
-        runs += [(f"{impl}-{suffix}", impl, other) for impl in impls]
+    ahead, thread = args.prefetch, args.loader_thread
+    # (name in the report, implementation, batches made ahead, by a loader thread)
+    runs = [(impl, impl, ahead, thread) for impl in impls]
+    if args.compare_prefetch:  # the two other ways too
+        k = max(1, ahead)
+        ways = {"inturn": (0, False), "ahead": (k, False), "thread": (k, True)}
+        default = "inturn" if not ahead else "thread" if thread else "ahead"
+        runs += [(f"{impl}-{way}", impl, *ways[way]) for way in ways if way != default for impl in impls]
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
                f"{spec.num_relations} relations, {spec.num_classes} classes, features {spec.feature_dim} x fp32 "
                f"({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} process(es) on "
-               f"{proc.device.type}; {', '.join(name for name, _, _ in runs)}; "
-               + (f"batches made {ahead} ahead by a loader thread" if ahead else "batches made in turn"))
+               f"{proc.device.type}; {', '.join(name for name, *_ in runs)}; batches made "
+               + loader_mode(ahead, thread))
 
     start = time.perf_counter()
     graph = generate(spec, proc.device)
@@ -448,13 +458,19 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.main:
             harness.write_json(args.json, report)
 
-    for name, impl, ahead in runs:
+    for name, impl, ahead, thread in runs:
         report["impls"][name] = {}
         run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, sampler_factory, proc, args,
-                 report["impls"][name], save, ahead=ahead, name=name)
+                 report["impls"][name], save, ahead=ahead, thread=thread, name=name)
     summarize(report, proc)
     harness.finish(proc)
     return report
+
+
+def loader_mode(ahead: int, thread: bool) -> str:
+    if not ahead:
+        return "in turn"
+    return f"{ahead} ahead by a loader thread" if thread else f"{ahead} ahead by the training thread"
 
 
 def _host_topology(graph):
@@ -478,8 +494,8 @@ def summarize(report: dict, proc: harness.Process) -> None:
         proc.print(f"{impl:20s} {mean:9.2f} {last['seeds_per_s']:10,.0f} {last['loss']:10.4f} {last['val_acc']:8.3f} "
                    f"{harness.gib(r.get('peak_gpu_bytes')):>10s}")
     mean = {k: sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"]) for k, r in impls.items()}
-    for baseline in ("baseline", "baseline-prefetch", "baseline-sequential"):
-        if {"toolkit", baseline} <= set(mean):
+    for baseline in [k for k in mean if k.startswith("baseline")]:
+        if "toolkit" in mean:
             proc.print(f"toolkit epoch time: {mean[baseline] / mean['toolkit']:.2f}x faster than {baseline} "
                        f"(chance accuracy {report['chance_accuracy']:.3f})")
 

@@ -44,7 +44,7 @@ def gnn_lines(runs: list[dict]) -> list[str]:
                      f"{graph['edges']:,} edges, {graph['feature_bytes'] / 2**30:.2f} GiB of features in host memory"
                      + (f", {r['host_feature_copies']:.2f} host copies" if r.get("host_feature_copies") is not None
                         else ""))
-        # With batches made ahead (a loader thread), sample and gather overlap compute: they are the loader's busy
+        # With batches made on the loader's stream or thread, sample and gather overlap compute: the loader's busy
         # time, and "wait" is how long training waited for a batch.
         lines.append(f"  {'(mean/epoch)':20s} {'ahead':>5s} {'epoch s':>8s} {'seeds/s':>10s} {'sample s':>9s} "
                      f"{'gather s':>9s} {'wait s':>7s} {'compute s':>9s}  {'last epoch: loss':>16s} {'val acc':>7s}")
@@ -134,7 +134,7 @@ def write_csv(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
         path = out / "gnn.csv"
         fields = ["size", "world_size", "impl", "epoch", "time_s", "seeds_per_s", "edges_per_s", "loss", "val_acc",
                   "sample_s", "gather_s", "compute_s", "wait_s", "loader_sample_s", "loader_gather_s", "ahead",
-                  "peak_gpu_bytes"]
+                  "loader", "peak_gpu_bytes"]
         with path.open("w", newline="") as f:
             w = csv.DictWriter(f, fields, extrasaction="ignore")
             w.writeheader()
@@ -142,7 +142,8 @@ def write_csv(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
                 for name, impl in r["impls"].items():
                     for e in impl["epochs"]:
                         w.writerow({"size": r["size"], "world_size": r["world_size"], "impl": name,
-                                    "ahead": impl.get("ahead", 0), "peak_gpu_bytes": impl.get("peak_gpu_bytes"), **e})
+                                    "ahead": impl.get("ahead", 0), "loader": impl.get("loader", ""),
+                                    "peak_gpu_bytes": impl.get("peak_gpu_bytes"), **e})
         written.append(path)
     if llm:
         path = out / "llm.csv"
@@ -176,7 +177,7 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
     for r in gnn:
         for name, impl in r["impls"].items():
             losses = [v for e in impl["epochs"] for v in e["batch_losses"]]
-            base = name.split("-")[0]  # the other loading way (-prefetch / -sequential): same colour, dotted
+            base = name.split("-")[0]  # the other loading ways (-inturn / -ahead / -thread): same colour, dotted
             axes[0].plot(range(1, len(losses) + 1), losses, color=colors.get(base),
                          linestyle=":" if base != name else styles.get(name),
                          alpha=1.0 if r["world_size"] == 1 else 0.5, label=f"{name} ({r['world_size']} proc.)")
@@ -202,7 +203,7 @@ def plot(out: Path, gnn: list[dict], llm: list[dict]) -> list[Path]:
             for name, impl in r["impls"].items():
                 for e in impl["epochs"]:
                     short = name.replace("toolkit", "tk").replace("baseline", "pyg")
-                    short = short.replace("-prefetch", "-pf").replace("-sequential", "-seq")
+                    short = short.replace("-inturn", "-in").replace("-ahead", "-ah").replace("-thread", "-th")
                     labels.append(f"{short} {r['world_size']}p e{e['epoch']}")
                     values.append(e["time_s"])
                     bar_colors.append(colors.get(name.split("-")[0]))

@@ -95,32 +95,42 @@ def test_too_small_shared_memory_is_named():
 
 
 def test_batches_made_ahead_train_the_same(tiny):
-    # the loader thread makes the very batches the sequential loop makes: same losses, bit for bit on the CPU
+    # in turn, ahead by the training thread, ahead by a loader thread: the very same batches, so the same losses,
+    # bit for bit on the CPU
     report, _ = tiny
-    ahead = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
-                            "--compare-prefetch"])
-    assert set(ahead["impls"]) == {"toolkit", "baseline", "toolkit-prefetch", "baseline-prefetch"}
-    assert ahead["impls"]["toolkit"]["ahead"] == 0 and ahead["impls"]["toolkit-prefetch"]["ahead"] == 1
+    ways = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
+                           "--compare-prefetch"])
+    assert set(ways["impls"]) == {f"{impl}{way}" for impl in ("toolkit", "baseline")
+                                  for way in ("", "-inturn", "-thread")}
+    assert ways["impls"]["toolkit"]["ahead"] == 1 and ways["impls"]["toolkit-inturn"]["ahead"] == 0
+    assert ways["impls"]["toolkit-thread"]["loader"] == "1 ahead by a loader thread"
     first = lambda r, impl: r["impls"][impl]["epochs"][0]["batch_losses"]  # noqa: E731
     for impl in ("toolkit", "baseline"):
-        assert first(ahead, impl) == first(ahead, f"{impl}-prefetch") == first(report, impl), impl
-        epoch = ahead["impls"][f"{impl}-prefetch"]["epochs"][0]
+        assert first(ways, impl) == first(ways, f"{impl}-inturn") == first(ways, f"{impl}-thread") == \
+            first(report, impl), impl
+        epoch = ways["impls"][f"{impl}-thread"]["epochs"][0]
         assert {"wait_s", "compute_s", "loader_sample_s", "loader_gather_s"} <= set(epoch), impl
     two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "toolkit",
-                          "--prefetch", "2", "--compare-prefetch"])
-    assert set(two["impls"]) == {"toolkit", "toolkit-sequential"} and two["impls"]["toolkit"]["ahead"] == 2
-    assert first(two, "toolkit") == first(two, "toolkit-sequential") == first(report, "toolkit")
+                          "--prefetch", "2", "--loader-thread", "--compare-prefetch"])
+    assert set(two["impls"]) == {"toolkit", "toolkit-inturn", "toolkit-ahead"}
+    assert two["impls"]["toolkit"]["ahead"] == two["impls"]["toolkit-ahead"]["ahead"] == 2
+    assert first(two, "toolkit") == first(two, "toolkit-inturn") == first(two, "toolkit-ahead") == \
+        first(report, "toolkit")
     with pytest.raises(SystemExit):
         gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "-1"])
+    with pytest.raises(SystemExit):
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "0", "--loader-thread"])
 
 
 @pytest.mark.gpu
 def test_batches_made_ahead_on_the_gpu():
-    # the loader thread's stream hands its batches to the training stream: the same training as made in turn
+    # batches made on the loader's stream (ahead, in turn, or by a thread) reach the training stream intact: the
+    # same training every way
     report = gnn_train.main(["--size", "tiny", "--device", "cuda", "--no-progress", "--epochs", "1",
                              "--compare-prefetch"])
     first = lambda impl: report["impls"][impl]["epochs"][0]["batch_losses"]  # noqa: E731
     for impl in ("toolkit", "baseline"):
-        assert report["impls"][impl]["ahead"] == 0 and report["impls"][f"{impl}-prefetch"]["ahead"] == 1
-        # hector's kernels add with atomics: the order of additions, not the batches, may differ
-        assert first(f"{impl}-prefetch") == pytest.approx(first(impl), abs=1e-4), impl
+        assert report["impls"][impl]["ahead"] == 1 and report["impls"][f"{impl}-inturn"]["ahead"] == 0
+        for way in ("-inturn", "-thread"):
+            # hector's kernels add with atomics: the order of additions, not the batches, may differ
+            assert first(f"{impl}{way}") == pytest.approx(first(impl), abs=1e-4), (impl, way)

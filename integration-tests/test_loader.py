@@ -21,29 +21,52 @@ def fake_make(log: list):
         timer.phase("sample")
         log.append((threading.current_thread().name, int(seeds[0])))
         n = seeds.numel()
-        sub = SampledSubgraph(seeds.clone(), torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                              torch.zeros(0, dtype=torch.long), torch.zeros(n, dtype=torch.long), n)
+        empty = dict(dtype=torch.long, device=seeds.device)
+        sub = SampledSubgraph(seeds.clone(), torch.zeros(2, 0, **empty), torch.zeros(0, **empty),
+                              torch.zeros(0, **empty), torch.zeros(n, **empty), n)
         timer.phase("gather")
         return sub, seeds.float()[:, None] * 2
 
     return make
 
 
-@pytest.mark.parametrize("ahead", [0, 1, 3])
-def test_batches_come_in_order(ahead):
+@pytest.mark.parametrize("ahead,thread", [(0, False), (1, False), (1, True), (3, True)])
+def test_batches_come_in_order(ahead, thread):
     log = []
     batches = [torch.arange(i * 4, i * 4 + 4) for i in range(7)]
     timer = harness.PhaseTimes(CPU)
-    with BatchLoader(fake_make(log), batches, ahead=ahead, device=CPU, timer=timer) as loader:
+    with BatchLoader(fake_make(log), batches, ahead=ahead, thread=thread, device=CPU, timer=timer) as loader:
         got = [(sub.n_id.tolist(), x[:, 0].tolist()) for sub, x in loader]
     assert got == [(b.tolist(), (b * 2).float().tolist()) for b in batches]
     assert [first for _, first in log] == [int(b[0]) for b in batches]
     made_by = {name for name, _ in log}
-    assert made_by == ({"batch-loader"} if ahead else {threading.current_thread().name})
-    phases = (loader.loader_timer if ahead else timer).totals()
+    assert made_by == ({"batch-loader"} if thread else {threading.current_thread().name})
+    phases = (loader.loader_timer if thread else timer).totals()  # (on the CPU without a thread: in turn)
     assert {"sample", "gather"} <= set(phases)
-    if ahead:
+    if thread:
         assert "wait" in timer.totals()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_training_thread_makes_batches_ahead_on_the_gpu(ahead):
+    """Without a thread, batch i + ahead is made (on the loader's stream) before batch i is handed to training."""
+    gpu = torch.device("cuda")
+    log, events = [], []
+    batches = [torch.arange(i * 4, i * 4 + 4, device=gpu) for i in range(6)]
+    timer = harness.PhaseTimes(gpu)
+    with BatchLoader(fake_make(log), batches, ahead=ahead, device=gpu, timer=timer) as loader:
+        for sub, x in loader:
+            events.append(("train", int(sub.n_id[0]), len(log)))
+            assert torch.equal(x[:, 0], sub.n_id.float() * 2)
+    for _, first, made in events:
+        assert made == min(len(batches), first // 4 + 1 + ahead), events
+    assert {"sample", "gather"} <= set(loader.loader_timer.totals()) and "wait" in timer.totals()
+
+
+def test_a_thread_needs_batches_to_make():
+    with pytest.raises(ValueError, match="ahead >= 1"):
+        BatchLoader(fake_make([]), [], ahead=0, thread=True, device=CPU, timer=harness.PhaseTimes(CPU))
 
 
 def test_error_in_the_loader_thread_is_raised_in_training():
@@ -53,7 +76,7 @@ def test_error_in_the_loader_thread_is_raised_in_training():
         return fake_make([])(seeds, timer)
 
     batches = [torch.arange(i * 4, i * 4 + 4) for i in range(4)]
-    loader = BatchLoader(make, batches, ahead=1, device=CPU, timer=harness.PhaseTimes(CPU))
+    loader = BatchLoader(make, batches, ahead=1, thread=True, device=CPU, timer=harness.PhaseTimes(CPU))
     seen = []
     with pytest.raises(RuntimeError, match="loader thread") as info, loader:
         for sub, _ in loader:
@@ -70,7 +93,7 @@ def test_stopping_early_ends_the_thread():
 
     batches = [torch.arange(i, i + 1) for i in range(50)]
     before = threading.active_count()
-    with pytest.raises(KeyError), BatchLoader(slow, batches, ahead=2, device=CPU,
+    with pytest.raises(KeyError), BatchLoader(slow, batches, ahead=2, thread=True, device=CPU,
                                                timer=harness.PhaseTimes(CPU)) as loader:
         for i, _ in enumerate(loader):
             if i == 3:

@@ -182,10 +182,19 @@ class CudaBackend:
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
         self._schedule: Any = None
+        self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
 
     # -- support ---------------------------------------------------------------------------------------------
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run ``dtype`` on ``device`` (None: it can). Asked on every layer call, so the
+        answer is kept per (device, dtype): looking for NVRTC again cost ~0.2 ms per call."""
+        key = (device, dtype)
+        if key not in self._support:
+            self._support[key] = self._check_support(device, dtype)
+        return self._support[key]
+
+    def _check_support(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if dtype not in DTYPE_KEY:
             return f"dtype {dtype} is not supported by generated kernels (float32, float64, bfloat16, float16 are)"
         if isinstance(self.executor, JitExecutor):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end runs on the GPU machine (nvidia-h200-x2: 2 H200, 32 cores, 256 GiB), from the repo root:
 #   1. gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector) and the plain PyTorch/PyG baseline,
-#      each also with a loader thread making batches ahead
+#      each with batches made one ahead by the training thread (the default), in turn, and by a loader thread
 #   2. llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
 #      ssdtrain at 1.5x the largest batch keep fitted
 #   3. gnn_train.py --size large, torchrun with 2 processes (DDP, one shared host copy of the features): toolkit
@@ -68,7 +68,7 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
 # E2E_GNN_ARGS / E2E_LLM_ARGS: extra arguments for the 1-process steps (e.g. E2E_LLM_ARGS="--batch-sizes 4,6,8,12"
 # on an 80 GB GPU, where the preset's sweep from batch 8 may not fit at all).
 # shellcheck disable=SC2086
-# --compare-prefetch: both implementations also with a loader thread making the next batch while this one trains.
+# --compare-prefetch: both implementations also with batches made in turn and by a loader thread.
 step gnn-1 170 python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --json "$RESULTS/gnn-1.json" \
   --compare-prefetch ${E2E_GNN_ARGS:-}
 # shellcheck disable=SC2086

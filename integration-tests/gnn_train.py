@@ -8,7 +8,9 @@ baseline: the same host table read by the CPU (torch index_select into a pinned 
           to the GPU: the strongest plain-PyTorch path); the layers are PyG's RGATConv.
 
 Both start from the same weights (hector's RGATConv with attention="shared" is PyG's formula with PyG's parameter
-names) and see the same batches, so their losses and accuracies should agree and only the time differs.
+names) and see the same batches, so their losses and accuracies should agree and only the time differs. Both load
+the same way (loader.py): by default each batch is made one ahead on the loader's CUDA stream by the training
+thread; the toolkit also prepares the batch graph for hector there (hector.prepare_graph).
 
     python integration-tests/gnn_train.py --size tiny                     # CPU, seconds
     python integration-tests/gnn_train.py --size large --json out.json    # one GPU
@@ -319,8 +321,8 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
 
 
 def _phase_text(phases: dict[str, float]) -> str:
-    """'sample 0.74 s, gather 0.30 s, compute 1.36 s' (sequential) or 'wait 0.02 s, compute 1.40 s; loader:
-    sample 0.80 s, gather 0.33 s' (batches made ahead in the loader thread)."""
+    """'sample 0.74 s, gather 0.30 s, compute 1.36 s' (the CPU, in turn) or 'wait 0.02 s, compute 1.40 s; loader:
+    sample 0.80 s, gather 0.33 s' (on a GPU, or with a loader thread: the loader's phases on its own stream)."""
     mine = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if not k.startswith("loader_"))
     theirs = ", ".join(f"{k[len('loader_'):]} {v:.2f} s" for k, v in phases.items() if k.startswith("loader_"))
     return mine + (f"; loader: {theirs}" if theirs else "")

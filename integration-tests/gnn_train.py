@@ -239,17 +239,19 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
     # The toolkit prepares each batch's graph for hector before queueing the gather: hector's preprocessing reads
     # a few sizes on the host, and done inside the first layer that read would wait for the gather to finish. The
     # graph is made on the loader's stream and used on the training stream (record_stream, as for the batch).
-    prepare = impl == "toolkit"
+    prepare_graph = None
+    if impl == "toolkit":
+        import hector
+
+        prepare_graph = hector.prepare_graph
     num_relations = cfg.graph.num_relations
     training_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def make_batch(seeds: torch.Tensor, timer: harness.PhaseTimes) -> tuple[SampledSubgraph, torch.Tensor]:
         timer.phase("sample")
         sub = sampler.sample(seeds)
-        if prepare:
-            import hector
-
-            graph = hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
+        if prepare_graph is not None:
+            graph = prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
             if training_stream is not None:
                 graph.record_stream(training_stream)
         timer.phase("gather")

@@ -3,7 +3,9 @@
 The benchmark forks a process per policy, so it runs here as a fresh process: a pytest process that has used
 torch's thread pools (or ssdtrain's I/O threads) is no safe parent for fork."""
 
+import argparse
 import csv
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +15,68 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "llm.py"
 
 
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("ssdtrain_llm_benchmark", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llm_benchmark_jobs():
+    llm = _bench_module()
+    a = argparse.Namespace(models=["gpt2", "llama"], oom_batch=24, no_determinism=False, device="cuda")
+    jobs = llm.plan_jobs(a)
+    assert len(set(jobs)) == len(jobs)
+    for model, policy, spec in [
+        ("gpt2", "recompute+compile", None),
+        ("gpt2", "ssdtrain+compile", "recompute*1.2"),
+        ("llama", "compile", None),
+        ("llama", "recompute+compile", None),
+        ("llama", "ssdtrain+compile", "keep*0.5"),
+        ("llama", "ssdtrain+compile", "recompute*1.2"),
+    ]:
+        i = jobs.index((model, policy, spec))
+        assert i < jobs.index(("gpt2", "determinism", None))  # before the extras a deadline cuts first
+    for i, (model, policy, spec) in enumerate(jobs):
+        if spec not in (None, "oom", "none"):  # a budget needs its reference measured earlier for the same model
+            assert (model, spec.split("*")[0], None) in jobs[:i], (model, policy, spec)
+    assert jobs.index(("gpt2", "ssdtrain", "save_on_cpu*1.0")) < jobs.index(("gpt2", "recompute+compile", None))
+    assert jobs.index(("llama", "ssdtrain", "recompute*1.2")) < jobs.index(("llama", "compile", None))
+
+
+def test_llm_benchmark_targets():
+    llm = _bench_module()
+
+    def row(policy, ms, gib):
+        return {"model": "gpt2", "policy": policy, "status": "ok", "step_ms": ms, "peak_gib": gib, "batch": 8}
+
+    results = [
+        row("keep", 100.0, 10.0),
+        row("recompute", 130.0, 2.0),
+        row("recompute+compile", 110.0, 2.1),
+        row("ssdtrain@keep*0.5", 108.0, 4.8),
+        row("ssdtrain+compile@keep*0.5", 104.0, 4.9),
+        row("ssdtrain@recompute*1.2", 125.0, 2.3),
+        row("ssdtrain+compile@recompute*1.2", 115.5, 2.3),
+    ]
+    lines = llm.targets(results, argparse.Namespace(models=["gpt2"], batch=8, oom_batch=0))
+    text = "\n".join(lines)
+    assert "(1) gpt2" in text and "ssdtrain+compile@keep*0.5 104.0 ms" in text
+    (two,) = [line for line in lines if line.startswith("(2) gpt2")]
+    assert "ssdtrain+compile@recompute*1.2 115.5 ms" in two and two.endswith("-> MET")
+    (vs,) = [line for line in lines if "vs recompute+compile" in line]
+    assert "1.05x its time" in vs and "eager" in vs
+    assert results[2]["x_keep_time"] == 1.1  # compared with eager keep
+
+
 def test_llm_benchmark_quick(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "llm.csv", tmp_path / "rok.png"
-    policies = "keep,recompute,save_on_cpu,compile_budget_0.5,torchtune,ssdtrain@none,ssdtrain@keep*0.5,determinism"
+    policies = (
+        "keep,recompute,recompute+compile,save_on_cpu,compile_budget_0.5,torchtune,ssdtrain@none,ssdtrain@keep*0.5,"
+        "ssdtrain+compile@recompute*1.2,determinism"
+    )
     proc = subprocess.run(
         [
             sys.executable,
@@ -44,10 +103,11 @@ def test_llm_benchmark_quick(tmp_path):
     text = proc.stdout
     assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
     rows = {r["policy"]: r for r in csv.DictReader(out.open())}
-    for name in ("keep", "recompute", "save_on_cpu", "compile_budget_0.5", "ssdtrain@none"):
+    for name in ("keep", "recompute", "recompute+compile", "save_on_cpu", "compile_budget_0.5", "ssdtrain@none"):
         assert rows[name]["status"] == "ok", rows[name]
         assert float(rows[name]["step_ms"]) > 0
     assert rows["ssdtrain@keep*0.5"]["status"] in ("ok", "budget")  # tiny models may not fit half
+    assert rows["ssdtrain+compile@recompute*1.2"]["status"] in ("ok", "budget")
     assert rows["torchtune"]["status"] in ("ok", "unavailable")
     assert rows["determinism"]["status"] == "ok"
     assert "(5)" in text and "-> MET" in text  # bit-identical losses, gradients and weights

@@ -284,9 +284,9 @@ class Plan:
         bw = self.bandwidth
         lines = [
             f"ssdtrain plan for {self.model}: {len(self.units)} units ({self.block_container or 'no repeated blocks'}),"
-            f" budget {_fmt_bytes(self.budget) if self.budget is not None else 'none (fastest plan that fits)'}",
+            f" budget {format_bytes(self.budget) if self.budget is not None else 'none (fastest plan that fits)'}",
             f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; working memory "
-            f"{_fmt_bytes(self.working_bytes)} (never-saved temporaries, in every peak below); link D2H "
+            f"{format_bytes(self.working_bytes)} (never-saved temporaries, in every peak below); link D2H "
             f"{bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s; disk write {bw.disk_write / 1e9:.2f} GB/s, "
             f"read {bw.disk_read / 1e9:.2f} GB/s ({'measured' if bw.disk_measured else 'assumed, not measured'})",
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'choice':>15} {'on GPU MiB':>11}"
@@ -302,10 +302,10 @@ class Plan:
             )
         lines.append(
             f"  predicted forward+backward {p.seconds * 1e3:.1f} ms (keep everything: "
-            f"{k.seconds * 1e3:.1f} ms, {p.seconds / k.seconds:.2f}x), activation peak {_fmt_bytes(p.peak)}"
+            f"{k.seconds * 1e3:.1f} ms, {p.seconds / k.seconds:.2f}x), activation peak {format_bytes(p.peak)}"
             " (keep everything: "
-            f"{_fmt_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; host RAM {_fmt_bytes(p.host_bytes)} "
-            f"of {_fmt_bytes(self.host_limit)}, NVMe {_fmt_bytes(p.nvme_bytes)}"
+            f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; host RAM {format_bytes(p.host_bytes)} "
+            f"of {format_bytes(self.host_limit)}, NVMe {format_bytes(p.nvme_bytes)}"
         )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         if cheap:
@@ -319,7 +319,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _fmt_bytes(n) -> str:
+def format_bytes(n) -> str:
     if n is None:
         return "-"
     return f"{n / _GIB:.2f} GiB" if n >= (1 << 30) else f"{n / _MIB:.1f} MiB"
@@ -435,10 +435,10 @@ def make_plan(
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
-                f"ssdtrain: no plan fits the activation budget {_fmt_bytes(budget)}; the smallest predicted peak "
-                f"is {_fmt_bytes(low.peak)}, so the smallest budget is {minimum} bytes ({_fmt_bytes(minimum)}, "
+                f"ssdtrain: no plan fits the activation budget {format_bytes(budget)}; the smallest predicted peak "
+                f"is {format_bytes(low.peak)}, so the smallest budget is {minimum} bytes ({format_bytes(minimum)}, "
                 f"with the {BUDGET_MARGIN:.0%} margin): pass budget >= that, give more host RAM "
-                f"(host_memory=, now {_fmt_bytes(host_limit)}) or an NVMe directory, or reduce the batch",
+                f"(host_memory=, now {format_bytes(host_limit)}) or an NVMe directory, or reduce the batch",
                 minimum,
             )
         plan_choices = _search(
@@ -463,8 +463,8 @@ def make_plan(
     )
     if budget is None and speed_target is not None and not ok:
         plan.notes.append(
-            f"even the leanest plan ({_fmt_bytes(plan.prediction.peak)}) exceeds the free device "
-            f"memory estimate ({_fmt_bytes(speed_target)}); expect an out-of-memory error"
+            f"even the leanest plan ({format_bytes(plan.prediction.peak)}) exceeds the free device "
+            f"memory estimate ({format_bytes(speed_target)}); expect an out-of-memory error"
         )
     return plan
 

@@ -451,6 +451,7 @@ def plan_jobs(a) -> list[tuple]:
         (first, "ssdtrain", "save_on_cpu*1.0"),
         (first, "recompute+compile", None),
         (first, "ssdtrain+compile", "recompute*1.2"),
+        (first, "ssdtrain+compile", "save_on_cpu*1.0"),
     ]
     if a.oom_batch:
         jobs += [(first, "keep", "oom"), (first, "ssdtrain", "oom")]

@@ -30,6 +30,7 @@ def test_llm_benchmark_jobs():
     for model, policy, spec in [
         ("gpt2", "recompute+compile", None),
         ("gpt2", "ssdtrain+compile", "recompute*1.2"),
+        ("gpt2", "ssdtrain+compile", "save_on_cpu*1.0"),
         ("llama", "compile", None),
         ("llama", "recompute+compile", None),
         ("llama", "ssdtrain+compile", "keep*0.5"),

@@ -104,6 +104,7 @@ def jit_loader(core: ModuleType) -> Any:
 
 # struct codes for kernel parameters; "ptr" takes an int address or anything with .data_ptr() (a torch.Tensor).
 _ARG_FORMATS = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+_PACKERS = {kind: struct.Struct(code).pack for kind, code in _ARG_FORMATS.items()}
 
 
 class Kernel:
@@ -119,6 +120,9 @@ class Kernel:
         unknown = [p for p in self.signature if p not in _ARG_FORMATS]
         if unknown:
             raise ValueError(f"unknown parameter types {unknown} in signature; use {sorted(_ARG_FORMATS)}")
+        # (is a pointer, packer) per parameter, resolved once: packing runs on every launch, and a hector layer
+        # launches dozens of kernels per step from the host thread that bounds it
+        self._packers = [(kind == "ptr", _PACKERS[kind]) for kind in self.signature]
 
     @property
     def name(self) -> str:
@@ -129,18 +133,27 @@ class Kernel:
             raise TypeError(f"kernel {self.name} takes {len(self.signature)} arguments ({', '.join(self.signature)}), "
                             f"got {len(args)}")
         packed = []
-        for kind, value in zip(self.signature, args, strict=True):
-            if kind == "ptr" and hasattr(value, "data_ptr"):
-                if getattr(value, "device", None) is not None and value.device.type != "cuda":
+        for (is_pointer, pack), value in zip(self._packers, args, strict=True):
+            if is_pointer and not isinstance(value, int) and hasattr(value, "data_ptr"):
+                if not _on_cuda(value):
                     raise ValueError(f"kernel {self.name}: a pointer argument must be a CUDA tensor, got one on "
                                      f"{value.device}")
                 value = value.data_ptr()
-            packed.append(struct.pack(_ARG_FORMATS[kind], value))
+            packed.append(pack(value))
         return packed
 
     def __call__(self, grid: int | Sequence[int], block: int | Sequence[int], *args: Any, shared_memory: int = 0,
                  stream: int | Any | None = None) -> None:
         self._kernel.launch(_dim3(grid), _dim3(block), shared_memory, _stream_address(stream), self.pack(args))
+
+
+def _on_cuda(value: Any) -> bool:
+    """Whether a pointer argument with .data_ptr() lies on a CUDA device (torch's is_cuda is the cheap test)."""
+    cuda = getattr(value, "is_cuda", None)
+    if cuda is not None:
+        return bool(cuda)
+    device = getattr(value, "device", None)
+    return device is None or device.type == "cuda"
 
 
 def _dim3(value: int | Sequence[int]) -> list[int]:

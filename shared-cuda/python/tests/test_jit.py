@@ -1,6 +1,7 @@
 """The NVRTC JIT loader: compile with no GPU, clear compile errors, disk cache, and (on a GPU) load and run."""
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -111,7 +112,18 @@ def test_kernel_signature_validation(shared):
     with pytest.raises(ValueError, match="unknown parameter types"):
         shared.Kernel(FakeKernel(), "f32, pointer")
     kernel = shared.Kernel(FakeKernel(), "f32, ptr, i64")
-    assert len(kernel.pack([1.5, 0x1000, 7])) == 3
+    assert kernel.pack([1.5, 0x1000, 7]) == [struct.pack("f", 1.5), struct.pack("Q", 0x1000), struct.pack("q", 7)]
+
+    class FakeCudaTensor:  # what the packer reads of a torch tensor
+        is_cuda = True
+
+        def data_ptr(self):
+            return 0x2000
+
+    assert kernel.pack([0.0, FakeCudaTensor(), -1])[1] == struct.pack("Q", 0x2000)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="must be a CUDA tensor, got one on cpu"):
+        kernel.pack([0.0, torch.zeros(1), 1])
     with pytest.raises(TypeError, match="takes 3 arguments"):
         kernel.pack([1.5])
     with pytest.raises(ValueError, match="grid/block"):

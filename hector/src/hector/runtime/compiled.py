@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,9 @@ class CompiledLayer:
     full_backward_lowered: Lowered  # the backward for every leaf, lowered once (the cost model reads it)
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def leaf_names(self) -> tuple[tuple[Op, str], ...]:
+        # read several times per layer call (the forward program never changes)
         return tuple((n.op, n.attr("name")) for n in self.forward.nodes if n.op in (Op.INPUT, Op.PARAM))
 
     @property

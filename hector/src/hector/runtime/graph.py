@@ -147,7 +147,13 @@ class Graph:
 
     # rows, indices, orders
     def num_rows(self, domain: Domain) -> int:
-        return {Domain.NODE: self.num_nodes, Domain.EDGE: self.num_edges, Domain.UNIQUE: self.num_unique}[domain]
+        if domain is Domain.NODE:
+            return self.num_nodes
+        if domain is Domain.EDGE:
+            return self.num_edges
+        if domain is Domain.UNIQUE:
+            return self.num_unique
+        raise KeyError(domain)
 
     def num_types(self, kind: str) -> int:
         return self.num_relations if kind == "etype" else self.num_node_types

@@ -552,8 +552,8 @@ class OffloadSession:
         try:
             new = plan.replan(budget=plan.budget, working_bytes=working)
         except BudgetError as e:
-            # The plan just measured is over the limit; the leanest plan comes closest to it (in H200 run P5 the
-            # plan that stayed instead peaked 4% over a Llama budget that the leanest one would have held).
+            # The plan just measured is over the limit; the leanest plan comes closest to it (H200: in run P5 the
+            # plan that stayed peaked 4% over a Llama budget; in run P6 the leanest plan stayed under it).
             try:
                 new = plan.replan(budget=e.minimum, working_bytes=working)
             except BudgetError:

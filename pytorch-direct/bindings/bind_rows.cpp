@@ -56,6 +56,7 @@ struct host_memory {
 
 void bind_rows(nb::module_& m) {
   m.def("kernels_compiled", &kernels_compiled);
+  m.def("set_host_spin_us", &set_host_spin_us, nb::arg("microseconds"));
   m.def(
       "gather_cuda",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,

@@ -1,6 +1,7 @@
 #include "shared_cuda/thread_pool.hpp"
 
 #include <algorithm>
+#include <thread>
 
 #include "shared_cuda/error.hpp"
 
@@ -16,6 +17,7 @@ thread_pool::~thread_pool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    stop_polling_.store(true, std::memory_order_relaxed);
   }
   ready_.notify_all();
   for (auto& worker : workers_) worker.join();
@@ -26,19 +28,34 @@ void thread_pool::enqueue(std::function<void()> job) {
     std::lock_guard<std::mutex> lock(mutex_);
     SHARED_CUDA_EXPECT(!stopping_, "thread_pool: submit after shutdown began");
     queue_.push_back(std::move(job));
+    queued_.fetch_add(1, std::memory_order_release);
   }
   ready_.notify_one();
+}
+
+void thread_pool::poll_for_work() const {
+  const std::int64_t spin = spin_us_.load(std::memory_order_relaxed);
+  if (spin <= 0) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
+  while (queued_.load(std::memory_order_acquire) == 0 && !stop_polling_.load(std::memory_order_relaxed)) {
+    if (std::chrono::steady_clock::now() >= until) return;
+    // Yield rather than pause: with more threads than cores (a caller and its workers, other processes) a busy
+    // poll would hold a core a working thread needs for a whole scheduler slice.
+    std::this_thread::yield();
+  }
 }
 
 void thread_pool::work() {
   for (;;) {
     std::function<void()> job;
+    poll_for_work();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and everything queued has run
       job = std::move(queue_.front());
       queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
     }
     job();  // packaged_task stores any exception in its future
   }

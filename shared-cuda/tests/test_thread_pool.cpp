@@ -1,5 +1,7 @@
 #include <atomic>
+#include <chrono>
 #include <numeric>
+#include <thread>
 
 #include "check.hpp"
 #include "shared_cuda/thread_pool.hpp"
@@ -47,3 +49,25 @@ TEST(destructor_runs_queued_work) {
 }
 
 TEST(shared_pool_exists) { CHECK(thread_pool::shared().size() >= 1); }
+
+// Spinning workers must still run every job, sleep once the window ends (jobs queued later wake them), and let
+// the destructor join them while they poll.
+TEST(spinning_pool_runs_jobs_and_stops) {
+  std::atomic<int> done{0};
+  {
+    thread_pool pool(3);
+    CHECK(pool.spin().count() == 0);
+    pool.set_spin(std::chrono::microseconds(2000));
+    CHECK(pool.spin().count() == 2000);
+    for (int round = 0; round < 20; ++round) {
+      pool.parallel_for(0, 300, 1, [&](std::size_t lo, std::size_t hi) { done.fetch_add(static_cast<int>(hi - lo)); });
+    }
+    CHECK(done.load() == 20 * 300);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past the window: the workers sleep
+    CHECK(pool.submit([] { return 7; }).get() == 7);
+    pool.set_spin(std::chrono::microseconds(0));
+    CHECK(pool.submit([] { return 8; }).get() == 8);
+    pool.set_spin(std::chrono::microseconds(1000000));  // destroyed while polling: the destructor must not wait 1 s
+  }
+  CHECK(done.load() == 20 * 300);
+}

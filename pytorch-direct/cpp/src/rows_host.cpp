@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -30,6 +31,8 @@ namespace {
 // The worker pool of this process. A forked child (DataLoader worker) inherits the parent's pool object but not
 // its threads, so each process id gets its own pool; the parent's is leaked in the child (its threads are gone
 // and joining them would hang).
+std::atomic<std::int64_t> host_spin_us{0};
+
 shared_cuda::thread_pool& pool() {
   static std::mutex mutex;
   static shared_cuda::thread_pool* current = nullptr;
@@ -39,6 +42,7 @@ shared_cuda::thread_pool& pool() {
     current = new shared_cuda::thread_pool(0);
     owner = getpid();
   }
+  current->set_spin(std::chrono::microseconds(host_spin_us.load(std::memory_order_relaxed)));
   return *current;
 }
 
@@ -140,6 +144,12 @@ bool is_tracked_host_range(const void* data, std::size_t bytes) {
   if (it == t.ranges.begin()) return false;
   --it;  // the last range starting at or before `begin`
   return begin + bytes <= it->first + it->second;
+}
+
+void set_host_spin_us(std::int64_t microseconds) {
+  SHARED_CUDA_EXPECT(microseconds >= 0, "the host threads' spin time must be >= 0 microseconds");
+  host_spin_us.store(microseconds, std::memory_order_relaxed);
+  pool();  // applies it now to this process's pool (created here if needed)
 }
 
 void check_host_indices(const void* index, int index_bytes, std::int64_t count, std::int64_t rows, int threads) {

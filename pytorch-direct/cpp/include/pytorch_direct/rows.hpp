@@ -53,6 +53,9 @@ void gather_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cu
 void scatter_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
 
 // Host gather/scatter with the process's worker threads (threads <= 0: all of them). Index and dense on the host.
+// How long an idle worker thread polls for the next call's work before it sleeps, in microseconds (0: at once);
+// see shared_cuda::thread_pool::set_spin. Applies to this process's pool, and to a forked child's new one.
+void set_host_spin_us(std::int64_t microseconds);
 void gather_host(const rows_call& call, int threads);
 void scatter_host(const rows_call& call, int threads);
 

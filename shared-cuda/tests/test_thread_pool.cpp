@@ -1,6 +1,9 @@
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <numeric>
+#include <set>
+#include <algorithm>
 #include <thread>
 
 #include "check.hpp"
@@ -70,4 +73,43 @@ TEST(spinning_pool_runs_jobs_and_stops) {
     pool.set_spin(std::chrono::microseconds(1000000));  // destroyed while polling: the destructor must not wait 1 s
   }
   CHECK(done.load() == 20 * 300);
+}
+
+TEST(parallel_for_runs_chunks_of_grain_within_max_threads) {
+  thread_pool pool(4);
+  std::mutex m;
+  std::vector<std::pair<std::size_t, std::size_t>> seen;
+  std::set<std::thread::id> threads;
+  pool.parallel_for(10, 1000, 100, [&](std::size_t lo, std::size_t hi) {
+    std::lock_guard<std::mutex> lock(m);
+    seen.emplace_back(lo, hi);
+    threads.insert(std::this_thread::get_id());
+  });
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen.size() == 10);
+  for (std::size_t i = 0; i < seen.size(); ++i) CHECK(seen[i].first == 10 + 100 * i);
+  CHECK(seen.back().second == 1000);
+  CHECK(threads.size() <= 4);
+  threads.clear();
+  pool.parallel_for(0, 1000, 1, [&](std::size_t, std::size_t) {
+    std::lock_guard<std::mutex> lock(m);
+    threads.insert(std::this_thread::get_id());
+  }, 1);  // max_threads 1: the caller alone
+  CHECK(threads.size() == 1 && *threads.begin() == std::this_thread::get_id());
+}
+
+// Many short calls back to back: helpers of an earlier call may start after it returned, and must find nothing
+// to do (and not touch the finished call's body).
+TEST(parallel_for_many_short_calls) {
+  thread_pool pool(4);
+  pool.set_spin(std::chrono::microseconds(100));
+  long total = 0;
+  for (int call = 0; call < 2000; ++call) {
+    std::atomic<long> sum{0};
+    pool.parallel_for(0, 64, 4, [&](std::size_t lo, std::size_t hi) {
+      for (std::size_t i = lo; i < hi; ++i) sum.fetch_add(static_cast<long>(i));
+    });
+    total += sum.load();
+  }
+  CHECK(total == 2000L * (63 * 64 / 2));
 }

@@ -51,23 +51,20 @@ std::int64_t index_at(const void* index, int index_bytes, std::int64_t i) {
                           : static_cast<std::int64_t>(static_cast<const std::int32_t*>(index)[i]);
 }
 
-// Runs body(begin, end) over [0, count) on up to `threads` threads (<= 0: the whole pool), in chunks of >= grain.
+// Runs body(begin, end) over [0, count) in chunks of `grain` on up to `threads` threads (<= 0: the whole pool),
+// the calling thread included; threads claim chunks as they get to them (see thread_pool::parallel_for).
 void parallel(std::int64_t count, std::int64_t grain, int threads,
               const std::function<void(std::int64_t, std::int64_t)>& body) {
   if (count <= 0) return;
   auto& p = pool();
-  // One chunk per hardware thread (the pool has one per hardware thread; parallel_for runs at most size() chunks,
-  // the caller taking one): a chunk more than cores would finish last, at half speed, and the call waits for it.
-  const std::int64_t size = static_cast<std::int64_t>(p.size());
-  const std::int64_t workers = threads > 0 ? std::min<std::int64_t>(threads, size) : size;
-  if (workers <= 1 || count <= grain) {
+  if (threads == 1 || p.size() <= 1 || count <= grain) {
     body(0, count);
     return;
   }
-  const std::int64_t chunk = std::max(grain, (count + workers - 1) / workers);
   p.parallel_for(
-      0, static_cast<std::size_t>(count), static_cast<std::size_t>(chunk),
-      [&](std::size_t b, std::size_t e) { body(static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)); });
+      0, static_cast<std::size_t>(count), static_cast<std::size_t>(grain),
+      [&](std::size_t b, std::size_t e) { body(static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)); },
+      threads > 0 ? static_cast<std::size_t>(threads) : 0);
 }
 
 void check_args(const rows_call& c) {
@@ -78,8 +75,9 @@ void check_args(const rows_call& c) {
                      "null table, index or dense pointer");
 }
 
-// Rows per task: about 256 KiB of copying, enough to amortise scheduling.
-std::int64_t grain_for(std::int64_t row_bytes) { return std::max<std::int64_t>(1, (256 << 10) / row_bytes); }
+// Rows per claimed chunk: about 64 KiB of copying, enough to amortise claiming one (an atomic increment) and small
+// enough that a thread starting late leaves no long tail.
+std::int64_t grain_for(std::int64_t row_bytes) { return std::max<std::int64_t>(1, (64 << 10) / row_bytes); }
 
 // Rows [begin, end) of a call whose indices were checked: index width and direction are template parameters, so
 // the loop has no per-row branch but the optional positions; rows 8 ahead are prefetched (random rows miss the
@@ -157,7 +155,7 @@ void check_host_indices(const void* index, int index_bytes, std::int64_t count, 
   std::mutex mutex;
   std::int64_t first_bad_position = -1;
   std::int64_t first_bad = 0;
-  parallel(count, 1 << 16, threads, [&](std::int64_t b, std::int64_t e) {
+  parallel(count, 1 << 14, threads, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       const std::int64_t r = index_at(index, index_bytes, i);
       if (r < 0 || r >= rows) {
@@ -229,40 +227,60 @@ staging& staging_for_current_device() {
   return *per_device[device];
 }
 
-// The shared state of one staged call. Chunk k of the dense rows goes through slot k % kSlots. Every worker
-// handles a contiguous slice of every chunk; the worker that finishes a chunk's last slice queues its copy. One
-// parallel region per call: a fork-join per chunk cost thread wake-ups comparable to the copying itself.
+// The shared state of one staged call. Chunk k of the dense rows goes through slot k % kSlots. A chunk is cut into
+// pieces of ~32 KiB that the runners (the caller and pool threads) claim in ascending order; the runner finishing
+// a chunk's last piece queues its copy. Claiming, not a fixed share per thread, so a thread that wakes late on a
+// busy or virtual machine delays only the piece it took, not every chunk.
 struct pipeline {
-  pipeline(const rows_call& call, int threads) : c(call) {
+  static constexpr std::int64_t kPieceBytes = 32 << 10;
+
+  pipeline(const rows_call& call, int threads) : c(call), max_threads(threads > 0 ? threads : 0) {
     rows_per_chunk = std::max<std::int64_t>(
         1, static_cast<std::int64_t>(std::max<std::size_t>(staging::kChunkBytes, c.row_bytes)) / c.row_bytes);
     chunks = (c.count + rows_per_chunk - 1) / rows_per_chunk;
-    const std::int64_t available = threads > 0 ? threads : static_cast<std::int64_t>(pool().size());
-    // At least ~64 KiB per worker per call: below that, waking a thread costs more than it copies.
-    const std::int64_t useful = std::max<std::int64_t>(1, c.count * c.row_bytes / (64 << 10));
-    // Never more workers than threads to run them: a worker waits for the others to finish each chunk, and
-    // parallel_for runs at most size() chunks (the caller taking one), so a worker past size() would run after
-    // another on the same thread and wait for it forever.
-    const auto runners = static_cast<std::int64_t>(pool().size());
-    workers = static_cast<int>(std::max<std::int64_t>(1, std::min({available, useful, runners})));
-    done.reset(new std::atomic<int>[chunks]);
+    rows_per_piece = std::clamp<std::int64_t>(kPieceBytes / c.row_bytes, 1, rows_per_chunk);
+    pieces_per_chunk = (rows_per_chunk + rows_per_piece - 1) / rows_per_piece;
+    done.reset(new std::atomic<std::int64_t>[chunks]);
     ready.reset(new std::atomic<bool>[chunks]);
+    slot_state.reset(new std::atomic<int>[chunks]);
     for (std::int64_t k = 0; k < chunks; ++k) {
       done[k].store(0, std::memory_order_relaxed);
       ready[k].store(false, std::memory_order_relaxed);
+      slot_state[k].store(0, std::memory_order_relaxed);
     }
   }
 
-  // Rows [begin, end) of chunk k that worker w handles.
-  std::pair<std::int64_t, std::int64_t> slice(std::int64_t k, int w) const {
-    const std::int64_t b = k * rows_per_chunk;
-    const std::int64_t n = std::min(c.count, b + rows_per_chunk) - b;
-    return {b + n * w / workers, b + n * (w + 1) / workers};
+  // Rows [begin, end) of piece p, which belongs to chunk p / pieces_per_chunk (the last chunk's last pieces may
+  // be empty).
+  std::pair<std::int64_t, std::int64_t> piece(std::int64_t p) const {
+    const std::int64_t k = p / pieces_per_chunk;
+    const std::int64_t chunk_end = std::min(c.count, (k + 1) * rows_per_chunk);
+    const std::int64_t b = std::min(chunk_end, k * rows_per_chunk + (p % pieces_per_chunk) * rows_per_piece);
+    return {b, std::min(chunk_end, b + rows_per_piece)};
   }
 
-  // Spins (yielding) until flag is set; false when another worker failed.
+  // True when piece p completes its chunk (every piece of a chunk calls it once, after its rows are moved).
+  bool finish_piece(std::int64_t k) { return done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pieces_per_chunk; }
+
+  // Spins (yielding) until flag is set; false when another runner failed.
   bool wait_for(const std::atomic<bool>& flag) const {
     while (!flag.load(std::memory_order_acquire)) {
+      if (abort.load(std::memory_order_relaxed)) return false;
+      std::this_thread::yield();
+    }
+    return true;
+  }
+
+  // Waits until chunk k's slot is free of its last copy (`event`): the first runner to reach the chunk
+  // synchronises, the others wait for it. False when another runner failed.
+  bool wait_slot(std::int64_t k, cudaEvent_t event) {
+    int expected = 0;
+    if (slot_state[k].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+      SHARED_CUDA_TRY(cudaEventSynchronize(event));
+      slot_state[k].store(2, std::memory_order_release);
+      return true;
+    }
+    while (slot_state[k].load(std::memory_order_acquire) != 2) {
       if (abort.load(std::memory_order_relaxed)) return false;
       std::this_thread::yield();
     }
@@ -293,26 +311,33 @@ struct pipeline {
     }
   }
 
-  // Runs body(w) for every worker w, one per thread (the caller is worker 0).
-  void run(const std::function<void(int)>& body) {
-    pool().parallel_for(0, static_cast<std::size_t>(workers), 1, [&](std::size_t b, std::size_t e) {
-      for (std::size_t w = b; w < e; ++w) {
-        try {
-          body(static_cast<int>(w));
-        } catch (...) {
-          fail(std::current_exception());
-        }
-      }
-    });
+  // Runs body(p) for every piece p, in ascending order of claiming, on the caller and the pool. Deadlock-free: a
+  // piece waits only for chunks before its own, whose pieces were all claimed earlier by running threads.
+  void run(const std::function<void(std::int64_t)>& body) {
+    pool().parallel_for(
+        0, static_cast<std::size_t>(chunks * pieces_per_chunk), 1,
+        [&](std::size_t b, std::size_t e) {
+          for (std::size_t p = b; p < e; ++p) {
+            if (abort.load(std::memory_order_relaxed)) return;
+            try {
+              body(static_cast<std::int64_t>(p));
+            } catch (...) {
+              fail(std::current_exception());
+            }
+          }
+        },
+        max_threads);
   }
 
   const rows_call& c;
+  std::size_t max_threads = 0;
   std::int64_t rows_per_chunk = 1;
   std::int64_t chunks = 0;
-  int workers = 1;
-  std::unique_ptr<std::atomic<int>[]> done;    // slices of chunk k finished
-  std::unique_ptr<std::atomic<bool>[]> ready;  // gather: chunk k's copy is queued; scatter: chunk k's copy is
-                                               // queued (its slot may be read once its event completes)
+  std::int64_t rows_per_piece = 1;
+  std::int64_t pieces_per_chunk = 1;
+  std::unique_ptr<std::atomic<std::int64_t>[]> done;  // pieces of chunk k finished
+  std::unique_ptr<std::atomic<bool>[]> ready;         // chunk k's copy is queued (its slot's event is recorded)
+  std::unique_ptr<std::atomic<int>[]> slot_state;     // chunk k's slot: 0 not checked, 1 being synchronised, 2 free
   std::atomic<bool> abort{false};
   std::atomic<bool> bad{false};  // an index was out of range
   std::mutex error_mutex;
@@ -370,27 +395,25 @@ void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view str
   auto& st = staging_for_current_device();
   const auto s = static_cast<cudaStream_t>(stream.handle);
   pipeline pl(c, threads);
-  pl.run([&](int w) {
-    for (std::int64_t k = 0; k < pl.chunks; ++k) {
-      const int slot = static_cast<int>(k % staging::kSlots);
-      // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy
-      // must be queued, so that the slot's event is the right one, and finished.
-      if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
-      if (pl.abort.load(std::memory_order_relaxed)) return;
-      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));
-      const std::int64_t first = k * pl.rows_per_chunk;
-      const auto [b, e] = pl.slice(k, w);
-      auto* staged = static_cast<unsigned char*>(st.slots[slot].data());
-      // A bad index: keep going through the chunk protocol (others wait on it) but copy nothing more.
-      if (!pl.bad.load(std::memory_order_relaxed)) move_slice<false>(c, pl, b, e, first, staged);
-      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers) {
-        const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
-        SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + first * c.row_bytes, staged,
-                                        static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyHostToDevice,
-                                        s));
-        SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
-        pl.ready[k].store(true, std::memory_order_release);
-      }
+  pl.run([&](std::int64_t p) {
+    const std::int64_t k = p / pl.pieces_per_chunk;
+    const int slot = static_cast<int>(k % staging::kSlots);
+    // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy must
+    // be queued, so that the slot's event is the right one, and finished.
+    if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
+    if (!pl.wait_slot(k, st.events[slot])) return;
+    const std::int64_t first = k * pl.rows_per_chunk;
+    const auto [b, e] = pl.piece(p);
+    auto* staged = static_cast<unsigned char*>(st.slots[slot].data());
+    // A bad index: keep going through the chunk protocol (others wait on it) but copy nothing more.
+    if (!pl.bad.load(std::memory_order_relaxed)) move_slice<false>(c, pl, b, e, first, staged);
+    if (pl.finish_piece(k)) {
+      const std::int64_t end = std::min(c.count, first + pl.rows_per_chunk);
+      SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(c.dense) + first * c.row_bytes, staged,
+                                      static_cast<std::size_t>((end - first) * c.row_bytes), cudaMemcpyHostToDevice,
+                                      s));
+      SHARED_CUDA_TRY(cudaEventRecord(st.events[slot], s));
+      pl.ready[k].store(true, std::memory_order_release);
     }
   });
   pl.rethrow();
@@ -420,19 +443,15 @@ void scatter_staged(const rows_call& c, int threads, shared_cuda::stream_view st
     pl.ready[k].store(true, std::memory_order_release);
   };
   for (std::int64_t k = 0; k < std::min<std::int64_t>(pl.chunks, staging::kSlots); ++k) queue(k);
-  pl.run([&](int w) {
-    for (std::int64_t k = 0; k < pl.chunks; ++k) {
-      const int slot = static_cast<int>(k % staging::kSlots);
-      if (!pl.wait_for(pl.ready[k])) return;
-      SHARED_CUDA_TRY(cudaEventSynchronize(st.events[slot]));  // the chunk's rows are in the slot
-      const std::int64_t first = k * pl.rows_per_chunk;
-      const auto [b, e] = pl.slice(k, w);
-      move_slice<true>(c, pl, b, e, first, static_cast<unsigned char*>(st.slots[slot].data()));
-      // The last worker done with the slot refills it with chunk k + kSlots.
-      if (pl.done[k].fetch_add(1, std::memory_order_acq_rel) + 1 == pl.workers && k + staging::kSlots < pl.chunks) {
-        queue(k + staging::kSlots);
-      }
-    }
+  pl.run([&](std::int64_t p) {
+    const std::int64_t k = p / pl.pieces_per_chunk;
+    const int slot = static_cast<int>(k % staging::kSlots);
+    if (!pl.wait_for(pl.ready[k])) return;
+    if (!pl.wait_slot(k, st.events[slot])) return;  // the chunk's rows are in the slot
+    const auto [b, e] = pl.piece(p);
+    move_slice<true>(c, pl, b, e, k * pl.rows_per_chunk, static_cast<unsigned char*>(st.slots[slot].data()));
+    // The runner finishing the chunk refills its slot with chunk k + kSlots.
+    if (pl.finish_piece(k) && k + staging::kSlots < pl.chunks) queue(k + staging::kSlots);
   });
   if (pl.error) SHARED_CUDA_TRY(cudaStreamSynchronize(s));  // no copy may still write a slot the next call uses
   pl.rethrow();

@@ -1,8 +1,8 @@
 // A fixed-size pool of worker threads for CPU fallbacks (gathers, copies) and I/O completion work.
 //
 // submit() returns a std::future: an exception thrown by the task reaches whoever waits on it. parallel_for()
-// splits a range into chunks run on the pool and the calling thread, and rethrows the first exception. The
-// destructor finishes every queued task, then joins.
+// runs a range in chunks on the calling thread and the pool, and rethrows the first exception. The destructor
+// finishes every queued task, then joins.
 //
 // Spinning (set_spin, off by default): an idle worker polls for new work that long before it sleeps on the
 // condition variable. A job queued within the window starts without a wake-up, which on a virtual machine costs
@@ -51,10 +51,14 @@ class thread_pool {
     return future;
   }
 
-  // Calls body(chunk_begin, chunk_end) over [begin, end) in at most size() chunks of at least `grain` items; the
-  // calling thread runs one of them. Do not call it from inside a task of the same pool (it waits for the others).
+  // Calls body(chunk_begin, chunk_end) for each chunk of `grain` items of [begin, end) (the last may be shorter),
+  // and returns when every chunk has run. The calling thread and up to `max_threads` - 1 workers (0: as many as
+  // the pool has, the caller included) claim chunks in ascending order, one at a time, from a shared counter: a
+  // worker that wakes late finds its share done by the others instead of holding up the call. The first exception
+  // a chunk throws is rethrown here (chunks not yet started are skipped). Do not call it from inside a task of the
+  // same pool.
   void parallel_for(std::size_t begin, std::size_t end, std::size_t grain,
-                    const std::function<void(std::size_t, std::size_t)>& body);
+                    const std::function<void(std::size_t, std::size_t)>& body, std::size_t max_threads = 0);
 
   // A process-wide pool sized to the machine, created on first use.
   static thread_pool& shared();
@@ -62,7 +66,7 @@ class thread_pool {
  private:
   void enqueue(std::function<void()> job);
   void work();
-  void poll_for_work() const;  // spins until a job is queued, the pool stops or the spin window ends
+  void poll_for_work(std::chrono::steady_clock::time_point until) const;  // until a job is queued, stop or `until`
 
   std::vector<std::thread> workers_;
   std::deque<std::function<void()>> queue_;

@@ -264,6 +264,27 @@ def test_settings_and_env(monkeypatch):
         pd.set_threads(0)
 
 
+def test_host_spin_setting(monkeypatch):
+    assert _config._Settings().host_spin_us == 200
+    monkeypatch.setenv("PYTORCH_DIRECT_HOST_SPIN_US", "0")
+    assert _config._Settings().host_spin_us == 0
+    monkeypatch.setenv("PYTORCH_DIRECT_HOST_SPIN_US", "-5")
+    with pytest.raises(ValueError, match="PYTORCH_DIRECT_HOST_SPIN_US"):
+        _config._Settings()
+    with pytest.raises(ValueError, match="host_spin_us"):
+        pd.set_host_spin_us(-1)
+    table = random_table((5000, 7), torch.float32)
+    u = pd.unified(table, copy=True)
+    idx = torch.randint(0, 5000, (20000,))
+    try:
+        for spin in (0, 5000, 200):  # the pool takes each setting; host gathers stay right across the changes
+            pd.set_host_spin_us(spin)
+            for _ in range(3):
+                assert torch.equal(u[idx], table[idx])
+    finally:
+        pd.set_host_spin_us(200)
+
+
 def _worker_read(table):
     return table
 
@@ -435,6 +456,7 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
 
     from pytorch_direct import _kernels
 
+    monkeypatch.setattr(_kernels, "NATIVE_STAGED_MAX_ROW", 0)  # every width through this engine
     monkeypatch.setattr(_kernels._Slots, "BYTES", 1 << 16)  # many chunks, slots reused
     slots = ([torch.empty(1 << 16, dtype=torch.uint8) for _ in range(_kernels._Slots.COUNT)],
              [_FakeEvent() for _ in range(_kernels._Slots.COUNT)])

@@ -10,7 +10,7 @@ import torch
 from test_cpu import random_table, same_bytes
 
 import pytorch_direct as pd
-from pytorch_direct import _kernels
+from pytorch_direct import _core, _kernels
 from pytorch_direct._kernels import Plan
 
 
@@ -116,6 +116,9 @@ def cpu_stand_ins(monkeypatch):
     slots = ([torch.empty(_kernels._Slots.BYTES, dtype=torch.uint8) for _ in range(_kernels._Slots.COUNT)],
              [_FakeEvent() for _ in range(_kernels._Slots.COUNT)])
     monkeypatch.setattr(_kernels, "_launch_gather", launch)
+    # The native staged pipeline's row copies without its DMA: the package's host gather into `dest`.
+    monkeypatch.setattr(_kernels, "_launch_gather_staged", lambda table, rows, rb, h, dest, stream: _core.gather_host(
+        table.data_ptr(), rows, rb, h.data_ptr(), h.element_size(), h.numel(), 0, dest.data_ptr(), 0))
     monkeypatch.setattr(_kernels, "host_index", lambda idx: idx.clone())
     monkeypatch.setattr(_kernels._Slots, "get", classmethod(lambda cls, device: slots))
     monkeypatch.setattr(_kernels._Side, "get", classmethod(lambda cls, device: _FakeStream()))

@@ -18,6 +18,7 @@ from ._config import (
     set_bounds_check,
     set_cache_dir,
     set_calibration,
+    set_host_spin_us,
     set_max_sms,
     set_strategy,
     set_threads,
@@ -35,7 +36,8 @@ __all__ = [
     "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
     "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather", "get_strategy", "index_add_",
     "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check", "set_cache_dir", "set_calibration",
-    "set_max_sms", "set_strategy", "set_threads", "share", "shared_memory", "unified", "unlink_shared_memory", "zeros",
+    "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share", "shared_memory", "unified",
+    "unlink_shared_memory", "zeros",
 ]
 
 

@@ -6,8 +6,14 @@
     ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host
     sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors`.
 ``PYTORCH_DIRECT_THREADS`` (default ``0``, all cores; :func:`set_threads`)
-    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers of rows wider than 8 MiB
-    (other staged gathers use torch's ``index_select``, i.e. torch's threads, ``torch.set_num_threads``).
+    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers of rows up to 256 B or
+    wider than 8 MiB (other staged gathers use torch's ``index_select``, i.e. torch's threads,
+    ``torch.set_num_threads``).
+``PYTORCH_DIRECT_HOST_SPIN_US`` (default ``200``; :func:`set_host_spin_us`)
+    How long the package's idle CPU threads poll for the next call's work before they sleep (yielding the core to
+    any other runnable thread meanwhile). Waking a sleeping thread costs tens of microseconds on a virtual machine;
+    on an H200 host, staged gathers of 131072 rows of 47-128 B called back to back ran 1.16-1.40x faster with 200
+    than with 0 (``benchmarks/RESULTS.md``, probe P2). ``0``: sleep at once (no busy CPU after a call).
 ``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
     SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
 ``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)
@@ -61,6 +67,7 @@ class _Settings:
         )
         self.threads = _parse_int("PYTORCH_DIRECT_THREADS", 0)
         self.max_sms = _parse_int("PYTORCH_DIRECT_MAX_SMS", 0)
+        self.host_spin_us = _parse_int("PYTORCH_DIRECT_HOST_SPIN_US", 200)
         self.cache_dir = Path(
             _env("PYTORCH_DIRECT_CACHE_DIR", str(Path.home() / ".cache" / "pytorch_direct"))
         ).expanduser()
@@ -98,6 +105,14 @@ def set_threads(threads: int) -> None:
     if int(threads) < 0:
         raise ValueError("threads must be >= 0 (0 means all cores)")
     settings.threads = int(threads)
+
+
+def set_host_spin_us(microseconds: int) -> None:
+    """How long idle package threads poll for work before sleeping (0: at once); mirrors
+    ``PYTORCH_DIRECT_HOST_SPIN_US``."""
+    if int(microseconds) < 0:
+        raise ValueError("host_spin_us must be >= 0 (0 means the threads sleep as soon as they are idle)")
+    settings.host_spin_us = int(microseconds)
 
 
 def set_max_sms(max_sms: int) -> None:

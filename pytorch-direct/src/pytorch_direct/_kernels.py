@@ -64,6 +64,10 @@ class _Side:
         return stream
 
 
+NATIVE_STAGED_MAX_ROW = 256
+"""Widest row (bytes) the staged gather moves with the package's own pipeline rather than torch's index_select."""
+
+
 class _Slots:
     """Pinned staging slots (and an event per slot: when its last copy finished) for the staged gather whose host
     gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time.
@@ -195,7 +199,7 @@ def bounds_error(bad: int, rows: int) -> IndexError:
 
 def check_host_indices(idx: Tensor, rows: int) -> None:
     """Raises IndexError naming the first bad index of 1-D contiguous CPU indices."""
-    _core.check_host_indices(idx.data_ptr(), idx.element_size(), idx.numel(), rows, settings.threads)
+    _core.check_host_indices(idx.data_ptr(), idx.element_size(), idx.numel(), rows, _host_threads())
 
 
 def precheck(index: Tensor, rows: int) -> None:
@@ -215,6 +219,19 @@ def precheck_for(plan: Plan, index: Tensor, rows: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+_spin_applied: int | None = None
+
+
+def _host_threads() -> int:
+    """The package's CPU thread count for a host call, after giving its pool the current spin setting (a setter in
+    ``_config`` cannot reach the native pool: that layer imports nothing)."""
+    global _spin_applied
+    if _spin_applied != settings.host_spin_us:
+        _core.set_host_spin_us(settings.host_spin_us)
+        _spin_applied = settings.host_spin_us
+    return settings.threads
 
 
 def host_index(idx: Tensor) -> Tensor:
@@ -279,15 +296,23 @@ def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream, 
     )
 
 
+def _launch_gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
+    _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), host_idx.numel(),
+                        dest.data_ptr(), _host_threads(), stream.cuda_stream)
+
+
 def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
     """dest (CUDA, rows of rb bytes) = table[host_idx], gathered on the host into pinned slots one chunk at a time,
-    each chunk's copy to the GPU queued on `stream` while the next chunk is gathered. The host gather is torch's
-    ``index_select`` (its OpenMP threads, kept hot by the back-to-back chunks; on the H200 host it gathered ~1.8x
-    faster than the package's own threads, runs E and G); rows wider than a slot use the package's pipeline."""
+    each chunk's copy to the GPU queued on `stream` while the next chunk is gathered.
+
+    Rows up to NATIVE_STAGED_MAX_ROW bytes (and rows wider than a slot) go through the package's pipeline: its
+    threads claim ~32 KiB pieces of 2 MiB chunks, and whichever finishes a chunk queues its copy, with no Python per
+    chunk. Wider rows go through torch's ``index_select`` (its OpenMP threads) into 8 MiB slots, which moved 1 KiB
+    rows 1.04-1.42x faster than the pipeline on an H200 host, while the pipeline moved 131072 rows of 47-256 B
+    1.18-2.03x faster than this path (benchmarks/RESULTS.md, probe P2, same process)."""
     n = host_idx.numel()
-    if rb > _Slots.BYTES or rows == 0:  # (no rows: the native path raises the IndexError)
-        _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), n,
-                            dest.data_ptr(), settings.threads, stream.cuda_stream)
+    if rb <= NATIVE_STAGED_MAX_ROW or rb > _Slots.BYTES or rows == 0:  # (no rows: the native path raises)
+        _launch_gather_staged(table, rows, rb, host_idx, dest, stream)
         return
     with torch._C.DisableTorchFunctionSubclass():
         src = table.detach().reshape(rows, -1).view(torch.uint8)  # (rows, rb) bytes
@@ -302,7 +327,7 @@ def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
                 torch.index_select(src, 0, host_idx[start:end], out=staged)
             except IndexError:
                 # Name the first bad index the way every other path does (raises), else torch's error stands.
-                _core.check_host_indices(host_idx.data_ptr(), host_idx.element_size(), n, rows, settings.threads)
+                _core.check_host_indices(host_idx.data_ptr(), host_idx.element_size(), n, rows, _host_threads())
                 raise
             dst[start:end].copy_(staged, non_blocking=True)
             events[slot].record(stream)
@@ -365,14 +390,14 @@ def gather_host(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, ded
     n = idx.numel()
     if not dedupe or n == 0:
         _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
-                          settings.threads)
+                          _host_threads())
         return
-    _core.check_host_indices(idx.data_ptr(), idx.element_size(), n, rows, settings.threads)
+    _core.check_host_indices(idx.data_ptr(), idx.element_size(), n, rows, _host_threads())
     unique, count, inverse = dedupe_indices(idx, rows, checked=True)
     u = int(count)
     buf = torch.empty((u, rb), dtype=torch.uint8)
     _core.gather_host(table.data_ptr(), rows, rb, unique.data_ptr(), unique.element_size(), u, 0, buf.data_ptr(),
-                      settings.threads)
+                      _host_threads())
     expand_rows(buf, inverse, out, rb)
 
 
@@ -400,11 +425,11 @@ def scatter_cuda(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor, p
         elif s == "staged":
             host_idx = host_index(idx)
             _core.scatter_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(),
-                                 idx.numel(), vals.data_ptr(), settings.threads, stream.cuda_stream)
+                                 idx.numel(), vals.data_ptr(), _host_threads(), stream.cuda_stream)
         else:
             raise ValueError(f"scatter has no {s!r} plan; one of {', '.join(SCATTER_PLANS)}")
 
 
 def scatter_host(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor) -> None:
     _core.scatter_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(), 0,
-                       vals.data_ptr(), settings.threads)
+                       vals.data_ptr(), _host_threads())

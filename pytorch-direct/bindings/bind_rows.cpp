@@ -89,11 +89,12 @@ void bind_rows(nb::module_& m) {
   m.def(
       "gather_staged",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
-         std::uintptr_t d, int threads, std::uintptr_t stream) {
-        gather_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads, shared_cuda::stream_view::from_address(stream));
+         std::uintptr_t d, int threads, std::uintptr_t stream, bool index_on_device) {
+        gather_staged(make_call(t, rows, rb, i, ib, n, 0, d), threads, shared_cuda::stream_view::from_address(stream),
+                      index_on_device);
       },
       nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"),
-      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"),
+      nb::arg("count"), nb::arg("dense"), nb::arg("threads"), nb::arg("stream"), nb::arg("index_on_device") = false,
       nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "scatter_staged",

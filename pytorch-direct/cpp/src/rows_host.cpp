@@ -200,7 +200,39 @@ struct staging {
   static constexpr std::size_t kChunkBytes = 2 << 20;  // a smaller chunk fills and drains the pipeline sooner
   std::vector<shared_cuda::pinned_buffer> slots;
   std::vector<cudaEvent_t> events;
+  // Indices copied from the device (gather_staged with index_on_device): the buffer grows to the largest call, and
+  // index_events[g] marks the end of copy group g (groups of 1, 1, 2, 4, ... chunks).
+  shared_cuda::pinned_buffer index_buffer;
+  std::vector<cudaEvent_t> index_events;
+
+  // At least `bytes` of the index buffer (its contents are dead between calls).
+  void* index_space(std::size_t bytes) {
+    if (index_buffer.size() < bytes) {
+      index_buffer = shared_cuda::pinned_buffer();  // free the old one first: the new one may be large
+      index_buffer = shared_cuda::pinned_buffer(std::max<std::size_t>(bytes, 1 << 20));
+    }
+    return index_buffer.data();
+  }
+
+  cudaEvent_t index_event(std::size_t group) {
+    while (index_events.size() <= group) {
+      cudaEvent_t e = nullptr;
+      SHARED_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      index_events.push_back(e);
+    }
+    return index_events[group];
+  }
 };
+
+// Copy group of chunk k when the indices come from the device: groups of 1, 1, 2, 4, 8, ... chunks, so the first
+// chunk's indices arrive after one small copy and the number of copies grows with the log of the call's size.
+std::int64_t index_group(std::int64_t k) {
+  std::int64_t g = 0;
+  for (std::int64_t first = 1, size = 1; k >= first; first += size, size *= 2) ++g;
+  return g;
+}
+// First chunk of copy group g (the inverse of index_group).
+std::int64_t index_group_start(std::int64_t g) { return g == 0 ? 0 : (std::int64_t{1} << (g - 1)); }
 
 // One staged call at a time per process: a call's workers wait for each other (below), so two calls sharing the
 // pool could each hold threads the other waits for.
@@ -243,10 +275,12 @@ struct pipeline {
     done.reset(new std::atomic<std::int64_t>[chunks]);
     ready.reset(new std::atomic<bool>[chunks]);
     slot_state.reset(new std::atomic<int>[chunks]);
+    index_state.reset(new std::atomic<int>[chunks]);
     for (std::int64_t k = 0; k < chunks; ++k) {
       done[k].store(0, std::memory_order_relaxed);
       ready[k].store(false, std::memory_order_relaxed);
       slot_state[k].store(0, std::memory_order_relaxed);
+      index_state[k].store(0, std::memory_order_relaxed);
     }
   }
 
@@ -271,21 +305,24 @@ struct pipeline {
     return true;
   }
 
-  // Waits until chunk k's slot is free of its last copy (`event`): the first runner to reach the chunk
-  // synchronises, the others wait for it. False when another runner failed.
-  bool wait_slot(std::int64_t k, cudaEvent_t event) {
+  // Waits until `event` has completed, once per `state` (0 not checked, 1 being synchronised, 2 done): the first
+  // runner to get here synchronises, the others wait for it. False when another runner failed.
+  bool wait_once(std::atomic<int>& state, cudaEvent_t event) {
     int expected = 0;
-    if (slot_state[k].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
       SHARED_CUDA_TRY(cudaEventSynchronize(event));
-      slot_state[k].store(2, std::memory_order_release);
+      state.store(2, std::memory_order_release);
       return true;
     }
-    while (slot_state[k].load(std::memory_order_acquire) != 2) {
+    while (state.load(std::memory_order_acquire) != 2) {
       if (abort.load(std::memory_order_relaxed)) return false;
       std::this_thread::yield();
     }
     return true;
   }
+
+  // Chunk k's slot is free of its last copy (`event`).
+  bool wait_slot(std::int64_t k, cudaEvent_t event) { return wait_once(slot_state[k], event); }
 
   void fail(std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(error_mutex);
@@ -338,6 +375,7 @@ struct pipeline {
   std::unique_ptr<std::atomic<std::int64_t>[]> done;  // pieces of chunk k finished
   std::unique_ptr<std::atomic<bool>[]> ready;         // chunk k's copy is queued (its slot's event is recorded)
   std::unique_ptr<std::atomic<int>[]> slot_state;     // chunk k's slot: 0 not checked, 1 being synchronised, 2 free
+  std::unique_ptr<std::atomic<int>[]> index_state;    // copy group k's indices (device indices): as slot_state
   std::atomic<bool> abort{false};
   std::atomic<bool> bad{false};  // an index was out of range
   std::mutex error_mutex;
@@ -385,19 +423,40 @@ bool move_slice(const rows_call& c, pipeline& pl, std::int64_t begin, std::int64
 
 }  // namespace
 
-void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view stream) {
-  check_args(c);
-  SHARED_CUDA_EXPECT(c.positions == nullptr, "the staged strategy writes rows in index order (no positions)");
-  SHARED_CUDA_EXPECT(static_cast<std::size_t>(c.row_bytes) <= staging::kSlotBytes,
+void gather_staged(const rows_call& call, int threads, shared_cuda::stream_view stream, bool index_on_device) {
+  check_args(call);
+  SHARED_CUDA_EXPECT(call.positions == nullptr, "the staged strategy writes rows in index order (no positions)");
+  SHARED_CUDA_EXPECT(static_cast<std::size_t>(call.row_bytes) <= staging::kSlotBytes,
                      "rows wider than 4 MiB are not supported by the staged strategy: use 'vector' or 'sorted'");
-  if (c.count == 0) return;
+  if (call.count == 0) return;
   std::lock_guard<std::mutex> lock(staged_mutex());
   auto& st = staging_for_current_device();
   const auto s = static_cast<cudaStream_t>(stream.handle);
+  rows_call c = call;
   pipeline pl(c, threads);
+  if (index_on_device) {
+    // The indices come over in copy groups of 1, 1, 2, 4, ... chunks, queued on `stream` (after whatever made
+    // them); a chunk's rows are gathered as soon as its group has arrived, while the next groups still travel.
+    const auto ib = static_cast<std::size_t>(c.index_bytes);
+    void* host = st.index_space(static_cast<std::size_t>(c.count) * ib);
+    const std::int64_t groups = index_group(pl.chunks - 1) + 1;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const std::int64_t first = index_group_start(g) * pl.rows_per_chunk;
+      const std::int64_t end = std::min(c.count, index_group_start(g + 1) * pl.rows_per_chunk);
+      SHARED_CUDA_TRY(cudaMemcpyAsync(static_cast<unsigned char*>(host) + first * ib,
+                                      static_cast<const unsigned char*>(c.index) + first * ib,
+                                      static_cast<std::size_t>(end - first) * ib, cudaMemcpyDeviceToHost, s));
+      SHARED_CUDA_TRY(cudaEventRecord(st.index_event(static_cast<std::size_t>(g)), s));
+    }
+    c.index = host;
+  }
   pl.run([&](std::int64_t p) {
     const std::int64_t k = p / pl.pieces_per_chunk;
     const int slot = static_cast<int>(k % staging::kSlots);
+    if (index_on_device) {
+      const std::int64_t g = index_group(k);
+      if (!pl.wait_once(pl.index_state[g], st.index_events[static_cast<std::size_t>(g)])) return;
+    }
     // The slot's previous chunk (of this call, or of an earlier call for the first kSlots chunks): its copy must
     // be queued, so that the slot's event is the right one, and finished.
     if (k >= staging::kSlots && !pl.wait_for(pl.ready[k - staging::kSlots])) return;
@@ -416,6 +475,8 @@ void gather_staged(const rows_call& c, int threads, shared_cuda::stream_view str
       pl.ready[k].store(true, std::memory_order_release);
     }
   });
+  // A failed call may leave index copies running into the buffer the next call reuses: let them finish.
+  if (pl.error && index_on_device) SHARED_CUDA_TRY(cudaStreamSynchronize(s));
   pl.rethrow();
 }
 
@@ -468,7 +529,7 @@ void gather_cuda(const rows_call&, kernel_kind, int, shared_cuda::stream_view) {
 void scatter_cuda(const rows_call&, kernel_kind, int, shared_cuda::stream_view) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }
-void gather_staged(const rows_call&, int, shared_cuda::stream_view) {
+void gather_staged(const rows_call&, int, shared_cuda::stream_view, bool) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }
 void scatter_staged(const rows_call&, int, shared_cuda::stream_view) {

@@ -296,24 +296,36 @@ def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream, 
     )
 
 
-def _launch_gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
-    _core.gather_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), host_idx.numel(),
-                        dest.data_ptr(), _host_threads(), stream.cuda_stream)
+def _native_staged(rb: int, rows: int) -> bool:
+    """Whether a staged gather of rows of rb bytes runs the package's pipeline (else torch's index_select engine)."""
+    return rb <= NATIVE_STAGED_MAX_ROW or rb > _Slots.BYTES or rows == 0  # (no rows: the native path raises)
 
 
-def _gather_staged(table, rows, rb, host_idx, dest, stream) -> None:
-    """dest (CUDA, rows of rb bytes) = table[host_idx], gathered on the host into pinned slots one chunk at a time,
-    each chunk's copy to the GPU queued on `stream` while the next chunk is gathered.
+def _staged_index(idx: Tensor, rb: int, rows: int) -> Tensor:
+    """The indices a staged gather takes: the CUDA indices themselves for the package's pipeline (it copies them to
+    the host chunk group by chunk group, overlapped with the gather), else on the host (this waits for the stream)."""
+    return idx if _native_staged(rb, rows) else host_index(idx)
+
+
+def _launch_gather_staged(table, rows, rb, idx, dest, stream) -> None:
+    _core.gather_staged(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
+                        dest.data_ptr(), _host_threads(), stream.cuda_stream, index_on_device=idx.is_cuda)
+
+
+def _gather_staged(table, rows, rb, idx, dest, stream) -> None:
+    """dest (CUDA, rows of rb bytes) = table[idx], gathered on the host into pinned slots one chunk at a time, each
+    chunk's copy to the GPU queued on `stream` while the next chunk is gathered; `idx` from :func:`_staged_index`.
 
     Rows up to NATIVE_STAGED_MAX_ROW bytes (and rows wider than a slot) go through the package's pipeline: its
     threads claim ~32 KiB pieces of 2 MiB chunks, and whichever finishes a chunk queues its copy, with no Python per
     chunk. Wider rows go through torch's ``index_select`` (its OpenMP threads) into 8 MiB slots, which moved 1 KiB
     rows 1.04-1.42x faster than the pipeline on an H200 host, while the pipeline moved 131072 rows of 47-256 B
     1.18-2.03x faster than this path (benchmarks/RESULTS.md, probe P2, same process)."""
-    n = host_idx.numel()
-    if rb <= NATIVE_STAGED_MAX_ROW or rb > _Slots.BYTES or rows == 0:  # (no rows: the native path raises)
-        _launch_gather_staged(table, rows, rb, host_idx, dest, stream)
+    if _native_staged(rb, rows):
+        _launch_gather_staged(table, rows, rb, idx, dest, stream)
         return
+    host_idx = idx
+    n = host_idx.numel()
     with torch._C.DisableTorchFunctionSubclass():
         src = table.detach().reshape(rows, -1).view(torch.uint8)  # (rows, rb) bytes
         dst = dest.reshape(-1).view(torch.uint8).view(n, rb)
@@ -360,13 +372,13 @@ def gather_cuda(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, pla
             # and only they cross to the host (the device-only dedupe_indices would copy all of them).
             unique, inverse = torch.unique(idx, sorted=True, return_inverse=True)
             buf = torch.empty((unique.numel(), rb), dtype=torch.uint8, device=idx.device)
-            _gather_staged(table, rows, rb, host_index(unique), buf, stream)
+            _gather_staged(table, rows, rb, _staged_index(unique, rb, rows), buf, stream)
             expand_rows(buf, inverse, out, rb)
         elif s == "staged":
-            _gather_staged(table, rows, rb, host_index(idx), out, stream)
+            _gather_staged(table, rows, rb, _staged_index(idx, rb, rows), out, stream)
         elif s == "split":
             k = min(n, max(0, int(round(n * plan.split_fraction))))
-            host_rest = host_index(idx[k:])  # before the kernel is queued: this waits for the stream
+            host_rest = _staged_index(idx[k:], rb, rows)  # before the kernel is queued: host_index waits for the stream
             side = _Side.get(idx.device)
             # `out` was allocated on `stream`: the side stream waits for the work queued so far, not for the kernel.
             side.wait_stream(stream)

@@ -60,9 +60,11 @@ void gather_host(const rows_call& call, int threads);
 void scatter_host(const rows_call& call, int threads);
 
 // CPU gather into pinned staging buffers, each chunk copied to `dense` (device memory) with cudaMemcpyAsync on
-// `stream` while the CPU gathers the next chunk. Index on the host. Returns once every copy has been queued; the
-// staging buffers are reused by the next call only after its copies finished (events), so callers need no sync.
-void gather_staged(const rows_call& call, int threads, shared_cuda::stream_view stream);
+// `stream` while the CPU gathers the next chunk. Returns once every copy has been queued; the staging buffers are
+// reused by the next call only after its copies finished (events), so callers need no sync. The index is in host
+// memory, or with index_on_device in device memory: then it is copied to the host on `stream` (after the work
+// queued there) in growing groups of chunks, and each chunk is gathered as soon as its indices have arrived.
+void gather_staged(const rows_call& call, int threads, shared_cuda::stream_view stream, bool index_on_device = false);
 // Scatter counterpart: chunks of `dense` (device) copied into staging, then written to the table by the CPU.
 // Synchronises with the copies (the CPU must see the data), so it returns when the table holds the rows.
 void scatter_staged(const rows_call& call, int threads, shared_cuda::stream_view stream);

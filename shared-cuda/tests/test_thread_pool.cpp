@@ -1,9 +1,9 @@
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
 #include <numeric>
 #include <set>
-#include <algorithm>
 #include <thread>
 
 #include "check.hpp"
@@ -91,10 +91,13 @@ TEST(parallel_for_runs_chunks_of_grain_within_max_threads) {
   CHECK(seen.back().second == 1000);
   CHECK(threads.size() <= 4);
   threads.clear();
-  pool.parallel_for(0, 1000, 1, [&](std::size_t, std::size_t) {
-    std::lock_guard<std::mutex> lock(m);
-    threads.insert(std::this_thread::get_id());
-  }, 1);  // max_threads 1: the caller alone
+  pool.parallel_for(
+      0, 1000, 1,
+      [&](std::size_t, std::size_t) {
+        std::lock_guard<std::mutex> lock(m);
+        threads.insert(std::this_thread::get_id());
+      },
+      1);  // max_threads 1: the caller alone
   CHECK(threads.size() == 1 && *threads.begin() == std::this_thread::get_id());
 }
 

@@ -72,9 +72,9 @@ class thread_pool {
   std::deque<std::function<void()>> queue_;
   std::mutex mutex_;
   std::condition_variable ready_;
-  bool stopping_ = false;                      // guarded by mutex_
-  std::atomic<std::size_t> queued_{0};         // queue_.size(), readable without the lock (for spinning workers)
-  std::atomic<bool> stop_polling_{false};      // stopping_, readable without the lock
+  bool stopping_ = false;                  // guarded by mutex_
+  std::atomic<std::size_t> queued_{0};     // queue_.size(), readable without the lock (for spinning workers)
+  std::atomic<bool> stop_polling_{false};  // stopping_, readable without the lock
   std::atomic<std::int64_t> spin_us_{0};
 };
 

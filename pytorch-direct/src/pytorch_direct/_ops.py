@@ -7,6 +7,8 @@ plan (``_strategy`` decides an ``auto`` call: its measured or built-in choice, o
 very call), run it (``_kernels``). With CPU indices everything stays on the host (multithreaded).
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -16,6 +18,20 @@ from ._kernels import INDEX_DTYPES, check_index, check_table, raise_pending_devi
 
 __all__ = ["INDEX_DTYPES", "check_index", "check_table", "gather", "index_add", "raise_pending_device_error",
            "row_layout", "scatter"]
+
+
+def _plain_tensors(impl):
+    """Runs `impl` with tensor subclasses' ``__torch_function__`` off: the unified table's attribute reads (shape,
+    strides, data pointer, ...) then cost what a plain tensor's do. A ``pd.gather(table, idx)`` on a UnifiedTensor
+    spent ~120 us per call in them on an H200 host, ~40 % of a 131072-row staged gather (benchmarks/RESULTS.md,
+    probe P4); ``table[idx]`` reaches the implementation through a handler that turns them off already."""
+
+    @functools.wraps(impl)
+    def wrapper(*args, **kwargs):
+        with torch._C.DisableTorchFunctionSubclass():
+            return impl(*args, **kwargs)
+
+    return wrapper
 
 
 def _strategy_name(strategy: str) -> str:
@@ -121,6 +137,7 @@ def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, 
 # ---------------------------------------------------------------------------------------------------- gather
 
 
+@_plain_tensors
 def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
     check_table(table)
     check_index(index)
@@ -271,6 +288,7 @@ def _check_values(table: Tensor, index: Tensor, values: Tensor) -> Tensor:
     return values.contiguous().view((n,) + row_shape)
 
 
+@_plain_tensors
 def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, max_sms: int) -> None:
     check_table(table)
     check_index(index)
@@ -315,6 +333,7 @@ def _scatter_fake(table, index, values, strategy="auto", max_sms=0):
     return None
 
 
+@_plain_tensors
 def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, strategy: str, max_sms: int) -> None:
     check_table(table)
     check_index(index)

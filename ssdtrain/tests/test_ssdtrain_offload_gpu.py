@@ -185,6 +185,40 @@ def test_device_memory_really_freed_and_pinned_memory_returned():
     assert s.pool.reserved == 0 and not ssd_io._huge_ranges  # pinned chunks unregistered and freed
 
 
+def test_copies_out_released_when_backward_begins():
+    """Backward begins in kept units (the last blocks and the head) while the forward's last copies out may still
+    run: their device bytes must be released at backward's first unpack, not held through the kept units' backward
+    until an offloaded tensor is unpacked (on GPT-2 at save_on_cpu's memory, H200 run P7, that held 256 MiB at the
+    step's peak). Checked from inside backward, once the last (kept) block's backward has run."""
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
+    ids = torch.randint(0, 1000, (8, 512), device="cuda")
+    overrides = {f"{container}.{i}": "host" for i in range(4)}
+    overrides.update({f"{container}.{i}": "keep" for i in (4, 5)})
+    seen = []
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _step(model, ids)
+
+        def look(grad):
+            with s.cache.lock:
+                seen.append((len(s.cache._pending), sum(e.src is not None for e in s.cache._pending)))
+            return grad
+
+        def hook(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden.register_hook(look)  # runs once the grad w.r.t. the last block's input exists
+
+        handle = model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True)
+        try:
+            model.zero_grad(set_to_none=True)
+            _step(model, ids)
+        finally:
+            handle.remove()
+        assert s.stats()["bytes_offloaded"]["host"] > 0
+    assert seen == [(0, 0)], seen  # no copy out pending, no device bytes still referenced by one
+
+
 def test_exception_in_backward_on_gpu_releases_everything(tmp_path):
     model, container = _hf("gpt2")
     ids = torch.randint(0, 1000, (4, 256), device="cuda")

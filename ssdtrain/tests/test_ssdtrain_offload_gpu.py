@@ -209,12 +209,22 @@ def test_copies_out_released_when_backward_begins():
             hidden = args[0] if args else kwargs["hidden_states"]
             hidden.register_hook(look)  # runs once the grad w.r.t. the last block's input exists
 
-        handle = model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True)
+        def stall_copies(module, args):
+            # Hold the copy-out stream ~50 ms before block 3's copies, so they are still running when the host
+            # reaches backward (on a small model the host is otherwise slower than the copies and nothing is left).
+            with torch.cuda.stream(s.cache._side_streams(ids.device)[0]):
+                torch.cuda._sleep(100_000_000)
+
+        handles = [
+            model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True),
+            model.get_submodule(f"{container}.3").register_forward_pre_hook(stall_copies),
+        ]
         try:
             model.zero_grad(set_to_none=True)
             _step(model, ids)
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
         assert s.stats()["bytes_offloaded"]["host"] > 0
     assert seen == [(0, 0)], seen  # no copy out pending, no device bytes still referenced by one
 

@@ -12,8 +12,9 @@
 ``PYTORCH_DIRECT_HOST_SPIN_US`` (default ``200``; :func:`set_host_spin_us`)
     How long the package's idle CPU threads poll for the next call's work before they sleep (yielding the core to
     any other runnable thread meanwhile). Waking a sleeping thread costs tens of microseconds on a virtual machine;
-    on an H200 host, staged gathers of 131072 rows of 47-128 B called back to back ran 1.16-1.40x faster with 200
-    than with 0 (``benchmarks/RESULTS.md``, probe P2). ``0``: sleep at once (no busy CPU after a call).
+    on an H200 host, staged gathers of 131072 rows of 47-128 B called back to back ran 1.13-1.41x faster with 200
+    than with 0 (uniform, zipf0.8 and sorted indices; ``benchmarks/RESULTS.md``, probe P2). ``0``: sleep at once
+    (no busy CPU after a call).
 ``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
     SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
 ``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)

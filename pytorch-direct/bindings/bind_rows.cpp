@@ -3,10 +3,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/unique_ptr.h>
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <variant>
 
 #include "pytorch_direct/rows.hpp"
@@ -110,6 +112,17 @@ void bind_rows(nb::module_& m) {
       [](std::uintptr_t index, int index_bytes, std::int64_t count, std::int64_t rows, int threads) {
         check_host_indices(reinterpret_cast<const void*>(index), index_bytes, count, rows, threads);
       },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "index_bounds_cuda",
+      [](std::uintptr_t index, int index_bytes, std::int64_t count, std::uintptr_t stream) {
+        std::int64_t lo = 0;
+        std::int64_t hi = 0;
+        index_bounds_cuda(reinterpret_cast<const void*>(index), index_bytes, count,
+                          shared_cuda::stream_view::from_address(stream), lo, hi);
+        return std::make_pair(lo, hi);
+      },
+      nb::arg("index"), nb::arg("index_bytes"), nb::arg("count"), nb::arg("stream"),
       nb::call_guard<nb::gil_scoped_release>());
   m.def("take_device_error", []() -> std::optional<std::int64_t> {
     std::int64_t bad = 0;

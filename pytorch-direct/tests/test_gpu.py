@@ -195,6 +195,53 @@ def test_bounds_sync(bad, strategy):
     assert torch.equal(u.as_subclass(torch.Tensor), table)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("count", [1, 31, 257, 2048 * 8 + 3, 5_000_003])
+def test_index_bounds_kernel(dtype, count):
+    """The sync-mode check's reduction (one block, several, more than its block cap), against torch: the extremes
+    planted at the first, a middle and the last position, negative and above-int32 values included."""
+    from pytorch_direct import _core
+
+    g = torch.Generator(device="cuda").manual_seed(count)
+    high = 2**31 - 1 if dtype == torch.int32 else 2**40
+    idx = torch.randint(-1000, 1000, (count,), device="cuda", generator=g, dtype=torch.int64).to(dtype)
+    for lo_at, hi_at in ((0, count - 1), (count - 1, count // 2), (count // 2, 0)):
+        probe = idx.clone()
+        probe[hi_at] = high
+        probe[lo_at] = -high
+        expected = tuple(int(v) for v in torch.aminmax(probe))
+        stream = torch.cuda.current_stream().cuda_stream
+        assert _core.index_bounds_cuda(probe.data_ptr(), probe.element_size(), count, stream) == expected
+
+
+def test_index_bounds_from_threads_at_once():
+    """Each thread has its own scratch: checks on two threads and streams at once do not mix up their results."""
+    import threading
+
+    from pytorch_direct import _kernels
+
+    errors = []
+
+    def worker(k):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                idx = torch.arange(k, k + 100_000, device="cuda")
+                for _ in range(50):
+                    _kernels.precheck(idx, k + 100_000)  # in range: must not raise
+                    with pytest.raises(IndexError, match=str(k + 99_999)):
+                        _kernels.precheck(idx, k + 99_999)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k * 10_000_000,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_bounds_async_device_check():
     table = torch.randn(100, 8)
     u = pd.unified(table.clone(), copy=True)

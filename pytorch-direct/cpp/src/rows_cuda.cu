@@ -5,9 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -135,6 +137,129 @@ bool take_device_error(std::int64_t& bad) {
   bad = v[1];
   v[0] = 0;
   return true;
+}
+
+namespace {
+
+constexpr int kBoundsThreads = 256;
+constexpr int kBoundsMaxBlocks = 512;
+constexpr std::int64_t kBoundsPerThread = 8;  // indices per thread at least: fewer blocks for small counts
+
+// Block b writes its (min, max) to partial[2b..2b+1]; the last block to finish (the `done` counter) reduces them into
+// result (mapped pinned memory) and zeroes the counter for the next launch.
+template <typename Index>
+__global__ void __launch_bounds__(kBoundsThreads)
+    index_bounds_kernel(const Index* __restrict__ index, std::int64_t count, long long* partial, unsigned* done,
+                        long long* result) {
+  long long lo = LLONG_MAX;
+  long long hi = LLONG_MIN;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const long long v = static_cast<long long>(index[i]);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const long long l = __shfl_down_sync(0xffffffffu, lo, offset);
+    const long long h = __shfl_down_sync(0xffffffffu, hi, offset);
+    lo = l < lo ? l : lo;
+    hi = h > hi ? h : hi;
+  }
+  __shared__ long long warp_lo[kBoundsThreads / 32];
+  __shared__ long long warp_hi[kBoundsThreads / 32];
+  __shared__ bool last;
+  if (threadIdx.x % 32 == 0) {
+    warp_lo[threadIdx.x / 32] = lo;
+    warp_hi[threadIdx.x / 32] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kBoundsThreads / 32; ++w) {
+      lo = warp_lo[w] < lo ? warp_lo[w] : lo;
+      hi = warp_hi[w] > hi ? warp_hi[w] : hi;
+    }
+    partial[2 * blockIdx.x] = lo;
+    partial[2 * blockIdx.x + 1] = hi;
+    __threadfence();  // the partials are visible before the counter says so
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  const volatile long long* all = partial;
+  lo = LLONG_MAX;
+  hi = LLONG_MIN;
+  for (unsigned b = 0; b < gridDim.x; ++b) {
+    lo = all[2 * b] < lo ? all[2 * b] : lo;
+    hi = all[2 * b + 1] > hi ? all[2 * b + 1] : hi;
+  }
+  result[0] = lo;
+  result[1] = hi;
+  *done = 0;
+  __threadfence_system();
+}
+
+// One calling thread's buffers on one device: the partials and the counter (device), the result (mapped pinned).
+struct bounds_scratch {
+  long long* partial = nullptr;  // 2 * kBoundsMaxBlocks partials, then the counter
+  long long* result = nullptr;
+  bounds_scratch() = default;
+  bounds_scratch(const bounds_scratch&) = delete;
+  bounds_scratch& operator=(const bounds_scratch&) = delete;
+  ~bounds_scratch() {  // at thread exit; errors ignored (CUDA may already be shutting down at process exit)
+    if (partial != nullptr) (void)cudaFree(partial);
+    if (result != nullptr) (void)cudaFreeHost(result);
+  }
+  unsigned* done() { return reinterpret_cast<unsigned*>(partial + 2 * kBoundsMaxBlocks); }
+};
+
+bounds_scratch& bounds_scratch_for(int device) {
+  thread_local std::map<int, bounds_scratch> per_device;
+  bounds_scratch& s = per_device[device];
+  if (s.partial == nullptr) {
+    void* p = nullptr;
+    SHARED_CUDA_TRY(cudaMalloc(&p, 2 * kBoundsMaxBlocks * sizeof(long long) + sizeof(long long)));
+    s.partial = static_cast<long long*>(p);
+    SHARED_CUDA_TRY(cudaMemset(s.done(), 0, sizeof(unsigned)));
+  }
+  if (s.result == nullptr) {
+    void* p = nullptr;
+    SHARED_CUDA_TRY(cudaHostAlloc(&p, 2 * sizeof(long long), cudaHostAllocMapped));
+    s.result = static_cast<long long*>(p);
+  }
+  return s;
+}
+
+}  // namespace
+
+void index_bounds_cuda(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream,
+                       std::int64_t& lo, std::int64_t& hi) {
+  SHARED_CUDA_EXPECT(index_bytes == 4 || index_bytes == 8, "index must be int32 or int64");
+  SHARED_CUDA_EXPECT(count > 0 && index != nullptr, "the bounds of an empty or null index are undefined");
+  int device = 0;
+  SHARED_CUDA_TRY(cudaGetDevice(&device));
+  bounds_scratch& s = bounds_scratch_for(device);
+  volatile long long* result = s.result;
+  result[0] = 1;  // lo > hi: what the host reads if the kernel never wrote the result
+  result[1] = 0;
+  const std::int64_t wanted = (count + kBoundsThreads * kBoundsPerThread - 1) / (kBoundsThreads * kBoundsPerThread);
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(wanted, kBoundsMaxBlocks));
+  auto st = static_cast<cudaStream_t>(stream.handle);
+  if (index_bytes == 8) {
+    index_bounds_kernel<<<blocks, kBoundsThreads, 0, st>>>(static_cast<const std::int64_t*>(index), count, s.partial,
+                                                           s.done(), s.result);
+  } else {
+    index_bounds_kernel<<<blocks, kBoundsThreads, 0, st>>>(static_cast<const std::int32_t*>(index), count, s.partial,
+                                                           s.done(), s.result);
+  }
+  SHARED_CUDA_TRY(cudaGetLastError());
+  SHARED_CUDA_TRY(cudaStreamSynchronize(st));
+  lo = result[0];
+  hi = result[1];
+  if (lo > hi) {  // cannot happen for count > 0 unless the counter was left non-zero: reset it for the next call
+    SHARED_CUDA_TRY(cudaMemset(s.done(), 0, sizeof(unsigned)));
+    throw std::runtime_error("internal error: the index bounds kernel did not finish its reduction");
+  }
 }
 
 void gather_cuda(const rows_call& c, kernel_kind kind, int max_sms, shared_cuda::stream_view stream) {

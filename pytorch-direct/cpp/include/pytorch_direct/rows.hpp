@@ -45,6 +45,12 @@ std::int64_t* error_word();
 // Reads and clears the word. Returns true and sets `bad` when a kernel saw a bad index since the last call.
 bool take_device_error(std::int64_t& bad);
 
+// Smallest and largest of `count` (> 0) device indices, for the sync-mode bounds check: one kernel on `stream`
+// (after the work queued there), then the host waits for that stream and reads the pair from mapped pinned memory.
+// Scratch buffers are per calling thread and device, so threads may check on their own streams at once.
+void index_bounds_cuda(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream,
+                       std::int64_t& lo, std::int64_t& hi);
+
 // Gather: dense[p] = table[index[i]] with p = positions ? positions[i] : i, for i < count (and < *device_count when
 // set). Launched on `stream`, no host sync.
 // max_sms > 0 caps the blocks so the gather occupies about that many SMs (to overlap with other work).

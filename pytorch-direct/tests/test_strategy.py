@@ -335,6 +335,65 @@ def test_decisions_are_kept_per_kind_until_features_or_cells_change(monkeypatch)
         pd.set_auto_calibrate(True)
 
 
+def _host_plan_cell(call):
+    """A cell where staged (30 GB/s) is kept over vector (20 GB/s, times the host margin 25), and random indices of
+    its kind."""
+    idx = torch.randint(0, call.rows, (call.count,), generator=torch.Generator().manual_seed(0))
+    features, _, _ = _strategy.index_features(idx, call.rows, call.row_bytes)
+    _strategy._state.record(cell(call, features, {"staged": 30.0, "vector": 20.0}))
+    return idx, _strategy.cell_key(call, features)
+
+
+def test_a_host_plan_slower_in_use_than_measured_gives_way():
+    """A host strategy that runs far slower in the caller's loop than when it was measured (it waits there for the
+    GPU work making its indices, or for the CPU) is replaced after CHECK_CALLS calls, in this process and the next."""
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx, key = _host_plan_cell(call)
+    decision, _, _ = _strategy.choose(call, idx, capturing=False)
+    assert decision.plan == Plan("staged") and decision.source == "measured"
+    for k in range(_strategy.CHECK_CALLS):
+        assert _strategy.checking(call)
+        assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("staged")  # until the last one is in
+        _strategy.observe(call, call.bytes / (12.0 if k else 9.0) / 1e9)  # at best 12 GB/s: 0.4x the measured 30
+    assert not _strategy.checking(call)
+    assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
+    stored = json.loads(_strategy.cache_path().read_text())["cells"][key]
+    assert stored["gbps"] == {"staged": pytest.approx(12.0), "vector": 20.0}
+    assert stored["observed"] == {"staged": pytest.approx(12.0)} and stored["best"] == "vector"
+    _strategy.reset()  # the next process starts from the observed rate and checks nothing
+    assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
+    assert not _strategy.checking(call)
+
+
+def test_a_host_plan_as_fast_as_measured_is_kept_and_checked_once():
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx, key = _host_plan_cell(call)
+    _strategy.choose(call, idx, capturing=False)
+    for _ in range(_strategy.CHECK_CALLS):
+        _strategy.observe(call, call.bytes / 25.0 / 1e9)  # 0.83x the measured rate: within CHECK_SLOWER
+    stored = _strategy.measured_cells()[key]
+    assert stored["gbps"]["staged"] == 30.0 and stored["observed"] == {"staged": pytest.approx(25.0)}
+    for _ in range(2 * _strategy.RECHECK_EVERY):  # new features and decisions: the cell's plan is checked already
+        assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("staged")
+        assert not _strategy.checking(call)
+
+
+def test_device_plans_and_unmeasured_decisions_are_not_checked():
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx = torch.randint(0, call.rows, (call.count,))
+    features, _, _ = _strategy.index_features(idx, call.rows, call.row_bytes)
+    _strategy._state.record(cell(call, features, {"staged": 21.0, "vector": 20.0}))  # below the host margin
+    assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
+    assert not _strategy.checking(call)
+    _strategy.reset(delete_file=True)
+    pd.set_auto_calibrate(False)
+    try:
+        decision = _strategy.choose(call, idx, capturing=False)[0]
+        assert decision.source == "rules" and decision.plan == Plan("staged") and not _strategy.checking(call)
+    finally:
+        pd.set_auto_calibrate(True)
+
+
 def test_cache_file_problems_only_cost_measuring_again():
     path = _strategy.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)

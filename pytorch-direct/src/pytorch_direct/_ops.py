@@ -43,10 +43,10 @@ def _strategy_name(strategy: str) -> str:
     return strategy
 
 
-def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool) -> _strategy.Decision:
+def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool,
+          capturing: bool) -> _strategy.Decision:
     """The plan of one CUDA call (or, for an ``auto`` call of a kind never measured, the candidates to measure on
     it), after the sync-mode bounds check: nothing runs for a call with a bad index."""
-    capturing = _kernels.capturing()
     if name == "auto":
         decision, _, bounds = _strategy.choose(call, idx, capturing=capturing)
     else:
@@ -162,10 +162,11 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     raise_pending_device_error()
     if n == 0:
         return out
-    checked = settings.bounds_check == "sync" and not _kernels.capturing()
+    capturing = _kernels.capturing()
+    checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n)
-    decision = _plan("gather", name, call, idx, checked)
+    decision = _plan("gather", name, call, idx, checked, capturing)
     rows_out = out.view(n, -1)
     if decision.plan is None:
         # A kind of call never measured: the candidates run on this call (each writes all of `out`), and the fastest
@@ -175,6 +176,11 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
             _kernels.gather_cuda(table, rows, rb, idx, rows_out, plan, max_sms, checked)
 
         _strategy.measure(call, decision.features, decision.candidates, run)
+        return out
+    if name == "auto" and _strategy.checking(call):
+        start = _strategy._clock()
+        _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
+        _strategy.observe(call, _strategy._clock() - start)
         return out
     _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
     return out
@@ -307,10 +313,12 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     raise_pending_device_error()
     if n == 0:
         return
-    checked = settings.bounds_check == "sync" and not _kernels.capturing()
+    capturing = _kernels.capturing()
+    checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n)
-    decision = _plan("scatter", name, call, idx, checked)  # writes: nothing is written when an index is bad
+    # (writes: nothing is written when an index is bad)
+    decision = _plan("scatter", name, call, idx, checked, capturing)
     if decision.plan is None:
         # Measured on this call: every candidate writes the same rows (with duplicate indices, one writer per
         # element wins either way).
@@ -319,6 +327,11 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
             _kernels.scatter_cuda(table, rows, rb, idx, vals, plan, max_sms, checked)
 
         _strategy.measure(call, decision.features, decision.candidates, run)
+        return
+    if name == "auto" and _strategy.checking(call):
+        start = _strategy._clock()
+        _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
+        _strategy.observe(call, _strategy._clock() - start)
         return
     _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
 

@@ -51,6 +51,14 @@ RACE_BUDGET_S = 2.0
 # that thread (and the CPU cores) until its rows are gathered. Host speeds also vary more from call to call. (In
 # pytorch-direct run J, 8 of 210 cells had a host strategy 1.05-1.25x ahead.)
 HOST_MARGIN = 1.25
+# A host strategy kept from a measured cell is then timed on its first CHECK_CALLS calls as the caller sees them
+# (the thread blocked until its rows are gathered), once per cell. If the fastest of them runs below CHECK_SLOWER x
+# its measured rate, the cell's rate becomes the observed one and the call kind is decided again. In a training loop
+# the call may wait for the GPU work that makes its indices and compete with the loop for the CPU, which the measuring
+# (alone, on an idle GPU) does not see: in integration-tests run E23 one process in four kept staged for its feature
+# gather and spent 0.70-0.77 s per epoch in it, against 0.29 s with a GPU strategy.
+CHECK_CALLS = 4
+CHECK_SLOWER = 0.7
 # Candidates within this factor of the fastest are measured again before one is kept (one noisy run must not
 # decide a cell: in H200 run I auto kept plans whose steady speed was down to 0.73x another candidate's); calls
 # shorter than SHORT_CALL_S are timed three times from the start.
@@ -423,15 +431,18 @@ def measured_cells() -> dict:
 
 class _Seen:
     """Per call kind: calls seen, the features last computed, and the decision they gave (kept until the features
-    are computed again or the cells change, so that most calls decide with a dictionary lookup)."""
+    are computed again or the cells change, so that most calls decide with a dictionary lookup); while a host plan
+    is being checked (see CHECK_CALLS), the key of its cell and the seconds of its calls so far."""
 
-    __slots__ = ("calls", "features", "decision", "made_for")
+    __slots__ = ("calls", "features", "decision", "made_for", "checking", "observed")
 
     def __init__(self) -> None:
         self.calls = 0
         self.features: Features | None = None
         self.decision: Decision | None = None
         self.made_for: tuple | None = None
+        self.checking: str | None = None
+        self.observed: list = []
 
 
 def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Features | None, tuple[int, int] | None]:
@@ -459,7 +470,48 @@ def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Featu
     _state.last = decision = dataclasses.replace(decision, features=seen.features)
     if decision.plan is not None:
         seen.decision, seen.made_for = decision, made_for
+        seen.checking, seen.observed = _cell_to_check(cells, call, decision), []
     return decision, seen.features, bounds
+
+
+def _cell_to_check(cells: dict, call: Call, decision: Decision) -> str | None:
+    """The key of the measured cell whose host plan this decision runs, if its calls are still to be checked."""
+    if decision.source != "measured" or not decision.plan.needs_host or decision.features is None:
+        return None
+    cell = find_cell(cells, call, decision.features)
+    if cell is None or decision.plan.strategy in cell.get("observed", {}):
+        return None
+    return next((key for key, c in cells.items() if c is cell), None)
+
+
+def checking(call: Call) -> bool:
+    """Whether the caller should time this call and report it with :func:`observe` (see CHECK_CALLS)."""
+    seen = _state.kinds.get(call.kind)
+    return seen is not None and seen.checking is not None
+
+
+def observe(call: Call, seconds: float) -> None:
+    """One checked call's seconds, from its start until it returned to the caller. After CHECK_CALLS of them, a plan
+    that ran below CHECK_SLOWER x its measured rate gets the observed rate in its cell (kept on disk, so the next
+    process starts from it), and the call kind is decided again; either way the cell's plan counts as checked."""
+    seen = _state.kinds.get(call.kind)
+    if seen is None or seen.checking is None:
+        return
+    seen.observed.append(seconds)
+    if len(seen.observed) < CHECK_CALLS:
+        return
+    key, strategy = seen.checking, seen.decision.plan.strategy
+    seen.checking, seen.observed, observed = None, [], min(seen.observed)
+    cell = _state.cells().get(key)
+    if cell is None:
+        return
+    rate = call.bytes / max(observed, 1e-9) / 1e9
+    measured = cell["gbps"].get(strategy, rate)
+    cell = dict(cell, observed={**cell.get("observed", {}), strategy: rate})
+    if rate < CHECK_SLOWER * measured:
+        cell["gbps"] = {**cell["gbps"], strategy: rate}
+        cell["best"] = pick(cell["gbps"])
+    _state.record({key: cell})
 
 
 def last_decision() -> Decision | None:

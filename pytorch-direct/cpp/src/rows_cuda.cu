@@ -142,8 +142,32 @@ bool take_device_error(std::int64_t& bad) {
 namespace {
 
 constexpr int kBoundsThreads = 256;
-constexpr int kBoundsMaxBlocks = 512;
-constexpr std::int64_t kBoundsPerThread = 8;  // indices per thread at least: fewer blocks for small counts
+constexpr int kBoundsMaxBlocks = 2 * kBoundsThreads;  // the last block reduces the partials with 2 per thread
+constexpr std::int64_t kBoundsPerThread = 4;          // indices per thread at least: fewer blocks for small counts
+
+// The block's smallest and largest of each thread's (lo, hi), valid in thread 0; every thread must call it.
+__device__ void block_min_max(long long& lo, long long& hi) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const long long l = __shfl_down_sync(0xffffffffu, lo, offset);
+    const long long h = __shfl_down_sync(0xffffffffu, hi, offset);
+    lo = l < lo ? l : lo;
+    hi = h > hi ? h : hi;
+  }
+  __shared__ long long warp_lo[kBoundsThreads / 32];
+  __shared__ long long warp_hi[kBoundsThreads / 32];
+  __syncthreads();  // (a previous call's readers are done with the arrays)
+  if (threadIdx.x % 32 == 0) {
+    warp_lo[threadIdx.x / 32] = lo;
+    warp_hi[threadIdx.x / 32] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kBoundsThreads / 32; ++w) {
+      lo = warp_lo[w] < lo ? warp_lo[w] : lo;
+      hi = warp_hi[w] > hi ? warp_hi[w] : hi;
+    }
+  }
+}
 
 // Block b writes its (min, max) to partial[2b..2b+1]; the last block to finish (the `done` counter) reduces them into
 // result (mapped pinned memory) and zeroes the counter for the next launch.
@@ -159,44 +183,31 @@ __global__ void __launch_bounds__(kBoundsThreads)
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const long long l = __shfl_down_sync(0xffffffffu, lo, offset);
-    const long long h = __shfl_down_sync(0xffffffffu, hi, offset);
-    lo = l < lo ? l : lo;
-    hi = h > hi ? h : hi;
-  }
-  __shared__ long long warp_lo[kBoundsThreads / 32];
-  __shared__ long long warp_hi[kBoundsThreads / 32];
+  block_min_max(lo, hi);
   __shared__ bool last;
-  if (threadIdx.x % 32 == 0) {
-    warp_lo[threadIdx.x / 32] = lo;
-    warp_hi[threadIdx.x / 32] = hi;
-  }
-  __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kBoundsThreads / 32; ++w) {
-      lo = warp_lo[w] < lo ? warp_lo[w] : lo;
-      hi = warp_hi[w] > hi ? warp_hi[w] : hi;
-    }
     partial[2 * blockIdx.x] = lo;
     partial[2 * blockIdx.x + 1] = hi;
     __threadfence();  // the partials are visible before the counter says so
     last = atomicAdd(done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (!last || threadIdx.x != 0) return;
+  if (!last) return;
   __threadfence();
   const volatile long long* all = partial;
   lo = LLONG_MAX;
   hi = LLONG_MIN;
-  for (unsigned b = 0; b < gridDim.x; ++b) {
+  for (unsigned b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
     lo = all[2 * b] < lo ? all[2 * b] : lo;
     hi = all[2 * b + 1] > hi ? all[2 * b + 1] : hi;
   }
-  result[0] = lo;
-  result[1] = hi;
-  *done = 0;
-  __threadfence_system();
+  block_min_max(lo, hi);
+  if (threadIdx.x == 0) {
+    result[0] = lo;
+    result[1] = hi;
+    *done = 0;
+    __threadfence_system();
+  }
 }
 
 // One calling thread's buffers on one device: the partials and the counter (device), the result (mapped pinned).

@@ -294,14 +294,26 @@ def test_choose_computes_features_on_the_first_call_and_every_few_calls(monkeypa
     idx = torch.randint(0, call.rows, (call.count,))
     pd.set_auto_calibrate(False)
     try:
-        for k in range(2 * _strategy.RECHECK_EVERY + 1):
+        every = _strategy.RECHECK_EVERY
+        checked_at = [0, every, 3 * every, 7 * every]  # the interval doubles while the index classes stay the same
+        for k in range(7 * every + 1):
             decision, features, bounds = _strategy.choose(call, idx, capturing=False)
-            assert (bounds is not None) == (k % _strategy.RECHECK_EVERY == 0)
+            assert (bounds is not None) == (k in checked_at), k
             assert decision.source == "rules" and features.order == "random"
-        assert len(computed) == 3
+        assert len(computed) == 4
+        # New classes: checked again RECHECK_EVERY calls later (not at the doubled interval).
+        sorted_idx = torch.sort(idx).values
+        calls = 0
+        while bounds is None or calls == 0:
+            decision, features, bounds = _strategy.choose(call, sorted_idx, capturing=False)
+            calls += 1
+        assert features.order == "sorted" and calls == 8 * every  # the next check after 7 * every, at 15 * every
+        for _ in range(every):
+            bounds = _strategy.choose(call, sorted_idx, capturing=False)[2]
+        assert bounds is not None and len(computed) == 6
         # Inside graph capture nothing is computed: the last features of this kind are used.
         decision, features, bounds = _strategy.choose(call, idx, capturing=True)
-        assert bounds is None and len(computed) == 3 and features.order == "random"
+        assert bounds is None and len(computed) == 6 and features.order == "sorted"
         assert not decision.plan.needs_host
         _strategy.reset()
         decision, features, bounds = _strategy.choose(call, idx, capturing=True)

@@ -220,6 +220,17 @@ def test_measure_keeps_the_fastest_records_it_and_splits_by_rate(fake_run):
     assert decide(_strategy.measured_cells(), call, RANDOM, capturing=False, may_measure=True).plan == plan
 
 
+def test_auto_status_reports_the_last_decision_and_the_measuring_time(fake_run):
+    assert pd.auto_status() == {"strategy": None, "source": None, "order": None, "duplicates": None,
+                                "measuring_s": 0.0, "measured_cells": 0}
+    call = gather_call(count=1 << 20)
+    _strategy.measure(call, RANDOM, ("vector", "sorted"), fake_run({"vector": 0.03, "sorted": 0.01}, []))
+    status = pd.auto_status()
+    assert status["strategy"] == "sorted" and status["source"] == "measured now" and status["order"] == "random"
+    assert status["measuring_s"] == pytest.approx(0.03 * 2 + 0.01 * 2)  # a warm-up and a timed run each
+    assert status["measured_cells"] == 1
+
+
 def test_short_calls_are_timed_three_times(fake_run):
     log = []
     _strategy.measure(gather_call(), RANDOM, ("vector", "sorted"), fake_run({"vector": 0.001, "sorted": 0.01}, log))

@@ -34,10 +34,10 @@ __version__ = _version("pytorch-direct")
 
 __all__ = [
     "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
-    "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather", "get_strategy", "index_add_",
-    "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check", "set_cache_dir", "set_calibration",
-    "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share", "shared_memory", "unified",
-    "unlink_shared_memory", "zeros",
+    "auto_status", "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather",
+    "get_strategy", "index_add_", "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check",
+    "set_cache_dir", "set_calibration", "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share",
+    "shared_memory", "unified", "unlink_shared_memory", "zeros",
 ]
 
 
@@ -85,6 +85,22 @@ def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "aut
         _ops.check_index(index)
         _ops.index_add(op_input(table), op_input(index), op_input(values), float(alpha), strategy, int(max_sms))
     return table
+
+
+def auto_status() -> dict:
+    """What ``auto`` did in this process, to log beside a training loop's timings: ``strategy`` and ``source`` of the
+    last ``auto`` call with CUDA indices ("measured now": this call measured the candidates; "measured": a measured
+    cell; "nearest", "rules", "small"), its index features (``order``: sorted / clustered / random; ``duplicates``:
+    the estimated fraction of repeated indices), ``measuring_s`` (seconds this process spent measuring, at most
+    ~2 s) and ``measured_cells`` (cells known on this machine, from this process and the cache file).
+
+    >>> import pytorch_direct as pd
+    >>> sorted(pd.auto_status())
+    ['duplicates', 'measured_cells', 'measuring_s', 'order', 'source', 'strategy']
+    """
+    from ._strategy import auto_status as status
+
+    return status()
 
 
 def check_errors() -> None:

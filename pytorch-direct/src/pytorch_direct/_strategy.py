@@ -534,6 +534,20 @@ def last_decision() -> Decision | None:
     return _state.last
 
 
+def auto_status() -> dict:
+    """What ``auto`` did in this process, for logs (see :func:`pytorch_direct.auto_status`)."""
+    last = _state.last
+    features = last.features if last is not None else None
+    return {
+        "strategy": last.plan.strategy if last is not None and last.plan is not None else None,
+        "source": last.source if last is not None else None,
+        "order": features.order if features is not None else None,
+        "duplicates": features.duplicates if features is not None else None,
+        "measuring_s": RACE_BUDGET_S - _state.budget_s,
+        "measured_cells": len(_state.cells()),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- measuring
 
 

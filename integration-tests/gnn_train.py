@@ -313,15 +313,33 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sample
             "edges_per_s": edges_total / elapsed, "loss": sum(batch_losses) / len(batch_losses),
             "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "batch_losses": batch_losses,
         }
+        auto = _gather_status(features)
+        if auto is not None:
+            record["feature_gather"] = auto
         epochs.append(record)
         result["batches_per_epoch_per_rank"] = len(batches)
         save()
         proc.print(f"  {name:8s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  "
-                   f"({_phase_text(phases)})")
+                   f"({_phase_text(phases)})" + (f" [gather: {_status_text(auto)}]" if auto else ""))
     peak = harness.peak_memory(device)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
+
+
+def _gather_status(features: FeatureSource) -> dict | None:
+    """pytorch-direct's ``auto`` so far in this process (the toolkit on a GPU only): the plan of its last feature
+    gather and the seconds spent measuring, which the epoch times include."""
+    if features.impl != "toolkit" or features.device.type != "cuda":
+        return None
+    import pytorch_direct as pd
+
+    return pd.auto_status()
+
+
+def _status_text(auto: dict) -> str:
+    return (f"{auto['strategy']} ({auto['source']}, {auto['order']} indices), {auto['measuring_s']:.2f} s measuring "
+            f"so far")
 
 
 def _phase_text(phases: dict[str, float]) -> str:

@@ -367,6 +367,17 @@ def _host_plan_cell(call):
     return idx, _strategy.cell_key(call, features)
 
 
+def _calls(call, seconds, between, now=None):
+    """Reports calls of `seconds` each, `between` seconds apart, to observe() (a simulated clock)."""
+    now = now if now is not None else [100.0]
+    for s in seconds:
+        start = now[0]
+        now[0] += s
+        _strategy.observe(call, start, now[0])
+        now[0] += between
+    return now
+
+
 def test_a_host_plan_slower_in_use_than_measured_gives_way():
     """A host strategy that runs far slower in the caller's loop than when it was measured (it waits there for the
     GPU work making its indices, or for the CPU) is replaced after CHECK_CALLS calls, in this process and the next."""
@@ -374,28 +385,45 @@ def test_a_host_plan_slower_in_use_than_measured_gives_way():
     idx, key = _host_plan_cell(call)
     decision, _, _ = _strategy.choose(call, idx, capturing=False)
     assert decision.plan == Plan("staged") and decision.source == "measured"
-    for k in range(_strategy.CHECK_CALLS):
-        assert _strategy.checking(call)
-        assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("staged")  # until the last one is in
-        _strategy.observe(call, call.bytes / (12.0 if k else 9.0) / 1e9)  # at best 12 GB/s: 0.4x the measured 30
+    slow = [call.bytes / gbps / 1e9 for gbps in (30.0, 9.0, 12.0, 11.0, 10.0)]  # the first call is not counted
+    now = _calls(call, slow[:-1], between=1e-6)
+    assert _strategy.checking(call) and _strategy.choose(call, idx, capturing=False)[0].plan == Plan("staged")
+    _calls(call, slow[-1:], between=1e-6, now=now)
     assert not _strategy.checking(call)
     assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
     stored = json.loads(_strategy.cache_path().read_text())["cells"][key]
-    assert stored["gbps"] == {"staged": pytest.approx(12.0), "vector": 20.0}
+    assert stored["gbps"] == {"staged": pytest.approx(12.0), "vector": 20.0}  # the best of the four
     assert stored["observed"] == {"staged": pytest.approx(12.0)} and stored["best"] == "vector"
+    assert "caller_busy" not in stored
     _strategy.reset()  # the next process starts from the observed rate and checks nothing
     assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
     assert not _strategy.checking(call)
 
 
-def test_a_host_plan_as_fast_as_measured_is_kept_and_checked_once():
+def test_a_host_plan_gives_way_to_a_caller_busy_between_calls():
+    """Calls as fast as measured, but the caller works longer between them than they last (a training step between
+    two feature gathers): a host plan holds that caller's thread, so the cell serves GPU plans from then on."""
     call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
     idx, key = _host_plan_cell(call)
     _strategy.choose(call, idx, capturing=False)
-    for _ in range(_strategy.CHECK_CALLS):
-        _strategy.observe(call, call.bytes / 25.0 / 1e9)  # 0.83x the measured rate: within CHECK_SLOWER
+    seconds = call.bytes / 30.0 / 1e9
+    _calls(call, [seconds] * (_strategy.CHECK_CALLS + 1), between=3 * seconds)
+    stored = _strategy.measured_cells()[key]
+    assert stored["caller_busy"] is True and stored["gbps"]["staged"] == 30.0 and stored["best"] == "vector"
+    assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")
+    _strategy.reset()
+    assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")  # the next process too
+
+
+def test_a_host_plan_as_fast_as_measured_in_a_gather_loop_is_kept_and_checked_once():
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx, key = _host_plan_cell(call)
+    _strategy.choose(call, idx, capturing=False)
+    seconds = call.bytes / 25.0 / 1e9  # 0.83x the measured rate: within CHECK_SLOWER
+    _calls(call, [seconds] * (_strategy.CHECK_CALLS + 1), between=0.1 * seconds)  # a loop that only gathers
     stored = _strategy.measured_cells()[key]
     assert stored["gbps"]["staged"] == 30.0 and stored["observed"] == {"staged": pytest.approx(25.0)}
+    assert "caller_busy" not in stored and stored["best"] == "staged"
     for _ in range(2 * _strategy.RECHECK_EVERY):  # new features and decisions: the cell's plan is checked already
         assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("staged")
         assert not _strategy.checking(call)

@@ -180,7 +180,7 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     if name == "auto" and _strategy.checking(call):
         start = _strategy._clock()
         _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
-        _strategy.observe(call, _strategy._clock() - start)
+        _strategy.observe(call, start, _strategy._clock())
         return out
     _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
     return out
@@ -331,7 +331,7 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     if name == "auto" and _strategy.checking(call):
         start = _strategy._clock()
         _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
-        _strategy.observe(call, _strategy._clock() - start)
+        _strategy.observe(call, start, _strategy._clock())
         return
     _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
 

@@ -57,12 +57,17 @@ RACE_BUDGET_S = 2.0
 # that thread (and the CPU cores) until its rows are gathered. Host speeds also vary more from call to call. (In
 # pytorch-direct run J, 8 of 210 cells had a host strategy 1.05-1.25x ahead.)
 HOST_MARGIN = 1.25
-# A host strategy kept from a measured cell is then timed on its first CHECK_CALLS calls as the caller sees them
-# (the thread blocked until its rows are gathered), once per cell. If the fastest of them runs below CHECK_SLOWER x
-# its measured rate, the cell's rate becomes the observed one and the call kind is decided again. In a training loop
-# the call may wait for the GPU work that makes its indices and compete with the loop for the CPU, which the measuring
-# (alone, on an idle GPU) does not see: in integration-tests run E23 one process in four kept staged for its feature
-# gather and spent 0.70-0.77 s per epoch in it, against 0.29 s with a GPU strategy.
+# A host strategy kept from a measured cell is then watched on its first CHECK_CALLS calls after the first, once
+# per cell: how long each call held the caller's thread, and how long the caller worked between calls. A host plan
+# holds the thread until its rows are gathered, where a GPU plan returns after queueing them, so:
+# - when the caller's own work between calls takes longer than the calls (median against median: a training step
+#   between two gathers, not a loop that only gathers), the cell serves GPU plans only from then on ("caller_busy").
+#   In integration-tests run E36 one GNN process in four kept split (measured 36.9 GB/s against vector's 28.3) and
+#   spent 0.44-0.79 s per epoch in its gather phase, against 0.28-0.29 s in the three that kept a GPU plan; E23 and
+#   E35 show the same split of processes;
+# - when the fastest call ran below CHECK_SLOWER x the plan's measured rate (it waits for the GPU work making its
+#   indices, or for the CPU), the cell's rate for it becomes the observed one.
+# Either way the call kind is decided again, and the cell (on disk) counts as checked for that plan.
 CHECK_CALLS = 4
 CHECK_SLOWER = 0.7
 # Candidates within this factor of the fastest are measured again before one is kept (one noisy run must not
@@ -243,7 +248,9 @@ def pick(gbps: dict) -> str:
 
 def plan_from_cell(cell: dict, capturing: bool) -> Plan | None:
     gbps = cell["gbps"]
-    if capturing:  # host strategies cannot run inside graph capture: the best device-only one measured
+    # Host strategies cannot run inside graph capture, and would hold a busy caller's thread (CHECK_CALLS): then the
+    # best device-only one measured.
+    if capturing or cell.get("caller_busy", False):
         gbps = {s: v for s, v in gbps.items() if s not in HOST_PLANS}
     if not gbps:
         return None
@@ -438,9 +445,11 @@ def measured_cells() -> dict:
 class _Seen:
     """Per call kind: calls seen, the features last computed, and the decision they gave (kept until the features
     are computed again or the cells change, so that most calls decide with a dictionary lookup); while a host plan
-    is being checked (see CHECK_CALLS), the key of its cell and the seconds of its calls so far."""
+    is being checked (see CHECK_CALLS), the key of its cell, the seconds of its calls and of the caller's work between
+    them so far, and when the last call returned."""
 
-    __slots__ = ("calls", "next_check", "interval", "features", "decision", "made_for", "checking", "observed")
+    __slots__ = ("calls", "next_check", "interval", "features", "decision", "made_for", "checking", "observed",
+                 "between", "last_end")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -451,6 +460,8 @@ class _Seen:
         self.made_for: tuple | None = None
         self.checking: str | None = None
         self.observed: list = []
+        self.between: list = []
+        self.last_end: float | None = None
 
 
 def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Features | None, tuple[int, int] | None]:
@@ -481,7 +492,7 @@ def choose(call: Call, idx: Tensor, *, capturing: bool) -> tuple[Decision, Featu
     _state.last = decision = dataclasses.replace(decision, features=seen.features)
     if decision.plan is not None:
         seen.decision, seen.made_for = decision, made_for
-        seen.checking, seen.observed = _cell_to_check(cells, call, decision), []
+        seen.checking, seen.observed, seen.between, seen.last_end = _cell_to_check(cells, call, decision), [], [], None
     return decision, seen.features, bounds
 
 
@@ -505,27 +516,36 @@ def checking(call: Call) -> bool:
     return seen is not None and seen.checking is not None
 
 
-def observe(call: Call, seconds: float) -> None:
-    """One checked call's seconds, from its start until it returned to the caller. After CHECK_CALLS of them, a plan
-    that ran below CHECK_SLOWER x its measured rate gets the observed rate in its cell (kept on disk, so the next
-    process starts from it), and the call kind is decided again; either way the cell's plan counts as checked."""
+def observe(call: Call, start: float, end: float) -> None:
+    """One checked call, from its start until it returned to the caller (``_clock`` times). After CHECK_CALLS calls
+    following the first (each with the caller's work before it), the cell is updated as CHECK_CALLS describes."""
     seen = _state.kinds.get(call.kind)
     if seen is None or seen.checking is None:
         return
-    seen.observed.append(seconds)
+    if seen.last_end is not None:
+        seen.observed.append(end - start)
+        seen.between.append(start - seen.last_end)
+    seen.last_end = end
     if len(seen.observed) < CHECK_CALLS:
         return
     key, strategy = seen.checking, seen.decision.plan.strategy
-    seen.checking, seen.observed, observed = None, [], min(seen.observed)
+    observed, between = sorted(seen.observed), sorted(seen.between)
+    seen.checking, seen.observed, seen.between, seen.last_end = None, [], [], None
     cell = _state.cells().get(key)
     if cell is None:
         return
-    rate = call.bytes / max(observed, 1e-9) / 1e9
+    rate = call.bytes / max(observed[0], 1e-9) / 1e9
     measured = cell["gbps"].get(strategy, rate)
     cell = dict(cell, observed={**cell.get("observed", {}), strategy: rate})
-    if rate < CHECK_SLOWER * measured:
+    if between[len(between) // 2] > observed[len(observed) // 2]:
+        cell["caller_busy"] = True
+    elif rate < CHECK_SLOWER * measured:
         cell["gbps"] = {**cell["gbps"], strategy: rate}
-        cell["best"] = pick(cell["gbps"])
+    kept = plan_from_cell(cell, capturing=False)
+    if kept is None:  # no GPU plan was measured in this cell (the budget ran out): the host plan stays
+        del cell["caller_busy"]
+        kept = plan_from_cell(cell, capturing=False)
+    cell["best"] = kept.strategy
     _state.record({key: cell})
 
 

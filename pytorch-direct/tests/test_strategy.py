@@ -415,6 +415,18 @@ def test_a_host_plan_gives_way_to_a_caller_busy_between_calls():
     assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")  # the next process too
 
 
+def test_a_wait_shorter_than_the_measured_call_is_not_a_busy_caller():
+    """split's GPU half can outlast the call's return: a loop that synchronises after each call waits for it between
+    calls. That wait is shorter than the call as measured (to the end of its GPU work), so the host plan stays."""
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx, key = _host_plan_cell(call)
+    _strategy.choose(call, idx, capturing=False)
+    returns = call.bytes / 60.0 / 1e9  # the call returns at twice its measured rate (30 GB/s) ...
+    _calls(call, [returns] * (_strategy.CHECK_CALLS + 1), between=1.5 * returns)  # ... then its GPU half ends
+    stored = _strategy.measured_cells()[key]
+    assert "caller_busy" not in stored and stored["best"] == "staged"
+
+
 def test_a_host_plan_as_fast_as_measured_in_a_gather_loop_is_kept_and_checked_once():
     call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
     idx, key = _host_plan_cell(call)

@@ -59,8 +59,9 @@ HOST_MARGIN = 1.1
 # A host strategy kept from a measured cell is then watched on its first CHECK_CALLS calls after the first, once
 # per cell: how long each call held the caller's thread, and how long the caller worked between calls. A host plan
 # holds the thread until its rows are gathered, where a GPU plan returns after queueing them, so:
-# - when the caller's own work between calls takes longer than the calls (median against median: a training step
-#   between two gathers, not a loop that only gathers), the cell serves GPU plans only from then on ("caller_busy").
+# - when the caller's own work between calls takes longer than the call as measured (the median of the gaps: a
+#   training step between two gathers, not a loop that only gathers), the cell serves GPU plans only from then on
+#   ("caller_busy").
 #   In integration-tests run E36 one GNN process in four kept split (measured 36.9 GB/s against vector's 28.3) and
 #   spent 0.44-0.79 s per epoch in its gather phase, against 0.28-0.29 s in the three that kept a GPU plan; E23 and
 #   E35 show the same split of processes;
@@ -536,7 +537,9 @@ def observe(call: Call, start: float, end: float) -> None:
     rate = call.bytes / max(observed[0], 1e-9) / 1e9
     measured = cell["gbps"].get(strategy, rate)
     cell = dict(cell, observed={**cell.get("observed", {}), strategy: rate})
-    if between[len(between) // 2] > observed[len(observed) // 2]:
+    # (Against the measured call, which lasts until its GPU work is done: split's GPU half may outlast the call's
+    # return, and a loop that synchronises after each call then waits for it between calls.)
+    if between[len(between) // 2] > call.bytes / max(measured, 1e-9) / 1e9:
         cell["caller_busy"] = True
     elif rate < CHECK_SLOWER * measured:
         cell["gbps"] = {**cell["gbps"], strategy: rate}

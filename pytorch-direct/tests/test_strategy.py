@@ -415,6 +415,21 @@ def test_a_host_plan_gives_way_to_a_caller_busy_between_calls():
     assert _strategy.choose(call, idx, capturing=False)[0].plan == Plan("vector")  # the next process too
 
 
+def test_only_auto_calls_of_a_kind_being_checked_are_timed(monkeypatch):
+    call = gather_call(table_gib=16, row_bytes=256, count=1 << 17)
+    idx, key = _host_plan_cell(call)
+    _strategy.choose(call, idx, capturing=False)
+    seen = []
+    monkeypatch.setattr(_strategy, "observe", lambda c, start, end: seen.append(c))
+    ran = []
+    _strategy.run_decided(call, lambda: ran.append("forced"), auto=False)  # a forced call of the same kind
+    _strategy.run_decided(call, lambda: ran.append("auto"), auto=True)
+    assert ran == ["forced", "auto"] and seen == [call]
+    other = gather_call(table_gib=16, row_bytes=4096, count=1 << 17)  # a kind not being checked
+    _strategy.run_decided(other, lambda: ran.append("other"), auto=True)
+    assert ran[-1] == "other" and seen == [call]
+
+
 def test_a_wait_shorter_than_the_measured_call_is_not_a_busy_caller():
     """split's GPU half can outlast the call's return: a loop that synchronises after each call waits for it between
     calls. That wait is shorter than the call as measured (to the end of its GPU work), so the host plan stays."""

@@ -28,11 +28,12 @@
 namespace pytorch_direct {
 namespace {
 
+// How long idle pool threads poll for work (set_host_spin_us), applied to the pool whenever it is fetched.
+std::atomic<std::int64_t> host_spin_us{0};
+
 // The worker pool of this process. A forked child (DataLoader worker) inherits the parent's pool object but not
 // its threads, so each process id gets its own pool; the parent's is leaked in the child (its threads are gone
 // and joining them would hang).
-std::atomic<std::int64_t> host_spin_us{0};
-
 shared_cuda::thread_pool& pool() {
   static std::mutex mutex;
   static shared_cuda::thread_pool* current = nullptr;

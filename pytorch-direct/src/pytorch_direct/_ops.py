@@ -177,12 +177,9 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
 
         _strategy.measure(call, decision.features, decision.candidates, run)
         return out
-    if name == "auto" and _strategy.checking(call):
-        start = _strategy._clock()
-        _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
-        _strategy.observe(call, start, _strategy._clock())
-        return out
-    _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)
+    _strategy.run_decided(
+        call, lambda: _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked),
+        auto=name == "auto")
     return out
 
 
@@ -328,12 +325,9 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
 
         _strategy.measure(call, decision.features, decision.candidates, run)
         return
-    if name == "auto" and _strategy.checking(call):
-        start = _strategy._clock()
-        _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
-        _strategy.observe(call, start, _strategy._clock())
-        return
-    _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked)
+    _strategy.run_decided(
+        call, lambda: _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked),
+        auto=name == "auto")
 
 
 @torch.library.custom_op("pytorch_direct::scatter_", mutates_args=("table",))

@@ -516,6 +516,17 @@ def checking(call: Call) -> bool:
     return seen is not None and seen.checking is not None
 
 
+def run_decided(call: Call, execute, *, auto: bool) -> None:
+    """Runs `execute()`, a call's decided plan; an ``auto`` call whose kind's host plan is being checked (see
+    CHECK_CALLS) is timed for :func:`observe`."""
+    if not (auto and checking(call)):
+        execute()
+        return
+    start = _clock()
+    execute()
+    observe(call, start, _clock())
+
+
 def observe(call: Call, start: float, end: float) -> None:
     """One checked call, from its start until it returned to the caller (``_clock`` times). After CHECK_CALLS calls
     following the first (each with the caller's work before it), the cell is updated as CHECK_CALLS describes."""

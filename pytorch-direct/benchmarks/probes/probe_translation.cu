@@ -89,6 +89,7 @@ static bool make(const std::string& kind, std::size_t bytes, Table& t, double& s
     if (kind == "hugetlb1G+register") flags |= MAP_HUGETLB | (30 << MAP_HUGE_SHIFT);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (p == MAP_FAILED) {
+      t.host = nullptr;
       std::printf("# %s: mmap failed: %s\n", kind.c_str(), std::strerror(errno));
       return false;
     }
@@ -115,7 +116,7 @@ static bool make(const std::string& kind, std::size_t bytes, Table& t, double& s
 static void release(Table& t, std::size_t bytes) {
   if (t.kind == "cudaHostAlloc") cudaFreeHost(t.host);
   if (t.kind == "managed-host") cudaFree(t.host);
-  if (t.kind.find("register") != std::string::npos) {
+  if (t.kind.find("register") != std::string::npos && t.host != nullptr) {  // never munmap(nullptr, ...)
     cudaHostUnregister(t.host);
     munmap(t.host, bytes);
   }
@@ -142,7 +143,10 @@ static std::pair<double, double> time_gather(const Table& t, std::size_t bytes, 
     gather<<<132 * 16, 256>>>(static_cast<const uint4*>(t.device), idx, static_cast<uint4*>(out), n,
                               row_bytes / 16);
     cudaEventRecord(b);
-    cudaEventSynchronize(b);
+    if (cudaError_t e = cudaEventSynchronize(b); e != cudaSuccess) {
+      std::printf("# gather failed: %s\n", cudaGetErrorString(e));
+      std::exit(1);
+    }
     float ms = 0;
     cudaEventElapsedTime(&ms, a, b);
     const double gbps = double(n) * row_bytes / (ms * 1e-3) / 1e9;

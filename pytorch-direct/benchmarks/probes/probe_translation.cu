@@ -19,13 +19,13 @@
 #include <thread>
 #include <vector>
 
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    cudaError_t e = (x);                                                                   \
-    if (e != cudaSuccess) {                                                                \
-      std::printf("# %s failed: %s (line %d)\n", #x, cudaGetErrorString(e), __LINE__);     \
-      return false;                                                                        \
-    }                                                                                      \
+#define CHECK(x)                                                                       \
+  do {                                                                                 \
+    cudaError_t e = (x);                                                               \
+    if (e != cudaSuccess) {                                                            \
+      std::printf("# %s failed: %s (line %d)\n", #x, cudaGetErrorString(e), __LINE__); \
+      return false;                                                                    \
+    }                                                                                  \
   } while (0)
 
 __global__ void gather(const uint4* table, const std::int64_t* idx, uint4* out, std::int64_t n, int row_vecs) {
@@ -53,7 +53,7 @@ static double now() {
 }
 
 struct Table {
-  char* host = nullptr;  // what the CPU sees
+  char* host = nullptr;    // what the CPU sees
   void* device = nullptr;  // what kernels read
   std::string kind;
 };
@@ -140,8 +140,7 @@ static std::pair<double, double> time_gather(const Table& t, std::size_t bytes, 
   double first = 0, best = 0;
   for (int rep = 0; rep < 4; ++rep) {
     cudaEventRecord(a);
-    gather<<<132 * 16, 256>>>(static_cast<const uint4*>(t.device), idx, static_cast<uint4*>(out), n,
-                              row_bytes / 16);
+    gather<<<132 * 16, 256>>>(static_cast<const uint4*>(t.device), idx, static_cast<uint4*>(out), n, row_bytes / 16);
     cudaEventRecord(b);
     if (cudaError_t e = cudaEventSynchronize(b); e != cudaSuccess) {
       std::printf("# gather failed: %s\n", cudaGetErrorString(e));
@@ -150,8 +149,10 @@ static std::pair<double, double> time_gather(const Table& t, std::size_t bytes, 
     float ms = 0;
     cudaEventElapsedTime(&ms, a, b);
     const double gbps = double(n) * row_bytes / (ms * 1e-3) / 1e9;
-    if (rep == 0) first = gbps;
-    else best = std::max(best, gbps);
+    if (rep == 0)
+      first = gbps;
+    else
+      best = std::max(best, gbps);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);

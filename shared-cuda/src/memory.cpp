@@ -2,9 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "shared_cuda/device.hpp"
 #include "shared_cuda/error.hpp"
@@ -94,6 +98,88 @@ void* pinned_buffer::device_pointer() const {
 void pinned_buffer::reset() noexcept {
 #if SHARED_CUDA_HAS_CUDA
   if (data_ != nullptr) cudaFreeHost(data_);
+#endif
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+// ---------------------------------------------------------------------------------------------- host_managed_buffer
+
+bool host_managed_buffer::supported() {
+#if SHARED_CUDA_HAS_CUDA
+  if (!cuda_available()) return false;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return false;
+  for (int d = 0; d < count; ++d) {
+    int concurrent = 0;
+    if (cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, d) != cudaSuccess || !concurrent)
+      return false;
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+host_managed_buffer::host_managed_buffer(std::size_t bytes) {
+  require_cuda("host_managed_buffer");
+#if SHARED_CUDA_HAS_CUDA
+  SHARED_CUDA_EXPECT(supported(),
+                     "managed host memory needs every GPU to access managed memory concurrently "
+                     "(cudaDevAttrConcurrentManagedAccess); use pinned memory instead");
+  if (bytes == 0) return;
+  SHARED_CUDA_TRY(cudaMallocManaged(&data_, bytes, cudaMemAttachGlobal));
+  bytes_ = bytes;
+  try {
+    int count = 0;
+    SHARED_CUDA_TRY(cudaGetDeviceCount(&count));
+    cudaMemLocation host{};
+    host.type = cudaMemLocationTypeHost;
+    SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetPreferredLocation, host));
+    for (int d = 0; d < count; ++d) {
+      cudaMemLocation gpu{};
+      gpu.type = cudaMemLocationTypeDevice;
+      gpu.id = d;
+      SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetAccessedBy, gpu));
+    }
+  } catch (...) {
+    reset();
+    throw;
+  }
+  // Fault every page in on the host now (in parallel: ~15 GB/s on 16 cores), which also maps it on the devices.
+  const std::size_t page = 4096;
+  const std::size_t threads =
+      std::clamp<std::size_t>(bytes >> 28, 1, std::max(1u, std::thread::hardware_concurrency()));
+  const std::size_t part = (bytes / threads + page - 1) / page * page;
+  std::vector<std::thread> workers;
+  for (std::size_t t = 0; t < threads; ++t) {
+    const std::size_t begin = std::min(bytes, t * part), end = std::min(bytes, begin + part);
+    if (end > begin)
+      workers.emplace_back([p = static_cast<char*>(data_), begin, end] { std::memset(p + begin, 0, end - begin); });
+  }
+  for (auto& w : workers) w.join();
+#else
+  (void)bytes;
+#endif
+}
+
+host_managed_buffer::~host_managed_buffer() { reset(); }
+
+host_managed_buffer::host_managed_buffer(host_managed_buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+host_managed_buffer& host_managed_buffer::operator=(host_managed_buffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void host_managed_buffer::reset() noexcept {
+#if SHARED_CUDA_HAS_CUDA
+  if (data_ != nullptr) cudaFree(data_);
 #endif
   data_ = nullptr;
   bytes_ = 0;

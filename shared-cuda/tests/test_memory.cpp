@@ -23,6 +23,8 @@ TEST(cuda_owners_refuse_without_gpu) {
   if (cuda_available()) SKIP("a GPU is present");
   CHECK_THROWS(unavailable_error, device_buffer(1024));
   CHECK_THROWS(unavailable_error, pinned_buffer(1024));
+  CHECK_THROWS(unavailable_error, host_managed_buffer(1024));
+  CHECK(!host_managed_buffer::supported());
   std::vector<char> host(4096);
   CHECK_THROWS(unavailable_error, host_registration(host.data(), host.size()));
 }
@@ -37,6 +39,19 @@ TEST(device_and_pinned_buffers) {
   CHECK(d.data() == nullptr && moved.data() != nullptr);
   pinned_buffer p(1 << 20);
   CHECK(p.data() != nullptr && p.device_pointer() != nullptr);
+}
+
+TEST(host_managed_buffer_is_zeroed_host_memory) {
+  if (!cuda_available()) SKIP("no CUDA device");
+  if (!host_managed_buffer::supported()) SKIP("no concurrent managed access");
+  const std::size_t bytes = (std::size_t(3) << 28) + 12345;  // several touching threads, a ragged last part
+  host_managed_buffer m(bytes);
+  CHECK(m.data() != nullptr && m.size() == bytes);
+  const auto* p = static_cast<const unsigned char*>(m.data());
+  for (std::size_t i = 0; i < bytes; i += 4093) CHECK(p[i] == 0);
+  CHECK(p[bytes - 1] == 0);
+  host_managed_buffer moved = std::move(m);
+  CHECK(m.data() == nullptr && moved.data() == p);
 }
 
 TEST(registration_overlaps_and_releases_once) {

@@ -34,20 +34,23 @@ rows_call make_call(std::uintptr_t table, std::int64_t rows, std::int64_t row_by
   return c;
 }
 
-// Owner of a unified tensor's memory: a pinned allocation, a page-aligned pageable one (CPU-only machines), or a
-// registration of memory owned by `keep` (the tensor it came from, kept alive as long as this owner lives).
+// Owner of a unified tensor's memory: a pinned or managed allocation, a page-aligned pageable one (CPU-only
+// machines), or a registration of memory owned by `keep` (the tensor it came from, kept alive as long as this owner
+// lives).
 struct host_memory {
   host_memory() = default;
   host_memory(const host_memory&) = delete;
   host_memory& operator=(const host_memory&) = delete;
   ~host_memory() {
-    if (pinned) untrack_host_range(data);
+    if (kind != host_kind::none) untrack_host_range(data);
   }
-  std::variant<shared_cuda::pinned_buffer, shared_cuda::aligned_host_buffer, shared_cuda::host_registration> owner;
+  std::variant<shared_cuda::pinned_buffer, shared_cuda::host_managed_buffer, shared_cuda::aligned_host_buffer,
+               shared_cuda::host_registration>
+      owner;
   nb::object keep;
   void* data = nullptr;
   std::size_t bytes = 0;
-  bool pinned = false;
+  host_kind kind = host_kind::none;
 };
 
 #define PD_ROWS_ARGS                                                                                                   \
@@ -129,8 +132,8 @@ void bind_rows(nb::module_& m) {
     if (take_device_error(bad)) return bad;
     return std::nullopt;
   });
-  m.def("is_tracked_host_range", [](std::uintptr_t data, std::size_t bytes) {
-    return is_tracked_host_range(reinterpret_cast<const void*>(data), bytes);
+  m.def("tracked_host_kind", [](std::uintptr_t data, std::size_t bytes) {
+    return static_cast<int>(tracked_host_kind(reinterpret_cast<const void*>(data), bytes));
   });
   m.def("is_device_accessible_host", [](std::uintptr_t data, std::size_t bytes) {
     return is_device_accessible_host(reinterpret_cast<const void*>(data), bytes);
@@ -138,7 +141,7 @@ void bind_rows(nb::module_& m) {
 
   nb::class_<host_memory>(m, "HostMemory")
       .def_ro("bytes", &host_memory::bytes)
-      .def_ro("pinned", &host_memory::pinned)
+      .def_prop_ro("kind", [](const host_memory& h) { return static_cast<int>(h.kind); })
       .def_prop_ro("address", [](const host_memory& h) { return reinterpret_cast<std::uintptr_t>(h.data); })
       // A flat uint8 tensor over the memory; it keeps this owner alive (DLPack deleter), and so do its views.
       .def("tensor", [](nb::handle self) {
@@ -152,10 +155,24 @@ void bind_rows(nb::module_& m) {
     h->data = b.data();
     h->bytes = bytes;
     h->owner = std::move(b);
-    h->pinned = true;
-    track_host_range(h->data, bytes);
+    h->kind = host_kind::pinned;
+    track_host_range(h->data, bytes, h->kind);
     return h;
   });
+  m.def("managed_host_supported", &shared_cuda::host_managed_buffer::supported);
+  m.def(
+      "managed_memory",
+      [](std::size_t bytes) {
+        auto h = std::make_unique<host_memory>();
+        shared_cuda::host_managed_buffer b(bytes);
+        h->data = b.data();
+        h->bytes = bytes;
+        h->owner = std::move(b);
+        h->kind = host_kind::managed;
+        track_host_range(h->data, bytes, h->kind);
+        return h;
+      },
+      nb::call_guard<nb::gil_scoped_release>());  // touching many GiB takes seconds
   m.def("pageable_memory", [](std::size_t bytes) {
     auto h = std::make_unique<host_memory>();
     shared_cuda::aligned_host_buffer b(bytes, 4096);
@@ -173,8 +190,8 @@ void bind_rows(nb::module_& m) {
         h->bytes = bytes;
         h->owner = std::move(r);
         h->keep = std::move(keep);
-        h->pinned = true;
-        track_host_range(h->data, bytes);
+        h->kind = host_kind::pinned;
+        track_host_range(h->data, bytes, h->kind);
         return h;
       },
       nb::arg("data"), nb::arg("bytes"), nb::arg("keep"));

@@ -157,6 +157,29 @@ def test_empty_zeros_shapes():
         pd.empty(-1)
 
 
+def test_memory_kind_choice(monkeypatch):
+    from pytorch_direct import _memory
+
+    big, small = _memory.MANAGED_MIN_BYTES, _memory.MANAGED_MIN_BYTES - 1
+    monkeypatch.setattr(_memory, "_MANAGED", True)
+    assert _memory.memory_kind(big, "auto") == "managed"
+    assert _memory.memory_kind(small, "auto") == "pinned"  # small: fork-readable pinned memory
+    assert _memory.memory_kind(small, "managed") == "managed"
+    assert _memory.memory_kind(big, "pinned") == "pinned"
+    monkeypatch.setattr(_memory, "_MANAGED", False)  # a GPU without concurrent managed access
+    assert _memory.memory_kind(big, "auto") == "pinned"
+    with pytest.raises(ValueError, match="memory must be one of"):
+        _memory.memory_kind(big, "unified")
+    with pytest.raises(ValueError, match="memory must be one of"):
+        pd.empty(4, memory="host")
+    with pytest.raises(ValueError, match="needs copy=True"):
+        pd.unified(torch.zeros(4), memory="managed")
+    # On a CPU-only machine every kind is ordinary memory that the CPU path reads.
+    if not pd.cuda_usable():
+        t = pd.zeros(3, 2, memory="managed")
+        assert torch.equal(t[torch.tensor([2, 0])], torch.zeros(2, 2))
+
+
 def test_from_file_writable_through_pinned_copy(tmp_path, monkeypatch):
     # The CUDA path of writable=True (a pinned copy written back), with pageable memory standing in for pinned.
     from pytorch_direct import _create

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pytorch_direct as pd
+from pytorch_direct import _memory, _strategy
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +126,87 @@ def test_scatter(strategy, row_bytes):
     torch.cuda.synchronize()
     ref[idx] = vals
     assert_same(u.as_subclass(torch.Tensor), ref)
+
+
+def needs_managed():
+    if not _memory.managed_supported():
+        pytest.skip("no concurrent managed access on this GPU")
+
+
+@pytest.mark.parametrize("row_bytes", [1, 47, 400, 4100])
+def test_managed_table_every_strategy(row_bytes):
+    needs_managed()
+    rows = 3000
+    table = random_table(rows, (row_bytes,), torch.uint8)
+    u = pd.unified(table, copy=True, memory="managed")
+    assert _memory.host_kind(u.as_subclass(torch.Tensor)) == "managed"
+    idx = torch.randint(0, rows, (5000,))
+    for strategy in GATHER_STRATEGIES:
+        poison_cuda_allocator()
+        assert_same(pd.gather(u, idx.cuda(), strategy=strategy), table[idx])
+    assert_same(u[idx], table[idx])  # CPU indices: the CPU reads it too
+    ref = table.clone()
+    where = torch.randperm(rows)[:700]
+    for k, strategy in enumerate(SCATTER_STRATEGIES):
+        vals = random_table(700, (row_bytes,), torch.uint8, torch.Generator().manual_seed(k))
+        pd.scatter_(u, where.cuda(), vals.cuda(), strategy=strategy)
+        torch.cuda.synchronize()
+        ref[where] = vals
+        assert_same(u.as_subclass(torch.Tensor), ref)
+    # Registering a plain view of it in place reuses it (CUDA cannot register managed memory).
+    plain = u.as_subclass(torch.Tensor)[10:20]
+    assert pd.unified(plain).data_ptr() == plain.data_ptr()
+
+
+def test_memory_kind_by_size_and_auto_cells():
+    needs_managed()
+    small = pd.empty(1000, 64)
+    assert _memory.host_kind(small.as_subclass(torch.Tensor)) == "pinned"
+    big = pd.zeros(_memory.MANAGED_MIN_BYTES // 256, 64)  # float32: 256 B rows
+    assert _memory.host_kind(big.as_subclass(torch.Tensor)) == "managed"
+    assert _memory.host_kind(pd.empty(8, memory="managed").as_subclass(torch.Tensor)) == "managed"
+    assert _memory.host_kind(pd.empty(1 << 26, memory="pinned").as_subclass(torch.Tensor)) == "pinned"
+    rows = big.shape[0]
+    with torch._C.DisableTorchFunctionSubclass():
+        big[:: 997] = torch.arange(0, rows, 997, dtype=torch.float32).unsqueeze(1)
+    idx = torch.arange(0, rows, 997, device="cuda")[torch.randperm((rows + 996) // 997, device="cuda")]
+    _strategy.reset()
+    got = pd.gather(big, idx)
+    assert torch.equal(got[:, 0], idx.float())
+    assert any(key.startswith("gather|m28|") for key in _strategy.measured_cells())  # a cell of its own kind
+    # A gradient through a managed table lands in the host gradient.
+    emb = pd.unified(torch.zeros(500, 4), copy=True, memory="managed").requires_grad_()
+    i = torch.tensor([3, 3, 499], device="cuda")
+    emb[i].sum().backward()
+    torch.cuda.synchronize()
+    assert emb.grad.as_subclass(torch.Tensor)[3].tolist() == [2.0] * 4
+
+
+def test_forked_child_reads_tables_of_each_kind():
+    needs_managed()
+    torch.cuda.init()
+    code = r"""
+import os, sys, torch, pytorch_direct as pd
+kind = sys.argv[1]
+u = pd.unified(torch.arange(3000.0).view(1000, 3), copy=True, memory=kind)
+u[torch.tensor([1], device="cuda")]
+pid = os.fork()
+if pid == 0:
+    try:
+        got = u[torch.tensor([5, 999])]
+        os._exit(0 if torch.equal(got, torch.arange(3000.0).view(1000, 3)[[5, 999]]) else 3)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+print("child", status, flush=True)
+"""
+    for kind in ("pinned", "managed"):
+        r = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, timeout=120)
+        print(kind, r.stdout, r.stderr[-2000:])
+        assert r.returncode == 0, r.stderr[-3000:]
+        if kind == "pinned":
+            assert "child 0" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -524,7 +606,6 @@ def test_pyg_neighbor_loader_on_gpu():
 
 
 def test_calibration_and_auto(tmp_cache):
-    from pytorch_direct import _strategy
 
     table = pd.unified(random_table(1 << 16, (256,), torch.uint8), copy=True)  # 16 MiB
     before = table.plain().clone()

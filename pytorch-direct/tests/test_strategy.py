@@ -1,6 +1,7 @@
 """The ``auto`` decision on the CPU: index features, the duplicate estimate, the pure decision function, measuring
 (with timed stand-ins for the strategies), and the per-machine cache of measured cells."""
 
+import dataclasses
 import json
 import math
 
@@ -136,6 +137,21 @@ def test_rules_account_for_table_size_rows_density_order_and_duplicates():
     assert rules(gather_call(row_bytes=4096), RANDOM, capturing=False) == Plan("vector")
     assert rules(big_sparse, ZIPF, capturing=True) == Plan("dedupe")
     assert rules(big_sparse, None, capturing=False) == Plan("staged")  # no features: assumed random
+    # A managed table is mapped with large pages: no translation collapse, so no staging for its size.
+    big_managed = dataclasses.replace(big_sparse, memory="managed")
+    assert rules(big_managed, RANDOM, capturing=False) == Plan("sorted")
+
+
+def test_memory_kinds_get_their_own_cells():
+    # The same call on a pinned and on a managed table ran 7x apart (probe P7): never one cell for both.
+    pinned = gather_call(table_gib=48, row_bytes=256, count=1 << 18)
+    managed = dataclasses.replace(pinned, memory="managed")
+    assert _strategy.cell_key(pinned, RANDOM) != _strategy.cell_key(managed, RANDOM)
+    assert pinned.kind != managed.kind
+    cells = cell(pinned, RANDOM, {"staged": 30.0, "vector": 7.0})
+    assert _strategy.find_cell(cells, pinned, RANDOM) is not None
+    assert _strategy.find_cell(cells, managed, RANDOM) is None
+    assert _strategy.nearest_cell(cells, managed, RANDOM) is None
 
 
 def test_measured_cells_decide_and_graph_capture_gets_the_best_device_strategy():

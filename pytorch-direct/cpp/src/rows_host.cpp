@@ -115,7 +115,7 @@ void copy_rows(const rows_call& c, bool scatter, std::int64_t begin, std::int64_
 namespace {
 struct tracked_ranges {
   std::mutex mutex;
-  std::map<std::uintptr_t, std::size_t> ranges;  // start -> bytes
+  std::map<std::uintptr_t, std::pair<std::size_t, host_kind>> ranges;  // start -> (bytes, kind)
 };
 tracked_ranges& tracked() {
   static tracked_ranges* t = new tracked_ranges();  // never destroyed: owners may untrack during shutdown
@@ -123,10 +123,10 @@ tracked_ranges& tracked() {
 }
 }  // namespace
 
-void track_host_range(const void* data, std::size_t bytes) {
+void track_host_range(const void* data, std::size_t bytes, host_kind kind) {
   auto& t = tracked();
   std::lock_guard<std::mutex> lock(t.mutex);
-  t.ranges[reinterpret_cast<std::uintptr_t>(data)] = bytes;
+  t.ranges[reinterpret_cast<std::uintptr_t>(data)] = {bytes, kind};
 }
 
 void untrack_host_range(const void* data) noexcept {
@@ -135,14 +135,14 @@ void untrack_host_range(const void* data) noexcept {
   t.ranges.erase(reinterpret_cast<std::uintptr_t>(data));
 }
 
-bool is_tracked_host_range(const void* data, std::size_t bytes) {
+host_kind tracked_host_kind(const void* data, std::size_t bytes) {
   const auto begin = reinterpret_cast<std::uintptr_t>(data);
   auto& t = tracked();
   std::lock_guard<std::mutex> lock(t.mutex);
   auto it = t.ranges.upper_bound(begin);
-  if (it == t.ranges.begin()) return false;
+  if (it == t.ranges.begin()) return host_kind::none;
   --it;  // the last range starting at or before `begin`
-  return begin + bytes <= it->first + it->second;
+  return begin + bytes <= it->first + it->second.first ? it->second.second : host_kind::none;
 }
 
 void set_host_spin_us(std::int64_t microseconds) {

@@ -15,28 +15,35 @@ from ._memory import cuda_usable, element_size, host_empty, register_in_place, s
 from ._tensor import UnifiedTensor
 
 
-def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
-    """An uninitialised unified tensor in a new pinned, mapped host allocation (page-aligned).
+def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
+          memory: str = "auto") -> UnifiedTensor:
+    """An uninitialised unified tensor in a new host allocation (page-aligned) that every GPU reads with no copy.
 
-    pin=None pins when CUDA is usable; on a CPU-only machine the memory is ordinary page-aligned host memory and
-    the same API runs on the CPU."""
-    return host_empty(shape_of(shape), dtype, pin=pin).as_subclass(UnifiedTensor)
+    memory: "managed" (CUDA managed memory kept in host RAM, mapped into each GPU with large pages: random rows of
+    large tables read several times faster; a forked child process cannot read it), "pinned" (cudaHostAlloc:
+    forked children can read it on the CPU) or "auto" (managed for 256 MiB and more where every GPU supports it,
+    pinned otherwise). pin=None makes GPU-readable memory when CUDA is usable; on a CPU-only machine (or pin=False)
+    the memory is ordinary page-aligned host memory and the same API runs on the CPU."""
+    return host_empty(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)
 
 
-def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None) -> UnifiedTensor:
+def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
+          memory: str = "auto") -> UnifiedTensor:
     """Like :func:`empty`, filled with zeros (by CPU threads)."""
-    t = empty(*shape, dtype=dtype, pin=pin)
+    t = empty(*shape, dtype=dtype, pin=pin, memory=memory)
     with torch._C.DisableTorchFunctionSubclass():
         t.zero_()
     return t
 
 
-def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
+def unified(t: Tensor, *, copy: bool = False, memory: str = "auto") -> UnifiedTensor:
     """A unified tensor with t's contents.
 
     copy=False registers t's own memory with CUDA (cudaHostRegister, mapped) and shares it: writes through either
-    are seen by both, and t stays alive as long as the unified tensor does. copy=True copies t into a new pinned
-    allocation. On a CPU-only machine copy=False simply shares t's memory.
+    are seen by both, and t stays alive as long as the unified tensor does. copy=True copies t into a new allocation
+    of kind `memory` (see :func:`empty`); for tables of many GiB read at random rows it is the faster choice
+    (registered memory is mapped with 4 KiB pages, like "pinned"). On a CPU-only machine copy=False simply shares
+    t's memory.
 
     Registration pins whole pages. A small tensor from torch's heap shares its first and last page with unrelated
     allocations; a CUDA copy of one of those that starts inside the registered pages and ends outside them fails
@@ -44,6 +51,11 @@ def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
     """
     if not isinstance(t, Tensor):
         raise TypeError(f"unified() takes a torch.Tensor, got {type(t).__name__}")
+    if memory != "auto" and not copy:
+        raise ValueError(
+            f"unified(t, memory={memory!r}) needs copy=True: copy=False registers t's own memory in place, whose "
+            "kind is t's"
+        )
     if isinstance(t, UnifiedTensor) and not copy:
         return t
     if t.device.type != "cpu":
@@ -54,7 +66,7 @@ def unified(t: Tensor, *, copy: bool = False) -> UnifiedTensor:
     if t.is_sparse or t.layout != torch.strided:
         raise ValueError("unified() takes a dense (strided) tensor")
     if copy:
-        out = empty(tuple(t.shape), dtype=t.dtype)
+        out = empty(tuple(t.shape), dtype=t.dtype, memory=memory)
         with torch._C.DisableTorchFunctionSubclass():
             out.copy_(t.detach())
         return out

@@ -16,7 +16,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import _core
+from . import _core, _memory
 from ._config import settings
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -137,8 +137,9 @@ def check_table(table: Tensor) -> None:
         )
 
 
-def table_for_device(table: Tensor, device: int) -> None:
-    """Raises unless GPU `device` can read `table` (pinned or registered host memory)."""
+def table_for_device(table: Tensor, device: int) -> str:
+    """The kind of host memory `table` is in ("managed" or "pinned": pinned, registered, or page-locked by someone
+    else); raises unless GPU `device` can read it."""
     if not _core.kernels_compiled():
         raise _core.UnavailableError(
             "pytorch_direct was built without CUDA kernels, so CUDA indices cannot be used: reinstall with nvcc "
@@ -155,13 +156,15 @@ def table_for_device(table: Tensor, device: int) -> None:
         _UVA_CHECKED.add(device)
     # Our own allocations and registrations are known without a CUDA call; anything else (e.g. memory pinned by
     # torch) is asked of the driver.
-    if _core.is_tracked_host_range(table.data_ptr(), nbytes):
-        return
+    kind = _memory.host_kind(table)
+    if kind:
+        return kind
     if not _core.is_device_accessible_host(table.data_ptr(), nbytes):
         raise ValueError(
             "the table is not in pinned or registered host memory, so the GPU cannot read it: wrap it once with "
             "pytorch_direct.unified(t) (registers in place) or pytorch_direct.unified(t, copy=True)"
         )
+    return "pinned"
 
 
 _UVA_CHECKED: set = set()

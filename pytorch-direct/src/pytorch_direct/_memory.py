@@ -1,4 +1,5 @@
-"""Layer 1: host memory the GPU can read (pinned allocations and registrations), as plain ``torch.Tensor`` objects.
+"""Layer 1: host memory the GPU can read (managed and pinned allocations, registrations), as plain ``torch.Tensor``
+objects.
 
 Lifetime is tied to torch's: a tensor's storage owns (through its DLPack deleter) the pinned allocation or the
 registration, and a registration also keeps the tensor it registered alive. Views share the storage, so the memory
@@ -17,6 +18,16 @@ from torch import Tensor
 from . import _core
 
 _CUDA = None
+_MANAGED = None
+
+# Host memory kinds of new allocations (host_empty's `memory`). "managed": CUDA managed memory kept in host RAM and
+# mapped into every GPU (shared-cuda's host_managed_buffer): the driver maps it with large pages, so random rows of
+# a table of many GiB read 3-11x faster zero-copy than from "pinned" (cudaHostAlloc, 4 KiB mappings; probe P7 in
+# benchmarks/RESULTS.md), and a 48 GiB table is made in 3.6 s instead of 22-33. But a forked child process cannot
+# read it (see README), so "auto" takes it only for allocations of at least MANAGED_MIN_BYTES, where address
+# translation starts to matter, and only where every GPU supports it.
+MEMORY_KINDS = ("auto", "managed", "pinned")
+MANAGED_MIN_BYTES = 256 << 20
 
 
 def cuda_usable() -> bool:
@@ -43,15 +54,53 @@ def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None = None) -> Tensor:
-    """An uninitialised plain tensor in a new page-aligned host allocation: pinned and mapped into the GPU when
-    ``pin`` (default: when CUDA is usable), ordinary memory otherwise."""
+def managed_supported() -> bool:
+    """True when managed host memory can be allocated: CUDA usable and every GPU has concurrent managed access."""
+    global _MANAGED
+    if _MANAGED is None:
+        _MANAGED = cuda_usable() and bool(_core.managed_host_supported())
+    return _MANAGED
+
+
+def memory_kind(nbytes: int, memory: str) -> str:
+    """The kind ("managed" or "pinned") a new GPU-readable allocation of nbytes gets for the `memory` asked."""
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be one of {MEMORY_KINDS}, got {memory!r}")
+    if memory == "auto":
+        return "managed" if nbytes >= MANAGED_MIN_BYTES and managed_supported() else "pinned"
+    if memory == "managed" and cuda_usable() and not managed_supported():
+        raise _core.UnavailableError(
+            "memory='managed' needs every GPU to access managed memory concurrently with the CPU "
+            "(cudaDevAttrConcurrentManagedAccess: Linux, Pascal or newer); use memory='pinned'"
+        )
+    return memory
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None = None,
+               memory: str = "auto") -> Tensor:
+    """An uninitialised plain tensor in a new page-aligned host allocation: readable by the GPU when ``pin``
+    (default: when CUDA is usable), as ``memory`` (see MEMORY_KINDS), ordinary memory otherwise."""
     nbytes = math.prod(shape) * element_size(dtype)
+    kind = memory_kind(nbytes, memory)
     pin = cuda_usable() if pin is None else pin
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    memory = _core.pinned_memory(nbytes) if pin else _core.pageable_memory(nbytes)
-    return memory.tensor().view(dtype).view(shape)
+    if not pin:
+        owner = _core.pageable_memory(nbytes)
+    elif kind == "managed":
+        owner = _core.managed_memory(nbytes)
+    else:
+        owner = _core.pinned_memory(nbytes)
+    return owner.tensor().view(dtype).view(shape)
+
+
+def host_kind(t: Tensor) -> str:
+    """"managed" or "pinned" for memory this package allocated or registered (t lies inside one allocation),
+    "" for any other."""
+    return _HOST_KINDS[_core.tracked_host_kind(t.data_ptr(), t.numel() * t.element_size())]
+
+
+_HOST_KINDS = ("", "pinned", "managed")  # shared-cuda's host_kind: none, pinned, managed
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -65,10 +114,10 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 def register_in_place(t: Tensor) -> Tensor:
     """A plain alias of contiguous CPU tensor ``t`` whose memory the GPU can read: ``t`` registered with CUDA
     (``cudaHostRegister``, mapped; the registration keeps ``t`` alive), or ``t`` itself when no registration is
-    needed (CPU-only machine, empty, or already page-locked, e.g. by ``pin_memory()``: CUDA refuses a second
-    registration)."""
+    needed (CPU-only machine, empty, already ours, or already page-locked, e.g. by ``pin_memory()``: CUDA refuses a
+    second registration)."""
     nbytes = t.numel() * t.element_size()
-    if nbytes == 0 or not cuda_usable() or t.is_pinned():
+    if nbytes == 0 or not cuda_usable() or host_kind(t) or t.is_pinned():
         return t
     memory = _core.register_memory(t.data_ptr(), nbytes, t)
     return memory.tensor().view(t.dtype).view(tuple(t.shape))

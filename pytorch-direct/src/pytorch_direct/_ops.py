@@ -158,14 +158,14 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
         return out
     if index.device.type != "cuda":
         raise ValueError(f"indices on {index.device} are not supported: use CPU or CUDA indices")
-    _kernels.table_for_device(table, index.device.index)
+    memory = _kernels.table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return out
     capturing = _kernels.capturing()
     checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n)
+    call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
     decision = _plan("gather", name, call, idx, checked, capturing)
     rows_out = out.view(n, -1)
     if decision.plan is None:
@@ -306,14 +306,14 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     if index.device.type == "cpu":
         _kernels.scatter_host(table, rows, rb, idx, vals)
         return
-    _kernels.table_for_device(table, index.device.index)
+    memory = _kernels.table_for_device(table, index.device.index)
     raise_pending_device_error()
     if n == 0:
         return
     capturing = _kernels.capturing()
     checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n)
+    call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n, memory)
     # (writes: nothing is written when an index is bad)
     decision = _plan("scatter", name, call, idx, checked, capturing)
     if decision.plan is None:

@@ -2,9 +2,10 @@
 
 What decides the fastest strategy (benchmarks/RESULTS.md has the measurements):
 
-- the table's size: past the GPU's address-translation reach (a few GiB) random zero-copy reads of small rows
-  collapse (16-48 GiB tables: 7-30 GB/s) while a 1 GiB table still runs them at 14-50 GB/s, so nothing measured
-  on a small scratch table carries over to a large one;
+- the table's size and memory kind: in pinned memory (cudaHostAlloc or registered: 4 KiB GPU mappings), past the
+  GPU's address-translation reach (a few GiB) random zero-copy reads of small rows collapse (16-48 GiB tables:
+  7-30 GB/s) while a 1 GiB table still runs them at 14-50 GB/s, so nothing measured on a small scratch table
+  carries over to a large one; managed memory (large GPU mappings, ``_memory``) keeps its speed at 48 GiB;
 - the row width, the density (rows asked / table rows), the index order (sorted and clustered indices make
   zero-copy reads sequential; random ones need sorting or the CPU) and the duplicates (each repeated row crosses
   PCIe once with ``dedupe``).
@@ -80,7 +81,8 @@ ORDER_WINDOW = 2048
 DUPLICATE_SAMPLE = 4096
 # Consecutive indices whose rows lie within this many bytes count as "near" (clustered reads).
 NEAR_BYTES = 64 << 10
-# Tables larger than this are assumed past the GPU's address-translation reach by the built-in rules.
+# Pinned tables larger than this are assumed past the GPU's address-translation reach by the built-in rules
+# (managed ones are mapped with large pages: probe P7 read random 256 B rows of 48 GiB at 51 GB/s).
 TRANSLATION_REACH_BYTES = 4 << 30
 # calibrate(): row widths of a scratch table, counts, and the index patterns measured.
 ROW_BYTES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -88,7 +90,7 @@ CALIBRATION_COUNTS = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # (pattern, Zipf exponent): no duplicates in three orders, some and many duplicates.
 CALIBRATION_PATTERNS = (("uniform", 0), ("sorted", 0), ("clustered", 0), ("zipf", 0.9), ("zipf", 1.1))
 CALIBRATION_TABLE_BYTES = 1 << 30
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: table classes name the memory kind
 
 
 # ---------------------------------------------------------------------------------------------------- features
@@ -96,13 +98,15 @@ CACHE_FORMAT = 2
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """The shape of one call: op ("gather" or "scatter"), table size, rows, row width, rows moved."""
+    """The shape of one call: op ("gather" or "scatter"), table size, rows, row width, rows moved, and the kind of
+    host memory the table is in ("pinned" or "managed", see ``_memory``: they differ past the translation reach)."""
 
     op: str
     table_bytes: int
     rows: int
     row_bytes: int
     count: int
+    memory: str = "pinned"
 
     @property
     def bytes(self) -> int:
@@ -115,7 +119,8 @@ class Call:
     @functools.cached_property  # (read more than once per call)
     def kind(self) -> tuple:
         """What the per-kind feature state is keyed by (the features themselves are not)."""
-        return (self.op, _table_class(self.table_bytes), _row_class(self.row_bytes), _count_class(self.count))
+        return (self.op, _table_class(self.table_bytes, self.memory), _row_class(self.row_bytes),
+                _count_class(self.count))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +194,9 @@ def index_features(idx: Tensor, rows: int, row_bytes: int) -> tuple[Features, in
 # ---------------------------------------------------------------------------------------------------- cells
 
 
-def _table_class(table_bytes: int) -> int:
-    return round(math.log2(max(table_bytes, 1)))
+def _table_class(table_bytes: int, memory: str) -> str:
+    """The size class (log2 of the bytes) and the memory kind: "t" pinned, "m" managed."""
+    return f"{'m' if memory == 'managed' else 't'}{round(math.log2(max(table_bytes, 1)))}"
 
 
 def _row_class(row_bytes: int) -> int:
@@ -203,7 +209,7 @@ def _count_class(count: int) -> int:
 
 def cell_key(call: Call, features: Features) -> str:
     op, table, row, count = call.kind
-    return f"{op}|t{table}|r{row}|n{count}|{features.order}|{features.duplicate_class}"
+    return f"{op}|{table}|r{row}|n{count}|{features.order}|{features.duplicate_class}"
 
 
 def _same_kind(cell: dict, call: Call, features: Features | None) -> bool:
@@ -274,8 +280,8 @@ def rules(call: Call, features: Features | None, capturing: bool) -> Plan:
         return Plan("dedupe")
     if order != "random" or call.row_bytes >= 2048:
         return Plan("vector")
-    if (call.op == "gather" and not capturing and call.table_bytes > TRANSLATION_REACH_BYTES
-            and call.row_bytes <= 512 and call.density < 0.005):
+    if (call.op == "gather" and not capturing and call.memory != "managed"
+            and call.table_bytes > TRANSLATION_REACH_BYTES and call.row_bytes <= 512 and call.density < 0.005):
         return Plan("staged")
     return Plan("sorted")
 
@@ -724,6 +730,7 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
         plain = _memory.host_empty((table_bytes,), torch.uint8)
         plain.fill_(1)
         widths = tuple(row_bytes or ROW_BYTES)
+        memory = _memory.host_kind(plain)
     else:
         with torch._C.DisableTorchFunctionSubclass():
             plain = table.detach()
@@ -734,7 +741,7 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
             else:
                 widths = tuple(row_bytes)
             plain = plain.reshape(-1).view(torch.uint8)
-        _kernels.table_for_device(plain, device.index)
+        memory = _kernels.table_for_device(plain, device.index)
     total = plain.numel()
     checked = settings.bounds_check == "sync"
     generator = torch.Generator(device=device).manual_seed(0)
@@ -750,7 +757,7 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
                 n = min(n, rows, max(1, (1 << 30) // rb))
                 idx = synthetic_indices(pattern, n, rows, generator, zipf_s=zipf_s)
                 features, _, _ = index_features(idx, rows, rb)
-                call = Call("gather", total, rows, rb, n)
+                call = Call("gather", total, rows, rb, n, memory)
                 if call.bytes < SMALL_CALL_BYTES:
                     continue
                 out = torch.empty((n, rb), dtype=torch.uint8, device=device)

@@ -78,12 +78,14 @@ void scatter_staged(const rows_call& call, int threads, shared_cuda::stream_view
 // Throws out_of_range unless every host index is in [0, rows). Parallel for large counts.
 void check_host_indices(const void* index, int index_bytes, std::int64_t count, std::int64_t rows, int threads);
 
-// Live host ranges this package pinned or registered, so a call can check its table with no CUDA call (cheap, and
-// allowed inside CUDA graph capture). Owners add their range when created and remove it before freeing it.
-void track_host_range(const void* data, std::size_t bytes);
+// Live host ranges this package allocated or registered for the GPU, and of which kind, so a call can check its
+// table with no CUDA call (cheap, and allowed inside CUDA graph capture). Owners add their range when created and
+// remove it before freeing it.
+enum class host_kind : int { none = 0, pinned = 1, managed = 2 };  // pinned: cudaHostAlloc or registered
+void track_host_range(const void* data, std::size_t bytes, host_kind kind);
 void untrack_host_range(const void* data) noexcept;
-// True when [data, data + bytes) lies inside one tracked range.
-bool is_tracked_host_range(const void* data, std::size_t bytes);
+// The kind of the tracked range [data, data + bytes) lies inside; none when it is not inside one.
+host_kind tracked_host_kind(const void* data, std::size_t bytes);
 
 // Whether the memory [data, data + bytes) is page-locked host memory the device can read (pinned or registered).
 bool is_device_accessible_host(const void* data, std::size_t bytes);

@@ -3,7 +3,7 @@
     python3 pytorch-direct/benchmarks/gather.py                  # the full matrix (needs ~50 GiB of host RAM)
     python3 pytorch-direct/benchmarks/gather.py --table-gib 1 16 --row-bytes 64 1024 --patterns uniform zipf1.2
 
-Matrix: table sizes (--table-gib; one pinned allocation of the largest, smaller tables are its first bytes) x row
+Matrix: table sizes (--table-gib; one allocation of the largest, smaller tables are its first bytes) x row
 widths (47 B rows of uint8, the others float32) x index patterns (uniform, sorted, clustered: runs of 32
 consecutive rows, zipfS: Zipf with exponent S, hot rows spread over the table) x counts (capped at --max-call-mib).
 Columns, in one run (useful GB/s = rows * row bytes / wall time, device synchronised around each call, best of
@@ -17,6 +17,12 @@ Columns, in one run (useful GB/s = rows * row bytes / wall time, device synchron
   auto          ours, default settings, decisions forgotten first (cache file deleted: as a new process on a new
                 machine); its first call (which measures the candidates on itself) is timed apart: first_ms
   auto_cal      ours after an explicit pd.calibrate(table=...) on that table and row width (time: calib_s)
+  auto_pinned   ours, default settings, on the baselines' pinned table (what unified(t) of one's own memory gets)
+
+Ours read the table a user gets from pd.empty (default settings: managed memory for tables of 256 MiB and more).
+The baselines read a second copy in pinned memory (cudaHostAlloc; --baseline-memory pinned, the default): the
+memory plain zero-copy uses, and as fast as ordinary memory for torch's CPU index_select. It needs host RAM for
+two tables; with too little, or --baseline-memory same, the baselines read our table (said in the header).
 
 Prints a table and the targets (auto >= 0.9x the best forced strategy; auto >= 1.0x the best of torch,
 torch_dedupe and naive in every cell and >= 1.5x as a geometric mean; rows >= 1 KB at >= 0.9x memcpy), writes CSV
@@ -40,11 +46,11 @@ import zlib
 import torch
 
 import pytorch_direct as pd
-from pytorch_direct import _strategy
+from pytorch_direct import _memory, _strategy
 
 BASELINES = ("torch", "torch_dedupe", "naive")
 FORCED = ("vector", "sorted", "dedupe", "staged", "dedupe_staged", "split")
-COLUMNS = ("memcpy",) + BASELINES + FORCED + ("auto", "auto_cal")
+COLUMNS = ("memcpy",) + BASELINES + FORCED + ("auto", "auto_cal", "auto_pinned")
 
 
 def parse(argv):
@@ -56,6 +62,8 @@ def parse(argv):
     p.add_argument("--max-call-mib", type=int, default=1024, help="cap on one call's bytes (fewer rows if wider)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per column after one warm-up")
     p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
+    p.add_argument("--baseline-memory", choices=["pinned", "same"], default="pinned",
+                   help="the table the baselines read: a pinned copy (default) or our own table")
     p.add_argument("--fresh-check", type=int, default=3, help="cells re-measured in a new process (smallest table)")
     p.add_argument("--budget-s", type=float, default=0, help="start no new (row width, table) group after this")
     p.add_argument("--csv", default=None)
@@ -89,6 +97,13 @@ def view_rows(flat: torch.Tensor, table_bytes: int, row_bytes: int) -> torch.Ten
     dtype = torch.float32 if row_bytes % 4 == 0 else torch.uint8
     width = row_bytes // (4 if dtype == torch.float32 else 1)
     return flat[: rows * row_bytes].view(dtype).view(rows, width)
+
+
+def available_bytes() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) << 10
+    return 0
 
 
 def mark(flat: torch.Tensor) -> None:
@@ -136,7 +151,8 @@ def measure_auto(fn, repeats: int) -> tuple[float, float, str, str, str]:
 
 
 def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row):
-    """Times every column of one cell into results_row (GB/s), auto first (from a clean slate)."""
+    """Times every column of one cell into results_row (GB/s), auto first (from a clean slate). `tab`: the
+    baselines' table (plain), `utab`: ours (unified), same rows."""
     n, rb = idx.numel(), results_row["row_bytes"]
     nbytes = n * rb
     out_pin = pin[:nbytes].view(tab.dtype).view((n,) + tuple(tab.shape[1:]))
@@ -155,14 +171,19 @@ def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row):
 
     fns = {"memcpy": lambda: flat_dev.copy_(flat_pin, non_blocking=True), "torch": torch_gather,
            "torch_dedupe": torch_dedupe}
-    for s in ("naive",) + FORCED:
+    base_u = tab.as_subclass(pd.UnifiedTensor)
+    fns["naive"] = lambda: pd.gather(base_u, idx, strategy="naive")
+    for s in FORCED:
         fns[s] = lambda s=s: pd.gather(utab, idx, strategy=s)
     if "auto" in args.columns:
         first, steady, plan, source, measured = measure_auto(lambda: pd.gather(utab, idx), args.repeats)
         results_row.update(auto=nbytes / steady / 1e9, first_ms=first * 1e3, steady_ms=steady * 1e3, choice=plan,
                            source=source, auto_measured=measured)
+    if "auto_pinned" in args.columns and tab.data_ptr() != utab.data_ptr():
+        _, steady, plan, _, _ = measure_auto(lambda: pd.gather(base_u, idx), args.repeats)
+        results_row.update(auto_pinned=nbytes / steady / 1e9, choice_pinned=plan)
     for col in args.columns:
-        if col in ("auto", "auto_cal"):
+        if col in ("auto", "auto_cal", "auto_pinned"):
             continue
         try:
             results_row[col] = nbytes / best_of(fns[col], args.repeats) / 1e9
@@ -190,13 +211,25 @@ def run(args, results: list[dict]) -> None:
     start = time.perf_counter()
     sizes = sorted(args.table_gib)
     biggest = int(max(sizes) * (1 << 30))
-    print(f"# device: {torch.cuda.get_device_name()} | tables {sizes} GiB (one pinned allocation) | "
+    print(f"# device: {torch.cuda.get_device_name()} | tables {sizes} GiB (one allocation) | "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} | cache {_strategy.cache_path()}",
           flush=True)
     t0 = time.perf_counter()
-    flat = pd.empty(biggest, dtype=torch.uint8).plain()  # pinned pages are resident (and zeroed) already
+    flat = pd.empty(biggest, dtype=torch.uint8).plain()  # resident (and zeroed) already
     mark(flat)
-    print(f"# allocated {biggest / (1 << 30):.0f} GiB pinned in {time.perf_counter() - t0:.1f} s", flush=True)
+    kind = _memory.host_kind(flat)
+    print(f"# ours: pd.empty of {biggest / (1 << 30):.0f} GiB ({kind}) in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    base_flat = flat
+    if args.baseline_memory == "pinned" and kind != "pinned":
+        if available_bytes() < biggest + (8 << 30):
+            print(f"# baselines read our table: {available_bytes() / (1 << 30):.0f} GiB of RAM available, too "
+                  "little for a pinned copy", flush=True)
+        else:
+            t0 = time.perf_counter()
+            base_flat = pd.empty(biggest, dtype=torch.uint8, memory="pinned").plain()
+            mark(base_flat)
+            print(f"# baselines: a pinned copy (cudaHostAlloc) made in {time.perf_counter() - t0:.1f} s", flush=True)
     max_call = max(c * rb for c in args.counts for rb in args.row_bytes)
     max_call = min(max_call, args.max_call_mib << 20)
     pin = pd.empty(max_call, dtype=torch.uint8).plain()
@@ -207,8 +240,8 @@ def run(args, results: list[dict]) -> None:
             print(f"# budget of {args.budget_s:.0f} s reached: {len(groups) - g} (row width, table) groups skipped",
                   flush=True)
             break
-        tab = view_rows(flat, int(gib * (1 << 30)), rb)
-        utab = tab.as_subclass(pd.UnifiedTensor)
+        tab = view_rows(base_flat, int(gib * (1 << 30)), rb)
+        utab = view_rows(flat, int(gib * (1 << 30)), rb).as_subclass(pd.UnifiedTensor)
         rows = tab.shape[0]
         group = []
         for pattern in args.patterns:
@@ -294,7 +327,7 @@ def ratios(row: dict) -> dict:
 
     forced, base = best(FORCED), best(BASELINES)
     out = {"best_forced": forced, "best_baseline": base}
-    for col in ("auto", "auto_cal"):
+    for col in ("auto", "auto_cal", "auto_pinned"):
         v = row.get(col, float("nan"))
         out[f"{col}_x_forced"] = v / forced if forced else float("nan")
         out[f"{col}_x_base"] = v / base if base else float("nan")
@@ -335,7 +368,7 @@ def print_table(results: list[dict]) -> None:
 
 def summary(results: list[dict]) -> None:
     rs = [(row, ratios(row)) for row in results]
-    for col in ("auto", "auto_cal"):
+    for col in ("auto", "auto_cal", "auto_pinned"):
         got = [(row, r) for row, r in rs if not math.isnan(row.get(col, float("nan")))]
         if not got:
             continue
@@ -360,8 +393,8 @@ def summary(results: list[dict]) -> None:
 
 def write_csv(results: list[dict], path: str) -> None:
     keys = ["table_gib", "row_bytes", "pattern", "count", "mbytes", *COLUMNS, "choice", "source", "first_ms",
-            "steady_ms", "auto_measured", "choice_cal", "calib_s", "fresh_choice", "fresh_auto", "fresh_first_ms",
-            "best_forced", "best_baseline"]
+            "steady_ms", "auto_measured", "choice_cal", "choice_pinned", "calib_s", "fresh_choice", "fresh_auto",
+            "fresh_first_ms", "best_forced", "best_baseline"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

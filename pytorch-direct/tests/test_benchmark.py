@@ -76,7 +76,8 @@ def test_indices_and_views_on_cpu(pattern):
 
 @pytest.mark.gpu
 def test_tiny_run(tmp_path):
-    cmd = [sys.executable, str(BENCH / "gather.py"), "--table-gib", "0.0625", "0.125", "--row-bytes", "47", "1024",
+    # 0.25 GiB: pd.empty gives managed memory where supported, so the baselines get their own pinned copy.
+    cmd = [sys.executable, str(BENCH / "gather.py"), "--table-gib", "0.0625", "0.25", "--row-bytes", "47", "1024",
            "--patterns", "uniform", "zipf1.2", "--counts", "2000", "20000", "--repeats", "1", "--fresh-check", "1",
            "--csv", str(tmp_path / "g.csv"), "--png", str(tmp_path / "g.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
@@ -86,3 +87,6 @@ def test_tiny_run(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "g.csv")))
     assert len(rows) == 2 * 2 * 2 * 2
     assert all(float(row["auto"]) > 0 and float(row["auto_cal"]) > 0 for row in rows)
+    if gather._memory.managed_supported():
+        assert "baselines: a pinned copy" in r.stdout
+        assert all(float(row["auto_pinned"]) > 0 for row in rows)

@@ -232,8 +232,15 @@ def run(args, results: list[dict]) -> None:
             print(f"# baselines: a pinned copy (cudaHostAlloc) made in {time.perf_counter() - t0:.1f} s", flush=True)
     max_call = max(c * rb for c in args.counts for rb in args.row_bytes)
     max_call = min(max_call, args.max_call_mib << 20)
-    pin = pd.empty(max_call, dtype=torch.uint8).plain()
+    pin = pd.empty(max_call, dtype=torch.uint8, memory="pinned").plain()  # the link: cudaMemcpy from pinned
     dev = torch.empty(max_call, dtype=torch.uint8, device="cuda")
+    one = min(max_call, biggest)  # whole-tensor copies: ours (.cuda() of a unified tensor), torch's, the link
+    src, dst = flat[:one], dev[:one]
+    copies = {"ours .cuda()": lambda: src.as_subclass(pd.UnifiedTensor).cuda(),
+              "torch copy_ of the same memory": lambda: dst.copy_(src),
+              "pinned memcpy": lambda: dst.copy_(pin[:one], non_blocking=True)}
+    print(f"# copy of {one >> 20} MiB of our table to the GPU, GB/s: "
+          + ", ".join(f"{k} {one / best_of(f, 2) / 1e9:.1f}" for k, f in copies.items()), flush=True)
     groups = [(rb, gib) for rb in args.row_bytes for gib in sizes]
     for g, (rb, gib) in enumerate(groups):
         if args.budget_s and time.perf_counter() - start > args.budget_s:

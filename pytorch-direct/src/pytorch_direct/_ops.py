@@ -35,6 +35,35 @@ def _plain_tensors(impl):
     return wrapper
 
 
+# Whole-tensor copies of managed memory to the GPU are zero-copy reads of rows of this many bytes: cudaMemcpy from
+# managed memory ran at 7-11 GB/s on an H200 host, against 55 from pinned memory (run 45 in benchmarks/RESULTS.md),
+# while sequential zero-copy reads of it run at ~50.
+COPY_ROW_BYTES = 4096
+
+
+@_plain_tensors
+def copy_to_cuda(src: Tensor, out: Tensor, non_blocking: bool) -> Tensor:
+    """out (CUDA, contiguous) = src (contiguous, same dtype and element count, in host memory the GPU reads), by
+    the vector kernel on out's device's current stream; waits for it unless `non_blocking` (as torch's copy from
+    pageable memory does, so the caller may then change src)."""
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0:
+        return out
+    flat_src, flat_out = src.reshape(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
+    full = nbytes // COPY_ROW_BYTES
+    plan = _kernels.Plan("vector")
+    with torch.cuda.device(out.device):
+        for start, rows, rb in ((0, full, COPY_ROW_BYTES), (full * COPY_ROW_BYTES, 1, nbytes % COPY_ROW_BYTES)):
+            if rows and rb:
+                end = start + rows * rb
+                idx = torch.arange(rows, device=out.device)
+                _kernels.gather_cuda(flat_src[start:end].view(rows, rb), rows, rb, idx,
+                                     flat_out[start:end].view(rows, rb), plan, 0, True)
+        if not non_blocking:
+            torch.cuda.current_stream().synchronize()
+    return out
+
+
 def _strategy_name(strategy: str) -> str:
     if strategy == "auto":
         strategy = settings.strategy

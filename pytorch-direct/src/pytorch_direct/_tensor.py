@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _kernels, _ops
+from . import _kernels, _memory, _ops
 from ._config import settings
 
 
@@ -295,7 +295,61 @@ def _index_add_(self, dim, index, source, *, alpha=1):
     return NotImplemented
 
 
+def _copy_target(src, device, dtype, memory_format) -> torch.device | None:
+    """The CUDA device a copy of `src` to (device, dtype, memory_format) goes to through ``_ops.copy_to_cuda``, or
+    None for torch's own copy: only plain same-dtype copies of contiguous managed memory (torch's cudaMemcpy from
+    pinned memory runs at the link's speed already)."""
+    if not isinstance(src, UnifiedTensor) or device is None or torch.device(device).type != "cuda":
+        return None
+    if dtype not in (None, src.dtype) or memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+        return None
+    if src.requires_grad and torch.is_grad_enabled():
+        return None  # torch's copy records the autograd edge
+    if torch.compiler.is_dynamo_compiling() or not src.is_contiguous() or _memory.host_kind(src) != "managed":
+        return None
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _to(self, *args, **kwargs):
+    kwargs = dict(kwargs)
+    kwargs.pop("copy", None)  # (a new tensor either way)
+    if args and isinstance(args[0], Tensor):
+        return NotImplemented  # to(other): torch's
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    target = _copy_target(self, device, dtype, memory_format)
+    if target is None:
+        return NotImplemented
+    out = torch.empty(tuple(self.shape), dtype=self.dtype, device=target)
+    return _ops.copy_to_cuda(self, out, bool(non_blocking))
+
+
+def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    if device is None:
+        device = torch.device("cuda")
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    target = _copy_target(self, device, None, memory_format)
+    if target is None:
+        return NotImplemented
+    out = torch.empty(tuple(self.shape), dtype=self.dtype, device=target)
+    return _ops.copy_to_cuda(self, out, non_blocking)
+
+
+def _copy_(self, src, non_blocking=False):
+    if (isinstance(self, UnifiedTensor) or not isinstance(self, Tensor) or self.shape != src.shape
+            or not self.is_contiguous() or (self.requires_grad and torch.is_grad_enabled())):
+        return NotImplemented
+    if _copy_target(src, self.device, self.dtype, None) is None:
+        return NotImplemented
+    _ops.copy_to_cuda(src, self, non_blocking)
+    return self
+
+
 _HANDLERS = {
+    Tensor.to: _to,
+    Tensor.cuda: _cuda,
+    Tensor.copy_: _copy_,
     Tensor.__getitem__: _getitem,
     Tensor.__setitem__: _setitem,
     torch.index_select: _index_select,

@@ -174,6 +174,15 @@ def test_memory_kind_choice(monkeypatch):
         pd.empty(4, memory="host")
     with pytest.raises(ValueError, match="needs copy=True"):
         pd.unified(torch.zeros(4), memory="managed")
+    # A forked process cannot read managed memory: the row operations say so (here faked: no GPU).
+    t = pd.zeros(6, 2)
+    monkeypatch.setattr(_memory, "forked", True)
+    monkeypatch.setattr(_memory, "host_kind", lambda _: "managed")
+    with pytest.raises(RuntimeError, match="forked process"):
+        t[torch.tensor([1])]
+    monkeypatch.setattr(_memory, "host_kind", lambda _: "pinned")
+    assert t[torch.tensor([1])].shape == (1, 2)
+    monkeypatch.setattr(_memory, "forked", False)
     # On a CPU-only machine every kind is ordinary memory that the CPU path reads.
     if not pd.cuda_usable():
         t = pd.zeros(3, 2, memory="managed")

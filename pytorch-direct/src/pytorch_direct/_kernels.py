@@ -135,6 +135,8 @@ def check_table(table: Tensor) -> None:
             f"the table is on {table.device}; a unified tensor lives in host memory: create it with "
             "pytorch_direct.unified(t.cpu()) and index it with CUDA indices to get CUDA rows"
         )
+    if _memory.forked:
+        _memory.check_readable_here(table)
 
 
 def table_for_device(table: Tensor, device: int) -> str:

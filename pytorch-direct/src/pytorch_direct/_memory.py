@@ -11,6 +11,7 @@ Nothing here knows about strategies or the ``UnifiedTensor`` subclass (``_create
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -28,6 +29,31 @@ _MANAGED = None
 # translation starts to matter, and only where every GPU supports it.
 MEMORY_KINDS = ("auto", "managed", "pinned")
 MANAGED_MIN_BYTES = 256 << 20
+
+# True in a process forked from one that imported this package: it cannot read managed memory (the first read kills
+# it with SIGSEGV, GPU run 46), so the row operations refuse it there with an error that names the fix.
+forked = False
+
+
+def _after_fork_in_child() -> None:
+    global forked
+    forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+MANAGED_AFTER_FORK = (
+    "this unified tensor is in managed memory, which a forked process (e.g. a DataLoader worker started with fork) "
+    "cannot read: create it with memory='pinned' (pytorch_direct.empty/zeros/unified(..., copy=True, "
+    "memory='pinned'), or UnifiedFeatureStore(memory='pinned')), start workers with "
+    "multiprocessing_context='spawn', or gather in the main process"
+)
+
+
+def check_readable_here(t: Tensor) -> None:
+    """Raises RuntimeError in a forked child for a tensor in managed memory (see ``forked``)."""
+    if forked and host_kind(t) == "managed":
+        raise RuntimeError(MANAGED_AFTER_FORK)
 
 
 def cuda_usable() -> bool:

@@ -32,13 +32,17 @@ def _key(attr: TensorAttr) -> tuple:
 class UnifiedFeatureStore(FeatureStore):
     """Node (or edge) feature tensors held as unified tensors; ``get_tensor`` with an index gathers on ``device``.
 
-    ``device``: where gathered rows go ("cuda", "cuda:1", or "cpu"). ``copy``: put_tensor copies into pinned
-    memory (True) or registers the given tensor in place (False, the default; the tensor must be contiguous)."""
+    ``device``: where gathered rows go ("cuda", "cuda:1", or "cpu"). ``copy``: put_tensor copies into a new
+    allocation of kind ``memory`` (True) or registers the given tensor in place (False, the default; the tensor
+    must be contiguous). ``memory`` (see :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in
+    managed memory, whose random rows the GPU reads fastest, but which forked DataLoader workers cannot read: with
+    ``num_workers > 0`` (fork), pass memory="pinned" or copy=False."""
 
-    def __init__(self, device: str | torch.device = "cuda", *, copy: bool = False) -> None:
+    def __init__(self, device: str | torch.device = "cuda", *, copy: bool = False, memory: str = "auto") -> None:
         super().__init__()
         self.device = torch.device(device)
         self.copy = copy
+        self.memory = memory
         self._tensors: dict[tuple, UnifiedTensor] = {}
 
     def _put_tensor(self, tensor: Tensor, attr: TensorAttr) -> bool:
@@ -49,7 +53,10 @@ class UnifiedFeatureStore(FeatureStore):
             existing[attr.index.to(self.device) if self.device.type == "cuda" else attr.index] = tensor.to(
                 self.device)
             return True
-        self._tensors[_key(attr)] = unified(tensor.detach().cpu(), copy=self.copy or not tensor.is_contiguous())
+        if self.copy or not tensor.is_contiguous():
+            self._tensors[_key(attr)] = unified(tensor.detach().cpu(), copy=True, memory=self.memory)
+        else:
+            self._tensors[_key(attr)] = unified(tensor.detach().cpu())
         return True
 
     def _target_device(self) -> torch.device:

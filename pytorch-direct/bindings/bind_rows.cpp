@@ -127,6 +127,22 @@ void bind_rows(nb::module_& m) {
       },
       nb::arg("index"), nb::arg("index_bytes"), nb::arg("count"), nb::arg("stream"),
       nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "index_bounds_start",
+      [](std::uintptr_t index, int index_bytes, std::int64_t count, std::uintptr_t stream) {
+        index_bounds_start(reinterpret_cast<const void*>(index), index_bytes, count,
+                           shared_cuda::stream_view::from_address(stream));
+      },
+      nb::arg("index"), nb::arg("index_bytes"), nb::arg("count"), nb::arg("stream"));
+  m.def(
+      "index_bounds_finish",
+      []() {
+        std::int64_t lo = 0;
+        std::int64_t hi = 0;
+        index_bounds_finish(lo, hi);
+        return std::make_pair(lo, hi);
+      },
+      nb::call_guard<nb::gil_scoped_release>());
   m.def("take_device_error", []() -> std::optional<std::int64_t> {
     std::int64_t bad = 0;
     if (take_device_error(bad)) return bad;

@@ -293,13 +293,22 @@ def test_index_add_alpha_and_function():
 
 
 @pytest.mark.parametrize("bad", [-1, 100, 2**40])
-@pytest.mark.parametrize("strategy", ["vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "auto"])
+@pytest.mark.parametrize("strategy", ["vector", "sorted", "naive", "dedupe", "staged", "dedupe_staged", "split",
+                                      "auto"])
 def test_bounds_sync(bad, strategy):
     table = torch.randn(100, 8)
     u = pd.unified(table.clone(), copy=True)
     idx = torch.tensor([1, 2, bad, 4], device="cuda")
     with pytest.raises(IndexError, match=str(bad)):
         pd.gather(u, idx, strategy=strategy)
+    # The gather checked while it ran (device plans): its kernels' record of the row is not raised again.
+    good = idx.clamp(0, 99)
+    assert_same(pd.gather(u, good, strategy=strategy), table[good.cpu()])
+    big = torch.randint(0, 100, (300_001,), device="cuda")
+    big[150_000] = bad
+    with pytest.raises(IndexError, match=str(bad)):
+        pd.gather(u, big, strategy=strategy)
+    pd.check_errors()  # nothing pending
     with pytest.raises(IndexError):
         pd.scatter_(u, idx, torch.zeros(4, 8, device="cuda"), strategy=strategy)
     torch.cuda.synchronize()

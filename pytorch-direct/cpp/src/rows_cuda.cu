@@ -214,12 +214,14 @@ __global__ void __launch_bounds__(kBoundsThreads)
 struct bounds_scratch {
   long long* partial = nullptr;  // 2 * kBoundsMaxBlocks partials, then the counter
   long long* result = nullptr;
+  cudaEvent_t finished = nullptr;  // recorded after the kernel (index_bounds_start)
   bounds_scratch() = default;
   bounds_scratch(const bounds_scratch&) = delete;
   bounds_scratch& operator=(const bounds_scratch&) = delete;
   ~bounds_scratch() {  // at thread exit; errors ignored (CUDA may already be shutting down at process exit)
     if (partial != nullptr) (void)cudaFree(partial);
     if (result != nullptr) (void)cudaFreeHost(result);
+    if (finished != nullptr) (void)cudaEventDestroy(finished);
   }
   unsigned* done() { return reinterpret_cast<unsigned*>(partial + 2 * kBoundsMaxBlocks); }
 };
@@ -238,13 +240,23 @@ bounds_scratch& bounds_scratch_for(int device) {
     SHARED_CUDA_TRY(cudaHostAlloc(&p, 2 * sizeof(long long), cudaHostAllocMapped));
     s.result = static_cast<long long*>(p);
   }
+  if (s.finished == nullptr) SHARED_CUDA_TRY(cudaEventCreateWithFlags(&s.finished, cudaEventDisableTiming));
   return s;
 }
+
+// The scratch of this thread's started check (index_bounds_start), until its finish.
+thread_local bounds_scratch* started_bounds = nullptr;
 
 }  // namespace
 
 void index_bounds_cuda(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream,
                        std::int64_t& lo, std::int64_t& hi) {
+  index_bounds_start(index, index_bytes, count, stream);
+  index_bounds_finish(lo, hi);
+}
+
+void index_bounds_start(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream) {
+  SHARED_CUDA_EXPECT(started_bounds == nullptr, "index_bounds_start called twice without index_bounds_finish");
   SHARED_CUDA_EXPECT(index_bytes == 4 || index_bytes == 8, "index must be int32 or int64");
   SHARED_CUDA_EXPECT(count > 0 && index != nullptr, "the bounds of an empty or null index are undefined");
   int device = 0;
@@ -264,7 +276,15 @@ void index_bounds_cuda(const void* index, int index_bytes, std::int64_t count, s
                                                            s.done(), s.result);
   }
   SHARED_CUDA_TRY(cudaGetLastError());
-  SHARED_CUDA_TRY(cudaStreamSynchronize(st));
+  SHARED_CUDA_TRY(cudaEventRecord(s.finished, st));
+  started_bounds = &s;
+}
+
+void index_bounds_finish(std::int64_t& lo, std::int64_t& hi) {
+  SHARED_CUDA_EXPECT(started_bounds != nullptr, "index_bounds_finish without index_bounds_start");
+  bounds_scratch& s = *std::exchange(started_bounds, nullptr);
+  SHARED_CUDA_TRY(cudaEventSynchronize(s.finished));
+  volatile long long* result = s.result;
   lo = result[0];
   hi = result[1];
   if (lo > hi) {  // cannot happen for count > 0 unless the counter was left non-zero: reset it for the next call

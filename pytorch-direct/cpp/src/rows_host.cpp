@@ -533,6 +533,12 @@ void scatter_cuda(const rows_call&, kernel_kind, int, shared_cuda::stream_view) 
 void index_bounds_cuda(const void*, int, std::int64_t, shared_cuda::stream_view, std::int64_t&, std::int64_t&) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }
+void index_bounds_start(const void*, int, std::int64_t, shared_cuda::stream_view) {
+  throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
+}
+void index_bounds_finish(std::int64_t&, std::int64_t&) {
+  throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
+}
 void gather_staged(const rows_call&, int, shared_cuda::stream_view, bool) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }

@@ -73,19 +73,24 @@ def _strategy_name(strategy: str) -> str:
 
 
 def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool,
-          capturing: bool) -> _strategy.Decision:
+          capturing: bool) -> tuple[_strategy.Decision, bool]:
     """The plan of one CUDA call (or, for an ``auto`` call of a kind never measured, the candidates to measure on
-    it), after the sync-mode bounds check: nothing runs for a call with a bad index."""
+    it), after the sync-mode bounds check: nothing runs for a scatter with a bad index. A gather whose plan is known
+    leaves the check to its run (``_kernels.gather_cuda_checked``, which overlaps it with a device plan): the
+    second value says whether the check is still due."""
     if name == "auto":
         decision, _, bounds = _strategy.choose(call, idx, capturing=capturing)
     else:
         decision, bounds = _strategy.Decision(_strategy.forced_plan(op, name, call), source="forced"), None
+    due = False
     if checked:
         if bounds is not None:
             if bounds[0] < 0 or bounds[1] >= call.rows:
                 raise _kernels.bounds_error(bounds[0] if bounds[0] < 0 else bounds[1], call.rows)
         elif decision.plan is None:
             _kernels.precheck(idx, call.rows)
+        elif op == "gather":
+            due = True
         else:
             _kernels.precheck_for(decision.plan, idx, call.rows)
     if decision.plan is not None and decision.plan.needs_host and capturing:
@@ -93,7 +98,7 @@ def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool
             f"strategy {decision.plan.strategy!r} copies indices to the host, which CUDA graph capture forbids: use "
             "'vector', 'sorted', 'dedupe' or 'auto' inside a captured region"
         )
-    return decision
+    return decision, due
 
 
 def _steady_check(plan: _kernels.Plan, idx: Tensor, rows: int, checked: bool) -> None:
@@ -195,20 +200,24 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
-    decision = _plan("gather", name, call, idx, checked, capturing)
+    decision, due = _plan("gather", name, call, idx, checked, capturing)
     rows_out = out.view(n, -1)
     if decision.plan is None:
         # A kind of call never measured: the candidates run on this call (each writes all of `out`), and the fastest
         # is kept for the next calls of this kind. Each run pays the bounds check a later call of its plan pays.
         def run(plan):
-            _steady_check(plan, idx, rows, checked)
-            _kernels.gather_cuda(table, rows, rb, idx, rows_out, plan, max_sms, checked)
+            if checked:
+                _kernels.gather_cuda_checked(table, rows, rb, idx, rows_out, plan, max_sms)
+            else:
+                _kernels.gather_cuda(table, rows, rb, idx, rows_out, plan, max_sms, False)
 
         _strategy.measure(call, decision.features, decision.candidates, run)
         return out
-    _strategy.run_decided(
-        call, lambda: _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked),
-        auto=name == "auto")
+    if due:
+        execute = lambda: _kernels.gather_cuda_checked(table, rows, rb, idx, rows_out, decision.plan, max_sms)  # noqa: E731
+    else:
+        execute = lambda: _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)  # noqa: E731
+    _strategy.run_decided(call, execute, auto=name == "auto")
     return out
 
 
@@ -344,7 +353,7 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n, memory)
     # (writes: nothing is written when an index is bad)
-    decision = _plan("scatter", name, call, idx, checked, capturing)
+    decision, _ = _plan("scatter", name, call, idx, checked, capturing)
     if decision.plan is None:
         # Measured on this call: every candidate writes the same rows (with duplicate indices, one writer per
         # element wins either way).

@@ -765,8 +765,9 @@ def calibrate(*, table=None, table_bytes: int = CALIBRATION_TABLE_BYTES, row_byt
 
                 def run(plan, view=view, rows=rows, rb=rb, idx=idx, out=out):
                     if checked:  # what a later call of this plan pays (see measure)
-                        _kernels.precheck_for(plan, idx, rows)
-                    _kernels.gather_cuda(view, rows, rb, idx, out, plan, 0, True)
+                        _kernels.gather_cuda_checked(view, rows, rb, idx, out, plan, 0)
+                    else:
+                        _kernels.gather_cuda(view, rows, rb, idx, out, plan, 0, False)
 
                 _, cell = measure(call, features, candidates(call, features), run, budget_s=math.inf, span=span,
                                   save=False)

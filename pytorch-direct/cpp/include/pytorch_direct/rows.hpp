@@ -50,6 +50,11 @@ bool take_device_error(std::int64_t& bad);
 // Scratch buffers are per calling thread and device, so threads may check on their own streams at once.
 void index_bounds_cuda(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream,
                        std::int64_t& lo, std::int64_t& hi);
+// The same in two halves, so that more work can be queued on the stream in between (the gather itself: the GPU then
+// never waits for the host's round trip): start queues the kernel and an event after it; finish waits for that
+// event only and reads the pair. One start at a time per calling thread and device, each followed by its finish.
+void index_bounds_start(const void* index, int index_bytes, std::int64_t count, shared_cuda::stream_view stream);
+void index_bounds_finish(std::int64_t& lo, std::int64_t& hi);
 
 // Gather: dense[p] = table[index[i]] with p = positions ? positions[i] : i, for i < count (and < *device_count when
 // set). Launched on `stream`, no host sync.

@@ -34,37 +34,40 @@ def times(fn, n=200):
     return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
 
 
+def probe(memory, flat, rb, pattern, strategy):
+    tab = G.view_rows(flat, 1 << 30, rb)
+    utab = tab.as_subclass(pd.UnifiedTensor)
+    rows, count = tab.shape[0], 131072
+    idx = G.indices(pattern, count, rows, 7)
+    out = torch.empty((count, rb), dtype=torch.uint8, device="cuda")
+    plan = _kernels.Plan(strategy)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def start_finish():
+        _core.index_bounds_start(idx.data_ptr(), 8, count, stream)
+        _core.index_bounds_finish()
+
+    fns = {
+        "bounds (sync)": lambda: _core.index_bounds_cuda(idx.data_ptr(), 8, count, stream),
+        "bounds start+finish": start_finish,
+        "launch only": lambda: _kernels.gather_cuda(tab, rows, rb, idx, out, plan, 0, True),
+        "check then launch": lambda: (_kernels.precheck(idx, rows),
+                                      _kernels.gather_cuda(tab, rows, rb, idx, out, plan, 0, True)),
+        "overlapped": lambda: _kernels.gather_cuda_checked(tab, rows, rb, idx, out, plan, 0),
+        "pd.gather": lambda: pd.gather(utab, idx, strategy=strategy),
+    }
+    for f in fns.values():
+        f()
+    line = " | ".join(f"{k} {h:.0f}/{w:.0f}" for k, (h, w) in ((k, times(f)) for k, f in fns.items()))
+    print(f"{memory} {rb}B {pattern} {strategy}: host/wall us: {line}", flush=True)
+
+
 def main():
     for memory in ("pinned", "managed"):
         flat = pd.empty(1 << 30, dtype=torch.uint8, memory=memory).plain()
         for rb, pattern, strategy in ((64, "sorted", "vector"), (64, "uniform", "sorted"), (256, "uniform", "vector")):
-            tab = G.view_rows(flat, 1 << 30, rb)
-            utab = tab.as_subclass(pd.UnifiedTensor)
-            rows, count = tab.shape[0], 131072
-            idx = G.indices(pattern, count, rows, 7)
-            out = torch.empty((count, rb), dtype=torch.uint8, device="cuda")
-            plan = _kernels.Plan(strategy)
-            stream = torch.cuda.current_stream().cuda_stream
-
-            def start_finish():
-                _core.index_bounds_start(idx.data_ptr(), 8, count, stream)
-                _core.index_bounds_finish()
-
-            fns = {
-                "bounds (sync)": lambda: _core.index_bounds_cuda(idx.data_ptr(), 8, count, stream),
-                "bounds start+finish": start_finish,
-                "launch only": lambda: _kernels.gather_cuda(tab, rows, rb, idx, out, plan, 0, True),
-                "check then launch": lambda: (_kernels.precheck(idx, rows),
-                                              _kernels.gather_cuda(tab, rows, rb, idx, out, plan, 0, True)),
-                "overlapped": lambda: _kernels.gather_cuda_checked(tab, rows, rb, idx, out, plan, 0),
-                "pd.gather": lambda: pd.gather(utab, idx, strategy=strategy),
-            }
-            for f in fns.values():
-                f()
-            line = " | ".join(f"{k} {h:.0f}/{w:.0f}" for k, (h, w) in ((k, times(f)) for k, f in fns.items()))
-            print(f"{memory} {rb}B {pattern} {strategy}: host/wall us: {line}", flush=True)
-        del flat, tab, utab
-
+            probe(memory, flat, rb, pattern, strategy)
+        del flat
 
 if __name__ == "__main__":
     main()

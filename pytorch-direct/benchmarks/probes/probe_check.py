@@ -62,7 +62,31 @@ def probe(memory, flat, rb, pattern, strategy):
     print(f"{memory} {rb}B {pattern} {strategy}: host/wall us: {line}", flush=True)
 
 
+def profile_calls(memory):
+    """Where pd.gather's host time goes beyond its check and kernel: cProfile of 300 calls (256 B rows, vector)."""
+    import cProfile
+    import pstats
+
+    flat = pd.empty(1 << 30, dtype=torch.uint8, memory=memory).plain()
+    utab = G.view_rows(flat, 1 << 30, 256).as_subclass(pd.UnifiedTensor)
+    idx = G.indices("uniform", 131072, utab.shape[0], 7)
+    pd.gather(utab, idx, strategy="vector")
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        pd.gather(utab, idx, strategy="vector")
+        torch.cuda.synchronize()
+    prof.disable()
+    print(f"== cProfile, {memory}, 300 calls of pd.gather (256 B x 131072, vector), each followed by a sync")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main():
+    if "--profile" in sys.argv:
+        for memory in ("pinned", "managed"):
+            profile_calls(memory)
+        return
     for memory in ("pinned", "managed"):
         flat = pd.empty(1 << 30, dtype=torch.uint8, memory=memory).plain()
         for rb, pattern, strategy in ((64, "sorted", "vector"), (64, "uniform", "sorted"), (256, "uniform", "vector")):

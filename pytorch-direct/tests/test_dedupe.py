@@ -123,6 +123,7 @@ def cpu_stand_ins(monkeypatch):
     monkeypatch.setattr(_kernels._Slots, "get", classmethod(lambda cls, device: slots))
     monkeypatch.setattr(_kernels._Side, "get", classmethod(lambda cls, device: _FakeStream()))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(_kernels, "raw_stream", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     return reads

@@ -53,6 +53,18 @@ struct host_memory {
   host_kind kind = host_kind::none;
 };
 
+// A host_memory owning `buffer` (any of host_memory::owner's kinds), tracked unless `kind` is none.
+template <class Buffer>
+std::unique_ptr<host_memory> own(Buffer buffer, host_kind kind) {
+  auto h = std::make_unique<host_memory>();
+  h->data = buffer.data();
+  h->bytes = buffer.size();
+  h->owner = std::move(buffer);
+  h->kind = kind;
+  if (kind != host_kind::none) track_host_range(h->data, h->bytes, kind);
+  return h;
+}
+
 #define PD_ROWS_ARGS                                                                                                   \
   nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("index"), nb::arg("index_bytes"), nb::arg("count"), \
       nb::arg("positions"), nb::arg("dense")
@@ -165,49 +177,19 @@ void bind_rows(nb::module_& m) {
         const std::size_t shape[1] = {h.bytes};
         return nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(h.data, 1, shape, self);
       });
-  m.def("pinned_memory", [](std::size_t bytes) {
-    auto h = std::make_unique<host_memory>();
-    shared_cuda::pinned_buffer b(bytes);
-    h->data = b.data();
-    h->bytes = bytes;
-    h->owner = std::move(b);
-    h->kind = host_kind::pinned;
-    track_host_range(h->data, bytes, h->kind);
-    return h;
-  });
+  m.def("pinned_memory", [](std::size_t bytes) { return own(shared_cuda::pinned_buffer(bytes), host_kind::pinned); });
   m.def("managed_host_supported", &shared_cuda::host_managed_buffer::supported);
   m.def(
       "managed_memory",
-      [](std::size_t bytes) {
-        auto h = std::make_unique<host_memory>();
-        shared_cuda::host_managed_buffer b(bytes);
-        h->data = b.data();
-        h->bytes = bytes;
-        h->owner = std::move(b);
-        h->kind = host_kind::managed;
-        track_host_range(h->data, bytes, h->kind);
-        return h;
-      },
+      [](std::size_t bytes) { return own(shared_cuda::host_managed_buffer(bytes), host_kind::managed); },
       nb::call_guard<nb::gil_scoped_release>());  // touching many GiB takes seconds
-  m.def("pageable_memory", [](std::size_t bytes) {
-    auto h = std::make_unique<host_memory>();
-    shared_cuda::aligned_host_buffer b(bytes, 4096);
-    h->data = b.data();
-    h->bytes = bytes;
-    h->owner = std::move(b);
-    return h;
-  });
+  m.def("pageable_memory",
+        [](std::size_t bytes) { return own(shared_cuda::aligned_host_buffer(bytes, 4096), host_kind::none); });
   m.def(
       "register_memory",
       [](std::uintptr_t data, std::size_t bytes, nb::object keep) {
-        auto h = std::make_unique<host_memory>();
-        shared_cuda::host_registration r(reinterpret_cast<void*>(data), bytes);
-        h->data = r.data();
-        h->bytes = bytes;
-        h->owner = std::move(r);
+        auto h = own(shared_cuda::host_registration(reinterpret_cast<void*>(data), bytes), host_kind::pinned);
         h->keep = std::move(keep);
-        h->kind = host_kind::pinned;
-        track_host_range(h->data, bytes, h->kind);
         return h;
       },
       nb::arg("data"), nb::arg("bytes"), nb::arg("keep"));

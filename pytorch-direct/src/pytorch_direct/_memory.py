@@ -24,9 +24,9 @@ _MANAGED = None
 # Host memory kinds of new allocations (host_empty's `memory`). "managed": CUDA managed memory kept in host RAM and
 # mapped into every GPU (shared-cuda's host_managed_buffer): the driver maps it with large pages, so random rows of
 # a table of many GiB read 3-11x faster zero-copy than from "pinned" (cudaHostAlloc, 4 KiB mappings; probe P7 in
-# benchmarks/RESULTS.md), and a 48 GiB table is made in 8-9 s instead of 25-28 (runs S and T). But a forked child process cannot
-# read it (see README), so "auto" takes it only for allocations of at least MANAGED_MIN_BYTES, where address
-# translation starts to matter, and only where every GPU supports it.
+# benchmarks/RESULTS.md), and a 48 GiB table is made in 8-9 s instead of 25-28 (runs S and T). But a forked child
+# process cannot read it (see README), so "auto" takes it only for allocations of at least MANAGED_MIN_BYTES, where
+# address translation starts to matter, and only where every GPU supports it.
 MEMORY_KINDS = ("auto", "managed", "pinned")
 MANAGED_MIN_BYTES = 256 << 20
 

@@ -174,6 +174,14 @@ def test_memory_kind_choice(monkeypatch):
         pd.empty(4, memory="host")
     with pytest.raises(ValueError, match="needs copy=True"):
         pd.unified(torch.zeros(4), memory="managed")
+    # A managed table larger than the host's available memory is refused before anything is touched.
+    assert _memory.available_host_bytes() > 0  # (Linux)
+    monkeypatch.setattr(_memory, "available_host_bytes", lambda: 1 << 20)
+    with pytest.raises(MemoryError, match="does not fit"):
+        _memory.check_host_room(2 << 20)
+    _memory.check_host_room(1 << 20)
+    monkeypatch.setattr(_memory, "available_host_bytes", lambda: None)  # unknown: no check
+    _memory.check_host_room(1 << 50)
     # A forked process cannot read managed memory: the row operations say so (here faked: no GPU).
     t = pd.zeros(6, 2)
     monkeypatch.setattr(_memory, "forked", True)

@@ -160,6 +160,8 @@ def test_managed_table_every_strategy(row_bytes):
 
 def test_memory_kind_by_size_and_auto_cells(tmp_cache):
     needs_managed()
+    with pytest.raises(MemoryError, match="does not fit"):  # 16 TiB: refused before a page is touched
+        pd.empty(1 << 44, dtype=torch.uint8)
     small = pd.empty(1000, 64)
     assert _memory.host_kind(small.as_subclass(torch.Tensor)) == "pinned"
     big = pd.zeros(_memory.MANAGED_MIN_BYTES // 256, 64)  # float32: 256 B rows

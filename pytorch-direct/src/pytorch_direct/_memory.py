@@ -114,10 +114,36 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None =
     if not pin:
         owner = _core.pageable_memory(nbytes)
     elif kind == "managed":
+        check_host_room(nbytes)
         owner = _core.managed_memory(nbytes)
     else:
         owner = _core.pinned_memory(nbytes)
     return owner.tensor().view(dtype).view(shape)
+
+
+def available_host_bytes() -> int | None:
+    """Linux's estimate of the host memory available without swapping (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_room(nbytes: int) -> None:
+    """Raises MemoryError when a managed allocation of nbytes cannot fit in host memory. Its pages are touched when
+    it is made, and touching more than the host has gets the process killed by Linux's OOM killer, with no Python
+    error (cudaHostAlloc, by contrast, fails with an error)."""
+    available = available_host_bytes()
+    if available is not None and nbytes > available:
+        raise MemoryError(
+            f"a unified tensor of {nbytes / 2**30:.2f} GiB does not fit in the {available / 2**30:.2f} GiB of host "
+            "memory available (MemAvailable in /proc/meminfo): free host memory, or use a smaller table "
+            "(pytorch_direct.from_file maps a file instead)"
+        )
 
 
 def host_kind(t: Tensor) -> str:

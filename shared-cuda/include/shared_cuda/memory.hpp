@@ -72,6 +72,9 @@ class pinned_buffer {
 // mappings (pytorch-direct probe P7, H200: random 256 B rows of a 48 GiB table at 51 GB/s against 7.4; registered
 // hugetlbfs pages read no faster than cudaHostAlloc's). The pages are touched (zeroed) by CPU threads here, so
 // the memory is resident, and mapped on every device, before a kernel reads it. data() is also the device pointer.
+// cudaMallocManaged reserves no host memory: asking for more than the host has gets the process killed by Linux's
+// OOM killer while touching, so callers check the available memory first (pytorch-direct's _memory does). A forked
+// child process cannot read it (it dies with SIGSEGV).
 //
 // supported(): every visible device can access managed memory concurrently with the CPU (Linux, Pascal or newer).
 class host_managed_buffer {

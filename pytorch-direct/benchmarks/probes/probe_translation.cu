@@ -4,9 +4,15 @@
 // GPU maps with larger pages (hugetlbfs 2 MiB / 1 GiB pages, registered; or managed memory kept on the host and
 // mapped by the GPU) keep its reach? One kernel for all (16-byte loads, consecutive threads on one row).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 probe_translation.cu -o probe_translation && ./probe_translation 1 16 48
+// Also host memory from the virtual memory API (cuMemCreate at a host NUMA node, mapped for the GPU and the CPU):
+// it can be shared with other processes as a file descriptor, which managed memory cannot.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 probe_translation.cu -o probe_translation -lcuda && ./probe_translation 1 16 48
+//   PROBE_KINDS=cudaHostAlloc,vmm-host-numa ./probe_translation 16   # some kinds only
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -56,7 +62,54 @@ struct Table {
   char* host = nullptr;    // what the CPU sees
   void* device = nullptr;  // what kernels read
   std::string kind;
+  CUmemGenericAllocationHandle vmm = 0;  // vmm-host-numa
+  std::size_t mapped = 0;
 };
+
+#define CU_CHECK(x)                                                                \
+  do {                                                                             \
+    CUresult r = (x);                                                              \
+    if (r != CUDA_SUCCESS) {                                                       \
+      const char* what = nullptr;                                                  \
+      cuGetErrorString(r, &what);                                                  \
+      std::printf("# %s failed: %s (line %d)\n", #x, what ? what : "?", __LINE__); \
+      return false;                                                                \
+    }                                                                              \
+  } while (0)
+
+// cuMemCreate at host NUMA node 0, shareable as a POSIX file descriptor, mapped read-write for GPU 0 and the CPU.
+static bool make_vmm_host(std::size_t bytes, Table& t) {
+  cudaFree(nullptr);  // the runtime's context is the driver API's current context
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  std::size_t granularity = 0;
+  CU_CHECK(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  const std::size_t size = (bytes + granularity - 1) / granularity * granularity;
+  std::printf("# vmm-host-numa: granularity %zu KiB\n", granularity >> 10);
+  CU_CHECK(cuMemCreate(&t.vmm, size, &prop, 0));
+  CUdeviceptr ptr = 0;
+  CU_CHECK(cuMemAddressReserve(&ptr, size, granularity, 0, 0));
+  CU_CHECK(cuMemMap(ptr, size, 0, t.vmm, 0));
+  t.mapped = size;
+  t.host = reinterpret_cast<char*>(ptr);
+  CUmemAccessDesc access[2]{};
+  access[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access[0].location.id = 0;
+  access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access[1].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access[1].location.id = 0;
+  access[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CU_CHECK(cuMemSetAccess(ptr, size, access, 2));
+  int fd = -1;
+  CU_CHECK(cuMemExportToShareableHandle(&fd, t.vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  std::printf("# vmm-host-numa: exported as file descriptor %d\n", fd);
+  close(fd);
+  t.device = t.host;
+  return true;
+}
 
 // Reserves (or with pages = 0 returns) huge pages of one size: hugetlbfs memory must be set aside first.
 static long reserve(const char* size_dir, std::size_t pages) {
@@ -97,6 +150,9 @@ static bool make(const std::string& kind, std::size_t bytes, Table& t, double& s
     t.host = static_cast<char*>(p);
     touch(t.host, bytes);
     CHECK(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  } else if (kind == "vmm-host-numa") {
+    if (!make_vmm_host(bytes, t)) return false;
+    touch(t.host, bytes);
   } else if (kind == "managed-host") {
     CHECK(cudaMallocManaged(reinterpret_cast<void**>(&t.host), bytes));
     cudaMemLocation host{cudaMemLocationTypeHost, 0}, gpu{cudaMemLocationTypeDevice, 0};
@@ -104,7 +160,7 @@ static bool make(const std::string& kind, std::size_t bytes, Table& t, double& s
     CHECK(cudaMemAdvise(t.host, bytes, cudaMemAdviseSetAccessedBy, gpu));
     touch(t.host, bytes);
   }
-  if (kind == "managed-host") {
+  if (kind == "managed-host" || kind == "vmm-host-numa") {
     t.device = t.host;
   } else {
     CHECK(cudaHostGetDevicePointer(&t.device, t.host, 0));
@@ -116,6 +172,13 @@ static bool make(const std::string& kind, std::size_t bytes, Table& t, double& s
 static void release(Table& t, std::size_t bytes) {
   if (t.kind == "cudaHostAlloc") cudaFreeHost(t.host);
   if (t.kind == "managed-host") cudaFree(t.host);
+  if (t.kind == "vmm-host-numa" && t.vmm != 0) {
+    if (t.mapped) {
+      cuMemUnmap(reinterpret_cast<CUdeviceptr>(t.host), t.mapped);
+      cuMemAddressFree(reinterpret_cast<CUdeviceptr>(t.host), t.mapped);
+    }
+    cuMemRelease(t.vmm);
+  }
   if (t.kind.find("register") != std::string::npos && t.host != nullptr) {  // never munmap(nullptr, ...)
     cudaHostUnregister(t.host);
     munmap(t.host, bytes);
@@ -175,23 +238,33 @@ int main(int argc, char** argv) {
   cudaMalloc(&out, std::size_t(n) * 1024);
   cudaMalloc(reinterpret_cast<void**>(&idx), n * 8);
   std::printf("gib,kind,row_bytes,order,first_gbps,best_gbps\n");
-  const char* kinds[] = {"cudaHostAlloc", "hugetlb2M+register", "hugetlb1G+register", "managed-host"};
+  std::vector<std::string> kinds = {"cudaHostAlloc", "hugetlb2M+register", "hugetlb1G+register", "managed-host",
+                                    "vmm-host-numa"};
+  if (const char* only = std::getenv("PROBE_KINDS")) {
+    kinds.clear();
+    const std::string list = only;
+    for (std::size_t at = 0; at <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', at), list.size());
+      kinds.push_back(list.substr(at, comma - at));
+      at = comma + 1;
+    }
+  }
   for (double gib : gibs) {
     const std::size_t bytes = std::size_t(gib * (1ull << 30));
-    for (const char* kind : kinds) {
+    for (const std::string& kind : kinds) {
       Table t;
       double made = 0;
       if (!make(kind, bytes, t, made)) {
         release(t, bytes);
         continue;
       }
-      std::printf("# %g GiB %s: made in %.1f s\n", gib, kind, made);
+      std::printf("# %g GiB %s: made in %.1f s\n", gib, kind.c_str(), made);
       std::fflush(stdout);
       for (int rb : {64, 256, 1024}) {
         for (bool sorted : {false, true}) {
           time_gather(t, bytes, rb, sorted, n, 7, out, idx);  // warm-up on other indices
           auto [first, best] = time_gather(t, bytes, rb, sorted, n, 11 + rb, out, idx);
-          std::printf("%g,%s,%d,%s,%.2f,%.2f\n", gib, kind, rb, sorted ? "sorted" : "uniform", first, best);
+          std::printf("%g,%s,%d,%s,%.2f,%.2f\n", gib, kind.c_str(), rb, sorted ? "sorted" : "uniform", first, best);
           std::fflush(stdout);
         }
       }

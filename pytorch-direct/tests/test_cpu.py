@@ -448,6 +448,7 @@ def test_info_cli():
     r = subprocess.run([sys.executable, "-m", "pytorch_direct", "info"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "pytorch-direct" in r.stdout
     assert "kernels_compiled" in pd.info()
+    assert pd.info()["large_tables"] in ("pageable (no GPU)", "managed", "pinned (no concurrent managed access)")
 
 
 def test_over_2_31_elements_cpu():

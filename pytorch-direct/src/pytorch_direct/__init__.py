@@ -113,7 +113,14 @@ def check_errors() -> None:
 
 
 def info() -> dict:
-    """This build and machine: version, CUDA compiled or not, architectures, GPUs seen, NVRTC found or not."""
+    """This build and machine: version, CUDA compiled or not, architectures, GPUs seen, NVRTC found or not, and the
+    memory new tables of 256 MiB and more get (``empty(..., memory="auto")``)."""
+    from . import _memory
+
     d = _shared_cuda.build_info(_core, "pytorch-direct", __version__)
     d["kernels_compiled"] = _core.kernels_compiled()
+    if not _memory.cuda_usable():
+        d["large_tables"] = "pageable (no GPU)"
+    else:
+        d["large_tables"] = "managed" if _memory.managed_supported() else "pinned (no concurrent managed access)"
     return d

@@ -8,10 +8,10 @@
 #include <map>
 #include <thread>
 #include <utility>
-#include <vector>
 
 #include "shared_cuda/device.hpp"
 #include "shared_cuda/error.hpp"
+#include "shared_cuda/thread_pool.hpp"
 
 #if SHARED_CUDA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -133,6 +133,7 @@ host_managed_buffer::host_managed_buffer(std::size_t bytes) {
   try {
     int count = 0;
     SHARED_CUDA_TRY(cudaGetDeviceCount(&count));
+#if CUDART_VERSION >= 13000
     cudaMemLocation host{};
     host.type = cudaMemLocationTypeHost;
     SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetPreferredLocation, host));
@@ -142,22 +143,24 @@ host_managed_buffer::host_managed_buffer(std::size_t bytes) {
       gpu.id = d;
       SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetAccessedBy, gpu));
     }
+#else  // CUDA 12 and older: cudaMemAdvise takes a device ordinal (cudaCpuDeviceId for the host)
+    SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId));
+    for (int d = 0; d < count; ++d) SHARED_CUDA_TRY(cudaMemAdvise(data_, bytes, cudaMemAdviseSetAccessedBy, d));
+#endif
   } catch (...) {
     reset();
     throw;
   }
-  // Fault every page in on the host now (in parallel: ~15 GB/s on 16 cores), which also maps it on the devices.
-  const std::size_t page = 4096;
+  // Fault every page in on the host now, in parallel (one thread per 256 MiB, at most one per core), which also maps
+  // it on the devices. 48 GiB took 3.5-3.6 s with 16 threads in pytorch-direct's probe P7, 7.6-9.4 s inside its
+  // benchmark's process (benchmarks/RESULTS.md, runs S-U).
   const std::size_t threads =
       std::clamp<std::size_t>(bytes >> 28, 1, std::max(1u, std::thread::hardware_concurrency()));
-  const std::size_t part = (bytes / threads + page - 1) / page * page;
-  std::vector<std::thread> workers;
-  for (std::size_t t = 0; t < threads; ++t) {
-    const std::size_t begin = std::min(bytes, t * part), end = std::min(bytes, begin + part);
-    if (end > begin)
-      workers.emplace_back([p = static_cast<char*>(data_), begin, end] { std::memset(p + begin, 0, end - begin); });
-  }
-  for (auto& w : workers) w.join();
+  thread_pool touching(threads);
+  touching.parallel_for(
+      0, bytes, std::size_t(64) << 20,
+      [p = static_cast<char*>(data_)](std::size_t begin, std::size_t end) { std::memset(p + begin, 0, end - begin); },
+      threads);
 #else
   (void)bytes;
 #endif

@@ -311,6 +311,11 @@ def _copy_target(src, device, dtype, memory_format) -> torch.device | None:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def _copied_to(src, target: torch.device, non_blocking: bool) -> Tensor:
+    out = torch.empty(tuple(src.shape), dtype=src.dtype, device=target)
+    return _ops.copy_to_cuda(src, out, non_blocking)
+
+
 def _to(self, *args, **kwargs):
     kwargs = dict(kwargs)
     kwargs.pop("copy", None)  # (a new tensor either way)
@@ -318,10 +323,7 @@ def _to(self, *args, **kwargs):
         return NotImplemented  # to(other): torch's
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     target = _copy_target(self, device, dtype, memory_format)
-    if target is None:
-        return NotImplemented
-    out = torch.empty(tuple(self.shape), dtype=self.dtype, device=target)
-    return _ops.copy_to_cuda(self, out, bool(non_blocking))
+    return NotImplemented if target is None else _copied_to(self, target, bool(non_blocking))
 
 
 def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -330,10 +332,7 @@ def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_fo
     elif isinstance(device, int):
         device = torch.device("cuda", device)
     target = _copy_target(self, device, None, memory_format)
-    if target is None:
-        return NotImplemented
-    out = torch.empty(tuple(self.shape), dtype=self.dtype, device=target)
-    return _ops.copy_to_cuda(self, out, non_blocking)
+    return NotImplemented if target is None else _copied_to(self, target, non_blocking)
 
 
 def _copy_(self, src, non_blocking=False):

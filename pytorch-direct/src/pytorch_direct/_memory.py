@@ -166,12 +166,10 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 def register_in_place(t: Tensor) -> Tensor:
     """A plain alias of contiguous CPU tensor ``t`` whose memory the GPU can read: ``t`` registered with CUDA
     (``cudaHostRegister``, mapped; the registration keeps ``t`` alive), or ``t`` itself when no registration is
-    needed (CPU-only machine, empty, already ours, or page-locked from end to end already, e.g. by ``pin_memory()``:
-    CUDA refuses a second registration). Both ends are asked, not only the start as ``t.is_pinned()`` does: a small
-    heap tensor may begin in the last page of a neighbour registered before it and end past it (GPU run 57: such a
-    tensor was taken as pinned and never registered; shared-cuda's registry registers just its uncovered pages)."""
+    needed (CPU-only machine, empty, already ours, or already page-locked, e.g. by ``pin_memory()``: CUDA refuses a
+    second registration)."""
     nbytes = t.numel() * t.element_size()
-    if nbytes == 0 or not cuda_usable() or host_kind(t) or _core.is_device_accessible_host(t.data_ptr(), nbytes):
+    if nbytes == 0 or not cuda_usable() or host_kind(t) or t.is_pinned():
         return t
     memory = _core.register_memory(t.data_ptr(), nbytes, t)
     return memory.tensor().view(t.dtype).view(tuple(t.shape))

@@ -9,6 +9,8 @@ another requirement (e.g. ``TOOLKIT_TORCH_SPEC="torch==2.11.0"``).
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,7 +22,7 @@ ROOT = Path(__file__).parent
 PACKAGES = {"pytorch-direct": "pytorch_direct", "hector": "hector", "ssdtrain": "ssdtrain"}
 TORCH_SPEC_ENV = "TOOLKIT_TORCH_SPEC"
 
-nox.options.sessions = ["lint", "cpp", "tests", "integration"]
+nox.options.sessions = ["lint", "cpp", "tests", "readme_install", "integration"]
 nox.options.error_on_external_run = True
 
 
@@ -105,6 +107,27 @@ def tests(session: nox.Session, package: str) -> None:
     session.run("python", "-m", "pytest", f"{package}/tests", *session.posargs)
     session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs,
                 env={"SHARED_CUDA_TEST_PACKAGE": PACKAGES[package]})
+
+
+def readme_install_block(package: str) -> list[str]:
+    """The commands of the first bash block under "## Install" in the package's README (comments stripped)."""
+    text = (ROOT / package / "README.md").read_text()
+    match = re.search(r"^## Install\n.*?```bash\n(.*?)```", text, flags=re.S | re.M)
+    if match is None:
+        raise ValueError(f"{package}/README.md has no '## Install' section with a bash block")
+    lines = [line.split("#", 1)[0].strip() for line in match.group(1).splitlines()]
+    return [line for line in lines if line]
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def readme_install(session: nox.Session, package: str) -> None:
+    """Each package README's install block, run as written in a fresh virtualenv that has only torch: proves the
+    documented install line works for a new user. The C++ parts are built without CUDA here to keep CI short (the
+    tests sessions build the CUDA kernels)."""
+    install_torch(session)
+    for command in readme_install_block(package):
+        session.run(*shlex.split(command), env={"SHARED_CUDA_CUDA": "OFF"})
 
 
 @nox.session

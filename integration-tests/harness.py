@@ -168,11 +168,12 @@ class PhaseTimes:
 
 
 def progress(total: int, desc: str, enabled: bool):
-    """A progress bar on stderr (tqdm), or nothing on processes other than rank 0."""
+    """A progress bar on stderr (tqdm) where stderr is a terminal; nothing in logs, pipes, or on ranks other than 0
+    (a bar redrawn into a file is thousands of lines of carriage returns)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False, dynamic_ncols=True,
-                mininterval=0.5)
+    return tqdm(total=total, desc=desc, disable=not enabled or not sys.stderr.isatty(), file=sys.stderr, leave=False,
+                dynamic_ncols=True, mininterval=0.5)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -35,3 +35,17 @@ def small():
 def small_graph(small):
     ei, et = small
     return Graph(ei, et, 14, 3)
+
+
+@pytest.fixture
+def env_settings(monkeypatch):
+    """Re-read hector's settings from the environment inside a test; the process's own again after it."""
+    from hector import config
+
+    def read():
+        config.settings.reload()
+        return config.settings
+
+    yield read
+    monkeypatch.undo()
+    config.settings.reload()

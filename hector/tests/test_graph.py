@@ -120,10 +120,11 @@ def test_any_valid_graph_preprocesses_consistently(n, e, r, seed):
     assert out.shape == (n, 2) and torch.isfinite(out).all()
 
 
-def test_config_setters_mirror_environment(monkeypatch):
+def test_config_setters_mirror_environment(monkeypatch, env_settings):
     from hector import config
 
     monkeypatch.setenv("HECTOR_REFERENCE_TILE_BYTES", "4096")
+    env_settings()
     assert config.tile_bytes("cpu") == 4096
     config.set_tile_bytes(128)
     try:
@@ -131,12 +132,17 @@ def test_config_setters_mirror_environment(monkeypatch):
     finally:
         config.set_tile_bytes(None)
     monkeypatch.setenv("HECTOR_REFERENCE_TILE_BYTES", "0")
-    with pytest.raises(ValueError, match="positive"):
-        config.tile_bytes("cpu")
+    with pytest.raises(ValueError, match="HECTOR_REFERENCE_TILE_BYTES.*>= 1"):
+        env_settings()
     monkeypatch.delenv("HECTOR_REFERENCE_TILE_BYTES")
+    env_settings()
     assert config.tile_bytes("cpu") == 1 << 20 and config.tile_bytes("cuda") == 64 << 20
-    monkeypatch.setenv("HECTOR_DEBUG", "1")
+    monkeypatch.setenv("HECTOR_DEBUG", "on")
+    env_settings()
     assert config.debug()
+    monkeypatch.setenv("HECTOR_TF32", "maybe")
+    with pytest.raises(ValueError, match="HECTOR_TF32.*auto"):
+        env_settings()
     config.set_debug(False)
     try:
         assert not config.debug()

@@ -208,13 +208,14 @@ def test_neighbor_loader_batches():
 
 
 @pytest.mark.parametrize("name", ["rgcn", "rgat-per-relation", "hgt-heads"])
-def test_tiled_reference_execution_matches(name, data, monkeypatch):
+def test_tiled_reference_execution_matches(name, data, monkeypatch, env_settings):
     """Edge-parallel kernels run tile by tile (bounded temporaries) give the same values and gradients."""
     x, ei, et, nt = data
     results = []
     for tile in (None, "48"):
         if tile:
             monkeypatch.setenv("HECTOR_REFERENCE_TILE_BYTES", tile)
+            env_settings()
         m = randomize(layers()[name]().double())
         xx = x.clone().requires_grad_()
         out = m(xx, ei, et, nt)

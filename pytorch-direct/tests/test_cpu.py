@@ -4,6 +4,7 @@ import gc
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,18 +285,42 @@ def test_custom_ops_registered_with_fake_kernels():
                            torch.tensor([1, 2])), test_utils=("test_schema", "test_faketensor"))
 
 
-def test_settings_and_env(monkeypatch):
+@pytest.fixture
+def env_settings(monkeypatch):
+    """Settings re-read from the environment inside a test; the process's own again after it."""
+
+    def read():
+        _config.settings.reload()
+        return _config.settings
+
+    yield read
+    monkeypatch.undo()
+    _config.settings.reload()
+
+
+def test_settings_and_env(monkeypatch, env_settings):
     monkeypatch.setenv("PYTORCH_DIRECT_STRATEGY", "sorted")
     monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "3")
-    s = _config._Settings()
+    s = env_settings()
     assert s.strategy == "sorted" and s.threads == 3
     monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "many")
     with pytest.raises(ValueError, match="PYTORCH_DIRECT_THREADS"):
-        _config._Settings()
+        env_settings()
     monkeypatch.setenv("PYTORCH_DIRECT_THREADS", "0")
     monkeypatch.setenv("PYTORCH_DIRECT_BOUNDS_CHECK", "never")
-    with pytest.raises(ValueError, match="sync"):
-        _config._Settings()
+    with pytest.raises(ValueError, match="PYTORCH_DIRECT_BOUNDS_CHECK.*sync"):
+        env_settings()
+    monkeypatch.setenv("PYTORCH_DIRECT_BOUNDS_CHECK", "sync")
+    for text, value in (("off", False), ("FALSE", False), ("0", False), ("on", True), ("1", True)):
+        monkeypatch.setenv("PYTORCH_DIRECT_AUTO_CALIBRATE", text)
+        assert env_settings().auto_calibrate is value
+    monkeypatch.setenv("PYTORCH_DIRECT_AUTO_CALIBRATE", "yes please")
+    with pytest.raises(ValueError, match="PYTORCH_DIRECT_AUTO_CALIBRATE.*true"):
+        env_settings()
+    monkeypatch.delenv("PYTORCH_DIRECT_AUTO_CALIBRATE")
+    monkeypatch.delenv("PYTORCH_DIRECT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    assert env_settings().cache_dir == Path("/somewhere/cache/pytorch_direct")
     pd.set_threads(2)
     try:
         u = pd.unified(torch.randn(1000, 3), copy=True)
@@ -304,13 +329,15 @@ def test_settings_and_env(monkeypatch):
         pd.set_threads(0)
 
 
-def test_host_spin_setting(monkeypatch):
-    assert _config._Settings().host_spin_us == 200
+def test_host_spin_setting(monkeypatch, env_settings):
+    assert env_settings().host_spin_us == 200
     monkeypatch.setenv("PYTORCH_DIRECT_HOST_SPIN_US", "0")
-    assert _config._Settings().host_spin_us == 0
+    assert env_settings().host_spin_us == 0
     monkeypatch.setenv("PYTORCH_DIRECT_HOST_SPIN_US", "-5")
     with pytest.raises(ValueError, match="PYTORCH_DIRECT_HOST_SPIN_US"):
-        _config._Settings()
+        env_settings()
+    monkeypatch.undo()
+    env_settings()
     with pytest.raises(ValueError, match="host_spin_us"):
         pd.set_host_spin_us(-1)
     table = random_table((5000, 7), torch.float32)

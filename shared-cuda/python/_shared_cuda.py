@@ -4,14 +4,13 @@ One source file (``shared-cuda/python/_shared_cuda.py``) serves all three packag
 ``_core`` module. This layer owns what the C++ library must not know: where Python wheels put ``libnvrtc``, the
 environment variables and their defaults, packing of JIT kernel arguments, and the ``info`` report.
 
-Environment variables (each has a setter below):
+Its own settings (``SETTINGS``: ``SHARED_CUDA_NVRTC_PATH``, ``SHARED_CUDA_JIT_CACHE_DIR``) are listed in the
+repository README with their defaults and setters.
 
-``SHARED_CUDA_NVRTC_PATH``
-    A ``libnvrtc.so`` to try first. Default: unset; then the CUDA toolkit (``$CUDA_HOME``, ``$CUDA_PATH``,
-    ``/usr/local/cuda``), the loader's search path, and the ``nvidia-cuda-nvrtc`` wheel are tried in that order.
-``SHARED_CUDA_JIT_CACHE_DIR``
-    Where compiled kernels are cached. Default: ``$XDG_CACHE_HOME/shared_cuda/jit``, else
-    ``~/.cache/shared_cuda/jit``. An empty value disables the disk cache.
+It also holds the one settings helper every package uses (:class:`Settings`, :class:`Setting` and the parsers):
+a table of variables, each with its default, parser, meaning and Python setter; booleans spelled one way
+(``0/1/true/false/on/off``, plus ``auto`` where a setting has it); an invalid value is a ``ValueError`` that names
+the variable and the valid values.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import functools
 import importlib.util
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +28,196 @@ from typing import Any
 NVRTC_PATH_ENV = "SHARED_CUDA_NVRTC_PATH"
 JIT_CACHE_DIR_ENV = "SHARED_CUDA_JIT_CACHE_DIR"
 
+
+# ----------------------------------------------------------------------------------------------------- settings
+
+_TRUE = ("1", "true", "on")
+_FALSE = ("0", "false", "off")
+
+
+def parse_bool(value: Any) -> bool:
+    """``True``/``False``, or text ``1/true/on`` and ``0/false/off`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{value!r} is not a boolean: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def parse_tristate(value: Any) -> str:
+    """``"auto"``, ``"on"`` or ``"off"`` from ``auto``, a boolean, or its text (``1/true/on``, ``0/false/off``)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(value) else "off"
+    except ValueError:
+        raise ValueError(f"{value!r} is not valid: use auto, or one of {', '.join(_TRUE + _FALSE)}") from None
+
+
+def choice(*choices: str) -> Callable[[Any], str]:
+    """A parser that accepts one of ``choices`` (case-insensitive text)."""
+
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return text
+
+    parse.__doc__ = " | ".join(choices)
+    return parse
+
+
+def integer(minimum: int = 0) -> Callable[[Any], int]:
+    """A parser for whole numbers >= ``minimum``."""
+
+    def parse(value: Any) -> int:
+        try:
+            number = int(str(value).strip()) if not isinstance(value, int) else value
+        except ValueError:
+            raise ValueError(f"{value!r} is not a whole number (>= {minimum})") from None
+        if isinstance(number, bool) or number < minimum:
+            raise ValueError(f"{value!r} must be a whole number >= {minimum}")
+        return number
+
+    return parse
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or text such as ``"64G"``, ``"1M"``, ``"4096"`` (binary units; K, M, G, T)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a size must be >= 0, got {value}")
+        return value
+    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    for suffix, power in (("K", 10), ("M", 20), ("G", 30), ("T", 40)):
+        if text.endswith(suffix):
+            text, scale = text[:-1], 1 << power
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with K, M, G or T") from None
+    if number < 0:
+        raise ValueError(f"a size must be >= 0, got {value!r}")
+    return int(number * scale)
+
+
+def parse_path(value: Any) -> Path | None:
+    """A path (``~`` expanded); empty text means none."""
+    if value is None:
+        return None
+    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value).strip()
+    return Path(text).expanduser() if text else None
+
+
+def parse_text(value: Any) -> str:
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value).strip()
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME`` when set, else ``~/.cache``: the root of every package's default cache folder."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run-time setting: its environment variable, default, parser and meaning.
+
+    ``default`` is what applies when the variable is unset or empty: a value, or a callable that computes it when
+    the settings are read (e.g. a folder under ``$XDG_CACHE_HOME``). ``setter`` names the public Python function
+    that mirrors it, for the docs.
+    """
+
+    env: str
+    default: Any
+    parse: Callable[[Any], Any]
+    doc: str
+    setter: str = ""
+    default_text: str = ""
+    empty_is_value: bool = False  # a variable set to "" means "off" (parsed), not "use the default"
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    def from_environment(self) -> Any:
+        raw = os.environ.get(self.env)
+        if raw is None or (not raw.strip() and not self.empty_is_value):
+            return self.default_value()
+        return self.parse_value(raw, source=f"{self.env}={raw!r}")
+
+    def parse_value(self, value: Any, source: str) -> Any:
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+class Settings:
+    """The run-time settings of one package, from one table.
+
+    Each value is, in order: what its Python setter gave (``set(name, value)``; ``None`` clears it), else its
+    environment variable as read when the package was imported (``reload()`` reads the environment again), else
+    its default. Values are validated when read from the environment and when set, never later.
+    """
+
+    def __init__(self, table: dict[str, Setting]) -> None:
+        self._table = dict(table)
+        self._overrides: dict[str, Any] = {}
+        self._environment: dict[str, Any] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Read every variable from the environment again (setters keep precedence)."""
+        self._environment = {name: s.from_environment() for name, s in self._table.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            setting = self._table[name]
+        except KeyError:
+            raise AttributeError(f"no setting {name!r}; known: {', '.join(self._table)}") from None
+        if name in self._overrides:
+            return self._overrides[name]
+        return self._environment.get(name, setting.default_value())
+
+    def set(self, name: str, value: Any) -> None:
+        """Override a setting for this process (``None``: back to the environment variable or the default)."""
+        if name not in self._table:
+            raise TypeError(f"unknown setting {name!r}; known: {', '.join(self._table)}")
+        if value is None:
+            self._overrides.pop(name, None)
+        else:
+            self._overrides[name] = self._table[name].parse_value(value, source=name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._table}
+
+    def __iter__(self) -> Iterator[tuple[str, Setting]]:
+        return iter(self._table.items())
+
+    def markdown(self) -> str:
+        """The settings table for a README: variable, default, Python setter, meaning."""
+        rows = ["| variable | default | Python setter | meaning |", "|---|---|---|---|"]
+        for s in self._table.values():
+            default = s.default_text or (f"`{s.default}`" if not callable(s.default) else "computed")
+            rows.append(f"| `{s.env}` | {default} | {f'`{s.setter}`' if s.setter else ''} | {s.doc} |")
+        return "\n".join(rows)
+
+
+SETTINGS = Settings({
+    "nvrtc_path": Setting(NVRTC_PATH_ENV, "", parse_text, "a `libnvrtc.so` to try first (then the CUDA toolkit, the "
+                          "loader's search path, the `nvidia-cuda-nvrtc` wheel)", "set_nvrtc_path", "unset"),
+    "jit_cache_dir": Setting(JIT_CACHE_DIR_ENV, lambda: str(cache_home() / "shared_cuda" / "jit"), parse_text,
+                             "where compiled kernels are cached; empty disables the disk cache", "set_jit_cache_dir",
+                             "`$XDG_CACHE_HOME/shared_cuda/jit` (else `~/.cache/...`)", empty_is_value=True),
+})
+"""shared-cuda's own settings (one copy per package that installs this file: set them through that package's
+``_shared_cuda``)."""
 
 # ----------------------------------------------------------------------------------------------------- NVRTC
 
@@ -48,16 +238,14 @@ def _wheel_nvrtc_candidates() -> list[str]:
 
 def nvrtc_candidates(core: ModuleType) -> list[str]:
     """Every place NVRTC is looked for, in order."""
-    explicit = os.environ.get(NVRTC_PATH_ENV, "")
+    explicit = SETTINGS.nvrtc_path
     return ([explicit] if explicit else []) + list(core.default_nvrtc_candidates()) + _wheel_nvrtc_candidates()
 
 
 def set_nvrtc_path(path: str | os.PathLike[str] | None) -> None:
-    """Use this libnvrtc first (same as setting ``SHARED_CUDA_NVRTC_PATH``); takes effect before NVRTC's first use."""
-    if path is None:
-        os.environ.pop(NVRTC_PATH_ENV, None)
-    else:
-        os.environ[NVRTC_PATH_ENV] = os.fspath(path)
+    """Use this libnvrtc first (mirrors ``SHARED_CUDA_NVRTC_PATH``; None: back to it); takes effect before NVRTC's
+    first use."""
+    SETTINGS.set("nvrtc_path", path)
 
 
 def ensure_nvrtc(core: ModuleType) -> bool:
@@ -72,18 +260,13 @@ def ensure_nvrtc(core: ModuleType) -> bool:
 
 def jit_cache_dir() -> str:
     """The JIT cache directory in force ("" when disk caching is off)."""
-    if JIT_CACHE_DIR_ENV in os.environ:
-        return os.environ[JIT_CACHE_DIR_ENV]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shared_cuda", "jit")
+    return SETTINGS.jit_cache_dir
 
 
 def set_jit_cache_dir(path: str | os.PathLike[str] | None) -> None:
-    """Cache compiled kernels in ``path`` ("" disables the disk cache, None restores the default)."""
-    if path is None:
-        os.environ.pop(JIT_CACHE_DIR_ENV, None)
-    else:
-        os.environ[JIT_CACHE_DIR_ENV] = os.fspath(path)
+    """Cache compiled kernels in ``path`` ("" disables the disk cache; None: back to ``SHARED_CUDA_JIT_CACHE_DIR``
+    or the default)."""
+    SETTINGS.set("jit_cache_dir", path)
     _loader.cache_clear()
 
 

@@ -188,7 +188,7 @@ def test_bad_inputs(engine_factory):
         engine.write([1, 2, 3])
     with pytest.raises(ValueError, match="multiple of 4096"):
         ssdtrain.Engine(block_size=1000)
-    with pytest.raises(ValueError, match="unknown I/O backend"):
+    with pytest.raises(ValueError, match="backend.*is not one of auto, io_uring"):
         ssdtrain.Engine(backend="spdk")
     with pytest.raises(ValueError, match="direct"):
         ssdtrain.Engine(direct="maybe")
@@ -209,12 +209,25 @@ def test_gds_without_gpu_is_unavailable(tmp_path):
         ssdtrain.Engine([tmp_path], backend="gds", capacity_per_directory="1M")
 
 
-def test_env_settings(monkeypatch, tmp_path):
+@pytest.fixture
+def env_settings(monkeypatch):
+    """Re-read the I/O settings from the environment inside a test; the process's own again after it."""
+
+    def read():
+        ssdtrain.io.settings.reload()
+        return ssdtrain.defaults()
+
+    yield read
+    monkeypatch.undo()
+    ssdtrain.io.settings.reload()
+
+
+def test_env_settings(monkeypatch, tmp_path, env_settings):
     monkeypatch.setenv("SSDTRAIN_IO_BACKEND", "threads")
     monkeypatch.setenv("SSDTRAIN_IO_DIRS", f"{tmp_path}")
     monkeypatch.setenv("SSDTRAIN_IO_DIR_CAP", "8M")
     monkeypatch.setenv("SSDTRAIN_IO_BLOCK_SIZE", "128K")
-    d = ssdtrain.defaults()
+    d = env_settings()
     assert d["backend"] == "threads" and d["directories"] == [str(tmp_path)]
     assert d["capacity_per_directory"] == 8 << 20 and d["block_size"] == 128 << 10
     with ssdtrain.Engine() as engine:
@@ -228,7 +241,15 @@ def test_env_settings(monkeypatch, tmp_path):
     assert ssdtrain.defaults()["backend"] == "threads"
     monkeypatch.setenv("SSDTRAIN_IO_QUEUE_DEPTH", "zero")
     with pytest.raises(ValueError, match="SSDTRAIN_IO_QUEUE_DEPTH"):
-        ssdtrain.defaults()
+        env_settings()
+    monkeypatch.setenv("SSDTRAIN_IO_QUEUE_DEPTH", "8")
+    monkeypatch.setenv("SSDTRAIN_IO_CHECKSUM", "on")
+    monkeypatch.setenv("SSDTRAIN_IO_DIRECT", "0")
+    d = env_settings()
+    assert d["checksum"] is True and d["direct"] == "off" and d["queue_depth"] == 8
+    monkeypatch.setenv("SSDTRAIN_IO_DIRECT", "sometimes")
+    with pytest.raises(ValueError, match="SSDTRAIN_IO_DIRECT.*auto"):
+        env_settings()
     with pytest.raises(TypeError, match="unknown setting"):
         ssdtrain.configure(speed="fast")
 

@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
+from .config import settings
 from .errors import DSLTypeError, GraphInputError, HectorError, IRVerificationError
 from .ir import Builder
 from .passes import Options
@@ -20,7 +21,8 @@ from .runtime.graph import Graph, graph_for
 __version__ = _version("hector")
 
 __all__ = ["Builder", "CompileError", "CudaError", "DSLTypeError", "Graph", "GraphInputError", "HectorError",
-           "IRVerificationError", "Options", "UnavailableError", "__version__", "info", "prepare_graph"]
+           "IRVerificationError", "Options", "UnavailableError", "__version__", "info", "prepare_graph",
+           "settings"]
 
 
 def prepare_graph(edge_index, edge_type, num_nodes: int, num_relations: int, node_type=None,

@@ -1,97 +1,89 @@
-"""Settings read from ``HECTOR_*`` environment variables, each mirrored by a Python setter (the setter wins).
+"""Run-time settings, from one table (``settings``).
 
-* ``HECTOR_DEBUG`` (default off): run the IR verifier after every pass stage.
-* ``HECTOR_REFERENCE_TILE_BYTES`` (default 1 MiB on CPU, 64 MiB on GPU): bytes per edge temporary when the
-  reference backend runs an edge-parallel kernel tile by tile.
-* ``HECTOR_BACKEND`` (default ``auto``): ``auto`` runs generated CUDA kernels for tensors on a CUDA GPU (falling
-  back to the reference backend, with a warning, where it cannot: no NVRTC, an unsupported dtype or GPU),
-  ``reference`` always uses torch ops, ``cuda`` always uses generated kernels (an error where it cannot).
-* ``HECTOR_DUMP_DIR`` (default unset): write every generated CUDA module there as ``<program>_<hash>.cu``.
-* ``HECTOR_TF32`` (default ``auto``): float32 GEMMs on tensor cores in TF32. ``auto`` follows PyTorch
-  (``torch.backends.cuda.matmul.allow_tf32``, i.e. ``torch.set_float32_matmul_precision("high")``); ``1`` always,
-  ``0`` never (exact float32 on CUDA cores).
+Each setting has a ``HECTOR_*`` environment variable, read once when hector is imported (``settings.reload()``
+reads them again), and a Python setter below that overrides it for the process (``None`` goes back to the
+variable). An invalid value raises ``ValueError`` naming the variable and the valid values. The README's "Settings"
+table lists them (a test keeps it in step with this table).
 """
 
 from __future__ import annotations
 
 import os
 
-_debug: bool | None = None
-_tile_bytes: int | None = None
-_backend: str | None = None
-_dump_dir: str | None = None
-_tf32: str | None = None
+from ._shared_cuda import Setting, Settings, choice, integer, parse_bool, parse_text, parse_tristate
+
 BACKENDS = ("auto", "reference", "cuda")
+
+settings = Settings({
+    "debug": Setting(
+        "HECTOR_DEBUG", False, parse_bool, "run the IR verifier after every pass stage",
+        "hector.config.set_debug", "`0`"),
+    "tile_bytes": Setting(
+        "HECTOR_REFERENCE_TILE_BYTES", 0, integer(1),
+        "bytes per edge temporary when the reference backend runs an edge-parallel kernel tile by tile",
+        "hector.config.set_tile_bytes", "1 MiB on CPU, 64 MiB on GPU"),
+    "backend": Setting(
+        "HECTOR_BACKEND", "auto", choice(*BACKENDS),
+        "`auto`: generated CUDA kernels for tensors on a CUDA GPU (the reference backend, with a warning, where "
+        "they cannot run: no NVRTC, an unsupported dtype or GPU); `reference`: torch ops always; `cuda`: generated "
+        "kernels always (an error where they cannot run)", "hector.config.set_backend"),
+    "dump_dir": Setting(
+        "HECTOR_DUMP_DIR", "", parse_text, "write every generated CUDA module there as `<program>_<hash>.cu`",
+        "hector.config.set_dump_dir", "unset (off)"),
+    "tf32": Setting(
+        "HECTOR_TF32", "auto", parse_tristate,
+        "float32 GEMMs on tensor cores in TF32: `auto` follows PyTorch "
+        "(`torch.backends.cuda.matmul.allow_tf32`), `on` always, `off` never (exact float32)",
+        "hector.config.set_tf32"),
+})
+
+_DEFAULT_TILE_BYTES = {"cuda": 64 << 20, "cpu": 1 << 20}
 
 
 def debug() -> bool:
-    if _debug is not None:
-        return _debug
-    return os.environ.get("HECTOR_DEBUG", "") not in ("", "0")
+    return settings.debug
 
 
 def set_debug(on: bool | None) -> None:
     """Force the verifier on/off between pass stages (None: follow HECTOR_DEBUG)."""
-    global _debug
-    _debug = on
+    settings.set("debug", on)
 
 
 def tile_bytes(device_type: str = "cpu") -> int:
-    if _tile_bytes is not None:
-        return _tile_bytes
-    env = os.environ.get("HECTOR_REFERENCE_TILE_BYTES")
-    if env:
-        value = int(env)
-        if value <= 0:
-            raise ValueError(f"HECTOR_REFERENCE_TILE_BYTES must be a positive byte count, got {env!r}")
-        return value
-    return 64 << 20 if device_type == "cuda" else 1 << 20
+    """Bytes per edge temporary in tiled reference execution on this device type."""
+    return settings.tile_bytes or _DEFAULT_TILE_BYTES.get(device_type, 1 << 20)
 
 
 def set_tile_bytes(nbytes: int | None) -> None:
     """Bytes per edge temporary in tiled reference execution (None: follow HECTOR_REFERENCE_TILE_BYTES)."""
-    global _tile_bytes
-    if nbytes is not None and int(nbytes) <= 0:
-        raise ValueError(f"tile bytes must be positive, got {nbytes}")
-    _tile_bytes = None if nbytes is None else int(nbytes)
+    settings.set("tile_bytes", nbytes)
 
 
 def backend() -> str:
     """The backend setting: "auto", "reference" or "cuda"."""
-    value = _backend if _backend is not None else os.environ.get("HECTOR_BACKEND", "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"HECTOR_BACKEND must be one of {BACKENDS}, got {value!r}")
-    return value
+    return settings.backend
 
 
 def set_backend(name: str | None) -> None:
     """Choose the backend ("auto", "reference", "cuda"; None: follow HECTOR_BACKEND)."""
-    global _backend
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    _backend = name
+    settings.set("backend", name)
 
 
 def dump_dir() -> str:
     """Folder the generated CUDA sources are written to ("" when off)."""
-    return _dump_dir if _dump_dir is not None else os.environ.get("HECTOR_DUMP_DIR", "")
+    return settings.dump_dir
 
 
 def set_dump_dir(path: str | os.PathLike | None) -> None:
-    """Write generated CUDA modules into ``path`` ("" turns it off, None follows HECTOR_DUMP_DIR)."""
-    global _dump_dir
-    _dump_dir = None if path is None else os.fspath(path)
+    """Write generated CUDA modules into ``path`` (None: follow HECTOR_DUMP_DIR)."""
+    settings.set("dump_dir", path)
 
 
 def tf32() -> bool:
     """Whether float32 GEMMs may run in TF32 on tensor cores."""
-    value = _tf32 if _tf32 is not None else os.environ.get("HECTOR_TF32", "auto").strip().lower() or "auto"
-    if value in ("1", "true", "on"):
-        return True
-    if value in ("0", "false", "off"):
-        return False
-    if value != "auto":
-        raise ValueError(f"HECTOR_TF32 must be auto, 0 or 1, got {value!r}")
+    mode = settings.tf32
+    if mode != "auto":
+        return mode == "on"
     import torch
 
     return bool(torch.backends.cuda.matmul.allow_tf32)
@@ -99,5 +91,4 @@ def tf32() -> bool:
 
 def set_tf32(mode: bool | str | None) -> None:
     """True/False force TF32 on/off for float32 GEMMs; "auto" follows PyTorch; None follows HECTOR_TF32."""
-    global _tf32
-    _tf32 = None if mode is None else ("1" if mode is True else "0" if mode is False else str(mode))
+    settings.set("tf32", mode)

@@ -22,6 +22,7 @@ from ._config import (
     set_max_sms,
     set_strategy,
     set_threads,
+    settings,
 )
 from ._core import CompileError, CudaError, UnavailableError
 from ._create import empty, flush, from_file, is_unified, unified, zeros
@@ -37,7 +38,7 @@ __all__ = [
     "auto_status", "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather",
     "get_strategy", "index_add_", "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check",
     "set_cache_dir", "set_calibration", "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share",
-    "shared_memory", "unified", "unlink_shared_memory", "zeros",
+    "settings", "shared_memory", "unified", "unlink_shared_memory", "zeros",
 ]
 
 

@@ -1,36 +1,16 @@
-"""Layer 0: run-time settings. Each reads an environment variable once at import and has a setter that overrides it.
+"""Layer 0: run-time settings, from one table (``settings``).
 
-``PYTORCH_DIRECT_STRATEGY`` (default ``auto``; :func:`set_strategy`)
-    gather/scatter strategy when a call passes none.
-``PYTORCH_DIRECT_BOUNDS_CHECK`` (default ``sync``; :func:`set_bounds_check`)
-    ``sync``: raise ``IndexError`` at the call (costs one host sync per call with CUDA indices); ``async``: no host
-    sync, a bad index is skipped on the device and raised at the next call or :func:`check_errors`.
-``PYTORCH_DIRECT_THREADS`` (default ``0``, all cores; :func:`set_threads`)
-    The package's CPU threads: gathers with CPU indices, staged scatters, and staged gathers of rows up to 256 B or
-    wider than 8 MiB (other staged gathers use torch's ``index_select``, i.e. torch's threads,
-    ``torch.set_num_threads``).
-``PYTORCH_DIRECT_HOST_SPIN_US`` (default ``200``; :func:`set_host_spin_us`)
-    How long the package's idle CPU threads poll for the next call's work before they sleep (yielding the core to
-    any other runnable thread meanwhile). Waking a sleeping thread costs tens of microseconds on a virtual machine;
-    on an H200 host, staged gathers of 131072 rows of 47-128 B called back to back ran 1.13-1.41x faster with 200
-    than with 0 (uniform, zipf0.8 and sorted indices; ``benchmarks/RESULTS.md``, probe P2). ``0``: sleep at once
-    (no busy CPU after a call).
-``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
-    SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
-``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)
-    where the per-machine measurements of ``auto`` are stored.
-``PYTORCH_DIRECT_AUTO_CALIBRATE`` (default ``1``; :func:`set_auto_calibrate`)
-    ``1``: the first ``auto`` call of each kind (table size, row width, count, index order and duplicates) measures
-    the candidate strategies on itself, at most 2 s per process in all, and the choice is cached on disk; ``0``:
-    ``auto`` uses cached measurements or, without them, built-in rules.
-``PYTORCH_DIRECT_CALIBRATION`` (unset by default; :func:`set_calibration`)
-    path of a measurements file (JSON) to use, and add to, instead of the cached one.
+Each setting has an environment variable, read once when the package is imported (``settings.reload()`` reads
+them again), and a Python setter that overrides it for the process. An invalid value raises ``ValueError`` naming
+the variable and the valid values. The README's "Settings" table lists them (a test keeps it in step with the table
+below).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from ._shared_cuda import Setting, Settings, cache_home, choice, integer, parse_bool, parse_path
 
 STRATEGIES = ("auto", "vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "naive")
 """``vector``: our kernel (<= 16-byte loads, 128-byte-aligned warp windows); ``sorted``: sort the indices first and
@@ -44,52 +24,43 @@ Scatters run ``vector``, ``sorted``, ``staged`` or ``naive`` (``dedupe`` -> ``so
 
 BOUNDS_CHECKS = ("sync", "async")
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default).strip() or default
-
-
-def _parse_int(name: str, default: int) -> int:
-    raw = _env(name, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; unset it or set a number such as {default}") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0")
-    return value
-
-
-class _Settings:
-    def __init__(self) -> None:
-        self.strategy = _check_choice("PYTORCH_DIRECT_STRATEGY", _env("PYTORCH_DIRECT_STRATEGY", "auto"), STRATEGIES)
-        self.bounds_check = _check_choice(
-            "PYTORCH_DIRECT_BOUNDS_CHECK", _env("PYTORCH_DIRECT_BOUNDS_CHECK", "sync"), BOUNDS_CHECKS
-        )
-        self.threads = _parse_int("PYTORCH_DIRECT_THREADS", 0)
-        self.max_sms = _parse_int("PYTORCH_DIRECT_MAX_SMS", 0)
-        self.host_spin_us = _parse_int("PYTORCH_DIRECT_HOST_SPIN_US", 200)
-        self.cache_dir = Path(
-            _env("PYTORCH_DIRECT_CACHE_DIR", str(Path.home() / ".cache" / "pytorch_direct"))
-        ).expanduser()
-        auto = _env("PYTORCH_DIRECT_AUTO_CALIBRATE", "1")
-        self.auto_calibrate = _check_choice("PYTORCH_DIRECT_AUTO_CALIBRATE", auto, ("0", "1")) == "1"
-        calibration = os.environ.get("PYTORCH_DIRECT_CALIBRATION", "").strip()
-        self.calibration_file = Path(calibration).expanduser() if calibration else None
-
-
-def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{what}={value!r} is not one of {', '.join(choices)}")
-    return value
-
-
-settings = _Settings()
+settings = Settings({
+    "strategy": Setting(
+        "PYTORCH_DIRECT_STRATEGY", "auto", choice(*STRATEGIES),
+        "gather/scatter strategy for calls that pass none: " + ", ".join(STRATEGIES), "pd.set_strategy"),
+    "bounds_check": Setting(
+        "PYTORCH_DIRECT_BOUNDS_CHECK", "sync", choice(*BOUNDS_CHECKS),
+        "`sync`: an out-of-range index raises `IndexError` at the call (one host sync per call with CUDA indices); "
+        "`async`: no host sync, a bad index is skipped on the device and raised at the next call or "
+        "`check_errors()`", "pd.set_bounds_check"),
+    "threads": Setting(
+        "PYTORCH_DIRECT_THREADS", 0, integer(0),
+        "the package's CPU threads (gathers with CPU indices, staged plans); 0: all cores", "pd.set_threads"),
+    "host_spin_us": Setting(
+        "PYTORCH_DIRECT_HOST_SPIN_US", 200, integer(0),
+        "how long idle package threads poll for the next call's work before they sleep (waking a sleeping thread "
+        "costs tens of microseconds on a virtual machine: back-to-back staged gathers of small rows ran "
+        "1.13-1.41x faster with 200 than with 0); 0: sleep at once", "pd.set_host_spin_us"),
+    "max_sms": Setting(
+        "PYTORCH_DIRECT_MAX_SMS", 0, integer(0),
+        "SMs a gather/scatter kernel may occupy, so it can overlap training kernels; 0: no cap", "pd.set_max_sms"),
+    "cache_dir": Setting(
+        "PYTORCH_DIRECT_CACHE_DIR", lambda: cache_home() / "pytorch_direct", parse_path,
+        "where `auto`'s per-machine measurements are stored", "pd.set_cache_dir",
+        "`$XDG_CACHE_HOME/pytorch_direct` (else `~/.cache/...`)"),
+    "auto_calibrate": Setting(
+        "PYTORCH_DIRECT_AUTO_CALIBRATE", True, parse_bool,
+        "whether the first `auto` call of each kind measures the candidate strategies on itself (at most 2 s per "
+        "process, cached on disk); off: cached measurements or built-in rules", "pd.set_auto_calibrate", "`1`"),
+    "calibration_file": Setting(
+        "PYTORCH_DIRECT_CALIBRATION", None, parse_path,
+        "a measurements file (JSON) to use, and add to, instead of the cached one", "pd.set_calibration", "unset"),
+})
 
 
 def set_strategy(strategy: str) -> None:
     """Default strategy for calls that pass none (see :data:`STRATEGIES`); mirrors ``PYTORCH_DIRECT_STRATEGY``."""
-    settings.strategy = _check_choice("strategy", strategy, STRATEGIES)
+    settings.set("strategy", strategy)
 
 
 def get_strategy() -> str:
@@ -97,42 +68,37 @@ def get_strategy() -> str:
 
 
 def set_bounds_check(mode: str) -> None:
-    """``sync`` or ``async``; mirrors ``PYTORCH_DIRECT_BOUNDS_CHECK`` (see the module docs)."""
-    settings.bounds_check = _check_choice("bounds_check", mode, BOUNDS_CHECKS)
+    """``sync`` or ``async``; mirrors ``PYTORCH_DIRECT_BOUNDS_CHECK``."""
+    settings.set("bounds_check", mode)
 
 
 def set_threads(threads: int) -> None:
     """CPU threads for host gathers (0: all cores); mirrors ``PYTORCH_DIRECT_THREADS``."""
-    if int(threads) < 0:
-        raise ValueError("threads must be >= 0 (0 means all cores)")
-    settings.threads = int(threads)
+    settings.set("threads", threads)
 
 
 def set_host_spin_us(microseconds: int) -> None:
     """How long idle package threads poll for work before sleeping (0: at once); mirrors
     ``PYTORCH_DIRECT_HOST_SPIN_US``."""
-    if int(microseconds) < 0:
-        raise ValueError("host_spin_us must be >= 0 (0 means the threads sleep as soon as they are idle)")
-    settings.host_spin_us = int(microseconds)
+    settings.set("host_spin_us", microseconds)
 
 
 def set_max_sms(max_sms: int) -> None:
     """Cap on the SMs a gather/scatter kernel occupies (0: no cap); mirrors ``PYTORCH_DIRECT_MAX_SMS``."""
-    if int(max_sms) < 0:
-        raise ValueError("max_sms must be >= 0 (0 means no cap)")
-    settings.max_sms = int(max_sms)
+    settings.set("max_sms", max_sms)
 
 
 def set_cache_dir(path: str | os.PathLike) -> None:
     """Directory of the per-machine calibration cache; mirrors ``PYTORCH_DIRECT_CACHE_DIR``."""
-    settings.cache_dir = Path(path).expanduser()
+    settings.set("cache_dir", path)
 
 
 def set_calibration(path: str | os.PathLike | None) -> None:
-    """Use this measurements JSON file (None: the cached one); mirrors ``PYTORCH_DIRECT_CALIBRATION``."""
-    settings.calibration_file = Path(path).expanduser() if path is not None else None
+    """Use this measurements JSON file (None: back to the variable, else the cached file); mirrors
+    ``PYTORCH_DIRECT_CALIBRATION``."""
+    settings.set("calibration_file", path)
 
 
 def set_auto_calibrate(enabled: bool) -> None:
     """Whether ``auto`` may measure strategies on its first calls; mirrors ``PYTORCH_DIRECT_AUTO_CALIBRATE``."""
-    settings.auto_calibrate = bool(enabled)
+    settings.set("auto_calibrate", enabled)

@@ -25,6 +25,7 @@ from .io import (
     defaults,
     find_cufile,
     huge_empty,
+    settings,
 )
 from .planner import BudgetError, Choice, Plan
 from .session import OffloadSession, find_blocks, offload, plan
@@ -56,6 +57,7 @@ __all__ = [
     "configure",
     "defaults",
     "info",
+    "settings",
 ]
 
 

@@ -21,41 +21,10 @@ future is done.
 Tensors are kept alive by the engine until their transfer completes, so dropping the last reference to a tensor
 while its write is in flight is safe.
 
-Settings (each an environment variable, read when an Engine is created without that argument, and mirrored by
-``configure()``):
-
-=============================  ==============  ===================================================================
-variable                       default         meaning
-=============================  ==============  ===================================================================
-SSDTRAIN_IO_BACKEND            auto            auto | io_uring | gds | threads. auto: gds where GPUDirect Storage
-                                               is really present (nvidia-fs loaded), else io_uring if the kernel
-                                               allows rings, else threads
-SSDTRAIN_IO_DIRS               system tempdir  directories for the per-process files, separated by ':'
-SSDTRAIN_IO_DIR_CAP            0               hard cap per directory in bytes (suffixes K, M, G, T); 0 = 90% of
-                                               the free space when the engine starts
-SSDTRAIN_IO_PREALLOCATE        0               bytes reserved per directory at start (fallocate); files also grow
-                                               in 256 MiB steps up to the cap
-SSDTRAIN_IO_QUEUE_DEPTH        32              I/O requests in flight (io_uring ring entries)
-SSDTRAIN_IO_BLOCK_SIZE         1M              bytes per request; a multiple of 4096
-SSDTRAIN_IO_DIRECT             auto            O_DIRECT: auto (use it where the file system allows) | on (fail
-                                               where it does not) | off
-SSDTRAIN_IO_CHECKSUM           0               1: crc32c per block, verified on every read
-SSDTRAIN_IO_STAGING_BUFFERS    32              pinned staging buffers of one block each (CUDA tensors and
-                                               unaligned host tensors pass through them)
-SSDTRAIN_IO_STAGE_HOST         auto            auto | on | off: host tensors copied through the staging buffers
-                                               (huge pages, registered with the ring) instead of being moved from
-                                               their own pages. A 1 MiB block of scattered 4 KiB pages is 256
-                                               segments, more than many devices take in one request (virtio-blk:
-                                               254), so the kernel splits it and bandwidth drops by up to half
-                                               (benchmarks/RESULTS.md). auto: staged unless the tensor comes from
-                                               huge_empty() (physically contiguous already). Only for O_DIRECT
-                                               files: without it the page cache copies anyway
-SSDTRAIN_IO_THREADS            4               driver threads (and pread/pwrite or cuFile workers)
-SSDTRAIN_CUFILE_LIBRARY        (search)        path of libcufile.so.0 for the gds backend; default: the system's,
-                                               then the nvidia-cufile wheel's
-CUFILE_ENV_PATH_JSON           (ours)          cuFile's own variable: its config file. Unset: ssdtrain writes one
-                                               allowing compatibility mode (see cufile_config())
-=============================  ==============  ===================================================================
+Settings: each argument of ``Engine()`` left out comes from ``settings`` (the ``SSDTRAIN_IO_*`` environment
+variables, read when ssdtrain is imported, overridden by ``configure()``); the README's "Settings" table lists them.
+``CUFILE_ENV_PATH_JSON`` is cuFile's own variable: its config file (unset: ssdtrain writes one allowing
+compatibility mode, see ``cufile_config()``).
 """
 
 from __future__ import annotations
@@ -75,6 +44,16 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _core
+from ._shared_cuda import (
+    Setting,
+    Settings,
+    choice,
+    integer,
+    parse_bool,
+    parse_size,
+    parse_text,
+    parse_tristate,
+)
 
 __all__ = [
     "ChecksumError",
@@ -89,119 +68,91 @@ __all__ = [
     "huge_empty",
 ]
 
-_SETTINGS = {
-    # name: (environment variable, default text)
-    "backend": ("SSDTRAIN_IO_BACKEND", "auto"),
-    "directories": ("SSDTRAIN_IO_DIRS", ""),
-    "capacity_per_directory": ("SSDTRAIN_IO_DIR_CAP", "0"),
-    "preallocate_per_directory": ("SSDTRAIN_IO_PREALLOCATE", "0"),
-    "queue_depth": ("SSDTRAIN_IO_QUEUE_DEPTH", "32"),
-    "block_size": ("SSDTRAIN_IO_BLOCK_SIZE", "1M"),
-    "direct": ("SSDTRAIN_IO_DIRECT", "auto"),
-    "checksum": ("SSDTRAIN_IO_CHECKSUM", "0"),
-    "staging_buffers": ("SSDTRAIN_IO_STAGING_BUFFERS", "32"),
-    "stage_host": ("SSDTRAIN_IO_STAGE_HOST", "auto"),
-    "threads": ("SSDTRAIN_IO_THREADS", "4"),
-    "cufile_library": ("SSDTRAIN_CUFILE_LIBRARY", ""),
-}
-_overrides: dict[str, object] = {}
 _BACKENDS = ("auto", "io_uring", "gds", "threads")
-_DIRECT = ("auto", "on", "off")
+
+
+def _directories(value) -> list[str]:
+    """Folders from a list, one path, or text separated by ``os.pathsep``; none: the system's temp folder."""
+    if isinstance(value, str):
+        value = [p for p in value.split(os.pathsep) if p]
+    elif isinstance(value, os.PathLike):
+        value = [value]
+    return [os.fspath(d) for d in value] or [tempfile.gettempdir()]
+
+
+_SETTING_TABLE = {
+    "backend": Setting(
+        "SSDTRAIN_IO_BACKEND", "auto", choice(*_BACKENDS),
+        "`auto`: gds where GPUDirect Storage is really present (nvidia-fs loaded), else io_uring if the kernel "
+        "allows rings, else threads", "ssdtrain.configure(backend=)"),
+    "directories": Setting(
+        "SSDTRAIN_IO_DIRS", lambda: [tempfile.gettempdir()], _directories,
+        "folders for the per-process files, separated by `:`", "ssdtrain.configure(directories=)",
+        "the system temp folder"),
+    "capacity_per_directory": Setting(
+        "SSDTRAIN_IO_DIR_CAP", 0, parse_size,
+        "hard cap per folder in bytes (suffixes K, M, G, T); 0: 90% of the free space when the engine starts",
+        "ssdtrain.configure(capacity_per_directory=)"),
+    "preallocate_per_directory": Setting(
+        "SSDTRAIN_IO_PREALLOCATE", 0, parse_size,
+        "bytes reserved per folder at start (fallocate); files also grow in 256 MiB steps up to the cap",
+        "ssdtrain.configure(preallocate_per_directory=)"),
+    "queue_depth": Setting(
+        "SSDTRAIN_IO_QUEUE_DEPTH", 32, integer(1), "I/O requests in flight (io_uring ring entries)",
+        "ssdtrain.configure(queue_depth=)"),
+    "block_size": Setting(
+        "SSDTRAIN_IO_BLOCK_SIZE", 1 << 20, parse_size, "bytes per request; a multiple of 4096",
+        "ssdtrain.configure(block_size=)", "`1M`"),
+    "direct": Setting(
+        "SSDTRAIN_IO_DIRECT", "auto", parse_tristate,
+        "O_DIRECT: `auto` uses it where the file system allows, `on` fails where it does not, `off`",
+        "ssdtrain.configure(direct=)"),
+    "checksum": Setting(
+        "SSDTRAIN_IO_CHECKSUM", False, parse_bool, "crc32c per block, verified on every read",
+        "ssdtrain.configure(checksum=)", "`0`"),
+    "staging_buffers": Setting(
+        "SSDTRAIN_IO_STAGING_BUFFERS", 32, integer(1),
+        "pinned staging buffers of one block each (CUDA tensors and unaligned host tensors pass through them)",
+        "ssdtrain.configure(staging_buffers=)"),
+    "stage_host": Setting(
+        "SSDTRAIN_IO_STAGE_HOST", "auto", parse_tristate,
+        "host tensors copied through the staging buffers (huge pages, registered with the ring) instead of moved "
+        "from their own pages: a 1 MiB block of scattered 4 KiB pages is 256 segments, more than many devices take "
+        "in one request (virtio-blk: 254), so the kernel splits it and bandwidth drops by up to half. `auto`: "
+        "staged unless the tensor comes from `huge_empty()`. O_DIRECT files only", "ssdtrain.configure(stage_host=)"),
+    "threads": Setting(
+        "SSDTRAIN_IO_THREADS", 4, integer(1), "driver threads (and pread/pwrite or cuFile workers)",
+        "ssdtrain.configure(threads=)"),
+    "cufile_library": Setting(
+        "SSDTRAIN_CUFILE_LIBRARY", "", parse_text,
+        "path of `libcufile.so.0` for the gds backend; unset: the system's, then the nvidia-cufile wheel's",
+        "ssdtrain.configure(cufile_library=)", "unset"),
+}
+settings = Settings(_SETTING_TABLE)
 
 
 class ChecksumError(OSError):
     """Data read back does not match the checksum taken when it was written (errno EBADMSG)."""
 
 
-def parse_size(value) -> int:
-    """Bytes from an int or a string such as ``"64G"``, ``"1M"``, ``"4096"`` (binary units)."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return value
-    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    for suffix, power in (("K", 10), ("M", 20), ("G", 30), ("T", 40)):
-        if text.endswith(suffix):
-            text, scale = text[:-1], 1 << power
-            break
-    try:
-        number = float(text)
-    except ValueError:
-        raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with K, M, G or T") from None
-    if number < 0:
-        raise ValueError(f"size must be >= 0, got {value!r}")
-    return int(number * scale)
-
-
-def _parse(name: str, value):
-    if name == "directories":
-        if isinstance(value, (str, os.PathLike)):
-            value = [p for p in str(value).split(os.pathsep) if p] if isinstance(value, str) else [value]
-        dirs = [os.fspath(d) for d in value]
-        return dirs or [tempfile.gettempdir()]
-    if name in ("capacity_per_directory", "preallocate_per_directory", "block_size"):
-        return parse_size(value)
-    if name in ("queue_depth", "staging_buffers", "threads"):
-        number = int(value)
-        if number < 1:
-            raise ValueError(f"{name} must be at least 1, got {value!r}")
-        return number
-    if name == "stage_host":
-        if value is True or value is False:
-            return "on" if value else "off"
-        text = str(value).strip().lower()
-        text = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(text, text)
-        if text not in ("auto", "on", "off"):
-            raise ValueError(f"stage_host must be auto, on or off (or True/False), got {value!r}")
-        return text
-    if name == "checksum":
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        return bool(value)
-    if name == "backend":
-        value = str(value).strip().lower()
-        if value not in _BACKENDS:
-            raise ValueError(f"unknown I/O backend {value!r}: use one of {', '.join(_BACKENDS)}")
-        return value
-    if name == "direct":
-        if value is True or value is False:
-            return "on" if value else "off"
-        value = str(value).strip().lower()
-        if value not in _DIRECT:
-            raise ValueError(f"direct must be one of {', '.join(_DIRECT)} (or True/False), got {value!r}")
-        return value
-    return str(value)
-
-
-def configure(**settings) -> None:
-    """Set process-wide defaults for new engines (the setters mirroring the SSDTRAIN_IO_* variables).
+def configure(**values) -> None:
+    """Set process-wide defaults for new engines (the setters mirroring the ``SSDTRAIN_IO_*`` variables).
 
     Keys: backend, directories, capacity_per_directory, preallocate_per_directory, queue_depth, block_size, direct,
     checksum, staging_buffers, stage_host, threads, cufile_library. ``None`` restores the environment/default value.
+    Values are validated now, not at the next ``Engine()``.
     """
-    for name, value in settings.items():
-        if name not in _SETTINGS:
-            raise TypeError(f"configure() got an unknown setting {name!r}; known: {', '.join(_SETTINGS)}")
-        if value is None:
-            _overrides.pop(name, None)
-        else:
-            _overrides[name] = _parse(name, value)  # validate now, not at the next Engine()
+    for name, value in values.items():
+        try:
+            settings.set(name, value)
+        except TypeError:
+            raise TypeError(f"configure() got an unknown setting {name!r}; known: {', '.join(dict(settings))}") \
+                from None
 
 
 def defaults() -> dict:
     """The settings a new Engine() would use: configure() overrides, then environment variables, then defaults."""
-    out = {}
-    for name, (env, default) in _SETTINGS.items():
-        if name in _overrides:
-            out[name] = _overrides[name]
-        else:
-            raw = os.environ.get(env, default)
-            try:
-                out[name] = _parse(name, raw)
-            except ValueError as e:
-                raise ValueError(f"{env}={raw!r}: {e}") from None
-    return out
+    return settings.as_dict()
 
 
 def find_cufile() -> str:
@@ -571,7 +522,7 @@ class Engine:
         settings = defaults()
         for name, value in given.items():
             if value is not None:
-                settings[name] = _parse(name, value)
+                settings[name] = _SETTING_TABLE[name].parse_value(value, source=name)
         block = settings["block_size"]
         if block < 4096 or block % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {block}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 import weakref
@@ -31,6 +30,7 @@ from torch import nn
 from .cache import OffloadWarning, TensorCache
 from .hostpool import HostPool
 from .io import Engine, huge_empty, parse_size
+from .io import settings as io_settings
 from .planner import Bandwidth, BudgetError, Choice, Plan, UnitProfile, format_bytes, make_plan
 
 _MIB = 1 << 20
@@ -833,8 +833,7 @@ class OffloadSession:
         if self.directories is not None:
             d = self.directories
             return [os.fspath(x) for x in ([d] if isinstance(d, (str, os.PathLike)) else d)]
-        env = os.environ.get("SSDTRAIN_IO_DIRS", "")
-        return [p for p in env.split(os.pathsep) if p] or [tempfile.gettempdir()]
+        return list(io_settings.directories)
 
     def _nvme_limit(self) -> int:
         if self.nvme_limit is not None:

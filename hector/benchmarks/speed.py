@@ -1,6 +1,6 @@
 """Training-step time and peak memory, hector (reference backend: torch ops driven by the kernel plan) vs PyG.
 
-This measures the *reference* backend, i.e. the fallback the CUDA code generator (next issue) will replace; its
+This measures the *reference* backend (torch ops), the fallback where generated CUDA kernels cannot run; its
 numbers show the effect of compaction/reordering on the same torch ops, not generated-kernel speed.
 
     python hector/benchmarks/speed.py --datasets aifb,am --device cuda --csv speed.csv

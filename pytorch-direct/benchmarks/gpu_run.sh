@@ -7,8 +7,8 @@
 # budget; PD_BENCH_ARGS overrides it and PD_STEPS picks the steps ("tests bench" by default), e.g.
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
 # PD_PYTEST_K selects GPU tests by a pytest -k expression, passed as one argument (spaces allowed: "dedupe or auto";
-# PD_PYTEST_ARGS is split at spaces, so an expression there must have none: H200 run I passed "a|b", which pytest
-# rejects, and no test ran). PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
+# PD_PYTEST_ARGS is split at spaces, so an expression there must have none: "a|b" is rejected by pytest, and no
+# test runs). PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"

@@ -152,8 +152,8 @@ host_managed_buffer::host_managed_buffer(std::size_t bytes) {
     throw;
   }
   // Fault every page in on the host now, in parallel (one thread per 256 MiB, at most one per core), which also maps
-  // it on the devices. 48 GiB took 3.5-3.6 s with 16 threads in pytorch-direct's probe P7, 7.6-9.4 s inside its
-  // benchmark's process (benchmarks/RESULTS.md, runs S-U).
+  // it on the devices. 48 GiB took 3.5-3.6 s with 16 threads in a process of its own on an H200 host, 7.6-9.4 s
+  // inside a benchmark process that held other large tables.
   const std::size_t threads =
       std::clamp<std::size_t>(bytes >> 28, 1, std::max(1u, std::thread::hardware_concurrency()));
   thread_pool touching(threads);

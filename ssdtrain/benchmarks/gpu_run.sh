@@ -20,7 +20,7 @@ echo "== ssdtrain GPU tests ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 python3 -m ssdtrain info 2>&1 | tee -a "$LOG"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
 ls /proc/driver/nvidia-fs 2>&1 | head -3 | tee -a "$LOG"
-# Evidence for the host-vs-GPU puzzle of run B (see benchmarks/RESULTS.md): huge pages decide whether a 1 MiB
+# Why GPU <-> file can beat host <-> file: huge pages decide whether a 1 MiB
 # block is one device request or is split in two (max_segments), and pagemap (root only) shows physical layout.
 {
   echo "== memory: uid $(id -u); THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1);" \
@@ -43,7 +43,7 @@ df -hT "$BENCH_DIR" 2>&1 | tee -a "$LOG"
 # shellcheck disable=SC2086
 # Memory kinds per backend: host (torch pinned tensor, default stage_host=auto: copied through the huge-page
 # staging buffers), host-huge (ssdtrain.huge_empty, moved in place), host-4k (torch pinned tensor moved from its own
-# 4 KiB pages: the behaviour of run B), gpu. Columns dev/x and req KiB come from /proc/diskstats (see the header).
+# 4 KiB pages: split requests), gpu. Columns dev/x and req KiB come from /proc/diskstats (see the header).
 timeout 200 python3 ssdtrain/benchmarks/io.py --dir "$BENCH_DIR" --sizes 64M,256M,1G --repeat 3 \
   --csv "$OUT/ssdtrain-io.csv" ${SSDTRAIN_BENCH_ARGS:-} > "$OUT/ssdtrain-io.txt" 2>&1
 bench_rc=$?

@@ -13,7 +13,7 @@ moved in place), host-4k (torch's tensor moved from its own 4 KiB pages: stage_h
 References at the same block size, queue depth and O_DIRECT: fio (ioengine=io_uring), dd (8 MiB blocks,
 oflag/iflag=direct), and `pthreads`: a Python loop of os.pwrite/os.preadv on `--threads` threads (O_DIRECT).
 Each number is the median of --repeat runs. "cpu s/GB" is process CPU time (all threads) per GB moved.
-Targets (issue 5): io_uring host <-> file >= 0.95x fio; gpu <-> file >= 0.9x the host path.
+Targets: io_uring host <-> file >= 0.95x fio; gpu <-> file >= 0.9x the host path.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import threading
 import time
 
 # "cpu s/GB" is process CPU time: torch's OpenMP workers spinning after the poisoning fill just before a timed read
-# were counted as the engine's (run C: 1.7-2.0 s/GB for every 64 MiB host read, in place or staged, none for GPU
+# were counted as the engine's (1.7-2.0 s/GB for every 64 MiB host read, in place or staged, none for GPU
 # reads). Passive waiting makes them sleep at once. Set before torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -562,7 +562,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_checks(rows: list[dict]) -> None:
-    """The evidence for run B's puzzle (GPU <-> file faster than host <-> file), one line per backend/op/size."""
+    """Why GPU <-> file can run faster than host <-> file (1 MiB blocks split by the block layer), one line per
+    backend/op/size."""
     print("# checks: per backend, op and size: GB/s (average device request KiB, device bytes / bytes asked)")
     groups: dict[tuple, dict] = {}
     for r in rows:

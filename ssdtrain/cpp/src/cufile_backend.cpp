@@ -90,7 +90,7 @@ bool nvidia_fs_loaded() { return ::access("/proc/driver/nvidia-fs/stats", F_OK) 
 // cuFileHandleRegister refuses descriptors opened with O_TMPFILE (CU_FILE_INVALID_FILE_OPEN_FLAG, 5019: O_TMPFILE
 // carries the O_DIRECTORY bit). A second descriptor for the same inode, opened with the original's O_DIRECT, is
 // not refused for its flags, but opened through /proc/self/fd it still has no name: its path reads
-// "/dir/#inode (deleted)", and run C's cuFile then failed with CU_FILE_HANDLE_NOT_REGISTERED (5027), most likely
+// "/dir/#inode (deleted)", and cuFile then failed with CU_FILE_HANDLE_NOT_REGISTERED (5027), most likely
 // because cuFile resolves the descriptor's path to find its file system. So the nameless inode first gets a
 // name (linkat through /proc/self/fd), is opened by that name and registered, and the name is removed right
 // after registration (`linked` says which name; the caller unlinks it). Where linking fails (a file that was

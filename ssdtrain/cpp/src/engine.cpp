@@ -83,8 +83,8 @@ struct stream_mark {
 
 // Non-blocking CUDA streams reused across device transfers. Creating and destroying a stream per transfer took
 // the CUDA context's lock twice per operation, on up to 16 driver threads at once: for random 1 MiB reads into GPU
-// memory that cost more than the device copy itself (run C: io_uring gpu randread 0.79x the host path). A stream
-// goes back idle or with only waits on already recorded events queued (every copy is synchronized before).
+// memory that cost more than the device copy itself (io_uring random reads into GPU memory ran at 0.79x the host path).
+// A stream goes back idle or with only waits on already recorded events queued (every copy is synchronized before).
 class stream_pool {
  public:
   stream_pool() = default;

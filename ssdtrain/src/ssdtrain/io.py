@@ -252,7 +252,7 @@ def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> t
     if pinned:
         # The whole allocation, not only the aligned range: torch's is_pinned() asks CUDA about the *storage's* base
         # address (raw.data_ptr(), up to 2 MiB before `start`); registering only [start, start+rounded) gave a
-        # tensor that worked but was not pinned in torch's eyes (GPU run E3). Through torch's own CUDA runtime.
+        # tensor that worked but was not pinned in torch's eyes. Through torch's own CUDA runtime.
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
         if int(err) != 0:

@@ -160,16 +160,17 @@ def markdown(rows) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", default=",".join(datasets.SPECS))
-    ap.add_argument("--layers", default=",".join(LAYERS))
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--measure-edges", type=int, default=50_000)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--datasets", default=",".join(datasets.SPECS),
+                    help='comma-separated synthetic twins (hector.datasets)')
+    ap.add_argument("--layers", default=",".join(LAYERS), help='comma-separated layers to measure')
+    ap.add_argument("--dim", type=int, default=64, help='input and output feature width')
+    ap.add_argument("--heads", type=int, default=4, help='attention heads (RGAT, HGT)')
+    ap.add_argument("--measure-edges", type=int, default=50_000, help='edges of the scaled twin whose peak is measured')
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help='where the measured runs execute')
     ap.add_argument("--pyg-limit", type=float, default=4e9, help="skip PyG measurements above this estimate")
     ap.add_argument("--no-full", action="store_true", help="skip the full-size twins (model columns)")
-    ap.add_argument("--csv")
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--csv", help='also write the rows to this CSV file')
+    ap.add_argument("--markdown", action="store_true", help='print the table as Markdown')
     a = ap.parse_args(argv)
     rows = run(a.datasets.split(","), a.layers.split(","), a.dim, a.heads, a.measure_edges, a.device, a.pyg_limit,
                a.csv, full=not a.no_full)

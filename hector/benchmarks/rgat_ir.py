@@ -14,11 +14,12 @@ from hector.cost import estimate
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", default="aifb")
-    ap.add_argument("--scale", type=float, default=0.2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--attention", default="per_relation", choices=["per_relation", "shared"])
+    ap.add_argument("--dataset", default="aifb", help='synthetic twin to build the graph from')
+    ap.add_argument("--scale", type=float, default=0.2, help="fraction of the twin's nodes and edges")
+    ap.add_argument("--dim", type=int, default=64, help='input and output feature width')
+    ap.add_argument("--heads", type=int, default=4, help='attention heads (RGAT, HGT)')
+    ap.add_argument("--attention", default="per_relation", choices=["per_relation", "shared"],
+                    help="RGAT attention form: per relation (Hector's) or shared (PyG's)")
     a = ap.parse_args(argv)
     twin = datasets.load(a.dataset, scale=a.scale)
     g = twin.graph()

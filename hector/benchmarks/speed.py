@@ -131,15 +131,17 @@ def fmt(r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", default="aifb,mutag,bgs,fb15k,biokg,am")
-    ap.add_argument("--layers", default=",".join(LAYERS))
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--datasets", default="aifb,mutag,bgs,fb15k,biokg,am",
+                    help='comma-separated synthetic twins (hector.datasets)')
+    ap.add_argument("--layers", default=",".join(LAYERS), help='comma-separated layers to measure')
+    ap.add_argument("--dim", type=int, default=64, help='input and output feature width')
+    ap.add_argument("--heads", type=int, default=4, help='attention heads (RGAT, HGT)')
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each twin's nodes and edges")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help='where to run (default: cuda when available)')
+    ap.add_argument("--iters", type=int, default=3, help='timed training steps per layer (after one warm-up)')
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new datasets after this")
-    ap.add_argument("--csv")
+    ap.add_argument("--csv", help='also write the rows to this CSV file')
     a = ap.parse_args(argv)
     return run(a.datasets.split(","), a.layers.split(","), a.dim, a.heads, a.scale, a.device, a.iters, a.budget_s,
                a.csv)

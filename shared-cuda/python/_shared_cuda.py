@@ -168,11 +168,19 @@ class Settings:
         self._table = dict(table)
         self._overrides: dict[str, Any] = {}
         self._environment: dict[str, Any] = {}
+        self._given: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
         """Read every variable from the environment again (setters keep precedence)."""
         self._environment = {name: s.from_environment() for name, s in self._table.items()}
+        self._given = {name for name, s in self._table.items() if os.environ.get(s.env, "").strip()}
+
+    def source(self, name: str) -> str:
+        """Where the value in force comes from: ``"setter"``, ``"environment"`` or ``"default"``."""
+        if name not in self._table:
+            raise TypeError(f"unknown setting {name!r}; known: {', '.join(self._table)}")
+        return "setter" if name in self._overrides else "environment" if name in self._given else "default"
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

@@ -1,57 +1,67 @@
 #!/usr/bin/env bash
-# ssdtrain on the GPU machine: GPU tests, then the I/O benchmark at full size (64 MiB .. 1 GiB, host and GPU memory,
-# io_uring / threads / gds backends, against dd O_DIRECT and a multithreaded pread/pwrite loop; fio too if present).
-# Run from the repo root with the packages installed. Writes at most three files into ${OUT:-./out}:
-#   ssdtrain-gpu.log (everything printed), ssdtrain-io.csv (every benchmark row), ssdtrain-io.txt (the table).
-# Exit code: non-zero if the tests or the benchmark failed. Ends in about 2-3 minutes on an H100/H200 machine.
+# ssdtrain on the GPU machine: GPU tests, then the LLM budget suite (benchmarks/llm.py --suite budget: budget
+# accuracy over GPT-2 / Llama-style GQA / Qwen2, eager and compiled, autocast and bf16, accumulation 1 and 4;
+# budget=None at full recompute's largest batch; NVMe with host RAM capped), optionally the I/O benchmark.
+# Run from the repo root with the packages installed. Ends within SSDTRAIN_GPU_SECONDS (default 480) seconds.
+# Writes into ${OUT:-./out}: ssdtrain-gpu.log (everything printed), llm-budget.csv (every row), llm-budget.png
+# (peak / budget per cell, step time vs peak), ssdtrain-io.csv when the io step runs.
 #
-# The benchmark writes into SSDTRAIN_BENCH_DIR (default: a fresh directory under the repo root, which lies on the
-# machine's disk; /tmp may be a tmpfs). SSDTRAIN_BENCH_ARGS adds/overrides benchmark options, e.g. "--repeat 5".
+#   SSDTRAIN_GPU_STEPS   steps to run, comma-separated (default tests,budget; add io for the I/O benchmark)
+#   SSDTRAIN_BENCH_DIR   a directory on the machine's disk for NVMe files (default: a fresh one under the repo
+#                        root; /tmp may be a tmpfs)
+#   SSDTRAIN_BENCH_ARGS  extra arguments for llm.py (e.g. "--cells 4")
+# Exit code: non-zero if the tests or a benchmark failed.
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 LOG="$OUT/ssdtrain-gpu.log"
 : > "$LOG"
+export PYTHONUNBUFFERED=1
+STEPS=",${SSDTRAIN_GPU_STEPS:-tests,budget},"
+END=$(( $(date +%s) + ${SSDTRAIN_GPU_SECONDS:-480} ))
+left() { echo $(( END - $(date +%s) )); }
 BENCH_DIR="${SSDTRAIN_BENCH_DIR:-$(mktemp -d -p "$PWD" ssdtrain-bench.XXXXXX)}"
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
+tests_rc=0
+bench_rc=0
+io_rc=0
 
-echo "== ssdtrain GPU tests ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-python3 -m ssdtrain info 2>&1 | tee -a "$LOG"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
-ls /proc/driver/nvidia-fs 2>&1 | head -3 | tee -a "$LOG"
-# Why GPU <-> file can beat host <-> file: huge pages decide whether a 1 MiB
-# block is one device request or is split in two (max_segments), and pagemap (root only) shows physical layout.
 {
-  echo "== memory: uid $(id -u); THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1);" \
-    "defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>&1)"
-  grep -E 'AnonHugePages|HugePages_Total|MemFree' /proc/meminfo
+  echo "== ssdtrain on $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -m ssdtrain info
+  grep -E 'MemTotal|MemAvailable' /proc/meminfo
+  df -hT "$BENCH_DIR"
 } 2>&1 | tee -a "$LOG"
-# faulthandler_timeout dumps every thread's stack into the log when one test runs longer than 40 s.
-timeout 120 python3 -m pytest -m gpu ssdtrain/tests -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
-  $TIMEOUT_ARG 2>&1 | tail -n 80 | tee -a "$LOG"
-tests_rc=${PIPESTATUS[0]}
-echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
-# cuFile's own log (the cufile.json ssdtrain writes sends it to the temp dir): says why cuFileHandleRegister failed.
-for f in $(ls -t "${TMPDIR:-/tmp}"/cufile*.log 2>/dev/null | head -n 2); do
-  echo "== tail of $f" | tee -a "$LOG"
-  tail -n 25 "$f" 2>&1 | tee -a "$LOG"
-done
 
-echo "== ssdtrain I/O benchmark ($(date -u +%H:%M:%S)) in $BENCH_DIR" | tee -a "$LOG"
-df -hT "$BENCH_DIR" 2>&1 | tee -a "$LOG"
-# shellcheck disable=SC2086
-# Memory kinds per backend: host (torch pinned tensor, default stage_host=auto: copied through the huge-page
-# staging buffers), host-huge (ssdtrain.huge_empty, moved in place), host-4k (torch pinned tensor moved from its own
-# 4 KiB pages: split requests), gpu. Columns dev/x and req KiB come from /proc/diskstats (see the header).
-timeout 200 python3 ssdtrain/benchmarks/io.py --dir "$BENCH_DIR" --sizes 64M,256M,1G --repeat 3 \
-  --csv "$OUT/ssdtrain-io.csv" ${SSDTRAIN_BENCH_ARGS:-} > "$OUT/ssdtrain-io.txt" 2>&1
-bench_rc=$?
-cat "$OUT/ssdtrain-io.txt" >> "$LOG"
+if [[ "$STEPS" == *,tests,* ]]; then
+  echo "== GPU tests ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
+  # faulthandler_timeout dumps every thread's stack into the log when one test runs longer than 40 s.
+  timeout 100 python3 -m pytest -m gpu ssdtrain/tests -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
+    $TIMEOUT_ARG 2>&1 | tail -n 60 | tee -a "$LOG"
+  tests_rc=${PIPESTATUS[0]}
+  echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
+fi
+
+if [[ "$STEPS" == *,io,* ]]; then
+  echo "== I/O benchmark ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
+  timeout 150 python3 ssdtrain/benchmarks/io.py --dir "$BENCH_DIR" --sizes 256M,1G --repeat 2 \
+    --csv "$OUT/ssdtrain-io.csv" 2>&1 | tee -a "$LOG"
+  io_rc=${PIPESTATUS[0]}
+fi
+
+if [[ "$STEPS" == *,budget,* ]]; then
+  remaining=$(left)
+  echo "== LLM budget suite ($(date -u +%H:%M:%S), $remaining s left)" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  python3 ssdtrain/benchmarks/llm.py --suite budget --deadline $(( remaining - 45 )) --hard-end $(( remaining - 10 )) \
+    --child-timeout 150 --nvme-dir "$BENCH_DIR" --csv "$OUT/llm-budget.csv" --png "$OUT/llm-budget.png" \
+    ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | grep -v -E '^\[transformers\]|Converting a tensor|Consider using tensor' \
+    | tee -a "$LOG"
+  bench_rc=${PIPESTATUS[0]}
+fi
 rm -rf "$BENCH_DIR"
-echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-echo "== summary: GPU tests rc=$tests_rc, benchmark rc=$bench_rc" | tee -a "$LOG"
-echo "== ssdtrain I/O benchmark table"
-cat "$OUT/ssdtrain-io.txt"
-if [ "$tests_rc" -ne 0 ] || [ "$bench_rc" -ne 0 ]; then exit 1; fi
-exit 0
+echo "== summary: GPU tests rc=$tests_rc, budget suite rc=$bench_rc, io rc=$io_rc ($(date -u +%H:%M:%S))" \
+  | tee -a "$LOG"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ]

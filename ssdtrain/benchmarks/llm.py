@@ -372,8 +372,11 @@ def run_determinism(job: dict) -> dict:
 
 def _child(job, conn):
     try:
-        fn = run_determinism if job["policy"] == "determinism" else run_policy
-        result = fn(job)
+        if job.get("fn") is not None:  # a job of another suite (llm_budget): its function and this module
+            result = job["fn"](job, job["llm"])
+        else:
+            fn = run_determinism if job["policy"] == "determinism" else run_policy
+            result = fn(job)
     except Exception as e:  # noqa: BLE001 - reported as a row, the benchmark goes on
         result = {
             "model": job["model"],
@@ -514,12 +517,28 @@ def main(argv=None) -> int:
         default=0,
         help="seconds; a job still running then is stopped (its row says timeout), so the run ends by then",
     )
+    p.add_argument(
+        "--suite",
+        default="headline",
+        choices=["headline", "budget"],
+        help="headline: the policies above; budget: budget accuracy over models, compile, precision and "
+        "accumulation, budget=None at recompute's largest batch, and NVMe with host RAM capped (llm_budget.py)",
+    )
+    p.add_argument("--cells", type=int, default=0, help="budget suite: only the first N cells")
+    p.add_argument("--nvme-dir", default="", help="budget suite: a directory on the NVMe disk (default: temp dir)")
+    p.add_argument("--nvme-host", default="256M", help="budget suite: host_memory of the NVMe runs")
+    p.add_argument("--nvme-layers", type=int, default=8)
+    p.add_argument("--nvme-hidden", type=int, default=1024)
+    p.add_argument("--nvme-seq", type=int, default=1024)
+    p.add_argument("--nvme-batch", type=int, default=8)
     p.add_argument("--csv")
     p.add_argument("--png")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
+    if a.suite == "budget":
+        return _budget_suite(a)
     big = dict(layers=24, hidden=2048, heads=16, batch=8, seq=2048)
     tiny = dict(layers=3, hidden=64, heads=2, batch=2, seq=64)
     for k, v in (tiny if a.quick else big).items():
@@ -606,6 +625,33 @@ def main(argv=None) -> int:
     print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
     bad = [r for r in results if r["status"] in ("error", "crashed", "timeout")]
     return 1 if bad else 0
+
+
+def _budget_suite(a) -> int:
+    """``--suite budget``: see llm_budget.py (sizes: 8 x 1024 models, batch 8 x 1024, 4 steps timed)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llm_budget
+
+    sizes = (
+        dict(layers=3, hidden=64, heads=4, batch=2, seq=64)
+        if a.quick
+        else dict(layers=8, hidden=1024, heads=16, batch=8, seq=1024)
+    )
+    for k, v in sizes.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.quick:
+        a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
+        a.warmup, a.steps = 1, 2
+        a.nvme_layers, a.nvme_hidden, a.nvme_seq, a.nvme_batch, a.nvme_host = 4, 64, 64, 2, "64K"
+    with contextlib.suppress(ImportError):
+        import transformers  # noqa: F401 - imported once here, inherited by every forked child
+    print(
+        f"# ssdtrain LLM budget suite: {a.device}, {a.layers} layers x {a.hidden}, batch {a.batch} x {a.seq}; "
+        f"{a.warmup} warm-up + {a.steps} timed steps (ssdtrain adds its profiling and calibration forwards)",
+        flush=True,
+    )
+    return llm_budget.main(a, sys.modules[__name__])
 
 
 def _print_row(r):

@@ -36,3 +36,9 @@ def engine_factory(tmp_path):
     yield make
     for e in engines:
         e.close()
+
+
+@pytest.fixture(autouse=True)
+def _disk_rate_cache(tmp_path_factory, monkeypatch):
+    """Measured disk rates go to a per-run cache directory, never the user's ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))

@@ -113,3 +113,29 @@ def test_llm_benchmark_quick(tmp_path):
     assert rows["determinism"]["status"] == "ok"
     assert "(5)" in text and "-> MET" in text  # bit-identical losses, gradients and weights
     assert png.stat().st_size > 1000
+
+
+def test_llm_budget_suite_quick(tmp_path):
+    """The budget suite at a tiny size on CPU: every part runs (budget rows, recompute's largest batch against
+    budget=None, the NVMe run with host RAM capped, bit-identical gradients), and writes its table, CSV and PNG."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "budget.csv", tmp_path / "budget.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--suite", "budget", "--quick", "--device", "cpu", "--cells", "1"]
+        + ["--nvme-dir", str(tmp_path), "--csv", str(out), "--png", str(png), "--child-timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    parts = {r["part"] for r in rows}
+    assert parts == {"budget", "maxbatch", "nvme"}, parts
+    assert {r["status"] for r in rows if r["part"] != "budget" or r["policy"] == "keep"} == {"ok"}
+    assert "(2) batch" in text and "(3) ssdtrain@cap" in text
+    assert "bit-identical to keep: True" in text
+    assert "NVMe carries load, bit-identical: MET" in text
+    assert png.stat().st_size > 1000

@@ -27,8 +27,9 @@ from .io import (
     huge_empty,
     settings,
 )
+from .model import find_blocks
 from .planner import BudgetError, Choice, Plan
-from .session import OffloadSession, find_blocks, offload, plan
+from .session import OffloadSession, offload, plan
 
 __version__ = _version("ssdtrain")
 

@@ -4,11 +4,14 @@
 (kept on its device: parameters and their casts/transposes, small tensors, units the plan keeps) or a ``_Saved``
 token naming an ``_Entry``: the bytes of the tensor's *storage*. Views of one storage saved several times (q, k, v
 split from one projection; a reshape of a saved input) share one entry, stored once and rebuilt with their own
-offset, shape and strides on unpack. An entry is moved to pinned host memory (``host``) or on to NVMe (``nvme``,
-through the I/O engine) on side streams, so forward compute never waits for the copy; its GPU memory is released
-as soon as the copy is done. ``unpack(token)`` returns the data: the original if it is still on the device (a copy
-in flight is forwarded, never re-read), else the prefetched copy (the current stream waits on an event, not the
-host), else a copy issued right there (a *miss*). Prefetching restores the next units in reverse order when backward
+offset, shape and strides on unpack; a kept storage saved by two ops is counted once too. An entry is handed to a
+tier (``ssdtrain.tiers``: pinned host memory, NVMe through the I/O engine), which starts the copy on a side stream, so
+forward compute never waits for it; its GPU memory is released as soon as the copy is done. A tier without room
+passes the entry on along its fallback order (host -> NVMe -> device; NVMe -> host -> device).
+
+``unpack(token)`` returns the data: the original if it is still on the device (a copy in flight is forwarded, never
+re-read), else the prefetched copy (the current stream waits on an event, not the host), else a copy issued right
+there (a *miss*). Prefetching restores the next units in reverse order when backward
 reaches a unit. An entry's memory and disk space return to the pool the moment autograd drops the last token
 (``retain_graph=False`` drops it right after the node that used it).
 
@@ -18,7 +21,6 @@ On CPU tensors the same code runs with synchronous copies (no streams), so every
 from __future__ import annotations
 
 import collections
-import errno
 import threading
 import time
 import warnings
@@ -98,6 +100,7 @@ class _Entry:
         "unpacked",
         "lost",
         "skipped",
+        "released",
         "__weakref__",
     )
 
@@ -122,6 +125,7 @@ class _Entry:
         self.unpacked = False
         self.lost = None  # the error that destroyed the only copy
         self.skipped = None  # why prefetching its unit left it alone ("in_flight", "alive"), for miss counters
+        self.released = False
 
     def storage_alive(self) -> bool:
         """The stored storage still exists (so equal data pointers mean the same memory, not a reused address)."""
@@ -157,22 +161,23 @@ class _Saved:
 
 
 class TensorCache:
-    """Pack/unpack for saved tensors with host and NVMe tiers. Driven by the session (units, plan, step ends)."""
+    """Pack/unpack for saved tensors over tiers (``ssdtrain.tiers``). Driven by the session (units, plan, steps)."""
 
-    def __init__(self, *, min_bytes: int, pool, engine_factory, on_full: str = "fallback"):
+    def __init__(self, *, min_bytes: int, tiers: dict, on_full: str = "fallback"):
         self.min_bytes = int(min_bytes)
-        self.pool = pool
-        self._engine_factory = engine_factory  # creates the NVMe engine on first use (no files or threads before)
-        self.engine = None
+        self.tiers = tiers  # name -> Tier
+        self.pool = tiers["host"].pool if "host" in tiers else None
         self.on_full = on_full
         self.lock = threading.RLock()
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
-        self.tier_of = lambda unit, nbytes: "keep"  # the plan, set by the session
+        self.tier_of = lambda unit, nbytes: "keep"  # the plan's tier name for a unit, set by the session
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
+        self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
+        self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
         self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
@@ -183,10 +188,18 @@ class TensorCache:
         self._inflight_bytes = 0
         self._streams: dict[int, tuple] = {}
         self._warned: set[str] = set()
+        self._entries = 0  # entries not yet released
+        self.closed = False
         self.aborted = False
         self.counters = collections.Counter()
         self.gpu_saved_bytes = 0  # offloadable bytes now on the device (kept + in flight + restored)
         self.peak_gpu_saved_bytes = 0
+
+    @property
+    def engine(self):
+        """The NVMe tier's I/O engine, once created."""
+        nvme = self.tiers.get("nvme")
+        return None if nvme is None else nvme.engine
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _side_streams(self, device: torch.device):
@@ -203,8 +216,13 @@ class TensorCache:
             warnings.warn(
                 f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
                 OffloadWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
+
+    def fell_back(self, tier, to, kind: str) -> None:
+        """`tier` had no room for an activation, which went to `to` (a tier, or None: the device)."""
+        where = "keeping activations on the device" if to is None or to.resident else _WHERE[to.name]
+        self._warn(kind, f"{tier.full_message}: {where}")
 
     def _account(self, delta: int) -> None:
         self.gpu_saved_bytes += delta
@@ -218,10 +236,21 @@ class TensorCache:
                     self._by_unit[unit] = alive
                 else:
                     del self._by_unit[unit]
+            self._kept.clear()
             self._prefetched.clear()
             self._retry.clear()
             self._prefetched_bytes = 0
             self._backward_started = False
+
+    def _seen_kept(self, key, storage, version) -> bool:
+        """True if this storage (span) was kept or counted already this step: saved by a second op."""
+        known = self._kept.get(key)
+        if known is not None:
+            ref, v = known
+            if v == version and ref is not None and ref() is storage:
+                return True
+        self._kept[key] = (_storage_ref(storage), version)
+        return False
 
     # ----------------------------------------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
@@ -232,13 +261,21 @@ class TensorCache:
         with self.lock:
             self.poll()
             esize = t.element_size()
-            if isinstance(t, torch.nn.Parameter) or _param_derived(t):
+            if isinstance(t, torch.nn.Parameter):
                 self.counters["kept_param_tensors"] += 1
                 return t
             storage = t.untyped_storage()
             sptr = storage.data_ptr()
             if sptr in self.param_storages:
                 self.counters["kept_param_tensors"] += 1
+                return t
+            if _param_derived(t):
+                # A cast of a parameter (autocast's bf16 weight) is new device memory, held until backward uses
+                # it: never moved (it is re-created each step anyway), but counted by the planner.
+                self.counters["kept_param_tensors"] += 1
+                key = (t.device.type, t.device.index, sptr, 0, storage.nbytes())
+                if self.observer is not None and not self._seen_kept(key, storage, t._version):
+                    self.observer(self.unit, key, storage.nbytes(), "param_copy")
                 return t
             span = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True) if s > 0)
             if min(t.stride(), default=0) < 0:
@@ -255,42 +292,68 @@ class TensorCache:
                 if self.observer is not None:
                     self.observer(unit, key, 0, "view")
                 return _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
+            if self._seen_kept(key, storage, t._version):
+                # Kept already (a second op saving the same tensor): the same bytes, counted once.
+                self.counters["dedup_views"] += 1
+                if self.observer is not None:
+                    self.observer(unit, key, 0, "view")
+                return t
             small = length < self.min_bytes
             if self.observer is not None:
                 self.observer(unit, key, length, "small" if small else "saved")
-            tier = "keep" if small else self.tier_of(unit, length)
-            if tier == "keep":
+            tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
+            if tier is None or tier.resident:
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
                 return t
+            self._kept.pop(key, None)  # stored, not kept: the entry dedups its views from here on
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, base, (length,), (1,))
             entry = _Entry(self, key, unit, length, t.device, tier, src, t, storage)
             self._account(length)  # on the device until its copy out is done
-            if not self._store(entry):
+            try:
+                stored = self._store(entry)
+            except BaseException:
+                entry.released = True  # never stored: nothing to give back
                 self._account(-length)
+                raise
+            if not stored:
+                entry.released = True  # nothing to give back: it never left the device
+                self._account(-length)
+                self.counters["kept_bytes"] += length
+                self.counters["kept_tensors"] += 1
                 return t  # no room anywhere: kept on the device (warned)
+            self._entries += 1
             self._live[key] = entry
             self._by_unit[unit].append(weakref.ref(entry))
             self.counters["packed_tensors"] += 1
+            self.counters[f"bytes_to_{entry.tier.name}"] += entry.nbytes
             saved = _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
             self._throttle()
             return saved
 
     def _store(self, entry: _Entry) -> bool:
-        """Start moving `entry` out of device memory; False if it must stay (fallback)."""
-        buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
-        if buf is None:
-            if self.on_full == "raise":
+        """Hand `entry` to its tier, else along the tier's fallback order; False if it must stay on the device."""
+        planned = entry.tier
+        order = [planned] + [self.tiers[n] for n in planned.fallback if n in self.tiers and n != planned.name]
+        for tier in order:
+            if tier.resident:
+                continue
+            entry.tier = tier
+            if tier.store(self, entry):
+                if tier is not planned:
+                    self.fell_back(planned, tier, f"{planned.name}_full")
+                return True
+            if tier is planned and self.on_full == "raise":
                 raise OffloadError(
-                    f"ssdtrain: host memory pool full ({self.pool.limit if self.pool else 0} bytes):"
-                    " pass host_memory= larger, or on_full='fallback'"
+                    f"ssdtrain: {planned.full_message} ({planned.capacity()} bytes): pass "
+                    f"{'host_memory' if planned.name == 'host' else 'nvme_memory'}= larger, or on_full='fallback'"
                 )
-            if entry.tier == "host" and self._engine() is not None:
-                entry.tier = "nvme"
-                self._warn("host_full", "the host memory pool is full: moving activations to NVMe directly")
-                return self._write_direct(entry)
-            self._warn("host_full", "the host memory pool is full: keeping activations on the device")
-            return False
+        entry.tier = planned
+        self.fell_back(planned, None, f"{planned.name}_full")
+        return False
+
+    def copy_out(self, entry: _Entry, buf: torch.Tensor) -> None:
+        """Start copying `entry`'s device bytes into the host buffer `buf` (a tier's store())."""
         entry.host = buf
         dst = buf[: entry.nbytes]
         if entry.device.type == "cuda":
@@ -306,49 +369,14 @@ class TensorCache:
             dst.copy_(entry.src)
             entry.src = None
             self._account(-entry.nbytes)
-            self._after_copy_out(entry)
-        self.counters[f"bytes_to_{entry.tier}"] += entry.nbytes
-        return True
+            entry.tier.copied_out(self, entry)
 
-    def _write_direct(self, entry: _Entry) -> bool:
-        """NVMe without a host buffer: the engine stages the device bytes itself (entry.src held until staged)."""
-        engine = self._engine()
-        try:
-            entry.write = engine.write(entry.src)
-        except OSError as e:
-            if e.errno != errno.ENOSPC or self.on_full == "raise":
-                raise
-            self._warn("nvme_full", "the NVMe tier is full: keeping activations on the device")
-            return False
-        entry.handle = entry.write.handle
+    def writing(self, entry: _Entry, write) -> None:
+        """`write` (an engine future) stores `entry`'s bytes on disk (from its host buffer, or staged from the
+        device bytes by the engine when it has none)."""
+        entry.write = write
+        entry.handle = write.handle
         self._writing.append(entry)
-        self.counters["bytes_to_nvme"] += entry.nbytes
-        return True
-
-    def _after_copy_out(self, entry: _Entry) -> None:
-        """The host buffer holds the bytes; NVMe entries go on to disk (the host copy stays until written)."""
-        if entry.tier != "nvme":
-            return
-        engine = self._engine()
-        if engine is None:
-            entry.tier = "host"
-            return
-        try:
-            entry.write = engine.write(entry.host[: entry.nbytes])
-        except OSError as e:
-            if e.errno != errno.ENOSPC or self.on_full == "raise":
-                raise
-            entry.tier = "host"
-            self._warn("nvme_full", "the NVMe tier is full: keeping activations in host memory")
-            return
-        entry.handle = entry.write.handle
-        self._writing.append(entry)
-
-    def _engine(self):
-        if self.engine is None and self._engine_factory is not None:
-            self.engine = self._engine_factory()
-            self._engine_factory = None if self.engine is None else self._engine_factory
-        return self.engine
 
     def _throttle(self) -> None:
         while self._inflight_bytes > self.max_inflight and self._pending:
@@ -367,7 +395,7 @@ class TensorCache:
                 self._inflight_bytes -= entry.nbytes
                 entry.src = None
                 self._account(-entry.nbytes)
-                self._after_copy_out(entry)
+                entry.tier.copied_out(self, entry)
             if self._writing:
                 still = []
                 for entry in self._writing:
@@ -404,7 +432,7 @@ class TensorCache:
         if handle is not None:
             self.engine.free(handle)
         if entry.host is not None or entry.src is not None:
-            entry.tier = "host" if entry.host is not None else "keep"
+            entry.tier = self.tiers["host"] if entry.host is not None else self.tiers["keep"]
             self._warn(
                 "nvme_error",
                 f"an NVMe write failed ({error}): keeping the activation in "
@@ -585,6 +613,10 @@ class TensorCache:
     def _release(self, entry: _Entry) -> None:
         """The last token of `entry` is gone: give back its host buffer, disk space and device copy."""
         with self.lock:
+            if entry.released:
+                return
+            entry.released = True
+            self._entries -= 1
             if entry.read is not None:
                 entry.read.wait()  # the engine is still filling `restored`: let it finish before the memory goes
                 entry.read = None
@@ -602,6 +634,9 @@ class TensorCache:
                 except (ValueError, RuntimeError):
                     pass  # engine closed: its files are gone already
                 entry.handle = None
+            if self.closed and self._entries == 0 and self.on_idle is not None:
+                idle, self.on_idle = self.on_idle, None
+                idle()
 
     def drain(self) -> None:
         """Wait for every copy out and NVMe write (used before closing)."""
@@ -615,6 +650,7 @@ class TensorCache:
     def close(self, abort: bool) -> None:
         """Stop: with `abort`, every stored activation is dropped (tokens still held raise OffloadError)."""
         with self.lock:
+            self.closed = True
             self.aborted = self.aborted or abort
             try:
                 self.drain()
@@ -632,6 +668,11 @@ class TensorCache:
                     self._writing.clear()
                     self._inflight_bytes = 0
                     self.gpu_saved_bytes = 0
+                self._kept.clear()
 
     def live_entries(self) -> int:
-        return sum(1 for refs in self._by_unit.values() for r in refs if r() is not None)
+        """Stored activations not yet released (autograd still holds them)."""
+        return self._entries
+
+
+_WHERE = {"host": "keeping activations in host memory", "nvme": "moving activations to NVMe directly"}

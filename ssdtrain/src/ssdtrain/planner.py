@@ -8,22 +8,30 @@ keeps) and its *cheap* submodules: parameter-free submodules (activation functio
 ops, e.g. GPT-2's tanh GELU) whose saved tensors can be recomputed for a fraction of the block's time.
 
 Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``full``
-(checkpoint the block) and a tier for what it still saves: ``keep`` (GPU), ``host`` (pinned RAM), ``nvme``.
-``simulate()`` predicts forward+backward time and the activation peak of a set of choices from the measured link
-and disk bandwidths: offloads queue on the device-to-host link behind forward compute and hold GPU memory until
-copied; backward prefetches a window of units ahead over the host-to-device link (and the disk), and a unit whose
-data is late stalls. ``make_plan()`` starts from keep-everything and greedily applies the change with the least
-predicted time per byte of peak saved until the peak fits the budget, then undoes changes that are no longer needed.
+(checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``: ``keep`` on the GPU, ``host``
+pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the rates of the stage behind the
+device link (the disk, for NVMe). ``simulate()`` predicts forward+backward time and the activation peak of a set of
+choices from the measured link rates and each tier's rates: offloads queue on the device-to-host link behind forward
+compute (then on the tier's own stage) and hold GPU memory until copied; backward prefetches a window of units
+ahead over the tier's stage and the host-to-device link, and a unit whose data is late stalls. The peak also holds
+what never moves: small tensors, the parameters' casts saved by autocast (unless the block is recomputed), the
+gradients backward allocates when a step starts without them, and the measured working memory (temporaries never
+saved). ``make_plan()`` starts from keep-everything and greedily applies the change with the least predicted time
+per byte of peak saved until the peak fits the budget, then undoes changes that are no longer needed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .tiers import TIER_NAMES as TIERS
+from .tiers import TierSpec
 
 RECOMPUTE = ("none", "cheap", "full")
 BUDGET_MARGIN = 0.03
-TIERS = ("keep", "host", "nvme")
+# Disk rates the planner assumes where none was measured (a plan made by make_plan() with nvme_limit= alone).
+ASSUMED_DISK_RATE = 2e9
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 
@@ -50,18 +58,20 @@ class UnitProfile:
     cheap_s: float = 0.0  # their forward time (the recompute cost)
     cheap_modules: list[str] = field(default_factory=list)
     tensors: int = 0
+    pinned_bytes: int = 0  # casts of parameters saved inside it (autocast's bf16 weights): held unless recomputed
+    grad_bytes: int = 0  # gradients of its parameters (allocated by its backward when a step starts without them)
 
     @property
     def backward_s(self) -> float:
         return (1.0 if self.kind == "stem" else 2.0) * self.forward_s  # backward ~ 2x forward FLOPs
 
-    def options(self) -> list[Choice]:
+    def options(self, tiers=TIERS) -> list[Choice]:
         recomputes = ["none"]
         if self.kind == "block":
             if self.cheap_bytes > 0:
                 recomputes.append("cheap")
             recomputes.append("full")
-        return [Choice(r, t) for r in recomputes for t in TIERS]
+        return [Choice(r, t) for r in recomputes for t in tiers]
 
 
 @dataclass(frozen=True)
@@ -105,13 +115,10 @@ class Choice:
 
 @dataclass
 class Bandwidth:
-    """Bytes per second of each path (measured when the plan is made)."""
+    """Bytes per second of the device link in each direction (measured when the plan is made)."""
 
     d2h: float
     h2d: float
-    disk_write: float
-    disk_read: float
-    disk_measured: bool = False
 
 
 @dataclass
@@ -119,43 +126,59 @@ class Prediction:
     seconds: float  # forward + backward
     peak: int  # activation peak on the device (bytes)
     stall_s: float
-    host_bytes: int
-    nvme_bytes: int
+    moved: dict[str, int]  # bytes per tier
     per_unit_stall: list[float]
+
+    @property
+    def host_bytes(self) -> int:
+        return self.moved.get("host", 0)
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.moved.get("nvme", 0)
 
 
 def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
     """(resident bytes, moved bytes, recompute seconds, transient bytes during its backward)."""
     if c.recompute == "full":
         movable, extra_s = u.input_bytes, u.forward_s
-        transient = u.saved_bytes + u.small_bytes
+        transient = u.saved_bytes + u.small_bytes + u.pinned_bytes
         small = 0
     elif c.recompute == "cheap":
         movable, extra_s = max(0, u.saved_bytes - u.cheap_bytes), u.cheap_s
         transient = u.cheap_bytes
-        small = u.small_bytes
+        small = u.small_bytes + u.pinned_bytes
     else:
-        movable, extra_s, transient, small = u.saved_bytes, 0.0, 0, u.small_bytes
+        movable, extra_s, transient, small = u.saved_bytes, 0.0, 0, u.small_bytes + u.pinned_bytes
     if c.tier == "keep":
         return movable + small, 0, extra_s, transient
     return small, movable, extra_s, transient
 
 
 def simulate(
-    units: list[UnitProfile], choices: list[Choice], bw: Bandwidth, window_units: int = 2, working_bytes: int = 0
+    units: list[UnitProfile],
+    choices: list[Choice],
+    bw: Bandwidth,
+    window_units: int = 2,
+    working_bytes: int = 0,
+    tiers: dict[str, TierSpec] | None = None,
+    grads: bool = False,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit);
-    `working_bytes` (temporaries that are never saved: measured when profiling) is added to the peak."""
+    `working_bytes` (temporaries that are never saved: measured when profiling) is added to the peak, and with
+    `grads` (the step starts without gradients) so are the gradients each unit's backward allocates."""
+    tiers = tiers or {}
     n = len(units)
     parts = [_split(u, c) for u, c in zip(units, choices, strict=True)]
-    # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent.
+    # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
+    # a tier with a stage of its own (the disk) then queues them there.
     t, link = 0.0, 0.0
     end = [0.0] * n
     sent = [0.0] * n
     resident = 0
     peak = 0
-    disk_free = 0.0
-    on_disk = [0.0] * n
+    stage_free: dict[str, float] = {}
+    staged = [0.0] * n
     queued = []  # (sent time, bytes) in link order: sent times never decrease
     head = 0
     backlog = 0
@@ -168,9 +191,10 @@ def simulate(
             sent[i] = link
             queued.append((link, moved))
             backlog += moved
-            if choices[i].tier == "nvme":
-                disk_free = max(disk_free, link) + moved / bw.disk_write
-                on_disk[i] = disk_free
+            spec = tiers.get(choices[i].tier)
+            if spec is not None and spec.write_rate:
+                stage_free[spec.name] = max(stage_free.get(spec.name, 0.0), link) + moved / spec.write_rate
+                staged[i] = stage_free[spec.name]
         # At the end of unit i its own moved bytes are counted whole (conservative: the link took some already).
         while head < len(queued) - (1 if moved else 0) and queued[head][0] <= t:
             backlog -= queued[head][1]
@@ -184,22 +208,27 @@ def simulate(
     # once the unit `window_units` later has started its backward; data still on the device is used in place.
     start = [0.0] * n
     h2d_free = forward_end
-    disk_read_free = forward_end
+    read_free: dict[str, float] = {}
     stall = 0.0
     per_unit_stall = [0.0] * n
     live = resident
+    grads_live = 0
     for i in range(n - 1, -1, -1):
         res, moved, extra_s, transient = parts[i]
         ready = t
         on_device = 0
+        if grads:
+            grads_live += units[i].grad_bytes
         if moved:
             trigger = start[i + window_units] if i + window_units < n else forward_end
             if sent[i] > trigger:  # still being copied out when needed: forwarded, never left the device
                 on_device = moved
             else:
-                if choices[i].tier == "nvme":
-                    disk_read_free = max(disk_read_free, trigger, on_disk[i]) + moved / bw.disk_read
-                    source_ready = disk_read_free
+                spec = tiers.get(choices[i].tier)
+                if spec is not None and spec.read_rate:
+                    free = max(read_free.get(spec.name, forward_end), trigger, staged[i]) + moved / spec.read_rate
+                    read_free[spec.name] = free
+                    source_ready = free
                 else:
                     source_ready = max(trigger, sent[i])
                 h2d_free = max(h2d_free, source_ready) + moved / bw.h2d
@@ -212,12 +241,37 @@ def simulate(
         # During unit i's backward: what is still kept, its moved bytes (back), the next units' prefetched bytes,
         # and what its recompute re-creates.
         ahead = sum(parts[k][1] for k in range(max(0, i - window_units), i))
-        peak = max(peak, live + on_device + ahead + transient)
+        peak = max(peak, live + on_device + ahead + transient + grads_live)
         t = ready + extra_s + units[i].backward_s
         live -= res
-    host = sum(p[1] for p, c in zip(parts, choices, strict=True) if c.tier == "host")
-    nvme = sum(p[1] for p, c in zip(parts, choices, strict=True) if c.tier == "nvme")
-    return Prediction(t, int(peak + working_bytes), stall, host, nvme, per_unit_stall)
+    moved_by_tier: dict[str, int] = {}
+    for p, c in zip(parts, choices, strict=True):
+        if p[1]:
+            moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
+    return Prediction(t, int(peak + working_bytes), stall, moved_by_tier, per_unit_stall)
+
+
+class _Model:
+    """Everything a prediction depends on besides the choices (shared by the search and the plan)."""
+
+    def __init__(self, units, bw, window, working, tiers, grads):
+        self.units, self.bw, self.window, self.working, self.tiers, self.grads = (
+            units,
+            bw,
+            window,
+            working,
+            tiers,
+            grads,
+        )
+
+    def __call__(self, choices) -> Prediction:
+        return simulate(self.units, choices, self.bw, self.window, self.working, self.tiers, self.grads)
+
+    def feasible(self, pred: Prediction) -> bool:
+        return all(b <= self.tiers[name].capacity for name, b in pred.moved.items())
+
+    def tier_names(self) -> tuple[str, ...]:
+        return ("keep",) + tuple(name for name, spec in self.tiers.items() if spec.capacity > 0)
 
 
 @dataclass
@@ -233,29 +287,50 @@ class Plan:
     choices: list[Choice]
     bandwidth: Bandwidth
     budget: int | None
-    host_limit: int
-    nvme_limit: int
+    tiers: dict[str, TierSpec]
     block_container: str
     window_units: int = 2
     working_bytes: int = 0  # temporaries on top of saved activations (measured while profiling)
+    grads: bool = False  # steps start without gradients: backward allocates them (counted in the peak)
     order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
     speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
+    budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
     calibrations: list[str] = field(default_factory=list)  # measured peaks that corrected working_bytes
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
+    def _model(self, grads: bool | None = None) -> _Model:
+        g = self.grads if grads is None else grads
+        return _Model(self.units, self.bandwidth, self.window_units, self.working_bytes, self.tiers, g)
+
     @property
     def prediction(self) -> Prediction:
-        return simulate(self.units, self.choices, self.bandwidth, self.window_units, self.working_bytes)
+        return self._model()(self.choices)
 
     @property
     def keep_prediction(self) -> Prediction:
-        return simulate(self.units, [Choice()] * len(self.units), self.bandwidth, self.window_units, self.working_bytes)
+        return self._model()([Choice()] * len(self.units))
+
+    def predict(self, grads: bool) -> Prediction:
+        """The prediction for a step that starts with (False) or without (True) gradients."""
+        return self._model(grads)(self.choices)
+
+    @property
+    def host_limit(self) -> int:
+        return self.tiers["host"].capacity if "host" in self.tiers else 0
+
+    @property
+    def nvme_limit(self) -> int:
+        return self.tiers["nvme"].capacity if "nvme" in self.tiers else 0
 
     def replan(self, budget=None, **limits) -> Plan:
-        """The same measurements planned for another budget (bytes or "20GiB"; ``host_limit=``/``nvme_limit=``)."""
+        """The same measurements planned for another budget (bytes, "20GiB", or a float in (0, 1]: that fraction
+        of keep's predicted peak); ``host_limit=`` / ``nvme_limit=`` change the tiers' capacities."""
         from .io import parse_size
 
+        if isinstance(budget, float) and 0 < budget <= 1:
+            limits["budget_fraction"] = budget
+            budget = None
         return replan(self, budget=None if budget is None else parse_size(budget), **limits)
 
     def choice(self, name: str) -> Choice:
@@ -282,13 +357,31 @@ class Plan:
     def __str__(self) -> str:
         p, k = self.prediction, self.keep_prediction
         bw = self.bandwidth
+        if self.budget is None:
+            budget = "none (fastest plan that fits)"
+        elif self.budget_fraction is not None:
+            budget = f"{format_bytes(self.budget)} ({self.budget_fraction:g} x keep's predicted peak)"
+        else:
+            budget = format_bytes(self.budget)
+        stages = []
+        for spec in self.tiers.values():
+            if spec.write_rate and spec.capacity > 0:
+                how = "measured" if spec.measured else "assumed, not measured"
+                stages.append(
+                    f"{spec.name} write {spec.write_rate / 1e9:.2f} GB/s, read {spec.read_rate / 1e9:.2f} GB/s ({how})"
+                )
         lines = [
             f"ssdtrain plan for {self.model}: {len(self.units)} units ({self.block_container or 'no repeated blocks'}),"
-            f" budget {format_bytes(self.budget) if self.budget is not None else 'none (fastest plan that fits)'}",
+            f" budget {budget}",
             f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; working memory "
-            f"{format_bytes(self.working_bytes)} (never-saved temporaries, in every peak below); link D2H "
-            f"{bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s; disk write {bw.disk_write / 1e9:.2f} GB/s, "
-            f"read {bw.disk_read / 1e9:.2f} GB/s ({'measured' if bw.disk_measured else 'assumed, not measured'})",
+            f"{format_bytes(self.working_bytes)} (never-saved temporaries, in every peak below)"
+            + (
+                f"; gradients {format_bytes(sum(u.grad_bytes for u in self.units))} (allocated by backward)"
+                if self.grads
+                else ""
+            )
+            + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
+            + (f"; {'; '.join(stages)}" if stages else ""),
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'choice':>15} {'on GPU MiB':>11}"
             f" {'moved MiB':>10} {'stall ms':>9}",
         ]
@@ -300,12 +393,15 @@ class Plan:
                 f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
                 f" {cheap:>13} {str(c) + mark:>15} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
             )
+        capacity = ", ".join(
+            f"{name} {format_bytes(p.moved.get(name, 0))} of {format_bytes(spec.capacity)}"
+            for name, spec in self.tiers.items()
+        )
         lines.append(
             f"  predicted forward+backward {p.seconds * 1e3:.1f} ms (keep everything: "
             f"{k.seconds * 1e3:.1f} ms, {p.seconds / k.seconds:.2f}x), activation peak {format_bytes(p.peak)}"
             " (keep everything: "
-            f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; host RAM {format_bytes(p.host_bytes)} "
-            f"of {format_bytes(self.host_limit)}, NVMe {format_bytes(p.nvme_bytes)}"
+            f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; moved per step: {capacity or 'nothing'}"
         )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         if cheap:
@@ -325,25 +421,22 @@ def format_bytes(n) -> str:
     return f"{n / _GIB:.2f} GiB" if n >= (1 << 30) else f"{n / _MIB:.1f} MiB"
 
 
-def _feasible(pred: Prediction, host_limit: int, nvme_limit: int) -> bool:
-    return pred.host_bytes <= host_limit and pred.nvme_bytes <= nvme_limit
-
-
-def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, by_peak=False, working=0):
+def _search(model: _Model, choices, target, fixed, by_peak=False):
     """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
     (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
-    current = simulate(units, choices, bw, window, working)
+    current = model(choices)
+    names = model.tier_names()
     while current.peak > target:
         best = None
-        for i, u in enumerate(units):
+        for i, u in enumerate(model.units):
             if u.name in fixed:
                 continue
-            for c in u.options():
-                if c == choices[i] or (c.tier == "nvme" and not allow_nvme):
+            for c in u.options(names):
+                if c == choices[i]:
                     continue
                 trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = simulate(units, trial, bw, window, working)
-                if pred.peak >= current.peak or not _feasible(pred, host_limit, nvme_limit):
+                pred = model(trial)
+                if pred.peak >= current.peak or not model.feasible(pred):
                     continue
                 # Least time per byte; a change that reaches the target outright is judged by its time alone.
                 cost = max(pred.seconds - current.seconds, 0.0) + 1e-9
@@ -359,26 +452,23 @@ def _search(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvm
     return choices, current, True
 
 
-def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window, working=0):
+def _relax(model: _Model, choices, target, fixed):
     """Undo what is no longer needed: any single change that is faster and still fits, best first."""
-    current = simulate(units, choices, bw, window, working)
+    current = model(choices)
+    names = model.tier_names()
     improved = True
     while improved:
         improved = False
         best = None
-        for i, u in enumerate(units):
+        for i, u in enumerate(model.units):
             if u.name in fixed:
                 continue
-            for c in u.options():
-                if c == choices[i] or (c.tier == "nvme" and not allow_nvme):
+            for c in u.options(names):
+                if c == choices[i]:
                     continue
                 trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = simulate(units, trial, bw, window, working)
-                if (
-                    pred.peak <= target
-                    and pred.seconds < current.seconds - 1e-7
-                    and _feasible(pred, host_limit, nvme_limit)
-                ):
+                pred = model(trial)
+                if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and model.feasible(pred):
                     if best is None or pred.seconds < best[2].seconds:
                         best = (i, c, pred)
         if best is not None:
@@ -388,21 +478,43 @@ def _relax(units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme
     return choices
 
 
+def make_tiers(host_limit: int = 0, nvme_limit: int = 0) -> dict[str, TierSpec]:
+    """Tier specs from capacities alone (NVMe at an assumed disk rate: the plan text says so)."""
+    return {
+        "host": TierSpec("host", int(host_limit)),
+        "nvme": TierSpec("nvme", int(nvme_limit), ASSUMED_DISK_RATE, ASSUMED_DISK_RATE, measured=False),
+    }
+
+
 def make_plan(
     model_name: str,
     units: list[UnitProfile],
     bw: Bandwidth,
     budget: int | None,
     *,
-    host_limit: int,
-    nvme_limit: int,
+    tiers: dict[str, TierSpec] | None = None,
+    host_limit: int | None = None,
+    nvme_limit: int | None = None,
     block_container: str,
     overrides: dict | None = None,
     window_units: int = 2,
     speed_target: int | None = None,
     working_bytes: int = 0,
+    grads: bool = False,
+    budget_fraction: float | None = None,
 ) -> Plan:
-    """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all)."""
+    """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
+
+    `tiers` are the offload tiers' specs (``ssdtrain.tiers``); `host_limit=` / `nvme_limit=` instead build them
+    from capacities. With `budget_fraction` the budget is that fraction of keep's predicted peak."""
+    if tiers is None:
+        tiers = make_tiers(host_limit or 0, nvme_limit or 0)
+    else:
+        tiers = dict(tiers)
+        if host_limit is not None and "host" in tiers:
+            tiers["host"] = replace(tiers["host"], capacity=int(host_limit))
+        if nvme_limit is not None and "nvme" in tiers:
+            tiers["nvme"] = replace(tiers["nvme"], capacity=int(nvme_limit))
     overrides = {k: Choice.parse(v) for k, v in (overrides or {}).items()}
     names = {u.name for u in units}
     unknown = set(overrides) - names
@@ -412,54 +524,47 @@ def make_plan(
     for u, c in zip(units, choices, strict=True):
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
+    model = _Model(units, bw, window_units, working_bytes, tiers, grads)
+    if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
+        budget = int(model([Choice()] * len(units)).peak * budget_fraction)
     # The budget is planned with a margin (BUDGET_MARGIN): measured peaks landed within a few percent of the
     # prediction on an H200 (benchmarks/RESULTS.md), on either side.
     target = (
         budget * (1 - BUDGET_MARGIN) if budget is not None else (speed_target if speed_target is not None else math.inf)
     )
     fixed = set(overrides)
-    allow_nvme = nvme_limit > 0
-    w = working_bytes
-    plan_choices, pred, ok = _search(
-        units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, working=w
-    )
+    plan_choices, pred, ok = _search(model, choices, target, fixed)
     if not ok:  # the cheapest-first path got stuck: try the leanest-first one
-        plan_choices, pred, ok = _search(
-            units, choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
-        )
+        plan_choices, pred, ok = _search(model, choices, target, fixed, by_peak=True)
     if not ok:
         # The least memory any plan reaches (the leanest-first search towards 0 bytes), for the error message.
-        _, low, _ = _search(
-            units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
-        )
+        lean, low, _ = _search(model, choices, 0, fixed, by_peak=True)
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
                 f"ssdtrain: no plan fits the activation budget {format_bytes(budget)}; the smallest predicted peak "
                 f"is {format_bytes(low.peak)}, so the smallest budget is {minimum} bytes ({format_bytes(minimum)}, "
                 f"with the {BUDGET_MARGIN:.0%} margin): pass budget >= that, give more host RAM "
-                f"(host_memory=, now {format_bytes(host_limit)}) or an NVMe directory, or reduce the batch",
+                f"(host_memory=, now {format_bytes(tiers['host'].capacity if 'host' in tiers else 0)}) or an NVMe "
+                "directory, or reduce the batch",
                 minimum,
             )
-        plan_choices = _search(
-            units, choices, bw, 0, fixed, host_limit, nvme_limit, allow_nvme, window_units, by_peak=True, working=w
-        )[0]
-    plan_choices = _relax(
-        units, plan_choices, bw, target, fixed, host_limit, nvme_limit, allow_nvme, window_units, working=w
-    )
+        plan_choices = lean
+    plan_choices = _relax(model, plan_choices, target, fixed)
     plan = Plan(
         model_name,
         units,
         plan_choices,
         bw,
         budget,
-        host_limit,
-        nvme_limit,
+        tiers,
         block_container,
         window_units,
-        working_bytes=w,
+        working_bytes=working_bytes,
+        grads=grads,
         overridden=set(overrides),
         speed_target=speed_target,
+        budget_fraction=budget_fraction,
     )
     if budget is None and speed_target is not None and not ok:
         plan.notes.append(
@@ -470,13 +575,16 @@ def make_plan(
 
 
 def replan(plan: Plan, **changes) -> Plan:
-    """The same profile planned again with other limits (budget=, host_limit=, nvme_limit=, working_bytes=)."""
+    """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
+    working_bytes=, grads=)."""
     fields = {
         "budget": plan.budget,
-        "host_limit": plan.host_limit,
-        "nvme_limit": plan.nvme_limit,
+        "budget_fraction": plan.budget_fraction,
         "working_bytes": plan.working_bytes,
+        "grads": plan.grads,
     }
+    if "budget" in changes and "budget_fraction" not in changes:
+        fields["budget_fraction"] = None
     fields.update(changes)
     overrides = {u.name: c for u, c in zip(plan.units, plan.choices, strict=True) if u.name in plan.overridden}
     new = make_plan(
@@ -484,18 +592,33 @@ def replan(plan: Plan, **changes) -> Plan:
         plan.units,
         plan.bandwidth,
         fields["budget"],
-        host_limit=fields["host_limit"],
-        nvme_limit=fields["nvme_limit"],
+        tiers=plan.tiers,
+        host_limit=fields.get("host_limit"),
+        nvme_limit=fields.get("nvme_limit"),
         block_container=plan.block_container,
         overrides=overrides,
         window_units=plan.window_units,
         working_bytes=fields["working_bytes"],
         speed_target=plan.speed_target,
+        grads=fields["grads"],
+        budget_fraction=fields["budget_fraction"],
     )
-    new.calibrations = plan.calibrations
+    new.calibrations = list(plan.calibrations)
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new
 
 
-__all__ = ["Bandwidth", "BudgetError", "Choice", "Plan", "Prediction", "UnitProfile", "make_plan", "replan", "simulate"]
+__all__ = [
+    "Bandwidth",
+    "BudgetError",
+    "Choice",
+    "Plan",
+    "Prediction",
+    "TierSpec",
+    "UnitProfile",
+    "make_plan",
+    "make_tiers",
+    "replan",
+    "simulate",
+]

@@ -1,0 +1,92 @@
+"""The module hooks a session installs, and the call-depth bookkeeping that says when a training step starts.
+
+A step starts at the model's outermost forward, or, for blocks called without the model's own forward (a custom
+loop over ``model.layers``), when the blocks start over. The forward hooks are registered with ``always_call``:
+they run when a forward raises too, so an exception (caught inside the session or not) never leaves the depth
+counters behind, and the next forward starts a step as usual. Blocks re-run by a checkpoint during backward (Hugging
+Face's gradient checkpointing calls the layer again) are no new step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .model import signature
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _failed(output) -> bool:
+    """Called from a forward hook: did the forward raise (the hook runs in torch's exception handler)?"""
+    return output is None and sys.exc_info()[1] is not None
+
+
+class ModuleHooks:
+    """Forward pre/post hooks on the model and its blocks, reporting to `listener`:
+
+    ``start_step(signature)``, ``forward_done(failed)``, ``block_started(unit, args)``, ``block_done(unit)`` and
+    its ``steps`` (steps started so far)."""
+
+    def __init__(self, listener):
+        self.listener = listener
+        self.depth = 0  # nesting of the model's forward
+        self.block_depth = 0
+        self.last_started = 0  # the last block whose forward began this step
+        self._handles: list = []
+
+    def install(self, root, blocks, with_blocks: bool) -> None:
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        if with_blocks:
+            for i, block in enumerate(blocks, start=1):
+                self._handles.append(block.register_forward_pre_hook(self._block_pre(i)))
+                self._handles.append(block.register_forward_hook(self._block_post(i), always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.reset()
+
+    def reset(self) -> None:
+        self.depth = 0
+        self.block_depth = 0
+        self.last_started = 0
+
+    def _root_pre(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth == 1:
+            self.last_started = 0
+            self.block_depth = 0
+            self.listener.start_step(signature(args, kwargs))
+
+    def _root_post(self, module, args, output):
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.listener.forward_done(_failed(output))
+
+    def _block_pre(self, unit: int):
+        def hook(module, args):
+            if _in_backward():
+                return
+            if self.depth == 0 and self.block_depth == 0 and (self.listener.steps == 0 or unit <= self.last_started):
+                self.listener.start_step(("blocks", signature(args, {})))
+            self.last_started = unit
+            self.block_depth += 1
+            self.listener.block_started(unit, args)
+
+        return hook
+
+    def _block_post(self, unit: int):
+        def hook(module, args, output):
+            if _in_backward():
+                return
+            self.block_depth = max(0, self.block_depth - 1)
+            self.listener.block_done(unit)
+
+        return hook

@@ -1,0 +1,138 @@
+"""What the session needs to know about a model: its repeated blocks (the units), their cheap submodules, the
+signature of a call (plans are kept per input shape), and checkpoint wrappers it installs and removes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The repeated blocks of `model`: the ModuleList/Sequential holding the most parameters in >= 2 children of
+    one class (GPT-2's ``transformer.h``, Llama's ``model.layers``, BERT's ``encoder.layer``). Without one, the
+    model's top-level children are the units (never recomputed). Returns (container name, [(name, module)])."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2:
+            continue
+        classes = [type(c) for _, c in children]
+        cls = max(set(classes), key=classes.count)
+        same = [(f"{name}.{n}" if name else n, c) for n, c in children if type(c) is cls]
+        if len(same) < 2:
+            continue
+        weight = sum(p.numel() for _, c in same for p in c.parameters()) + len(same)
+        if best is None or weight > best[0]:
+            best = (weight, name, same)
+    if best is None:
+        return "", []
+    return best[1], best[2]
+
+
+def cheap_modules(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """The outermost parameter-free submodules of a block (activation functions and other elementwise code)."""
+    found = []
+
+    def visit(module, name):
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}"
+            if next(child.parameters(), None) is None:
+                if not isinstance(child, (nn.Dropout, nn.Identity)) and type(child).forward is not nn.Module.forward:
+                    found.append((full, child))
+            else:
+                visit(child, full)
+
+    visit(block, prefix)
+    return found
+
+
+def signature(args, kwargs) -> tuple:
+    """Shapes, dtypes and devices of a call's tensors (and the types of the rest): one plan per signature."""
+
+    def sig(x):
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, x.device.type)
+        if isinstance(x, (list, tuple)):
+            return tuple(sig(v) for v in x)
+        if isinstance(x, dict):
+            return tuple((k, sig(v)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
+        return type(x).__name__
+
+    return sig(args), sig(kwargs)
+
+
+def tensor_storages(values) -> dict[int, int]:
+    """{storage address: bytes} of the plain tensors in `values` (nested lists, tuples, dicts)."""
+    out = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            if x.layout == torch.strided and x.device.type in ("cpu", "cuda"):
+                s = x.untyped_storage()
+                out[s.data_ptr()] = s.nbytes()
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(values)
+    return out
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+
+
+def param_bytes(modules) -> int:
+    """Bytes of the gradients of the trainable parameters of `modules` (each parameter once)."""
+    seen = set()
+    total = 0
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
+def missing_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients backward will allocate: trainable parameters whose ``.grad`` is None now."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+class Checkpointer:
+    """Wraps modules' forward in ``torch.utils.checkpoint`` (non-reentrant: RNG state replayed, inputs saved
+    through the saved-tensor hooks) and takes the wrappers off again."""
+
+    def __init__(self):
+        self._wrapped: dict[int, tuple[nn.Module, object]] = {}
+
+    def __len__(self) -> int:
+        return len(self._wrapped)
+
+    def wrap(self, module: nn.Module, when=None) -> None:
+        """Checkpoint `module`, always or when `when()` says so at call time."""
+        if id(module) in self._wrapped:
+            return
+        had = module.__dict__.get("forward")
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled() or (when is not None and not when()):
+                return original(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+        self._wrapped[id(module)] = (module, had)
+
+    def unwrap_all(self) -> None:
+        for module, had in self._wrapped.values():
+            if had is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = had
+        self._wrapped.clear()

@@ -1,0 +1,119 @@
+"""What outlives one session around a model (its plans, warm-ups, what was seen of its gradients), and the
+calibration of a plan by the peaks its first steps measure.
+
+Plans are kept per model, input signature and the options that decide a plan (the budget as given, the tiers'
+limits as given, overrides, ``min_bytes``, ``prefetch_units``), never a reading that changes between calls (the
+default host limit follows the available RAM, which moves all the time), so a new ``offload()`` around the same
+model, even one per step, reuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+
+from .planner import BudgetError, Plan, format_bytes, replan
+
+_GIB = float(1 << 30)
+
+log = logging.getLogger("ssdtrain")
+
+
+class ModelState:
+    """Per model: plans by (signature, options), warm-up steps done per signature, the latest plan."""
+
+    def __init__(self):
+        self.plans: dict = {}
+        self.warmups: dict = {}
+        self.latest: Plan | None = None
+        self.grads_missing = False  # some step started without gradients: backward allocates them
+        self.warned: set[str] = set()
+
+    def replace(self, old: Plan, new: Plan) -> None:
+        for key, value in list(self.plans.items()):
+            if value is old:
+                self.plans[key] = new
+        if self.latest is old:
+            self.latest = new
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def state_of(model) -> ModelState:
+    state = _STATES.get(model)
+    if state is None:
+        state = _STATES[model] = ModelState()
+    return state
+
+
+class Calibrator:
+    """The first steps of a plan are measured (the device's peak statistic, reset for it). A peak above the
+    prediction (temporaries the profile could not see) corrects the plan's working memory and the same
+    measurements are planned again, at most `limit` times per plan; a peak far below it lowers it once. When the
+    corrected working memory leaves no plan within the budget, ``BudgetError`` names the smallest budget that fits
+    (the budget is a promise, not a hint); with no budget the leanest plan is used."""
+
+    def __init__(self, memory, *, limit: int = 2, verbose: bool = False):
+        self.memory = memory
+        self.limit = limit
+        self.verbose = verbose
+        self._check = None
+
+    def start(self, plan: Plan, grads: bool, given: bool) -> None:
+        """A step under `plan` begins (`grads`: it starts without gradients)."""
+        self._check = None
+        if given or not self.memory.can_measure() or (plan.budget is None and plan.speed_target is None):
+            return
+        if len(plan.calibrations) >= self.limit or getattr(plan, "_verified", False):
+            return
+        self._check = (plan, grads, self.memory.allocated())
+        self.memory.reset_peak()
+
+    def cancel(self) -> None:
+        self._check = None
+
+    def finish(self, step: int) -> Plan | None:
+        """The step under check ended (the next one begins): a corrected plan, or None to keep the plan."""
+        check, self._check = self._check, None
+        if check is None:
+            return None
+        plan, grads, base = check
+        peak = self.memory.max_allocated() - base
+        predicted = plan.predict(grads).peak
+        limit = plan.budget if plan.budget is not None else plan.speed_target
+        # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
+        # the prediction was far too high.
+        if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations):
+            plan._verified = True
+            return None
+        working = max(0, plan.working_bytes + peak - predicted)
+        if working == plan.working_bytes:
+            plan._verified = True
+            return None
+        line = (
+            f"step {step - 1}: measured peak {peak / _GIB:.2f} GiB, predicted {predicted / _GIB:.2f} GiB "
+            f"(limit {limit / _GIB:.2f} GiB): working memory {plan.working_bytes / _GIB:.2f} -> "
+            f"{working / _GIB:.2f} GiB"
+        )
+        try:
+            new = replan(plan, working_bytes=working)
+        except BudgetError as e:
+            raise BudgetError(
+                f"ssdtrain: the measured activation peak ({format_bytes(peak)}) is above the plan's prediction "
+                f"({format_bytes(predicted)}); with the measured working memory ({format_bytes(working)}) no plan "
+                f"fits the budget {format_bytes(plan.budget)}: the smallest budget is {format_bytes(e.minimum)} "
+                f"({e.minimum} bytes). Pass budget >= that, give more host RAM or an NVMe directory, or reduce "
+                "the batch",
+                e.minimum,
+            ) from None
+        new.calibrations = plan.calibrations + [line]
+        message = (
+            f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} "
+            f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
+        )
+        log.info(message)
+        if self.verbose:
+            print(message, file=sys.stderr)
+        return new

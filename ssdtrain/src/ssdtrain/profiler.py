@@ -1,0 +1,348 @@
+"""Profiling: what one step of a model saves, where, and how long each unit takes; the device's memory readings.
+
+A profiled forward keeps activations on the device up to an allowance (so timings are clean and no link traffic
+distorts them) and sends the rest to host memory; blocks after the first are checkpointed once keeping them would
+pass the allowance (repeated blocks save the same bytes, so the first block's count stands for them). What a
+profile records per unit: saved bytes by storage (each storage once), small bytes, casts of parameters (autocast's
+weight copies), inputs, forward time; per cheap submodule, the storages saved inside it and its time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .io import huge_empty
+from .model import tensor_storages
+from .planner import Bandwidth, UnitProfile
+
+_MIB = 1 << 20
+
+
+class Clock:
+    """Marks on the device's timeline (CUDA events) or the host's (CPU); seconds between marks after sync()."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+class DeviceMemory:
+    """The device's memory readings the session plans and calibrates with (CUDA only; tests stand in for them)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def can_measure(self) -> bool:
+        return self.device.type == "cuda"
+
+    def allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def free(self) -> int:
+        """Bytes torch can still allocate: free on the device plus what its caching allocator holds unused."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+
+def measure_link(device: torch.device) -> Bandwidth:
+    """Device-to-host and host-to-device bytes per second with pinned memory (a memcpy rate on CPU)."""
+    n = 256 * _MIB if device.type == "cuda" else 32 * _MIB
+    if device.type == "cuda":
+        host = huge_empty((n,), torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device=device)
+        rates = []
+        for dst, src in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(2):
+                dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            rates.append(2 * n / (a.elapsed_time(b) / 1e3))
+        del host, dev
+        return Bandwidth(*rates)
+    a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    b.copy_(a)
+    rate = n / max(time.perf_counter() - t0, 1e-6)
+    return Bandwidth(rate, rate)
+
+
+class Profile:
+    """What one step measured: per unit, saved bytes by storage, small bytes, parameter casts, inputs, time; per
+    cheap module, the storages saved inside it and its inputs."""
+
+    def __init__(self, n_units: int):
+        self.saved = [dict() for _ in range(n_units)]  # unit -> {sequence number: bytes}
+        self.small = [0] * n_units
+        self.pinned = [0] * n_units  # casts of parameters (never moved)
+        self.tensors = [0] * n_units
+        self.inputs = [dict() for _ in range(n_units)]
+        self.marks = [[] for _ in range(n_units)]  # (start, end) pairs
+        self.cheap_inside: dict[str, dict[int, int]] = {}
+        self.cheap_inputs: dict[str, dict[int, int]] = {}
+        self.cheap_marks: dict[str, list] = {}
+        self.cheap_stack: list[str] = []
+        self.order: list[tuple[int, int]] = []  # (unit, bytes) in pack order (compiled models)
+        self.count = 0
+        self.address: dict[int, int] = {}  # sequence number -> storage address when saved
+        self.start = None
+        self.end = None
+
+    def record(self, unit: int, key, nbytes: int, kind: str) -> None:
+        sptr = key[2]
+        if kind == "view":
+            return
+        if kind == "param_copy":
+            self.pinned[unit] += nbytes
+            return
+        self.tensors[unit] += 1
+        if kind == "small":
+            self.small[unit] += nbytes
+            return
+        # Keyed by a sequence number, not the address: the allocator reuses the address of a storage freed after
+        # its copy out for the next one, and those are different activations.
+        self.count += 1
+        self.saved[unit][self.count] = nbytes
+        self.address[self.count] = sptr
+        self.order.append((unit, nbytes))
+        if self.cheap_stack:
+            self.cheap_inside.setdefault(self.cheap_stack[-1], {})[self.count] = nbytes
+
+
+class Profiler:
+    """Runs the warm-up and profiled steps of one input shape and turns the profile into ``UnitProfile``s."""
+
+    def __init__(self, unit_names: list[str], blocks, cheap, container: str, compiled: bool, min_bytes: int, clock):
+        self.unit_names = unit_names
+        self.blocks = blocks
+        self.cheap = cheap
+        self.container = container
+        self.compiled = compiled
+        self.min_bytes = min_bytes
+        self.clock = clock
+        self.active = False  # a warm-up or profiled step is running (no plan)
+        self.profile: Profile | None = None  # the measured step's profile, while it runs
+        self.pending: Profile | None = None  # its forward ended; what is saved until the next step still counts
+        self.signature = None
+        self.allowance = float("inf")
+        self.kept = 0
+        self.seen = 0
+        self.block_seen_start = 0
+        self.first_block_bytes: int | None = None
+        self.checkpointed: set[int] = set()
+        self.order_bounds: list[int] = []
+        self._cheap_hooks: list = []
+
+    # --------------------------------------------------------------------------------------------- one step
+    def begin(self, signature, allowance: float) -> None:
+        """A warm-up or profiled step starts under no plan: keep up to `allowance` bytes on the device."""
+        self.active = True
+        self.signature = signature
+        self.allowance = allowance
+        self.kept = 0
+        self.seen = 0
+        self.first_block_bytes = None
+        self.checkpointed = set()
+        self.profile = None
+
+    def measure(self) -> Profile:
+        """This step is the measured one: record it."""
+        self.profile = Profile(len(self.unit_names))
+        if not self.compiled:
+            for block_cheap in self.cheap:
+                for name, module in block_cheap:
+                    self._cheap_hooks.append(module.register_forward_pre_hook(self._cheap_pre(name)))
+                    self._cheap_hooks.append(module.register_forward_hook(self._cheap_post(name), always_call=True))
+        self.profile.start = self.clock.mark()
+        return self.profile
+
+    def stop(self) -> None:
+        """No plan-less step is running any more (a plan applies, or the session ends)."""
+        self.active = False
+        self.profile = None
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        for h in self._cheap_hooks:
+            h.remove()
+        self._cheap_hooks.clear()
+
+    def checkpoint_when(self, unit: int):
+        """For the profiling wrapper of block `unit`: checkpoint it once keeping it would pass the allowance."""
+
+        def decide() -> bool:
+            if self.first_block_bytes is None or self.kept + self.first_block_bytes <= self.allowance:
+                return False
+            self.checkpointed.add(unit)
+            return True
+
+        return decide
+
+    def tier(self, nbytes: int) -> str:
+        """Where a saved tensor goes while profiling: kept while the allowance lasts, then host memory."""
+        self.seen += nbytes
+        if self.kept + nbytes <= self.allowance:
+            self.kept += nbytes
+            return "keep"
+        return "host"
+
+    def block_started(self, unit: int, args) -> None:
+        if unit == 1:
+            self.block_seen_start = self.seen
+        if self.profile is not None and self.pending is None:
+            self.profile.marks[unit].append([self.clock.mark(), None])
+            self.profile.inputs[unit].update(tensor_storages(args))
+
+    def block_done(self, unit: int) -> None:
+        if unit == 1 and self.first_block_bytes is None:
+            self.first_block_bytes = self.seen - self.block_seen_start
+        if self.profile is not None and self.pending is None and self.profile.marks[unit]:
+            self.profile.marks[unit][-1][1] = self.clock.mark()
+
+    def forward_done(self, failed: bool) -> None:
+        """The model's forward ended; a failed one leaves no profile (the next step measures again)."""
+        if self.profile is None or self.pending is not None:
+            return
+        if failed:
+            self.profile = None
+            self.remove_hooks()
+            return
+        self.profile.end = self.clock.mark()
+        self.pending = self.profile
+
+    def take(self) -> Profile | None:
+        profile, self.pending = self.pending, None
+        self.profile = None
+        self.remove_hooks()
+        return profile
+
+    def _cheap_pre(self, name: str):
+        def hook(module, args):
+            p = self.profile
+            if p is not None and self.pending is None:  # forward only: not a recompute in backward
+                p.cheap_stack.append(name)
+                p.cheap_inputs.setdefault(name, {}).update(tensor_storages(args))
+                p.cheap_marks.setdefault(name, []).append([self.clock.mark(), None])
+
+        return hook
+
+    def _cheap_post(self, name: str):
+        def hook(module, args, output):
+            p = self.profile
+            if p is not None and self.pending is None and p.cheap_stack:
+                p.cheap_stack.pop()
+                p.cheap_marks[name][-1][1] = self.clock.mark()
+
+        return hook
+
+    # --------------------------------------------------------------------------------------------- units
+    def units(self, profile: Profile, grad_bytes: list[int]) -> list[UnitProfile]:
+        """The profile as one ``UnitProfile`` per unit (`grad_bytes`: each unit's parameter gradients)."""
+        clock = self.clock
+        n = len(self.unit_names)
+        total_fwd = clock.seconds(profile.start, profile.end)
+        block_time = [sum(clock.seconds(a, b) for a, b in profile.marks[i] if b is not None) for i in range(n)]
+        units = []
+        for i, name in enumerate(self.unit_names):
+            kind = "stem" if i == 0 else ("head" if i == n - 1 else "block")
+            saved = profile.saved[i]
+            u = UnitProfile(
+                name,
+                kind,
+                saved_bytes=sum(saved.values()),
+                small_bytes=profile.small[i],
+                tensors=profile.tensors[i],
+                pinned_bytes=profile.pinned[i],
+                grad_bytes=grad_bytes[i],
+            )
+            if kind == "block":
+                u.forward_s = block_time[i]
+                u.input_bytes = sum(profile.inputs[i].values())
+                if self.container:
+                    self._cheap_of(u, i, profile)
+                else:
+                    u.kind = "segment"  # top-level children of a model without repeated blocks: never recomputed
+            units.append(u)
+        first = units[1] if len(units) > 2 else None
+        for i in self.checkpointed:
+            # Checkpointed while profiling: its activations were not seen; it saves what the first block saved.
+            u = units[i]
+            u.saved_bytes, u.small_bytes, u.tensors = first.saved_bytes, first.small_bytes, first.tensors
+            u.pinned_bytes = max(u.pinned_bytes, first.pinned_bytes)
+            u.cheap_bytes, u.cheap_modules = first.cheap_bytes, list(first.cheap_modules)
+            names = {f"{u.name}.{m}" for m in first.cheap_modules}
+            u.cheap_s = (
+                sum(clock.seconds(a, b) for m in names for a, b in profile.cheap_marks.get(m, []) if b is not None)
+                or first.cheap_s
+            )
+        rest = max(0.0, total_fwd - sum(block_time))
+        # Stem and head share the forward time outside blocks in proportion to their saved bytes.
+        outside = units[0].saved_bytes + units[-1].saved_bytes + units[0].small_bytes + units[-1].small_bytes
+        for u in (units[0], units[-1]):
+            u.forward_s = rest * ((u.saved_bytes + u.small_bytes) / outside if outside else 0.5)
+        if self.compiled:
+            units = self._order_units(profile, total_fwd, sum(grad_bytes), sum(profile.pinned))
+        return units
+
+    def _cheap_of(self, u: UnitProfile, i: int, profile: Profile) -> None:
+        clock = self.clock
+        saved = profile.saved[i]
+        addresses = {profile.address[k] for k in saved}
+        for mname, _ in self.cheap[i - 1]:
+            inside = profile.cheap_inside.get(mname, {})
+            cin = profile.cheap_inputs.get(mname, {})
+            net = sum(b for k, b in inside.items() if profile.address[k] not in cin)
+            extra = sum(b for s, b in cin.items() if s not in addresses)
+            if net - extra > 0:
+                u.cheap_bytes += net - extra
+                u.cheap_s += sum(clock.seconds(a, b) for a, b in profile.cheap_marks.get(mname, []) if b is not None)
+                u.cheap_modules.append(mname.removeprefix(u.name + "."))
+
+    def _order_units(self, profile: Profile, total_fwd: float, grads: int, pinned: int, parts: int = 8):
+        """Compiled models: no hooks run inside the compiled graph, so units are slices of the pack order."""
+        total = sum(b for _, b in profile.order) or 1
+        bounds, acc, units = [], 0, []
+        current = UnitProfile("pack[0:]", "segment")
+        start = 0
+        for index, (_, nbytes) in enumerate(profile.order, 1):
+            acc += nbytes
+            current.saved_bytes += nbytes if nbytes >= self.min_bytes else 0
+            current.small_bytes += nbytes if nbytes < self.min_bytes else 0
+            current.tensors += 1
+            if acc >= total * (len(units) + 1) / parts and len(units) < parts - 1:
+                current.name = f"packs[{start}:{index}]"
+                units.append(current)
+                bounds.append(index)
+                start = index
+                current = UnitProfile(f"packs[{start}:]", "segment")
+        units.append(current)
+        for u in units:
+            u.forward_s = total_fwd * (u.saved_bytes + u.small_bytes) / total
+        units[-1].grad_bytes = grads  # the slices do not map to parameters: all gradients at backward's start
+        units[-1].pinned_bytes = pinned
+        self.order_bounds = bounds
+        return units

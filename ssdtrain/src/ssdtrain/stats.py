@@ -1,0 +1,47 @@
+"""``session.stats()``: what a session did, from its cache's counters, host pool and NVMe tier."""
+
+from __future__ import annotations
+
+
+def session_stats(session) -> dict:
+    """Counters since the session started: bytes per tier, prefetch hits, forwards, misses, stalls, fallbacks,
+    the host pool and the NVMe engine (see the README for each key)."""
+    c = session.cache.counters
+    pool = session.pool
+    nvme = session.nvme.stats()
+    return {
+        "steps": session.steps,
+        "profiled_steps": session.profiled,
+        "planned_steps": session.planned_steps,
+        "bytes_offloaded": {name: c[f"bytes_to_{name}"] for name, t in session.tiers.items() if not t.resident},
+        "bytes_written_to_nvme": (nvme or {}).get("bytes_written", 0),
+        "bytes_kept": c["kept_bytes"],
+        "tensors_offloaded": c["packed_tensors"],
+        "tensors_kept": c["kept_tensors"],
+        "param_tensors_kept": c["kept_param_tensors"],
+        "views_deduplicated": c["dedup_views"],
+        "bytes_restored": c["bytes_restored"],
+        "prefetch_hits": c["prefetch_hits"],
+        "prefetch_retried": c["prefetch_retried"],  # restored on a second try: in flight at the first
+        "forwarded": c["forwarded"],
+        "misses": c["misses"],
+        # Misses by cause: "not_reached" (the prefetch window had not come to its unit), "in_flight" (its copy
+        # out was still running when its unit was prefetched, and done by the time backward used it), "alive"
+        # (its original tensor was still alive then).
+        "miss_reasons": {k.removeprefix("miss_"): v for k, v in c.items() if k.startswith("miss_")},
+        "late_prefetches": c["late_prefetch"],
+        "stalls": c["stalls"],
+        "stall_seconds": c["stall_ns"] / 1e9,
+        "throttle_waits": c["throttle_waits"],
+        "throttle_seconds": c["throttle_ns"] / 1e9,
+        "fallbacks": {k.removeprefix("fallback_"): v for k, v in c.items() if k.startswith("fallback_")},
+        "host_pool": {
+            "limit": pool.limit,
+            "reserved": pool.reserved,
+            "in_use": pool.in_use,
+            "peak_in_use": pool.peak_in_use,
+        },
+        "peak_device_saved_bytes": session.cache.peak_gpu_saved_bytes,
+        "recomputed_modules": session._recomputed,
+        "nvme": nvme,
+    }

@@ -1,0 +1,388 @@
+"""The session's promises on CPU: exceptions (caught inside the session or escaping it, in forward and backward)
+leave it working and release everything; plans are reused by new sessions (one per step or per forward); nothing
+fails silently (bad NVMe directories and sizes fail at offload(), a session that offloads nothing says why); the
+budget counts each storage once, parameter casts and gradients included; the NVMe tier takes what the host pool
+cannot and its disk rates are measured once and cached."""
+
+import copy
+import gc
+import json
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+from test_ssdtrain_offload import assert_same_grads, batch, grads, make_net, reference
+from torch import nn
+
+import ssdtrain
+from ssdtrain import io as ssd_io
+from ssdtrain import tiers as ssd_tiers
+
+KIB = 1 << 10
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _steps(model, ids, n, reference_grads=None):
+    for _ in range(n):
+        model.zero_grad()
+        model(ids).backward()
+    if reference_grads is not None:
+        assert_same_grads(grads(model), reference_grads)
+
+
+# ------------------------------------------------------------------------------------------------ exceptions
+class _FailOnce:
+    """Hooks on a block that raise in its forward (or, with `backward`, in backward) once `armed` is set.
+    Installed after the session's own hooks, so the exception comes from inside the block's forward."""
+
+    def __init__(self, block, backward=False):
+        self.block, self.backward, self.armed = block, backward, False
+
+    def install(self):
+        self.block.register_forward_pre_hook(self._pre)
+        self.block.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        if self.armed and not self.backward:
+            self.armed = False
+            raise RuntimeError("boom in forward")
+
+    def _post(self, module, args, output):
+        if self.armed:
+            self.armed = False
+            return _Boom.apply(output)
+        return None
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_caught_exception_leaves_the_session_working(where):
+    """An exception raised in a block and caught inside the ``with`` block: later forwards are steps as before,
+    prefetching works (hits, no misses), every activation of the failed step is released, gradients exact."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    wrapped = _FailOnce(model.blocks[2], backward=where == "backward")
+    overrides = {f"blocks.{i}": "host" for i in range(4)}
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="4K", verbose=False, profile_steps=1) as s:
+        wrapped.install()
+        _steps(model, ids, 2)
+        wrapped.armed = True
+        with pytest.raises(RuntimeError, match=f"boom in {where}"):
+            model.zero_grad()
+            loss = model(ids)
+            loss.backward()
+        loss = None
+        gc.collect()
+        assert s.cache.live_entries() == 0  # the failed step's activations went with its graph
+        assert s.hooks.depth == 0 and s.hooks.block_depth == 0
+        before = s.stats()
+        _steps(model, ids, 2, want)
+        after = s.stats()
+    assert after["steps"] == before["steps"] + 2 == 5
+    assert after["prefetch_hits"] > before["prefetch_hits"]
+    assert after["misses"] - before["misses"] <= 2  # each backward's first unpack only
+    assert after["bytes_offloaded"]["host"] > before["bytes_offloaded"]["host"]
+    assert s.pool.reserved == 0 and s.cache.live_entries() == 0
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_escaping_exception_releases_everything_and_the_next_session_works(where, tmp_path):
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    wrapped = _FailOnce(model.blocks[2], backward=where == "backward")
+    gc.collect()
+    threads, native = set(threading.enumerate()), _native_threads()
+    overrides = {"blocks.0": "nvme", "blocks.1": "host", "blocks.2": "nvme", "blocks.3": "host"}
+    options = dict(overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1)
+    session = ssdtrain.offload(model, **options)
+    with pytest.raises(RuntimeError, match="boom"), session:
+        wrapped.install()
+        _steps(model, ids, 2)
+        wrapped.armed = True
+        _steps(model, ids, 1)
+    assert session.pool.reserved == 0 and session.cache.engine is None
+    assert set(threading.enumerate()) <= threads and _native_threads() <= native  # no thread of this session
+    with ssdtrain.offload(model, **options) as again:  # the plan of the failed session is reused
+        _steps(model, ids, 2, want)
+    stats = again.stats()
+    assert stats["profiled_steps"] == 0 and stats["steps"] == 2
+    assert stats["bytes_offloaded"]["nvme"] > 0 and stats["bytes_written_to_nvme"] > 0
+    assert _native_threads() <= native  # the engine's threads ended with the session
+
+
+def test_session_ends_before_backward_then_releases_when_the_graph_goes(tmp_path):
+    """Activations saved for a backward after the ``with`` block live on; when the last is used, the pool, files
+    and I/O threads go too."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    gc.collect()
+    native = _native_threads()
+    overrides = {f"blocks.{i}": "nvme" for i in range(4)}
+    with ssdtrain.offload(
+        model, overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1
+    ) as s:
+        _steps(model, ids, 1)
+        model.zero_grad()
+        loss = model(ids)
+    assert s.cache.live_entries() > 0 and s.cache.engine is not None
+    loss.backward()
+    del loss
+    gc.collect()
+    assert_same_grads(grads(model), want)
+    assert s.cache.live_entries() == 0 and s.cache.engine is None and s.pool.reserved == 0
+    assert _native_threads() <= native
+
+
+# ------------------------------------------------------------------------------------------------ plan reuse
+def test_a_new_session_per_step_reuses_the_plan_and_offloads(monkeypatch):
+    """The torchtune / save_on_cpu pattern: a context per step. The profile runs once across sessions, and the
+    sessions after it run the plan: bytes move, nothing is profiled again, even when the available RAM (the
+    default host limit's source) changes between calls."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    available = iter(range(8 << 30, 1 << 40, 1 << 28))
+    monkeypatch.setattr(ssdtrain.session, "_host_available", lambda: next(available))
+    sessions = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False) as s:
+                model.zero_grad()
+                model(ids).backward()
+            sessions.append(s.stats())
+    assert_same_grads(grads(model), want)
+    assert sum(st["profiled_steps"] for st in sessions) == 1
+    assert all(st["profiled_steps"] == 0 and st["bytes_offloaded"]["host"] > 0 for st in sessions[2:])
+    idle = [w for w in caught if "offloaded nothing" in str(w.message)]
+    assert len(idle) == 1 and "still profiling" in str(idle[0].message)  # once, with the reason
+
+
+def test_a_new_session_per_forward_with_backward_outside():
+    """A context around the forward alone (backward after it): activations saved inside stay valid and move."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    moved = 0
+    for _ in range(4):
+        model.zero_grad()
+        with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False) as s:
+            loss = model(ids)
+        loss.backward()
+        moved = s.stats()["bytes_offloaded"]["host"]
+    assert_same_grads(grads(model), want)
+    assert moved > 0
+
+
+# ------------------------------------------------------------------------------------------------ nothing silent
+def test_a_budget_above_keep_warns_once_with_the_reason():
+    model, ids = make_net(layers=3), batch()
+    with pytest.warns(ssdtrain.OffloadWarning, match="plan keeps everything"):
+        with ssdtrain.offload(model, "1G", min_bytes="4K", verbose=False) as s:
+            _steps(model, ids, 3)
+    assert s.stats()["bytes_offloaded"]["host"] == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ssdtrain.offload(model, "1G", min_bytes="4K", verbose=False):
+            _steps(model, ids, 1)
+    assert not [w for w in caught if "offloaded nothing" in str(w.message)]  # once per model
+
+
+def test_bad_nvme_settings_fail_at_offload(tmp_path):
+    model = make_net(layers=2)
+    with pytest.raises(FileNotFoundError, match="does not exist.*nvme_memory=0"):
+        ssdtrain.offload(model, directories=[str(tmp_path / "missing")])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        ssdtrain.offload(model, directories=[str(tmp_path / "file")])
+    free = ssd_tiers.free_space([str(tmp_path)])
+    with pytest.raises(ValueError, match="more than the free space"):
+        ssdtrain.offload(model, directories=[str(tmp_path)], nvme_memory=free + (1 << 30))
+    with pytest.raises(ValueError, match="directories= is empty"):
+        ssdtrain.offload(model, directories=[])
+    ssdtrain.offload(model, directories=[str(tmp_path / "missing")], nvme_memory=0)  # no NVMe tier: fine
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_unwritable_nvme_directory_fails_at_offload(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match="not writable"):
+            ssdtrain.offload(make_net(layers=2), directories=[str(d)])
+    finally:
+        d.chmod(0o700)
+
+
+def test_a_float_budget_is_a_fraction_of_keeps_peak():
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    with ssdtrain.offload(model, 0.5, min_bytes="4K", verbose=False) as s:
+        _steps(model, ids, 3, want)
+    plan = s.plan
+    assert plan.budget_fraction == 0.5 and plan.budget == int(plan.keep_prediction.peak * 0.5)
+    assert plan.prediction.peak <= plan.budget and "0.5 x keep" in str(plan)
+    assert s.stats()["bytes_offloaded"]["host"] > 0 or s.stats()["recomputed_modules"] > 0
+    with pytest.raises(ValueError, match="positive"):
+        ssdtrain.offload(model, 0.0)
+    assert ssdtrain.offload(model, 2e6).budget == 2_000_000  # a float above 1 is bytes
+
+
+# ------------------------------------------------------------------------------------------------ budget accuracy
+def test_a_storage_saved_by_two_ops_is_counted_once():
+    """q, k and v projections of one normalised input each save it: the profile counts its bytes once."""
+
+    class Attn(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) * self.v(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Attn(64) for _ in range(3)])
+    x = torch.randn(64, 64)
+
+    def step():
+        model(x).sum().backward()
+
+    p = ssdtrain.plan(model, step, min_bytes="1K")
+    # Each block saves its input once (64 x 64 x 4 bytes), q(x), k(x), v(x) and the product q*k, whatever the
+    # number of ops saving the input.
+    act = 64 * 64 * 4
+    assert [u.saved_bytes for u in p.units[1:-1]] == [5 * act, 5 * act, 5 * act]
+
+
+def test_parameter_casts_and_gradients_are_in_the_peak():
+    """fp32 weights under autocast: each block's bf16 weight copies are held until backward; a step that starts
+    without gradients allocates them in backward. Both are part of the predicted peak."""
+    model, ids = make_net(layers=3, width=64), batch()
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False) as s:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(ids).backward()
+    plan = s.plan
+    block_params = sum(p.numel() for p in model.blocks[0].parameters() if p.dim() == 2)
+    assert plan.units[1].pinned_bytes >= block_params * 2  # its weight matrices in bf16
+    assert plan.grads and sum(u.grad_bytes for u in plan.units) == sum(p.numel() * 4 for p in model.parameters())
+    without = plan.predict(grads=False).peak
+    assert plan.prediction.peak > without  # the gradients count where a step starts without them
+
+
+# ------------------------------------------------------------------------------------------------ NVMe tier
+def test_host_pool_full_sends_host_and_nvme_planned_activations_to_nvme(tmp_path):
+    model, ids = make_net(layers=4), batch()
+    want_loss, want = reference(model, ids)
+    overrides = {"blocks.0": "nvme", "blocks.1": "nvme", "blocks.2": "host", "blocks.3": "host"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ssdtrain.offload(
+            model,
+            overrides=overrides,
+            host_memory="64K",
+            directories=[str(tmp_path)],
+            min_bytes="4K",
+            verbose=False,
+            profile_steps=1,
+        ) as s:
+            _steps(model, ids, 3, want)
+    stats = s.stats()
+    assert stats["bytes_offloaded"]["nvme"] > 0 and stats["bytes_written_to_nvme"] >= stats["bytes_offloaded"]["nvme"]
+    assert "nvme_full" not in stats["fallbacks"]  # nothing stayed on the device
+    messages = [str(w.message) for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+    assert any("moving activations to NVMe" in m for m in messages)
+    assert not any("keeping activations on the device" in m for m in messages)
+
+
+def test_host_and_nvme_full_keep_activations_on_the_device_with_a_warning(tmp_path):
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    overrides = {f"blocks.{i}": "nvme" for i in range(4)}
+    with pytest.warns(ssdtrain.OffloadWarning, match="NVMe tier is full: keeping activations on the device"):
+        with ssdtrain.offload(
+            model,
+            overrides=overrides,
+            host_memory="4K",
+            nvme_memory="64K",
+            directories=[str(tmp_path)],
+            min_bytes="4K",
+            verbose=False,
+            profile_steps=1,
+        ) as s:
+            _steps(model, ids, 3, want)
+    assert s.stats()["fallbacks"]["nvme_full"] > 0
+
+
+def test_disk_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
+    d = tmp_path / "disk"
+    d.mkdir()
+    write, read = ssd_tiers.disk_rates(str(d), 2 << 20)
+    assert write > 0 and read > 0
+    cached = json.load(open(os.path.join(ssd_tiers.cache_dir(), "disk-rates.json")))
+    assert any(k.startswith(os.path.realpath(d)) for k in cached)
+
+    def refuse(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(ssd_tiers, "Engine", refuse)
+    assert ssd_tiers.disk_rates(str(d), 2 << 20) == (write, read)
+
+
+def test_plans_use_the_measured_disk_rate(tmp_path):
+    model, ids = make_net(layers=3), batch()
+    with ssdtrain.offload(
+        model, overrides={"blocks.0": "nvme"}, directories=[str(tmp_path)], min_bytes="4K", verbose=False
+    ) as s:
+        _steps(model, ids, 3)
+    spec = s.plan.tiers["nvme"]
+    assert spec.measured and spec.write_rate > 0
+    assert "nvme write" in str(s.plan) and "assumed" not in str(s.plan)
+
+
+def test_per_step_contexts_reuse_the_engine_files_cleanly(tmp_path):
+    """Each per-step session creates and closes its own engine: no file is left open after it."""
+    model, ids = make_net(layers=3), batch()
+    for _ in range(3):
+        with ssdtrain.offload(
+            model,
+            overrides={"blocks.0": "nvme"},
+            directories=[str(tmp_path)],
+            min_bytes="4K",
+            verbose=False,
+            profile_steps=1,
+        ):
+            model.zero_grad()
+            model(ids).backward()
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the directory listing's own descriptor, closed already
+            pass
+    assert not [p for p in opened if p.startswith(str(tmp_path))]
+    assert ssd_io  # the engine module stays importable without an engine alive
+
+
+def test_model_copy_has_its_own_plans():
+    model, ids = make_net(layers=3), batch()
+    with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False) as s:
+        _steps(model, ids, 3)
+    other = copy.deepcopy(model)
+    with ssdtrain.offload(other, "1500K", min_bytes="4K", verbose=False) as t:
+        _steps(other, ids, 3)
+    assert s.stats()["profiled_steps"] == 1 and t.stats()["profiled_steps"] == 1

@@ -46,7 +46,7 @@ import zlib
 import torch
 
 import pytorch_direct as pd
-from pytorch_direct import _memory, _strategy
+from pytorch_direct import _auto, _features, _memory
 
 BASELINES = ("torch", "torch_dedupe", "naive")
 FORCED = ("vector", "sorted", "dedupe", "staged", "dedupe_staged", "split")
@@ -78,8 +78,8 @@ def parse(argv):
 def indices(pattern: str, count: int, rows: int, seed: int, device: str = "cuda") -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
     if pattern.startswith("zipf"):
-        return _strategy.synthetic_indices("zipf", count, rows, g, zipf_s=float(pattern[4:]))
-    return _strategy.synthetic_indices(pattern, count, rows, g, cluster=32)
+        return _features.synthetic_indices("zipf", count, rows, g, zipf_s=float(pattern[4:]))
+    return _features.synthetic_indices(pattern, count, rows, g, cluster=32)
 
 
 def cell_seed(table_gib: float, row_bytes: int, pattern: str, count: int) -> int:
@@ -138,13 +138,13 @@ def measure_auto(fn, repeats: int) -> tuple[float, float, str, str, str]:
     with decisions forgotten (the cache file deleted too): a new process on a new machine. Steady: timed like every
     other column. The measured rates ("vector=12.3 sorted=40.1 ...", GB/s) tell a wrong choice made on noisy
     measurements from one made on faithful ones."""
-    _strategy.reset(delete_file=True)
+    _auto.reset(delete_file=True)
     first = sync_time(fn)
-    decision = _strategy.last_decision()
-    cells = list(_strategy.measured_cells().values())  # the one cell this call measured (none for a small call)
-    measured = " ".join(f"{s}={v:.2f}" for s, v in cells[0]["gbps"].items()) if len(cells) == 1 else ""
+    decision = _auto.last_decision()
+    cells = list(_auto.measured_cells().values())  # the one cell this call measured (none for a small call)
+    measured = " ".join(f"{s}={v:.2f}" for s, v in cells[0].gbps.items()) if len(cells) == 1 else ""
     steady = best_of(fn, repeats)
-    after = _strategy.last_decision()
+    after = _auto.last_decision()
     plan = after.plan.strategy if after is not None and after.plan is not None else "?"
     source = decision.source if decision is not None else "?"
     return first, steady, plan, source, measured
@@ -212,7 +212,7 @@ def run(args, results: list[dict]) -> None:
     sizes = sorted(args.table_gib)
     biggest = int(max(sizes) * (1 << 30))
     print(f"# device: {torch.cuda.get_device_name()} | tables {sizes} GiB (one allocation) | "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} | cache {_strategy.cache_path()}",
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} | cache {_auto.cache_path()}",
           flush=True)
     t0 = time.perf_counter()
     flat = pd.empty(biggest, dtype=torch.uint8).plain()  # resident (and zeroed) already
@@ -262,17 +262,17 @@ def run(args, results: list[dict]) -> None:
                 group.append((row, idx))
                 results.append(row)
         if "auto_cal" in args.columns:
-            _strategy.reset(delete_file=True)
+            _auto.reset(delete_file=True)
             calib = sync_time(lambda utab=utab: pd.calibrate(table=utab))
             for row, idx in group:
                 # As a new process with this calibration on disk: no index features or decisions carried over from
-                # the group's other cells (a kind re-samples its features only every RECHECK_EVERY calls; H200
-                # run 2 did not reset here, so its auto_cal column ran other patterns' decisions).
-                _strategy.reset()
+                # the group's other cells (a kind re-samples its features only every RECHECK_EVERY calls: without
+                # this reset the auto_cal column ran other patterns' decisions).
+                _auto.reset()
                 row["calib_s"] = calib
                 seconds = best_of(lambda utab=utab, idx=idx: pd.gather(utab, idx), args.repeats)
                 row["auto_cal"] = row["count"] * rb / seconds / 1e9
-                decision = _strategy.last_decision()
+                decision = _auto.last_decision()
                 row["choice_cal"] = decision.plan.strategy if decision and decision.plan else "?"
         for row, _ in group:
             print_row(row, time.perf_counter() - start)
@@ -317,7 +317,7 @@ def fresh_child(args) -> None:
                                                                            s["pattern"], s["count"]))
         first = sync_time(lambda utab=utab, idx=idx: pd.gather(utab, idx))  # nothing measured in this process yet
         steady = best_of(lambda utab=utab, idx=idx: pd.gather(utab, idx), args.repeats)
-        decision = _strategy.last_decision()
+        decision = _auto.last_decision()
         out.append({"choice": decision.plan.strategy if decision and decision.plan else "?",
                     "auto": s["count"] * s["row_bytes"] / steady / 1e9, "first_ms": first * 1e3})
     print(json.dumps(out))

@@ -507,14 +507,14 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     rows, rb = _kernels.row_layout(table)
     idx = torch.randint(0, rows, (4321,), dtype=index_dtype)
     out = torch.empty((idx.numel(),) + tuple(shape[1:]), dtype=dtype)
-    _kernels._gather_staged(table, rows, rb, idx, out, None)
+    _kernels.gather_staged(table, rows, rb, idx, out, None)
     assert torch.equal(out, table[idx.long()])
     chunks = list(_kernels._Slots.chunks(idx.numel(), rb))
     assert sum(e.recorded for e in slots[1]) == len(chunks)  # one copy per chunk
     bad = idx.clone()
     bad[3000] = rows
     with pytest.raises(IndexError, match=f"index {rows} at position 3000"):
-        _kernels._gather_staged(table, rows, rb, bad, out, None)
+        _kernels.gather_staged(table, rows, rb, bad, out, None)
 
 
 @pytest.mark.parametrize("count,row_bytes", [(0, 64), (1, 64), (100_000, 64), (3_000, 4096), (5, 3 << 20),

@@ -13,11 +13,11 @@
     How long the package's idle CPU threads poll for the next call's work before they sleep (yielding the core to
     any other runnable thread meanwhile). Waking a sleeping thread costs tens of microseconds on a virtual machine;
     on an H200 host, staged gathers of 131072 rows of 47-128 B called back to back ran 1.13-1.41x faster with 200
-    than with 0 (uniform, zipf0.8 and sorted indices; ``benchmarks/RESULTS.md``, probe P2). ``0``: sleep at once
-    (no busy CPU after a call).
+    than with 0 (uniform, zipf0.8 and sorted indices). ``0``: sleep at once (no busy CPU after a call).
 ``PYTORCH_DIRECT_MAX_SMS`` (default ``0``, no cap; :func:`set_max_sms`)
     SMs a gather/scatter kernel may occupy, so it can overlap with training kernels.
-``PYTORCH_DIRECT_CACHE_DIR`` (default ``~/.cache/pytorch_direct``; :func:`set_cache_dir`)
+``PYTORCH_DIRECT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pytorch_direct``, or ``~/.cache/pytorch_direct`` where
+``XDG_CACHE_HOME`` is unset; :func:`set_cache_dir`)
     where the per-machine measurements of ``auto`` are stored.
 ``PYTORCH_DIRECT_AUTO_CALIBRATE`` (default ``1``; :func:`set_auto_calibrate`)
     ``1``: the first ``auto`` call of each kind (table size, row width, count, index order and duplicates) measures
@@ -25,22 +25,15 @@
     ``auto`` uses cached measurements or, without them, built-in rules.
 ``PYTORCH_DIRECT_CALIBRATION`` (unset by default; :func:`set_calibration`)
     path of a measurements file (JSON) to use, and add to, instead of the cached one.
+
+The strategy names are the strategy registry's (``_strategies``), which checks ``PYTORCH_DIRECT_STRATEGY`` when it
+is imported and holds :func:`set_strategy`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-STRATEGIES = ("auto", "vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "naive")
-"""``vector``: our kernel (<= 16-byte loads, 128-byte-aligned warp windows); ``sorted``: sort the indices first and
-permute rows back into the caller's order in the kernel; ``dedupe``: sort, gather each distinct row once, expand the
-duplicates on the GPU (no host synchronisation: allowed in CUDA graphs); ``staged``: CPU threads gather into pinned
-buffers, pipelined DMA copies to the GPU; ``dedupe_staged``: the distinct rows through ``staged``, expanded on the
-GPU; ``split``: part kernel, part staged, at the same time; ``naive``: one warp per row with 4-byte loads (a
-baseline for benchmarks); ``auto``: measured per kind of call on the user's own table (see ``_strategy``).
-Scatters run ``vector``, ``sorted``, ``staged`` or ``naive`` (``dedupe`` -> ``sorted``, ``split`` and
-``dedupe_staged`` -> ``staged``)."""
 
 BOUNDS_CHECKS = ("sync", "async")
 
@@ -62,16 +55,15 @@ def _parse_int(name: str, default: int) -> int:
 
 class _Settings:
     def __init__(self) -> None:
-        self.strategy = _check_choice("PYTORCH_DIRECT_STRATEGY", _env("PYTORCH_DIRECT_STRATEGY", "auto"), STRATEGIES)
+        self.strategy = _env("PYTORCH_DIRECT_STRATEGY", "auto")  # (checked by the strategy registry)
         self.bounds_check = _check_choice(
             "PYTORCH_DIRECT_BOUNDS_CHECK", _env("PYTORCH_DIRECT_BOUNDS_CHECK", "sync"), BOUNDS_CHECKS
         )
         self.threads = _parse_int("PYTORCH_DIRECT_THREADS", 0)
         self.max_sms = _parse_int("PYTORCH_DIRECT_MAX_SMS", 0)
         self.host_spin_us = _parse_int("PYTORCH_DIRECT_HOST_SPIN_US", 200)
-        self.cache_dir = Path(
-            _env("PYTORCH_DIRECT_CACHE_DIR", str(Path.home() / ".cache" / "pytorch_direct"))
-        ).expanduser()
+        cache_home = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+        self.cache_dir = Path(_env("PYTORCH_DIRECT_CACHE_DIR", str(Path(cache_home) / "pytorch_direct"))).expanduser()
         auto = _env("PYTORCH_DIRECT_AUTO_CALIBRATE", "1")
         self.auto_calibrate = _check_choice("PYTORCH_DIRECT_AUTO_CALIBRATE", auto, ("0", "1")) == "1"
         calibration = os.environ.get("PYTORCH_DIRECT_CALIBRATION", "").strip()
@@ -85,15 +77,6 @@ def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 settings = _Settings()
-
-
-def set_strategy(strategy: str) -> None:
-    """Default strategy for calls that pass none (see :data:`STRATEGIES`); mirrors ``PYTORCH_DIRECT_STRATEGY``."""
-    settings.strategy = _check_choice("strategy", strategy, STRATEGIES)
-
-
-def get_strategy() -> str:
-    return settings.strategy
 
 
 def set_bounds_check(mode: str) -> None:

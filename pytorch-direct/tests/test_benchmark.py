@@ -133,3 +133,17 @@ def test_first_use_benchmark_runs(tmp_path):
     assert "the import loaded the CUDA driver: no, NVRTC: no" in r.stdout and "## first use" in r.stdout
     rows = {row["what"]: row for row in csv.DictReader(open(tmp_path / "f.csv"))}
     assert float(rows["pd.empty"]["seconds"]) > 0 and rows["import pytorch_direct"]["memory"] == "cuda=0 nvrtc=0"
+
+
+def test_wholegraph_baseline_fails_soft_without_pylibwholegraph():
+    import _wholegraph
+
+    wg = _wholegraph.WholeGraph()
+    try:
+        import pylibwholegraph  # noqa: F401
+    except Exception:  # noqa: BLE001
+        assert wg.reason is not None and "pylibwholegraph" in wg.reason
+        wg.load(torch.zeros(4, 4))  # nothing to do, no error
+        with pytest.raises(RuntimeError, match="pylibwholegraph"):
+            wg.gather(torch.tensor([0]))
+        assert "wholegraph" in gather.BASELINES and "wholegraph_cache" in gather.COLUMNS

@@ -174,22 +174,6 @@ def test_a_cache_lives_as_long_as_its_table_and_forced_strategies_skip_it(monkey
     assert not _cache._CACHES  # gone with the table
 
 
-def test_unified_feature_store_gathers_through_the_cache():
-    pytest.importorskip("torch_geometric")
-    from pytorch_direct.pyg import UnifiedFeatureStore
-
-    x = torch.randn(ROWS, 8)
-    fs = UnifiedFeatureStore(device="cpu")
-    fs.put_tensor(x, group_name=None, attr_name="x", index=None)
-    table = fs.get_tensor(group_name=None, attr_name="x", index=None)
-    cache = pd.cached(table, budget_for(50, 32), frequency=torch.arange(ROWS, 0, -1).float(), device="cpu")
-    idx = torch.tensor([0, 1, 2, 499])
-    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=idx), x[idx])
-    assert cache.hit_rate(idx) == 0.75
-    fs.put_tensor(torch.zeros(2, 8), group_name=None, attr_name="x", index=torch.tensor([0, 499]))  # row updates
-    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=idx)[[0, 3]], torch.zeros(2, 8))
-
-
 def test_cached_gathers_compile():
     table, u, frequency = table_and_frequency()
     pd.cached(u, budget_for(40, 64), frequency=frequency, device="cpu")
@@ -299,3 +283,44 @@ def test_gpu_counting_cache_and_float_index_error():
     with pytest.raises(TypeError, match="row indices must be int32 or int64"):
         u[torch.tensor([1.0], device="cuda")]
     assert _core.kernels_compiled()
+
+
+def _readme_block(marker):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b)
+
+
+def test_readme_cache_example_runs(capsys):
+    scope: dict = {}
+    exec(compile(_readme_block("pd.cached(table, gpu_bytes="), "README.md", "exec"), scope)
+    cache = scope["cache"]
+    assert cache.cached_rows > 0 and cache.bytes <= cache.budget == 4 << 20
+    assert "rows cached" in capsys.readouterr().out
+
+
+def test_readme_how_to_add_a_strategy_example_works(monkeypatch):
+    from pytorch_direct import _decide, _kernels, _strategies
+    from pytorch_direct._cell import Call, Cell, Features
+
+    monkeypatch.setattr(_strategies, "REGISTRY", dict(_strategies.REGISTRY))
+    monkeypatch.setattr(_decide, "REGISTRY", _strategies.REGISTRY)
+    scope = dict(vars(_strategies))
+    exec(compile(_readme_block("class Reversed(Strategy)"), "README.md", "exec"), scope)
+    assert "reversed" in _strategies.REGISTRY and _strategies.Plan("reversed").kind.runs_on == "device"
+    call = Call("gather", 1 << 34, 1 << 26, 256, 1 << 20)
+    assert "reversed" in _decide.candidates(Cell(call, Features(0.5, 0.0, 0.0)))
+
+    def launch(table, rows, rb, idx, out, positions, kernel, max_sms, stream, device_count=None):
+        out.view(torch.uint8).view(-1, rb)[positions] = table.reshape(-1).view(torch.uint8).view(rows, rb)[idx]
+
+    monkeypatch.setattr(_kernels, "launch_gather", launch)
+    monkeypatch.setattr(_kernels, "raw_stream", lambda device: 0)
+    table = torch.randn(50, 16)
+    idx = torch.tensor([3, 1, 49, 3])
+    out = torch.empty(4, 16)
+    job = _strategies.RowJob("gather", table, 50, 64, idx, out)
+    _strategies.run(job, _strategies.Plan("reversed"), check_bounds=False, in_range=True)
+    assert torch.equal(out, table[idx])

@@ -66,6 +66,10 @@ def table_times(nbytes: int) -> list[dict]:
     from pytorch_direct import _memory
 
     rows = []
+    # (CUDA's own start-up, ~0.3-1 s, is not the table's: paid here, before anything is timed)
+    pd.empty(1 << 20, dtype=torch.uint8)
+    if pd.cuda_usable():
+        torch.zeros(1, device="cuda")
 
     def memset():
         t = torch.empty(nbytes, dtype=torch.uint8)

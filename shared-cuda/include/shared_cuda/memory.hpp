@@ -69,7 +69,7 @@ class pinned_buffer {
 // (accessed-by), so kernels read and write it over PCIe with no copy and no migration, like pinned_buffer. The
 // difference is the GPU's mapping: the driver maps managed memory with large pages, so random reads from tables of
 // many GiB do not miss the GPU's address translation on nearly every row as they do through cudaHostAlloc's 4 KiB
-// mappings (pytorch-direct probe P7, H200: random 256 B rows of a 48 GiB table at 51 GB/s against 7.4; registered
+// mappings (measured on an H200: random 256 B rows of a 48 GiB table at 51 GB/s against 7.4; registered
 // hugetlbfs pages read no faster than cudaHostAlloc's). The pages are touched by CPU threads here (one write per
 // page; they arrive zeroed, and the memory reads as zeros), so it is resident, and mapped on every device, before a
 // kernel reads it. data() is also the device pointer.

@@ -37,7 +37,7 @@ def test_report_table_csv_png(tmp_path, capsys):
     results = fake_results()
     gather.print_table(results)
     text = capsys.readouterr().out
-    assert "## gather" in text and ">= 0.9x best forced in 16/16 cells" in text
+    assert "## gather" in text and ">= 0.95x best forced in 16/16 cells" in text
     assert "first-call overhead" in text and "calibrate(table=...) seconds" in text
     gather.write_csv(results, tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))

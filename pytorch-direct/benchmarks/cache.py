@@ -12,7 +12,12 @@ Streams (each a list of --batches index tensors on the GPU):
              random graph with that degree sequence); the gathered rows are the batch's distinct nodes in no
              particular order. A stand-in for a GNN loader's batches, made without a graph in memory.
 
-Frequency estimates the cache is filled from (each at --fractions of the table's bytes, the slot map included):
+Cache sizes: --fractions of the table's rows (as WholeGraph's cache ratio), the budget given to pd.cached being
+those rows plus what the cache needs beside them (its slot map: 4 bytes per table row, 8 when counting); with
+--budget-of bytes, the fraction of the table's bytes instead, everything included. The device bytes used are
+reported either way.
+
+Frequency estimates the cache is filled from:
   degree     the true distribution (the Zipf probabilities; the sampled stream's node degrees)
   presample  pd.count_rows over --batches batches of the same stream drawn with another seed
   counts     count=True: the cache counts the rows of --batches batches drawn with a third seed (earlier training
@@ -36,7 +41,7 @@ import time
 import torch
 
 import pytorch_direct as pd
-from pytorch_direct import _auto, _features, _memory
+from pytorch_direct import _auto, _cache, _features, _memory
 
 
 def parse(argv):
@@ -45,6 +50,8 @@ def parse(argv):
     p.add_argument("--row-bytes", type=int, default=256)
     p.add_argument("--streams", nargs="+", default=["zipf0.8", "zipf1.1", "zipf1.3", "sampled", "uniform"])
     p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.2])
+    p.add_argument("--budget-of", choices=["rows", "bytes"], default="rows",
+                   help="the fractions are of the table's rows (default) or of its bytes (slot map included)")
     p.add_argument("--estimates", nargs="+", default=["degree", "presample", "counts"],
                    choices=["degree", "presample", "counts"])
     p.add_argument("--count", type=int, default=1 << 20, help="rows per batch of the zipf and uniform streams")
@@ -173,10 +180,14 @@ def run(args, results: list[dict]) -> None:
         print(f"# {name}: {len(batches)} batches, {moved / len(batches) / 1e6:.1f} MB each; uncached auto "
               f"{moved / base / 1e9:.2f} GB/s ({base_choice})", flush=True)
         for fraction in args.fractions:
-            budget = int(fraction * nbytes)
             for estimate in args.estimates:
                 if name == "uniform" and estimate != "degree":
                     continue  # (every estimate of a uniform stream is noise)
+                if args.budget_of == "bytes":
+                    budget = int(fraction * nbytes)
+                else:
+                    beside = rows * 4 * (2 if estimate == "counts" else 1) + _cache.SLACK
+                    budget = beside + int(fraction * rows) * (rb + 8)
                 t1 = time.perf_counter()
                 if estimate == "degree":
                     cache = pd.cached(table, budget, frequency=true_frequency(name, rows, args, degree),
@@ -199,13 +210,15 @@ def run(args, results: list[dict]) -> None:
                 row = {"stream": name, "fraction": fraction, "estimate": estimate, "row_bytes": rb,
                        "table_gib": nbytes / 2**30, "uncached_gbps": moved / base / 1e9,
                        "cached_gbps": moved / seconds / 1e9, "speedup": base / seconds, "hit": hit,
-                       "rows_cached": cache.cached_rows / rows, "exact": exact, "fill_s": fill_s,
+                       "rows_cached": cache.cached_rows / rows, "device_bytes": cache.bytes,
+                       "bytes_of_table": cache.bytes / nbytes, "exact": exact, "fill_s": fill_s,
                        "choice": _auto.last_decision().plan.strategy if _auto.last_decision() else "?",
                        "uncached_choice": base_choice}
                 results.append(row)
                 print(f"  {name:9} {fraction:5.0%} {estimate:9} hit {hit:6.1%} ({row['rows_cached']:.1%} of rows "
-                      f"cached) {row['cached_gbps']:7.2f} GB/s = {row['speedup']:5.2f}x uncached "
-                      f"({row['choice']}, exact {exact}, fill {fill_s:.1f} s)", flush=True)
+                      f"cached in {row['bytes_of_table']:.1%} of the table's bytes) {row['cached_gbps']:7.2f} GB/s = "
+                      f"{row['speedup']:5.2f}x uncached ({row['choice']}, exact {exact}, fill {fill_s:.1f} s)",
+                      flush=True)
                 cache.release()
                 del cache
         del batches, reference
@@ -214,11 +227,15 @@ def run(args, results: list[dict]) -> None:
 def summary(results: list[dict]) -> None:
     if not results:
         return
-    print("\n## GPU cache vs uncached auto (useful GB/s; speedup = cached / uncached; hit = rows served by the cache)")
-    print(f"{'stream':9} {'cache':>5} {'estimate':9} {'hit':>6} {'uncached':>8} {'cached':>8} {'speedup':>7} exact")
+    print("\n## GPU cache vs uncached auto (useful GB/s; cache = the fraction asked for; rows, bytes = rows cached and "
+          "device bytes used, as fractions of the table's;\n## hit = rows served by the cache; speedup = cached / "
+          "uncached)")
+    print(f"{'stream':9} {'cache':>5} {'estimate':9} {'rows':>6} {'bytes':>6} {'hit':>6} {'uncached':>8} {'cached':>8} "
+          f"{'speedup':>7} exact")
     for r in results:
-        print(f"{r['stream']:9} {r['fraction']:5.0%} {r['estimate']:9} {r['hit']:6.1%} {r['uncached_gbps']:8.2f} "
-              f"{r['cached_gbps']:8.2f} {r['speedup']:7.2f} {r['exact']}")
+        print(f"{r['stream']:9} {r['fraction']:5.0%} {r['estimate']:9} {r['rows_cached']:6.1%} "
+              f"{r['bytes_of_table']:6.1%} {r['hit']:6.1%} {r['uncached_gbps']:8.2f} {r['cached_gbps']:8.2f} "
+              f"{r['speedup']:7.2f} {r['exact']}")
     skewed = [r for r in results if r["stream"] != "uniform"]
     best = {}
     for r in skewed:

@@ -135,8 +135,8 @@ void launch_cached(const rows_call& c, const launch_plan& p, int max_sms, cudaSt
     default:
       break;
   }
-  go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, c.slot_of_row,
-     cache, dense, err, p.group_shift);
+  go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, c.slot_of_row, cache,
+     dense, err, p.group_shift);
 }
 
 void check_call(const rows_call& c) {

@@ -278,9 +278,9 @@ template <bool Refresh>
 __global__ void __launch_bounds__(512)
     move_rows_cached_unaligned(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_bytes,
                                const void* __restrict__ index, int index_bytes, std::int64_t count,
-                               const std::int64_t* __restrict__ positions,
-                               const std::int32_t* __restrict__ slot_of_row, unsigned char* __restrict__ cache,
-                               unsigned char* __restrict__ dense, std::int64_t* error, int group_shift) {
+                               const std::int64_t* __restrict__ positions, const std::int32_t* __restrict__ slot_of_row,
+                               unsigned char* __restrict__ cache, unsigned char* __restrict__ dense,
+                               std::int64_t* error, int group_shift) {
   const int lanes = 1 << group_shift;
   const int lane = threadIdx.x & (lanes - 1);
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

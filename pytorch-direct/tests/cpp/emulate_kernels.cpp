@@ -395,7 +395,8 @@ void cached_case(std::mt19937_64& rng, std::int64_t rb, int table_offset, bool u
   unsigned char* cache = cache_mem.data() + (16 - reinterpret_cast<std::uintptr_t>(cache_mem.data()) % 16) % 16;
   for (std::size_t s = 0; s < cached.size(); ++s) {
     slot_of_row[cached[s]] = static_cast<std::int32_t>(s);
-    for (std::int64_t b = 0; b < rb; ++b) cache[s * rb + b] = static_cast<unsigned char>(table[cached[s] * rb + b] ^ 0x5A);
+    for (std::int64_t b = 0; b < rb; ++b)
+      cache[s * rb + b] = static_cast<unsigned char>(table[cached[s] * rb + b] ^ 0x5A);
   }
   std::vector<std::int64_t> idx64(count);
   for (auto& i : idx64) i = static_cast<std::int64_t>(rng() % rows);
@@ -430,8 +431,8 @@ void cached_case(std::mt19937_64& rng, std::int64_t rb, int table_offset, bool u
   for (std::int64_t i = 0; i < count && ok; ++i) {
     const std::int64_t r = idx64[i];
     for (std::int64_t b = 0; b < rb && ok; ++b) {
-      const unsigned char want = slot_of_row[r] >= 0 ? static_cast<unsigned char>(table[r * rb + b] ^ 0x5A)
-                                                     : table[r * rb + b];
+      const unsigned char want =
+          slot_of_row[r] >= 0 ? static_cast<unsigned char>(table[r * rb + b] ^ 0x5A) : table[r * rb + b];
       ok = dense[i * rb + b] == want;
     }
   }

@@ -94,9 +94,11 @@ class Strategy:
     host_dedupe: ClassVar[bool] = False
 
     def candidate(self, cell: Cell) -> bool:
-        """Whether ``auto`` should measure this strategy on a call like `cell` (features known). The base rule: a
-        cached table's gathers measure the cached strategies only, other calls only the others."""
-        return self.uses_cache == (cell.cached and cell.call.op == "gather")
+        """Whether ``auto`` should measure this strategy on a call like `cell` (features known). The base rule: the
+        cached strategies only for gathers of a table with a GPU cache; the others always (on a cached table too,
+        where a host strategy may still beat the cache's kernel on the misses: auto is then never slower than the
+        uncached gather it also measured)."""
+        return not self.uses_cache or (cell.cached and cell.call.op == "gather")
 
     def gather(self, job: RowJob, plan: Plan, in_range: bool) -> None:
         """job.dense = rows of job.table at job.idx, on the current stream. `in_range`: every index is known (or

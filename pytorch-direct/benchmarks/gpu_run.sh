@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# pytorch-direct on the GPU machine: GPU tests, then the gather benchmark. Run from the repo root with the package
-# installed. Writes into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed), pytorch-direct-gather.csv and
-# pytorch-direct-gather.png. Exit code: non-zero if the tests or the benchmark failed.
+# pytorch-direct on the GPU machine: GPU tests, the GPU cache benchmark, first use (import, table creation), then
+# the gather benchmark (with WholeGraph where pylibwholegraph imports). Run from the repo root with the package
+# installed. Writes into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed), pytorch-direct-cache.csv,
+# pytorch-direct-first-use.csv, pytorch-direct-gather.csv and pytorch-direct-gather.png. Exit code: non-zero if a
+# step failed. Sized for ~8 minutes on one H100 (80 GB) with 128 GB of host RAM.
 #
-# The default benchmark is the full matrix (tables of 1, 16 and 48 GiB: needs ~52 GiB of host RAM) with a time
-# budget; PD_BENCH_ARGS overrides it and PD_STEPS picks the steps ("tests bench" by default), e.g.
+# PD_STEPS picks the steps ("tests cache firstuse bench" by default); PD_CACHE_ARGS, PD_FIRST_USE_ARGS and
+# PD_BENCH_ARGS override each benchmark's arguments, e.g.
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
 # PD_PYTEST_K selects GPU tests by a pytest -k expression, passed as one argument (spaces allowed: "dedupe or auto";
-# PD_PYTEST_ARGS is split at spaces, so an expression there must have none: "a|b" is rejected by pytest, and no
-# test runs). PD_TESTS_TIMEOUT / PD_BENCH_TIMEOUT cap the two steps.
+# PD_PYTEST_ARGS is split at spaces, so an expression there must have none: "a|b" is rejected by pytest, and no test
+# runs). PD_TESTS_TIMEOUT, PD_CACHE_TIMEOUT, PD_FIRST_USE_TIMEOUT and PD_BENCH_TIMEOUT cap the steps (170, 150, 100
+# and 200 s).
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -16,8 +19,11 @@ LOG="$OUT/pytorch-direct-gpu.log"
 : > "$LOG"
 # The measurements cache goes to a scratch directory (the benchmark clears it between cells anyway).
 export PYTORCH_DIRECT_CACHE_DIR="${PYTORCH_DIRECT_CACHE_DIR:-$(mktemp -d)}"
-STEPS=${PD_STEPS:-"tests bench"}
-BENCH_ARGS=${PD_BENCH_ARGS:-"--budget-s 200"}
+STEPS=${PD_STEPS:-"tests cache firstuse bench"}
+# The gather matrix at the sizes that fit beside WholeGraph's own copies of the table (1 and 16 GiB).
+BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 1 16 --row-bytes 64 256 1024 --patterns uniform sorted zipf1.2 --fresh-check 0 --budget-s 110"}
+CACHE_ARGS=${PD_CACHE_ARGS:-"--table-gib 32 --row-bytes 256"}
+FIRST_USE_ARGS=${PD_FIRST_USE_ARGS:-"--table-gib 64"}
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
 
@@ -40,7 +46,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
   # Full output (-v: one line per test as it finishes) into the log; the tail (summary, tracebacks, slowest tests)
   # on the console. --maxfail: a kernel fault poisons the CUDA context and would fail every later test.
   # shellcheck disable=SC2086
-  timeout "${PD_TESTS_TIMEOUT:-180}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
+  timeout "${PD_TESTS_TIMEOUT:-170}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
     --tb=short --durations=10 $TIMEOUT_ARG ${PD_PYTEST_K:+-k "$PD_PYTEST_K"} ${PD_PYTEST_ARGS:-} > "$TESTS_TXT" 2>&1
   tests_rc=$?
   # pytest exit codes 2-4 (interrupted, internal error, usage error such as a bad -k expression) and 5 (nothing
@@ -53,14 +59,37 @@ if [[ " $STEPS " == *" tests "* ]]; then
   rm -f "$TESTS_TXT"
   echo "== GPU tests exit code: $tests_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 fi
+cache_rc=0
+if [[ " $STEPS " == *" cache "* ]]; then
+  echo "== pytorch-direct GPU cache benchmark ($(date -u +%H:%M:%S)): $CACHE_ARGS" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  timeout "${PD_CACHE_TIMEOUT:-150}" python3 pytorch-direct/benchmarks/cache.py $CACHE_ARGS \
+    --csv "$OUT/pytorch-direct-cache.csv" 2>&1 | tee -a "$LOG"
+  cache_rc=${PIPESTATUS[0]}
+  echo "== cache benchmark exit code: $cache_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
+first_rc=0
+if [[ " $STEPS " == *" firstuse "* ]]; then
+  echo "== pytorch-direct first use ($(date -u +%H:%M:%S)): $FIRST_USE_ARGS" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  timeout "${PD_FIRST_USE_TIMEOUT:-100}" python3 pytorch-direct/benchmarks/first_use.py $FIRST_USE_ARGS \
+    --csv "$OUT/pytorch-direct-first-use.csv" 2>&1 | tee -a "$LOG"
+  first_rc=${PIPESTATUS[0]}
+  echo "== first-use benchmark exit code: $first_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
 bench_rc=0
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== pytorch-direct gather benchmark ($(date -u +%H:%M:%S)): $BENCH_ARGS" | tee -a "$LOG"
   # shellcheck disable=SC2086
-  timeout "${PD_BENCH_TIMEOUT:-300}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
+  timeout "${PD_BENCH_TIMEOUT:-200}" python3 pytorch-direct/benchmarks/gather.py $BENCH_ARGS \
     --csv "$OUT/pytorch-direct-gather.csv" --png "$OUT/pytorch-direct-gather.png" 2>&1 | tee -a "$LOG"
   bench_rc=${PIPESTATUS[0]}
   echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 fi
-echo "== pytorch-direct summary: tests rc=$tests_rc benchmark rc=$bench_rc" | tee -a "$LOG"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "== pytorch-direct summary ($(date -u +%H:%M:%S)): tests rc=$tests_rc cache rc=$cache_rc first-use rc=$first_rc" \
+  "gather rc=$bench_rc" | tee -a "$LOG"
+# The lines that state the targets, from every step's report.
+grep -E "^(# skewed streams|#   (degree|presample|counts):|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# wholegraph:)" \
+  "$LOG" | tee -a "$LOG.summary" || true
+cat "$LOG.summary" >> "$LOG" 2>/dev/null && rm -f "$LOG.summary"
+[ "$tests_rc" -eq 0 ] && [ "$cache_rc" -eq 0 ] && [ "$first_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

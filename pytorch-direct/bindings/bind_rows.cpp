@@ -84,6 +84,18 @@ void bind_rows(nb::module_& m) {
       },
       PD_ROWS_ARGS, nb::arg("kind"), nb::arg("max_sms"), nb::arg("stream"), nb::arg("device_count") = 0);
   m.def(
+      "gather_cached_cuda",
+      [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
+         std::uintptr_t pos, std::uintptr_t d, std::uintptr_t slot_of_row, std::uintptr_t cache, bool refresh,
+         int max_sms, std::uintptr_t stream) {
+        rows_call c = make_call(t, rows, rb, i, ib, n, pos, d);
+        c.slot_of_row = reinterpret_cast<const std::int32_t*>(slot_of_row);
+        c.cache = reinterpret_cast<void*>(cache);
+        gather_cached_cuda(c, refresh, max_sms, shared_cuda::stream_view::from_address(stream));
+      },
+      PD_ROWS_ARGS, nb::arg("slot_of_row"), nb::arg("cache"), nb::arg("refresh"), nb::arg("max_sms"),
+      nb::arg("stream"));
+  m.def(
       "scatter_cuda",
       [](std::uintptr_t t, std::int64_t rows, std::int64_t rb, std::uintptr_t i, int ib, std::int64_t n,
          std::uintptr_t pos, std::uintptr_t d, int kind, int max_sms, std::uintptr_t stream) {

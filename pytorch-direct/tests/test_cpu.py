@@ -534,14 +534,14 @@ def test_staged_torch_engine_emulated(monkeypatch, shape, dtype, index_dtype):
     rows, rb = _kernels.row_layout(table)
     idx = torch.randint(0, rows, (4321,), dtype=index_dtype)
     out = torch.empty((idx.numel(),) + tuple(shape[1:]), dtype=dtype)
-    _kernels._gather_staged(table, rows, rb, idx, out, None)
+    _kernels.gather_staged(table, rows, rb, idx, out, None)
     assert torch.equal(out, table[idx.long()])
     chunks = list(_kernels._Slots.chunks(idx.numel(), rb))
     assert sum(e.recorded for e in slots[1]) == len(chunks)  # one copy per chunk
     bad = idx.clone()
     bad[3000] = rows
     with pytest.raises(IndexError, match=f"index {rows} at position 3000"):
-        _kernels._gather_staged(table, rows, rb, bad, out, None)
+        _kernels.gather_staged(table, rows, rb, bad, out, None)
 
 
 @pytest.mark.parametrize("count,row_bytes", [(0, 64), (1, 64), (100_000, 64), (3_000, 4096), (5, 3 << 20),
@@ -594,3 +594,21 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch):
     with torch.no_grad():
         assert pd.gather(table, idx).grad_fn is None
     assert calls == ["op"]
+
+
+def test_unified_feature_store_gathers_through_the_cache():
+    # (Here, not in test_cache.py: importing torch_geometric replaces torch.index_select, after which
+    # torch.compile of torch.index_select on a unified tensor fails; test_compile.py runs before this module.)
+    pytest.importorskip("torch_geometric")
+    from pytorch_direct.pyg import UnifiedFeatureStore
+
+    x = torch.randn(500, 8)
+    fs = UnifiedFeatureStore(device="cpu")
+    fs.put_tensor(x, group_name=None, attr_name="x", index=None)
+    table = fs.get_tensor(group_name=None, attr_name="x", index=None)
+    cache = pd.cached(table, 500 * 4 + 16 + 50 * 40, frequency=torch.arange(500, 0, -1).float(), device="cpu")
+    idx = torch.tensor([0, 1, 2, 499])
+    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=idx), x[idx])
+    assert cache.hit_rate(idx) == 0.75
+    fs.put_tensor(torch.zeros(2, 8), group_name=None, attr_name="x", index=torch.tensor([0, 499]))  # row updates
+    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=idx)[[0, 3]], torch.zeros(2, 8))

@@ -11,7 +11,7 @@ from test_cpu import random_table, same_bytes
 
 import pytorch_direct as pd
 from pytorch_direct import _core, _kernels
-from pytorch_direct._kernels import Plan
+from pytorch_direct._strategies import Plan, RowJob, run
 
 
 @pytest.mark.parametrize("n,high", [(1, 5), (1000, 10), (5000, 100000), (4096, 1)])
@@ -44,6 +44,23 @@ def test_dedupe_on_cpu_matches_indexing(dtype, row_shape):
                 torch.full((513,), 299), torch.tensor([4]), torch.empty(0, dtype=torch.int64)):
         for strategy in ("dedupe", "dedupe_staged"):
             assert same_bytes(pd.gather(u, idx, strategy=strategy), table[idx])
+
+
+def test_dedupe_on_cpu_runs_on_torchs_threads_only(monkeypatch):
+    # The package's threads poll for work after each call; torch's sort needs the same cores. The CPU dedupe path
+    # therefore never hands work to the package's pool (it would fight torch's threads at every hand-over).
+    def package_pool(*args, **kwargs):
+        raise AssertionError("the package's thread pool was used by the CPU dedupe path")
+
+    table = random_table((300, 16), torch.float32)
+    u = pd.unified(table, copy=True)
+    idx = torch.randint(0, 300, (5000,), generator=torch.Generator().manual_seed(1))
+    for name in ("gather_host", "check_host_indices", "scatter_host"):
+        monkeypatch.setattr(_core, name, package_pool)
+    for strategy in ("dedupe", "dedupe_staged"):
+        assert same_bytes(pd.gather(u, idx, strategy=strategy), table[idx])
+    with pytest.raises(AssertionError, match="thread pool"):
+        pd.gather(u, idx)  # (the default path does use it: the stand-in is live)
 
 
 def test_dedupe_on_cpu_reports_the_bad_index():
@@ -100,7 +117,7 @@ class _FakeEvent:
 
 @pytest.fixture
 def cpu_stand_ins(monkeypatch):
-    """Runs the GPU plans of _kernels.gather_cuda on CPU tensors: the kernel launch becomes a loop that honours
+    """Runs the GPU strategies' gathers on CPU tensors: the kernel launch becomes a loop that honours
     positions and the device-side count (and logs the rows it read), streams and events do nothing."""
     reads = []
 
@@ -115,9 +132,9 @@ def cpu_stand_ins(monkeypatch):
 
     slots = ([torch.empty(_kernels._Slots.BYTES, dtype=torch.uint8) for _ in range(_kernels._Slots.COUNT)],
              [_FakeEvent() for _ in range(_kernels._Slots.COUNT)])
-    monkeypatch.setattr(_kernels, "_launch_gather", launch)
+    monkeypatch.setattr(_kernels, "launch_gather", launch)
     # The native staged pipeline's row copies without its DMA: the package's host gather into `dest`.
-    monkeypatch.setattr(_kernels, "_launch_gather_staged", lambda table, rows, rb, h, dest, stream: _core.gather_host(
+    monkeypatch.setattr(_kernels, "launch_gather_staged", lambda table, rows, rb, h, dest, stream: _core.gather_host(
         table.data_ptr(), rows, rb, h.data_ptr(), h.element_size(), h.numel(), 0, dest.data_ptr(), 0))
     monkeypatch.setattr(_kernels, "host_index", lambda idx: idx.clone())
     monkeypatch.setattr(_kernels._Slots, "get", classmethod(lambda cls, device: slots))
@@ -141,7 +158,8 @@ def test_gather_plans_with_cpu_stand_ins(cpu_stand_ins, plan, dtype, row_shape):
                 torch.randint(0, 500, (100,), generator=g, dtype=torch.int32)):
         out = torch.full((idx.numel(),) + row_shape, 0).to(dtype)
         cpu_stand_ins.clear()
-        _kernels.gather_cuda(table, rows, rb, idx, out, plan, 0, checked=True)
+        job = RowJob("gather", table, rows, rb, idx, out.view(idx.numel(), -1))
+        run(job, plan, check_bounds=False, in_range=True)
         assert same_bytes(out, table[idx.long()]), (plan, idx[:5])
         if plan.strategy == "dedupe":
             assert cpu_stand_ins == [torch.unique(idx).numel()]  # each distinct row read once over "PCIe"

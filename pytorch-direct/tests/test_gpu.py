@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import pytorch_direct as pd
-from pytorch_direct import _memory, _strategy
+from pytorch_direct import _auto, _features, _memory
+from pytorch_direct._cell import Call, Cell
 
 pytestmark = pytest.mark.gpu
 
@@ -172,14 +173,14 @@ def test_memory_kind_by_size_and_auto_cells(tmp_cache):
     with torch._C.DisableTorchFunctionSubclass():
         big[:: 997] = torch.arange(0, rows, 997, dtype=torch.float32).unsqueeze(1)
     idx = torch.arange(0, rows, 997, device="cuda")[torch.randperm((rows + 996) // 997, device="cuda")]
-    _strategy.reset()
+    _auto.reset()
     pd.set_auto_calibrate(True)
     try:
         got = pd.gather(big, idx)
     finally:
         pd.set_auto_calibrate(False)
     assert torch.equal(got[:, 0], idx.float())
-    assert any(key.startswith("gather|m28|") for key in _strategy.measured_cells())  # a cell of its own kind
+    assert any(str(key).startswith("gather|m28|") for key in _auto.measured_cells())  # a cell of its own kind
     # A gradient through a managed table lands in the host gradient.
     emb = pd.unified(torch.zeros(500, 4), copy=True, memory="managed").requires_grad_()
     i = torch.tensor([3, 3, 499], device="cuda")
@@ -652,21 +653,21 @@ def test_calibration_and_auto(tmp_cache):
 
     table = pd.unified(random_table(1 << 16, (256,), torch.uint8), copy=True)  # 16 MiB
     before = table.plain().clone()
-    _strategy.reset()
+    _auto.reset()
     try:
         cells = pd.calibrate(table=table, counts=[1 << 12, 1 << 15])
         assert torch.equal(table.plain(), before)  # measured with reads only
-        assert len(cells) >= 4 and all(c["gbps"][c["best"]] > 0 for c in cells.values())
-        assert set(cells) <= set(_strategy.measured_cells())
-        _strategy.reset()
-        assert set(cells) <= set(_strategy.measured_cells())  # read back from this machine's cache file
+        assert len(cells) >= 4 and all(m.gbps[m.best] > 0 for m in cells.values())
+        assert set(cells) <= {str(k) for k in _auto.measured_cells()}
+        _auto.reset()
+        assert set(cells) <= {str(k) for k in _auto.measured_cells()}  # read back from this machine's cache file
         idx = torch.randint(0, 1 << 16, (1 << 15,), device="cuda")
-        call = _strategy.Call("gather", 1 << 24, 1 << 16, 256, 1 << 15)
-        decision, _, _ = _strategy.choose(call, idx, capturing=False)
+        call = Call("gather", 1 << 24, 1 << 16, 256, 1 << 15)
+        decision, _, _ = _auto.choose(call, idx, capturing=False)
         assert decision.source == "measured"
         assert_same(pd.gather(table, idx), before[idx.cpu()])
     finally:
-        _strategy.reset()
+        _auto.reset()
 
 
 def test_auto_measures_on_the_first_call_of_each_kind(tmp_cache):
@@ -674,33 +675,33 @@ def test_auto_measures_on_the_first_call_of_each_kind(tmp_cache):
     # and stores the cell; the next call runs the stored choice.
     import time
 
-    from pytorch_direct import _strategy
+    from pytorch_direct import _decide
 
     table = random_table(1 << 18, (64,), torch.uint8)  # 16 MiB of 64 B rows
     u = pd.unified(table, copy=True)
-    _strategy.reset()
+    _auto.reset()
     pd.set_auto_calibrate(True)
     try:
         # Different counts: one kind of call each (a kind re-samples its index features every RECHECK_EVERY calls).
         for pattern, count in (("uniform", 1 << 16), ("zipf", 1 << 14)):
-            idx = _strategy.synthetic_indices(pattern, count, 1 << 18, torch.Generator("cuda").manual_seed(1))
+            idx = _features.synthetic_indices(pattern, count, 1 << 18, torch.Generator("cuda").manual_seed(1))
             poison_cuda_allocator()
             start = time.perf_counter()
             out = pd.gather(u, idx)
             torch.cuda.synchronize()
             assert time.perf_counter() - start < 2.5
             assert_same(out, table[idx.cpu()])
-            features, _, _ = _strategy.index_features(idx, 1 << 18, 64)
-            key = _strategy.cell_key(_strategy.Call("gather", 1 << 24, 1 << 18, 64, count), features)
-            cell = _strategy.measured_cells()[key]
-            assert cell["best"] == _strategy.pick(cell["gbps"]) and len(cell["gbps"]) >= 3
+            features, _, _ = _features.index_features(idx, 1 << 18, 64)
+            key = Cell(Call("gather", 1 << 24, 1 << 18, 64, count), features).key
+            cell = _auto.measured_cells()[key]
+            assert cell.best == _decide.pick(cell.gbps) and len(cell.gbps) >= 3
             if pattern == "zipf":
-                assert "dedupe" in cell["gbps"] and "dedupe_staged" in cell["gbps"]
+                assert "dedupe" in cell.gbps and "dedupe_staged" in cell.gbps
             assert_same(pd.gather(u, idx), table[idx.cpu()])
-        assert _strategy.cache_path().exists()
+        assert _auto.cache_path().exists()
     finally:
         pd.set_auto_calibrate(False)
-        _strategy.reset()
+        _auto.reset()
 
 
 @pytest.mark.parametrize("strategy", ["dedupe", "dedupe_staged"])

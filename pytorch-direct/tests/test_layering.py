@@ -1,5 +1,6 @@
 """The package's modules form one-way layers: each imports (at module level or inside functions) only modules of
-lower layers, so a reader finds where a strategy is decided (_strategy) and where it is executed (_kernels)."""
+lower layers, so a reader finds where a strategy is defined (_strategies), how it is decided (_decide, pure; _auto
+around it) and what moves the rows (_kernels)."""
 
 import ast
 import subprocess
@@ -16,9 +17,13 @@ LAYERS = [
     ("_core", "_shared_cuda"),
     ("_config",),
     ("_memory",),     # host memory the GPU can read, as plain tensors
-    ("_kernels",),    # executing a decided plan
-    ("_strategy",),   # deciding a plan (measuring, cache, rules)
-    ("_ops",),        # custom ops + autograd: decide, then execute
+    ("_kernels",),    # the primitives that move rows (launches, sorting, staged pipeline, checks)
+    ("_cell", "_cache"),  # typed values auto decides over; the GPU cache of hot rows
+    ("_strategies",),  # the strategy registry: one type per strategy, and running a decided plan
+    ("_features", "_decide", "_cells"),  # index features; the pure decision; the cell store (on disk)
+    ("_measure",),    # racing candidates, judging host plans in use, calibration
+    ("_auto",),       # auto in this process: features per call kind, decide, measure, record
+    ("_ops",),        # custom ops + autograd: decide, then run
     ("_tensor",),     # the UnifiedTensor subclass
     ("_create",),     # public factories
     ("_sharing", "pyg"),
@@ -71,14 +76,40 @@ def test_the_checker_sees_lazy_and_absolute_imports(tmp_path):
     assert package_imports(source) == {"_a", "_b", "_c", "_d", "_e", "_f"}
 
 
+def test_the_decision_is_pure():
+    # decide() reads typed values only: its module imports no torch, no compiled core, nothing that measures or
+    # stores (a decision can be tested and reasoned about without a GPU or a file).
+    imports = package_imports(PACKAGE / "_decide.py")
+    assert imports <= {"_cell", "_strategies"}, imports
+    source = (PACKAGE / "_decide.py").read_text()
+    assert "import torch" not in source and "_core" not in source
+
+
+def test_strategy_names_live_in_the_registry_only():
+    # A strategy name spelled out as a string appears in the registry module and in the built-in rules (which name
+    # the strategies they pick), nowhere else in the package.
+    import re
+
+    from pytorch_direct._strategies import REGISTRY
+
+    for path in PACKAGE.glob("*.py"):
+        if path.stem in ("_strategies", "_decide"):
+            continue
+        text = path.read_text()
+        for name in REGISTRY:
+            if name in ("vector", "sorted", "staged", "cached", "naive"):
+                continue  # (ordinary words in prose and in other APIs, e.g. torch.unique(sorted=True))
+            assert not re.search(rf"[\"']{name}[\"']", text), f"{path.name} spells strategy {name!r}"
+
+
 def test_lower_layers_import_without_the_tensor_subclass():
-    # Loading the decision layer (and everything below it) defines neither UnifiedTensor nor the custom ops.
+    # Loading the decision layers (and everything below them) defines neither UnifiedTensor nor the custom ops.
     code = (
         "import importlib.util, sys, types\n"
         f"root = {str(PACKAGE)!r}\n"
         "pkg = types.ModuleType('pytorch_direct'); pkg.__path__ = [root]; pkg.__version__ = '0'\n"
         "sys.modules['pytorch_direct'] = pkg\n"
-        "import pytorch_direct._strategy\n"
+        "import pytorch_direct._auto\n"
         "assert 'pytorch_direct._tensor' not in sys.modules and 'pytorch_direct._ops' not in sys.modules\n"
         "print('ok')\n"
     )

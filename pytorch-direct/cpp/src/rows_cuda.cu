@@ -105,6 +105,40 @@ void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t 
   }
 }
 
+// Launches the cached gather (or refresh) plan `p` names.
+template <bool Refresh>
+void launch_cached(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t s) {
+  const auto* table = static_cast<const unsigned char*>(c.table);
+  auto* cache = static_cast<unsigned char*>(c.cache);
+  auto* dense = static_cast<unsigned char*>(c.dense);
+  std::int64_t* err = error_word();
+  const std::int64_t n = c.count;
+  if (p.kernel == launch_plan::unaligned) {
+    go(move_rows_cached_unaligned<Refresh>, p, n, max_sms, s, table, c.rows, c.row_bytes, c.index, c.index_bytes, n,
+       c.positions, c.slot_of_row, cache, dense, err, p.group_shift);
+    return;
+  }
+  auto kernel = move_rows_cached<1, Refresh>;
+  switch (p.width) {
+    case 16:
+      kernel = move_rows_cached<16, Refresh>;
+      break;
+    case 8:
+      kernel = move_rows_cached<8, Refresh>;
+      break;
+    case 4:
+      kernel = move_rows_cached<4, Refresh>;
+      break;
+    case 2:
+      kernel = move_rows_cached<2, Refresh>;
+      break;
+    default:
+      break;
+  }
+  go(kernel, p, n, max_sms, s, table, c.rows, p.row_words, c.index, c.index_bytes, n, c.positions, c.slot_of_row, cache,
+     dense, err, p.group_shift);
+}
+
 void check_call(const rows_call& c) {
   SHARED_CUDA_EXPECT(c.index_bytes == 4 || c.index_bytes == 8, "index must be int32 or int64");
   SHARED_CUDA_EXPECT(c.row_bytes > 0 && c.rows >= 0 && c.count >= 0, "rows, row_bytes and count must be >= 0");
@@ -297,6 +331,24 @@ void gather_cuda(const rows_call& c, kernel_kind kind, int max_sms, shared_cuda:
   check_call(c);
   if (c.count == 0) return;
   launch<false>(c, plan_gather(c, kind), max_sms, static_cast<cudaStream_t>(stream.handle));
+  SHARED_CUDA_TRY(cudaGetLastError());
+}
+
+void gather_cached_cuda(const rows_call& c, bool refresh, int max_sms, shared_cuda::stream_view stream) {
+  SHARED_CUDA_EXPECT(c.index_bytes == 4 || c.index_bytes == 8, "index must be int32 or int64");
+  SHARED_CUDA_EXPECT(c.row_bytes > 0 && c.rows >= 0 && c.count >= 0, "rows, row_bytes and count must be >= 0");
+  SHARED_CUDA_EXPECT(c.device_count == nullptr, "a device-side count is not supported by the cached gather");
+  if (c.count == 0) return;
+  SHARED_CUDA_EXPECT(c.table != nullptr && c.index != nullptr && c.slot_of_row != nullptr && c.cache != nullptr,
+                     "null table, index, slot map or cache pointer");
+  SHARED_CUDA_EXPECT(refresh || c.dense != nullptr, "null output pointer");
+  const launch_plan p = plan_cached(c);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (refresh) {
+    launch_cached<true>(c, p, max_sms, s);
+  } else {
+    launch_cached<false>(c, p, max_sms, s);
+  }
   SHARED_CUDA_TRY(cudaGetLastError());
 }
 

@@ -527,6 +527,9 @@ bool take_device_error(std::int64_t&) { return false; }
 void gather_cuda(const rows_call&, kernel_kind, int, shared_cuda::stream_view) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }
+void gather_cached_cuda(const rows_call&, bool, int, shared_cuda::stream_view) {
+  throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
+}
 void scatter_cuda(const rows_call&, kernel_kind, int, shared_cuda::stream_view) {
   throw shared_cuda::unavailable_error("pytorch_direct was built without CUDA: reinstall with nvcc on PATH");
 }

@@ -213,6 +213,115 @@ __global__ void __launch_bounds__(512)
   }
 }
 
+// Gather through a GPU cache of hot rows (Refresh=false): dense[p] = the cached copy of row r = index[i] where
+// slot_of_row[r] >= 0 (device memory), else row r of the host table read zero-copy. Refresh=true, after writes to
+// the table: the cached copy of each cached row r = index[i] is read again from the table (p unused; rows that are
+// not cached are skipped, and so are bad indices: the write that preceded recorded them already).
+// The walk is move_rows's (lane groups, 128-byte windows aligned on the source: the host row on a miss, the cache
+// row on a hit; V divides the row width and every base address).
+template <int V, bool Refresh>
+__global__ void __launch_bounds__(512, 3)
+    move_rows_cached(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_words,
+                     const void* __restrict__ index, int index_bytes, std::int64_t count,
+                     const std::int64_t* __restrict__ positions, const std::int32_t* __restrict__ slot_of_row,
+                     unsigned char* __restrict__ cache, unsigned char* __restrict__ dense, std::int64_t* error,
+                     int group_shift) {
+  using T = typename word<V>::type;
+  const int lanes = 1 << group_shift;
+  const int lane = threadIdx.x & (lanes - 1);
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
+  const bool align_window = static_cast<std::int64_t>(lanes) * V >= 128;
+  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (!Refresh && lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int32_t slot = slot_of_row[r];
+    if (Refresh && slot < 0) continue;
+    const T* src;
+    T* dst;
+    if (Refresh) {
+      src = reinterpret_cast<const T*>(table) + r * row_words;
+      dst = reinterpret_cast<T*>(cache) + static_cast<std::int64_t>(slot) * row_words;
+    } else {
+      const std::int64_t p = positions != nullptr ? positions[i] : i;
+      src = slot >= 0 ? reinterpret_cast<const T*>(cache) + static_cast<std::int64_t>(slot) * row_words
+                      : reinterpret_cast<const T*>(table) + r * row_words;
+      dst = reinterpret_cast<T*>(dense) + p * row_words;
+    }
+    PD_CHECK_ALIGNED(src, V);
+    PD_CHECK_ALIGNED(dst, V);
+    const std::int64_t head =
+        align_window ? static_cast<std::int64_t>((reinterpret_cast<std::uintptr_t>(src) & 127u) / V) : 0;
+    for (std::int64_t u = lane - head; u < row_words; u += static_cast<std::int64_t>(lanes) * kUnroll) {
+      T buf[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+        if (w >= 0 && w < row_words) buf[k] = src[w];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+        if (w >= 0 && w < row_words) dst[w] = buf[k];
+      }
+    }
+  }
+}
+
+// move_rows_cached for rows whose width or address is not 4-byte aligned: aligned 16-byte loads covering the
+// source row, byte stores (as gather_rows_unaligned). The cache buffer has 16 bytes of slack after its last row, so
+// the last load of a cached row stays inside it.
+template <bool Refresh>
+__global__ void __launch_bounds__(512)
+    move_rows_cached_unaligned(const unsigned char* __restrict__ table, std::int64_t rows, std::int64_t row_bytes,
+                               const void* __restrict__ index, int index_bytes, std::int64_t count,
+                               const std::int64_t* __restrict__ positions, const std::int32_t* __restrict__ slot_of_row,
+                               unsigned char* __restrict__ cache, unsigned char* __restrict__ dense,
+                               std::int64_t* error, int group_shift) {
+  const int lanes = 1 << group_shift;
+  const int lane = threadIdx.x & (lanes - 1);
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
+  for (std::int64_t i = thread >> group_shift; i < count; i += groups) {
+    const std::int64_t r = load_index(index, index_bytes, i);
+    if (r < 0 || r >= rows) {
+      if (!Refresh && lane == 0) record_bad_index(error, r);
+      continue;
+    }
+    const std::int32_t slot = slot_of_row[r];
+    if (Refresh && slot < 0) continue;
+    std::uintptr_t begin;
+    unsigned char* out;
+    if (Refresh) {
+      begin = reinterpret_cast<std::uintptr_t>(table) + static_cast<std::uintptr_t>(r * row_bytes);
+      out = cache + static_cast<std::int64_t>(slot) * row_bytes;
+    } else {
+      const std::int64_t p = positions != nullptr ? positions[i] : i;
+      begin = slot >= 0 ? reinterpret_cast<std::uintptr_t>(cache) +
+                              static_cast<std::uintptr_t>(static_cast<std::int64_t>(slot) * row_bytes)
+                        : reinterpret_cast<std::uintptr_t>(table) + static_cast<std::uintptr_t>(r * row_bytes);
+      out = dense + p * row_bytes;
+    }
+    const std::uintptr_t end = begin + static_cast<std::uintptr_t>(row_bytes);
+    const std::uintptr_t first = begin & ~static_cast<std::uintptr_t>(15);
+    const std::int64_t words = static_cast<std::int64_t>((end - first + 15) / 16);
+    for (std::int64_t w = lane; w < words; w += lanes) {
+      const std::uintptr_t at = first + static_cast<std::uintptr_t>(w) * 16;
+      PD_CHECK_ALIGNED(at, 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(at);
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const std::uintptr_t a = at + k;
+        if (a >= begin && a < end) out[a - begin] = bytes[k];
+      }
+    }
+  }
+}
+
 // Widest power of two <= limit dividing the row width and both base addresses.
 inline int access_width(const rows_call& c, int limit) {
   int v = limit;
@@ -267,6 +376,24 @@ inline launch_plan plan_gather(const rows_call& c, kernel_kind kind) {
     p.kernel = launch_plan::vector;
     p.group_shift = group_shift_for(c.row_bytes / p.width, p.width, true);
   }
+  p.row_words = c.row_bytes / p.width;
+  return p;
+}
+
+// The cached gather (and refresh): the vector kernel's choices with the cache buffer's address in the width, or the
+// unaligned kernel where that width is below 4 bytes.
+inline launch_plan plan_cached(const rows_call& c) {
+  launch_plan p;
+  int v = access_width(c, 16);
+  while (v > 1 && reinterpret_cast<std::uintptr_t>(c.cache) % v != 0) v /= 2;
+  p.width = v;
+  if (v < 4 && c.row_bytes >= 16) {
+    p.kernel = launch_plan::unaligned;
+    p.group_shift = group_shift_for((c.row_bytes + 31) / 16);
+    return p;
+  }
+  p.kernel = launch_plan::vector;
+  p.group_shift = group_shift_for(c.row_bytes / p.width, p.width, true);
   p.row_words = c.row_bytes / p.width;
   return p;
 }

@@ -10,17 +10,16 @@ with no intermediate copy; on a machine without a GPU the same API gathers on th
 from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
+from ._auto import calibrate
+from ._cache import RowCache, cached, count_rows
 from ._config import (
     BOUNDS_CHECKS,
-    STRATEGIES,
-    get_strategy,
     set_auto_calibrate,
     set_bounds_check,
     set_cache_dir,
     set_calibration,
     set_host_spin_us,
     set_max_sms,
-    set_strategy,
     set_threads,
     settings,
 )
@@ -28,14 +27,15 @@ from ._core import CompileError, CudaError, UnavailableError
 from ._create import empty, flush, from_file, is_unified, unified, zeros
 from ._memory import cuda_usable
 from ._sharing import share, shared_memory, unlink_shared_memory
-from ._strategy import calibrate
+from ._strategies import STRATEGIES, get_strategy, set_strategy
 from ._tensor import UnifiedTensor, op_input
 
 __version__ = _version("pytorch-direct")
 
 __all__ = [
-    "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "UnavailableError", "UnifiedTensor", "__version__",
-    "auto_status", "calibrate", "check_errors", "cuda_usable", "empty", "flush", "from_file", "gather",
+    "BOUNDS_CHECKS", "STRATEGIES", "CompileError", "CudaError", "RowCache", "UnavailableError", "UnifiedTensor",
+    "__version__", "auto_status", "cached", "calibrate", "check_errors", "count_rows", "cuda_usable", "empty",
+    "flush", "from_file", "gather",
     "get_strategy", "index_add_", "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check",
     "set_cache_dir", "set_calibration", "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share",
     "settings", "shared_memory", "unified", "unlink_shared_memory", "zeros",
@@ -47,10 +47,11 @@ def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
 
     CUDA indices give a CUDA result gathered zero-copy on the current stream; CPU indices a CPU result.
     ``strategy``: one of :data:`STRATEGIES` ("auto" uses the default set by :func:`set_strategy`, then the
-    calibration). ``max_sms`` caps the SMs the kernel occupies (0: the default from :func:`set_max_sms`).
-    Out-of-range or negative indices raise ``IndexError`` (see :func:`set_bounds_check`). If ``table`` requires
-    grad, the backward adds into ``table.grad``, a host-resident unified tensor (the full gradient never lives on
-    the GPU)."""
+    calibration; a table with a GPU cache of hot rows, :func:`cached`, is read through it by "auto" and the
+    "cached" strategies, from host memory only by the others). ``max_sms`` caps the SMs the kernel occupies (0: the
+    default from :func:`set_max_sms`). Out-of-range or negative indices raise ``IndexError`` (see
+    :func:`set_bounds_check`). If ``table`` requires grad, the backward adds into ``table.grad``, a host-resident
+    unified tensor (the full gradient never lives on the GPU)."""
     import torch
 
     from . import _ops
@@ -99,7 +100,7 @@ def auto_status() -> dict:
     >>> sorted(pd.auto_status())
     ['duplicates', 'measured_cells', 'measuring_s', 'order', 'source', 'strategy']
     """
-    from ._strategy import auto_status as status
+    from ._auto import auto_status as status
 
     return status()
 

@@ -3,7 +3,8 @@
 Each setting has an environment variable, read once when the package is imported (``settings.reload()`` reads
 them again), and a Python setter that overrides it for the process. An invalid value raises ``ValueError`` naming
 the variable and the valid values. The README's "Settings" table lists them (a test keeps it in step with the table
-below).
+below). Strategy names belong to the strategy registry (``_strategies``), which checks ``PYTORCH_DIRECT_STRATEGY``
+when it is imported and holds :func:`set_strategy`.
 """
 
 from __future__ import annotations
@@ -12,22 +13,18 @@ import os
 
 from ._shared_cuda import Setting, Settings, cache_home, choice, integer, parse_bool, parse_path
 
-STRATEGIES = ("auto", "vector", "sorted", "dedupe", "staged", "dedupe_staged", "split", "naive")
-"""``vector``: our kernel (<= 16-byte loads, 128-byte-aligned warp windows); ``sorted``: sort the indices first and
-permute rows back into the caller's order in the kernel; ``dedupe``: sort, gather each distinct row once, expand the
-duplicates on the GPU (no host synchronisation: allowed in CUDA graphs); ``staged``: CPU threads gather into pinned
-buffers, pipelined DMA copies to the GPU; ``dedupe_staged``: the distinct rows through ``staged``, expanded on the
-GPU; ``split``: part kernel, part staged, at the same time; ``naive``: one warp per row with 4-byte loads (a
-baseline for benchmarks); ``auto``: measured per kind of call on the user's own table (see ``_strategy``).
-Scatters run ``vector``, ``sorted``, ``staged`` or ``naive`` (``dedupe`` -> ``sorted``, ``split`` and
-``dedupe_staged`` -> ``staged``)."""
-
 BOUNDS_CHECKS = ("sync", "async")
+
+
+def parse_strategy_name(value: object) -> str:
+    """A strategy name as text; the registry (``_strategies``, a higher layer) checks that it exists."""
+    return str(value).strip().lower()
 
 settings = Settings({
     "strategy": Setting(
-        "PYTORCH_DIRECT_STRATEGY", "auto", choice(*STRATEGIES),
-        "gather/scatter strategy for calls that pass none: " + ", ".join(STRATEGIES), "pd.set_strategy"),
+        "PYTORCH_DIRECT_STRATEGY", "auto", parse_strategy_name,
+        "gather/scatter strategy for calls that pass none: `auto` or a name in `pd.STRATEGIES` (checked by the "
+        "strategy registry at import)", "pd.set_strategy"),
     "bounds_check": Setting(
         "PYTORCH_DIRECT_BOUNDS_CHECK", "sync", choice(*BOUNDS_CHECKS),
         "`sync`: an out-of-range index raises `IndexError` at the call (one host sync per call with CUDA indices); "
@@ -56,15 +53,6 @@ settings = Settings({
         "PYTORCH_DIRECT_CALIBRATION", None, parse_path,
         "a measurements file (JSON) to use, and add to, instead of the cached one", "pd.set_calibration", "unset"),
 })
-
-
-def set_strategy(strategy: str) -> None:
-    """Default strategy for calls that pass none (see :data:`STRATEGIES`); mirrors ``PYTORCH_DIRECT_STRATEGY``."""
-    settings.set("strategy", strategy)
-
-
-def get_strategy() -> str:
-    return settings.strategy
 
 
 def set_bounds_check(mode: str) -> None:

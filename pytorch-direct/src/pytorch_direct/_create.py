@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _core
-from ._memory import cuda_usable, element_size, host_empty, register_in_place, shape_of
+from ._memory import cuda_usable, element_size, host_empty, host_zeros, register_in_place, shape_of
 from ._tensor import UnifiedTensor
 
 
@@ -29,11 +29,8 @@ def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
 
 def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
           memory: str = "auto") -> UnifiedTensor:
-    """Like :func:`empty`, filled with zeros (by CPU threads)."""
-    t = empty(*shape, dtype=dtype, pin=pin, memory=memory)
-    with torch._C.DisableTorchFunctionSubclass():
-        t.zero_()
-    return t
+    """Like :func:`empty`, filled with zeros (new managed memory is zero already: no second pass over it)."""
+    return host_zeros(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)
 
 
 def unified(t: Tensor, *, copy: bool = False, memory: str = "auto") -> UnifiedTensor:

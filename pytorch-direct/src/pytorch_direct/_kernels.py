@@ -1,16 +1,14 @@
-"""Layer 2: executing one row operation with a strategy that was already decided (a :class:`Plan`).
+"""Layer 2: the primitives that move rows: kernel launches, index sorting and deduplication, the CPU gather into
+pinned buffers with pipelined copies, host gathers and scatters, and the checks every call makes.
 
 Everything here takes plain tensors: a host table (pinned or registered for CUDA indices), 1-D contiguous indices
-and a dense output (gather) or source (scatter) of ``count`` rows. Which plan to run is decided by ``_strategy``;
-this module only carries it out: the kernel launches (``vector``, ``naive``, ``sorted``), the deduplicating gather
-(``dedupe``: each distinct row crosses PCIe once, duplicates are expanded on the GPU), the CPU gather into pinned
-buffers with pipelined copies (``staged``, ``dedupe_staged``) and the mix of both (``split``).
+and a dense output (gather) or source (scatter) of ``count`` rows. Nothing here knows strategies by name: each
+strategy (``_strategies``) is a small composition of these primitives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 
 import torch
@@ -20,35 +18,9 @@ from . import _core, _memory
 from ._config import settings
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-_KIND = {"vector": 0, "naive": 1}
-
-GATHER_PLANS = ("vector", "naive", "sorted", "dedupe", "staged", "dedupe_staged", "split")
-SCATTER_PLANS = ("vector", "naive", "sorted", "staged")
-# Plans that copy indices to the host and wait for the stream: impossible inside CUDA graph capture.
-HOST_PLANS = ("staged", "dedupe_staged", "split")
-# Plans that read every index on the host, which raises IndexError for a bad one: no device-side check needed.
-HOST_CHECKED_PLANS = ("staged", "dedupe_staged")
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one call moves its rows. ``split_fraction`` and ``split_kernel`` only matter for ``split``: the share of
-    rows the kernel moves (the rest go through ``staged`` on a side stream at the same time), and whether that
-    kernel sorts its indices first."""
-
-    strategy: str
-    split_fraction: float = 0.5
-    split_kernel: str = "vector"
-
-    def __post_init__(self) -> None:
-        if self.strategy not in GATHER_PLANS:
-            raise ValueError(f"unknown plan {self.strategy!r}; one of {', '.join(GATHER_PLANS)}")
-        if not 0.0 <= self.split_fraction <= 1.0 or self.split_kernel not in ("vector", "sorted"):
-            raise ValueError(f"bad split parameters in {self}")
-
-    @property
-    def needs_host(self) -> bool:
-        return self.strategy in HOST_PLANS
+# The device kernels' kinds (rows.hpp's kernel_kind).
+KERNEL_VECTOR = 0
+KERNEL_NAIVE = 1
 
 
 class _Side:
@@ -72,9 +44,9 @@ class _Slots:
     """Pinned staging slots (and an event per slot: when its last copy finished) for the staged gather whose host
     gather is torch's ``index_select`` (torch's OpenMP threads), one set per device; one such call at a time.
 
-    A chunk fills one slot. On an H200 host (benchmarks/RESULTS.md, run F) 8 MiB chunks beat 4 MiB ones by 0-9 %
-    (each ``index_select`` call and each copy costs ~15 us on the host), and chunks growing from 1 MiB (to start
-    the DMA sooner) did not measure better (run F2)."""
+    A chunk fills one slot. On an H200 host 8 MiB chunks beat 4 MiB ones by 0-9 % (each ``index_select`` call and
+    each copy costs ~15 us on the host), and chunks growing from 1 MiB (to start the DMA sooner) did not measure
+    better."""
 
     COUNT = 4
     BYTES = 8 << 20
@@ -193,7 +165,7 @@ def on_device(device: torch.device):
 
 def raw_stream(device: torch.device) -> int:
     """The handle of `device`'s current CUDA stream (the current device's for an index-less device). torch's raw
-    getter costs ~0.3 us; ``torch.cuda.current_stream()`` ~5 us (probe P5), paid twice per gather before."""
+    getter costs ~0.3 us; ``torch.cuda.current_stream()`` ~5 us on an H200 host."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch._C._cuda_getCurrentRawStream(index)
 
@@ -217,7 +189,7 @@ def check_host_indices(idx: Tensor, rows: int) -> None:
 def precheck(index: Tensor, rows: int) -> None:
     """Sync-mode bounds check: the smallest and largest index, read on the host. CUDA indices take one kernel of the
     package's and a wait for the stream; on an H200 host torch's ``aminmax`` + ``stack`` + ``tolist()`` took
-    ~140 us per call this way (probe P5, benchmarks/RESULTS.md), a quarter of a 131072-row gather of small rows."""
+    ~140 us per call this way, a quarter of a 131072-row gather of small rows."""
     n = index.numel()
     if n == 0:
         return
@@ -231,30 +203,18 @@ def precheck(index: Tensor, rows: int) -> None:
         raise bounds_error(lo if lo < 0 else hi, rows)
 
 
-def precheck_for(plan: Plan, index: Tensor, rows: int) -> None:
-    """The sync-mode bounds check that `plan` needs before it runs: none for plans that read every index on the host
-    (they raise IndexError as they read it)."""
-    if plan.strategy not in HOST_CHECKED_PLANS:
-        precheck(index, rows)
-
-
-def gather_cuda_checked(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, plan: Plan,
-                        max_sms: int) -> None:
-    """:func:`gather_cuda` with the sync-mode bounds check `plan` needs; IndexError for a bad index, at this call.
-
-    For plans that run on the device only, the check overlaps the gather: its reduction is queued, then the gather
-    (whose kernels skip a bad row and never touch it), and the host waits for the reduction alone. Checked first and
-    then launched, the GPU sat idle for the host's round trip between the two, ~20-30 us per call (probe P5), a tenth
-    of a 131072-row gather of small rows. A bad index still raises here; the gather's output is then discarded, and
-    the kernels' own record of the row is cleared so that the next call does not raise it again."""
-    if plan.needs_host:
-        precheck_for(plan, idx, rows)
-        gather_cuda(table, rows, rb, idx, out, plan, max_sms, True)
-        return
+@contextlib.contextmanager
+def bounds_checked(idx: Tensor, rows: int):
+    """The sync-mode bounds check of CUDA indices, overlapped with the GPU work queued inside the block (a gather,
+    whose kernels skip a bad row and never touch it): the check's reduction is queued first, then the block's work,
+    and the host waits for the reduction alone; IndexError for a bad index on leaving the block. Checked first and
+    then launched, the GPU sat idle for the host's round trip between the two, ~20-30 us per call on an H200 host,
+    a tenth of a 131072-row gather of small rows. On a bad index the kernels' own record of it is cleared, so that
+    the next call does not raise it again; the block's output is then to be discarded."""
     with on_device(idx.device):
         _core.index_bounds_start(idx.data_ptr(), idx.element_size(), idx.numel(), raw_stream(idx.device))
         try:
-            gather_cuda(table, rows, rb, idx, out, plan, max_sms, True)
+            yield
         finally:
             lo, hi = _core.index_bounds_finish()
         if lo < 0 or hi >= rows:
@@ -333,11 +293,28 @@ def expand_rows(buf: Tensor, inverse: Tensor, out: Tensor, row_bytes: int) -> No
     torch.index_select(src, 0, inverse, out=_word_rows(out, n, row_bytes))
 
 
-def _launch_gather(table, rows, rb, idx, out, positions, kind, max_sms, stream, device_count=None):
+def launch_gather(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, positions: Tensor | None,
+                  kernel: int, max_sms: int, stream: int, device_count: Tensor | None = None) -> None:
+    """out[positions[i] or i] = table[idx[i]] by the device kernel `kernel` (KERNEL_VECTOR or KERNEL_NAIVE) on the
+    raw stream `stream`; `device_count`: a 1-element int64 device tensor bounding how many indices move."""
     _core.gather_cuda(
         table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
-        positions.data_ptr() if positions is not None else 0, out.data_ptr(), _KIND[kind], max_sms, stream,
+        positions.data_ptr() if positions is not None else 0, out.data_ptr(), kernel, max_sms, stream,
         device_count.data_ptr() if device_count is not None else 0,
+    )
+
+
+def launch_cached(table: Tensor, rows: int, rb: int, idx: Tensor, dense: Tensor, positions: Tensor | None,
+                  slot_of_row: Tensor, cache_rows: Tensor, refresh: bool, max_sms: int, stream: int) -> None:
+    """Through a GPU cache of hot rows (``slot_of_row``: int32 slot per table row, -1 where the row is not cached;
+    ``cache_rows``: the cached rows, contiguous, 16 bytes of slack after the last), one kernel on the raw stream:
+    gather (refresh False): dense[positions[i] or i] = the cached copy of row idx[i] where there is one, else the
+    row read zero-copy from the table; refresh: the cached copy of each cached row idx[i] = the table's row (after
+    writes; rows not cached are skipped)."""
+    _core.gather_cached_cuda(
+        table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
+        positions.data_ptr() if positions is not None else 0, dense.data_ptr(), slot_of_row.data_ptr(),
+        cache_rows.data_ptr(), refresh, max_sms, stream,
     )
 
 
@@ -346,28 +323,28 @@ def _native_staged(rb: int, rows: int) -> bool:
     return rb <= NATIVE_STAGED_MAX_ROW or rb > _Slots.BYTES or rows == 0  # (no rows: the native path raises)
 
 
-def _staged_index(idx: Tensor, rb: int, rows: int) -> Tensor:
+def staged_index(idx: Tensor, rb: int, rows: int) -> Tensor:
     """The indices a staged gather takes: the CUDA indices themselves for the package's pipeline (it copies them to
     the host chunk group by chunk group, overlapped with the gather), else on the host (this waits for the stream)."""
     return idx if _native_staged(rb, rows) else host_index(idx)
 
 
-def _launch_gather_staged(table, rows, rb, idx, dest, stream) -> None:
+def launch_gather_staged(table, rows, rb, idx, dest, stream) -> None:
     _core.gather_staged(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
                         dest.data_ptr(), _host_threads(), stream.cuda_stream, index_on_device=idx.is_cuda)
 
 
-def _gather_staged(table, rows, rb, idx, dest, stream) -> None:
+def gather_staged(table, rows, rb, idx, dest, stream) -> None:
     """dest (CUDA, rows of rb bytes) = table[idx], gathered on the host into pinned slots one chunk at a time, each
-    chunk's copy to the GPU queued on `stream` while the next chunk is gathered; `idx` from :func:`_staged_index`.
+    chunk's copy to the GPU queued on `stream` while the next chunk is gathered; `idx` from :func:`staged_index`.
 
     Rows up to NATIVE_STAGED_MAX_ROW bytes (and rows wider than a slot) go through the package's pipeline: its
     threads claim ~32 KiB pieces of 2 MiB chunks, and whichever finishes a chunk queues its copy, with no Python per
     chunk. Wider rows go through torch's ``index_select`` (its OpenMP threads) into 8 MiB slots, which moved 1 KiB
     rows 1.04-1.42x faster than the pipeline on an H200 host, while the pipeline moved 131072 rows of 47-256 B
-    1.18-2.03x faster than this path (benchmarks/RESULTS.md, probe P2, same process)."""
+    1.18-2.03x faster than this path (same process)."""
     if _native_staged(rb, rows):
-        _launch_gather_staged(table, rows, rb, idx, dest, stream)
+        launch_gather_staged(table, rows, rb, idx, dest, stream)
         return
     host_idx = idx
     n = host_idx.numel()
@@ -390,104 +367,41 @@ def _gather_staged(table, rows, rb, idx, dest, stream) -> None:
             events[slot].record(stream)
 
 
-# ---------------------------------------------------------------------------------------------------- gather
-
-
-def gather_cuda(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, plan: Plan, max_sms: int,
-                checked: bool) -> None:
-    """out (n rows on idx's device, contiguous) = table[idx] with `plan`, on the current stream. `idx` is 1-D,
-    contiguous and non-empty; `checked`: every index is known to be in range (sync bounds check done)."""
-    n = idx.numel()
-    with on_device(idx.device):
-        s = plan.strategy
-        if s in ("vector", "naive"):
-            _launch_gather(table, rows, rb, idx, out, None, s, max_sms, raw_stream(idx.device))
-            return
-        if s == "sorted":
-            ordered, perm = sort_indices(idx, rows, checked)
-            _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, raw_stream(idx.device))
-            return
-        if s == "dedupe":
-            # Each distinct row once over PCIe, in address order; the kernel reads the distinct count on the device.
-            unique, count, inverse = dedupe_indices(idx, rows, checked)
-            buf = torch.empty((n, rb), dtype=torch.uint8, device=idx.device)
-            _launch_gather(table, rows, rb, unique, buf, None, "vector", max_sms, raw_stream(idx.device), count)
-            expand_rows(buf, inverse, out, rb)
-            return
-        stream = torch.cuda.current_stream()  # (the host plans use the Stream object)
-        if s == "dedupe_staged":
-            # The host needs the distinct indices anyway, so torch.unique's wait for their count costs nothing extra,
-            # and only they cross to the host (the device-only dedupe_indices would copy all of them).
-            unique, inverse = torch.unique(idx, sorted=True, return_inverse=True)
-            buf = torch.empty((unique.numel(), rb), dtype=torch.uint8, device=idx.device)
-            _gather_staged(table, rows, rb, _staged_index(unique, rb, rows), buf, stream)
-            expand_rows(buf, inverse, out, rb)
-        elif s == "staged":
-            _gather_staged(table, rows, rb, _staged_index(idx, rb, rows), out, stream)
-        elif s == "split":
-            k = min(n, max(0, int(round(n * plan.split_fraction))))
-            host_rest = _staged_index(idx[k:], rb, rows)  # before the kernel is queued: host_index waits for the stream
-            side = _Side.get(idx.device)
-            # `out` was allocated on `stream`: the side stream waits for the work queued so far, not for the kernel.
-            side.wait_stream(stream)
-            rows_out = out.reshape(n, -1)
-            if k > 0 and plan.split_kernel == "sorted":
-                ordered, perm = sort_indices(idx[:k], rows, checked)  # positions 0..k-1: the first k output rows
-                _launch_gather(table, rows, rb, ordered, out, perm, "vector", max_sms, stream.cuda_stream)
-            elif k > 0:
-                _launch_gather(table, rows, rb, idx[:k], out, None, "vector", max_sms, stream.cuda_stream)
-            if k < n:
-                _gather_staged(table, rows, rb, host_rest, rows_out[k:], side)
-                stream.wait_stream(side)
-                out.record_stream(side)
-        else:  # pragma: no cover - Plan validates its strategy
-            raise AssertionError(s)
-
-
 def gather_host(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, dedupe: bool) -> None:
-    """out = table[idx] on the CPU (package threads). `dedupe`: each distinct row is copied once, then expanded
-    (pays when the indices repeat rows many times). Bad indices raise IndexError naming the first one."""
+    """out = table[idx] on the CPU. Bad indices raise IndexError naming the first one.
+
+    Without `dedupe`: the package's threads. With `dedupe` (each distinct row copied once, then expanded: pays when
+    the indices repeat rows many times) every step runs on torch's own threads (its sort needs them): the package's
+    threads, which poll for work a while after each call (``PYTORCH_DIRECT_HOST_SPIN_US``), would otherwise hold
+    the cores that torch's threads wait for, at every hand-over between the two pools."""
     n = idx.numel()
     if not dedupe or n == 0:
         _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
                           _host_threads())
         return
-    _core.check_host_indices(idx.data_ptr(), idx.element_size(), n, rows, _host_threads())
-    unique, count, inverse = dedupe_indices(idx, rows, checked=True)
-    u = int(count)
-    buf = torch.empty((u, rb), dtype=torch.uint8)
-    _core.gather_host(table.data_ptr(), rows, rb, unique.data_ptr(), unique.element_size(), u, 0, buf.data_ptr(),
-                      _host_threads())
-    expand_rows(buf, inverse, out, rb)
+    lo, hi = torch.aminmax(idx)
+    if int(lo) < 0 or int(hi) >= rows:
+        check_host_indices(idx, rows)  # (only to name the first bad index; raises)
+    unique, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    with torch._C.DisableTorchFunctionSubclass():
+        src = _word_rows(table.detach(), rows, rb)
+    buf = torch.index_select(src, 0, unique)
+    torch.index_select(buf, 0, inverse, out=_word_rows(out, n, rb))
 
 
-# ---------------------------------------------------------------------------------------------------- scatter
-
-
-def _launch_scatter(table, rows, rb, idx, values, positions, kind, max_sms, stream):
+def launch_scatter(table, rows, rb, idx, values, positions, kernel, max_sms, stream) -> None:
     _core.scatter_cuda(
         table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(),
-        positions.data_ptr() if positions is not None else 0, values.data_ptr(), _KIND[kind], max_sms, stream,
+        positions.data_ptr() if positions is not None else 0, values.data_ptr(), kernel, max_sms, stream,
     )
 
 
-def scatter_cuda(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor, plan: Plan, max_sms: int,
-                 checked: bool) -> None:
-    """table[idx] = vals (n rows on idx's device) with `plan` (one of SCATTER_PLANS), on the current stream."""
-    with on_device(idx.device):
-        stream = torch.cuda.current_stream()
-        s = plan.strategy
-        if s in ("vector", "naive"):
-            _launch_scatter(table, rows, rb, idx, vals, None, s, max_sms, stream.cuda_stream)
-        elif s == "sorted":
-            ordered, perm = sort_indices(idx, rows, checked)
-            _launch_scatter(table, rows, rb, ordered, vals, perm, "vector", max_sms, stream.cuda_stream)
-        elif s == "staged":
-            host_idx = host_index(idx)
-            _core.scatter_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(),
-                                 idx.numel(), vals.data_ptr(), _host_threads(), stream.cuda_stream)
-        else:
-            raise ValueError(f"scatter has no {s!r} plan; one of {', '.join(SCATTER_PLANS)}")
+def scatter_staged(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor, stream) -> None:
+    """table[idx] = vals (CUDA): the rows copied to pinned staging, then written by the package's CPU threads;
+    returns when the table holds them."""
+    host_idx = host_index(idx)
+    _core.scatter_staged(table.data_ptr(), rows, rb, host_idx.data_ptr(), host_idx.element_size(), idx.numel(),
+                         vals.data_ptr(), _host_threads(), stream.cuda_stream)
 
 
 def scatter_host(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor) -> None:

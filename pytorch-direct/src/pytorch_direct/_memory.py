@@ -23,15 +23,15 @@ _MANAGED = None
 
 # Host memory kinds of new allocations (host_empty's `memory`). "managed": CUDA managed memory kept in host RAM and
 # mapped into every GPU (shared-cuda's host_managed_buffer): the driver maps it with large pages, so random rows of
-# a table of many GiB read 3-11x faster zero-copy than from "pinned" (cudaHostAlloc, 4 KiB mappings; probe P7 in
-# benchmarks/RESULTS.md), and a 48 GiB table is made in 8-9 s instead of 25-28 (runs S and T). But a forked child
+# a table of many GiB read 3-11x faster zero-copy than from "pinned" (cudaHostAlloc, 4 KiB mappings; measured on an
+# H200 host), and a 48 GiB table was made in 8-9 s instead of 25-28. But a forked child
 # process cannot read it (see README), so "auto" takes it only for allocations of at least MANAGED_MIN_BYTES, where
 # address translation starts to matter, and only where every GPU supports it.
 MEMORY_KINDS = ("auto", "managed", "pinned")
 MANAGED_MIN_BYTES = 256 << 20
 
 # True in a process forked from one that imported this package: it cannot read managed memory (the first read kills
-# it with SIGSEGV, GPU run 46), so the row operations refuse it there with an error that names the fix.
+# it with SIGSEGV), so the row operations refuse it there with an error that names the fix.
 forked = False
 
 
@@ -155,11 +155,14 @@ def host_kind(t: Tensor) -> str:
 _HOST_KINDS = ("", "pinned", "managed")  # shared-cuda's host_kind: none, pinned, managed
 
 
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Like :func:`host_empty`, filled with zeros (by CPU threads)."""
-    t = host_empty(shape, dtype)
-    with torch._C.DisableTorchFunctionSubclass():
-        t.zero_()
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None = None,
+               memory: str = "auto") -> Tensor:
+    """Like :func:`host_empty`, filled with zeros: by CPU threads, except in new managed memory, whose pages were
+    just faulted in zeroed (a second pass over a table of many GiB costs seconds)."""
+    t = host_empty(shape, dtype, pin=pin, memory=memory)
+    if host_kind(t) != "managed":
+        with torch._C.DisableTorchFunctionSubclass():
+            t.zero_()
     return t
 
 

@@ -1,10 +1,12 @@
-"""Layer 4: the row operations as ``torch.library`` custom ops (``torch.ops.pytorch_direct.*``), with fake kernels so
+"""Layer 8: the row operations as ``torch.library`` custom ops (``torch.ops.pytorch_direct.*``), with fake kernels so
 they trace under ``torch.compile`` without graph breaks, and the gather's autograd formula (gradients go into a
 host-resident ``table.grad``).
 
-Each CUDA call is the same three steps, in :func:`gather_impl` and :func:`scatter_impl`: check the arguments, get a
-plan (``_strategy`` decides an ``auto`` call: its measured or built-in choice, or measuring the candidates on this
-very call), run it (``_kernels``). With CPU indices everything stays on the host (multithreaded).
+Each CUDA call is the same three steps, in :func:`gather_impl` and :func:`scatter_impl`: check the arguments and lay
+the call out as typed values (a ``Call``, a ``RowJob``), get a decision (``_auto`` for an ``auto`` call: its measured
+or built-in choice, or measuring the candidates on this very call), run it (``_strategies``). With CPU indices
+everything stays on the host (multithreaded). A table with a GPU cache of hot rows (``_cache``) has its own gather
+strategies; writes refresh its cached rows.
 """
 
 import functools
@@ -12,9 +14,11 @@ import functools
 import torch
 from torch import Tensor
 
-from . import _kernels, _memory, _strategy
-from ._config import STRATEGIES, settings
+from . import _auto, _cache, _kernels, _memory
+from ._cell import Call
+from ._config import settings
 from ._kernels import INDEX_DTYPES, check_index, check_table, raise_pending_device_error, row_layout
+from ._strategies import REGISTRY, RowJob, check_name
 
 __all__ = ["INDEX_DTYPES", "check_index", "check_table", "gather", "index_add", "raise_pending_device_error",
            "row_layout", "scatter"]
@@ -24,8 +28,7 @@ def _plain_tensors(impl):
     """Runs `impl` with tensor subclasses' ``__torch_function__`` off: the unified table's attribute reads (shape,
     strides, data pointer, ...) then cost what a plain tensor's do. On an H200 host a 47 B x 131072 staged gather ran
     at 13.96 GB/s through this function and 17.03 through the ``_kernels`` call under it, ~80 us per call, mostly
-    these reads (benchmarks/RESULTS.md, probes P4 and P4b); ``table[idx]`` reaches the implementation through a
-    handler that turns them off already."""
+    these reads; ``table[idx]`` reaches the implementation through a handler that turns them off already."""
 
     @functools.wraps(impl)
     def wrapper(*args, **kwargs):
@@ -36,8 +39,8 @@ def _plain_tensors(impl):
 
 
 # Whole-tensor copies of managed memory to the GPU are zero-copy reads of rows of this many bytes: cudaMemcpy from
-# managed memory ran at 7-11 GB/s on an H200 host, against 55 from pinned memory (run 45 in benchmarks/RESULTS.md),
-# while sequential zero-copy reads of it run at ~50.
+# managed memory ran at 7-11 GB/s on an H200 host, against 55 from pinned memory, while sequential zero-copy reads
+# of it run at ~50.
 COPY_ROW_BYTES = 4096
 
 
@@ -51,62 +54,52 @@ def copy_to_cuda(src: Tensor, out: Tensor, non_blocking: bool) -> Tensor:
         return out
     flat_src, flat_out = src.reshape(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
     full = nbytes // COPY_ROW_BYTES
-    plan = _kernels.Plan("vector")
     with torch.cuda.device(out.device):
+        stream = _kernels.raw_stream(out.device)
         for start, rows, rb in ((0, full, COPY_ROW_BYTES), (full * COPY_ROW_BYTES, 1, nbytes % COPY_ROW_BYTES)):
             if rows and rb:
                 end = start + rows * rb
                 idx = torch.arange(rows, device=out.device)
-                _kernels.gather_cuda(flat_src[start:end].view(rows, rb), rows, rb, idx,
-                                     flat_out[start:end].view(rows, rb), plan, 0, True)
+                _kernels.launch_gather(flat_src[start:end].view(rows, rb), rows, rb, idx,
+                                       flat_out[start:end].view(rows, rb), None, _kernels.KERNEL_VECTOR, 0, stream)
         if not non_blocking:
             torch.cuda.current_stream().synchronize()
     return out
 
 
 def _strategy_name(strategy: str) -> str:
-    if strategy == "auto":
-        strategy = settings.strategy
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    return strategy
+    return check_name(settings.strategy if strategy == "auto" else strategy)
 
 
-def _plan(op: str, name: str, call: "_strategy.Call", idx: Tensor, checked: bool,
-          capturing: bool) -> tuple[_strategy.Decision, bool]:
-    """The plan of one CUDA call (or, for an ``auto`` call of a kind never measured, the candidates to measure on
-    it), after the sync-mode bounds check: nothing runs for a scatter with a bad index. A gather whose plan is known
-    leaves the check to its run (``_kernels.gather_cuda_checked``, which overlaps it with a device plan): the
-    second value says whether the check is still due."""
+def _decision(call: Call, name: str, idx: Tensor, checked: bool, capturing: bool,
+              cached: bool) -> tuple[_auto.Decision, bool, bool]:
+    """The decision of one CUDA call (or, for an ``auto`` call of a kind never measured, the candidates to measure
+    on it), after the sync-mode bounds check where it must come first: nothing runs for a scatter with a bad index.
+    A gather whose plan is known leaves the check to its run (``_strategies.run``, which overlaps it with a device
+    plan). Returns the decision, whether the run must check the bounds, and whether the indices are known in
+    range."""
     if name == "auto":
-        decision, _, bounds = _strategy.choose(call, idx, capturing=capturing)
+        decision, _, bounds = _auto.choose(call, idx, capturing=capturing, cached=cached)
     else:
-        decision, bounds = _strategy.Decision(_strategy.forced_plan(op, name, call), source="forced"), None
-    due = False
+        decision, bounds = _auto.forced(call, name), None
+    check_bounds, in_range = False, False
     if checked:
         if bounds is not None:
             if bounds[0] < 0 or bounds[1] >= call.rows:
                 raise _kernels.bounds_error(bounds[0] if bounds[0] < 0 else bounds[1], call.rows)
+            in_range = True
         elif decision.plan is None:
             _kernels.precheck(idx, call.rows)
-        elif op == "gather":
-            due = True
+            in_range = True
         else:
-            _kernels.precheck_for(decision.plan, idx, call.rows)
+            check_bounds, in_range = True, True
     if decision.plan is not None and decision.plan.needs_host and capturing:
+        allowed = ", ".join(repr(n) for n, s in REGISTRY.items() if s.runs_on == "device")
         raise RuntimeError(
             f"strategy {decision.plan.strategy!r} copies indices to the host, which CUDA graph capture forbids: use "
-            "'vector', 'sorted', 'dedupe' or 'auto' inside a captured region"
+            f"{allowed} or 'auto' inside a captured region"
         )
-    return decision, due
-
-
-def _steady_check(plan: _kernels.Plan, idx: Tensor, rows: int, checked: bool) -> None:
-    """While measuring candidates: the sync bounds check that a later call of `plan` makes (see _plan), so that
-    plans are compared at what they cost then. (The measured call's own indices were checked already.) In H200
-    run I it was left out, which favoured the device-checked plans by ~0.05 ms per call against staged."""
-    if checked:
-        _kernels.precheck_for(plan, idx, rows)
+    return decision, check_bounds, in_range
 
 
 def _host_zeros_like(table: Tensor) -> Tensor:
@@ -126,7 +119,7 @@ def use_dispatcher(*tensors) -> bool:
     """Whether a call must go through its custom op (torch's dispatcher): to record autograd, or to be seen by
     torch.compile / export / fake tensors / functorch transforms / torch function modes / the profiler. A plain
     eager call runs the implementation directly: the dispatcher cost ~30 us per call, about 4 % of a 34 MB
-    gather on an H200 (benchmarks/RESULTS.md, run F)."""
+    gather on an H200."""
     if torch.compiler.is_compiling():  # first: Dynamo folds it and never traces the checks below
         return True
     if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
@@ -147,26 +140,54 @@ def gather(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 
     return gather_impl(table, index, strategy, max_sms)
 
 
+def _at_graph_break(fn):
+    """`fn` as torch.compile must run it: eagerly, at a graph break (``torch.compiler.disable``). torch's lazy form
+    of it imports the compiler only when it is first called, where ``torch.compiler.disable`` imports it (~1.5 s)
+    when applied, at ``import pytorch_direct``."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
 # Writes run eagerly even inside torch.compile (a graph break): a traced write to a graph input is functionalized,
-# and a torch 2.11 inductor graph then wrote into a pageable copy of the whole table instead of the table (H200,
-# run G); at best that costs a copy of a table as large as host memory allows.
-@torch.compiler.disable
+# and a torch 2.11 inductor graph then wrote into a pageable copy of the whole table instead of the table (H200);
+# at best that costs a copy of a table as large as host memory allows.
 def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto", max_sms: int = 0) -> None:
     """table[index] = values through the custom op when tracing needs it, else directly."""
+    if torch.compiler.is_compiling():
+        _scatter_at_graph_break(table, index, values, strategy, max_sms)
+    elif use_dispatcher(table, index, values):
+        scatter_op(table, index, values, strategy, max_sms)
+    else:
+        scatter_impl(table, index, values, strategy, max_sms)
+
+
+def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
+              max_sms: int = 0) -> None:
+    """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
+    if torch.compiler.is_compiling():  # a write: see scatter
+        _index_add_at_graph_break(table, index, values, alpha, strategy, max_sms)
+    elif use_dispatcher(table, index, values):
+        index_add_op(table, index, values, alpha, strategy, max_sms)
+    else:
+        index_add_impl(table, index, values, alpha, strategy, max_sms)
+
+
+def _scatter_eager(table, index, values, strategy, max_sms) -> None:
     if use_dispatcher(table, index, values):
         scatter_op(table, index, values, strategy, max_sms)
     else:
         scatter_impl(table, index, values, strategy, max_sms)
 
 
-@torch.compiler.disable  # a write: see scatter
-def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
-              max_sms: int = 0) -> None:
-    """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
+def _index_add_eager(table, index, values, alpha, strategy, max_sms) -> None:
     if use_dispatcher(table, index, values):
         index_add_op(table, index, values, alpha, strategy, max_sms)
     else:
         index_add_impl(table, index, values, alpha, strategy, max_sms)
+
+
+_scatter_at_graph_break = _at_graph_break(_scatter_eager)
+_index_add_at_graph_break = _at_graph_break(_index_add_eager)
 
 
 # ---------------------------------------------------------------------------------------------------- gather
@@ -187,8 +208,14 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
         else:
             _kernels.precheck(idx, rows)
         return out
+    cache = _cache.cache_for(table, rows, rb) if name == "auto" or REGISTRY[name].uses_cache else None
+    if cache is not None and cache.device != idx.device:
+        cache = None
     if index.device.type == "cpu":
-        _kernels.gather_host(table, rows, rb, idx, out, dedupe=name in ("dedupe", "dedupe_staged"))
+        if cache is not None:
+            cache.gather_host(idx, out)
+        else:
+            _kernels.gather_host(table, rows, rb, idx, out, dedupe=name != "auto" and REGISTRY[name].host_dedupe)
         return out
     if index.device.type != "cuda":
         raise ValueError(f"indices on {index.device} are not supported: use CPU or CUDA indices")
@@ -199,25 +226,19 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     capturing = _kernels.capturing()
     checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    call = _strategy.Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
-    decision, due = _plan("gather", name, call, idx, checked, capturing)
-    rows_out = out.view(n, -1)
+    call = Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
+    cached = cache is not None
+    decision, check_bounds, in_range = _decision(call, name, idx, checked, capturing, cached)
+    job = RowJob("gather", table, rows, rb, idx, out.view(n, -1), max_sms, cache)
+    if cached:
+        cache.count(idx)
     if decision.plan is None:
         # A kind of call never measured: the candidates run on this call (each writes all of `out`), and the fastest
         # is kept for the next calls of this kind. Each run pays the bounds check a later call of its plan pays.
-        def run(plan):
-            if checked:
-                _kernels.gather_cuda_checked(table, rows, rb, idx, rows_out, plan, max_sms)
-            else:
-                _kernels.gather_cuda(table, rows, rb, idx, rows_out, plan, max_sms, False)
-
-        _strategy.measure(call, decision.features, decision.candidates, run)
+        _auto.measure(call, decision, job, check_bounds=checked, cached=cached)
         return out
-    if due:
-        execute = lambda: _kernels.gather_cuda_checked(table, rows, rb, idx, rows_out, decision.plan, max_sms)  # noqa: E731
-    else:
-        execute = lambda: _kernels.gather_cuda(table, rows, rb, idx, rows_out, decision.plan, max_sms, checked)  # noqa: E731
-    _strategy.run_decided(call, execute, auto=name == "auto")
+    _auto.run(call, job, decision.plan, auto=name == "auto", cached=cached, check_bounds=check_bounds,
+              in_range=in_range)
     return out
 
 
@@ -343,6 +364,7 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
         return
     if index.device.type == "cpu":
         _kernels.scatter_host(table, rows, rb, idx, vals)
+        _refresh_caches(table, idx)
         return
     memory = _kernels.table_for_device(table, index.device.index)
     raise_pending_device_error()
@@ -351,21 +373,26 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
     capturing = _kernels.capturing()
     checked = settings.bounds_check == "sync" and not capturing
     max_sms = max_sms if max_sms > 0 else settings.max_sms
-    call = _strategy.Call("scatter", table.numel() * table.element_size(), rows, rb, n, memory)
+    call = Call("scatter", table.numel() * table.element_size(), rows, rb, n, memory)
     # (writes: nothing is written when an index is bad)
-    decision, _ = _plan("scatter", name, call, idx, checked, capturing)
+    decision, check_bounds, in_range = _decision(call, name, idx, checked, capturing, False)
+    job = RowJob("scatter", table, rows, rb, idx, vals, max_sms)
     if decision.plan is None:
         # Measured on this call: every candidate writes the same rows (with duplicate indices, one writer per
         # element wins either way).
-        def run(plan):
-            _steady_check(plan, idx, rows, checked)
-            _kernels.scatter_cuda(table, rows, rb, idx, vals, plan, max_sms, checked)
+        _auto.measure(call, decision, job, check_bounds=checked)
+    else:
+        _auto.run(call, job, decision.plan, auto=name == "auto", check_bounds=check_bounds, in_range=in_range)
+    _refresh_caches(table, idx)
 
-        _strategy.measure(call, decision.features, decision.candidates, run)
-        return
-    _strategy.run_decided(
-        call, lambda: _kernels.scatter_cuda(table, rows, rb, idx, vals, decision.plan, max_sms, checked),
-        auto=name == "auto")
+
+def _refresh_caches(table: Tensor, idx: Tensor) -> None:
+    """After rows `idx` of `table` were written: the caches of that memory read their copies of them again."""
+    for cache in _cache.caches_in(table):
+        if cache._key == table.data_ptr():
+            cache.after_write(idx)
+        else:
+            cache.refresh()  # (a write through a view that starts elsewhere: its rows are not the cache's rows)
 
 
 @torch.library.custom_op("pytorch_direct::scatter_", mutates_args=("table",))
@@ -395,6 +422,7 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
     if index.device.type == "cpu":
         _kernels.check_host_indices(idx, rows)
         table.index_add_(0, idx, vals, alpha=alpha)
+        _refresh_caches(table, idx)
         return
     if idx.numel() == 0:
         return

@@ -20,12 +20,41 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _kernels, _memory, _ops
+from . import _cache, _kernels, _memory, _ops
 from ._config import settings
 
 
 def _plain_int_index(key) -> bool:
-    return isinstance(key, Tensor) and key.dtype in _ops.INDEX_DTYPES
+    """True for row indices the package gathers (int32/int64 tensors). Index tensors torch would misread raise the
+    package's TypeError: floating point or complex ones, and boolean masks on a GPU (a unified tensor's memory is on
+    the host, so torch would say "indices should be either on cpu or on the same device")."""
+    if not isinstance(key, Tensor):
+        return False
+    if key.dtype in _ops.INDEX_DTYPES:
+        return True
+    if key.dtype.is_floating_point or key.dtype.is_complex or (key.dtype == torch.bool and key.device.type != "cpu"):
+        _ops.check_index(key)  # raises
+    return False
+
+
+# In-place methods that change no element (the cached rows of a table stay valid).
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "record_stream", "register_hook"})
+
+
+def _refresh_after_write(func, args, kwargs) -> None:
+    """After an in-place torch op (not a row operation) on a unified tensor with a GPU cache of hot rows, or with a
+    unified ``out=``: the cache reads every cached row again (the op may have changed any element)."""
+    name = getattr(func, "__name__", "")
+    targets = []
+    if kwargs.get("out") is not None:
+        targets.append(kwargs["out"])
+    if args and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_")
+                                            and name not in _NOT_WRITES)):
+        targets.append(args[0])
+    for t in targets:
+        if isinstance(t, UnifiedTensor):
+            for cache in _cache.caches_in(t):
+                cache.refresh()
 
 
 class _CompileAlias:
@@ -114,6 +143,8 @@ class UnifiedTensor(Tensor):
                 return result
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
+        if _cache._CACHES:
+            _refresh_after_write(func, args, kwargs)
         if func == _BASE_GETTER:
             # A unified tensor is an alias (as_subclass makes a view) of a plain tensor that owns the memory: return
             # that base as it is. Wrapping it would make a new view whose _base is the same plain tensor, wrapped

@@ -337,6 +337,139 @@ void device_count_case() {
   }
 }
 
+// The cached gather: hits from the cache buffer, misses from the table, for every width and misalignment; then a
+// refresh after writes to the table updates exactly the cached rows named by the index, and skips bad indices
+// without recording them (a gather records them).
+template <bool Refresh>
+void emulate_cached(const rows_call& c, const launch_plan& p, unsigned grid, std::int64_t* err) {
+  check_gpu_shapes(c, p);
+  const auto* table = static_cast<const unsigned char*>(c.table);
+  auto* cache = static_cast<unsigned char*>(c.cache);
+  auto* dense = static_cast<unsigned char*>(c.dense);
+  run_grid(grid, 64, [&] {
+    if (p.kernel == launch_plan::unaligned) {
+      move_rows_cached_unaligned<Refresh>(table, c.rows, c.row_bytes, c.index, c.index_bytes, c.count, c.positions,
+                                          c.slot_of_row, cache, dense, err, p.group_shift);
+      return;
+    }
+    switch (p.width) {
+      case 16:
+        move_rows_cached<16, Refresh>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions,
+                                      c.slot_of_row, cache, dense, err, p.group_shift);
+        break;
+      case 8:
+        move_rows_cached<8, Refresh>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions,
+                                     c.slot_of_row, cache, dense, err, p.group_shift);
+        break;
+      case 4:
+        move_rows_cached<4, Refresh>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions,
+                                     c.slot_of_row, cache, dense, err, p.group_shift);
+        break;
+      case 2:
+        move_rows_cached<2, Refresh>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions,
+                                     c.slot_of_row, cache, dense, err, p.group_shift);
+        break;
+      default:
+        move_rows_cached<1, Refresh>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.positions,
+                                     c.slot_of_row, cache, dense, err, p.group_shift);
+        break;
+    }
+  });
+}
+
+void cached_case(std::mt19937_64& rng, std::int64_t rb, int table_offset, bool use_positions, int index_bytes) {
+  const std::int64_t rows = rb >= 1000 ? 40 : 200;
+  const std::int64_t count = rows + 13;
+  std::vector<unsigned char> table_mem(rows * rb + 128);
+  for (auto& b : table_mem) b = static_cast<unsigned char>(rng());
+  unsigned char* base = table_mem.data();
+  base += (16 - reinterpret_cast<std::uintptr_t>(base) % 16) % 16;
+  unsigned char* table = base + 32 + table_offset;
+  // Every third row cached, in a shuffled slot order; the cache holds different bytes than the table for a moment
+  // (poison), then the true rows: a hit must come from the cache.
+  std::vector<std::int32_t> slot_of_row(rows, -1);
+  std::vector<std::int64_t> cached;
+  for (std::int64_t r = 0; r < rows; r += 3) cached.push_back(r);
+  std::shuffle(cached.begin(), cached.end(), rng);
+  std::vector<unsigned char> cache_mem(cached.size() * rb + 16 + 16);
+  unsigned char* cache = cache_mem.data() + (16 - reinterpret_cast<std::uintptr_t>(cache_mem.data()) % 16) % 16;
+  for (std::size_t s = 0; s < cached.size(); ++s) {
+    slot_of_row[cached[s]] = static_cast<std::int32_t>(s);
+    for (std::int64_t b = 0; b < rb; ++b)
+      cache[s * rb + b] = static_cast<unsigned char>(table[cached[s] * rb + b] ^ 0x5A);
+  }
+  std::vector<std::int64_t> idx64(count);
+  for (auto& i : idx64) i = static_cast<std::int64_t>(rng() % rows);
+  std::vector<std::int64_t> order = idx64, positions(count);
+  for (std::int64_t i = 0; i < count; ++i) positions[i] = i;
+  if (use_positions) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> pairs;
+    for (std::int64_t i = 0; i < count; ++i) pairs.emplace_back(idx64[i], i);
+    std::sort(pairs.begin(), pairs.end());
+    for (std::int64_t i = 0; i < count; ++i) {
+      order[i] = pairs[i].first;
+      positions[i] = pairs[i].second;
+    }
+  }
+  std::vector<std::int32_t> order32(order.begin(), order.end());
+  std::vector<unsigned char> dense_mem(count * rb + 32, 0xAB);
+  unsigned char* dense = dense_mem.data() + (16 - reinterpret_cast<std::uintptr_t>(dense_mem.data()) % 16) % 16;
+  rows_call c;
+  c.table = table;
+  c.rows = rows;
+  c.row_bytes = rb;
+  c.index = index_bytes == 8 ? static_cast<const void*>(order.data()) : static_cast<const void*>(order32.data());
+  c.index_bytes = index_bytes;
+  c.count = count;
+  c.positions = use_positions ? positions.data() : nullptr;
+  c.dense = dense;
+  c.slot_of_row = slot_of_row.data();
+  c.cache = cache;
+  std::int64_t err[2] = {0, 0};
+  emulate_cached<false>(c, plan_cached(c), 3, err);
+  bool ok = err[0] == 0;
+  for (std::int64_t i = 0; i < count && ok; ++i) {
+    const std::int64_t r = idx64[i];
+    for (std::int64_t b = 0; b < rb && ok; ++b) {
+      const unsigned char want =
+          slot_of_row[r] >= 0 ? static_cast<unsigned char>(table[r * rb + b] ^ 0x5A) : table[r * rb + b];
+      ok = dense[i * rb + b] == want;
+    }
+  }
+  check(ok, "cached gather", rb, table_offset, 2, use_positions, index_bytes);
+
+  // Refresh: the rows named by the index (plus a bad one) are read again into their slots; the other slots keep
+  // their (poisoned) bytes, and no error is recorded.
+  std::vector<std::int64_t> written = {0, 1, 3, rows - 1, rows + 5, -2};
+  std::vector<std::int32_t> written32(written.begin(), written.end());
+  rows_call r = c;
+  r.index = index_bytes == 8 ? static_cast<const void*>(written.data()) : static_cast<const void*>(written32.data());
+  r.count = static_cast<std::int64_t>(written.size());
+  r.positions = nullptr;
+  r.dense = nullptr;
+  const std::vector<unsigned char> before(cache_mem);
+  emulate_cached<true>(r, plan_cached(r), 2, err);
+  ok = err[0] == 0;
+  for (std::size_t s = 0; s < cached.size() && ok; ++s) {
+    const std::int64_t row = cached[s];
+    const bool named = std::find(written.begin(), written.end(), row) != written.end();
+    for (std::int64_t b = 0; b < rb && ok; ++b)
+      ok = cache[s * rb + b] == (named ? table[row * rb + b] : before[(cache - cache_mem.data()) + s * rb + b]);
+  }
+  check(ok, "cached refresh", rb, table_offset, 2, 0, index_bytes);
+  // A bad index in a gather is recorded, its output row untouched.
+  std::vector<std::int64_t> bad = {rows, 0};
+  rows_call g = c;
+  g.index = bad.data();
+  g.index_bytes = 8;
+  g.count = 2;
+  g.positions = nullptr;
+  std::memset(dense, 0xEE, static_cast<std::size_t>(rb));
+  emulate_cached<false>(g, plan_cached(g), 1, err);
+  ok = err[0] == 1 && err[1] == rows && dense[0] == 0xEE;
+  check(ok, "cached gather bad index", rb, table_offset, 2, 0, 8);
+}
+
 }  // namespace
 
 int main() {
@@ -356,6 +489,16 @@ int main() {
               ++cases;
             }
           }
+        }
+      }
+    }
+  }
+  for (std::int64_t rb : widths) {
+    for (int table_offset : {0, 4, 13}) {
+      for (bool positions : {false, true}) {
+        for (int index_bytes : {4, 8}) {
+          cached_case(rng, rb, table_offset, positions, index_bytes);
+          ++cases;
         }
       }
     }

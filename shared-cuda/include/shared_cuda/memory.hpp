@@ -70,8 +70,9 @@ class pinned_buffer {
 // difference is the GPU's mapping: the driver maps managed memory with large pages, so random reads from tables of
 // many GiB do not miss the GPU's address translation on nearly every row as they do through cudaHostAlloc's 4 KiB
 // mappings (measured on an H200: random 256 B rows of a 48 GiB table at 51 GB/s against 7.4; registered
-// hugetlbfs pages read no faster than cudaHostAlloc's). The pages are touched (zeroed) by CPU threads here, so
-// the memory is resident, and mapped on every device, before a kernel reads it. data() is also the device pointer.
+// hugetlbfs pages read no faster than cudaHostAlloc's). The pages are touched by CPU threads here (one write per
+// page; they arrive zeroed, and the memory reads as zeros), so it is resident, and mapped on every device, before a
+// kernel reads it. data() is also the device pointer.
 // cudaMallocManaged reserves no host memory: asking for more than the host has gets the process killed by Linux's
 // OOM killer while touching, so callers check the available memory first (pytorch-direct's _memory does). A forked
 // child process cannot read it (it dies with SIGSEGV).

@@ -34,6 +34,10 @@ struct rows_call {
   // Optional device memory holding how many of the `count` indices to move (at most count): a count that an earlier
   // kernel computed (e.g. the distinct rows of a deduplicating gather) with no host round trip. Gather only.
   const std::int64_t* device_count = nullptr;
+  // A GPU cache of hot rows (gather_cached_cuda): the cache slot of each table row (-1: not cached), and the cached
+  // rows (device memory, row_bytes each, 16 bytes of slack after the last).
+  const std::int32_t* slot_of_row = nullptr;
+  void* cache = nullptr;
 };
 
 // True when this build has the CUDA kernels.
@@ -60,6 +64,10 @@ void index_bounds_finish(std::int64_t& lo, std::int64_t& hi);
 // set). Launched on `stream`, no host sync.
 // max_sms > 0 caps the blocks so the gather occupies about that many SMs (to overlap with other work).
 void gather_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
+// Gather through a GPU cache of hot rows (call.slot_of_row, call.cache): dense[p] = the cached copy of row
+// index[i] where it has one, else the table's row, in one kernel. With `refresh`, after writes to the table: the
+// cached copy of each cached row index[i] is read again from the table (dense unused; rows not cached skipped).
+void gather_cached_cuda(const rows_call& call, bool refresh, int max_sms, shared_cuda::stream_view stream);
 // Scatter: table[index[i]] = dense[p]. Duplicate indices: one of the writers wins per element.
 void scatter_cuda(const rows_call& call, kernel_kind kind, int max_sms, shared_cuda::stream_view stream);
 

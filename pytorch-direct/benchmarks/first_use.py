@@ -1,0 +1,134 @@
+"""What a new user waits for before the first gather: ``import pytorch_direct`` and making a large table.
+
+    python3 pytorch-direct/benchmarks/first_use.py                    # import times, 64 GiB table vs memset
+    python3 pytorch-direct/benchmarks/first_use.py --table-gib 8 --csv first_use.csv
+
+Import: ``import torch`` and ``import pytorch_direct`` each in a fresh process (best of --repeats), and whether the
+import loaded the CUDA driver or NVRTC (it must not: both wait for the first call that needs them).
+
+Table: ``pd.empty`` and ``pd.zeros`` of --table-gib GiB (what ``memory="auto"`` gives: managed memory with a GPU)
+against a parallel memset of the same bytes in new memory (``torch.empty`` + ``fill_`` on torch's threads: page
+faults and one write per byte, the memory system's rate), one after the other in this process, each freed before
+the next (the host needs the table's size free once, not twice). The target: the table ready in <= 1.5x the
+memset's time. Prints a table, writes CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import subprocess
+import sys
+import time
+
+IMPORT_PROBE = r"""
+import sys, time
+t0 = time.perf_counter()
+import {module}
+dt = time.perf_counter() - t0
+maps = open("/proc/self/maps").read()
+print(dt, int("libcuda.so" in maps), int("libnvrtc" in maps))
+"""
+
+
+def import_time(module: str, repeats: int) -> tuple[float, bool, bool]:
+    """(best seconds, CUDA driver loaded, NVRTC loaded) of `import module` in a fresh interpreter."""
+    best, cuda, nvrtc = float("inf"), False, False
+    for _ in range(repeats):
+        r = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(module=module)], capture_output=True,
+                           text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"import {module} failed: {r.stderr[-2000:]}")
+        seconds, c, n = r.stdout.split()
+        best, cuda, nvrtc = min(best, float(seconds)), cuda or c == "1", nvrtc or n == "1"
+    return best, cuda, nvrtc
+
+
+def available_bytes() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def table_times(nbytes: int) -> list[dict]:
+    import torch
+
+    import pytorch_direct as pd
+    from pytorch_direct import _memory
+
+    rows = []
+    # (CUDA's own start-up, ~0.3-1 s, is not the table's: paid here, before anything is timed)
+    pd.empty(1 << 20, dtype=torch.uint8)
+    if pd.cuda_usable():
+        torch.zeros(1, device="cuda")
+
+    def memset():
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        t.fill_(0)
+        return t
+
+    for label, fn in (("parallel memset (torch.empty + fill_)", memset),
+                      ("pd.empty", lambda: pd.empty(nbytes, dtype=torch.uint8)),
+                      ("pd.zeros", lambda: pd.zeros(nbytes, dtype=torch.uint8))):
+        gc.collect()
+        seconds, t = timed(fn)
+        kind = "ordinary" if label.startswith("parallel") else (_memory.host_kind(t.plain()) or "pageable")
+        rows.append({"what": label, "gib": nbytes / 2**30, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                     "memory": kind})
+        del t
+    base = rows[0]["seconds"]
+    for r in rows:
+        r["x_memset"] = r["seconds"] / base
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table-gib", type=float, default=64.0)
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per import timing")
+    p.add_argument("--csv", default=None)
+    args = p.parse_args(argv)
+    results = []
+    torch_s, _, _ = import_time("torch", args.repeats)
+    pd_s, cuda, nvrtc = import_time("pytorch_direct", args.repeats)
+    print(f"# import torch {torch_s:.2f} s, import pytorch_direct {pd_s:.2f} s (its own share {pd_s - torch_s:+.2f} s);"
+          f" the import loaded the CUDA driver: {'yes' if cuda else 'no'}, NVRTC: {'yes' if nvrtc else 'no'}",
+          flush=True)
+    results.append({"what": "import torch", "seconds": torch_s})
+    results.append({"what": "import pytorch_direct", "seconds": pd_s, "memory": f"cuda={int(cuda)} nvrtc={int(nvrtc)}"})
+    nbytes = int(args.table_gib * 2**30)
+    room = int(available_bytes() * 0.85)
+    if nbytes > room:
+        print(f"# {args.table_gib:g} GiB does not fit in the {room / 2**30:.1f} GiB available: measuring "
+              f"{room / 2**30:.1f} GiB", flush=True)
+        nbytes = room // (1 << 20) << 20
+    results += table_times(nbytes)
+    print("\n## first use")
+    print(f"{'what':40} {'GiB':>6} {'seconds':>8} {'GB/s':>7} {'x memset':>8}  memory")
+    for r in results:
+        gib = f"{r['gib']:6.1f}" if "gib" in r else " " * 6
+        extra = f"{r['gbps']:7.2f} {r['x_memset']:8.2f}" if "gbps" in r else " " * 16
+        print(f"{r['what']:40} {gib} {r['seconds']:8.2f} {extra}  {r.get('memory', '')}")
+    made = next(r for r in results if r["what"] == "pd.empty")
+    print(f"# pd.empty: {made['x_memset']:.2f}x the memset's time (target <= 1.5x); import pytorch_direct "
+          f"{pd_s:.2f} s (target < 1 s)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["what", "gib", "seconds", "gbps", "x_memset", "memory"])
+            w.writeheader()
+            w.writerows(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

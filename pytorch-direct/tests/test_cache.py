@@ -1,0 +1,326 @@
+"""The GPU cache of hot rows (pd.cached): exact results, coherence after every kind of write, the byte budget, the
+frequency estimates; on the CPU (a cache on the CPU serves CPU indices) and, marked gpu, on a GPU."""
+
+import pytest
+import torch
+from test_cpu import random_table, same_bytes
+
+import pytorch_direct as pd
+from pytorch_direct import _cache, _core
+
+ROWS = 500
+
+
+def table_and_frequency(row_shape=(16,), dtype=torch.float32, seed=0):
+    table = random_table((ROWS,) + row_shape, dtype, seed=seed)
+    # Rows 0, 7, 14, ... are hot (a degree-like score), the others cold; a few zero (never cached).
+    frequency = torch.ones(ROWS)
+    frequency[::7] = 100.0
+    frequency[3::50] = 0.0
+    return table, pd.unified(table.clone(), copy=True), frequency
+
+
+def budget_for(cached_rows, row_bytes, count=False):
+    return ROWS * 4 * (2 if count else 1) + _cache.SLACK + cached_rows * (row_bytes + 8)
+
+
+@pytest.mark.parametrize("dtype,row_shape", [(torch.float32, (16,)), (torch.uint8, (47,)), (torch.int64, ()),
+                                             (torch.float16, (3, 5))])
+def test_cached_gathers_are_exact(dtype, row_shape):
+    table, u, frequency = table_and_frequency(row_shape, dtype)
+    rb = u.plain()[0].numel() * u.element_size()
+    cache = pd.cached(u, budget_for(40, rb), frequency=frequency, device="cpu")
+    assert cache.capacity == 40 and cache.cached_rows == 40
+    hot = set(range(0, ROWS, 7))
+    assert set(cache.row_of_slot[: cache.cached_rows].tolist()) <= hot  # the highest scores
+    g = torch.Generator().manual_seed(1)
+    for idx in (torch.randint(0, ROWS, (3000,), generator=g), torch.arange(0, ROWS, 7), torch.tensor([3]),
+                torch.randint(0, ROWS, (4, 9), generator=g, dtype=torch.int32), torch.empty(0, dtype=torch.int64)):
+        for gather in (lambda i: u[i], lambda i: pd.gather(u, i), lambda i: u.index_select(0, i.reshape(-1))):
+            got = gather(idx)
+            assert same_bytes(got, table[idx.reshape(got.shape[: got.dim() - len(row_shape)]).long()])
+    assert 0 < cache.hit_rate(torch.arange(ROWS)) < 0.2
+    assert cache.hit_rate(torch.arange(0, ROWS, 7)) > 0.5
+
+
+def test_the_cache_serves_hits_from_its_own_copy():
+    # Poisoning the cached copy (not the table) shows which rows came from it: exactly the cached ones.
+    table, u, frequency = table_and_frequency()
+    cache = pd.cached(u, budget_for(30, 64), frequency=frequency, device="cpu")
+    cache.rows_view()[: cache.cached_rows] = 0xFF  # (NaN floats)
+    idx = torch.arange(ROWS)
+    got = u[idx]
+    from_cache = torch.isnan(got).all(1)
+    assert torch.equal(from_cache, cache.slot_of_row >= 0) and int(from_cache.sum()) == 30
+    assert torch.equal(got[~from_cache], table[~from_cache])
+    cache.refresh()  # reads every cached row again from the table
+    assert same_bytes(u[idx], table)
+
+
+def test_writes_keep_the_cache_coherent():
+    table, u, frequency = table_and_frequency()
+    pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    ref = table.clone()
+    everything = torch.arange(ROWS)
+
+    def check():
+        assert same_bytes(u[everything], ref)
+
+    idx = torch.tensor([0, 7, 7, 8, 14, 499])  # cached and not, a duplicate
+    vals = torch.randn(6, 16, generator=g)
+    vals[2] = vals[1]  # (duplicates write the same row: one writer wins either way)
+    u[idx] = vals
+    ref[idx] = vals
+    check()
+    pd.scatter_(u, torch.tensor([21, 22]), torch.randn(2, 16, generator=g).clone())
+    ref[21:23] = u.plain()[21:23]
+    check()
+    add = torch.randn(6, 16, generator=g)
+    u.index_add_(0, idx, add)
+    ref.index_add_(0, idx, add)
+    check()
+    pd.index_add_(u, torch.tensor([28, 28]), torch.ones(2, 16), alpha=0.5)
+    ref[28] += 1.0
+    check()
+    u.index_copy_(0, torch.tensor([35]), torch.full((1, 16), 3.0))
+    ref[35] = 3.0
+    check()
+    # In-place torch ops on the unified tensor (any element may change): the whole cache is read again.
+    u.mul_(2)
+    ref.mul_(2)
+    check()
+    u[5:50] = 0.25  # (a slice: torch's own __setitem__)
+    ref[5:50] = 0.25
+    check()
+    u.plain()[42] = 9.0  # another alias: not seen until refresh() (documented)
+    ref[42] = 9.0
+    _cache.caches_in(u)[0].refresh()
+    check()
+
+
+def test_the_byte_budget_is_respected():
+    u = pd.unified(torch.randn(ROWS, 16), copy=True)
+    for budget, count in ((budget_for(1, 64), False), (budget_for(100, 64) + 50, False), (10**9, False),
+                          (budget_for(33, 64, count=True), True)):
+        cache = pd.cached(u, budget, frequency=torch.rand(ROWS) + 0.1, count=count, device="cpu")
+        assert cache.bytes <= budget and cache.stats()["bytes"] == cache.bytes
+        assert cache.capacity == min(ROWS, (budget - ROWS * 4 * (2 if count else 1) - _cache.SLACK) // 72)
+        cache.release()
+        assert _cache.cache_for(u, ROWS, 64) is None
+    with pytest.raises(ValueError, match="too small"):
+        pd.cached(u, budget_for(0, 64), frequency=torch.ones(ROWS), device="cpu")
+
+
+def test_bad_arguments_say_the_fix():
+    u = pd.unified(torch.randn(ROWS, 4), copy=True)
+    with pytest.raises(ValueError, match="frequency= .* or count=True"):
+        pd.cached(u, 1 << 20, device="cpu")
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        pd.cached(u, 0, count=True, device="cpu")
+    with pytest.raises(ValueError, match="one number per table row"):
+        pd.cached(u, 1 << 20, frequency=torch.ones(3), device="cpu")
+    cache = pd.cached(u, 1 << 20, count=True, device="cpu")
+    with pytest.raises(ValueError, match="has a cache already"):
+        pd.cached(u, 1 << 20, count=True, device="cpu")
+    with pytest.raises(ValueError, match="count=True"):
+        pd.cached(pd.unified(torch.randn(10, 4), copy=True), 1 << 20, frequency=torch.ones(10),
+                  device="cpu").refill()
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cache.hit_rate(torch.tensor([1.0]))
+    with pytest.raises(IndexError, match="out of range"):
+        u[torch.tensor([0, ROWS])]
+
+
+def test_counting_and_refill_from_counts():
+    table, u, _ = table_and_frequency()
+    cache = pd.cached(u, budget_for(10, 64, count=True), count=True, device="cpu")
+    assert cache.cached_rows == 0  # nothing known yet: every row from the table
+    hot = torch.tensor([3, 17, 17, 99, 250, 251, 252, 253, 254, 255, 256, 400])
+    for _ in range(3):
+        assert same_bytes(u[hot], table[hot])
+    assert int(cache.counts[17]) == 6 and int(cache.counts[3]) == 3 and int(cache.counts[0]) == 0
+    cache.refill()
+    assert cache.cached_rows == 10 and 17 in cache.row_of_slot.tolist()
+    assert float(cache.counts[17]) == 3.0  # halved: later calls weigh as much as all earlier ones
+    assert same_bytes(u[hot], table[hot]) and cache.hit_rate(hot) >= 10 / 12
+
+
+def test_count_rows_is_a_sampling_pass():
+    batches = [torch.tensor([1, 2, 2]), torch.tensor([[2, 9]]), torch.tensor([], dtype=torch.int64)]
+    counts = pd.count_rows(batches, 10)
+    assert counts.tolist() == [0, 1, 3, 0, 0, 0, 0, 0, 0, 1]
+    with pytest.raises(IndexError):
+        pd.count_rows([torch.tensor([10])], 10)
+    with pytest.raises(ValueError, match="at least one batch"):
+        pd.count_rows([], 10)
+
+
+def test_a_cache_lives_as_long_as_its_table_and_forced_strategies_skip_it(monkeypatch):
+    table, u, frequency = table_and_frequency()
+    pd.cached(u, budget_for(30, 64), frequency=frequency, device="cpu")  # (return value dropped)
+    cache = _cache.cache_for(u, ROWS, 64)
+    assert cache is not None and cache.rows_view()[: cache.cached_rows].numel() > 0
+    assert _cache.cache_for(u.plain()[:100], 100, 64) is cache  # a view of the first rows reads it too
+    assert _cache.cache_for(u.plain()[1:], ROWS - 1, 64) is None  # another start: another table
+    cache.rows_view()[: cache.cached_rows] = 0xFF
+    idx = torch.arange(0, ROWS, 7)
+    assert torch.isnan(pd.gather(u, idx)).any()  # auto reads the cache ...
+    assert same_bytes(pd.gather(u, idx, strategy="vector"), table[idx])  # ... forced strategies the table only
+    del cache, u
+    import gc
+
+    gc.collect()
+    assert not _cache._CACHES  # gone with the table
+
+
+def test_cached_gathers_compile():
+    table, u, frequency = table_and_frequency()
+    pd.cached(u, budget_for(40, 64), frequency=frequency, device="cpu")
+    fn = torch.compile(lambda t, i: torch.nn.functional.embedding(i, t) * 2, fullgraph=True, backend="aot_eager")
+    idx = torch.randint(0, ROWS, (100,))
+    assert torch.equal(fn(u, idx), table[idx] * 2)
+
+
+def test_float_indices_raise_the_clear_error():
+    u = pd.unified(torch.randn(10, 4), copy=True)
+    for bad in (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64)):
+        for call in (lambda i: u[i], lambda i: pd.gather(u, i), lambda i: u.index_select(0, i),
+                     lambda i: torch.nn.functional.embedding(i, u)):
+            with pytest.raises(TypeError, match="row indices must be int32 or int64"):
+                call(bad)
+    assert torch.equal(u[torch.tensor([True] * 5 + [False] * 5)], u.plain()[:5])  # CPU masks: torch's own
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_shape,dtype", [((64,), torch.float32), ((47,), torch.uint8), ((256,), torch.float32),
+                                             ((3,), torch.int16)])
+@pytest.mark.parametrize("strategy", ["auto", "cached", "cached_sorted"])
+def test_gpu_cached_gathers_are_exact(row_shape, dtype, strategy):
+    table, u, frequency = table_and_frequency(row_shape, dtype, seed=3)
+    rb = u.plain()[0].numel() * u.element_size()
+    cache = pd.cached(u, budget_for(100, rb), frequency=frequency.cuda())
+    assert cache.device.type == "cuda" and cache.bytes <= budget_for(100, rb)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for idx in (torch.randint(0, ROWS, (20000,), device="cuda", generator=g), torch.arange(ROWS, device="cuda"),
+                torch.randint(0, ROWS, (7, 9), device="cuda", generator=g, dtype=torch.int32)):
+        got = pd.gather(u, idx, strategy=strategy)
+        assert same_bytes(got.cpu(), table[idx.long().cpu()])
+    cache.rows_view()[: cache.cached_rows] = 0  # hits come from the device copy
+    idx = torch.arange(0, ROWS, 7, device="cuda")
+    if dtype == torch.float32:
+        zero_rows = int((pd.gather(u, idx, strategy=strategy) == 0).all(1).sum())
+        assert zero_rows == round(cache.hit_rate(idx) * idx.numel()) > 0
+    cache.refresh()
+    assert same_bytes(pd.gather(u, idx, strategy=strategy).cpu(), table[idx.cpu()])
+    with pytest.raises(IndexError, match="out of range"):
+        pd.gather(u, torch.tensor([0, ROWS], device="cuda"), strategy=strategy)
+    cache.release()
+
+
+@pytest.mark.gpu
+def test_gpu_writes_keep_the_cache_coherent():
+    table, u, frequency = table_and_frequency((32,), torch.float32, seed=4)
+    pd.cached(u, budget_for(80, 128), frequency=frequency.cuda())
+    ref = table.clone()
+    everything = torch.arange(ROWS, device="cuda")
+    for k, strategy in enumerate(("vector", "sorted", "staged", "auto")):
+        idx = torch.tensor([0, 7, 7, 8, 14 + k, 499], device="cuda")
+        vals = torch.randn(6, 32, device="cuda")
+        vals[2] = vals[1]
+        pd.scatter_(u, idx, vals, strategy=strategy)
+        ref[idx.cpu()] = vals.cpu()
+        assert same_bytes(pd.gather(u, everything).cpu(), ref)
+    add = torch.randn(6, 32, device="cuda")
+    idx = torch.tensor([0, 0, 21, 22, 300, 7], device="cuda")
+    u.index_add_(0, idx, add)
+    ref.index_add_(0, idx.cpu(), add.cpu())
+    assert torch.allclose(pd.gather(u, everything).cpu(), ref, atol=1e-6)
+    u[torch.tensor([42])] = torch.ones(1, 32)  # CPU indices on a GPU cache
+    ref[42] = 1.0
+    assert torch.allclose(pd.gather(u, everything).cpu(), ref, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_cached_gather_in_a_cuda_graph_and_compiled():
+    table, u, frequency = table_and_frequency((64,), torch.float32, seed=5)
+    cache = pd.cached(u, budget_for(100, 256), frequency=frequency.cuda(), count=False)
+    idx = torch.randint(0, ROWS, (4096,), device="cuda")
+    pd.set_bounds_check("async")
+    try:
+        pd.gather(u, idx)  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = pd.gather(u, idx)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bytes(out.cpu(), table[idx.cpu()])
+        u[torch.tensor([0, 7], device="cuda")] = torch.zeros(2, 64, device="cuda")  # a cached row changes ...
+        table[[0, 7]] = 0
+        idx.copy_(torch.tensor([0, 7] * 2048, device="cuda"))
+        graph.replay()  # ... and the replayed graph reads the refreshed copy
+        torch.cuda.synchronize()
+        assert same_bytes(out.cpu(), table[idx.cpu()])
+    finally:
+        pd.set_bounds_check("sync")
+    fn = torch.compile(lambda t, i: t[i] + 1, fullgraph=True)
+    assert torch.allclose(fn(u, idx).cpu(), table[idx.cpu()] + 1)
+    assert cache.cached_rows > 0
+
+
+@pytest.mark.gpu
+def test_gpu_counting_cache_and_float_index_error():
+    table, u, _ = table_and_frequency((16,), torch.float32, seed=6)
+    cache = pd.cached(u, budget_for(2, 64, count=True), count=True)
+    hot = torch.tensor([5, 6, 7] * 100 + [300], device="cuda")
+    assert same_bytes(u[hot].cpu(), table[hot.cpu()])
+    cache.refill()
+    assert cache.capacity == 2 and cache.hit_rate(hot) == pytest.approx(200 / 301)
+    assert same_bytes(u[hot].cpu(), table[hot.cpu()])
+    with pytest.raises(TypeError, match="row indices must be int32 or int64"):
+        u[torch.tensor([1.0], device="cuda")]
+    assert _core.kernels_compiled()
+
+
+def _readme_block(marker):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b)
+
+
+def test_readme_cache_example_runs(capsys):
+    scope: dict = {}
+    exec(compile(_readme_block("pd.cached(table, gpu_bytes="), "README.md", "exec"), scope)
+    cache = scope["cache"]
+    assert cache.cached_rows > 0 and cache.bytes <= cache.budget == 4 << 20
+    assert "rows cached" in capsys.readouterr().out
+
+
+def test_readme_how_to_add_a_strategy_example_works(monkeypatch):
+    from pytorch_direct import _decide, _kernels, _strategies
+    from pytorch_direct._cell import Call, Cell, Features
+
+    monkeypatch.setattr(_strategies, "REGISTRY", dict(_strategies.REGISTRY))
+    monkeypatch.setattr(_decide, "REGISTRY", _strategies.REGISTRY)
+    scope = dict(vars(_strategies))
+    exec(compile(_readme_block("class Reversed(Strategy)"), "README.md", "exec"), scope)
+    assert "reversed" in _strategies.REGISTRY and _strategies.Plan("reversed").kind.runs_on == "device"
+    call = Call("gather", 1 << 34, 1 << 26, 256, 1 << 20)
+    assert "reversed" in _decide.candidates(Cell(call, Features(0.5, 0.0, 0.0)))
+
+    def launch(table, rows, rb, idx, out, positions, kernel, max_sms, stream, device_count=None):
+        out.view(torch.uint8).view(-1, rb)[positions] = table.reshape(-1).view(torch.uint8).view(rows, rb)[idx]
+
+    monkeypatch.setattr(_kernels, "launch_gather", launch)
+    monkeypatch.setattr(_kernels, "raw_stream", lambda device: 0)
+    table = torch.randn(50, 16)
+    idx = torch.tensor([3, 1, 49, 3])
+    out = torch.empty(4, 16)
+    job = _strategies.RowJob("gather", table, 50, 64, idx, out)
+    _strategies.run(job, _strategies.Plan("reversed"), check_bounds=False, in_range=True)
+    assert torch.equal(out, table[idx])

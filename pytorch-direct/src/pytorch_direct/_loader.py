@@ -348,44 +348,27 @@ class NeighborLoader:
         return out
 
 
-class _Epoch:
-    """One pass over a loader's batches: made in turn, ahead by the training thread, or by a background thread
-    (see :class:`NeighborLoader`)."""
+class _Maker:
+    """Makes an epoch's batches in order, on the loader's stream (if any); what a loader thread holds (not the
+    epoch the training thread iterates, so that an epoch left early is collected and stops its thread)."""
 
     def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
-        self.loader, self.order = loader, order
-        self.stats = loader._stats
-        self.stream = loader._stream
-        self.device = loader.device
-        self._next = 0  # the next batch to make
-        self._handed = 0
-        self._made: collections.deque = collections.deque()
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.stream is not None:
-            # the loader's stream reads what the training stream made (input nodes, the sampler's id map)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        if loader.thread:
-            self._queue = queue.Queue(maxsize=loader.prefetch)
-            self._thread = threading.Thread(target=self._produce, name="pytorch-direct-loader", daemon=True)
-            self._thread.start()
+        self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
+        self.next = 0  # the next batch to make
+        self.queue: queue.Queue | None = None
+        self.stop = threading.Event()
 
-    def __iter__(self):
-        return self
+    def done(self) -> bool:
+        return self.next >= len(self.order)
 
-    def __len__(self) -> int:
-        return len(self.order) - self._handed
-
-    def _make_one(self):
-        """The next batch, made on the loader's stream (if any), and the event that marks it made."""
-        if self._next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
+    def make_one(self):
+        """The next batch and the event that marks it made (None without a stream)."""
+        if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 sizes = [len(p) for p in self.order]
                 self.order = list(torch.cat(self.order).to(self.device).split(sizes))
-        positions = self.order[self._next]
-        self._next += 1
+        positions = self.order[self.next]
+        self.next += 1
         if self.stream is None:
             return self.loader.make(positions), None
         with torch.cuda.stream(self.stream):
@@ -394,27 +377,58 @@ class _Epoch:
             ready.record(self.stream)
         return batch, ready
 
-    def _produce(self) -> None:
+    def produce(self) -> None:
+        """The loader thread: makes batches into the queue until the epoch ends or training stops."""
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            while self._next < len(self.order) and not self._stop.is_set():
-                if not self._put(self._make_one()):
+            while not self.done() and not self.stop.is_set():
+                if not self.put(self.make_one()):
                     return
         except BaseException as exc:  # handed to the training thread, which raises it
-            self._put(exc)
+            self.put(exc)
 
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
+    def put(self, item) -> bool:
+        """Queues ``item`` unless training has stopped the epoch; False when it has."""
+        while not self.stop.is_set():
             try:
-                self._queue.put(item, timeout=0.05)
+                self.queue.put(item, timeout=0.05)
                 return True
             except queue.Full:
                 continue
         return False
 
+
+class _Epoch:
+    """One pass over a loader's batches: made in turn, ahead by the training thread, or by a background thread
+    (see :class:`NeighborLoader`)."""
+
+    def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
+        self.prefetch = loader.prefetch
+        self.stats = loader._stats
+        self.device = loader.device
+        self.total = len(order)
+        self._maker = _Maker(loader, order)
+        self._handed = 0
+        self._made: collections.deque = collections.deque()
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._thread: threading.Thread | None = None
+        if loader._stream is not None:
+            # the loader's stream reads what the training stream made (input nodes, the sampler's id map)
+            loader._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if loader.thread:
+            self._maker.queue = queue.Queue(maxsize=loader.prefetch)
+            self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
+            self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self.total - self._handed
+
     def __next__(self):
-        if self._handed >= len(self.order):
+        if self._handed >= self.total:
             self.close()
             raise StopIteration
         begin = time.perf_counter()
@@ -424,16 +438,16 @@ class _Epoch:
             mark = torch.cuda.Event(enable_timing=True)
             mark.record()
         if self._thread is not None:
-            item = self._queue.get()
+            item = self._maker.queue.get()
             if isinstance(item, BaseException):
                 self.close()
                 raise item
             batch, ready = item
-        elif not self.loader.prefetch:
-            batch, ready = self._make_one()
+        elif not self.prefetch:
+            batch, ready = self._maker.make_one()
         else:
-            while self._next < len(self.order) and len(self._made) <= self.loader.prefetch:
-                self._made.append(self._make_one())
+            while not self._maker.done() and len(self._made) <= self.prefetch:
+                self._made.append(self._maker.make_one())
             batch, ready = self._made.popleft()
         if ready is not None:
             stream = torch.cuda.current_stream(self.device)
@@ -460,13 +474,8 @@ class _Epoch:
 
     def close(self) -> None:
         """Stops the loader thread (batches made but not taken are dropped)."""
-        self._stop.set()
+        self._maker.stop.set()
         if self._thread is not None:
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
             self._thread.join()
             self._thread = None
         with contextlib.suppress(Exception):

@@ -198,8 +198,6 @@ class NeighborSampler:
         self.topology = topology
         self.blocks = blocks
         self.device = torch.device(device) if device is not None else default_device(topology)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         for name, t in topology.tensors().items():
             if is_unified(t):
                 continue
@@ -207,6 +205,8 @@ class NeighborSampler:
                 raise ValueError(f"topology.{name} is on {t.device} but sampling runs on {self.device}: move it "
                                  f"there (Topology.placed('device', device)), or hold it as unified tensors "
                                  f"(Topology.placed('host', device)) to be read zero-copy by the GPU")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.fanouts = _fanout_table(num_neighbors, blocks)
         self.num_hops = len(self.fanouts)
         self.replace = bool(replace)

@@ -418,7 +418,8 @@ def test_unified_feature_store_errors_say_the_fix():
         fs.put_tensor(torch.zeros(2, 3), group_name=None, attr_name="x", index=torch.tensor([0, 1]))
     fs.put_tensor(torch.arange(12.0).view(6, 2), group_name=None, attr_name="x", index=None)
     mask = torch.tensor([True, False, True, False, False, True])
-    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=mask), torch.tensor([[0., 1], [4, 5], [10, 11]]))
+    rows = fs.get_tensor(group_name=None, attr_name="x", index=mask)
+    assert torch.equal(rows, torch.tensor([[0., 1], [4, 5], [10, 11]]))
     with pytest.raises(IndexError, match="integer ids or a boolean mask"):
         fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0.5]))
     if not pd.cuda_usable():
@@ -475,7 +476,8 @@ def test_loader_on_the_gpu(prefetch, thread):
     for a, b in zip(loader, ref, strict=True):
         assert a.x.is_cuda and a.edge_index.is_cuda
         assert torch.equal(a.n_id, b.n_id) and torch.equal(a.x, b.x)
-        assert torch.equal(a.x.cpu(), data.x[a.n_id.cpu()]) and torch.equal(a.edge_attr.cpu(), data.edge_attr[a.e_id.cpu()])
+        assert torch.equal(a.x.cpu(), data.x[a.n_id.cpu()])
+        assert torch.equal(a.edge_attr.cpu(), data.edge_attr[a.e_id.cpu()])
         (a.x.sum() * 2).item()  # used on the training stream
     stats = loader.stats()
     assert stats["batches"] == len(loader) and stats["wait_s"] >= 0

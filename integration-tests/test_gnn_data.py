@@ -8,7 +8,6 @@ import torch
 
 from gnn_data import GraphSpec, fill_features, generate
 
-
 SPEC = GraphSpec(num_nodes=5_000, avg_degree=6, num_node_types=3, num_relations=7, num_classes=5, feature_dim=12,
                  num_train=600, num_val=200, seed=4)
 

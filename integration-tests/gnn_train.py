@@ -363,6 +363,8 @@ def parse_args(argv):
     parser.add_argument("--baseline-ways", default="", metavar="WAYS",
                         help="also train the baseline these other ways (comma-separated, e.g. inturn), reported as "
                              "baseline-WAY: the toolkit is compared with the fastest")
+    parser.add_argument("--toolkit-ways", default="", metavar="WAYS",
+                        help="also train the toolkit these other ways, reported as toolkit-WAY")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -386,6 +388,7 @@ def parse_args(argv):
     if args.prefetch < 1:
         parser.error(f"--prefetch must be >= 1 batch (--loading inturn makes them in turn), got {args.prefetch}")
     args.baseline_ways = _ways(args.baseline_ways, parser, "--baseline-ways")
+    args.toolkit_ways = _ways(args.toolkit_ways, parser, "--toolkit-ways")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
     return args
@@ -399,8 +402,9 @@ def planned_runs(args, impls) -> list[tuple[str, str, str]]:
     if args.compare_loading:
         for impl in impls:
             extra[impl] += [w for w in WAYS if w != args.loading]
-    if "baseline" in extra:
-        extra["baseline"] += [w for w in args.baseline_ways if w != args.loading and w not in extra["baseline"]]
+    for impl, asked in (("toolkit", args.toolkit_ways), ("baseline", args.baseline_ways)):
+        if impl in extra:
+            extra[impl] += [w for w in asked if w != args.loading and w not in extra[impl]]
     return runs + [(f"{impl}-{way}", impl, way) for impl in impls for way in extra[impl]]
 
 

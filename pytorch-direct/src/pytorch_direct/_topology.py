@@ -280,13 +280,13 @@ def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
 
 def source_of(data, is_sorted: bool = False) -> Source:
     """The :class:`Source` behind any ``data`` the loader takes."""
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], Topology):
-        return from_topology(data[0], data[1])
     try:
         from torch_geometric.data import Data, FeatureStore, GraphStore, HeteroData
     except ImportError as e:
         raise ImportError("NeighborLoader makes torch_geometric Data / HeteroData batches: pip install "
-                          "torch_geometric") from e
+                          "torch_geometric (NeighborSampler alone works without it)") from e
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], Topology):
+        return from_topology(data[0], data[1])
     if isinstance(data, HeteroData):
         return from_hetero_data(data, is_sorted)
     if isinstance(data, Data):

@@ -12,13 +12,26 @@ import torch
 import pytorch_direct as pd
 from pytorch_direct.sampling import NeighborLoader, NeighborSampler, Topology
 
-pyg = pytest.importorskip("torch_geometric")
-from torch_geometric.data import Data, HeteroData  # noqa: E402
-from torch_geometric.loader import NodeLoader  # noqa: E402
-
-from pytorch_direct.pyg import NodeSampler, UnifiedFeatureStore, make_graph_store  # noqa: E402
-
 CPU = torch.device("cpu")
+
+
+def pyg():
+    """torch_geometric and pytorch_direct.pyg, imported when a test needs them (not at collection: importing
+    torch_geometric early changes how another file's torch.compile tests trace index_select)."""
+    pytest.importorskip("torch_geometric")
+    import torch_geometric.data
+    import torch_geometric.loader
+
+    import pytorch_direct.pyg
+
+    class Names:
+        Data, HeteroData = torch_geometric.data.Data, torch_geometric.data.HeteroData
+        NodeLoader = torch_geometric.loader.NodeLoader
+        NodeSampler = pytorch_direct.pyg.NodeSampler
+        UnifiedFeatureStore = pytorch_direct.pyg.UnifiedFeatureStore
+        make_graph_store = staticmethod(pytorch_direct.pyg.make_graph_store)
+
+    return Names
 
 
 def csc_from_edges(src, dst, num_nodes, num_relations=3, seed=0):
@@ -156,14 +169,14 @@ def test_a_topology_on_another_device_is_named():
 def random_data(n=400, e=3000, seed=0):
     gen = torch.Generator().manual_seed(seed)
     src, dst = skewed_edges(n, seed, e)
-    return Data(x=torch.randn(n, 7, generator=gen), y=torch.randint(0, 5, (n,), generator=gen),
+    return pyg().Data(x=torch.randn(n, 7, generator=gen), y=torch.randint(0, 5, (n,), generator=gen),
                 edge_index=torch.stack([src, dst]), edge_attr=torch.randn(e, 3, generator=gen),
                 train_mask=torch.rand(n, generator=gen) < 0.3, name="toy")
 
 
 def random_hetero(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    h = HeteroData()
+    h = pyg().HeteroData()
     sizes = {"paper": 300, "author": 200, "venue": 10}
     for t, n in sizes.items():
         h[t].x = torch.randn(n, 4 + len(t), generator=gen)
@@ -184,7 +197,7 @@ def random_hetero(seed=0):
 
 def assert_same_batch(ours, theirs):
     """Every attribute PyG's NodeLoader gives a batch, equal in ours (ours lie on the loader's device)."""
-    stores = zip(ours.stores, theirs.stores, strict=True) if isinstance(ours, HeteroData) else \
+    stores = zip(ours.stores, theirs.stores, strict=True) if isinstance(ours, pyg().HeteroData) else \
         [(ours._store, theirs._store)]
     for mine, ref in stores:
         for key, value in ref.items():
@@ -203,8 +216,8 @@ def test_data_batches_equal_pygs_own_loader(inputs):
     data = random_data()
     input_nodes = {"all": None, "index": torch.randperm(400)[:150], "mask": data.train_mask}[inputs]
     ours = NeighborLoader(data, [5, 3], input_nodes=input_nodes, batch_size=40, seed=7)
-    sampler = NodeSampler(data, [5, 3], seed=7)
-    theirs = NodeLoader(data, node_sampler=sampler, input_nodes=input_nodes, batch_size=40)
+    sampler = pyg().NodeSampler(data, [5, 3], seed=7)
+    theirs = pyg().NodeLoader(data, node_sampler=sampler, input_nodes=input_nodes, batch_size=40)
     count = 0
     for a, b in zip(ours, theirs, strict=True):
         assert_same_batch(a, b)
@@ -218,7 +231,7 @@ def test_hetero_batches_equal_pygs_own_loader():
     fanouts = {et: [4, 2] for et in data.edge_types}
     fanouts["paper", "in", "venue"] = [0, 1]
     ours = NeighborLoader(data, fanouts, input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16, seed=2)
-    theirs = NodeLoader(data, node_sampler=NodeSampler(data, fanouts, seed=2),
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, fanouts, seed=2),
                         input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16)
     for a, b in zip(ours, theirs, strict=True):
         assert_same_batch(a, b)
@@ -271,11 +284,11 @@ def test_hetero_batches_follow_pyg_semantics():
 def test_feature_and_graph_store_pair_without_input_nodes():
     # PyG's own NeighborLoader stops here with a bare AssertionError (and needs pyg-lib to sample)
     data = random_data(seed=2)
-    fs = UnifiedFeatureStore()
+    fs = pyg().UnifiedFeatureStore()
     assert fs.device == (torch.device("cuda", torch.cuda.current_device()) if pd.cuda_usable() else CPU)
     fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
     fs.put_tensor(data.y, group_name=None, attr_name="y", index=None)
-    gs = make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
     loader = NeighborLoader((fs, gs), [4, 4], batch_size=100, device="cpu")
     batches = list(loader)
     assert len(batches) == 4 and sum(b.batch_size for b in batches) == 400
@@ -302,7 +315,7 @@ def test_hetero_store_pair():
     from torch_geometric.distributed import LocalGraphStore
 
     data = random_hetero(seed=4)
-    fs = UnifiedFeatureStore(device="cpu")
+    fs = pyg().UnifiedFeatureStore(device="cpu")
     for t in data.node_types:
         fs.put_tensor(data[t].x, group_name=t, attr_name="x", index=None)
     gs = LocalGraphStore.from_hetero_data({et: torch.arange(data[et].num_edges) for et in data.edge_types},
@@ -333,6 +346,7 @@ def test_topology_pair_carries_edge_and_node_types():
         NeighborLoader(({"x": x[:10]}, topo), [2])
 
 
+@pytest.mark.filterwarnings("ignore:NeighborLoader")
 @pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
 def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):
     data = random_data(seed=6)
@@ -408,10 +422,14 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], prefetch=0, thread=True)
     with pytest.raises(TypeError, match="takes a Data"):
         NeighborLoader([1, 2], [2])
+    with pytest.warns(UserWarning, match="overlap nothing"):
+        NeighborLoader(data, [2], prefetch=1, thread=False, device="cpu")
+    with pytest.warns(UserWarning, match="no effect on the CPU"):
+        NeighborLoader(data, [2], topology="host", device="cpu")
 
 
 def test_unified_feature_store_errors_say_the_fix():
-    fs = UnifiedFeatureStore(device="cpu")
+    fs = pyg().UnifiedFeatureStore(device="cpu")
     with pytest.raises(KeyError, match="put it first"):
         fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0]))
     with pytest.raises(KeyError, match="put the whole tensor first"):
@@ -424,18 +442,18 @@ def test_unified_feature_store_errors_say_the_fix():
         fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0.5]))
     if not pd.cuda_usable():
         with pytest.raises(RuntimeError, match="leave device unset or pass device='cpu'"):
-            UnifiedFeatureStore(device="cuda")
+            pyg().UnifiedFeatureStore(device="cuda")
 
 
 def test_make_graph_store_is_pygs_local_graph_store():
     from torch_geometric.distributed import LocalGraphStore
 
     edge_index = torch.tensor([[0, 1, 2], [2, 0, 1]])
-    gs = make_graph_store(edge_index, num_nodes=3)
+    gs = pyg().make_graph_store(edge_index, num_nodes=3)
     assert isinstance(gs, LocalGraphStore)
     row, colptr, _ = gs.csc()
     assert colptr.tolist() == [0, 1, 2, 3] and row.tolist() == [1, 2, 0]
-    typed = make_graph_store(edge_index, num_nodes=3, edge_type=("a", "r", "a"))
+    typed = pyg().make_graph_store(edge_index, num_nodes=3, edge_type=("a", "r", "a"))
     assert typed.get_all_edge_attrs()[0].edge_type == ("a", "r", "a")
 
 
@@ -499,12 +517,12 @@ def test_loader_on_the_gpu_reads_large_tables_and_the_topology_zero_copy():
 @pytest.mark.gpu
 def test_store_pair_and_pygs_node_loader_on_the_gpu():
     data = random_data(seed=10)
-    fs = UnifiedFeatureStore()
+    fs = pyg().UnifiedFeatureStore()
     assert fs.device.type == "cuda"
     fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
-    gs = make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
     for b in NeighborLoader((fs, gs), [4, 4], batch_size=100):
         assert b.x.is_cuda and torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
-    theirs = NodeLoader(data, node_sampler=NodeSampler(data, [4, 4], device="cuda", seed=0), batch_size=50)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [4, 4], device="cuda", seed=0), batch_size=50)
     for b in theirs:
         assert torch.equal(b.n_id[b.edge_index], data.edge_index[:, b.e_id])

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -118,6 +119,12 @@ class NeighborLoader:
         self.thread = self.prefetch > 0 if thread is None else bool(thread)
         if self.thread and not self.prefetch:
             raise ValueError("thread=True needs prefetch >= 1: a loader thread makes batches ahead of training")
+        if not cuda and self.prefetch and not self.thread:
+            warnings.warn("NeighborLoader(prefetch>0, thread=False) on the CPU: batches made ahead by the training "
+                          "thread overlap nothing without CUDA streams (use thread=True, or prefetch=0)", stacklevel=2)
+        if not cuda and topology != "auto":
+            warnings.warn(f"NeighborLoader(topology={topology!r}) has no effect on the CPU: the topology is read "
+                          f"where it is", stacklevel=2)
         self.source = _topology.source_of(data, is_sorted)
         self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
         if self._input_nodes.numel() == 0:

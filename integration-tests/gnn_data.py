@@ -3,8 +3,9 @@
 
 The graph:
 - node types with power-law sizes (contiguous id ranges); every node has a latent class, its label;
-- relations with a fixed (source type, destination type) and power-law edge counts; each destination type receives
-  in-edges in proportion to its size, so the mean in-degree is the same for every type;
+- relations with a fixed (source type, destination type) and power-law edge counts (``relation_skew``: the k-th
+  relation into a type gets edges in proportion to k ** -relation_skew, 0 for equal counts); each destination type
+  receives in-edges in proportion to its size, so the mean in-degree is the same for every type;
 - destinations drawn with power-law popularity (in-degree skew), sources with power-law popularity within the
   candidates (out-degree skew, so a source often appears several times per relation: what hector's compact
   materialisation exploits);
@@ -45,6 +46,7 @@ class GraphSpec:
     signal: float = 1.0  # class-centroid scale relative to unit noise, over the whole feature vector
     homophily: tuple[float, float] = (0.0, 0.9)  # range of the relations' homophily
     degree_skew: float = 2.0  # k = floor(u ** skew * n): 1 is uniform, larger is more skewed
+    relation_skew: float = 1.1  # the relations into a node type get edges in proportion to rank ** -relation_skew
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,6 +56,9 @@ class GraphSpec:
         if self.num_nodes < 4 * self.num_node_types * self.num_classes:
             raise ValueError(f"num_nodes ({self.num_nodes}) is too small for {self.num_node_types} node types x "
                              f"{self.num_classes} classes")
+        if self.relation_skew < 0:
+            raise ValueError(f"relation_skew must be >= 0 (0: every relation gets as many edges), got "
+                             f"{self.relation_skew}")
         if self.num_nodes >= 2**31:
             raise ValueError("num_nodes must be below 2**31 (node ids are stored as int32)")
 
@@ -151,7 +156,7 @@ def generate(spec: GraphSpec, device: torch.device | str = "cpu") -> HeteroGraph
     per_type = _split(spec.num_edges, sizes.double())
     for t in range(t_count):
         rels = (dst_type == t).nonzero().flatten()
-        weights = torch.arange(1, rels.numel() + 1, dtype=torch.float64).pow(-1.1)
+        weights = torch.arange(1, rels.numel() + 1, dtype=torch.float64).pow(-spec.relation_skew)
         rel_edges[rels] = _split(int(per_type[t]), weights[torch.randperm(rels.numel(), generator=cpu_gen)])
     low, high = spec.homophily
     homophily = low + (high - low) * torch.rand(r_count, generator=cpu_gen, dtype=torch.float64)

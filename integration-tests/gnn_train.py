@@ -4,16 +4,18 @@ sampled mini-batches.
 
 toolkit:  the feature table is a pytorch-direct unified tensor; each batch's rows are gathered by the GPU straight
           from host memory (zero-copy, indices never leave the GPU); the layers are hector's RGATConv (compiled).
-baseline: the same host table read by the CPU (torch index_select into a pinned buffer, then an asynchronous copy
+baseline: the same host table read by the CPU (torch index_select into pinned memory, then an asynchronous copy
           to the GPU: the strongest plain-PyTorch path); the layers are PyG's RGATConv.
 
 Both start from the same weights (hector's RGATConv with attention="shared" is PyG's formula with PyG's parameter
 names) and see the same batches, so their losses and accuracies should agree and only the time differs. Both load
-the same way (loader.py): by default each batch is made one ahead on the loader's CUDA stream by the training
-thread; the toolkit also prepares the batch graph for hector there (hector.prepare_graph).
+through pytorch_direct.sampling.NeighborLoader (PyG's NeighborLoader needs pyg-lib, which neither machine has): the
+same sampler, on the GPU, with batches made ahead by a loader thread on its own CUDA stream by default
+(--loading); the toolkit also prepares each batch's graph for hector there (hector.prepare_graph).
 
     python integration-tests/gnn_train.py --size tiny                     # CPU, seconds
     python integration-tests/gnn_train.py --size large --json out.json    # one GPU
+    python integration-tests/gnn_train.py --size large --num-nodes 20000000 --relations 1000 --relation-skew 1.0
     torchrun --nproc-per-node=2 integration-tests/gnn_train.py --size large --impl toolkit   # DDP, one GPU each
 
 With several processes, the host copy of the feature table is made once per machine (POSIX shared memory, through
@@ -37,10 +39,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import harness
 from gnn_data import GraphSpec, fill_features, generate
-from loader import BatchLoader
-from sampling import NeighborSampler, PygSampler, SampledSubgraph
 
 IMPLS = ("toolkit", "baseline")
+# How batches are made (pytorch_direct.sampling.NeighborLoader): by a loader thread on its own CUDA stream, ahead by
+# the training thread on that stream, or in turn when training asks for them.
+WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,36 +126,6 @@ def build_models(cfg: TrainConfig, seed: int) -> dict[str, nn.Module]:
     return {"toolkit": toolkit, "baseline": baseline}
 
 
-class FeatureSource:
-    """Gathers a batch's feature rows onto the training device: the toolkit's zero-copy gather, or the CPU gather
-    into a pinned buffer followed by a copy."""
-
-    def __init__(self, table, impl: str, device: torch.device) -> None:
-        self.table, self.impl, self.device = table, impl, device
-        self.plain = table.plain()
-        self._buffer: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def __call__(self, n_id: torch.Tensor) -> torch.Tensor:
-        if self.impl == "toolkit":
-            # CUDA indices: the GPU reads the rows from host memory itself. CPU indices: pytorch-direct's threads.
-            return self.table[n_id]
-        index = n_id.cpu()  # the CPU needs the indices: a device -> host copy and a wait
-        if self.device.type != "cuda":
-            return self.plain.index_select(0, index)
-        rows = index.numel()
-        if self._buffer is None or self._buffer.size(0) < rows:
-            self._buffer = torch.empty(int(rows * 1.25) + 1, self.plain.size(1), dtype=self.plain.dtype,
-                                       pin_memory=True)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous batch's copy has left the buffer
-        staged = torch.index_select(self.plain, 0, index, out=self._buffer[:rows])
-        x = staged.to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return x
-
-
 def make_table(proc: harness.Process, graph, dtype=torch.float32, show_progress: bool = True):
     """The feature table in host memory as a unified tensor: one per process alone, or, under torchrun, one copy per
     machine in shared memory made by LOCAL_RANK 0 and mapped by the others. Returns (table, shared-memory bytes it
@@ -204,133 +177,128 @@ def check_shared_memory_space(nbytes: int) -> None:
                          f"--shm-size=...) or make the table smaller (--num-nodes, --feature-dim)")
 
 
-def epoch_batches(train_idx: torch.Tensor, batch_size: int, epoch: int, seed: int, proc: harness.Process):
-    """This rank's seed batches for an epoch: one shuffled order shared by all ranks, dealt round robin; every rank
-    gets the same number of full batches (DDP steps together). On the training device: one copy per epoch, not a
-    copy from pageable host memory per batch (each of which waits for the GPU to finish the work queued before)."""
-    gen = torch.Generator().manual_seed(seed * 1000 + epoch)
-    order = train_idx.cpu()[torch.randperm(train_idx.numel(), generator=gen)]
-    per_rank = train_idx.numel() // (batch_size * proc.world_size)
-    mine = order[: per_rank * batch_size * proc.world_size].view(-1, batch_size)[proc.rank::proc.world_size]
-    return list(mine.to(proc.device))
+def rank_seeds(train_idx: torch.Tensor, batch_size: int, proc: harness.Process) -> torch.Tensor:
+    """This rank's training seeds: every rank the same number of full batches (DDP steps together)."""
+    per_rank = train_idx.numel() // (batch_size * proc.world_size) * batch_size
+    if per_rank == 0:
+        raise ValueError(f"{train_idx.numel()} training nodes cannot fill one batch of {batch_size} per process")
+    return train_idx.cpu()[proc.rank::proc.world_size][:per_rank]
 
 
-def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, sampler_factory, proc: harness.Process,
-             args, result: dict, save=lambda: None, ahead: int = 0, thread: bool = False,
-             name: str | None = None) -> None:
-    """Train ``impl`` with batches made ``ahead`` of training (0: in turn), by the training thread or a loader
-    ``thread`` (loader.py); fills ``result`` (epochs as they finish, then peak memory) and calls ``save`` after each
-    epoch. ``name`` labels the progress output (default: ``impl``)."""
+def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: torch.Tensor, device: torch.device,
+                way: str, prefetch: int, seed: int, shuffle: bool):
+    """The mini-batch loader of ``impl``: the toolkit reads the unified table zero-copy and prepares each batch's
+    graph for hector where the batch is made; the baseline gathers rows on the CPU into pinned memory and copies
+    them (``unify=False``)."""
+    from pytorch_direct.sampling import NeighborLoader
+
+    transform = None
+    if impl == "toolkit":
+        import hector
+
+        num_relations = cfg.graph.num_relations
+
+        def transform(batch):
+            # hector's preprocessing reads a few sizes on the host: done here, in the loader, not in the first layer
+            batch.hector_graph = hector.prepare_graph(batch.edge_index, batch.edge_type, batch.num_nodes,
+                                                      num_relations)
+            return batch
+
+    features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
+    options = {"prefetch": prefetch, **WAYS[way]}
+    return NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
+                          shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
+                          transform=transform, seed=seed, **options)
+
+
+def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topology, proc: harness.Process, args,
+             result: dict, save=lambda: None, way: str = "thread", name: str | None = None) -> None:
+    """Train ``impl`` with batches made ``way`` (WAYS); fills ``result`` (epochs as they finish, then peak memory)
+    and calls ``save`` after each epoch. ``name`` labels the progress output (default: ``impl``)."""
     name = name or impl
     device = proc.device
-    result["ahead"], result["loader"] = ahead, loader_mode(ahead, thread)
+    prefetch = max(1, args.prefetch)
+    result["loader"] = way
+    result["ahead"] = 0 if way == "inturn" else prefetch
     model = model.to(device)
     if proc.distributed:
         # static_graph: every step uses the same parameters, so DDP can skip re-tracing which ones took part
-        # (H200 probe E13, 2 ranks: 205-209K vs 179-211K seeds/s with the defaults)
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                         static_graph=True, gradient_as_bucket_view=True)
     params = [p for p in model.parameters() if p.requires_grad]
     # fused on a GPU (both implementations): one kernel for all parameters instead of the foreach implementation's
-    # several; its step took ~0.6 ms of the host's time (H200 profile E17) in a step bound by the host
+    # several, in a step bound by the host
     optimizer = torch.optim.Adam(params, lr=cfg.lr, fused=device.type == "cuda")
-    features = FeatureSource(table, impl, device)
     labels = graph.labels
-    sampler = sampler_factory()
+    seeds = rank_seeds(graph.train_idx, cfg.batch_size, proc)
 
-    # The toolkit prepares each batch's graph for hector before queueing the gather: hector's preprocessing reads
-    # a few sizes on the host, and done inside the first layer that read would wait for the gather to finish. The
-    # graph is made on the loader's stream and used on the training stream (record_stream, as for the batch).
-    prepare_graph = None
-    if impl == "toolkit":
-        import hector
+    def loader(nodes, seed, shuffle=True):
+        return make_loader(impl, topology, table, labels, cfg, nodes, device, way, prefetch, seed, shuffle)
 
-        prepare_graph = hector.prepare_graph
-    num_relations = cfg.graph.num_relations
-    training_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    def forward(batch) -> torch.Tensor:
+        edges = batch.hector_graph if impl == "toolkit" else batch.edge_index
+        return model(batch.x, edges, batch.edge_type)[: batch.batch_size]
 
-    def make_batch(seeds: torch.Tensor, timer: harness.PhaseTimes) -> tuple[SampledSubgraph, torch.Tensor]:
-        timer.phase("sample")
-        sub = sampler.sample(seeds)
-        if prepare_graph is not None:
-            graph = prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
-            if training_stream is not None:
-                graph.record_stream(training_stream)
-        timer.phase("gather")
-        return sub, features(sub.n_id)
-
-    def forward(sub: SampledSubgraph, x: torch.Tensor) -> torch.Tensor:
-        return model(x, sub.edge_index, sub.edge_type)[: sub.batch_size]
-
-    loader_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def loader(seed_batches, timer: harness.PhaseTimes) -> BatchLoader:
-        return BatchLoader(make_batch, seed_batches, ahead=ahead, thread=thread, device=device, timer=timer,
-                           stream=loader_stream)
-
-    # Warm-up: kernel compilation, allocator, page mapping; gradients dropped, weights unchanged. Through the
-    # loader, so its thread and stream are warm too.
+    # Warm-up: kernel compilation, allocator, page mapping; gradients dropped, weights unchanged. Its own loader
+    # (read to the end, so the training loader's random numbers do not depend on how far a thread ran ahead).
     model.train()
-    warmup = epoch_batches(graph.train_idx, cfg.batch_size, -1, args.seed, proc)[: cfg.warmup_batches]
-    with loader(warmup, harness.PhaseTimes(device)) as batches:
-        for sub, x in batches:
-            F.cross_entropy(forward(sub, x), labels[sub.n_id[: sub.batch_size]]).backward()
-            optimizer.zero_grad(set_to_none=True)
+    for batch in loader(seeds[: cfg.warmup_batches * cfg.batch_size], args.seed + 29, shuffle=False):
+        F.cross_entropy(forward(batch), batch.y[: batch.batch_size]).backward()
+        optimizer.zero_grad(set_to_none=True)
     harness.reset_peak_memory(device)
 
+    train_loader = loader(seeds, args.seed)
+    val_loader = loader(graph.val_idx.cpu()[proc.rank::proc.world_size], args.seed + 17, shuffle=False)
     epochs = result.setdefault("epochs", [])
     for epoch in range(cfg.epochs):
         model.train()
-        batches = epoch_batches(graph.train_idx, cfg.batch_size, epoch, args.seed, proc)
-        timer = harness.PhaseTimes(device)
         losses = []
         edges = 0
-        bar = harness.progress(len(batches), f"{name} epoch {epoch + 1}/{cfg.epochs}",
+        bar = harness.progress(len(train_loader), f"{name} epoch {epoch + 1}/{cfg.epochs}",
                                proc.main and not args.no_progress)
         begin = harness.now(device)
-        with loader(batches, timer) as made:
-            for sub, x in made:
-                timer.phase("compute")
-                edges += sub.num_edges
-                loss = F.cross_entropy(forward(sub, x), labels[sub.n_id[: sub.batch_size]])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.detach())
-                bar.update(1)
-            timer.stop()
-            elapsed = harness.now(device) - begin
+        for batch in train_loader:
+            edges += batch.num_edges
+            loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+            bar.update(1)
+        elapsed = harness.now(device) - begin
         bar.close()
-        phases = timer.totals()
-        if made.loader_timer is not timer:  # the loader's busy time, on its own stream or thread
-            phases.update({f"loader_{k}": v for k, v in made.loader_timer.totals().items()})
+        stats = train_loader.stats()
+        phases = {"wait": stats["wait_s"], "compute": max(0.0, elapsed - stats["wait_s"]),
+                  "sample": stats["sample_s"], "gather": stats["gather_s"]}
         batch_losses = [v / proc.world_size for v in proc.sum(torch.stack(losses).tolist())]
-        seeds_total, edges_total = proc.sum([len(batches) * cfg.batch_size, edges])
-        elapsed = proc.max([elapsed])[0]
-        val_acc = evaluate(model, graph, sampler, features, forward, cfg, proc)
+        seeds_total, edges_total = proc.sum([len(losses) * cfg.batch_size, edges])
+        elapsed, wait = proc.max([elapsed, stats["wait_s"]])
+        val_acc = evaluate(model, val_loader, forward, proc, graph.val_idx.numel())
         record = {
             "epoch": epoch + 1, "time_s": elapsed, "seeds_per_s": seeds_total / elapsed,
             "edges_per_s": edges_total / elapsed, "loss": sum(batch_losses) / len(batch_losses),
-            "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "batch_losses": batch_losses,
+            "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "wait_fraction": wait / elapsed,
+            "batch_losses": batch_losses,
         }
-        auto = _gather_status(features)
+        auto = _gather_status(impl, device)
         if auto is not None:
             record["feature_gather"] = auto
         epochs.append(record)
-        result["batches_per_epoch_per_rank"] = len(batches)
+        result["batches_per_epoch_per_rank"] = len(losses)
         save()
-        proc.print(f"  {name:8s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
-                   f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  "
-                   f"({_phase_text(phases)})" + (f" [gather: {_status_text(auto)}]" if auto else ""))
+        proc.print(f"  {name:16s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
+                   f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  (waited for batches {wait:.2f} s = "
+                   f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s)"
+                   + (f" [gather: {_status_text(auto)}]" if auto else ""))
     peak = harness.peak_memory(device)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
 
 
-def _gather_status(features: FeatureSource) -> dict | None:
+def _gather_status(impl: str, device: torch.device) -> dict | None:
     """pytorch-direct's ``auto`` so far in this process (the toolkit on a GPU only): the plan of its last feature
     gather and the seconds spent measuring, which the epoch times include."""
-    if features.impl != "toolkit" or features.device.type != "cuda":
+    if impl != "toolkit" or device.type != "cuda":
         return None
     import pytorch_direct as pd
 
@@ -342,26 +310,14 @@ def _status_text(auto: dict) -> str:
             f"so far")
 
 
-def _phase_text(phases: dict[str, float]) -> str:
-    """'sample 0.74 s, gather 0.30 s, compute 1.36 s' (the CPU, in turn) or 'wait 0.02 s, compute 1.40 s; loader:
-    sample 0.80 s, gather 0.33 s' (on a GPU, or with a loader thread: the loader's phases on its own stream)."""
-    mine = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if not k.startswith("loader_"))
-    theirs = ", ".join(f"{k[len('loader_'):]} {v:.2f} s" for k, v in phases.items() if k.startswith("loader_"))
-    return mine + (f"; loader: {theirs}" if theirs else "")
-
-
 @torch.no_grad()
-def evaluate(model, graph, sampler, features, forward, cfg: TrainConfig, proc: harness.Process) -> float:
+def evaluate(model, val_loader, forward, proc: harness.Process, total: int) -> float:
     """Accuracy on the held-out nodes (sharded over ranks, summed)."""
     model.eval()
-    val = graph.val_idx[proc.rank::proc.world_size]
     correct = torch.zeros((), device=proc.device)
-    for lo in range(0, val.numel(), cfg.batch_size):
-        sub = sampler.sample(val[lo: lo + cfg.batch_size])
-        pred = forward(sub, features(sub.n_id)).argmax(dim=1)
-        correct += (pred == graph.labels[sub.n_id[: sub.batch_size]]).sum()
-    total_correct, total = proc.sum([float(correct), val.numel()])
-    return total_correct / max(total, 1)
+    for batch in val_loader:
+        correct += (forward(batch).argmax(dim=1) == batch.y[: batch.batch_size]).sum()
+    return proc.sum([float(correct)])[0] / max(total, 1)
 
 
 def configure(args) -> TrainConfig:
@@ -370,11 +326,23 @@ def configure(args) -> TrainConfig:
     overrides = {k: getattr(args, k) for k in ("num_nodes", "feature_dim", "num_train") if getattr(args, k)}
     if args.avg_degree:
         overrides["avg_degree"] = args.avg_degree
+    if args.relations:
+        overrides["num_relations"] = args.relations
+    if args.relation_skew is not None:
+        overrides["relation_skew"] = args.relation_skew
     spec = dataclasses.replace(spec, seed=args.seed, **overrides)
     train = {k: getattr(args, k) for k in ("batch_size", "epochs", "hidden", "heads", "lr") if getattr(args, k)}
     if args.fanout:
         train["fanout"] = tuple(int(k) for k in args.fanout.split(","))
     return dataclasses.replace(cfg, graph=spec, **train)
+
+
+def _ways(text: str, parser, flag: str) -> list[str]:
+    ways = [w for w in text.split(",") if w]
+    unknown = [w for w in ways if w not in WAYS]
+    if unknown:
+        parser.error(f"{flag}: unknown way(s) {unknown}; choose from {', '.join(WAYS)}")
+    return ways
 
 
 def parse_args(argv):
@@ -384,27 +352,30 @@ def parse_args(argv):
                         help="preset (default: small with a GPU, tiny without)")
     parser.add_argument("--impl", choices=("both", *IMPLS), default="both")
     parser.add_argument("--device", default="auto", help="auto (GPU if usable), cpu, cuda")
-    parser.add_argument("--sampler", choices=("ours", "pyg"), default="ours",
-                        help="ours: built-in, on the training device; pyg: PyG's neighbour sampler (needs pyg-lib)")
     parser.add_argument("--topology", choices=("device", "host"), default="device",
                         help="where the sampler reads the graph: device memory, or host memory as unified tensors "
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
+    parser.add_argument("--loading", choices=tuple(WAYS), default="thread",
+                        help="how both implementations make their batches: by a loader thread on its own CUDA "
+                             "stream (default), ahead by the training thread on that stream, or in turn")
     parser.add_argument("--prefetch", type=int, default=1, metavar="K",
-                        help="mini-batches sampled and gathered ahead of training, for both implementations, on "
-                             "a GPU on the loader's own CUDA stream (default 1; 0: each batch made when training "
-                             "asks for it). By the training thread itself unless --loader-thread (loader.py)")
-    parser.add_argument("--loader-thread", action="store_true",
-                        help="make the batches ahead in a background thread (competes with training for the "
-                             "interpreter lock: RESULTS.md)")
-    parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also train both implementations the two other ways of in turn (-inturn), ahead by "
-                             "the training thread (-ahead) and ahead by a loader thread (-thread)")
+                        help="batches made ahead of training by the 'thread' and 'ahead' ways (default 1)")
+    parser.add_argument("--baseline-ways", default="", metavar="WAYS",
+                        help="also train the baseline these other ways (comma-separated, e.g. inturn), reported as "
+                             "baseline-WAY: the toolkit is compared with the fastest")
+    parser.add_argument("--toolkit-ways", default="", metavar="WAYS",
+                        help="also train the toolkit these other ways, reported as toolkit-WAY")
+    parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
+                        help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     group = parser.add_argument_group("overrides of the preset")
     group.add_argument("--num-nodes", type=int)
     group.add_argument("--avg-degree", type=float)
+    group.add_argument("--relations", type=int, help="number of relations (edge types), e.g. 1000")
+    group.add_argument("--relation-skew", type=float,
+                       help="power-law exponent of the relations' edge counts (preset 1.1; 0: equal counts)")
     group.add_argument("--feature-dim", type=int)
     group.add_argument("--num-train", type=int)
     group.add_argument("--batch-size", type=int)
@@ -414,13 +385,27 @@ def parse_args(argv):
     group.add_argument("--heads", type=int)
     group.add_argument("--lr", type=float)
     args = parser.parse_args(argv)
-    if args.prefetch < 0:
-        parser.error(f"--prefetch must be >= 0 batches, got {args.prefetch}")
-    if args.loader_thread and not args.prefetch:
-        parser.error("--loader-thread needs --prefetch of at least 1 batch")
+    if args.prefetch < 1:
+        parser.error(f"--prefetch must be >= 1 batch (--loading inturn makes them in turn), got {args.prefetch}")
+    args.baseline_ways = _ways(args.baseline_ways, parser, "--baseline-ways")
+    args.toolkit_ways = _ways(args.toolkit_ways, parser, "--toolkit-ways")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
     return args
+
+
+def planned_runs(args, impls) -> list[tuple[str, str, str]]:
+    """(name in the report, implementation, way): each implementation the default way under its own name, then the
+    other ways asked for as NAME-WAY."""
+    runs = [(impl, impl, args.loading) for impl in impls]
+    extra = {impl: [] for impl in impls}
+    if args.compare_loading:
+        for impl in impls:
+            extra[impl] += [w for w in WAYS if w != args.loading]
+    for impl, asked in (("toolkit", args.toolkit_ways), ("baseline", args.baseline_ways)):
+        if impl in extra:
+            extra[impl] += [w for w in asked if w != args.loading and w not in extra[impl]]
+    return runs + [(f"{impl}-{way}", impl, way) for impl in impls for way in extra[impl]]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -429,19 +414,11 @@ def main(argv: list[str] | None = None) -> dict:
     proc = harness.start(args.device)
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    ahead, thread = args.prefetch, args.loader_thread
-    # (name in the report, implementation, batches made ahead, by a loader thread)
-    runs = [(impl, impl, ahead, thread) for impl in impls]
-    if args.compare_prefetch:  # the two other ways too
-        k = max(1, ahead)
-        ways = {"inturn": (0, False), "ahead": (k, False), "thread": (k, True)}
-        default = "inturn" if not ahead else "thread" if thread else "ahead"
-        runs += [(f"{impl}-{way}", impl, *ways[way]) for way in ways if way != default for impl in impls]
+    runs = planned_runs(args, impls)
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
-               f"{spec.num_relations} relations, {spec.num_classes} classes, features {spec.feature_dim} x fp32 "
-               f"({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} process(es) on "
-               f"{proc.device.type}; {', '.join(name for name, *_ in runs)}; batches made "
-               + loader_mode(ahead, thread))
+               f"{spec.num_relations} relations (skew {spec.relation_skew}), {spec.num_classes} classes, features "
+               f"{spec.feature_dim} x fp32 ({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} "
+               f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w in runs)}")
 
     start = time.perf_counter()
     graph = generate(spec, proc.device)
@@ -460,21 +437,12 @@ def main(argv: list[str] | None = None) -> dict:
     proc.print(f"  feature table {tuple(table.shape)} in host memory filled in {table_seconds:.1f} s"
                + (f"; shared memory grew by {harness.gib(shm_added)} = {copies:.2f} copies of the table for "
                   f"{proc.world_size} processes" if copies is not None else ""))
-
-    topology = _host_topology(graph) if args.topology == "host" else graph
-
-    def sampler_factory():
-        if args.sampler == "pyg":
-            return PygSampler(topology.colptr, topology.row, topology.edge_type, list(cfg.fanout),
-                              node_type=topology.node_type, device=proc.device, seed=args.seed)
-        gen = torch.Generator(proc.device).manual_seed(args.seed + 7)
-        return NeighborSampler(topology.colptr, topology.row, topology.edge_type, list(cfg.fanout),
-                               node_type=topology.node_type, device=proc.device, generator=gen)
+    topology = make_topology(graph, args.topology)
 
     models = build_models(cfg, args.seed)
     report = {
         "script": "gnn_train", "size": args.size, "world_size": proc.world_size, "device": str(proc.device.type),
-        "sampler": args.sampler, "topology": args.topology, "environment": harness.environment(),
+        "topology": args.topology, "environment": harness.environment(),
         "config": {**dataclasses.asdict(cfg), "graph": dataclasses.asdict(spec)}, "graph": stats,
         "graph_seconds": graph_seconds, "table_seconds": table_seconds,
         "shared_memory_added_bytes": shm_added, "host_feature_copies": copies,
@@ -485,46 +453,63 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.main:
             harness.write_json(args.json, report)
 
-    for name, impl, ahead, thread in runs:
+    for name, impl, way in runs:
         report["impls"][name] = {}
-        run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, sampler_factory, proc, args,
-                 report["impls"][name], save, ahead=ahead, thread=thread, name=name)
-    summarize(report, proc)
+        run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
+                 report["impls"][name], save, way=way, name=name)
+    report["summary"] = summarize(report, proc)
+    save()
     harness.finish(proc)
     return report
 
 
-def loader_mode(ahead: int, thread: bool) -> str:
-    if not ahead:
-        return "in turn"
-    return f"{ahead} ahead by a loader thread" if thread else f"{ahead} ahead by the training thread"
+def make_topology(graph, where: str):
+    """The graph's CSC arrays as the sampler reads them: in device memory as built, or (``host``) as
+    pytorch-direct unified tensors in host memory, read zero-copy (the device copies are dropped)."""
+    from pytorch_direct.sampling import Topology
+
+    if where == "host":
+        import pytorch_direct as pd
+
+        for name in ("colptr", "row", "edge_type", "node_type"):
+            setattr(graph, name, pd.unified(getattr(graph, name).cpu(), copy=True))
+    return Topology(graph.colptr, graph.row, edge_type=graph.edge_type, node_type=graph.node_type)
 
 
-def _host_topology(graph):
-    """The CSC arrays as pytorch-direct unified tensors in host memory (read zero-copy by the sampler); the device
-    copies are dropped."""
-    import pytorch_direct as pd
-
-    moved = {}
-    for name in ("colptr", "row", "edge_type", "node_type"):
-        moved[name] = pd.unified(getattr(graph, name).cpu(), copy=True)
-        setattr(graph, name, moved[name])
-    return graph
+def mean_epoch(run: dict) -> float:
+    return sum(e["time_s"] for e in run["epochs"]) / len(run["epochs"])
 
 
-def summarize(report: dict, proc: harness.Process) -> None:
+def summarize(report: dict, proc: harness.Process) -> dict:
+    """Prints the table (mean epoch time, waiting for batches, accuracy) and returns the headline: the toolkit
+    against the fastest of the baseline's ways."""
     impls = {k: v for k, v in report["impls"].items() if v.get("epochs")}
-    proc.print(f"\n{'':20s} {'epoch s':>9s} {'seeds/s':>10s} {'final loss':>10s} {'val acc':>8s} {'peak GPU':>10s}")
-    for impl, r in impls.items():
+    proc.print(f"\n{'':20s} {'epoch s':>9s} {'wait s':>7s} {'wait %':>7s} {'seeds/s':>10s} {'final loss':>10s} "
+               f"{'val acc':>8s} {'peak GPU':>10s}")
+    for name, r in impls.items():
         last = r["epochs"][-1]
-        mean = sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"])
-        proc.print(f"{impl:20s} {mean:9.2f} {last['seeds_per_s']:10,.0f} {last['loss']:10.4f} {last['val_acc']:8.3f} "
+        wait = sum(e["wait_s"] for e in r["epochs"]) / len(r["epochs"])
+        proc.print(f"{name:20s} {mean_epoch(r):9.2f} {wait:7.2f} {wait / mean_epoch(r):7.1%} "
+                   f"{last['seeds_per_s']:10,.0f} {last['loss']:10.4f} {last['val_acc']:8.3f} "
                    f"{harness.gib(r.get('peak_gpu_bytes')):>10s}")
-    mean = {k: sum(e["time_s"] for e in r["epochs"]) / len(r["epochs"]) for k, r in impls.items()}
-    for baseline in [k for k in mean if k.startswith("baseline")]:
-        if "toolkit" in mean:
-            proc.print(f"toolkit epoch time: {mean[baseline] / mean['toolkit']:.2f}x faster than {baseline} "
-                       f"(chance accuracy {report['chance_accuracy']:.3f})")
+    baselines = {k: mean_epoch(r) for k, r in impls.items() if k.startswith("baseline")}
+    if "toolkit" not in impls or not baselines:
+        return {}
+    best = min(baselines, key=baselines.get)
+    toolkit = impls["toolkit"]
+    summary = {
+        "toolkit_epoch_s": mean_epoch(toolkit), "best_baseline": best, "best_baseline_epoch_s": baselines[best],
+        "speedup": baselines[best] / mean_epoch(toolkit),
+        "toolkit_wait_fraction": sum(e["wait_s"] for e in toolkit["epochs"]) / sum(e["time_s"] for e in
+                                                                                    toolkit["epochs"]),
+        "toolkit_val_acc": toolkit["epochs"][-1]["val_acc"], "baseline_val_acc": impls[best]["epochs"][-1]["val_acc"],
+        "relations": report["config"]["graph"]["num_relations"],
+    }
+    proc.print(f"toolkit: {summary['speedup']:.2f}x the speed of the fastest baseline way ({best}), waited for "
+               f"batches {summary['toolkit_wait_fraction']:.1%} of its epochs; val acc "
+               f"{summary['toolkit_val_acc']:.3f} vs {summary['baseline_val_acc']:.3f} (chance "
+               f"{report['chance_accuracy']:.3f})")
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# End-to-end runs on the GPU machine (nvidia-h200-x2: 2 H200, 32 cores, 256 GiB), from the repo root:
-#   1. gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector) and the plain PyTorch/PyG baseline,
-#      each with batches made one ahead by the training thread (the default), in turn, and by a loader thread
-#   2. llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
-#      ssdtrain at 1.5x the largest batch keep fitted
-#   3. gnn_train.py --size large, torchrun with 2 processes (DDP, one shared host copy of the features): toolkit
-#   4. llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of step 2
-# then report.py over all of them. Every step runs under its own time limit, whatever happened to the others.
+# End-to-end runs on the GPU machine, from the repo root. Steps (E2E_STEPS, default "gnn-1 llm-1 gnn-2 llm-2"):
+#   gnn-tests  the GPU tests of the sampler and loader (pytorch-direct) and of gnn_train.py
+#   gnn-1      gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector, batches made by the loader
+#              thread, and ahead by the training thread) against the plain PyTorch/PyG baseline made by a loader
+#              thread and in turn
+#   gnn-r1000, gnn-r10000   the same on a 20M-node graph with 1,000 / 10,000 relations (relation skew 1.0), 2 epochs
+#   llm-1      llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
+#              ssdtrain at 1.5x the largest batch keep fitted
+#   gnn-2      gnn_train.py --size large, torchrun with 2 processes (DDP, one shared host copy of the features): toolkit
+#   llm-2      llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of llm-1
+# then report.py over all of them (its last table: the toolkit against the fastest baseline way per GNN run, with
+# the share of the epoch spent waiting for batches). Every step runs under its own time limit, whatever happened to
+# the others. E2E_STEPS=gnn is "gnn-tests gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200).
 #
 #   bash integration-tests/gpu_run.sh                # installs the three packages first (no build isolation)
 #   bash integration-tests/gpu_run.sh --no-install   # they are installed already (e.g. from `nox -s gpu`)
+#   E2E_STEPS=gnn bash integration-tests/gpu_run.sh --no-install
 #
 # Files in $OUT (default ./out): e2e.tar.gz (logs, JSON, CSV, PNG of every step), e2e-report.txt, e2e.log.
-# Exits non-zero if any step failed. About 5 minutes of wall time on the machine above, install excluded.
+# Exits non-zero if any step failed. About 5 minutes of wall time for the default steps, install excluded.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -28,6 +34,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 HOST_MEMORY="${E2E_HOST_MEMORY:-96GiB}"
 # E2E_SIZE=tiny runs the same steps in seconds on a CPU (the 2-process steps on gloo): the script's own smoke test.
 SIZE="${E2E_SIZE:-large}"
+STEPS="${E2E_STEPS:-gnn-1 llm-1 gnn-2 llm-2}"
+[ "$STEPS" = gnn ] && STEPS="gnn-tests gnn-1 gnn-r1000 gnn-r10000"
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 STATUS=0
 say() { echo "$@" | tee -a "$LOG"; }
 
@@ -67,26 +76,48 @@ step() {
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
 # E2E_GNN_ARGS / E2E_LLM_ARGS: extra arguments for the 1-process steps (e.g. E2E_LLM_ARGS="--batch-sizes 4,6,8,12"
 # on an 80 GB GPU, where the preset's sweep from batch 8 may not fit at all).
-# shellcheck disable=SC2086
-# --compare-prefetch: both implementations also with batches made in turn and by a loader thread.
-step gnn-1 170 python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --json "$RESULTS/gnn-1.json" \
-  --compare-prefetch ${E2E_GNN_ARGS:-}
-# shellcheck disable=SC2086
-step llm-1 160 python3 integration-tests/llm_train.py --size "$SIZE" --no-progress --host-memory "$HOST_MEMORY" \
-  --json "$RESULTS/llm-1.json" ${E2E_LLM_ARGS:-}
+if wanted gnn-tests; then
+  step gnn-tests 150 python3 -m pytest -q -x -m gpu pytorch-direct/tests/test_sampling.py \
+    integration-tests/test_gnn_train.py
+fi
+# The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
+GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)
+if wanted gnn-1; then
+  # (the toolkit also with batches made ahead by the training thread: how much the loader thread gains)
+  # shellcheck disable=SC2086
+  step gnn-1 180 "${GNN_RUN[@]}" --toolkit-ways ahead --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
+fi
+# Many relations (a 20M-node graph at the large size): the per-batch cost of relations.
+[ "$SIZE" = tiny ] && RELATION_NODES=8000 || RELATION_NODES=20000000
+for relations in 1000 10000; do
+  if wanted "gnn-r$relations"; then
+    # shellcheck disable=SC2086
+    step "gnn-r$relations" 150 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
+      --relation-skew 1.0 --epochs 2 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
+  fi
+done
+if wanted llm-1; then
+  # shellcheck disable=SC2086
+  step llm-1 160 python3 integration-tests/llm_train.py --size "$SIZE" --no-progress --host-memory "$HOST_MEMORY" \
+    --json "$RESULTS/llm-1.json" ${E2E_LLM_ARGS:-}
+fi
 if [ "$GPUS" -ge 2 ] || [ "$SIZE" = tiny ]; then
-  step gnn-2 90 "${TORCHRUN[@]}" integration-tests/gnn_train.py --size "$SIZE" --impl toolkit --no-progress \
-    --json "$RESULTS/gnn-2.json"
-  # The per-process batch of the 1-process ssdtrain run, so tokens/s compare like for like.
-  BATCH=$(python3 - "$RESULTS/llm-1.json" "$SIZE" <<'EOF' 2>/dev/null || echo 24
+  if wanted gnn-2; then
+    step gnn-2 90 "${TORCHRUN[@]}" integration-tests/gnn_train.py --size "$SIZE" --impl toolkit --no-progress \
+      --json "$RESULTS/gnn-2.json"
+  fi
+  if wanted llm-2; then
+    # The per-process batch of the 1-process ssdtrain run, so tokens/s compare like for like.
+    BATCH=$(python3 - "$RESULTS/llm-1.json" "$SIZE" <<'EOF' 2>/dev/null || echo 24
 import json, sys
 runs = [r for r in json.load(open(sys.argv[1]))["runs"] if r["policy"] == "ssdtrain"]
 print(runs[-1]["batch"] if runs else 4 if sys.argv[2] == "tiny" else 24)
 EOF
 )
-  step llm-2 90 "${TORCHRUN[@]}" integration-tests/llm_train.py --size "$SIZE" --policies ssdtrain \
-    --ssdtrain-batch "$BATCH" --no-progress --host-memory "$HOST_MEMORY" --json "$RESULTS/llm-2.json"
-else
+    step llm-2 90 "${TORCHRUN[@]}" integration-tests/llm_train.py --size "$SIZE" --policies ssdtrain \
+      --ssdtrain-batch "$BATCH" --no-progress --host-memory "$HOST_MEMORY" --json "$RESULTS/llm-2.json"
+  fi
+elif wanted gnn-2 || wanted llm-2; then
   say "fewer than 2 GPUs: the 2-process runs are skipped"
 fi
 
@@ -97,6 +128,7 @@ if [ "${E2E_BIG_TABLE:-0}" = 1 ]; then
     --epochs 1 --no-progress --json "$RESULTS/gnn-big.json"
 fi
 
+shopt -s nullglob
 python3 integration-tests/report.py --gnn "$RESULTS"/gnn-*.json --llm "$RESULTS"/llm-*.json --out "$RESULTS" \
   > "$OUT/e2e-report.txt" 2>&1 || STATUS=1
 tar -czf "$OUT/e2e.tar.gz" -C "$OUT" e2e && rm -rf "$RESULTS"

@@ -26,7 +26,7 @@ def test_both_paths_learn_the_labels(tiny):
         assert epochs[-1]["val_acc"] > 2.5 * chance, (impl, epochs[-1]["val_acc"], chance)
         for e in epochs:
             assert e["time_s"] > 0 and e["seeds_per_s"] > 0
-            assert {"sample_s", "gather_s", "compute_s"} <= set(e)
+            assert {"sample_s", "gather_s", "compute_s", "wait_s"} <= set(e)
 
 
 def test_toolkit_and_baseline_agree_batch_by_batch(tiny):
@@ -94,32 +94,44 @@ def test_too_small_shared_memory_is_named():
     gnn_train.check_shared_memory_space(1)
 
 
-def test_batches_made_ahead_train_the_same(tiny):
-    # in turn, ahead by the training thread, ahead by a loader thread: the very same batches, so the same losses,
-    # bit for bit on the CPU
+def test_every_way_of_loading_trains_the_same(tiny):
+    # by a loader thread (the default), ahead by the training thread, in turn: the very same batches, so the same
+    # losses, bit for bit on the CPU
     report, _ = tiny
     ways = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
-                           "--compare-prefetch"])
+                           "--compare-loading"])
     assert set(ways["impls"]) == {f"{impl}{way}" for impl in ("toolkit", "baseline")
-                                  for way in ("", "-inturn", "-thread")}
-    assert ways["impls"]["toolkit"]["ahead"] == 1 and ways["impls"]["toolkit-inturn"]["ahead"] == 0
-    assert ways["impls"]["toolkit-thread"]["loader"] == "1 ahead by a loader thread"
+                                  for way in ("", "-inturn", "-ahead")}
+    assert ways["impls"]["toolkit"]["loader"] == "thread" and ways["impls"]["toolkit-inturn"]["ahead"] == 0
     first = lambda r, impl: r["impls"][impl]["epochs"][0]["batch_losses"]  # noqa: E731
     for impl in ("toolkit", "baseline"):
-        assert first(ways, impl) == first(ways, f"{impl}-inturn") == first(ways, f"{impl}-thread") == \
+        assert first(ways, impl) == first(ways, f"{impl}-inturn") == first(ways, f"{impl}-ahead") == \
             first(report, impl), impl
-        epoch = ways["impls"][f"{impl}-thread"]["epochs"][0]
-        assert {"wait_s", "compute_s", "loader_sample_s", "loader_gather_s"} <= set(epoch), impl
-    two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "toolkit",
-                          "--prefetch", "2", "--loader-thread", "--compare-prefetch"])
-    assert set(two["impls"]) == {"toolkit", "toolkit-inturn", "toolkit-ahead"}
-    assert two["impls"]["toolkit"]["ahead"] == two["impls"]["toolkit-ahead"]["ahead"] == 2
-    assert first(two, "toolkit") == first(two, "toolkit-inturn") == first(two, "toolkit-ahead") == \
-        first(report, "toolkit")
+        epoch = ways["impls"][impl]["epochs"][0]
+        assert {"wait_s", "compute_s", "sample_s", "gather_s", "wait_fraction"} <= set(epoch), impl
+        assert 0 <= epoch["wait_fraction"] < 1 and epoch["sample_s"] > 0
+    two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "both",
+                          "--prefetch", "2", "--baseline-ways", "inturn,thread", "--toolkit-ways", "ahead"])
+    assert set(two["impls"]) == {"toolkit", "toolkit-ahead", "baseline", "baseline-inturn"}
+    assert two["impls"]["toolkit"]["ahead"] == 2 and two["impls"]["toolkit-ahead"]["loader"] == "ahead"
+    assert first(two, "toolkit") == first(two, "toolkit-ahead") == first(report, "toolkit")
+    assert first(two, "baseline") == first(two, "baseline-inturn") == first(report, "baseline")
+    summary = two["summary"]
+    assert summary["best_baseline"] in ("baseline", "baseline-inturn") and summary["speedup"] > 0
+    assert summary["toolkit_val_acc"] == summary["baseline_val_acc"]
     with pytest.raises(SystemExit):
-        gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "-1"])
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "0"])
     with pytest.raises(SystemExit):
-        gnn_train.main(["--size", "tiny", "--device", "cpu", "--prefetch", "0", "--loader-thread"])
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--baseline-ways", "sideways"])
+
+
+def test_relation_flags_train_many_relations():
+    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
+                             "--relations", "200", "--relation-skew", "1.0"])
+    assert report["config"]["graph"]["num_relations"] == 200 and report["config"]["graph"]["relation_skew"] == 1.0
+    ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
+    theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
 
 
 @pytest.mark.gpu
@@ -127,10 +139,11 @@ def test_batches_made_ahead_on_the_gpu():
     # batches made on the loader's stream (ahead, in turn, or by a thread) reach the training stream intact: the
     # same training every way
     report = gnn_train.main(["--size", "tiny", "--device", "cuda", "--no-progress", "--epochs", "1",
-                             "--compare-prefetch"])
+                             "--compare-loading"])
     first = lambda impl: report["impls"][impl]["epochs"][0]["batch_losses"]  # noqa: E731
     for impl in ("toolkit", "baseline"):
         assert report["impls"][impl]["ahead"] == 1 and report["impls"][f"{impl}-inturn"]["ahead"] == 0
-        for way in ("-inturn", "-thread"):
+        assert report["impls"][impl]["epochs"][0]["wait_s"] >= 0
+        for way in ("-inturn", "-ahead"):
             # hector's kernels add with atomics: the order of additions, not the batches, may differ
             assert first(f"{impl}{way}") == pytest.approx(first(impl), abs=1e-4), (impl, way)

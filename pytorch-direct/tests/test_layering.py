@@ -26,7 +26,11 @@ LAYERS = [
     ("_ops",),        # custom ops + autograd: decide, then run
     ("_tensor",),     # the UnifiedTensor subclass
     ("_create",),     # public factories
-    ("_sharing", "pyg"),
+    ("_sharing", "_sample"),  # _sample: the neighbour sampler
+    ("_topology",),   # PyG data and stores taken apart for the sampler
+    ("pyg",),
+    ("_loader",),     # the mini-batch loader
+    ("sampling",),    # public face of the sampler and loader
     ("__init__",),
     ("__main__",),
 ]

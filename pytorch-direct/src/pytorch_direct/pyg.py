@@ -1,14 +1,17 @@
-"""PyG integration: a ``FeatureStore`` whose tensors are unified tensors, so loaders such as ``NeighborLoader``
-(given ``(feature_store, graph_store)``) fetch node features straight from host memory into GPU memory, gathered
-by the GPU (no CPU gather, no staging copy).
+"""PyG integration: a ``FeatureStore`` whose tensors are unified tensors, so node features are fetched straight from
+host memory into GPU memory, gathered by the GPU (no CPU gather, no staging copy); a ``GraphStore`` helper; and
+pytorch-direct's neighbour sampler as a PyG ``BaseSampler``.
 
-    fs = UnifiedFeatureStore(device="cuda")
-    fs.put_tensor(x, group_name=None, attr_name="x", index=None)     # registered/copied once
-    gs = make_graph_store(edge_index, num_nodes=x.size(0))
-    loader = NeighborLoader((fs, gs), num_neighbors=[10, 10], batch_size=1024)
+    fs = UnifiedFeatureStore()                                      # rows arrive on the GPU (the CPU without one)
+    fs.put_tensor(x, group_name=None, attr_name="x", index=None)     # registered in place (or copied) once
+    gs = make_graph_store(edge_index, num_nodes=x.size(0))           # PyG's LocalGraphStore
+    loader = pytorch_direct.sampling.NeighborLoader((fs, gs), num_neighbors=[10, 10], batch_size=1024)
+
+PyG's own ``NeighborLoader`` takes the same pair but needs pyg-lib or torch-sparse to sample, and ``input_nodes``
+for a store pair; its ``NodeLoader`` runs with :class:`NodeSampler` instead, without either.
 
 Inside DataLoader worker processes (``num_workers > 0``) no CUDA call is allowed, so features are gathered on the
-CPU there and moved by the loader as usual; in the main process (``num_workers=0``) they are gathered on ``device``.
+CPU there and moved by the loader as usual; in the main process they are gathered on ``device``.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import torch
 from torch import Tensor
 
 try:
-    from torch_geometric.data import EdgeAttr, FeatureStore, GraphStore, TensorAttr
+    from torch_geometric.data import FeatureStore, TensorAttr
+    from torch_geometric.sampler import BaseSampler, HeteroSamplerOutput, NodeSamplerInput, SamplerOutput
 except ImportError as e:  # pragma: no cover - only without torch_geometric
     raise ImportError("pytorch_direct.pyg needs torch_geometric: pip install torch_geometric") from e
 
+from . import _topology
 from ._create import unified
+from ._memory import cuda_usable
+from ._sample import NeighborSampler
 from ._tensor import UnifiedTensor
 
 
@@ -32,26 +39,38 @@ def _key(attr: TensorAttr) -> tuple:
 class UnifiedFeatureStore(FeatureStore):
     """Node (or edge) feature tensors held as unified tensors; ``get_tensor`` with an index gathers on ``device``.
 
-    ``device``: where gathered rows go ("cuda", "cuda:1", or "cpu"). ``copy``: put_tensor copies into a new
-    allocation of kind ``memory`` (True) or registers the given tensor in place (False, the default; the tensor
-    must be contiguous). ``memory`` (see :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in
-    managed memory, whose random rows the GPU reads fastest, but which forked DataLoader workers cannot read: with
+    ``device``: where gathered rows go: by default the GPU when one is usable (the unified table's GPU gather),
+    else the CPU; "cuda", "cuda:1" or "cpu" to choose. ``copy``: put_tensor copies into a new allocation of kind
+    ``memory`` (True) or registers the given tensor in place (False, the default; a non-contiguous tensor is
+    copied). ``memory`` (see :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in managed
+    memory, whose random rows the GPU reads fastest, but which forked DataLoader workers cannot read: with
     ``num_workers > 0`` (fork), pass memory="pinned" or copy=False."""
 
-    def __init__(self, device: str | torch.device = "cuda", *, copy: bool = False, memory: str = "auto") -> None:
+    def __init__(self, device: str | torch.device | None = None, *, copy: bool = False,
+                 memory: str = "auto") -> None:
         super().__init__()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda_usable() else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not cuda_usable():
+            raise RuntimeError(f"UnifiedFeatureStore(device={str(device)!r}): no usable CUDA GPU here (or "
+                               f"pytorch-direct was built without CUDA); leave device unset or pass device='cpu'")
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"UnifiedFeatureStore gathers to 'cuda' or 'cpu', got device={str(device)!r}")
         self.copy = copy
         self.memory = memory
         self._tensors: dict[tuple, UnifiedTensor] = {}
 
     def _put_tensor(self, tensor: Tensor, attr: TensorAttr) -> bool:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"put_tensor takes a torch.Tensor, got {type(tensor).__name__}")
         if attr.is_set("index") and attr.index is not None:
             existing = self._tensors.get(_key(attr))
             if existing is None:
-                raise KeyError(f"no tensor {_key(attr)} to update rows of; put the whole tensor first")
-            existing[attr.index.to(self.device) if self.device.type == "cuda" else attr.index] = tensor.to(
-                self.device)
+                raise KeyError(f"no tensor {_key(attr)} to update rows of: put the whole tensor first "
+                               f"(put_tensor(x, group_name=..., attr_name=..., index=None))")
+            index = self._index(attr.index, existing)
+            existing[index] = tensor.to(index.device)
             return True
         if self.copy or not tensor.is_contiguous():
             self._tensors[_key(attr)] = unified(tensor.detach().cpu(), copy=True, memory=self.memory)
@@ -65,19 +84,31 @@ class UnifiedFeatureStore(FeatureStore):
             return self.device
         return torch.device("cpu")
 
+    def _index(self, index, table: Tensor) -> Tensor:
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            if index.shape != table.shape[:1]:
+                raise IndexError(f"a boolean index must have one entry per row ({table.size(0)}), got shape "
+                                 f"{tuple(index.shape)}")
+            index = index.nonzero().flatten()
+        elif index.dtype not in (torch.int32, torch.int64):
+            if index.dtype.is_floating_point or index.dtype.is_complex:
+                raise IndexError(f"feature rows are selected by integer ids or a boolean mask, got {index.dtype}")
+            index = index.long()
+        return index.to(self._target_device(), non_blocking=True)
+
     def _get_tensor(self, attr: TensorAttr) -> Tensor | None:
         table = self._tensors.get(_key(attr))
         if table is None:
-            return None
+            known = ", ".join(f"{g!r}/{a!r}" for g, a in self._tensors) or "none"
+            raise KeyError(f"no tensor group_name={attr.group_name!r}, attr_name={attr.attr_name!r} in this "
+                           f"store (it holds: {known}); put it first with put_tensor")
         index = attr.index if attr.is_set("index") else None
         if index is None:
             return table
         if isinstance(index, slice):
             return table[index]
-        index = torch.as_tensor(index)
-        if index.dtype not in (torch.int32, torch.int64):
-            index = index.long()
-        return table[index.to(self._target_device(), non_blocking=True)]
+        return table[self._index(index, table)]
 
     def _remove_tensor(self, attr: TensorAttr) -> bool:
         return self._tensors.pop(_key(attr), None) is not None
@@ -90,33 +121,68 @@ class UnifiedFeatureStore(FeatureStore):
         return [TensorAttr(group_name=g, attr_name=a) for (g, a) in self._tensors]
 
 
-class EdgeIndexGraphStore(GraphStore):
-    """A minimal in-memory ``GraphStore`` (edge indices in any layout PyG supports), to pair with the feature store."""
+def make_graph_store(edge_index: Tensor, num_nodes: int, edge_type=None):
+    """PyG's ``LocalGraphStore`` holding one COO edge index ([2, E], sources first) of a graph with ``num_nodes``
+    nodes: homogeneous when ``edge_type`` is None, else the one edge type ``(src, rel, dst)`` (both endpoint types
+    with ``num_nodes`` nodes). Edge ids are the edges' positions in ``edge_index``. For several edge types use
+    ``LocalGraphStore.from_hetero_data`` directly."""
+    from torch_geometric.distributed import LocalGraphStore
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._store: dict[tuple, object] = {}
-
-    @staticmethod
-    def _k(attr: EdgeAttr) -> tuple:
-        return (attr.edge_type, attr.layout.value, attr.is_sorted, attr.size)
-
-    def _put_edge_index(self, edge_index, edge_attr: EdgeAttr) -> bool:
-        self._store[self._k(edge_attr)] = edge_index
-        return True
-
-    def _get_edge_index(self, edge_attr: EdgeAttr):
-        return self._store.get(self._k(edge_attr))
-
-    def _remove_edge_index(self, edge_attr: EdgeAttr) -> bool:
-        return self._store.pop(self._k(edge_attr), None) is not None
-
-    def get_all_edge_attrs(self) -> list[EdgeAttr]:
-        return [EdgeAttr(*k) for k in self._store]
+    edge_id = torch.arange(edge_index.size(1))
+    if edge_type is None:
+        return LocalGraphStore.from_data(edge_id, edge_index, num_nodes)
+    src, _, dst = edge_type
+    return LocalGraphStore.from_hetero_data({edge_type: edge_id}, {edge_type: edge_index},
+                                            {src: num_nodes, dst: num_nodes})
 
 
-def make_graph_store(edge_index: Tensor, num_nodes: int, edge_type=None) -> EdgeIndexGraphStore:
-    """A graph store holding one COO edge index (homogeneous when edge_type is None)."""
-    gs = EdgeIndexGraphStore()
-    gs.put_edge_index((edge_index[0], edge_index[1]), edge_type=edge_type, layout="coo", size=(num_nodes, num_nodes))
-    return gs
+class NodeSampler(BaseSampler):
+    """pytorch-direct's neighbour sampler as a PyG ``BaseSampler``, so PyG's own ``NodeLoader`` (worker processes,
+    its transforms) runs without pyg-lib or torch-sparse::
+
+        sampler = NodeSampler(data, num_neighbors=[10, 10])
+        loader = torch_geometric.loader.NodeLoader(data, node_sampler=sampler, input_nodes=..., batch_size=...)
+
+    ``data``: what :class:`pytorch_direct.sampling.NeighborLoader` takes; ``device`` where sampling runs (default:
+    the CPU, as PyG's loaders gather features on the CPU; "cuda" samples on the GPU and returns CPU ids).
+    ``seed`` fixes the random numbers. One thread at a time (use ``num_workers=0`` or ``fork`` workers, each with
+    its own copy)."""
+
+    def __init__(self, data, num_neighbors, *, replace: bool = False, device: torch.device | str = "cpu",
+                 seed: int | None = None, is_sorted: bool = False) -> None:
+        self.source = _topology.source_of(data, is_sorted)
+        self.device = torch.device(device)
+        topology = self.source.topology.placed("device" if self.device.type == "cuda" else "as_is", self.device)
+        self.source.topology = topology
+        gen = torch.Generator(self.device)
+        gen.manual_seed(int(torch.randint(2**62, ())) if seed is None else int(seed))
+        self.sampler = NeighborSampler(topology, _topology.fanouts(self.source, num_neighbors),
+                                       replace=replace, device=self.device, generator=gen,
+                                       blocks=self.source.blocks)
+
+    def sample_from_nodes(self, index: NodeSamplerInput, **kwargs):
+        src = self.source
+        offset = src.node_offset(index.input_type)
+        sub = self.sampler.sample(index.node.to(self.device) + offset)
+        input_id = index.input_id
+        metadata = (input_id if input_id is not None else torch.arange(sub.batch_size), None)
+        if not src.hetero:
+            (row, col), node, edge = sub.edge_index.cpu(), sub.n_id.cpu(), sub.e_id.cpu()
+            return SamplerOutput(node, row, col, edge, None, sub.num_sampled_nodes, sub.num_sampled_edges,
+                                 metadata=metadata)
+        parts = _topology.split_hetero(sub, src.blocks)
+        return HeteroSamplerOutput(
+            node={t: ids.cpu() for t, ids in zip(src.node_types, parts.n_id, strict=True)},
+            row={et: ei[0].cpu() for et, ei in zip(src.edge_types, parts.edge_index, strict=True)},
+            col={et: ei[1].cpu() for et, ei in zip(src.edge_types, parts.edge_index, strict=True)},
+            edge={et: e.cpu() for et, e in zip(src.edge_types, parts.e_id, strict=True)},
+            batch=None,
+            num_sampled_nodes=dict(zip(src.node_types, parts.num_sampled_nodes, strict=True)),
+            num_sampled_edges=dict(zip(src.edge_types, parts.num_sampled_edges, strict=True)),
+            metadata=metadata)
+
+    def sample_from_edges(self, index, neg_sampling=None):
+        raise NotImplementedError("NodeSampler samples around seed nodes only (no link prediction loaders)")
+
+
+__all__ = ["NodeSampler", "UnifiedFeatureStore", "make_graph_store"]

@@ -1,0 +1,523 @@
+"""``NeighborLoader``: PyG's mini-batch neighbour loader, sampled by pytorch-direct's sampler on the GPU (or the
+CPU), features gathered zero-copy from unified tables, the next batches made ahead on a side CUDA stream by a
+background thread so that sampling and gathering overlap the training step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import logging
+import queue
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _topology
+from ._create import is_unified, unified
+from ._memory import cuda_usable
+from ._sample import NeighborSampler, SampledSubgraph, Topology, check_seeds
+
+log = logging.getLogger("pytorch_direct")
+
+# Plain CPU tables below this size are copied to GPU memory (a gather there is fastest and costs little memory);
+# larger ones are registered in place as unified tensors and read zero-copy.
+SMALL_TABLE_BYTES = 16 << 20
+# The topology goes to GPU memory when it takes at most this share of the free memory ("auto"), else it stays in
+# host memory as unified tensors, read zero-copy.
+TOPOLOGY_GPU_SHARE = 0.25
+
+_NOT_SUPPORTED = {
+    "num_workers": "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by worker "
+                   "processes",
+    "time_attr": "temporal sampling is not supported",
+    "weight_attr": "weighted sampling is not supported",
+    "input_time": "temporal sampling is not supported",
+    "transform_sampler_output": "not supported; use transform= on the assembled batch",
+    "directed": "only directional subgraphs (the sampled edges) are made",
+    "filter_per_worker": "there are no worker processes",
+    "persistent_workers": "there are no worker processes",
+    "pin_memory": "batches are made on the sampling device already",
+    "collate_fn": "batches are assembled by the loader",
+    "sampler": "seeds come from input_nodes (shuffle=, drop_last=)",
+    "batch_sampler": "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)",
+}
+
+
+@dataclass
+class LoaderStats:
+    """Per epoch: ``batches`` handed to training; ``wait_s``: how long training waited for them (on a GPU, the
+    time the training stream stalled for a batch, CUDA events; on the CPU, wall time); ``host_wait_s``: wall time
+    the training thread spent in ``next()``; ``sample_s`` / ``gather_s``: host time spent making the batches (in
+    the loader thread when there is one)."""
+
+    batches: int = 0
+    wait_s: float = 0.0
+    host_wait_s: float = 0.0
+    sample_s: float = 0.0
+    gather_s: float = 0.0
+
+
+class NeighborLoader:
+    """Mini-batches of neighbour-sampled subgraphs as PyG ``Data`` / ``HeteroData``, like
+    ``torch_geometric.loader.NeighborLoader``, without pyg-lib or torch-sparse.
+
+    ``data``: a ``Data``, a ``HeteroData``, a PyG ``(FeatureStore, GraphStore)`` pair, or a ``(features,
+    Topology)`` pair (``features``: attribute name -> per-node table; a graph already in CSC form).
+    ``num_neighbors``: fan-outs per hop (-1: all); for a heterogeneous graph also a dict edge type -> list.
+    ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
+    ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
+    ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
+    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG.
+
+    ``device``: where sampling runs and batches arrive (default: the GPU when one is usable). ``topology``: where
+    the sampler reads the graph on a GPU: "device" (GPU memory), "host" (unified tensors, zero-copy: graphs larger
+    than the GPU), "auto" (GPU memory if it takes at most a quarter of the free memory; tensors already on the
+    GPU or unified stay where they are). ``unify``: plain CPU attribute tables are made readable by the GPU (small
+    ones copied to it, large ones registered in place as unified tensors); ``False`` gathers them on the CPU into
+    pinned memory and copies the rows (PyG's way).
+
+    ``prefetch``: batches made ahead of training (default 1 on a GPU, 0 on the CPU: made when asked for);
+    ``thread``: made by a background thread (default when prefetching) or by the training thread itself before
+    it hands over the previous batch. On a GPU they are made on the loader's own CUDA stream and handed over with an
+    event (the training thread never waits for the GPU). ``seed``: the sampler's and shuffle's random numbers
+    (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches). The same seed gives
+    the same batches whatever ``prefetch`` and ``thread`` are.
+    """
+
+    def __init__(self, data, num_neighbors, *, input_nodes=None, batch_size: int = 1, shuffle: bool = False,
+                 drop_last: bool = False, replace: bool = False, device: torch.device | str | None = None,
+                 topology: str = "auto", unify: bool = True, prefetch: int | None = None,
+                 thread: bool | None = None, transform=None, seed: int | None = None, is_sorted: bool = False,
+                 subgraph_type: str = "directional", disjoint: bool = False, **kwargs) -> None:
+        for key, value in kwargs.items():
+            if key == "num_workers" and not value:
+                continue
+            reason = _NOT_SUPPORTED.get(key)
+            if reason is None:
+                raise TypeError(f"NeighborLoader got an unexpected argument {key!r}")
+            raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
+        if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
+            raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
+        if disjoint:
+            raise NotImplementedError("disjoint=True: per-seed disjoint subgraphs are not supported")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.transform = transform
+        self.device = _choose_device(device, data)
+        cuda = self.device.type == "cuda"
+        self.prefetch = (1 if cuda else 0) if prefetch is None else int(prefetch)
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 batches, got {prefetch}")
+        self.thread = self.prefetch > 0 if thread is None else bool(thread)
+        if self.thread and not self.prefetch:
+            raise ValueError("thread=True needs prefetch >= 1: a loader thread makes batches ahead of training")
+        if not cuda and self.prefetch and not self.thread:
+            warnings.warn("NeighborLoader(prefetch>0, thread=False) on the CPU: batches made ahead by the training "
+                          "thread overlap nothing without CUDA streams (use thread=True, or prefetch=0)", stacklevel=2)
+        if not cuda and topology != "auto":
+            warnings.warn(f"NeighborLoader(topology={topology!r}) has no effect on the CPU: the topology is read "
+                          f"where it is", stacklevel=2)
+        self.source = _topology.source_of(data, is_sorted)
+        self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
+        if self._input_nodes.numel() == 0:
+            raise ValueError("input_nodes selects no nodes: there is nothing to load")
+        self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
+        self.unify = bool(unify)
+        self._prepare_tables()
+        base = int(torch.randint(2**62, (), dtype=torch.long)) if seed is None else int(seed)
+        self._seed = base
+        self._epoch = 0
+        gen = torch.Generator(self.device).manual_seed(base)
+        self.sampler = NeighborSampler(self.source.topology, _topology.fanouts(self.source, num_neighbors),
+                                       replace=replace, device=self.device, generator=gen,
+                                       blocks=self.source.blocks)
+        check_seeds(self._input_nodes, self.source.num_nodes[self.input_type], "input node")
+        offset = self.source.node_offset(self.input_type)
+        self._seeds_global = (self._input_nodes + offset).to(self.device)
+        self._input_id_dev = self._input_id.to(self.device) if self._input_id is not None else None
+        self._stream = torch.cuda.Stream(self.device) if cuda and self.prefetch else None
+        self._active: weakref.ref | None = None
+        self._stats = LoaderStats()
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+
+    def _resolve_input_nodes(self, input_nodes):
+        """(node type or None, seed ids [S] int64 on the CPU, input_id source or None), as PyG's
+        ``get_input_nodes`` resolves them (a boolean mask's input_id are the node ids, an index's its positions)."""
+        src = self.source
+        node_type = None
+        if src.hetero:
+            if input_nodes is None:
+                raise ValueError(f"a heterogeneous graph needs the seeds' node type: input_nodes='type' or "
+                                 f"('type', ids), with a type from {src.node_types}")
+            if isinstance(input_nodes, str):
+                node_type, input_nodes = input_nodes, None
+            elif isinstance(input_nodes, (tuple, list)) and len(input_nodes) == 2 and isinstance(input_nodes[0], str):
+                node_type, input_nodes = input_nodes
+            else:
+                raise ValueError("input_nodes of a heterogeneous graph must be 'type' or ('type', ids or mask)")
+            if node_type not in src.num_nodes:
+                raise ValueError(f"input node type {node_type!r} is not in the graph ({src.node_types})")
+        elif isinstance(input_nodes, str) or (isinstance(input_nodes, tuple) and len(input_nodes) == 2
+                                              and isinstance(input_nodes[0], str)):
+            raise ValueError("input_nodes names a node type but the graph is homogeneous: pass ids or a mask")
+        n = src.num_nodes[node_type]
+        if input_nodes is None:
+            return node_type, torch.arange(n), None
+        nodes = torch.as_tensor(input_nodes).cpu()
+        if nodes.dtype == torch.bool:
+            if nodes.shape != (n,):
+                raise ValueError(f"an input_nodes mask must have one entry per node ({n}), got {tuple(nodes.shape)}")
+            nodes = nodes.nonzero().flatten()
+            return node_type, nodes, nodes
+        if nodes.dtype.is_floating_point or nodes.dim() != 1:
+            raise ValueError(f"input_nodes must be a 1-D tensor of node ids or a boolean mask, got "
+                             f"{nodes.dtype} of shape {tuple(nodes.shape)}")
+        return node_type, nodes.long(), None
+
+    def _placement(self, topology: str) -> str:
+        if topology not in ("auto", "device", "host"):
+            raise ValueError(f"topology must be 'auto', 'device' or 'host', got {topology!r}")
+        topo = self.source.topology
+        if self.device.type != "cuda":
+            if any(t.device.type == "cuda" for t in topo.tensors().values()):
+                return "device"  # (to the CPU)
+            return "as_is"
+        if topology != "auto":
+            return topology
+        tensors = topo.tensors().values()
+        if all(is_unified(t) or t.device == self.device for t in tensors):
+            return "as_is"
+        free, _ = torch.cuda.mem_get_info(self.device)
+        where = "device" if topo.nbytes() <= TOPOLOGY_GPU_SHARE * free else "host"
+        log.info("NeighborLoader: topology (%.2f GiB) in %s memory", topo.nbytes() / 2**30,
+                 "GPU" if where == "device" else "host (unified, read zero-copy)")
+        return where
+
+    def _prepare_tables(self) -> None:
+        """Attribute tables where this loader reads them from (see ``unify``)."""
+        if self.device.type != "cuda" or not self.unify:
+            return
+        for tables in (self.source.node_tables, self.source.edge_tables):
+            for key, t in tables.items():
+                if is_unified(t) or t.device.type == "cuda" or t.dim() == 0:
+                    continue
+                nbytes = t.numel() * t.element_size()
+                if nbytes < SMALL_TABLE_BYTES:
+                    tables[key] = t.to(self.device)
+                else:
+                    tables[key] = unified(t) if t.is_contiguous() else unified(t, copy=True)
+                    log.info("NeighborLoader: %s (%.2f GiB) is read zero-copy from host memory", key[1],
+                             nbytes / 2**30)
+
+    # ---- iteration -------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        n = self._input_nodes.numel()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        if self._active is not None and self._active() is not None:
+            self._active().close()  # one epoch at a time: the sampler is not shared between threads
+        self._stats = LoaderStats()
+        it = _Epoch(self, self._epoch_order())
+        self._epoch += 1
+        self._active = weakref.ref(it)
+        return it
+
+    def stats(self) -> dict:
+        """The current (or last) epoch's :class:`LoaderStats` as a dict (reads its CUDA events: synchronises)."""
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.read_events()
+        return dict(vars(self._stats))
+
+    def _epoch_order(self) -> list[Tensor]:
+        """This epoch's batches as CPU positions into the input nodes."""
+        n = self._input_nodes.numel()
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self._seed + 1 + self._epoch)
+            order = torch.randperm(n, generator=gen)
+        else:
+            order = torch.arange(n)
+        if self.drop_last:
+            order = order[: n // self.batch_size * self.batch_size]
+        return list(order.split(self.batch_size))
+
+    def make(self, positions: Tensor):
+        """One batch: the seeds at ``positions`` (on the loader's device) of the input nodes, made on the current
+        stream and thread."""
+        start = time.perf_counter()
+        sub = self.sampler.sample(self._seeds_global[positions], check=False)
+        sampled = time.perf_counter()
+        input_id = self._input_id_dev[positions] if self._input_id_dev is not None else positions
+        batch = self._assemble(sub, input_id)
+        if self.transform is not None:
+            batch = self.transform(batch)
+        self._stats.sample_s += sampled - start
+        self._stats.gather_s += time.perf_counter() - sampled
+        return batch
+
+    # ---- batch assembly --------------------------------------------------------------------------------------
+
+    def _gather(self, table: Tensor, index: Tensor) -> Tensor:
+        if is_unified(table):
+            rows = table[index]
+        elif table.device == index.device:
+            rows = table.index_select(0, index)
+        elif table.device.type == "cpu" and index.device.type == "cuda":  # CPU gather, pinned, copy
+            idx = index.cpu()
+            staged = torch.empty((idx.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
+            return torch.index_select(table, 0, idx, out=staged).to(index.device, non_blocking=True)
+        else:
+            rows = table.index_select(0, index.to(table.device))
+        return rows.to(self.device, non_blocking=True)
+
+    def _store_features(self, group, index: Tensor) -> dict:
+        """The feature store's tensors of ``group`` at ``index`` (PyG's ``multi_get_tensor``)."""
+        from .pyg import UnifiedFeatureStore
+
+        fs = self.source.feature_store
+        attrs = [a for a in fs.get_all_tensor_attrs() if a.group_name == group]
+        if not attrs:
+            return {}
+        own = isinstance(fs, UnifiedFeatureStore)
+        for a in attrs:
+            a.index = index if own else index.cpu()
+        tensors = fs.multi_get_tensor(attrs)
+        return {a.attr_name: t.to(self.device, non_blocking=True) for a, t in zip(attrs, tensors, strict=True)}
+
+    def _assemble(self, sub: SampledSubgraph, input_id: Tensor):
+        if self.source.hetero:
+            return self._assemble_hetero(sub, input_id)
+        from torch_geometric.data import Data
+
+        src = self.source
+        out = copy.copy(src.template) if src.template is not None else Data()
+        out.edge_index = sub.edge_index
+        for (_, key), table in src.node_tables.items():
+            out[key] = self._gather(table, sub.n_id)
+        for (_, key), table in src.edge_tables.items():
+            out[key] = self._gather(table, sub.e_id)
+        if src.feature_store is not None:
+            for key, value in self._store_features(None, sub.n_id).items():
+                out[key] = value
+        if src.template is None:
+            out.num_nodes = sub.num_nodes
+            if sub.edge_type is not None:
+                out.edge_type = sub.edge_type
+            if sub.node_type is not None:
+                out.node_type = sub.node_type
+        elif "num_nodes" in src.template:
+            out.num_nodes = sub.num_nodes
+        out.n_id, out.e_id, out.input_id = sub.n_id, sub.e_id, input_id
+        out.batch_size = sub.batch_size
+        out.num_sampled_nodes, out.num_sampled_edges = sub.num_sampled_nodes, sub.num_sampled_edges
+        return out
+
+    def _assemble_hetero(self, sub: SampledSubgraph, input_id: Tensor):
+        from torch_geometric.data import HeteroData
+
+        src, blocks = self.source, self.source.blocks
+        parts = _topology.split_hetero(sub, blocks)
+        out = copy.copy(src.template) if src.template is not None else HeteroData()
+        for t, node_type in enumerate(src.node_types):
+            ids = parts.n_id[t]
+            store = out[node_type]
+            store.n_id = ids
+            for (group, key), table in src.node_tables.items():
+                if group == node_type:
+                    store[key] = self._gather(table, ids)
+            if src.feature_store is not None:
+                for key, value in self._store_features(node_type, ids).items():
+                    store[key] = value
+            if src.template is None or "num_nodes" in src.template[node_type]:
+                store.num_nodes = ids.numel()
+        for k, edge_type in enumerate(src.edge_types):
+            store = out[edge_type]
+            store.edge_index = parts.edge_index[k]
+            store.e_id = parts.e_id[k]
+            for (group, key), table in src.edge_tables.items():
+                if group == edge_type:
+                    store[key] = self._gather(table, parts.e_id[k])
+        out.set_value_dict("num_sampled_nodes", dict(zip(src.node_types, parts.num_sampled_nodes, strict=True)))
+        out.set_value_dict("num_sampled_edges", dict(zip(src.edge_types, parts.num_sampled_edges, strict=True)))
+        out[self.input_type].input_id = input_id
+        out[self.input_type].batch_size = sub.batch_size
+        return out
+
+
+class _Maker:
+    """Makes an epoch's batches in order, on the loader's stream (if any); what a loader thread holds (not the
+    epoch the training thread iterates, so that an epoch left early is collected and stops its thread)."""
+
+    def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
+        self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
+        self.next = 0  # the next batch to make
+        self.queue: queue.Queue | None = None
+        self.stop = threading.Event()
+
+    def done(self) -> bool:
+        return self.next >= len(self.order)
+
+    def make_one(self):
+        """The next batch and the event that marks it made (None without a stream)."""
+        if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                sizes = [len(p) for p in self.order]
+                self.order = list(torch.cat(self.order).to(self.device).split(sizes))
+        positions = self.order[self.next]
+        self.next += 1
+        if self.stream is None:
+            return self.loader.make(positions), None
+        with torch.cuda.stream(self.stream):
+            batch = self.loader.make(positions)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return batch, ready
+
+    def produce(self) -> None:
+        """The loader thread: makes batches into the queue until the epoch ends or training stops."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            while not self.done() and not self.stop.is_set():
+                if not self.put(self.make_one()):
+                    return
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self.put(exc)
+
+    def put(self, item) -> bool:
+        """Queues ``item`` unless training has stopped the epoch; False when it has."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+class _Epoch:
+    """One pass over a loader's batches: made in turn, ahead by the training thread, or by a background thread
+    (see :class:`NeighborLoader`)."""
+
+    def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
+        self.prefetch = loader.prefetch
+        self.stats = loader._stats
+        self.device = loader.device
+        self.total = len(order)
+        self._maker = _Maker(loader, order)
+        self._handed = 0
+        self._made: collections.deque = collections.deque()
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._thread: threading.Thread | None = None
+        if loader._stream is not None:
+            # the loader's stream reads what the training stream made (input nodes, the sampler's id map)
+            loader._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if loader.thread:
+            self._maker.queue = queue.Queue(maxsize=loader.prefetch)
+            self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
+            self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self.total - self._handed
+
+    def __next__(self):
+        if self._handed >= self.total:
+            self.close()
+            raise StopIteration
+        begin = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        mark = None
+        if cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        if self._thread is not None:
+            item = self._maker.queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            batch, ready = item
+        elif not self.prefetch:
+            batch, ready = self._maker.make_one()
+        else:
+            while not self._maker.done() and len(self._made) <= self.prefetch:
+                self._made.append(self._maker.make_one())
+            batch, ready = self._made.popleft()
+        if ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)
+            _record_stream(batch, stream)
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._events.append((mark, done))
+        else:
+            self.stats.wait_s += time.perf_counter() - begin
+        self.stats.host_wait_s += time.perf_counter() - begin
+        self.stats.batches += 1
+        self._handed += 1
+        return batch
+
+    def read_events(self) -> None:
+        """Adds the training stream's waits measured so far to the stats (synchronises on the last one)."""
+        if not self._events:
+            return
+        self._events[-1][1].synchronize()
+        self.stats.wait_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        self._events.clear()
+
+    def close(self) -> None:
+        """Stops the loader thread (batches made but not taken are dropped)."""
+        self._maker.stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with contextlib.suppress(Exception):
+            self.read_events()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _record_stream(batch, stream: torch.cuda.Stream) -> None:
+    """Marks every CUDA tensor of ``batch`` (and any attribute with a ``record_stream`` method) as used by
+    ``stream``, so the caching allocator does not give their memory back to the loader's stream too early."""
+    stores = getattr(batch, "stores", None)
+    values = [v for store in stores for v in store.values()] if stores is not None else [batch]
+    for v in values:
+        if isinstance(v, Tensor):
+            if v.is_cuda:
+                v.record_stream(stream)
+        elif callable(getattr(v, "record_stream", None)):
+            v.record_stream(stream)
+
+
+def _choose_device(device, data) -> torch.device:
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and not cuda_usable():
+            raise RuntimeError(f"device={device}: no usable CUDA GPU here (or pytorch-direct was built without "
+                               f"CUDA); use device='cpu'")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    topo = data[1] if isinstance(data, tuple) and len(data) == 2 else None
+    if isinstance(topo, Topology) and topo.colptr.device.type == "cuda":
+        return topo.colptr.device
+    if cuda_usable():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,368 @@
+"""Neighbour sampling (PyG's ``NeighborLoader`` semantics) where the topology is read from: by the GPU for a graph in
+GPU memory or in host memory as unified tensors (read zero-copy), by the CPU otherwise.
+
+Per hop, every frontier node draws ``min(in-degree, fanout)`` distinct in-edges uniformly (``replace=False``): a
+random key per in-edge of the frontier, one sort, the first ``fanout`` of each node. There is no per-node loop:
+the sampler's time on a GPU is launch overhead and host round trips, not GPU work, so each hop is a fixed, small
+number of kernels and two host round trips (the hop's edge count and the count of new nodes). Sources not in the
+batch yet get the next local ids through a global -> local id map of one int32 per node kept on the sampling device
+and reset after each batch by touching only the batch's nodes, so relabelling costs O(batch), not O(graph). New nodes
+of a hop are numbered in ascending global id, so feature rows are read in address order.
+
+A heterogeneous graph is sampled as one graph: node ids are offset per node type, and each edge type has its own
+block of destination slots in one CSC array, so a hop over every edge type is still one set of kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._create import is_unified
+
+
+@dataclass
+class Topology:
+    """A graph in CSC form, as the sampler reads it.
+
+    The in-edges of destination slot ``s`` are positions ``colptr[s]:colptr[s + 1]`` of ``row`` (their sources,
+    global node ids). For a homogeneous graph the slots are the nodes. ``edge_type`` ([E]) gives each edge's relation
+    (typed edges, e.g. for RGCN/RGAT), ``node_type`` ([N]) each node's type, ``edge_id`` ([E]) each edge's id in the
+    user's edge list (``None``: its CSC position). The tensors may live in GPU memory, in host memory as
+    pytorch-direct unified tensors (read zero-copy by the GPU), or in plain CPU memory (sampled by the CPU).
+    """
+
+    colptr: Tensor
+    row: Tensor
+    edge_type: Tensor | None = None
+    node_type: Tensor | None = None
+    edge_id: Tensor | None = None
+    num_nodes: int | None = None  # default: the number of slots (homogeneous)
+
+    def __post_init__(self) -> None:
+        if self.colptr.dim() != 1 or self.colptr.numel() < 1:
+            raise ValueError(f"colptr must be a 1-D tensor of (destinations + 1) offsets, got shape "
+                             f"{tuple(self.colptr.shape)}")
+        if self.row.dim() != 1:
+            raise ValueError(f"row must be a 1-D tensor of one source per edge, got shape {tuple(self.row.shape)}")
+        for name in ("edge_type", "edge_id"):
+            t = getattr(self, name)
+            if t is not None and t.shape != self.row.shape:
+                raise ValueError(f"{name} must have one entry per edge ({self.row.numel()}), got shape "
+                                 f"{tuple(t.shape)}")
+        for name in ("colptr", "row", "edge_type", "node_type", "edge_id"):
+            t = getattr(self, name)
+            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+                raise TypeError(f"{name} must hold integers, got {t.dtype}")
+        if self.num_nodes is None:
+            self.num_nodes = self.colptr.numel() - 1
+        if self.node_type is not None and self.node_type.shape != (self.num_nodes,):
+            raise ValueError(f"node_type must have one entry per node ({self.num_nodes}), got shape "
+                             f"{tuple(self.node_type.shape)}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.colptr.numel() - 1
+
+    @property
+    def num_edges(self) -> int:
+        return self.row.numel()
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {k: getattr(self, k) for k in ("colptr", "row", "edge_type", "node_type", "edge_id")
+                if getattr(self, k) is not None}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def placed(self, where: str, device: torch.device) -> Topology:
+        """The same topology with its tensors in ``device`` memory ("device"), in host memory as unified tensors
+        ("host"), or as they are ("as_is")."""
+        if where == "as_is":
+            return self
+        moved = {}
+        for name, t in self.tensors().items():
+            if where == "device":
+                moved[name] = t if t.device == device and not is_unified(t) else t.to(device)
+            elif where == "host":
+                from ._create import unified
+
+                moved[name] = t if is_unified(t) else unified(t.cpu().contiguous(), copy=True)
+            else:
+                raise ValueError(f"topology placement must be 'device', 'host' or 'as_is', got {where!r}")
+        return Topology(**moved, num_nodes=self.num_nodes)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How edge types map onto one CSC (see the module docstring): for edge type k, its destinations (of node type
+    ``dst_type[k]``, local id ``v``) are slots ``slot_offset[k] + v`` and its edges CSC positions
+    ``edge_offset[k]:edge_offset[k + 1]``; node type t holds global ids ``node_offset[t]:node_offset[t + 1]``."""
+
+    node_offset: tuple[int, ...]  # [T + 1]
+    slot_offset: tuple[int, ...]  # [K + 1]
+    edge_offset: tuple[int, ...]  # [K + 1]
+    src_type: tuple[int, ...]  # [K]
+    dst_type: tuple[int, ...]  # [K]
+
+    @property
+    def num_node_types(self) -> int:
+        return len(self.node_offset) - 1
+
+    @property
+    def num_edge_types(self) -> int:
+        return len(self.src_type)
+
+
+@dataclass
+class SampledSubgraph:
+    """One sampled mini-batch, with the fields of PyG's ``NeighborLoader`` output (``Data``).
+
+    ``n_id``: global ids, the first ``batch_size`` are the seeds in the order given, then each hop's new nodes in
+    ascending id. ``edge_index``: local (source, destination), messages flow from sampled neighbours to the nodes
+    that sampled them; edges are grouped by hop, then by destination. ``e_id``: each edge's id (see
+    :class:`Topology`). ``edge_type`` / ``node_type``: read from the topology (``None`` where it has none; for a
+    heterogeneous graph, the edge type and node type indices). ``num_sampled_nodes``: per hop, the seeds first;
+    ``num_sampled_edges``: per hop.
+    """
+
+    n_id: Tensor
+    edge_index: Tensor
+    e_id: Tensor
+    batch_size: int
+    edge_type: Tensor | None = None
+    node_type: Tensor | None = None
+    num_sampled_nodes: list[int] = field(default_factory=list)
+    num_sampled_edges: list[int] = field(default_factory=list)
+    pos: Tensor | None = None  # the edges' CSC positions
+
+    @property
+    def num_nodes(self) -> int:
+        return self.n_id.numel()
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_index.size(1)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.n_id, self.edge_index, self.e_id, self.edge_type, self.node_type, self.pos)
+                if t is not None]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SampledSubgraph:
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return SampledSubgraph(move(self.n_id), move(self.edge_index), move(self.e_id), self.batch_size,
+                               move(self.edge_type), move(self.node_type), list(self.num_sampled_nodes),
+                               list(self.num_sampled_edges), move(self.pos))
+
+
+def _read(t: Tensor, index: Tensor) -> Tensor:
+    """``t[index]``: a plain tensor on the index's device, or a unified tensor (read zero-copy by the GPU for CUDA
+    indices)."""
+    return t[index]
+
+
+def default_device(topology: Topology) -> torch.device:
+    """Where a topology is sampled by default: on its GPU; on the GPU for unified tensors when one is usable; else
+    on the CPU."""
+    colptr = topology.colptr
+    if colptr.device.type == "cuda":
+        return colptr.device
+    if is_unified(colptr):
+        from ._memory import cuda_usable
+
+        if cuda_usable():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class NeighborSampler:
+    """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1: all of them) around seed nodes.
+
+    ``topology``: a :class:`Topology`. ``num_neighbors``: a list of fan-outs, one per hop (or, with ``blocks``, a
+    ``[hops][edge types]`` nested list). ``replace=False`` draws distinct edges (PyG's default); ``replace=True``
+    draws ``fanout`` edges with replacement from every node that has in-edges. ``device``: where sampling runs and
+    its output lies (default: see :func:`default_device`); a plain CPU topology sampled on a GPU must be moved
+    there first (``Topology.placed``). ``generator``: random numbers on ``device``.
+
+    One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
+    another CUDA stream than the previous one must be ordered after it (the loader does this).
+    """
+
+    def __init__(self, topology: Topology, num_neighbors, *, replace: bool = False,
+                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                 blocks: Blocks | None = None) -> None:
+        self.topology = topology
+        self.blocks = blocks
+        self.device = torch.device(device) if device is not None else default_device(topology)
+        for name, t in topology.tensors().items():
+            if is_unified(t):
+                continue
+            if t.device.type != self.device.type:
+                raise ValueError(f"topology.{name} is on {t.device} but sampling runs on {self.device}: move it "
+                                 f"there (Topology.placed('device', device)), or hold it as unified tensors "
+                                 f"(Topology.placed('host', device)) to be read zero-copy by the GPU")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.fanouts = _fanout_table(num_neighbors, blocks)
+        self.num_hops = len(self.fanouts)
+        self.replace = bool(replace)
+        self.num_nodes = int(topology.num_nodes)
+        self.generator = generator
+        self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        if blocks is not None:
+            dev = self.device
+            self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
+            self._slot_offset = torch.tensor(blocks.slot_offset[:-1], dtype=torch.long, device=dev)
+            # the edge types into each node type, grouped by that type (CSR over node types)
+            by_dst = sorted(range(blocks.num_edge_types), key=lambda k: blocks.dst_type[k])
+            counts = [sum(1 for k in by_dst if blocks.dst_type[k] == t) for t in range(blocks.num_node_types)]
+            self._types_in = torch.tensor(by_dst, dtype=torch.long, device=dev)
+            self._types_in_count = torch.tensor(counts, dtype=torch.long, device=dev)
+            self._types_in_start = torch.cumsum(self._types_in_count, 0) - self._types_in_count
+            self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=dev)  # [hops, K]
+
+    def sample(self, seeds: Tensor, *, check: bool = True) -> SampledSubgraph:
+        """The sampled subgraph around ``seeds`` (distinct global node ids, 1-D; for a heterogeneous graph, global
+        ids of one node type). ``check=False`` skips the range and distinctness check (one host round trip): for
+        seeds already checked, as the loader does once per loader."""
+        seeds = seeds.to(self.device, torch.long)
+        if seeds.dim() != 1 or seeds.numel() == 0:
+            raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
+        if check:
+            check_seeds(seeds, self.num_nodes)
+        local = self._local
+        batch = seeds.numel()
+        local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
+        nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
+        num_nodes_per_hop, num_edges_per_hop = [batch], []
+        frontier, frontier_start, total = seeds, 0, batch
+        try:
+            for hop in range(self.num_hops):
+                pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
+                src = _read(self.topology.row, pos).long()
+                # the sources not in the batch yet, sorted; seen ones become the sentinel num_nodes, which is added
+                # once more so it is always the last value and can be dropped without asking the device whether
+                # it occurred
+                sentinel = torch.full((1,), self.num_nodes, dtype=src.dtype, device=self.device)
+                new = torch.unique(torch.cat([torch.where(local[src] < 0, src, sentinel), sentinel]))[:-1]
+                local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
+                srcs.append(local[src].long())
+                dsts.append(dst_local)
+                poss.append(pos)
+                if block is not None:
+                    etypes.append(block)
+                nodes.append(new)
+                num_nodes_per_hop.append(new.numel())
+                num_edges_per_hop.append(pos.numel())
+                frontier, frontier_start, total = new, total, total + new.numel()
+        finally:
+            for part in nodes:
+                local.index_fill_(0, part, -1)  # (local[part] = -1 would copy the -1 from the host: a sync)
+        n_id = torch.cat(nodes)
+        pos = torch.cat(poss)
+        topo = self.topology
+        e_id = _read(topo.edge_id, pos).long() if topo.edge_id is not None else pos
+        if self.blocks is not None:
+            edge_type = torch.cat(etypes)
+            node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
+        else:
+            edge_type = _read(topo.edge_type, pos).long() if topo.edge_type is not None else None
+            node_type = _read(topo.node_type, n_id).long() if topo.node_type is not None else None
+        return SampledSubgraph(n_id, torch.stack([torch.cat(srcs), torch.cat(dsts)]), e_id, batch, edge_type,
+                               node_type, num_nodes_per_hop, num_edges_per_hop, pos)
+
+    def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
+        """(destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
+        arange = torch.arange(frontier.numel(), device=self.device)
+        if self.blocks is None:
+            return frontier, arange + frontier_start, self.fanouts[hop][0], None
+        # one slot per (frontier node, edge type into its node type)
+        ftype = torch.searchsorted(self._node_offset, frontier, right=True) - 1
+        count = self._types_in_count[ftype]
+        pairs = int(count.sum())  # a host round trip
+        owner = torch.repeat_interleave(arange, count, output_size=pairs)
+        first = torch.cumsum(count, 0) - count
+        k = self._types_in[self._types_in_start[ftype[owner]] + torch.arange(pairs, device=self.device) - first[owner]]
+        slots = self._slot_offset[k] + frontier[owner] - self._node_offset[ftype[owner]]
+        return slots, owner + frontier_start, self._fanout_table[hop][k], k
+
+    def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
+        """(CSC positions of the sampled in-edges, local id of each edge's destination, edge type of each edge or
+        None). One host round trip besides the slot expansion: the number of in-edges and of sampled edges."""
+        slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
+        n = slots.numel()
+        colptr = self.topology.colptr
+        begin = _read(colptr, slots).long()
+        degree = _read(colptr, slots + 1).long() - begin
+        if isinstance(fanout, int):
+            every = fanout < 0  # all in-edges of every slot
+            if every:
+                take = degree
+            elif self.replace:
+                take = torch.where(degree > 0, fanout, 0)
+            else:
+                take = degree.clamp(max=fanout)
+        else:
+            every = fanout < 0  # per slot
+            bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
+            take = torch.where(every, degree, bounded)
+        total, taken = torch.stack([degree.sum(), take.sum()]).tolist()  # one host round trip
+        arange_n = torch.arange(n, device=self.device)
+        owner_taken = torch.repeat_interleave(arange_n, take, output_size=taken)
+        kind_out = kind[owner_taken] if kind is not None else None
+        # the j-th sampled edge of its slot
+        j = torch.arange(taken, device=self.device) - (torch.cumsum(take, 0) - take)[owner_taken]
+        if (total == taken and not self.replace) or every is True:  # every in-edge is taken: nothing to draw
+            return begin[owner_taken] + j, dst_local[owner_taken], kind_out
+        if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
+            u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
+            d = degree[owner_taken]
+            drawn = (u * d).long().clamp(max=d - 1)
+            offset = drawn if every is False else torch.where(every[owner_taken], j, drawn)
+            return begin[owner_taken] + offset, dst_local[owner_taken], kind_out
+        # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
+        # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
+        # replacement. One sort instead of a loop of fanout steps of small kernels.
+        owner = torch.repeat_interleave(arange_n, degree, output_size=total)
+        start = torch.cumsum(degree, 0) - degree
+        key = owner.double() + torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        order = torch.argsort(key)
+        edge = order[start[owner_taken] + j]  # index among the frontier's in-edges
+        return begin[owner_taken] + edge - start[owner_taken], dst_local[owner_taken], kind_out
+
+
+def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:
+    """Range and distinctness of node ids (one host round trip); raises ``IndexError`` / ``ValueError``."""
+    if seeds.numel() == 0:
+        return
+    ordered = torch.sort(seeds).values
+    repeats = (ordered[1:] == ordered[:-1]).sum()
+    low, high, repeated = torch.stack([ordered[0], ordered[-1], repeats]).tolist()
+    if low < 0 or high >= num_nodes:
+        raise IndexError(f"{what} ids must lie in [0, {num_nodes}), got [{low}, {high}]")
+    if repeated:
+        raise ValueError(f"{what}s must be distinct node ids ({repeated} appear more than once)")
+
+
+def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
+    """``[hops][edge types]`` fan-outs (one column without blocks), checked."""
+    if isinstance(num_neighbors, (int,)) or not isinstance(num_neighbors, (list, tuple)) or not num_neighbors:
+        raise ValueError(f"num_neighbors must list a fan-out per hop (e.g. [15, 10]; -1 for all), got "
+                         f"{num_neighbors!r}")
+    kinds = 1 if blocks is None else blocks.num_edge_types
+    table = []
+    for hop, entry in enumerate(num_neighbors):
+        row = [int(entry)] * kinds if not isinstance(entry, (list, tuple)) else [int(k) for k in entry]
+        if len(row) != kinds:
+            raise ValueError(f"num_neighbors[{hop}] has {len(row)} entries for {kinds} edge types")
+        if any(k < -1 for k in row):
+            raise ValueError(f"fan-outs must be >= 0, or -1 for all neighbours; got {row} at hop {hop}")
+        if blocks is None and row[0] == 0:
+            raise ValueError(f"num_neighbors must list a positive fan-out (or -1 for all) per hop, got "
+                             f"{list(num_neighbors)}")
+        table.append(row)
+    return table

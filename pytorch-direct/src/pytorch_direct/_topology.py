@@ -1,0 +1,298 @@
+"""What the loader takes apart: a PyG ``Data`` / ``HeteroData``, a PyG ``(FeatureStore, GraphStore)`` pair, or a
+``(features, Topology)`` pair, into the sampler's CSC :class:`~pytorch_direct._sample.Topology` and the tables the
+batch's attributes are gathered from. torch_geometric is imported only here and only when one of its types is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._sample import Blocks, SampledSubgraph, Topology
+
+log = logging.getLogger("pytorch_direct")
+
+
+@dataclass
+class Source:
+    """The graph behind a loader. ``node_tables[(node type, name)]`` and ``edge_tables[(edge type, name)]`` are the
+    per-node / per-edge attributes gathered at each batch's ``n_id`` / ``e_id`` (node type and edge type are
+    ``None`` for a homogeneous graph); ``template`` is the user's ``Data`` / ``HeteroData`` whose other attributes
+    batches carry as they are; ``feature_store`` the user's store for a ``(FeatureStore, GraphStore)`` pair."""
+
+    topology: Topology
+    blocks: Blocks | None
+    node_types: list
+    edge_types: list
+    num_nodes: dict  # node type -> count
+    node_tables: dict = field(default_factory=dict)
+    edge_tables: dict = field(default_factory=dict)
+    template: object | None = None
+    feature_store: object | None = None
+
+    @property
+    def hetero(self) -> bool:
+        return self.blocks is not None
+
+    def node_offset(self, node_type) -> int:
+        return self.blocks.node_offset[self.node_types.index(node_type)] if self.hetero else 0
+
+
+def csc_from_coo(edge_index: Tensor, num_dst: int, is_sorted: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(colptr [num_dst + 1], row [E], perm [E] or None): the in-edges of each destination together; ``perm`` gives
+    each CSC position's index in ``edge_index`` (None when already sorted by destination)."""
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, edges], got {tuple(edge_index.shape)}")
+    src, dst = edge_index[0], edge_index[1]
+    perm = None
+    if not is_sorted:
+        dst, perm = torch.sort(dst, stable=True)
+        src = src[perm]
+    if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= num_dst):
+        raise IndexError(f"edge_index has destinations outside [0, {num_dst})")
+    colptr = torch.zeros(num_dst + 1, dtype=torch.long, device=dst.device)
+    colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=num_dst), 0)
+    if is_sorted and dst.numel() > 1 and bool((dst[1:] < dst[:-1]).any()):
+        raise ValueError("is_sorted=True but edge_index is not sorted by destination (its second row)")
+    return colptr, src, perm
+
+
+def _small_ids(t: Tensor, bound: int) -> Tensor:
+    """int32 where the ids fit (half the memory to read per sampled edge), else int64."""
+    return t.to(torch.int32) if bound < 2**31 else t.to(torch.long)
+
+
+def from_data(data, is_sorted: bool = False) -> Source:
+    """A homogeneous PyG ``Data``: CSC from ``edge_index``; node and edge attributes become tables."""
+    n = int(data.num_nodes)
+    if data.edge_index is None:
+        raise ValueError("the Data object has no edge_index to sample from")
+    colptr, row, perm = csc_from_coo(data.edge_index.cpu(), n, is_sorted)
+    topology = Topology(colptr, _small_ids(row, n), edge_id=perm, num_nodes=n)
+    source = Source(topology, None, [None], [None], {None: n}, template=data)
+    for key, value in data.items():
+        if key == "edge_index" or not isinstance(value, Tensor):
+            continue
+        if data.is_node_attr(key):
+            source.node_tables[(None, key)] = value
+        elif data.is_edge_attr(key):
+            source.edge_tables[(None, key)] = value
+    return source
+
+
+def from_hetero_data(data, is_sorted: bool = False) -> Source:
+    """A PyG ``HeteroData``: one CSC with a block of destination slots per edge type (see ``Blocks``)."""
+    node_types, edge_types = data.metadata()
+    if not edge_types:
+        raise ValueError("the HeteroData object has no edge types to sample from")
+    num_nodes = {t: int(data[t].num_nodes) for t in node_types}
+    coo = {et: data[et].edge_index for et in edge_types}
+    source = _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted)
+    source.template = data
+    for t in node_types:
+        for key, value in data[t].items():
+            if isinstance(value, Tensor) and data[t].is_node_attr(key):
+                source.node_tables[(t, key)] = value
+    for et in edge_types:
+        for key, value in data[et].items():
+            if key != "edge_index" and isinstance(value, Tensor) and data[et].is_edge_attr(key):
+                source.edge_tables[(et, key)] = value
+    return source
+
+
+def _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted, edge_ids=None) -> Source:
+    for et in edge_types:
+        if et[0] not in num_nodes or et[2] not in num_nodes:
+            raise ValueError(f"edge type {et} joins node types not in the graph ({sorted(num_nodes)})")
+    node_offset = [0]
+    for t in node_types:
+        node_offset.append(node_offset[-1] + num_nodes[t])
+    colptrs, rows, ids, slot_offset, edge_offset = [], [], [], [0], [0]
+    for et in edge_types:
+        src_t = node_types.index(et[0])
+        colptr, row, perm = csc_from_coo(coo[et].cpu(), num_nodes[et[2]], is_sorted)
+        if row.numel() and (int(row.min()) < 0 or int(row.max()) >= num_nodes[et[0]]):
+            raise IndexError(f"edge type {et} has sources outside [0, {num_nodes[et[0]]})")
+        own = perm if perm is not None else torch.arange(row.numel())
+        if edge_ids is not None and edge_ids.get(et) is not None:
+            own = edge_ids[et].cpu()[own]
+        colptrs.append(colptr[:-1] + edge_offset[-1])
+        rows.append(row.long() + node_offset[src_t])
+        ids.append(own)
+        slot_offset.append(slot_offset[-1] + num_nodes[et[2]])
+        edge_offset.append(edge_offset[-1] + row.numel())
+    colptrs.append(torch.tensor([edge_offset[-1]]))
+    total = node_offset[-1]
+    topology = Topology(torch.cat(colptrs), _small_ids(torch.cat(rows), total), edge_id=torch.cat(ids),
+                        num_nodes=total)
+    blocks = Blocks(tuple(node_offset), tuple(slot_offset), tuple(edge_offset),
+                    tuple(node_types.index(et[0]) for et in edge_types),
+                    tuple(node_types.index(et[2]) for et in edge_types))
+    return Source(topology, blocks, list(node_types), list(edge_types), dict(num_nodes))
+
+
+def from_stores(feature_store, graph_store) -> Source:
+    """A PyG ``(FeatureStore, GraphStore)`` pair: the topology through ``graph_store.csc()`` (PyG's own conversion),
+    edge ids through ``get_edge_id`` where the store has them (``LocalGraphStore``), features fetched per batch from
+    the feature store (``multi_get_tensor``: a :class:`~pytorch_direct.pyg.UnifiedFeatureStore` gathers them on its
+    device)."""
+    from torch_geometric.data import remote_backend_utils
+
+    attrs = graph_store.get_all_edge_attrs()
+    if not attrs:
+        raise ValueError("the graph store holds no edge index: put one first (graph_store.put_edge_index(...))")
+    hetero = any(a.edge_type is not None for a in attrs)
+    if hasattr(graph_store, "meta") and isinstance(graph_store.meta, dict):
+        hetero = graph_store.meta.get("is_hetero", hetero)
+    get_ids = getattr(graph_store, "get_edge_id", None)
+    if not hetero:
+        attr = attrs[0]
+        if attr.size is None:
+            raise ValueError("the graph store's edge index has no size: put it with size=(num_nodes, num_nodes)")
+        n = max(attr.size)
+        row, colptr, perm = graph_store.csc()
+        colptr, row = colptr.cpu().long(), row.cpu()
+        if colptr.numel() < n + 1:  # fewer destinations than nodes: pad (no in-edges)
+            colptr = torch.cat([colptr, colptr[-1:].expand(n + 1 - colptr.numel())])
+        ids = get_ids(edge_type=None, layout="coo") if get_ids is not None else None
+        edge_id = perm
+        if ids is not None:
+            edge_id = ids.cpu() if perm is None else ids.cpu()[perm]
+        topology = Topology(colptr, _small_ids(row, n), edge_id=edge_id, num_nodes=n)
+        return Source(topology, None, [None], [None], {None: n}, feature_store=feature_store)
+    edge_types = sorted({a.edge_type for a in attrs})
+    node_types = sorted({t for et in edge_types for t in (et[0], et[2])} |
+                        {a.group_name for a in feature_store.get_all_tensor_attrs() if isinstance(a.group_name, str)})
+    num_nodes = {}
+    for a in attrs:
+        if a.size is not None:
+            num_nodes.setdefault(a.edge_type[0], a.size[0])
+            num_nodes.setdefault(a.edge_type[2], a.size[1])
+    for t in node_types:
+        if t not in num_nodes:
+            num_nodes[t] = int(remote_backend_utils.num_nodes(feature_store, graph_store, t))
+    coo, edge_ids = {}, {}
+    rows, cols, _ = graph_store.coo(edge_types)
+    for et in edge_types:
+        coo[et] = torch.stack([rows[et].cpu().long(), cols[et].cpu().long()])
+        edge_ids[et] = get_ids(edge_type=et, layout="coo") if get_ids is not None else None
+    source = _hetero_source(node_types, edge_types, num_nodes, coo, False, edge_ids)
+    source.feature_store = feature_store
+    return source
+
+
+def from_topology(features, topology: Topology) -> Source:
+    """A ``(features, Topology)`` pair: ``features`` maps attribute names to per-node tables (global node id ->
+    row); the topology's ``edge_type`` and ``node_type`` reach batches as ``edge_type`` / ``node_type``."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"expected (features, pytorch_direct.sampling.Topology), got a {type(topology).__name__}")
+    features = dict(features or {})
+    n = int(topology.num_nodes)
+    source = Source(topology, None, [None], [None], {None: n})
+    for key, value in features.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.size(0) != n:
+            raise ValueError(f"features[{key!r}] must be a tensor with one row per node ({n}), got "
+                             f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+        source.node_tables[(None, key)] = value
+    return source
+
+
+def describe(data) -> str:
+    return type(data).__name__ if not isinstance(data, tuple) else \
+        "(" + ", ".join(type(d).__name__ for d in data) + ")"
+
+
+def fanouts(src: Source, num_neighbors) -> list:
+    """Fan-outs per hop as the sampler takes them (per edge type for a heterogeneous graph), checked."""
+    if not src.hetero:
+        if isinstance(num_neighbors, dict):
+            raise ValueError("num_neighbors as a dict is for heterogeneous graphs; pass a list per hop")
+        return list(num_neighbors)
+    if isinstance(num_neighbors, dict):
+        unknown = set(num_neighbors) - set(src.edge_types)
+        if unknown:
+            raise ValueError(f"num_neighbors names edge types not in the graph: {sorted(unknown)}")
+        missing = [et for et in src.edge_types if et not in num_neighbors]
+        if missing:
+            raise ValueError(f"num_neighbors has no fan-outs for edge types {missing}: give every edge type "
+                             f"a list (0 to sample none)")
+        hops = {len(v) for v in num_neighbors.values()}
+        if len(hops) != 1:
+            raise ValueError("every edge type needs the same number of hops in num_neighbors")
+        (h,) = hops
+        return [[int(num_neighbors[et][i]) for et in src.edge_types] for i in range(h)]
+    return [[int(k)] * len(src.edge_types) for k in num_neighbors]
+
+
+@dataclass
+class HeteroParts:
+    """A heterogeneous sample split per type: per node type its ids (local to the type, the seeds first) and
+    per-hop counts, per edge type its ``edge_index`` (local ids of its source and destination types), ``e_id``
+    and per-hop counts."""
+
+    n_id: list
+    edge_index: list
+    e_id: list
+    num_sampled_nodes: list
+    num_sampled_edges: list
+
+
+def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
+    """Per-type ids and edges of a sample of the one-graph form (one host round trip for all the counts)."""
+    dev = sub.n_id.device
+    num_t, num_k, hops = blocks.num_node_types, blocks.num_edge_types, len(sub.num_sampled_edges)
+    ntype, etype = sub.node_type, sub.edge_type
+    node_offset = torch.tensor(blocks.node_offset[:-1], dtype=torch.long, device=dev)
+    # the rank of each batch node among the batch's nodes of its type (batch order)
+    order = torch.sort(ntype, stable=True).indices
+    type_count = torch.bincount(ntype, minlength=num_t)
+    type_start = torch.cumsum(type_count, 0) - type_count
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=dev) - type_start[ntype[order]]
+    edge_order = torch.sort(etype, stable=True).indices
+    edge_count = torch.bincount(etype, minlength=num_k)
+    hop_of_node = torch.repeat_interleave(torch.arange(hops + 1, device=dev),
+                                          torch.tensor(sub.num_sampled_nodes, device=dev),
+                                          output_size=sub.num_nodes)
+    hop_of_edge = torch.repeat_interleave(torch.arange(hops, device=dev),
+                                          torch.tensor(sub.num_sampled_edges, device=dev),
+                                          output_size=sub.num_edges)
+    per_hop_nodes = torch.bincount(hop_of_node * num_t + ntype, minlength=(hops + 1) * num_t)
+    per_hop_edges = torch.bincount(hop_of_edge * num_k + etype, minlength=max(hops, 1) * num_k)
+    counts = torch.cat([type_count, edge_count, per_hop_nodes, per_hop_edges]).tolist()  # one host round trip
+    type_counts, edge_counts = counts[:num_t], counts[num_t:num_t + num_k]
+    nodes_hop = counts[num_t + num_k:num_t + num_k + (hops + 1) * num_t]
+    edges_hop = counts[num_t + num_k + (hops + 1) * num_t:]
+    local = sub.n_id - node_offset[ntype]
+    n_id = list(local[order].split(type_counts))
+    src, dst = sub.edge_index
+    row, col = rank[src][edge_order], rank[dst][edge_order]
+    e_id = sub.e_id[edge_order]
+    edge_index = [torch.stack(pair) for pair in zip(row.split(edge_counts), col.split(edge_counts), strict=True)]
+    return HeteroParts(
+        n_id, edge_index, list(e_id.split(edge_counts)),
+        [[nodes_hop[h * num_t + t] for h in range(hops + 1)] for t in range(num_t)],
+        [[edges_hop[h * num_k + k] for h in range(hops)] for k in range(num_k)])
+
+
+def source_of(data, is_sorted: bool = False) -> Source:
+    """The :class:`Source` behind any ``data`` the loader takes."""
+    try:
+        from torch_geometric.data import Data, FeatureStore, GraphStore, HeteroData
+    except ImportError as e:
+        raise ImportError("NeighborLoader makes torch_geometric Data / HeteroData batches: pip install "
+                          "torch_geometric (NeighborSampler alone works without it)") from e
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], Topology):
+        return from_topology(data[0], data[1])
+    if isinstance(data, HeteroData):
+        return from_hetero_data(data, is_sorted)
+    if isinstance(data, Data):
+        return from_data(data, is_sorted)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], FeatureStore) \
+            and isinstance(data[1], GraphStore):
+        return from_stores(*data)
+    raise TypeError(f"NeighborLoader takes a Data, a HeteroData, a (FeatureStore, GraphStore) pair or a (features, "
+                    f"Topology) pair; got {describe(data)}")

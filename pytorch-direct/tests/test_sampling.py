@@ -1,0 +1,528 @@
+"""pytorch_direct.sampling: the neighbour sampler against the graph (every sampled edge exists, exact per-node counts
+per hop and edge type, no edge twice, uniform frequencies, the id map reset) and the loader against PyG (the same
+batches as PyG's own NodeLoader assembles from the same samples; its input forms and errors)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import pytorch_direct as pd
+from pytorch_direct.sampling import NeighborLoader, NeighborSampler, Topology
+
+CPU = torch.device("cpu")
+
+
+def pyg():
+    """torch_geometric and pytorch_direct.pyg, imported when a test needs them (not at collection: importing
+    torch_geometric early changes how another file's torch.compile tests trace index_select)."""
+    pytest.importorskip("torch_geometric")
+    import torch_geometric.data
+    import torch_geometric.loader
+
+    import pytorch_direct.pyg
+
+    class Names:
+        Data, HeteroData = torch_geometric.data.Data, torch_geometric.data.HeteroData
+        NodeLoader = torch_geometric.loader.NodeLoader
+        NodeSampler = pytorch_direct.pyg.NodeSampler
+        UnifiedFeatureStore = pytorch_direct.pyg.UnifiedFeatureStore
+        make_graph_store = staticmethod(pytorch_direct.pyg.make_graph_store)
+
+    return Names
+
+
+def csc_from_edges(src, dst, num_nodes, num_relations=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    etype = torch.randint(num_relations, (src.numel(),), generator=gen)
+    dst_sorted, order = torch.sort(dst, stable=True)
+    colptr = torch.zeros(num_nodes + 1, dtype=torch.long)
+    colptr[1:] = torch.cumsum(torch.bincount(dst_sorted, minlength=num_nodes), 0)
+    return Topology(colptr, src[order].to(torch.int32), edge_type=etype[order].to(torch.int32))
+
+
+def skewed_edges(num_nodes=300, seed=0, e=4000):
+    """A hub with most in-edges, nodes without any, duplicate (multi-)edges and self-loops."""
+    gen = torch.Generator().manual_seed(seed)
+    dst = (torch.rand(e, generator=gen).pow(3) * num_nodes).long()
+    dst[dst % 7 == 3] = 0  # nodes 3, 10, 17, ... never receive edges; node 0 is a hub
+    src = torch.randint(num_nodes, (e,), generator=gen)
+    src[:50] = dst[:50]  # self-loops
+    src[50:100] = src[100:150]
+    dst[50:100] = dst[100:150]  # duplicated edges
+    return src, dst
+
+
+def skewed_graph(num_nodes=300, seed=0):
+    return csc_from_edges(*skewed_edges(num_nodes, seed), num_nodes, seed=seed)
+
+
+def check_subgraph(sub, seeds, topo, fanout, replace=False):
+    colptr, row = topo.colptr.cpu(), topo.row.cpu()
+    sub = sub.to("cpu")
+    seeds = seeds.cpu()
+    n_id, (src_l, dst_l) = sub.n_id, sub.edge_index
+    assert torch.equal(n_id[: sub.batch_size], seeds)
+    assert n_id.unique().numel() == n_id.numel(), "every node appears once"
+    assert sub.num_sampled_nodes[0] == sub.batch_size and sum(sub.num_sampled_nodes) == n_id.numel()
+    assert len(sub.num_sampled_edges) == len(fanout) and sum(sub.num_sampled_edges) == sub.num_edges
+    e_dst = torch.searchsorted(colptr, sub.e_id, right=True) - 1
+    assert torch.equal(n_id[src_l], row[sub.e_id].long())
+    assert torch.equal(n_id[dst_l], e_dst)
+    if topo.edge_type is not None:
+        assert torch.equal(sub.edge_type, topo.edge_type.cpu()[sub.e_id].long())
+    node_lo, edge_lo = 0, 0
+    for hop, k in enumerate(fanout):
+        n_nodes, n_edges = sub.num_sampled_nodes[hop], sub.num_sampled_edges[hop]
+        frontier = n_id[node_lo: node_lo + n_nodes]
+        eids, dsts = sub.e_id[edge_lo: edge_lo + n_edges], dst_l[edge_lo: edge_lo + n_edges]
+        assert bool(((dsts >= node_lo) & (dsts < node_lo + n_nodes)).all())
+        degree = colptr[frontier + 1] - colptr[frontier]
+        if k < 0:
+            expected = degree
+        elif replace:
+            expected = torch.where(degree > 0, k, 0)
+        else:
+            expected = degree.clamp(max=k)
+        assert torch.equal(torch.bincount(dsts - node_lo, minlength=n_nodes), expected)
+        if not replace:
+            assert eids.unique().numel() == eids.numel(), "no edge drawn twice"
+        new = n_id[node_lo + n_nodes: node_lo + n_nodes + sub.num_sampled_nodes[hop + 1]]
+        assert torch.equal(new, new.sort().values), "new nodes of a hop are numbered in ascending id"
+        node_lo, edge_lo = node_lo + n_nodes, edge_lo + n_edges
+
+
+# ---- the sampler -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fanout", [[4, 3], [1], [-1, 2], [50, 50, 50]])
+@pytest.mark.parametrize("replace", [False, True])
+def test_sampled_subgraph_is_valid(fanout, replace):
+    topo = skewed_graph()
+    sampler = NeighborSampler(topo, fanout, replace=replace, generator=torch.Generator().manual_seed(1))
+    for seeds in (torch.tensor([0, 5, 3, 299]), torch.randperm(300)[:64], torch.tensor([3])):
+        check_subgraph(sampler.sample(seeds), seeds, topo, fanout, replace)
+
+
+def test_map_is_reset_between_batches():
+    sampler = NeighborSampler(skewed_graph(), [5, 5])
+    sampler.sample(torch.arange(40))
+    assert bool((sampler._local == -1).all())
+    with pytest.raises(ValueError, match="distinct"):
+        sampler.sample(torch.tensor([1, 2, 1]))
+    assert bool((sampler._local == -1).all())
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_sampling_is_uniform(replace):
+    # one destination with 10 in-edges, 3 drawn: each edge drawn with probability 0.3 (without replacement) or
+    # 3 / 10 times on average (with), never twice without replacement
+    topo = csc_from_edges(torch.arange(1, 11), torch.zeros(10, dtype=torch.long), 11)
+    sampler = NeighborSampler(topo, [3], replace=replace, generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(10)
+    trials, twice = 4000, 0
+    for _ in range(trials):
+        sub = sampler.sample(torch.tensor([0]))
+        assert sub.e_id.numel() == 3
+        twice += sub.e_id.unique().numel() < 3
+        counts.index_add_(0, sub.e_id, torch.ones(3))
+    assert bool(((counts / trials - 0.3).abs() < 0.04).all()), counts / trials  # > 5 standard deviations
+    if replace:
+        assert 0.2 < twice / trials < 0.36  # P(some edge twice) = 1 - 0.9 * 0.8 = 0.28
+    else:
+        assert twice == 0
+
+
+def test_bad_input_is_named():
+    topo = skewed_graph()
+    with pytest.raises(ValueError, match="num_neighbors"):
+        NeighborSampler(topo, [0])
+    with pytest.raises(ValueError, match="one entry per edge"):
+        Topology(topo.colptr, topo.row, edge_type=topo.edge_type[:-1])
+    with pytest.raises(TypeError, match="integers"):
+        Topology(topo.colptr.double(), topo.row)
+    sampler = NeighborSampler(topo, [2])
+    with pytest.raises(IndexError, match=r"\[0, 300\)"):
+        sampler.sample(torch.tensor([0, 300]))
+    with pytest.raises(ValueError, match="non-empty"):
+        sampler.sample(torch.tensor([], dtype=torch.long))
+
+
+def test_topology_in_unified_host_memory_gives_the_same_batches():
+    topo = skewed_graph(seed=3)
+    seeds = torch.randperm(300, generator=torch.Generator().manual_seed(0))[:32]
+    plain = NeighborSampler(topo, [6, 4], generator=torch.Generator().manual_seed(5)).sample(seeds)
+    host = NeighborSampler(topo.placed("host", CPU), [6, 4], generator=torch.Generator().manual_seed(5)).sample(seeds)
+    for name in ("n_id", "edge_index", "edge_type", "e_id"):
+        assert torch.equal(getattr(plain, name), getattr(host, name)), name
+
+
+def test_a_topology_on_another_device_is_named():
+    topo = skewed_graph()
+    with pytest.raises(ValueError, match="placed"):
+        NeighborSampler(topo, [2], device="cuda")
+
+
+# ---- the loader against PyG ------------------------------------------------------------------------------------
+
+def random_data(n=400, e=3000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    src, dst = skewed_edges(n, seed, e)
+    return pyg().Data(x=torch.randn(n, 7, generator=gen), y=torch.randint(0, 5, (n,), generator=gen),
+                edge_index=torch.stack([src, dst]), edge_attr=torch.randn(e, 3, generator=gen),
+                train_mask=torch.rand(n, generator=gen) < 0.3, name="toy")
+
+
+def random_hetero(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = pyg().HeteroData()
+    sizes = {"paper": 300, "author": 200, "venue": 10}
+    for t, n in sizes.items():
+        h[t].x = torch.randn(n, 4 + len(t), generator=gen)
+    h["paper"].y = torch.randint(0, 3, (300,), generator=gen)
+
+    def edges(a, b, e):
+        return torch.stack([torch.randint(0, sizes[a], (e,), generator=gen),
+                            (torch.rand(e, generator=gen).pow(2) * sizes[b]).long()])
+
+    h["author", "writes", "paper"].edge_index = edges("author", "paper", 1500)
+    h["paper", "cites", "paper"].edge_index = edges("paper", "paper", 2000)
+    h["paper", "in", "venue"].edge_index = edges("paper", "venue", 300)
+    h["venue", "has", "paper"].edge_index = h["paper", "in", "venue"].edge_index.flip(0)
+    h["paper", "written_by", "author"].edge_index = h["author", "writes", "paper"].edge_index.flip(0)
+    h["author", "writes", "paper"].edge_weight = torch.rand(1500, generator=gen)
+    return h
+
+
+def assert_same_batch(ours, theirs):
+    """Every attribute PyG's NodeLoader gives a batch, equal in ours (ours lie on the loader's device)."""
+    stores = zip(ours.stores, theirs.stores, strict=True) if isinstance(ours, pyg().HeteroData) else \
+        [(ours._store, theirs._store)]
+    for mine, ref in stores:
+        for key, value in ref.items():
+            if value is None:
+                continue
+            assert key in mine, key
+            got = mine[key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got.cpu(), value.cpu()), key
+            else:
+                assert got == value, key
+
+
+@pytest.mark.parametrize("inputs", ["all", "index", "mask"])
+def test_data_batches_equal_pygs_own_loader(inputs):
+    data = random_data()
+    input_nodes = {"all": None, "index": torch.randperm(400)[:150], "mask": data.train_mask}[inputs]
+    ours = NeighborLoader(data, [5, 3], input_nodes=input_nodes, batch_size=40, seed=7)
+    sampler = pyg().NodeSampler(data, [5, 3], seed=7)
+    theirs = pyg().NodeLoader(data, node_sampler=sampler, input_nodes=input_nodes, batch_size=40)
+    count = 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same_batch(a, b)
+        assert a.name == "toy" and a.batch_size == b.batch_size
+        count += 1
+    assert count == len(ours) == len(theirs)
+
+
+def test_hetero_batches_equal_pygs_own_loader():
+    data = random_hetero()
+    fanouts = {et: [4, 2] for et in data.edge_types}
+    fanouts["paper", "in", "venue"] = [0, 1]
+    ours = NeighborLoader(data, fanouts, input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16, seed=2)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, fanouts, seed=2),
+                        input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16)
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same_batch(a, b)
+
+
+def test_hetero_batches_follow_pyg_semantics():
+    # per hop and edge type: the frontier nodes of the edge type's destination type draw min(in-degree, fanout)
+    # distinct edges of that type each; seeds first; ids within each node type
+    data = random_hetero(seed=1)
+    fanouts = {et: [3, 2] for et in data.edge_types}
+    fanouts["venue", "has", "paper"] = [-1, 0]
+    loader = NeighborLoader(data, fanouts, input_nodes="paper", batch_size=24, shuffle=True, seed=5)
+    seen = []
+    for batch in loader:
+        seeds = batch["paper"].n_id[: batch["paper"].batch_size]
+        seen.append(seeds)
+        assert torch.equal(batch["paper"].input_id, seeds)
+        for t in data.node_types:
+            ids = batch[t].n_id
+            assert ids.unique().numel() == ids.numel() and sum(batch[t].num_sampled_nodes) == ids.numel()
+            assert torch.equal(batch[t].x, data[t].x[ids])
+        frontier = {t: (0, batch[t].num_sampled_nodes[0]) for t in data.node_types}
+        edge_lo = {et: 0 for et in data.edge_types}
+        for hop in range(2):
+            for et in data.edge_types:
+                s, _, d = et
+                k = fanouts[et][hop]
+                n_edges = batch[et].num_sampled_edges[hop]
+                ei = batch[et].edge_index[:, edge_lo[et]: edge_lo[et] + n_edges]
+                eid = batch[et].e_id[edge_lo[et]: edge_lo[et] + n_edges]
+                assert eid.unique().numel() == eid.numel()
+                ref = data[et].edge_index
+                assert torch.equal(batch[s].n_id[ei[0]], ref[0, eid]) and torch.equal(batch[d].n_id[ei[1]], ref[1, eid])
+                lo, n = frontier[d]
+                assert bool(((ei[1] >= lo) & (ei[1] < lo + n)).all())
+                nodes = batch[d].n_id[lo: lo + n]
+                degree = torch.bincount(ref[1], minlength=data[d].num_nodes)[nodes]
+                expected = degree if k < 0 else degree.clamp(max=k)
+                assert torch.equal(torch.bincount(ei[1] - lo, minlength=n), expected), (hop, et)
+                edge_lo[et] += n_edges
+            frontier = {t: (frontier[t][0] + frontier[t][1], batch[t].num_sampled_nodes[hop + 1])
+                        for t in data.node_types}
+        if "edge_weight" in data["author", "writes", "paper"]:
+            et = ("author", "writes", "paper")
+            assert torch.equal(batch[et].edge_weight, data[et].edge_weight[batch[et].e_id])
+    every = torch.cat(seen)
+    assert torch.equal(every.sort().values, torch.arange(300)), "each seed once per epoch"
+
+
+def test_feature_and_graph_store_pair_without_input_nodes():
+    # PyG's own NeighborLoader stops here with a bare AssertionError (and needs pyg-lib to sample)
+    data = random_data(seed=2)
+    fs = pyg().UnifiedFeatureStore()
+    assert fs.device == (torch.device("cuda", torch.cuda.current_device()) if pd.cuda_usable() else CPU)
+    fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
+    fs.put_tensor(data.y, group_name=None, attr_name="y", index=None)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    loader = NeighborLoader((fs, gs), [4, 4], batch_size=100, device="cpu")
+    batches = list(loader)
+    assert len(batches) == 4 and sum(b.batch_size for b in batches) == 400
+    for b in batches:
+        assert torch.equal(b.x, data.x[b.n_id]) and torch.equal(b.y, data.y[b.n_id])
+        assert torch.equal(b.n_id[b.edge_index], data.edge_index[:, b.e_id])  # e_id: ids in the edge list
+        check_counts(b, data.edge_index, [4, 4])
+
+
+def check_counts(batch, edge_index, fanout):
+    """Each hop's frontier nodes drew min(in-degree, fanout) distinct edges."""
+    degree_of = torch.bincount(edge_index[1], minlength=int(edge_index.max()) + 1)
+    node_lo, edge_lo = 0, 0
+    for hop, k in enumerate(fanout):
+        n, m = batch.num_sampled_nodes[hop], batch.num_sampled_edges[hop]
+        dst = batch.edge_index[1, edge_lo: edge_lo + m] - node_lo
+        degree = degree_of[batch.n_id[node_lo: node_lo + n]]
+        assert torch.equal(torch.bincount(dst, minlength=n), degree.clamp(max=k))
+        assert batch.e_id[edge_lo: edge_lo + m].unique().numel() == m
+        node_lo, edge_lo = node_lo + n, edge_lo + m
+
+
+def test_hetero_store_pair():
+    from torch_geometric.distributed import LocalGraphStore
+
+    data = random_hetero(seed=4)
+    fs = pyg().UnifiedFeatureStore(device="cpu")
+    for t in data.node_types:
+        fs.put_tensor(data[t].x, group_name=t, attr_name="x", index=None)
+    gs = LocalGraphStore.from_hetero_data({et: torch.arange(data[et].num_edges) for et in data.edge_types},
+                                          dict(data.edge_index_dict), {t: data[t].num_nodes for t in data.node_types})
+    loader = NeighborLoader((fs, gs), [3, 2], input_nodes="author", batch_size=50)
+    n = 0
+    for b in loader:
+        n += b["author"].batch_size
+        for t in data.node_types:
+            assert torch.equal(b[t].x, data[t].x[b[t].n_id])
+        for et in data.edge_types:
+            ei = b[et].edge_index
+            assert torch.equal(b[et[0]].n_id[ei[0]], data[et].edge_index[0, b[et].e_id])
+    assert n == 200
+
+
+def test_topology_pair_carries_edge_and_node_types():
+    topo = skewed_graph(seed=5)
+    topo.node_type = torch.arange(300) % 4
+    x, y = torch.randn(300, 5), torch.randint(0, 3, (300,))
+    loader = NeighborLoader(({"x": x, "y": y}, topo), [5, 5], input_nodes=torch.arange(64), batch_size=16)
+    for b in loader:
+        assert torch.equal(b.x, x[b.n_id]) and torch.equal(b.y, y[b.n_id])
+        assert torch.equal(b.edge_type, topo.edge_type[b.e_id].long())
+        assert torch.equal(b.node_type, topo.node_type[b.n_id])
+        assert b.num_nodes == b.n_id.numel()
+    with pytest.raises(ValueError, match="one row per node"):
+        NeighborLoader(({"x": x[:10]}, topo), [2])
+
+
+@pytest.mark.filterwarnings("ignore:NeighborLoader")
+@pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
+def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):
+    data = random_data(seed=6)
+    ref = [b.n_id for b in NeighborLoader(data, [4, 2], batch_size=64, shuffle=True, seed=11, prefetch=0)]
+    loader = NeighborLoader(data, [4, 2], batch_size=64, shuffle=True, seed=11, prefetch=prefetch, thread=thread)
+    names = set()
+    loader.transform = lambda b: (names.add(threading.current_thread().name), b)[1]
+    got = [b.n_id for b in loader]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert names == ({"pytorch-direct-loader"} if thread else {threading.current_thread().name})
+    stats = loader.stats()
+    assert stats["batches"] == len(ref) and stats["wait_s"] >= 0 and stats["sample_s"] > 0
+    # a second epoch: another order, the same seeds
+    again = [b.n_id[: b.batch_size] for b in loader]
+    assert not all(torch.equal(a[: 64], b[: 64]) for a, b in zip(got, again, strict=True))
+    assert torch.equal(torch.cat(again).sort().values, torch.arange(400))
+
+
+def test_shuffle_drop_last_and_len():
+    data = random_data(n=100)
+    loader = NeighborLoader(data, [2], batch_size=30, drop_last=True, shuffle=True, seed=0)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 3 and all(b.batch_size == 30 for b in batches)
+    assert len(NeighborLoader(data, [2], batch_size=30)) == 4
+
+
+def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
+    data = random_data()
+
+    def broken(batch):
+        if int(batch.input_id[0]) >= 80:
+            raise KeyError("bad batch")
+        return batch
+
+    before = threading.active_count()
+    loader = NeighborLoader(data, [2], batch_size=40, prefetch=2, thread=True, transform=broken)
+    seen = 0
+    with pytest.raises(KeyError, match="bad batch"):
+        for _ in loader:
+            seen += 1
+    assert seen == 2
+    for i, _ in enumerate(NeighborLoader(data, [2], batch_size=10, prefetch=2, thread=True)):
+        if i == 2:
+            break  # stopping early
+    import gc
+
+    gc.collect()
+    assert threading.active_count() == before
+
+
+def test_bad_arguments_are_named():
+    data, hetero = random_data(), random_hetero()
+    with pytest.raises(ValueError, match="node type"):
+        NeighborLoader(hetero, [2])
+    with pytest.raises(ValueError, match="not in the graph"):
+        NeighborLoader(hetero, [2], input_nodes="nope")
+    with pytest.raises(ValueError, match="no fan-outs for edge types"):
+        NeighborLoader(hetero, {("paper", "cites", "paper"): [2]}, input_nodes="paper")
+    with pytest.raises(NotImplementedError, match="worker processes"):
+        NeighborLoader(data, [2], num_workers=2)
+    NeighborLoader(data, [2], num_workers=0)
+    with pytest.raises(TypeError, match="unexpected argument 'bogus'"):
+        NeighborLoader(data, [2], bogus=1)
+    with pytest.raises(NotImplementedError, match="directional"):
+        NeighborLoader(data, [2], subgraph_type="induced")
+    with pytest.raises(IndexError, match="input node ids"):
+        NeighborLoader(data, [2], input_nodes=torch.tensor([0, 400]))
+    with pytest.raises(ValueError, match="distinct"):
+        NeighborLoader(data, [2], input_nodes=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="mask must have one entry per node"):
+        NeighborLoader(data, [2], input_nodes=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="thread=True needs prefetch"):
+        NeighborLoader(data, [2], prefetch=0, thread=True)
+    with pytest.raises(TypeError, match="takes a Data"):
+        NeighborLoader([1, 2], [2])
+    with pytest.warns(UserWarning, match="overlap nothing"):
+        NeighborLoader(data, [2], prefetch=1, thread=False, device="cpu")
+    with pytest.warns(UserWarning, match="no effect on the CPU"):
+        NeighborLoader(data, [2], topology="host", device="cpu")
+
+
+def test_unified_feature_store_errors_say_the_fix():
+    fs = pyg().UnifiedFeatureStore(device="cpu")
+    with pytest.raises(KeyError, match="put it first"):
+        fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0]))
+    with pytest.raises(KeyError, match="put the whole tensor first"):
+        fs.put_tensor(torch.zeros(2, 3), group_name=None, attr_name="x", index=torch.tensor([0, 1]))
+    fs.put_tensor(torch.arange(12.0).view(6, 2), group_name=None, attr_name="x", index=None)
+    mask = torch.tensor([True, False, True, False, False, True])
+    rows = fs.get_tensor(group_name=None, attr_name="x", index=mask)
+    assert torch.equal(rows, torch.tensor([[0., 1], [4, 5], [10, 11]]))
+    with pytest.raises(IndexError, match="integer ids or a boolean mask"):
+        fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0.5]))
+    if not pd.cuda_usable():
+        with pytest.raises(RuntimeError, match="leave device unset or pass device='cpu'"):
+            pyg().UnifiedFeatureStore(device="cuda")
+
+
+def test_make_graph_store_is_pygs_local_graph_store():
+    from torch_geometric.distributed import LocalGraphStore
+
+    edge_index = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    gs = pyg().make_graph_store(edge_index, num_nodes=3)
+    assert isinstance(gs, LocalGraphStore)
+    row, colptr, _ = gs.csc()
+    assert colptr.tolist() == [0, 1, 2, 3] and row.tolist() == [1, 2, 0]
+    typed = pyg().make_graph_store(edge_index, num_nodes=3, edge_type=("a", "r", "a"))
+    assert typed.get_all_edge_attrs()[0].edge_type == ("a", "r", "a")
+
+
+def test_readme_sampling_examples_run():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## GNN mini-batches", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 4
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md GNN block {i}", "exec"), {})
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_sampler_on_the_gpu(where):
+    topo = skewed_graph(seed=7)
+    gpu = torch.device("cuda")
+    placed = topo.placed(where, gpu)
+    sampler = NeighborSampler(placed, [5, 3], device=gpu, generator=torch.Generator(gpu).manual_seed(0))
+    for seeds in (torch.tensor([0, 5, 3, 299]), torch.randperm(300)[:64]):
+        sub = sampler.sample(seeds.cuda())
+        assert sub.n_id.is_cuda and sub.edge_index.is_cuda
+        check_subgraph(sub, seeds, topo, [5, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch,thread", [(0, False), (2, False), (1, True), (3, True)])
+def test_loader_on_the_gpu(prefetch, thread):
+    data = random_data(n=3000, e=40000, seed=8)
+    data.x = torch.randn(3000, 300)  # 3.4 MiB: copied to the GPU; larger tables are registered (below)
+    loader = NeighborLoader(data, [6, 4], batch_size=128, shuffle=True, seed=1, prefetch=prefetch, thread=thread)
+    ref = NeighborLoader(data, [6, 4], batch_size=128, shuffle=True, seed=1, device="cuda", prefetch=0)
+    for a, b in zip(loader, ref, strict=True):
+        assert a.x.is_cuda and a.edge_index.is_cuda
+        assert torch.equal(a.n_id, b.n_id) and torch.equal(a.x, b.x)
+        assert torch.equal(a.x.cpu(), data.x[a.n_id.cpu()])
+        assert torch.equal(a.edge_attr.cpu(), data.edge_attr[a.e_id.cpu()])
+        (a.x.sum() * 2).item()  # used on the training stream
+    stats = loader.stats()
+    assert stats["batches"] == len(loader) and stats["wait_s"] >= 0
+
+
+@pytest.mark.gpu
+def test_loader_on_the_gpu_reads_large_tables_and_the_topology_zero_copy():
+    data = random_data(n=20000, e=100000, seed=9)
+    data.x = torch.randn(20000, 256)  # 20 MiB: registered in place, read zero-copy
+    loader = NeighborLoader(data, [5, 5], batch_size=512, topology="host", seed=0)
+    assert pd.is_unified(loader.source.node_tables[(None, "x")]) and pd.is_unified(loader.source.topology.colptr)
+    cpu = NeighborLoader(data, [5, 5], batch_size=512, device="cpu", seed=0)
+    plain = NeighborLoader(data, [5, 5], batch_size=512, unify=False, seed=0)
+    for a, b, c in zip(loader, cpu, plain, strict=True):
+        assert torch.equal(a.x.cpu(), data.x[a.n_id.cpu()]) and torch.equal(c.x.cpu(), data.x[c.n_id.cpu()])
+        assert a.num_nodes == a.n_id.numel() and b.batch_size == a.batch_size
+
+
+@pytest.mark.gpu
+def test_store_pair_and_pygs_node_loader_on_the_gpu():
+    data = random_data(seed=10)
+    fs = pyg().UnifiedFeatureStore()
+    assert fs.device.type == "cuda"
+    fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    for b in NeighborLoader((fs, gs), [4, 4], batch_size=100):
+        assert b.x.is_cuda and torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [4, 4], device="cuda", seed=0), batch_size=50)
+    for b in theirs:
+        assert torch.equal(b.n_id[b.edge_index], data.edge_index[:, b.e_id])

@@ -22,6 +22,8 @@ from typing import Any
 
 
 class Domain(enum.Enum):
+    """What the rows of a value are: nodes, edges, unique (source, relation) pairs, or none (PARAM)."""
+
     NODE = "node"
     EDGE = "edge"
     UNIQUE = "unique"
@@ -58,6 +60,8 @@ ACTIVATIONS = ("exp", "relu", "leaky_relu", "sigmoid", "tanh", "gelu")
 
 
 class OpKind(enum.Enum):
+    """The families ops are grouped in (leaves, data movement, linear maps, elementwise, feature, reductions)."""
+
     LEAF = "leaf"
     MOVE = "move"
     LINEAR = "linear"

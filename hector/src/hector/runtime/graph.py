@@ -79,7 +79,10 @@ class Graph:
         checks = [("edge_index", edge_index, self.num_nodes, "node"),
                   ("edge_type", edge_type, self.num_relations, "relation")]
         if node_type is None:
-            self.num_node_types = 1 if num_node_types is None else int(num_node_types)
+            if num_node_types is not None and int(num_node_types) > 1:
+                raise GraphInputError(f"num_node_types={num_node_types} but node_type is None: give node_type, one "
+                                      "node-type id per node (a [num_nodes] integer tensor)")
+            self.num_node_types = 1
             node_type = torch.zeros(self.num_nodes, dtype=torch.long, device=edge_index.device)
         else:
             node_type = _check_int_tensor("node_type", node_type, 1)

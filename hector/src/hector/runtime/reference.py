@@ -8,6 +8,7 @@ kernel, keeping only the values a kernel materialises, so its memory behaviour f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -216,11 +217,39 @@ def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: 
     return env
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _no_autocast(device: torch.device) -> Any:
+    """Autocast off while the reference backend runs: its torch ops must keep the program's dtypes (autocast would
+    run matmuls in bf16 and exp or sums in float32, and mix them)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
                 keep: Any = None) -> dict[str, torch.Tensor]:
     """Run a lowered program kernel by kernel. Values a kernel does not materialise are dropped when it ends, and
     materialised values are dropped after their last reader unless they are outputs or in ``keep`` (None: keep
-    everything), so peak memory follows the kernel plan (up to torch's temporaries inside a kernel)."""
+    everything), so peak memory follows the kernel plan (up to torch's temporaries inside a kernel).
+
+    Half-precision programs (bfloat16 or float16 leaves) compute in float32, as the generated kernels accumulate,
+    and return their outputs in the half dtype; kept values stay in float32."""
+    floats = [t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()]
+    half = next((d for d in floats if d in _HALF), None)
+    with _no_autocast(graph.device):
+        if half is None or dtype is not None:
+            return _run_lowered(lowered, graph, leaves, dtype, keep)
+        wide = {k: v.float() if torch.is_tensor(v) and v.dtype in _HALF else v for k, v in leaves.items()}
+        env = _run_lowered(lowered, graph, wide, torch.float32, keep)
+        for name in lowered.program.outputs:
+            env[name] = env[name].to(half)
+        return env
+
+
+def _run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None,
+                 keep: Any) -> dict[str, torch.Tensor]:
     program = lowered.program
     if dtype is None:
         dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),

@@ -68,3 +68,12 @@ def test_bench_cuda_smoke(tmp_path):
     assert all(isinstance(r["hector_train_ms"], float) and isinstance(r["hector_infer_ms"], float) for r in rows)
     assert {e["kind"] for e in extras} == {"ablation", "minibatch"}
     assert {e["variant"] for e in extras if e["kind"] == "ablation"} >= {"compaction off", "fusion off"}
+
+
+def test_relations_smoke(tmp_path):
+    relations = load("relations")
+    out = tmp_path / "r.csv"
+    rows = relations.main(["--relations", "8,400", "--nodes", "300", "--edges", "600", "--batches", "1",
+                           "--dim", "8", "--csv", str(out)])
+    assert out.exists() and len(rows) == 6
+    assert all(r["step_ms"] > 0 and r["ops_per_step"] > 0 for r in rows)

@@ -219,3 +219,27 @@ def test_autocast_on_gpu_runs_generated_kernels(model, dtype):
     for u, v in zip(gb, ga, strict=True):
         if v is not None:
             assert u.dtype == torch.float32 and rel_err(u.double(), v) < 5e-2
+
+
+@pytest.mark.parametrize("model", ["rgcn", "rgat", "hgt"])
+def test_prepared_graph_step_has_no_host_synchronisation(model):
+    """After hector.prepare_graph (validation and the unique-pair count read the device), a training step on a new
+    graph (its device layout, tile schedules and degree constants built on first use) never waits for the GPU."""
+    import hector
+
+    twin, ei, et, nt = _twin(scale=0.1)
+    torch.manual_seed(0)
+    layer = MODELS[model](64, twin.num_relations, twin.num_node_types).cuda()
+    x = twin.features(64).cuda().requires_grad_()
+    layer(x, ei, et, nt).sum().backward()  # compile the modules, pick the options for this size class
+    ei2, et2 = ei.clone(), et.clone()  # a new graph, same size class
+    typed = (nt, twin.num_node_types) if model == "hgt" else (None, None)
+    hector.prepare_graph(ei2, et2, twin.num_nodes, twin.num_relations, *typed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x, ei2, et2, typed[0])
+        grads = torch.autograd.grad(out.sum(), [x] + list(layer.parameters()))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(g).all() for g in grads)

@@ -71,28 +71,60 @@ def _mm(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.
     return x @ (w.t() if transpose else w)
 
 
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.Tensor:
+    """Row i times its own weight ``w[i]`` (a batched matmul over rows of small types)."""
+    if head:
+        return torch.einsum("rho,rhio->rhi" if transpose else "rhi,rhio->rho", x, w)
+    return torch.bmm(x.unsqueeze(1), w.transpose(1, 2) if transpose else w).squeeze(1)
+
+
+# Types with at least this many rows get one dense matmul each; the rows of all smaller types share batched
+# matmuls with per-row weights, so the Python loop runs over at most rows / DENSE_ROWS types (not over every
+# relation of a model with thousands).
+DENSE_ROWS = 128
+
+
+def _weight_tile(core: tuple[int, ...], itemsize: int, device_type: str) -> int:
+    """Rows per batched per-row-weight matmul: the gathered weights take at most 8 reference tiles of memory."""
+    from .. import config
+
+    return max(1, 8 * config.tile_bytes(device_type) // max(1, math.prod(core) * itemsize))
+
+
+def _chunks(graph: Graph, domain: Domain, by: tuple[str, ...], step: int, wstep: int):
+    """(rows, t): the segment chunks of ``graph.segment_chunks`` cut into pieces of at most ``step`` rows (and
+    ``wstep`` rows where each row reads its own weight)."""
+    for rows, t in graph.segment_chunks(domain, by, DENSE_ROWS):
+        size = step if isinstance(t, int) else min(step, wstep)
+        for a in range(0, rows.numel(), size):
+            yield rows[a:a + size], (t if isinstance(t, int) else t[a:a + size])
+
+
+def _segment_mm(x: torch.Tensor, wflat: torch.Tensor, t: Any, head: bool, transpose: bool) -> torch.Tensor:
+    if isinstance(t, int):
+        return _mm(x, wflat[t], head, transpose)
+    return _mm_rows(x, wflat.index_select(0, t), head, transpose)
+
+
 def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, wtype, xdomain: Domain, graph: Graph,
             row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Row i times W[type(i)]. With ``row_index``, row i of the operand is ``x[row_index[i]]`` (a fused gather:
-    only one segment's rows are gathered at a time)."""
+    only one chunk's rows are gathered at a time)."""
     by = wtype.by
     core = w.shape[len(by):]
     head, transpose = len(core) == 3, bool(node.attr("transpose"))
     if not by:
         return _mm(x if row_index is None else x.index_select(0, row_index), w, head, transpose)
-    # Segmented GEMM: rows grouped by type, one dense matmul per type (no per-row weight copies).
+    # Segmented GEMM: rows grouped by type, one dense matmul per large type (no per-row weight copies), the rows
+    # of small types in batched matmuls with per-row weights.
     wflat = w.reshape(-1, *core)
     dout = core[-2] if transpose else core[-1]
     n = x.size(0) if row_index is None else row_index.numel()
     out = x.new_empty((n,) + ((core[0], dout) if head else (dout,)))
-    perm, counts = graph.segments(xdomain, by)
-    start = 0
-    for t, c in enumerate(counts):
-        if c:
-            rows = perm[start:start + c]
-            src = rows if row_index is None else row_index.index_select(0, rows)
-            out[rows] = _mm(x.index_select(0, src), wflat[t], head, transpose)
-            start += c
+    wstep = _weight_tile(core, w.element_size(), graph.device.type)
+    for rows, t in _chunks(graph, xdomain, by, n or 1, wstep):
+        src = rows if row_index is None else row_index.index_select(0, rows)
+        out[rows] = _segment_mm(x.index_select(0, src), wflat, t, head, transpose)
     return out
 
 
@@ -103,13 +135,13 @@ def _outer_sum(node: Node, x: torch.Tensor, dy: torch.Tensor, xdomain: Domain, g
     if not by:
         return torch.einsum(eq, x, dy)
     out = x.new_zeros((math.prod(shape[:len(by)]),) + core)
-    perm, counts = graph.segments(xdomain, by)
-    start = 0
-    for t, c in enumerate(counts):
-        if c:
-            rows = perm[start:start + c]
-            out[t] = torch.einsum(eq, x[rows], dy[rows])
-            start += c
+    per_row = "rhi,rho->rhio" if len(core) == 3 else "ri,ro->rio"
+    wstep = _weight_tile(core, x.element_size(), graph.device.type)
+    for rows, t in _chunks(graph, xdomain, by, max(1, x.size(0)), wstep):
+        if isinstance(t, int):
+            out[t] += torch.einsum(eq, x[rows], dy[rows])
+        else:
+            out.index_add_(0, t, torch.einsum(per_row, x[rows], dy[rows]))
     return out.reshape(shape)
 
 
@@ -495,34 +527,27 @@ def _run_gemm_scatter(program: Program, kernel, graph: Graph, env: dict, leaves:
     core = w.shape[len(wtype.by):]
     head, transpose = len(core) == 3, bool(lin.attr("transpose"))
     wflat = w.reshape((-1,) + core)
-    if wtype.by:
-        perm, counts = graph.segments(domain, wtype.by)
-    else:
-        perm, counts = torch.arange(graph.num_rows(domain), device=graph.device), [graph.num_rows(domain)]
     width = max(1, by[scatter.name].type.numel)
     from .. import config
 
     step = max(1, config.tile_bytes(graph.device.type) // (width * torch.empty((), dtype=dtype).element_size()))
+    wstep = _weight_tile(core, w.element_size(), graph.device.type)
     target = graph.num_rows(GATHER_VIA[scatter.attr("via")][0])
     out = None
     scatter_index = graph.gather_index(scatter.attr("via"))
-    start = 0
-    for t, c in enumerate(counts):
-        for a in range(start, start + c, step):
-            rows = perm[a:min(a + step, start + c)]
-            if table is not None:
-                xr = table.index_select(0, row_index.index_select(0, rows))
-            else:
-                xr = _rows_of(program, x_node.name, rows, graph, env, leaves, dtype)
-            y = _mm(xr, wflat[t], head, transpose)
-            if scale is not None:
-                other = scale.args[1] if scale.args[0] == lin.name else scale.args[0]
-                s_rows = _rows_of(program, other, rows, graph, env, leaves, dtype)
-                y = _binary(Op.MUL, y, s_rows) if scale.args[0] == lin.name else _binary(Op.MUL, s_rows, y)
-            if out is None:
-                out = y.new_zeros((target,) + y.shape[1:])
-            out.index_add_(0, scatter_index.index_select(0, rows), y)
-        start += c
+    for rows, t in _chunks(graph, domain, wtype.by, step, wstep):
+        if table is not None:
+            xr = table.index_select(0, row_index.index_select(0, rows))
+        else:
+            xr = _rows_of(program, x_node.name, rows, graph, env, leaves, dtype)
+        y = _segment_mm(xr, wflat, t, head, transpose)
+        if scale is not None:
+            other = scale.args[1] if scale.args[0] == lin.name else scale.args[0]
+            s_rows = _rows_of(program, other, rows, graph, env, leaves, dtype)
+            y = _binary(Op.MUL, y, s_rows) if scale.args[0] == lin.name else _binary(Op.MUL, s_rows, y)
+        if out is None:
+            out = y.new_zeros((target,) + y.shape[1:])
+        out.index_add_(0, scatter_index.index_select(0, rows), y)
     if out is None:  # no rows at all
         out = torch.zeros((target,) + by[scatter.name].type.shape, dtype=dtype, device=graph.device)
     env[scatter.name] = out

@@ -257,9 +257,11 @@ class Graph:
         return self.cached("csr", lambda: self._compressed(self.src))
 
     def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        perm = torch.sort(key, stable=True).indices
+        perm = sort_keys(key, self.num_nodes)[1]
         ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
-        ptr[1:] = torch.cumsum(torch.bincount(key, minlength=self.num_nodes), 0)
+        counts = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
+        counts.index_add_(0, key, torch.ones_like(key))
+        ptr[1:] = torch.cumsum(counts, 0)
         return perm, ptr
 
     def relation_ptr(self) -> torch.Tensor:

@@ -6,7 +6,7 @@ launch. The per-type counts stay on the GPU, so nothing is read on the host eith
 (a block-wide scan places their tiles): a model with thousands of relations does not make one thread walk them all.
 """
 
-from .cuda import ModuleCode
+from .common import ModuleCode
 
 KERNEL = "hector_tile_schedule"
 SIGNATURE = "ptr, i64, i64, i64, ptr"  # counts, types, rows per tile, slots, table

@@ -227,7 +227,5 @@ class Program:
     def with_nodes(self, nodes: list[Node] | tuple[Node, ...], outputs: tuple[str, ...] | None = None) -> Program:
         return Program(self.name, tuple(nodes), self.outputs if outputs is None else tuple(outputs), self.meta)
 
-    def __str__(self) -> str:
-        from .printer import format_program
-
-        return format_program(self)
+    # str(program) is the printer's text form; hector.ir (imported before any of its modules) sets __str__ to
+    # hector.ir.printer.format_program, so core does not import the printer that imports core

@@ -55,6 +55,10 @@ from .traversal import _Traversal
 
 DEFAULT_OPTIONS = CodegenOptions()
 
+# The emitter of each kernel family, by the lowering's kernel kind (GEMM kernels by their op).
+FAMILIES: dict[str, type[_Emitter]] = {"traversal": _Traversal, "param": _ParamKernel, "linear": _Gemm,
+                                        "outer_sum": _OuterSum}
+
 
 def generate(lowered: Lowered, dtypes: Mapping[str, str], model_dtype: str,
              options: CodegenOptions = DEFAULT_OPTIONS) -> ModuleCode:
@@ -76,14 +80,8 @@ def generate(lowered: Lowered, dtypes: Mapping[str, str], model_dtype: str,
             kernels.append(KernelCode(spec.name, spec, (), Launch("torch", 0), (Output(name, model_dtype, False),),
                                       torch_op="rng"))
             continue
-        if spec.kind == "traversal":
-            emitter: _Emitter = _Traversal(gen, spec)
-        elif spec.kind == "param":
-            emitter = _ParamKernel(gen, spec)
-        elif any(p.node(m).op is Op.OUTER_SUM for m in spec.nodes):
-            emitter = _OuterSum(gen, spec)
-        else:
-            emitter = _Gemm(gen, spec)
+        family = dict(spec.detail)["op"] if spec.kind == "gemm" else spec.kind
+        emitter: _Emitter = FAMILIES[family](gen, spec)
         text, code = emitter.generate()
         pieces.append(text)
         kernels.append(code)

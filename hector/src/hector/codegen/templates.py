@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..ir.core import Node, Op
+
 
 def act_expr(fn: str, x: str, slope: float) -> str:
     if fn == "exp":
@@ -44,3 +48,19 @@ def weight_offset(core: tuple[int, ...], transpose: bool, k: str, c: str) -> tup
     hh, kk, cc = f"(({k}) / {kin})", f"(({k}) % {kin})", f"(({c}) % {cout})"
     off = f"{hh} * {din * dout} + " + (f"{cc} * {dout} + {kk}" if transpose else f"{kk} * {dout} + {cc}")
     return cond, off
+
+
+# CUDA expression of one element of an elementwise op, from its operands' element expressions (already broadcast to
+# the output's shape): the traversal emitter's table for these ops. A new elementwise op is one entry here.
+ELEMENTWISE: dict[Op, Callable[[Node, list[str]], str]] = {
+    Op.ADD: lambda node, x: f"{x[0]} + {x[1]}",
+    Op.SUB: lambda node, x: f"{x[0]} - {x[1]}",
+    Op.MUL: lambda node, x: f"{x[0]} * {x[1]}",
+    Op.NEG: lambda node, x: f"-{x[0]}",
+    Op.SCALE: lambda node, x: f"{x[0]} * (acc_t){float(node.attr('c'))!r}",
+    Op.ACT: lambda node, x: act_expr(node.attr("fn"), x[0], node.attr("slope", 0.0)),
+    Op.ACT_GRAD: lambda node, x: act_grad_expr(node.attr("fn"), x[0], x[1], node.attr("slope", 0.0)),
+}
+
+# elementwise ops whose operands broadcast (prefix broadcasting: (H,) with (H, D)); the others keep one shape
+BROADCASTING = (Op.ADD, Op.SUB, Op.MUL)

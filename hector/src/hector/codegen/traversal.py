@@ -9,7 +9,7 @@ from typing import Any
 from ..ir.core import Domain, Op
 from ..lower.kernels import Kernel
 from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_least, _Ref, cname
-from .templates import act_expr, act_grad_expr
+from .templates import BROADCASTING, ELEMENTWISE
 
 
 class _Traversal(_Emitter):
@@ -185,26 +185,12 @@ class _Traversal(_Emitter):
         N = n.type.numel
         S = self.slots(N)
         line = self.g.comment(n.name)
-        if op in (Op.ADD, Op.SUB, Op.MUL):
-            a = self.broadcast(args[0], self.g.numel(n.args[0]), N)
-            b = self.broadcast(args[1], self.g.numel(n.args[1]), N)
-            sym = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*"}[op]
+        if op in ELEMENTWISE:  # one expression per element, from the table
+            if op in BROADCASTING:
+                args = [self.broadcast(r, self.g.numel(a), N) for r, a in zip(args, n.args, strict=True)]
             self.emit(f"  {line}")
             reg = self.new_reg(n.name)
-            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {reg}[s] = {a}[s] {sym} {b}[s];")
-            return reg
-        if op in (Op.NEG, Op.SCALE, Op.ACT, Op.ACT_GRAD):
-            self.emit(f"  {line}")
-            reg = self.new_reg(n.name)
-            x = f"{args[0]}[s]"
-            if op is Op.NEG:
-                e = f"-{x}"
-            elif op is Op.SCALE:
-                e = f"{x} * (acc_t){float(at('c'))!r}"
-            elif op is Op.ACT:
-                e = act_expr(at("fn"), x, at("slope", 0.0))
-            else:
-                e = act_grad_expr(at("fn"), x, f"{args[1]}[s]", at("slope", 0.0))
+            e = ELEMENTWISE[op](n, [f"{r}[s]" for r in args])
             self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {reg}[s] = {e};")
             return reg
         if op is Op.RESHAPE:  # same elements, same lanes: an alias

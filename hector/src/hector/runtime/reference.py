@@ -1,9 +1,10 @@
 """The reference backend: executes IR nodes with torch ops (CPU or GPU).
 
-It is the fallback where no generated kernel exists and the correctness oracle for generated ones. ``eval_node``
-gives every op its meaning; :func:`interpret` runs a program node by node (differentiable by torch autograd, which
-tests use as an independent check of the generated backward); :func:`run_lowered` runs a lowered program kernel by
-kernel, keeping only the values a kernel materialises, so its memory behaviour follows the kernel plan.
+It is the fallback where no generated kernel exists and the correctness oracle for generated ones. ``REFERENCE``
+gives every op its meaning (one entry per op); :func:`interpret` runs a program node by node (differentiable by
+torch autograd, which tests use as an independent check of the generated backward); :func:`run_lowered` runs a
+lowered program kernel by kernel, keeping only the values a kernel materialises, so its memory behaviour follows the
+kernel plan.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..ir.core import Domain, Node, Op, Program
+from ..ir.core import GATHER_VIA, Domain, Node, Op, Program
 from .graph import Graph
 
 
@@ -156,81 +157,103 @@ def _edge_softmax(s: torch.Tensor, graph: Graph) -> torch.Tensor:
     return e / z.index_select(0, graph.dst)
 
 
+def _ref_dropout_mask(node, args, types, graph, leaf, dtype):
+    p = node.attr("p")
+    rows = graph.num_rows(Domain(node.attr("domain")))
+    keep = torch.rand((rows,) + tuple(node.attr("shape")), dtype=dtype, device=graph.device) >= p
+    return keep.to(dtype) / (1.0 - p)
+
+
+def _ref_scatter_add(node, args, types, graph, leaf, dtype):
+    rows = graph.num_rows(GATHER_VIA[node.attr("via")][0])
+    x = args[0]
+    return x.new_zeros((rows,) + x.shape[1:]).index_add_(0, graph.gather_index(node.attr("via")), x)
+
+
+def _ref_select(node, args, types, graph, leaf, dtype):
+    p, by = args[0], types[0].by
+    domain = Domain(node.attr("domain"))
+    rows = graph.num_rows(domain)
+    if not by:
+        return p.unsqueeze(0).expand((rows,) + p.shape)
+    core = p.shape[len(by):]
+    return p.reshape((-1,) + core).index_select(0, graph.combined_index(domain, by))
+
+
+def _ref_select_sum(node, args, types, graph, leaf, dtype):
+    by, shape = tuple(node.attr("by", ())), tuple(node.attr("shape"))
+    dy = args[0]
+    if not by:
+        return dy.sum(0)
+    core = shape[len(by):]
+    out = dy.new_zeros((math.prod(shape[:len(by)]),) + core)
+    return out.index_add_(0, graph.combined_index(types[0].domain, by), dy).reshape(shape)
+
+
+def _ref_reduce_last(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    keep = 1 + len(node.attr("shape"))
+    return x.sum(dim=tuple(range(keep, x.dim()))) if x.dim() > keep else x
+
+
+def _ref_expand(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    shape = (x.size(0),) + tuple(node.attr("shape"))
+    return _bcast(x, len(shape)).expand(shape).contiguous()
+
+
+def _ref_reshape(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    if types[0].domain is Domain.PARAM:  # params carry their full shape
+        return x.reshape(tuple(node.attr("shape")))
+    return x.reshape((x.size(0),) + tuple(node.attr("shape")))
+
+
+def _ref_leaf(node, args, types, graph, leaf, dtype):
+    return leaf[node.attr("name")]
+
+
+# The meaning of every op in torch: (node, args, arg types, graph, leaf bindings, dtype) -> tensor. One entry per
+# op (tests/test_opdefs.py checks none is missing); the op's type rule, derivative and cost are in hector.ir.opdefs.
+REFERENCE: dict[Op, Any] = {
+    Op.INPUT: _ref_leaf,
+    Op.PARAM: _ref_leaf,
+    Op.SAVED: _ref_leaf,
+    Op.GRAPH: lambda node, args, types, graph, leaf, dtype: graph.graph_const(node.attr("kind"), dtype),
+    Op.DROPOUT_MASK: _ref_dropout_mask,
+    Op.GATHER: lambda node, args, types, graph, leaf, dtype: args[0].index_select(
+        0, graph.gather_index(node.attr("via"))),
+    Op.SCATTER_ADD: _ref_scatter_add,
+    Op.LINEAR: lambda node, args, types, graph, leaf, dtype: _linear(node, args[0], args[1], types[1],
+                                                                    types[0].domain, graph),
+    Op.OUTER_SUM: lambda node, args, types, graph, leaf, dtype: _outer_sum(node, args[0], args[1], types[0].domain,
+                                                                          graph),
+    Op.SELECT: _ref_select,
+    Op.SELECT_SUM: _ref_select_sum,
+    Op.EINSUM: lambda node, args, types, graph, leaf, dtype: torch.einsum(node.attr("equation"), args[0], args[1]),
+    Op.ADD: lambda node, args, types, graph, leaf, dtype: _binary(Op.ADD, args[0], args[1]),
+    Op.SUB: lambda node, args, types, graph, leaf, dtype: _binary(Op.SUB, args[0], args[1]),
+    Op.MUL: lambda node, args, types, graph, leaf, dtype: _binary(Op.MUL, args[0], args[1]),
+    Op.NEG: lambda node, args, types, graph, leaf, dtype: -args[0],
+    Op.SCALE: lambda node, args, types, graph, leaf, dtype: args[0] * node.attr("c"),
+    Op.ACT: lambda node, args, types, graph, leaf, dtype: _act(node.attr("fn"), args[0], node.attr("slope", 0.0)),
+    Op.ACT_GRAD: lambda node, args, types, graph, leaf, dtype: _act_grad(node.attr("fn"), args[0], args[1],
+                                                                        node.attr("slope", 0.0)),
+    Op.INNER: lambda node, args, types, graph, leaf, dtype: (args[0] * args[1]).sum(-1),
+    Op.REDUCE_LAST: _ref_reduce_last,
+    Op.EXPAND: _ref_expand,
+    Op.RESHAPE: _ref_reshape,
+    Op.CONCAT: lambda node, args, types, graph, leaf, dtype: torch.cat([args[0], args[1]], dim=-1),
+    Op.SLICE: lambda node, args, types, graph, leaf, dtype: args[0][..., node.attr("start"):node.attr("stop")],
+    Op.EDGE_SOFTMAX: lambda node, args, types, graph, leaf, dtype: _edge_softmax(args[0], graph),
+}
+
+
 def eval_node(node: Node, args: list[torch.Tensor], types: list, graph: Graph, leaf: Mapping[str, Any],
               dtype: torch.dtype) -> torch.Tensor:
-    """The meaning of one op. ``types`` are the argument types; ``leaf`` resolves INPUT/PARAM/SAVED names."""
-    op, at = node.op, node.attr
-    if op in (Op.INPUT, Op.PARAM, Op.SAVED):
-        return leaf[at("name")]
-    if op is Op.GRAPH:
-        return graph.graph_const(at("kind"), dtype)
-    if op is Op.DROPOUT_MASK:
-        p = at("p")
-        rows = graph.num_rows(Domain(at("domain")))
-        keep = torch.rand((rows,) + tuple(at("shape")), dtype=dtype, device=graph.device) >= p
-        return keep.to(dtype) / (1.0 - p)
-    if op is Op.GATHER:
-        return args[0].index_select(0, graph.gather_index(at("via")))
-    if op is Op.SCATTER_ADD:
-        from ..ir.core import GATHER_VIA
-
-        rows = graph.num_rows(GATHER_VIA[at("via")][0])
-        x = args[0]
-        return x.new_zeros((rows,) + x.shape[1:]).index_add_(0, graph.gather_index(at("via")), x)
-    if op is Op.LINEAR:
-        return _linear(node, args[0], args[1], types[1], types[0].domain, graph)
-    if op is Op.OUTER_SUM:
-        return _outer_sum(node, args[0], args[1], types[0].domain, graph)
-    if op is Op.SELECT:
-        p, by = args[0], types[0].by
-        domain = Domain(at("domain"))
-        rows = graph.num_rows(domain)
-        if not by:
-            return p.unsqueeze(0).expand((rows,) + p.shape)
-        core = p.shape[len(by):]
-        return p.reshape((-1,) + core).index_select(0, graph.combined_index(domain, by))
-    if op is Op.SELECT_SUM:
-        by, shape = tuple(at("by", ())), tuple(at("shape"))
-        dy = args[0]
-        if not by:
-            return dy.sum(0)
-        core = shape[len(by):]
-        out = dy.new_zeros((math.prod(shape[:len(by)]),) + core)
-        return out.index_add_(0, graph.combined_index(types[0].domain, by), dy).reshape(shape)
-    if op is Op.EINSUM:
-        return torch.einsum(at("equation"), args[0], args[1])
-    if op in (Op.ADD, Op.SUB, Op.MUL):
-        return _binary(op, args[0], args[1])
-    if op is Op.NEG:
-        return -args[0]
-    if op is Op.SCALE:
-        return args[0] * at("c")
-    if op is Op.ACT:
-        return _act(at("fn"), args[0], at("slope", 0.0))
-    if op is Op.ACT_GRAD:
-        return _act_grad(at("fn"), args[0], args[1], at("slope", 0.0))
-    if op is Op.INNER:
-        return (args[0] * args[1]).sum(-1)
-    if op is Op.REDUCE_LAST:
-        x = args[0]
-        keep = 1 + len(at("shape"))
-        return x.sum(dim=tuple(range(keep, x.dim()))) if x.dim() > keep else x
-    if op is Op.EXPAND:
-        x = args[0]
-        shape = (x.size(0),) + tuple(at("shape"))
-        return _bcast(x, len(shape)).expand(shape).contiguous()
-    if op is Op.RESHAPE:
-        x = args[0]
-        if types[0].domain is Domain.PARAM:  # params carry their full shape
-            return x.reshape(tuple(at("shape")))
-        return x.reshape((x.size(0),) + tuple(at("shape")))
-    if op is Op.CONCAT:
-        return torch.cat([args[0], args[1]], dim=-1)
-    if op is Op.SLICE:
-        return args[0][..., at("start"):at("stop")]
-    if op is Op.EDGE_SOFTMAX:
-        return _edge_softmax(args[0], graph)
-    raise NotImplementedError(f"reference backend has no rule for {op}")  # pragma: no cover
+    """The meaning of one op (its :data:`REFERENCE` entry). ``types`` are the argument types; ``leaf`` resolves
+    INPUT/PARAM/SAVED names."""
+    return REFERENCE[node.op](node, args, types, graph, leaf, dtype)
 
 
 def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
@@ -390,8 +413,6 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
                  dtype: torch.dtype, step: int) -> None:
     """Tiles over edges, in phases split at each edge softmax (which needs whole destinations: it runs on the
     full [E, heads] scores between phases). Node-wise epilogue ops run once after the last phase."""
-    from ..ir.core import GATHER_VIA
-
     by = program.by_name
     edge_part = [m for m in kernel.nodes if by[m].type.domain is Domain.EDGE or by[m].op in (Op.SCATTER_ADD,
                                                                                               Op.SELECT_SUM)]
@@ -510,8 +531,6 @@ def _run_gemm_scatter(program: Program, kernel, graph: Graph, env: dict, leaves:
                       dtype: torch.dtype) -> None:
     """gather -> segment matmul -> [scale] -> scatter, one segment tile at a time: no per-row result is ever
     materialised, as in the CUDA GEMM kernel with a scatter epilogue."""
-    from ..ir.core import GATHER_VIA
-
     by = program.by_name
     lin = next(by[m] for m in kernel.nodes if by[m].op is Op.LINEAR)
     scatter = by[kernel.nodes[-1]]

@@ -13,7 +13,7 @@
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
 # hector_memory.csv for `memory`). Every step runs even if an earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory" sets each step's time limit in seconds (default "150 90 300 60 200").
+# relations memory" sets each step's time limit in seconds (default "150 90 270 100 200").
 set -uo pipefail
 OUT="${OUT:-./out}"
 STEPS="${HECTOR_STEPS:-tests,sanitize,bench,relations}"
@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 90 300 60 200}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 90 270 100 200}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -48,9 +48,9 @@ fi
 if has bench; then
   note "=== bench_cuda ($(date -u +%T))"
   # The issue's four comparison graphs first; compiled variants on two graphs (each compile costs seconds); no new
-  # graph after 210 s, so the step ends inside its limit.
+  # graph after 180 s, so the step ends inside its limit.
   DEFAULT_ARGS="--datasets aifb,fb15k,am,biokg,mutag,bgs,wikikg2,mag --configs rgcn:64:1,rgat:64:1,hgt:64:1
-      --no-reference --compile-datasets aifb,am --budget-s 210 --extras-dataset am"
+      --no-reference --compile-datasets aifb,am --budget-s 180 --extras-dataset am"
   # shellcheck disable=SC2086
   timeout "$T_BENCH" python3 hector/benchmarks/bench_cuda.py --csv "$OUT/hector_bench.csv" \
       ${HECTOR_BENCH_ARGS:-$DEFAULT_ARGS} 2>&1 | grep -v USDT | tee -a "$LOG" || { note "bench: exit $?"; STATUS=1; }

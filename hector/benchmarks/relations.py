@@ -95,7 +95,7 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
     ei, et = fresh[0]
     with CountOps() as counter:
         step(ei, et)
-    present = int(torch.unique(torch.cat([b[1] for b in data[2:]])).numel() / len(data[2:]))
+    present = round(statistics.mean(int(torch.unique(b[1]).numel()) for b in data[2:]))
     return {"model": kind, "relations": relations, "present_per_batch": present, "edges": a.edges,
             "step_ms": statistics.median(times) * 1e3, "prepare_ms": statistics.median(prep) * 1e3,
             "ops_per_step": counter.count}
@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             print(f"{kind:5s} {r:6d} {row['present_per_batch']:7d} {row['step_ms']:8.2f} {row['prepare_ms']:10.2f} "
                   f"{row['ops_per_step']:8d}", flush=True)
-    if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+            if a.csv:  # after every row: a run stopped by a time limit keeps what it measured
+                with open(a.csv, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
     return rows
 
 

@@ -63,7 +63,7 @@ def test_bench_cuda_smoke(tmp_path):
 
     out, png = tmp_path / "b.csv", tmp_path / "b.png"
     rows, extras = bench.main(["--scale", "0.002", "--datasets", "aifb", "--device", "cpu", "--extras-dataset", "aifb",
-                               "--cap-s", "0.5", "--compile-datasets", "none", "--compile-backend", "aot_eager",
+                               "--cap-s", "0.5", "--compile-datasets", "aifb", "--compile-backend", "aot_eager",
                                "--configs", "rgcn:64:1,rgat:128:1,hgt:64:1,hgt:64:2",
                                "--csv", str(out), "--png", str(png)])
     assert out.exists() and png.exists() and (tmp_path / "b_extras.csv").exists()

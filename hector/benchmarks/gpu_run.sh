@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# GPU run for hector, from the repo root with the package installed. Steps (HECTOR_STEPS, default all but memory):
-#   tests     the GPU tests (generated kernels vs the reference backend, torch.compile, CUDA graphs, edge cases)
-#   sanitize  compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, races in atomics)
-#   bench     bench_cuda.py: hector (CUDA) vs PyG vs hector's reference backend, ablation, mini-batches, bandwidth
-#   memory    memory_table.py: materialised bytes vs PyG (cost model + measured peak)
-# Writes into "${OUT:-./out}": hector_gpu.log, hector_tests.log, hector_sanitize.log, hector_bench.csv,
-# hector_bench_extras.csv, hector_bench.png (and hector_memory.csv for `memory`). Every step runs even if an
-# earlier one failed; the script exits non-zero if any step failed. HECTOR_BENCH_ARGS adds arguments to bench_cuda;
-# HECTOR_LIMITS="tests sanitize bench memory" sets each step's time limit in seconds (default "300 240 420 200").
+# GPU run for hector, from the repo root with the package installed (~8 minutes on one H100/H200). Steps
+# (HECTOR_STEPS, default tests,sanitize,bench,relations):
+#   tests      the GPU tests (generated kernels vs the float64 reference, autocast bf16/fp16 on CUDA, no host
+#              synchronisation in a prepared graph's step, torch.compile, CUDA graphs, 10,000 relations, edge cases)
+#   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics)
+#   bench      bench_cuda.py on the eight twins, RGCN/RGAT/HGT hidden 64, train step and inference: hector vs PyG
+#              eager and compiled, the plain-PyTorch baselines (grouped-GEMM bf16 eager/compiled, per-relation fp32),
+#              with a new edge_index per call, compiled vs eager, autocast bf16, the HBM floor (roofline column)
+#   relations  relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations (mini-batches)
+#   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
+# Writes into "${OUT:-./out}" (at most 6 files): hector_gpu.log (everything printed, the final tables),
+# hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
+# hector_memory.csv for `memory`). Every step runs even if an earlier one failed; the script exits non-zero if any
+# step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
+# relations memory" sets each step's time limit in seconds (default "150 90 270 100 200").
 set -uo pipefail
 OUT="${OUT:-./out}"
-STEPS="${HECTOR_STEPS:-tests,sanitize,bench}"
+STEPS="${HECTOR_STEPS:-tests,sanitize,bench,relations}"
 mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_MEMORY <<< "${HECTOR_LIMITS:-300 240 420 200}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 90 270 100 200}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -41,9 +47,20 @@ fi
 
 if has bench; then
   note "=== bench_cuda ($(date -u +%T))"
+  # The issue's four comparison graphs first; compiled variants on two graphs (each compile costs seconds); no new
+  # graph after 180 s, so the step ends inside its limit.
+  DEFAULT_ARGS="--datasets aifb,fb15k,am,biokg,mutag,bgs,wikikg2,mag --configs rgcn:64:1,rgat:64:1,hgt:64:1
+      --no-reference --compile-datasets aifb,am --budget-s 180 --extras-dataset am"
   # shellcheck disable=SC2086
-  timeout "$T_BENCH" python3 hector/benchmarks/bench_cuda.py --csv "$OUT/hector_bench.csv" --png "$OUT/hector_bench.png" \
-      ${HECTOR_BENCH_ARGS:-} 2>&1 | grep -v USDT | tee -a "$LOG" || { note "bench: exit $?"; STATUS=1; }
+  timeout "$T_BENCH" python3 hector/benchmarks/bench_cuda.py --csv "$OUT/hector_bench.csv" \
+      ${HECTOR_BENCH_ARGS:-$DEFAULT_ARGS} 2>&1 | grep -v USDT | tee -a "$LOG" || { note "bench: exit $?"; STATUS=1; }
+fi
+
+if has relations; then
+  note "=== relations ($(date -u +%T))"
+  timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --nodes 200000 --edges 400000 \
+      --dim 64 --batches 5 --csv "$OUT/hector_relations.csv" 2>&1 | grep -v USDT | tee -a "$LOG" \
+      || { note "relations: exit $?"; STATUS=1; }
 fi
 
 if has memory; then

@@ -201,20 +201,23 @@ def test_device_layout_reads_nothing_on_the_host(monkeypatch):
                                                      torch.cumsum(torch.bincount(graph.dst, minlength=500), 0)]))
 
 
+@pytest.mark.parametrize("relations", [5, 1500])
 @pytest.mark.parametrize("domain,by", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 7, 64, 4096])
-def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows):
+def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows, relations):
     """Tiles of at most ``rows`` rows, one type each, covering the type-sorted rows exactly once; the spare slots
-    of the schedule (sized before the per-type counts are known) have count 0."""
+    of the schedule (sized before the per-type counts are known) have count 0. With 1,500 relations (3,000
+    combined types, most empty) the kernel's threads place the types in several chunks of one block."""
     from hector.runtime.cuda import DeviceGraph
 
-    dg = DeviceGraph(_skewed_graph())
+    dg = DeviceGraph(_skewed_graph(e=4000 if relations == 5 else 600, relations=relations))
     table, slots = dg.tiles(domain, by, rows, _emulated_schedule_builder())
     assert table.shape == (slots, 3)
+    total = dg.rows(domain)
+    assert slots <= -(-total // rows) + min(total, dg.graph.num_combined_types(by)), "bounded by the rows"
     kind, begin, count = table.long().unbind(1)
     assert bool((count <= rows).all()) and bool((count >= 0).all())
     real = count > 0
-    total = dg.rows(domain)
     assert int(real.sum()) == sum(-(-c // rows) for c in (dg.graph.segments(domain, by)[1] if by else [total]))
     covered = torch.cat([torch.arange(b, b + c) for b, c in zip(begin[real].tolist(), count[real].tolist(),
                                                                 strict=True)])

@@ -54,8 +54,10 @@ def test_rgat_shared_attention_matches_pyg(data, heads, concat, num_bases):
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(std=0.5)
-    state = {k: v for k, v in ours.state_dict().items() if k != "head_mean"}
-    theirs.load_state_dict(state, strict=False)  # PyG also holds unused params of its other 'mod' variants
+    ours_state = ours.state_dict()
+    ours.load_state_dict(theirs.state_dict())  # strict: PyG's extra (mod-variant) parameters are dropped
+    ours.load_state_dict(ours_state)
+    theirs.load_state_dict(ours_state, strict=False)  # PyG also holds unused params of its other 'mod' variants
     check(ours, theirs, x, ei, et, [n for n, _ in ours.named_parameters()])
 
 

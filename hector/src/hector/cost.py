@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .ir.core import Domain, Op, Program
+from .ir.core import Domain, Program
+from .ir.opdefs import OPS
 from .lower.kernels import Lowered, row_count
 from .passes import Options
 
@@ -41,6 +42,10 @@ def _rows(p: Program, name: str, stats: Mapping[str, int]) -> int:
 def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> Estimate:
     p = lowered.program
     written = moved = flops = 0
+
+    def rows_of(name: str) -> int:
+        return _rows(p, name, stats)
+
     for k in lowered.kernels:
         for o in k.outputs:
             t = p.type_of(o)
@@ -48,21 +53,9 @@ def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> E
                 written += _rows(p, o, stats) * t.numel * itemsize
         for name in k.nodes:
             n = p.by_name[name]
-            t = n.type
-            rows = _rows(p, name, stats)
-            if n.op is Op.LINEAR:
-                w = p.type_of(n.args[1])
-                flops += 2 * rows * math.prod(w.shape[len(w.by):])
-            elif n.op is Op.OUTER_SUM:
-                flops += 2 * _rows(p, n.args[0], stats) * math.prod(t.shape[len(t.by):])
-            elif n.op is Op.EINSUM:
-                flops += 2 * t.numel * max(p.type_of(n.args[0]).shape[-1], 1)
-            elif n.op in (Op.GATHER, Op.SELECT):
-                moved += rows * t.numel * itemsize  # gathered reads
-            elif n.op is Op.RESHAPE:
-                pass  # a view
-            else:
-                flops += rows * t.numel * (4 if n.op is Op.EDGE_SOFTMAX else 1)
+            f, gathered = OPS[n.op].cost(n, rows_of, p.type_of)  # each op's rule (hector.ir.opdefs)
+            flops += f
+            moved += gathered * itemsize
         for i in k.inputs:
             t = p.type_of(i)
             if t.domain is not Domain.PARAM:

@@ -6,5 +6,7 @@ from .printer import format_program
 from .types import infer
 from .verify import verify
 
+Program.__str__ = format_program  # the text form (defined here so that core and printer import one way only)
+
 __all__ = ["Builder", "Domain", "Node", "Op", "OpKind", "Program", "VType", "Value", "format_program", "infer",
            "make_attrs", "verify"]

@@ -22,6 +22,8 @@ from typing import Any
 
 
 class Domain(enum.Enum):
+    """What the rows of a value are: nodes, edges, unique (source, relation) pairs, or none (PARAM)."""
+
     NODE = "node"
     EDGE = "edge"
     UNIQUE = "unique"
@@ -58,6 +60,8 @@ ACTIVATIONS = ("exp", "relu", "leaky_relu", "sigmoid", "tanh", "gelu")
 
 
 class OpKind(enum.Enum):
+    """The families ops are grouped in (leaves, data movement, linear maps, elementwise, feature, reductions)."""
+
     LEAF = "leaf"
     MOVE = "move"
     LINEAR = "linear"
@@ -223,7 +227,5 @@ class Program:
     def with_nodes(self, nodes: list[Node] | tuple[Node, ...], outputs: tuple[str, ...] | None = None) -> Program:
         return Program(self.name, tuple(nodes), self.outputs if outputs is None else tuple(outputs), self.meta)
 
-    def __str__(self) -> str:
-        from .printer import format_program
-
-        return format_program(self)
+    # str(program) is the printer's text form; hector.ir (imported before any of its modules) sets __str__ to
+    # hector.ir.printer.format_program, so core does not import the printer that imports core

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -30,6 +31,12 @@ class RelationalLayer(nn.Module):
         num_node_types: T for layers typed by node type (None: node types unused).
         optimize: "auto" (the cost model picks compaction/reordering per graph for the least estimated time),
             "memory" (the same, for the least peak memory), "all", "none", or an :class:`~hector.passes.Options`.
+
+    Shapes (``forward``): ``x`` [N, in_channels], ``edge_index`` [2, E] (row 0 source, row 1 destination) or a
+    :class:`~hector.Graph`, ``edge_type`` [E], ``node_type`` [N] (required when there are several node types)
+    -> [N, *output_feature_shape()].
+
+    Mixed precision: under ``torch.autocast`` the layer runs in the autocast dtype (see :meth:`_leaves`).
     """
 
     input_name = "x"
@@ -98,7 +105,13 @@ class RelationalLayer(nn.Module):
             return edge_index
         if edge_type is None:
             raise GraphInputError(f"{type(self).__name__} needs edge_type (one relation id per edge)")
+        self._check_node_type(node_type)
         return graph_for(edge_index, edge_type, x.size(0), self.num_relations, node_type, self.num_node_types)
+
+    def _check_node_type(self, node_type: torch.Tensor | None) -> None:
+        if node_type is None and self.num_node_types is not None and self.num_node_types > 1:
+            raise GraphInputError(f"{type(self).__name__} has {self.num_node_types} node types but got no node_type: "
+                                  "pass node_type (one node-type id per node, [num_nodes]) as the fourth argument")
 
     def _check_x(self, x: Any) -> None:
         name = type(self).__name__
@@ -113,10 +126,34 @@ class RelationalLayer(nn.Module):
         if x.size(1) != self.in_channels_total:
             raise GraphInputError(f"{name}: x has {x.size(1)} features, the layer expects "
                                   f"in_channels={self.in_channels_total}")
-        w = next(iter(self.parameters()), None)
+
+    def _check_dtypes(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        w = next((t for t in tensors.values() if t is not None and t.is_floating_point()), None)
         if w is not None and (w.dtype != x.dtype or w.device != x.device):
-            raise GraphInputError(f"{name}: x is {x.dtype} on {x.device} but the layer's parameters are "
-                                  f"{w.dtype} on {w.device}; use layer.to(x) or x.to(...)")
+            raise GraphInputError(f"{type(self).__name__}: x is {x.dtype} on {x.device} but the layer's parameters "
+                                  f"are {w.dtype} on {w.device}; use layer.to(x) or x.to(...), or run under "
+                                  "torch.autocast")
+
+    def _leaves(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], str | None]:
+        """x and the layer's tensors as the backend gets them, and the device type whose autocast is on (None:
+        off). Under ``torch.autocast`` the float32 (and the other non-float64 floating) tensors are cast to the
+        autocast dtype with differentiable casts: the whole layer then runs in that dtype (the generated kernels
+        store bf16/fp16 and accumulate in float32), gradients of float32 parameters come back in float32, and the
+        output is in the autocast dtype, as for ``nn.Linear`` under autocast."""
+        tensors = self._tensors()
+        device_type = x.device.type
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+
+            def cast(t: torch.Tensor) -> torch.Tensor:
+                return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+            x = cast(x)
+            tensors = {k: cast(v) for k, v in tensors.items()}
+            self._check_dtypes(x, tensors)
+            return x, tensors, device_type
+        self._check_dtypes(x, tensors)
+        return x, tensors, None
 
     def output_feature_shape(self) -> tuple[int, ...]:
         """Per-node shape of the output (the program's output type), e.g. ``(64,)``."""
@@ -127,21 +164,31 @@ class RelationalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None = None,
                 node_type: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [N, in_channels] (floating point), ``edge_index`` [2, E] (source row 0, destination row 1) or a
+        :class:`~hector.Graph`, ``edge_type`` [E] relation ids in [0, R), ``node_type`` [N] node-type ids (layers
+        typed by node type). Returns [N, out] in x's dtype (the autocast dtype under ``torch.autocast``)."""
         self._check_x(x)
+        x, tensors, autocast_device = self._leaves(x)
+        with torch.autocast(autocast_device, enabled=False) if autocast_device else contextlib.nullcontext():
+            return self._run(x, tensors, edge_index, edge_type, node_type)
+
+    def _run(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], edge_index: Any,
+             edge_type: torch.Tensor | None, node_type: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # torch.compile: the whole layer is one custom op with a fake kernel (no graph break)
             if isinstance(edge_index, Graph) or edge_type is None:
                 raise GraphInputError(f"{type(self).__name__}: under torch.compile pass edge_index and edge_type "
                                       "tensors (not a hector.Graph)")
-            return torch.ops.hector.relational_layer(x, edge_index, edge_type, node_type,
-                                                     list(self._tensors().values()), self._layer_id)
+            self._check_node_type(node_type)
+            return torch.ops.hector.relational_layer(x, edge_index, edge_type, node_type, list(tensors.values()),
+                                                     self._layer_id)
         if isinstance(edge_index, torch.Tensor) and edge_index.device != x.device:
             raise GraphInputError(f"edge_index is on {edge_index.device} but x on {x.device}")
         graph = self.graph(x, edge_index, edge_type, node_type)
         if graph.num_nodes != x.size(0):
             raise GraphInputError(f"x has {x.size(0)} rows but the graph has {graph.num_nodes} nodes")
         compiled = self.compiled(graph)
-        leaves = {self.input_name: x, **self._tensors()}
+        leaves = {self.input_name: x, **tensors}
         used = {name for _, name in compiled.leaf_names}
         return apply(compiled, graph, {k: v for k, v in leaves.items() if k in used})
 

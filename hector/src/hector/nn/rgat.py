@@ -1,13 +1,14 @@
-"""RGAT (Busbridge et al.) in two flavours, PyG-compatible: ``RGATConv(in, out, R, heads)(x, edge_index, edge_type)``.
+"""RGAT (Busbridge et al.) in two flavours, PyG-compatible: ``RGATConv(in, out, R, heads=H)(x, edge_index, edge_type)``.
 
 For an edge j -> i of relation r, with ``h = x W_r`` (``W_r``: [in, heads*out]):
 
-    score_ij = leaky_relu(h_i Q + h_j K)                (one score per head)
+    score_ij = leaky_relu(h_i Q + h_j K)                (one score per head; "additive-self-attention")
+    score_ij = (h_i Q) * (h_j K)                        ("multiplicative-self-attention")
     alpha_ij = softmax over all edges into i (max-subtracted), then dropout
     out_i    = concat_heads(sum_j alpha_ij * (x_j W_r)) + bias      (or the mean over heads, concat=False)
 
-``attention="shared"`` is PyG's ``RGATConv`` (additive self-attention, across-relation, ``mod=None``): one pair
-Q, K ([heads*out, heads]) shared by all relations; parameters ``weight``/``basis``+``att``, ``q``, ``k``, ``bias``
+``attention="shared"`` is PyG's ``RGATConv`` (across-relation attention, ``mod=None``): one pair Q, K
+([heads*out, heads]) shared by all relations; parameters ``weight``/``basis``+``att``, ``q``, ``k``, ``bias``
 match PyG's names and shapes. ``attention="per_relation"`` is Hector's RGAT: every relation has its own Q_r, K_r
 ([R, heads*out, heads]), which PyG cannot express. Both compile to the same passes: the destination term
 ``(x_i W_r) Q_r`` is reordered to ``x_i (W_r Q_r)`` (the per-edge [heads*out] product is never built), and the
@@ -16,26 +17,89 @@ source terms are computed once per unique (source, relation) pair.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..ir.builder import Builder, Value
 from .base import RelationalLayer, glorot_
 
+# Parameters PyG's RGATConv always allocates but uses only in its ``mod`` variants (which hector does not implement):
+# a PyG state_dict carries them, and loading it into hector drops them (with mod=None PyG never reads them either).
+PYG_UNUSED = ("w", "l1", "b1", "l2", "b2")
+
 
 class RGATConv(RelationalLayer):
-    def __init__(self, in_channels: int, out_channels: int, num_relations: int, heads: int = 1,
-                 concat: bool = True, negative_slope: float = 0.2, dropout: float = 0.0, bias: bool = True,
-                 num_bases: int | None = None, attention: str = "per_relation", root_weight: bool = False,
-                 optimize="auto"):
+    r"""Relational graph attention (RGAT): PyG's ``RGATConv`` call and argument names, plus Hector's per-relation
+    attention.
+
+    For an edge :math:`j \to i` of relation :math:`r`, with :math:`h_j = x_j W_r` split into ``heads`` heads of
+    ``out_channels``:
+
+    .. math::
+        s_{ij} = \mathrm{leaky\_relu}(x_i W_r Q + x_j W_r K), \quad
+        \alpha_{ij} = \mathrm{softmax}_{j \in N(i)}(s_{ij}), \quad
+        out_i = \Vert_{heads} \sum_j \alpha_{ij}\, x_j W_r + b
+
+    (``Q, K`` per relation with ``attention="per_relation"``; :math:`s_{ij} = (x_i W_r Q)(x_j W_r K)` with
+    ``attention_mode="multiplicative-self-attention"``; the mean over heads with ``concat=False``; plus
+    :math:`x_i \Theta_{root}` with ``root_weight=True``). The softmax runs over all in-edges of ``i``
+    (PyG's "across-relation"), max-subtracted.
+
+    Args:
+        in_channels: input width ``F_in``.
+        out_channels: width per head ``C``.
+        num_relations: ``R``; edge types lie in [0, R).
+        num_bases: basis decomposition ``W_r = sum_b att[r, b] basis[b]`` (PyG's names) instead of one ``weight``
+            per relation.
+        num_blocks, mod, dim, edge_dim: PyG options hector does not implement; only their defaults (None, None, 1,
+            None) are accepted, anything else raises ``NotImplementedError`` naming the option.
+        attention_mechanism: ``"across-relation"`` (PyG's default, the only one implemented).
+        attention_mode: ``"additive-self-attention"`` (default) or ``"multiplicative-self-attention"``.
+        heads: ``H``.
+        concat: concatenate the heads (output ``H*C``) or average them (output ``C``).
+        negative_slope: of the leaky ReLU.
+        dropout: on the attention weights, in training.
+        bias: add a learned bias.
+        attention: ``"per_relation"`` (default, Hector's RGAT: ``q``, ``k`` are [R, H*C, H]) or ``"shared"``
+            (PyG's formula: ``q``, ``k`` are [H*C, H]; load PyG's ``state_dict`` into this one). Keyword only.
+        root_weight: add ``x_i @ root`` (not in PyG's RGATConv). Keyword only.
+        optimize: see :class:`~hector.nn.RelationalLayer`. Keyword only.
+
+    Shapes:
+        ``x`` [N, F_in], ``edge_index`` [2, E], ``edge_type`` [E] -> [N, H*C] (``concat``) or [N, C].
+
+    PyG's state_dict loads strictly (``load_state_dict(pyg_conv.state_dict())``) into a layer built with
+    ``attention="shared"`` and the same sizes; PyG's ``w``, ``l1``, ``b1``, ``l2``, ``b2`` (used by its ``mod``
+    variants only) are dropped.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, num_relations: int, num_bases: int | None = None,
+                 num_blocks: int | None = None, mod: str | None = None,
+                 attention_mechanism: str = "across-relation", attention_mode: str = "additive-self-attention",
+                 heads: int = 1, dim: int = 1, concat: bool = True, negative_slope: float = 0.2,
+                 dropout: float = 0.0, edge_dim: int | None = None, bias: bool = True, *,
+                 attention: str = "per_relation", root_weight: bool = False, optimize: Any = "auto"):
         super().__init__(num_relations, optimize=optimize)
         if attention not in ("shared", "per_relation"):
             raise ValueError(f"attention must be 'shared' (PyG) or 'per_relation' (Hector), got {attention!r}")
+        for name, value, default in (("num_blocks", num_blocks, None), ("mod", mod, None), ("dim", dim, 1),
+                                     ("edge_dim", edge_dim, None)):
+            if value != default:
+                raise NotImplementedError(f"RGATConv: {name}={value!r} (a PyG option) is not implemented by hector; "
+                                          f"only {name}={default!r} is (see the README's table of PyG arguments)")
+        if attention_mechanism != "across-relation":
+            raise NotImplementedError(f"RGATConv: attention_mechanism={attention_mechanism!r} is not implemented; "
+                                      "hector's softmax runs over all in-edges ('across-relation')")
+        if attention_mode not in ("additive-self-attention", "multiplicative-self-attention"):
+            raise ValueError("attention_mode must be 'additive-self-attention' or 'multiplicative-self-attention', "
+                             f"got {attention_mode!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.in_channels, self.out_channels, self.heads = int(in_channels), int(out_channels), int(heads)
         self.concat, self.negative_slope, self.dropout = concat, float(negative_slope), float(dropout)
-        self.attention, self.num_bases = attention, num_bases
+        self.attention, self.attention_mode, self.num_bases = attention, attention_mode, num_bases
         hc = heads * out_channels
         if num_bases is not None:
             self.basis = nn.Parameter(torch.empty(num_bases, in_channels, hc))
@@ -49,8 +113,9 @@ class RGATConv(RelationalLayer):
         self.root = nn.Parameter(torch.empty(in_channels, hc if concat else out_channels)) if root_weight else None
         self.bias = nn.Parameter(torch.empty(hc if concat else out_channels)) if bias else None
         if not concat:
-            # mean over heads as a fixed linear map [heads*out, out] (not trained)
-            self.register_buffer("head_mean", torch.eye(out_channels).repeat(heads, 1) / heads)
+            # mean over heads as a fixed linear map [heads*out, out] (not trained, not saved: it is a constant)
+            self.register_buffer("head_mean", torch.eye(out_channels).repeat(heads, 1) / heads, persistent=False)
+        self.register_load_state_dict_pre_hook(_from_pyg_state)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -77,7 +142,10 @@ class RGATConv(RelationalLayer):
         q, k = b.param("q", by=by), b.param("k", by=by)
         h_src = b.src(x).linear(w)
         h_dst = b.dst(x).linear(w)
-        score = (h_dst.linear(q) + h_src.linear(k)).leaky_relu(self.negative_slope)
+        if self.attention_mode == "multiplicative-self-attention":
+            score = h_dst.linear(q) * h_src.linear(k)
+        else:
+            score = (h_dst.linear(q) + h_src.linear(k)).leaky_relu(self.negative_slope)
         alpha = b.dropout(b.edge_softmax(score), self.dropout)
         out = b.sum_to_dst(h_src.heads(self.heads) * alpha).flat()
         if not self.concat:
@@ -91,3 +159,20 @@ class RGATConv(RelationalLayer):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads}, "
                 f"attention={self.attention!r})")
+
+
+def _from_pyg_state(module: RGATConv, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                    missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """load_state_dict pre-hook: a PyG RGATConv state_dict loads strictly. Drops PyG's parameters of its ``mod``
+    variants and the head-mean constant older hector checkpoints saved, and names a per-relation/shared mismatch."""
+    for name in PYG_UNUSED + ("head_mean",):
+        state_dict.pop(prefix + name, None)
+    q = state_dict.get(prefix + "q")
+    if q is not None and q.dim() != module.q.dim():
+        have = "PyG's shared attention (q of [heads*out, heads])" if q.dim() == 2 else \
+            "per-relation attention (q of [R, heads*out, heads])"
+        want = "shared" if q.dim() == 2 else "per_relation"
+        error_msgs.append(f"the state_dict holds {have}, this layer has attention={module.attention!r}: build it "
+                          f"with RGATConv(..., attention={want!r})")
+        state_dict.pop(prefix + "q")
+        state_dict.pop(prefix + "k", None)

@@ -10,6 +10,9 @@ an einsum over params in the program (computed once per call). Per-edge messages
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,9 +21,43 @@ from .base import RelationalLayer, glorot_
 
 
 class RGCNConv(RelationalLayer):
+    r"""Relational graph convolution (RGCN), PyG's ``RGCNConv`` formula, names and call.
+
+    .. math::
+        out_i = x_i \Theta_{root} + \sum_{r} \sum_{j \in N_r(i)} c_{i,r}\, x_j W_r + b, \qquad
+        c_{i,r} = 1 / |N_r(i)| \ (\text{aggr="mean"}) \text{ or } 1 \ (\text{"add"})
+
+    with basis decomposition :math:`W_r = \sum_b comp[r, b]\, weight[b]` when ``num_bases`` is given.
+
+    Args:
+        in_channels: input width ``F_in``.
+        out_channels: output width ``F_out``.
+        num_relations: ``R``; edge types lie in [0, R).
+        num_bases: number of bases (None: one ``weight`` [R, F_in, F_out] per relation).
+        num_blocks: PyG's block-diagonal decomposition: not implemented (only None).
+        aggr: ``"mean"`` (per relation and destination) or ``"add"`` (``"sum"``).
+        root_weight: add ``x_i @ root``.
+        is_sorted: PyG's hint that edges are sorted by relation; no effect here (a warning says so).
+        bias: add a learned bias.
+        optimize: see :class:`~hector.nn.RelationalLayer`.
+
+    Shapes:
+        ``x`` [N, F_in], ``edge_index`` [2, E], ``edge_type`` [E] -> [N, F_out].
+
+    Parameters ``weight``, ``comp``, ``root``, ``bias`` have PyG's names and shapes: ``load_state_dict`` works
+    both ways, strictly.
+    """
+
     def __init__(self, in_channels: int, out_channels: int, num_relations: int, num_bases: int | None = None,
-                 aggr: str = "mean", root_weight: bool = True, bias: bool = True, optimize="auto"):
+                 num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, is_sorted: bool = False,
+                 bias: bool = True, optimize: Any = "auto"):
         super().__init__(num_relations, optimize=optimize)
+        if num_blocks is not None:
+            raise NotImplementedError(f"RGCNConv: num_blocks={num_blocks} (PyG's block-diagonal decomposition) is not "
+                                      "implemented by hector; use num_bases or full weights")
+        if is_sorted:
+            warnings.warn("RGCNConv(is_sorted=True) has no effect in hector: it orders edges itself, once per graph",
+                          stacklevel=2)
         if aggr not in ("mean", "add", "sum"):
             raise ValueError(f"aggr must be 'mean' or 'add', got {aggr!r}")
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)

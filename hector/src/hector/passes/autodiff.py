@@ -1,22 +1,20 @@
 """Reverse-mode automatic differentiation on the IR.
 
 The backward program is generated from the forward one by per-op rules (vector-Jacobian products written in IR
-ops), never hand-written per model. It reads forward values through ``saved`` leaves and the output gradients
-through ``input`` leaves named ``grad:<output>``, and returns one gradient per requested input/param leaf. The
-result is then optimised by the same passes as the forward program.
+ops, ``OPS[op].vjp`` in :mod:`hector.ir.opdefs`), never hand-written per model. It reads forward values through
+``saved`` leaves and the output gradients through ``input`` leaves named ``grad:<output>``, and returns one
+gradient per requested input/param leaf. The result is then optimised by the same passes as the forward program.
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..ir.core import Domain, Op, Program
+from ..ir.opdefs import OPS
 from .rewrite import Rewriter
-
-_ACT_USES_OUTPUT = ("exp", "sigmoid", "tanh")
 
 
 @dataclass(frozen=True)
@@ -34,17 +32,6 @@ class Backward:
     @property
     def grad_inputs(self) -> tuple[str, ...]:
         return tuple(n.attr("name") for n in self.program.nodes if n.op is Op.INPUT)
-
-
-def _einsum_grad_eq(eq: str, which: int) -> str:
-    m = re.fullmatch(r"([a-z]+),([a-z]+)->([a-z]*)", eq)
-    assert m is not None
-    a, b, c = m.groups()
-    target, other = (a, b) if which == 0 else (b, a)
-    missing = set(target) - set(c) - set(other)
-    if missing:
-        raise NotImplementedError(f"einsum {eq!r}: gradient needs a broadcast over {sorted(missing)}")
-    return f"{c},{other}->{target}"
 
 
 def differentiate(fwd: Program, wrt: Iterable[tuple[Op, str]] | None = None) -> Backward:
@@ -84,9 +71,6 @@ def differentiate(fwd: Program, wrt: Iterable[tuple[Op, str]] | None = None) -> 
                                             shape=t.shape, by=t.by)
         return saved_names[name]
 
-    def shape(name: str) -> tuple[int, ...]:
-        return fwd.type_of(name).shape
-
     def reduce_to(g: str, target: tuple[int, ...]) -> str:
         return g if rw.types[g].shape == target else rw.emit(Op.REDUCE_LAST, [g], "g", shape=target)
 
@@ -103,81 +87,41 @@ def differentiate(fwd: Program, wrt: Iterable[tuple[Op, str]] | None = None) -> 
             acc = rw.emit(Op.ADD, [acc, g], "g")
         return acc
 
+    class Context:
+        """The derivative rules' view of this pass (:class:`hector.ir.opdefs.GradContext`)."""
+
+        def __init__(self) -> None:
+            self.args: tuple[str, ...] = ()
+
+        def emit(self, op: Op, args: list[str], hint: str, **attrs) -> str:
+            return rw.emit(op, args, hint, **attrs)
+
+        def saved(self, name: str) -> str:
+            return saved(name)
+
+        def needs(self, name: str) -> bool:
+            return needs[name]
+
+        def give(self, i: int, grad: str) -> None:
+            if needs[self.args[i]]:
+                grads[self.args[i]].append(grad)
+
+        def type_of(self, name: str):
+            return fwd.type_of(name)
+
+        def reduce_to(self, grad: str, target: tuple[int, ...]) -> str:
+            return reduce_to(grad, target)
+
+    ctx = Context()
     for node in reversed(fwd.nodes):
         if not needs[node.name] or not grads.get(node.name) or node.op in (Op.INPUT, Op.PARAM):
             continue
-        g = total(node.name)
-        op, at, args = node.op, node.attr, node.args
-
-        def give(i: int, value: str, args: tuple[str, ...] = args) -> None:
-            if needs[args[i]]:
-                grads[args[i]].append(value)
-
-        if op is Op.GATHER:
-            give(0, rw.emit(Op.SCATTER_ADD, [g], "g", via=at("via")))
-        elif op is Op.SCATTER_ADD:
-            give(0, rw.emit(Op.GATHER, [g], "g", via=at("via")))
-        elif op is Op.LINEAR:
-            w = fwd.type_of(args[1])
-            if not at("transpose"):
-                if needs[args[0]]:
-                    give(0, rw.emit(Op.LINEAR, [g, saved(args[1])], "g", transpose=True))
-                if needs[args[1]]:
-                    give(1, rw.emit(Op.OUTER_SUM, [saved(args[0]), g], "g", by=w.by, shape=w.shape))
-            else:
-                if needs[args[0]]:
-                    give(0, rw.emit(Op.LINEAR, [g, saved(args[1])], "g", transpose=False))
-                if needs[args[1]]:
-                    give(1, rw.emit(Op.OUTER_SUM, [g, saved(args[0])], "g", by=w.by, shape=w.shape))
-        elif op is Op.SELECT:
-            p = fwd.type_of(args[0])
-            give(0, rw.emit(Op.SELECT_SUM, [g], "g", by=p.by, shape=p.shape))
-        elif op is Op.EINSUM:
-            for i in (0, 1):
-                if needs[args[i]]:
-                    eq = _einsum_grad_eq(at("equation"), i)
-                    give(i, rw.emit(Op.EINSUM, [g, saved(args[1 - i])], "g", equation=eq,
-                                    by=fwd.type_of(args[i]).by))
-        elif op in (Op.ADD, Op.SUB):
-            give(0, reduce_to(g, shape(args[0])))
-            if needs[args[1]]:
-                gb = g if op is Op.ADD else rw.emit(Op.NEG, [g], "g")
-                give(1, reduce_to(gb, shape(args[1])))
-        elif op is Op.MUL:
-            for i in (0, 1):
-                if needs[args[i]]:
-                    give(i, reduce_to(rw.emit(Op.MUL, [g, saved(args[1 - i])], "g"), shape(args[i])))
-        elif op is Op.NEG:
-            give(0, rw.emit(Op.NEG, [g], "g"))
-        elif op is Op.SCALE:
-            give(0, rw.emit(Op.SCALE, [g], "g", c=at("c")))
-        elif op is Op.ACT:
-            a = saved(node.name) if at("fn") in _ACT_USES_OUTPUT else saved(args[0])
-            give(0, rw.emit(Op.ACT_GRAD, [a, g], "g", fn=at("fn"), slope=at("slope", 0.0)))
-        elif op is Op.INNER:
-            for i in (0, 1):
-                if needs[args[i]]:
-                    give(i, rw.emit(Op.MUL, [g, saved(args[1 - i])], "g"))
-        elif op is Op.REDUCE_LAST:
-            give(0, rw.emit(Op.EXPAND, [g], "g", shape=shape(args[0])))
-        elif op is Op.EXPAND:
-            give(0, rw.emit(Op.REDUCE_LAST, [g], "g", shape=shape(args[0])))
-        elif op is Op.RESHAPE:
-            give(0, rw.emit(Op.RESHAPE, [g], "g", shape=shape(args[0])))
-        elif op is Op.CONCAT:
-            na, nb = shape(args[0])[-1], shape(args[1])[-1]
-            give(0, rw.emit(Op.SLICE, [g], "g", start=0, stop=na))
-            give(1, rw.emit(Op.SLICE, [g], "g", start=na, stop=na + nb))
-        elif op is Op.EDGE_SOFTMAX:
-            # y = softmax(s): ds = y * (dy - sum_{edges into dst} y * dy)
-            y = saved(node.name)
-            weighted = rw.emit(Op.MUL, [y, g], "g")
-            per_dst = rw.emit(Op.SCATTER_ADD, [weighted], "g", via="dst")
-            back = rw.emit(Op.GATHER, [per_dst], "g", via="dst")
-            give(0, rw.emit(Op.MUL, [y, rw.emit(Op.SUB, [g, back], "g")], "g"))
-        else:
-            raise NotImplementedError(f"no gradient rule for {op.value} (%{node.name}); higher-order "
+        rule = OPS[node.op].vjp
+        if rule is None:
+            raise NotImplementedError(f"no gradient rule for {node.op.value} (%{node.name}); higher-order "
                                       "derivatives of backward programs are not supported")
+        ctx.args = node.args
+        rule(ctx, node, total(node.name))
 
     outputs, grads_of = [], []
     for key in sorted(want, key=lambda k: (k[0].value, k[1])):

@@ -25,7 +25,7 @@ from .. import config
 from ..codegen import CodegenOptions, ModuleCode, generate
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
-from .graph import Graph, record_stream_of
+from .graph import Graph, record_stream_of, sort_keys
 
 TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 DTYPE_KEY = {v: k for k, v in TORCH_DTYPE.items()}
@@ -46,7 +46,7 @@ class DeviceGraph:
     def __init__(self, graph: Graph):
         if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
             raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
-        order = torch.sort(graph.dst, stable=True).indices
+        order = sort_keys(graph.dst, graph.num_nodes)[1]
         self.order = order  # sorted position -> original edge id
         g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph)
         # the same (source, relation) pairs in the same order; each edge keeps its pair
@@ -59,7 +59,7 @@ class DeviceGraph:
         self.csc_ptr = ptr.to(torch.int32)
         deg = ptr[1:] - ptr[:-1]
         # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
-        self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
+        self.dst_order = torch.sort(deg.to(torch.int32), descending=True, stable=True).indices.to(torch.int32)
         self._cache: dict[Any, Any] = {}
 
     @property
@@ -107,7 +107,8 @@ class DeviceGraph:
         most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph by
         ``build(counts, rows, slots)`` (the backend's schedule kernel) from the per-type counts, which stay on the
         device. The schedule has ``slots`` entries, the most tiles the row count allows (each type adds at most one
-        partial tile); the entries past the last tile have count 0 and their blocks return at once."""
+        partial tile: at most min(types, rows) of them, so the count does not grow with a model's relations beyond
+        those a graph can hold); the entries past the last tile have count 0 and their blocks return at once."""
 
         def compute():
             total = self.rows(domain)
@@ -117,7 +118,7 @@ class DeviceGraph:
                 counts = self.graph.type_counts(domain, by)
             else:
                 counts = torch.full((1,), total, dtype=torch.long, device=self.device)
-            slots = -(-total // rows) + counts.numel() - 1  # >= sum(ceil(count / rows))
+            slots = -(-total // rows) + min(counts.numel(), total) - 1  # >= sum(ceil(count / rows))
             return build(counts, rows, slots), slots
 
         return self._cached(("tiles", domain, by, rows), compute)

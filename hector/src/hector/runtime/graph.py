@@ -79,7 +79,10 @@ class Graph:
         checks = [("edge_index", edge_index, self.num_nodes, "node"),
                   ("edge_type", edge_type, self.num_relations, "relation")]
         if node_type is None:
-            self.num_node_types = 1 if num_node_types is None else int(num_node_types)
+            if num_node_types is not None and int(num_node_types) > 1:
+                raise GraphInputError(f"num_node_types={num_node_types} but node_type is None: give node_type, one "
+                                      "node-type id per node (a [num_nodes] integer tensor)")
+            self.num_node_types = 1
             node_type = torch.zeros(self.num_nodes, dtype=torch.long, device=edge_index.device)
         else:
             node_type = _check_int_tensor("node_type", node_type, 1)
@@ -195,7 +198,7 @@ class Graph:
     def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
         return self.cached(("type_order", domain, by),
-                           lambda: torch.sort(self.combined_index(domain, by), stable=True).indices)
+                           lambda: sort_keys(self.combined_index(domain, by), self.num_combined_types(by))[1])
 
     def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         """Rows of each (combined) type, a tensor on the graph's device. No host synchronisation (unlike
@@ -214,6 +217,31 @@ class Graph:
         return self.cached(("segments", domain, by),
                            lambda: (self.type_order(domain, by), self.type_counts(domain, by).tolist()))
 
+    def segment_chunks(self, domain: Domain, by: tuple[str, ...], dense_rows: int) -> list[tuple[Any, Any]]:
+        """The rows of ``domain`` in chunks that each take one matmul: ``(rows, t)`` with ``t`` an int (a type with
+        at least ``dense_rows`` rows: one dense matmul with its weight) or a tensor of per-row types (all rows of
+        the smaller types, in one batched matmul with per-row weights). The chunk count is bounded by the row
+        count over ``dense_rows`` plus one, whatever the number of types: a mini-batch that sees a few of
+        thousands of relations costs what its rows cost (one host synchronisation per graph, cached)."""
+
+        def compute():
+            rows = self.num_rows(domain)
+            if not by:
+                return [(torch.arange(rows, device=self.device), 0)] if rows else []
+            counts = self.type_counts(domain, by)
+            big = (counts >= dense_rows).nonzero().flatten()
+            perm = self.type_order(domain, by)
+            starts = torch.cumsum(counts, 0) - counts
+            big_host = torch.stack([big, starts[big], counts[big]]).tolist() if big.numel() else [[], [], []]
+            out: list[tuple[Any, Any]] = [(perm[s:s + c], t) for t, s, c in zip(*big_host, strict=True)]
+            types = self.combined_index(domain, by)
+            small = ((counts[types] < dense_rows) & (counts[types] > 0)).nonzero().flatten()
+            if small.numel():
+                out.append((small, types.index_select(0, small)))
+            return out
+
+        return self.cached(("segment_chunks", domain, by, dense_rows), compute)
+
     def gather_index(self, via: str) -> torch.Tensor:
         if via not in GATHER_VIA:
             raise ValueError(f"unknown via {via!r}")
@@ -229,9 +257,11 @@ class Graph:
         return self.cached("csr", lambda: self._compressed(self.src))
 
     def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        perm = torch.sort(key, stable=True).indices
+        perm = sort_keys(key, self.num_nodes)[1]
         ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
-        ptr[1:] = torch.cumsum(torch.bincount(key, minlength=self.num_nodes), 0)
+        counts = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
+        counts.index_add_(0, key, torch.ones_like(key))
+        ptr[1:] = torch.cumsum(counts, 0)
         return perm, ptr
 
     def relation_ptr(self) -> torch.Tensor:
@@ -246,14 +276,24 @@ class Graph:
         return self.cached("relation_ptr", compute)
 
     def in_degree(self) -> torch.Tensor:
-        return self.cached("in_degree", lambda: torch.bincount(self.dst, minlength=self.num_nodes))
+        """In-edges per node. No host synchronisation (``bincount`` would read the largest id on a GPU)."""
+
+        def compute():
+            deg = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
+            return deg.index_add_(0, self.dst, torch.ones_like(self.dst))
+
+        return self.cached("in_degree", compute)
 
     def graph_const(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         def compute():
             if kind == "inv_deg_dst_rel":
+                # edges sharing (destination, relation), by binary search in the sorted keys: no host read (unique
+                # would size its output on the host, a synchronisation per new graph)
                 key = self.dst * self.num_relations + self.etype
-                _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-                return 1.0 / counts[inverse].to(torch.float64)
+                ordered = sort_keys(key, self.num_nodes * self.num_relations)[0]
+                key = key.to(ordered.dtype)
+                counts = torch.searchsorted(ordered, key, right=True) - torch.searchsorted(ordered, key)
+                return 1.0 / counts.to(torch.float64)
             deg = self.in_degree().to(torch.float64)
             if kind == "inv_deg_dst":
                 return 1.0 / deg[self.dst]
@@ -294,6 +334,15 @@ class Graph:
     def __repr__(self) -> str:
         return (f"Graph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, num_relations={self.num_relations}, "
                 f"num_node_types={self.num_node_types})")
+
+
+def sort_keys(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted keys, stable order) of non-negative integer keys below ``bound``. Keys that fit sort as int32: a
+    GPU radix sort makes one pass per key byte, so half the passes of int64."""
+    if bound <= 2**31 - 1 and key.dtype != torch.int32:
+        key = key.to(torch.int32)
+    values, order = torch.sort(key, stable=True)
+    return values, order
 
 
 def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:

@@ -1,20 +1,22 @@
 """The reference backend: executes IR nodes with torch ops (CPU or GPU).
 
-It is the fallback where no generated kernel exists and the correctness oracle for generated ones. ``eval_node``
-gives every op its meaning; :func:`interpret` runs a program node by node (differentiable by torch autograd, which
-tests use as an independent check of the generated backward); :func:`run_lowered` runs a lowered program kernel by
-kernel, keeping only the values a kernel materialises, so its memory behaviour follows the kernel plan.
+It is the fallback where no generated kernel exists and the correctness oracle for generated ones. ``REFERENCE``
+gives every op its meaning (one entry per op); :func:`interpret` runs a program node by node (differentiable by
+torch autograd, which tests use as an independent check of the generated backward); :func:`run_lowered` runs a
+lowered program kernel by kernel, keeping only the values a kernel materialises, so its memory behaviour follows the
+kernel plan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..ir.core import Domain, Node, Op, Program
+from ..ir.core import GATHER_VIA, Domain, Node, Op, Program
 from .graph import Graph
 
 
@@ -70,28 +72,60 @@ def _mm(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.
     return x @ (w.t() if transpose else w)
 
 
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, head: bool, transpose: bool) -> torch.Tensor:
+    """Row i times its own weight ``w[i]`` (a batched matmul over rows of small types)."""
+    if head:
+        return torch.einsum("rho,rhio->rhi" if transpose else "rhi,rhio->rho", x, w)
+    return torch.bmm(x.unsqueeze(1), w.transpose(1, 2) if transpose else w).squeeze(1)
+
+
+# Types with at least this many rows get one dense matmul each; the rows of all smaller types share batched
+# matmuls with per-row weights, so the Python loop runs over at most rows / DENSE_ROWS types (not over every
+# relation of a model with thousands).
+DENSE_ROWS = 128
+
+
+def _weight_tile(core: tuple[int, ...], itemsize: int, device_type: str) -> int:
+    """Rows per batched per-row-weight matmul: the gathered weights take at most 8 reference tiles of memory."""
+    from .. import config
+
+    return max(1, 8 * config.tile_bytes(device_type) // max(1, math.prod(core) * itemsize))
+
+
+def _chunks(graph: Graph, domain: Domain, by: tuple[str, ...], step: int, wstep: int):
+    """(rows, t): the segment chunks of ``graph.segment_chunks`` cut into pieces of at most ``step`` rows (and
+    ``wstep`` rows where each row reads its own weight)."""
+    for rows, t in graph.segment_chunks(domain, by, DENSE_ROWS):
+        size = step if isinstance(t, int) else min(step, wstep)
+        for a in range(0, rows.numel(), size):
+            yield rows[a:a + size], (t if isinstance(t, int) else t[a:a + size])
+
+
+def _segment_mm(x: torch.Tensor, wflat: torch.Tensor, t: Any, head: bool, transpose: bool) -> torch.Tensor:
+    if isinstance(t, int):
+        return _mm(x, wflat[t], head, transpose)
+    return _mm_rows(x, wflat.index_select(0, t), head, transpose)
+
+
 def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, wtype, xdomain: Domain, graph: Graph,
             row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Row i times W[type(i)]. With ``row_index``, row i of the operand is ``x[row_index[i]]`` (a fused gather:
-    only one segment's rows are gathered at a time)."""
+    only one chunk's rows are gathered at a time)."""
     by = wtype.by
     core = w.shape[len(by):]
     head, transpose = len(core) == 3, bool(node.attr("transpose"))
     if not by:
         return _mm(x if row_index is None else x.index_select(0, row_index), w, head, transpose)
-    # Segmented GEMM: rows grouped by type, one dense matmul per type (no per-row weight copies).
+    # Segmented GEMM: rows grouped by type, one dense matmul per large type (no per-row weight copies), the rows
+    # of small types in batched matmuls with per-row weights.
     wflat = w.reshape(-1, *core)
     dout = core[-2] if transpose else core[-1]
     n = x.size(0) if row_index is None else row_index.numel()
     out = x.new_empty((n,) + ((core[0], dout) if head else (dout,)))
-    perm, counts = graph.segments(xdomain, by)
-    start = 0
-    for t, c in enumerate(counts):
-        if c:
-            rows = perm[start:start + c]
-            src = rows if row_index is None else row_index.index_select(0, rows)
-            out[rows] = _mm(x.index_select(0, src), wflat[t], head, transpose)
-            start += c
+    wstep = _weight_tile(core, w.element_size(), graph.device.type)
+    for rows, t in _chunks(graph, xdomain, by, n or 1, wstep):
+        src = rows if row_index is None else row_index.index_select(0, rows)
+        out[rows] = _segment_mm(x.index_select(0, src), wflat, t, head, transpose)
     return out
 
 
@@ -102,13 +136,13 @@ def _outer_sum(node: Node, x: torch.Tensor, dy: torch.Tensor, xdomain: Domain, g
     if not by:
         return torch.einsum(eq, x, dy)
     out = x.new_zeros((math.prod(shape[:len(by)]),) + core)
-    perm, counts = graph.segments(xdomain, by)
-    start = 0
-    for t, c in enumerate(counts):
-        if c:
-            rows = perm[start:start + c]
-            out[t] = torch.einsum(eq, x[rows], dy[rows])
-            start += c
+    per_row = "rhi,rho->rhio" if len(core) == 3 else "ri,ro->rio"
+    wstep = _weight_tile(core, x.element_size(), graph.device.type)
+    for rows, t in _chunks(graph, xdomain, by, max(1, x.size(0)), wstep):
+        if isinstance(t, int):
+            out[t] += torch.einsum(eq, x[rows], dy[rows])
+        else:
+            out.index_add_(0, t, torch.einsum(per_row, x[rows], dy[rows]))
     return out.reshape(shape)
 
 
@@ -123,81 +157,103 @@ def _edge_softmax(s: torch.Tensor, graph: Graph) -> torch.Tensor:
     return e / z.index_select(0, graph.dst)
 
 
+def _ref_dropout_mask(node, args, types, graph, leaf, dtype):
+    p = node.attr("p")
+    rows = graph.num_rows(Domain(node.attr("domain")))
+    keep = torch.rand((rows,) + tuple(node.attr("shape")), dtype=dtype, device=graph.device) >= p
+    return keep.to(dtype) / (1.0 - p)
+
+
+def _ref_scatter_add(node, args, types, graph, leaf, dtype):
+    rows = graph.num_rows(GATHER_VIA[node.attr("via")][0])
+    x = args[0]
+    return x.new_zeros((rows,) + x.shape[1:]).index_add_(0, graph.gather_index(node.attr("via")), x)
+
+
+def _ref_select(node, args, types, graph, leaf, dtype):
+    p, by = args[0], types[0].by
+    domain = Domain(node.attr("domain"))
+    rows = graph.num_rows(domain)
+    if not by:
+        return p.unsqueeze(0).expand((rows,) + p.shape)
+    core = p.shape[len(by):]
+    return p.reshape((-1,) + core).index_select(0, graph.combined_index(domain, by))
+
+
+def _ref_select_sum(node, args, types, graph, leaf, dtype):
+    by, shape = tuple(node.attr("by", ())), tuple(node.attr("shape"))
+    dy = args[0]
+    if not by:
+        return dy.sum(0)
+    core = shape[len(by):]
+    out = dy.new_zeros((math.prod(shape[:len(by)]),) + core)
+    return out.index_add_(0, graph.combined_index(types[0].domain, by), dy).reshape(shape)
+
+
+def _ref_reduce_last(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    keep = 1 + len(node.attr("shape"))
+    return x.sum(dim=tuple(range(keep, x.dim()))) if x.dim() > keep else x
+
+
+def _ref_expand(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    shape = (x.size(0),) + tuple(node.attr("shape"))
+    return _bcast(x, len(shape)).expand(shape).contiguous()
+
+
+def _ref_reshape(node, args, types, graph, leaf, dtype):
+    x = args[0]
+    if types[0].domain is Domain.PARAM:  # params carry their full shape
+        return x.reshape(tuple(node.attr("shape")))
+    return x.reshape((x.size(0),) + tuple(node.attr("shape")))
+
+
+def _ref_leaf(node, args, types, graph, leaf, dtype):
+    return leaf[node.attr("name")]
+
+
+# The meaning of every op in torch: (node, args, arg types, graph, leaf bindings, dtype) -> tensor. One entry per
+# op (tests/test_opdefs.py checks none is missing); the op's type rule, derivative and cost are in hector.ir.opdefs.
+REFERENCE: dict[Op, Any] = {
+    Op.INPUT: _ref_leaf,
+    Op.PARAM: _ref_leaf,
+    Op.SAVED: _ref_leaf,
+    Op.GRAPH: lambda node, args, types, graph, leaf, dtype: graph.graph_const(node.attr("kind"), dtype),
+    Op.DROPOUT_MASK: _ref_dropout_mask,
+    Op.GATHER: lambda node, args, types, graph, leaf, dtype: args[0].index_select(
+        0, graph.gather_index(node.attr("via"))),
+    Op.SCATTER_ADD: _ref_scatter_add,
+    Op.LINEAR: lambda node, args, types, graph, leaf, dtype: _linear(node, args[0], args[1], types[1],
+                                                                    types[0].domain, graph),
+    Op.OUTER_SUM: lambda node, args, types, graph, leaf, dtype: _outer_sum(node, args[0], args[1], types[0].domain,
+                                                                          graph),
+    Op.SELECT: _ref_select,
+    Op.SELECT_SUM: _ref_select_sum,
+    Op.EINSUM: lambda node, args, types, graph, leaf, dtype: torch.einsum(node.attr("equation"), args[0], args[1]),
+    Op.ADD: lambda node, args, types, graph, leaf, dtype: _binary(Op.ADD, args[0], args[1]),
+    Op.SUB: lambda node, args, types, graph, leaf, dtype: _binary(Op.SUB, args[0], args[1]),
+    Op.MUL: lambda node, args, types, graph, leaf, dtype: _binary(Op.MUL, args[0], args[1]),
+    Op.NEG: lambda node, args, types, graph, leaf, dtype: -args[0],
+    Op.SCALE: lambda node, args, types, graph, leaf, dtype: args[0] * node.attr("c"),
+    Op.ACT: lambda node, args, types, graph, leaf, dtype: _act(node.attr("fn"), args[0], node.attr("slope", 0.0)),
+    Op.ACT_GRAD: lambda node, args, types, graph, leaf, dtype: _act_grad(node.attr("fn"), args[0], args[1],
+                                                                        node.attr("slope", 0.0)),
+    Op.INNER: lambda node, args, types, graph, leaf, dtype: (args[0] * args[1]).sum(-1),
+    Op.REDUCE_LAST: _ref_reduce_last,
+    Op.EXPAND: _ref_expand,
+    Op.RESHAPE: _ref_reshape,
+    Op.CONCAT: lambda node, args, types, graph, leaf, dtype: torch.cat([args[0], args[1]], dim=-1),
+    Op.SLICE: lambda node, args, types, graph, leaf, dtype: args[0][..., node.attr("start"):node.attr("stop")],
+    Op.EDGE_SOFTMAX: lambda node, args, types, graph, leaf, dtype: _edge_softmax(args[0], graph),
+}
+
+
 def eval_node(node: Node, args: list[torch.Tensor], types: list, graph: Graph, leaf: Mapping[str, Any],
               dtype: torch.dtype) -> torch.Tensor:
-    """The meaning of one op. ``types`` are the argument types; ``leaf`` resolves INPUT/PARAM/SAVED names."""
-    op, at = node.op, node.attr
-    if op in (Op.INPUT, Op.PARAM, Op.SAVED):
-        return leaf[at("name")]
-    if op is Op.GRAPH:
-        return graph.graph_const(at("kind"), dtype)
-    if op is Op.DROPOUT_MASK:
-        p = at("p")
-        rows = graph.num_rows(Domain(at("domain")))
-        keep = torch.rand((rows,) + tuple(at("shape")), dtype=dtype, device=graph.device) >= p
-        return keep.to(dtype) / (1.0 - p)
-    if op is Op.GATHER:
-        return args[0].index_select(0, graph.gather_index(at("via")))
-    if op is Op.SCATTER_ADD:
-        from ..ir.core import GATHER_VIA
-
-        rows = graph.num_rows(GATHER_VIA[at("via")][0])
-        x = args[0]
-        return x.new_zeros((rows,) + x.shape[1:]).index_add_(0, graph.gather_index(at("via")), x)
-    if op is Op.LINEAR:
-        return _linear(node, args[0], args[1], types[1], types[0].domain, graph)
-    if op is Op.OUTER_SUM:
-        return _outer_sum(node, args[0], args[1], types[0].domain, graph)
-    if op is Op.SELECT:
-        p, by = args[0], types[0].by
-        domain = Domain(at("domain"))
-        rows = graph.num_rows(domain)
-        if not by:
-            return p.unsqueeze(0).expand((rows,) + p.shape)
-        core = p.shape[len(by):]
-        return p.reshape((-1,) + core).index_select(0, graph.combined_index(domain, by))
-    if op is Op.SELECT_SUM:
-        by, shape = tuple(at("by", ())), tuple(at("shape"))
-        dy = args[0]
-        if not by:
-            return dy.sum(0)
-        core = shape[len(by):]
-        out = dy.new_zeros((math.prod(shape[:len(by)]),) + core)
-        return out.index_add_(0, graph.combined_index(types[0].domain, by), dy).reshape(shape)
-    if op is Op.EINSUM:
-        return torch.einsum(at("equation"), args[0], args[1])
-    if op in (Op.ADD, Op.SUB, Op.MUL):
-        return _binary(op, args[0], args[1])
-    if op is Op.NEG:
-        return -args[0]
-    if op is Op.SCALE:
-        return args[0] * at("c")
-    if op is Op.ACT:
-        return _act(at("fn"), args[0], at("slope", 0.0))
-    if op is Op.ACT_GRAD:
-        return _act_grad(at("fn"), args[0], args[1], at("slope", 0.0))
-    if op is Op.INNER:
-        return (args[0] * args[1]).sum(-1)
-    if op is Op.REDUCE_LAST:
-        x = args[0]
-        keep = 1 + len(at("shape"))
-        return x.sum(dim=tuple(range(keep, x.dim()))) if x.dim() > keep else x
-    if op is Op.EXPAND:
-        x = args[0]
-        shape = (x.size(0),) + tuple(at("shape"))
-        return _bcast(x, len(shape)).expand(shape).contiguous()
-    if op is Op.RESHAPE:
-        x = args[0]
-        if types[0].domain is Domain.PARAM:  # params carry their full shape
-            return x.reshape(tuple(at("shape")))
-        return x.reshape((x.size(0),) + tuple(at("shape")))
-    if op is Op.CONCAT:
-        return torch.cat([args[0], args[1]], dim=-1)
-    if op is Op.SLICE:
-        return args[0][..., at("start"):at("stop")]
-    if op is Op.EDGE_SOFTMAX:
-        return _edge_softmax(args[0], graph)
-    raise NotImplementedError(f"reference backend has no rule for {op}")  # pragma: no cover
+    """The meaning of one op (its :data:`REFERENCE` entry). ``types`` are the argument types; ``leaf`` resolves
+    INPUT/PARAM/SAVED names."""
+    return REFERENCE[node.op](node, args, types, graph, leaf, dtype)
 
 
 def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
@@ -216,11 +272,39 @@ def interpret(program: Program, graph: Graph, leaves: Mapping[str, Any], dtype: 
     return env
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _no_autocast(device: torch.device) -> Any:
+    """Autocast off while the reference backend runs: its torch ops must keep the program's dtypes (autocast would
+    run matmuls in bf16 and exp or sums in float32, and mix them)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None = None,
                 keep: Any = None) -> dict[str, torch.Tensor]:
     """Run a lowered program kernel by kernel. Values a kernel does not materialise are dropped when it ends, and
     materialised values are dropped after their last reader unless they are outputs or in ``keep`` (None: keep
-    everything), so peak memory follows the kernel plan (up to torch's temporaries inside a kernel)."""
+    everything), so peak memory follows the kernel plan (up to torch's temporaries inside a kernel).
+
+    Half-precision programs (bfloat16 or float16 leaves) compute in float32, as the generated kernels accumulate,
+    and return their outputs in the half dtype; kept values stay in float32."""
+    floats = [t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()]
+    half = next((d for d in floats if d in _HALF), None)
+    with _no_autocast(graph.device):
+        if half is None or dtype is not None:
+            return _run_lowered(lowered, graph, leaves, dtype, keep)
+        wide = {k: v.float() if torch.is_tensor(v) and v.dtype in _HALF else v for k, v in leaves.items()}
+        env = _run_lowered(lowered, graph, wide, torch.float32, keep)
+        for name in lowered.program.outputs:
+            env[name] = env[name].to(half)
+        return env
+
+
+def _run_lowered(lowered, graph: Graph, leaves: Mapping[str, Any], dtype: torch.dtype | None,
+                 keep: Any) -> dict[str, torch.Tensor]:
     program = lowered.program
     if dtype is None:
         dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
@@ -329,8 +413,6 @@ def _run_chunked(program: Program, kernel, graph: Graph, env: dict, leaves: Mapp
                  dtype: torch.dtype, step: int) -> None:
     """Tiles over edges, in phases split at each edge softmax (which needs whole destinations: it runs on the
     full [E, heads] scores between phases). Node-wise epilogue ops run once after the last phase."""
-    from ..ir.core import GATHER_VIA
-
     by = program.by_name
     edge_part = [m for m in kernel.nodes if by[m].type.domain is Domain.EDGE or by[m].op in (Op.SCATTER_ADD,
                                                                                               Op.SELECT_SUM)]
@@ -449,8 +531,6 @@ def _run_gemm_scatter(program: Program, kernel, graph: Graph, env: dict, leaves:
                       dtype: torch.dtype) -> None:
     """gather -> segment matmul -> [scale] -> scatter, one segment tile at a time: no per-row result is ever
     materialised, as in the CUDA GEMM kernel with a scatter epilogue."""
-    from ..ir.core import GATHER_VIA
-
     by = program.by_name
     lin = next(by[m] for m in kernel.nodes if by[m].op is Op.LINEAR)
     scatter = by[kernel.nodes[-1]]
@@ -466,34 +546,27 @@ def _run_gemm_scatter(program: Program, kernel, graph: Graph, env: dict, leaves:
     core = w.shape[len(wtype.by):]
     head, transpose = len(core) == 3, bool(lin.attr("transpose"))
     wflat = w.reshape((-1,) + core)
-    if wtype.by:
-        perm, counts = graph.segments(domain, wtype.by)
-    else:
-        perm, counts = torch.arange(graph.num_rows(domain), device=graph.device), [graph.num_rows(domain)]
     width = max(1, by[scatter.name].type.numel)
     from .. import config
 
     step = max(1, config.tile_bytes(graph.device.type) // (width * torch.empty((), dtype=dtype).element_size()))
+    wstep = _weight_tile(core, w.element_size(), graph.device.type)
     target = graph.num_rows(GATHER_VIA[scatter.attr("via")][0])
     out = None
     scatter_index = graph.gather_index(scatter.attr("via"))
-    start = 0
-    for t, c in enumerate(counts):
-        for a in range(start, start + c, step):
-            rows = perm[a:min(a + step, start + c)]
-            if table is not None:
-                xr = table.index_select(0, row_index.index_select(0, rows))
-            else:
-                xr = _rows_of(program, x_node.name, rows, graph, env, leaves, dtype)
-            y = _mm(xr, wflat[t], head, transpose)
-            if scale is not None:
-                other = scale.args[1] if scale.args[0] == lin.name else scale.args[0]
-                s_rows = _rows_of(program, other, rows, graph, env, leaves, dtype)
-                y = _binary(Op.MUL, y, s_rows) if scale.args[0] == lin.name else _binary(Op.MUL, s_rows, y)
-            if out is None:
-                out = y.new_zeros((target,) + y.shape[1:])
-            out.index_add_(0, scatter_index.index_select(0, rows), y)
-        start += c
+    for rows, t in _chunks(graph, domain, wtype.by, step, wstep):
+        if table is not None:
+            xr = table.index_select(0, row_index.index_select(0, rows))
+        else:
+            xr = _rows_of(program, x_node.name, rows, graph, env, leaves, dtype)
+        y = _segment_mm(xr, wflat, t, head, transpose)
+        if scale is not None:
+            other = scale.args[1] if scale.args[0] == lin.name else scale.args[0]
+            s_rows = _rows_of(program, other, rows, graph, env, leaves, dtype)
+            y = _binary(Op.MUL, y, s_rows) if scale.args[0] == lin.name else _binary(Op.MUL, s_rows, y)
+        if out is None:
+            out = y.new_zeros((target,) + y.shape[1:])
+        out.index_add_(0, scatter_index.index_select(0, rows), y)
     if out is None:  # no rows at all
         out = torch.zeros((target,) + by[scatter.name].type.shape, dtype=dtype, device=graph.device)
     env[scatter.name] = out

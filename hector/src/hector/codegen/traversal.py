@@ -1,0 +1,395 @@
+"""Traversal kernels: edge-parallel (one group of threads per destination, register reductions for edge softmax and
+sums by destination), node- and pair-parallel (one group per row). See :mod:`hector.codegen.cuda`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..ir.core import Domain, Op
+from ..lower.kernels import Kernel
+from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_least, _Ref, cname
+from .templates import BROADCASTING, ELEMENTWISE
+
+
+class _Traversal(_Emitter):
+    """Emits one traversal kernel (see the module docstring for the execution model)."""
+
+    def __init__(self, gen: _Gen, spec: Kernel):
+        super().__init__(gen, spec)
+        self.edge = spec.space == "edge"
+        self.row = "e" if self.edge else "r"
+        self.space_domain = {"edge": Domain.EDGE, "node": Domain.NODE, "unique": Domain.UNIQUE}[spec.space]
+        widths = [self.p.type_of(n).numel for n in spec.nodes if self.p.type_of(n).domain is not Domain.PARAM]
+        widths += [self.p.type_of(n).numel for n in spec.inputs if self.p.type_of(n).domain is not Domain.PARAM]
+        self.maxw = max(widths + [1])
+        self.G = min(32, _pow2_at_least(self.maxw))
+        self.body: list[str] = []  # where emitted lines go
+        self.memo: dict[str, str] = {}  # registers valid in the current walk / row
+        self.inv_memo: dict[str, str] = {}  # edge-invariant registers (per destination, kept across walks)
+        self.sections: list[list[str]] = []  # code before walk i (and after the last walk)
+        self.loops: list[list[str]] = []  # body of walk i
+        self.smem_params: dict[str, int] = {}  # select_sum pre-reduced in shared memory: node -> elements
+        self.outputs: list[Output] = []
+        self._phase: dict[str, int] = {}
+        self._inv: dict[str, bool] = {}
+        self.current_loop = -1
+
+    def slots(self, name_or_n: Any) -> int:
+        n = name_or_n if isinstance(name_or_n, int) else self.g.numel(name_or_n)
+        return max(1, -(-n // self.G))
+
+    def emit(self, line: str) -> None:
+        self.body.append(line)
+
+    # -- analysis --------------------------------------------------------------------------------------------
+    def is_dst_reduce(self, name: str) -> bool:
+        n = self.p.node(name)
+        return self.edge and n.op is Op.SCATTER_ADD and n.attr("via") == "dst"
+
+    def is_atomic(self, name: str) -> bool:
+        n = self.p.node(name)
+        return n.op is Op.SELECT_SUM or (n.op is Op.SCATTER_ADD and not self.is_dst_reduce(name))
+
+    def natural_row(self, name: str) -> tuple[str, bool]:
+        if self.edge and self.p.type_of(name).domain is Domain.NODE:
+            return "d", False
+        return self.row, self.edge
+
+    def phase(self, name: str) -> int:
+        """Walk after which a value is available: reductions over the in-edges (edge softmax, sums into the
+        destination) complete at the end of a walk, so what reads them runs in a later walk."""
+        if name not in self.member_set:  # a view/gather of an in-kernel value is available when that value is
+            n = self.p.node(name)
+            return max([self.phase(a) for a in n.args] + [0]) if name in self.g.virtual else 0
+        if name not in self._phase:
+            n = self.p.node(name)
+            base = max([self.phase(a) for a in n.args] + [0])
+            self._phase[name] = base + 1 if (n.op is Op.EDGE_SOFTMAX or self.is_dst_reduce(name)) else base
+        return self._phase[name]
+
+    def invariant(self, name: str) -> bool:
+        """Same for every in-edge of the destination (edge kernels): computed once per destination."""
+        if not self.edge:
+            return False
+        if name not in self._inv:
+            n = self.p.node(name)
+            if name in self.member_set:
+                if n.op is Op.EDGE_SOFTMAX or self.is_atomic(name):
+                    inv = False
+                elif self.is_dst_reduce(name) or n.type.domain is Domain.NODE:
+                    inv = True
+                else:
+                    inv = all(self.invariant(a) for a in n.args)
+            elif n.type.domain is Domain.PARAM:
+                inv = True
+            else:
+                row, varies = self.natural_row(name)
+                inv = not self.ref(name, row, varies).varies
+            self._inv[name] = inv
+        return self._inv[name]
+
+    # -- values in registers ---------------------------------------------------------------------------------
+    def value(self, name: str) -> str:
+        """Register array holding ``name`` at the current row, emitting its computation on first use."""
+        if name in self.inv_memo:
+            return self.inv_memo[name]
+        if name in self.memo:
+            return self.memo[name]
+        inv = self.invariant(name)
+        saved = self.body
+        if inv and self.current_loop >= 0:
+            self.body = self.sections[self.current_loop]  # hoisted before the walk
+        try:
+            if name in self.member_set:
+                reg = self.compute(self.p.node(name))
+            else:
+                row, varies = self.natural_row(name)
+                reg = self.load(name, self.ref(name, row, varies))
+        finally:
+            self.body = saved
+        (self.inv_memo if inv else self.memo)[name] = reg
+        return reg
+
+    def load(self, name: str, r: _Ref) -> str:
+        if r.kind == "local":  # a view of a value this kernel computes: the same registers
+            reg = self.value(r.base)
+            self.emit(f"  {self.g.comment(name)}  (same registers as %{r.base})")
+            return reg
+        N = self.g.numel(name)
+        S = self.slots(N)
+        reg = self.fresh(f"r_{cname(name)}_")
+        t = self.p.type_of(r.base)
+        stride = math.prod(t.shape[len(t.by):]) if r.kind == "param" else t.numel
+        rv = self.fresh("row")
+        self.emit(f"  {self.g.comment(name)}")
+        chain = self.p.node(name)
+        while chain.name in self.g.virtual and chain.args and chain.args[0] in self.g.virtual:  # views read through
+            chain = self.p.node(chain.args[0])
+            self.emit(f"  //   reading {self.g.comment(chain.name)[3:]}")
+        self.emit(f"  const i64 {rv} = (i64)({r.expr}) * {stride};")
+        self.emit(f"  acc_t {reg}[{S}];")
+        self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ const int j = s * G + lane; "
+                  f"{reg}[s] = j < {N} ? ld({self.ptr(r.base)} + {rv} + j) : (acc_t)0; }}")
+        return reg
+
+    def new_reg(self, name: str) -> str:
+        reg = self.fresh(f"r_{cname(name)}_")
+        self.emit(f"  acc_t {reg}[{self.slots(name)}];")
+        return reg
+
+    def loop(self, S: int, stmt: str) -> None:
+        self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ const int j = s * G + lane; (void)j; "
+                  f"{stmt} }}")
+
+    def publish(self, reg: str, n: int, offset: int) -> None:
+        """Write a distributed value into the group's shared scratch, so every lane may read any element."""
+        self.emit("  __syncwarp(gmask);")
+        self.loop(self.slots(n), f"if (j < {n}) scr[{offset} + j] = {reg}[s];")
+        self.emit("  __syncwarp(gmask);")
+
+    def broadcast(self, reg: str, n_from: int, n_to: int) -> str:
+        """``reg`` (``n_from`` elements) prefix-broadcast to ``n_to`` elements: element j reads j / ratio."""
+        if n_from == n_to:
+            return reg
+        ratio = n_to // n_from
+        S = self.slots(n_to)
+        out = self.fresh("bc")
+        self.emit(f"  acc_t {out}[{S}];")
+        if self.G == 1:
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {out}[s] = {reg}[s / {ratio}];")
+        elif n_from <= self.G:
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {out}[s] = __shfl_sync(gmask, {reg}[0], "
+                      f"min((s * G + lane) / {ratio}, {n_from - 1}), G);")
+        else:
+            self.publish(reg, n_from, 0)
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) "
+                      f"{out}[s] = scr[min((s * G + lane) / {ratio}, {n_from - 1})];")
+            self.emit("  __syncwarp(gmask);")
+        return out
+
+    def compute(self, n) -> str:
+        """Emit member ``n`` (its arguments first) and return its register array."""
+        op, at = n.op, n.attr
+        if self.is_dst_reduce(n.name):
+            return f"acc_{cname(n.name)}"  # summed by the walk; complete once that walk is over
+        if op is Op.EDGE_SOFTMAX:
+            score = self.value(n.args[0])
+            self.emit(f"  {self.g.comment(n.name)}")
+            reg = self.new_reg(n.name)
+            sm = f"sm_{cname(n.name)}"
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {self.slots(n.name)}; ++s) "
+                      f"{reg}[s] = hexp({score}[s] - {sm}_m[s]) / {sm}_z[s];")
+            return reg
+        args = [self.value(a) for a in n.args]
+        N = n.type.numel
+        S = self.slots(N)
+        line = self.g.comment(n.name)
+        if op in ELEMENTWISE:  # one expression per element, from the table
+            if op in BROADCASTING:
+                args = [self.broadcast(r, self.g.numel(a), N) for r, a in zip(args, n.args, strict=True)]
+            self.emit(f"  {line}")
+            reg = self.new_reg(n.name)
+            e = ELEMENTWISE[op](n, [f"{r}[s]" for r in args])
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {reg}[s] = {e};")
+            return reg
+        if op is Op.RESHAPE:  # same elements, same lanes: an alias
+            self.emit(f"  {line}")
+            reg = self.fresh(f"r_{cname(n.name)}_")
+            self.emit(f"  acc_t (&{reg})[{S}] = {args[0]};")
+            return reg
+        if op is Op.EXPAND:
+            self.emit(f"  {line}")
+            return self.broadcast(args[0], self.g.numel(n.args[0]), N)
+        if op in (Op.INNER, Op.REDUCE_LAST):
+            src = args[0]
+            n_in = self.g.numel(n.args[0])
+            self.emit(f"  {line}")
+            if op is Op.INNER:
+                src = self.fresh("prod")
+                self.emit(f"  acc_t {src}[{self.slots(n_in)}];")
+                self.emit(f"  #pragma unroll\n  for (int s = 0; s < {self.slots(n_in)}; ++s) "
+                          f"{src}[s] = {args[0]}[s] * {args[1]}[s];")
+            ratio = n_in // max(N, 1)
+            reg = self.new_reg(n.name)
+            if self.G == 1:
+                self.loop(S, f"acc_t t = 0; for (int q = 0; q < {ratio}; ++q) t += {src}[s * {ratio} + q]; "
+                             f"{reg}[s] = t;")
+            else:
+                self.publish(src, n_in, 0)
+                self.loop(S, f"acc_t t = 0; if (j < {N}) for (int q = 0; q < {ratio}; ++q) t += scr[j * {ratio} + q];"
+                             f" {reg}[s] = t;")
+                self.emit("  __syncwarp(gmask);")
+            return reg
+        if op in (Op.CONCAT, Op.SLICE):
+            self.emit(f"  {line}")
+            lo = n.type.shape[-1]
+            if op is Op.CONCAT:
+                na, nb = self.g.numel(n.args[0]), self.g.numel(n.args[1])
+                la, lb = self.p.type_of(n.args[0]).shape[-1], self.p.type_of(n.args[1]).shape[-1]
+                if self.G == 1:
+                    a_e, b_e = f"{args[0]}[row * {la} + col]", f"{args[1]}[row * {lb} + col - {la}]"
+                else:
+                    self.publish(args[0], na, 0)
+                    self.publish(args[1], nb, na)
+                    a_e, b_e = f"scr[row * {la} + col]", f"scr[{na} + row * {lb} + col - {la}]"
+                e = f"col < {la} ? {a_e} : {b_e}"
+            else:
+                lx, start = self.p.type_of(n.args[0]).shape[-1], at("start")
+                if self.G == 1:
+                    e = f"{args[0]}[row * {lx} + {start} + col]"
+                else:
+                    self.publish(args[0], self.g.numel(n.args[0]), 0)
+                    e = f"scr[row * {lx} + {start} + col]"
+            reg = self.new_reg(n.name)
+            self.loop(S, f"const int row = j / {lo}, col = j % {lo}; {reg}[s] = j < {N} ? ({e}) : (acc_t)0;")
+            if self.G != 1:
+                self.emit("  __syncwarp(gmask);")
+            return reg
+        raise AssertionError(f"traversal emitter has no rule for {op}")  # pragma: no cover
+
+    # -- per-row effects -------------------------------------------------------------------------------------
+    def effects(self) -> list[tuple[int, str, str]]:
+        """(walk, kind, node): writes of row outputs, online softmax statistics, sums into the destination,
+        atomics, in program order."""
+        out = []
+        for name in self.members:
+            n = self.p.node(name)
+            if n.op is Op.EDGE_SOFTMAX:
+                out.append((self.phase(n.args[0]), "softmax", name))
+            elif self.is_dst_reduce(name):
+                out.append((self.phase(n.args[0]), "reduce", name))
+            elif self.is_atomic(name):
+                out.append((self.phase(n.args[0]), "atomic", name))
+            if name in self.k.outputs and n.type.domain is self.space_domain and not self.is_atomic(name):
+                out.append((self.phase(name), "write", name))
+        return out
+
+    def do_effect(self, kind: str, name: str) -> None:
+        n = self.p.node(name)
+        if kind == "write":
+            reg = self.value(name)
+            N = n.type.numel
+            self.loop(self.slots(N), f"if (j < {N}) st({self.ptr(name, out=True)} + (i64)({self.row}) * {N} + j, "
+                                     f"{reg}[s]);")
+            return
+        src = self.value(n.args[0])
+        N = self.g.numel(n.args[0])
+        S = self.slots(N)
+        sm = f"sm_{cname(name)}"
+        if kind == "softmax":
+            self.emit(f"  // online max and sum of exponentials for %{name}")
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ const acc_t v = {src}[s]; "
+                      f"const acc_t mx = hmax({sm}_m[s], v); {sm}_z[s] = {sm}_z[s] * hexp({sm}_m[s] - mx) + "
+                      f"hexp(v - mx); {sm}_m[s] = mx; }}")
+            return
+        if kind == "reduce":
+            self.emit(f"  // sum into the destination: {self.g.comment(name)[3:]}")
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) acc_{cname(name)}[s] += {src}[s];")
+            return
+        self.emit(f"  {self.g.comment(name)}")
+        if n.op is Op.SCATTER_ADD:
+            target = f"{self.args.gather(n.attr('via'))}[{self.row}]"
+            self.loop(S, f"if (j < {N}) atomicAdd({self.ptr(name, out=True)} + (i64)({target}) * {N} + j, {src}[s]);")
+            return
+        by = tuple(n.attr("by", ()))
+        t = f"{self.args.index(self.p.type_of(n.args[0]).domain, by)}[{self.row}]" if by else "0"
+        dest = f"ss_{cname(name)}" if name in self.smem_params else self.ptr(name, out=True)
+        self.loop(S, f"if (j < {N}) atomicAdd({dest} + (i64)({t}) * {N} + j, {src}[s]);")
+
+    # -- the kernel ------------------------------------------------------------------------------------------
+    def generate(self) -> tuple[str, KernelCode]:
+        g = self.g
+        for name in self.k.outputs:
+            atomic = self.is_atomic(name)
+            g.dtypes[name] = g.acc if atomic else g.model
+            self.outputs.append(Output(name, g.dtypes[name], atomic))
+        for name in self.members:  # sums into small params: pre-reduced in shared memory, one flush per block
+            n = self.p.node(name)
+            if n.op is Op.SELECT_SUM and math.prod(n.attr("shape")) * 8 <= 16384:
+                self.smem_params[name] = math.prod(n.attr("shape"))
+        effects = self.effects()
+        nloops = 1 + max([e[0] for e in effects] + [0])
+        self.sections = [[] for _ in range(nloops + 1)]
+        self.loops = [[] for _ in range(nloops)]
+        if self.edge:
+            for loop, kind, name in effects:  # reduction state lives in the section before its walk
+                S = self.slots(self.p.node(name).args[0])
+                sec = self.sections[loop]
+                if kind == "softmax":
+                    sm = f"sm_{cname(name)}"
+                    sec.append(f"  acc_t {sm}_m[{S}], {sm}_z[{S}];  // statistics of %{name}")
+                    sec.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ {sm}_m[s] = HECTOR_NEG_INF; "
+                               f"{sm}_z[s] = 0; }}")
+                elif kind == "reduce":
+                    sec.append(f"  acc_t acc_{cname(name)}[{S}];  // %{name}, summed over the in-edges")
+                    sec.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) acc_{cname(name)}[s] = 0;")
+        for loop in range(nloops):
+            self.current_loop = loop if self.edge else -1
+            self.memo = {}
+            self.body = self.loops[loop]
+            for eloop, kind, name in effects:
+                if eloop == loop:
+                    self.do_effect(kind, name)
+        if self.edge:  # node-wise work after the walks; node outputs
+            self.current_loop = -1
+            self.memo = {}
+            self.body = self.sections[nloops]
+            for name in self.members:
+                n = self.p.node(name)
+                if name in self.k.outputs and n.type.domain is Domain.NODE and not self.is_atomic(name):
+                    reg = self.value(name)
+                    N = n.type.numel
+                    self.loop(self.slots(N), f"if (j < {N}) st({self.ptr(name, out=True)} + (i64)d * {N} + j, "
+                                             f"{reg}[s]);")
+        return self.assemble(nloops)
+
+    def assemble(self, nloops: int) -> tuple[str, KernelCode]:
+        G = self.G
+        groups_per_block = BLOCK // G
+        scratch = 2 * self.maxw if G > 1 else 1
+        body = [f"  constexpr int G = {G};  // threads per row group",
+                "  const int lane = threadIdx.x % G;",
+                "  const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) / G * G);",
+                "  (void)gmask;",
+                f"  __shared__ acc_t scratch[{groups_per_block}][{scratch}];",
+                "  acc_t* scr = scratch[threadIdx.x / G];",
+                "  (void)scr;"]
+        for name, total in self.smem_params.items():
+            body.append(f"  __shared__ acc_t ss_{cname(name)}[{total}];  // block-local part of %{name}")
+            body.append(f"  for (int i = threadIdx.x; i < {total}; i += blockDim.x) ss_{cname(name)}[i] = 0;")
+        if self.smem_params:
+            body.append("  __syncthreads();")
+        order = self.args.get(("dst_order",), "dst_order", "const int* __restrict__") if self.edge else ""
+        ptr = self.args.get(("csc_ptr",), "csc_ptr", "const int* __restrict__") if self.edge else ""
+        n_work = self.args.get(("rows", Domain.NODE.value if self.edge else self.space_domain.value),
+                               "n_work", "i64", "i64")
+        body.append(f"  const i64 groups = (i64)gridDim.x * {groups_per_block};")
+        body.append(f"  for (i64 w = (i64)blockIdx.x * {groups_per_block} + threadIdx.x / G; w < {n_work}; "
+                    "w += groups) {")
+        if self.edge:
+            body.append(f"  const int d = {order}[w];  // destination node (heaviest first)")
+            body.append(f"  const int e_begin = {ptr}[d], e_end = {ptr}[d + 1];")
+            for loop in range(nloops):
+                body += self.sections[loop]
+                body.append(f"  // walk {loop + 1} of {nloops} over the in-edges of d")
+                body.append("  for (int e = e_begin; e < e_end; ++e) {")
+                body += ["  " + sub for ln in self.loops[loop] for sub in ln.split("\n")]
+                body.append("  }")
+            body += self.sections[nloops]
+        else:
+            body.append(f"  const i64 r = w;  // {self.k.space} row")
+            body += self.loops[0]
+        body.append("  }")
+        for name, total in self.smem_params.items():
+            body.append("  __syncthreads();")
+            body.append(f"  for (int i = threadIdx.x; i < {total}; i += blockDim.x) "
+                        f"if (ss_{cname(name)}[i] != (acc_t)0) atomicAdd({self.ptr(name, out=True)} + i, "
+                        f"ss_{cname(name)}[i]);")
+        params = ", ".join(f"{a.ctype} {a.cname}" for a in self.args.args)
+        lines = ["// " + self.k.describe().replace("\n", "\n// "),
+                 f'extern "C" __global__ void __launch_bounds__({BLOCK}) {self.k.name}({params}) {{']
+        lines += body
+        lines.append("}")
+        launch = Launch("groups", BLOCK, ("dst",) if self.edge else ("rows", self.space_domain.value), G)
+        return "\n".join(lines), KernelCode(self.k.name, self.k, tuple(self.args.args), launch, tuple(self.outputs))

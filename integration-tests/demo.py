@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: small with a GPU, tiny without")
     parser.add_argument("--out", default=str(HERE / "demo-output"), help="folder for the report, plots and CSV")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per script")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help='no progress bars')
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

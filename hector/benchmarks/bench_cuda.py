@@ -611,12 +611,13 @@ def plot(path, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datasets", default=",".join(ORDER), help="run in this order (smallest first by default)")
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each twin's nodes and edges")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help='where to run (default: cuda when available)')
     ap.add_argument("--cap-s", type=float, default=1.0, help="a baseline slower than this per step runs once")
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new dataset after this many seconds")
     ap.add_argument("--memory-gb", type=float, default=80.0, help="cap GPU memory (emulates an 80 GB H100)")
-    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--no-reference", action="store_true", help="skip hector's reference backend (torch ops)")
     ap.add_argument("--extras-dataset", default="am", help="graph for the ablation, mini-batches, bandwidth")
     ap.add_argument("--profile", default="", help="only profile a training step of these models (e.g. rgat,rgcn) "
                     "on --extras-dataset: per-kernel times")
@@ -630,8 +631,8 @@ def main(argv=None):
                     "Python (PyG's RGCNConv and HGTConv, the per-relation PyTorch model) are compiled only up to this "
                     "many relations (the loop unrolls: compile time grows with it)")
     ap.add_argument("--no-extras", action="store_true", help="skip the ablation, mini-batch and bandwidth extras")
-    ap.add_argument("--csv")
-    ap.add_argument("--png")
+    ap.add_argument("--csv", help='also write every row to this CSV file')
+    ap.add_argument("--png", help='also plot the speedups to this PNG file')
     a = ap.parse_args(argv)
     device = a.device
     if device == "cuda":

@@ -103,15 +103,15 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="rgcn,rgat,hgt")
-    ap.add_argument("--relations", default="16,1000,10000")
-    ap.add_argument("--nodes", type=int, default=4000)
-    ap.add_argument("--edges", type=int, default=8000)
-    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--models", default="rgcn,rgat,hgt", help='comma-separated layers: rgcn, rgat, hgt')
+    ap.add_argument("--relations", default="16,1000,10000", help='comma-separated relation counts of the model')
+    ap.add_argument("--nodes", type=int, default=4000, help='nodes per mini-batch graph')
+    ap.add_argument("--edges", type=int, default=8000, help='edges per mini-batch graph')
+    ap.add_argument("--dim", type=int, default=32, help='feature width')
     ap.add_argument("--skew", type=float, default=3.0, help="relation id = u ** skew * R (1: uniform)")
-    ap.add_argument("--batches", type=int, default=5)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--csv")
+    ap.add_argument("--batches", type=int, default=5, help='mini-batches timed per configuration')
+    ap.add_argument("--device", default="cpu", help='where to run')
+    ap.add_argument("--csv", help='also write every row to this CSV file (after each row)')
     a = ap.parse_args(argv)
     rows = []
     print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'prepare ms':>10s} {'ops/step':>8s}", flush=True)

@@ -46,22 +46,27 @@ from pytorch_direct import _auto, _cache, _features, _memory
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table-gib", type=float, default=16.0)
-    p.add_argument("--row-bytes", type=int, default=256)
-    p.add_argument("--streams", nargs="+", default=["zipf0.8", "zipf1.1", "zipf1.3", "sampled", "uniform"])
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.2])
+    p.add_argument("--table-gib", type=float, default=16.0, help='size of the unified table in GiB')
+    p.add_argument("--row-bytes", type=int, default=256, help='bytes per row')
+    p.add_argument("--streams", nargs="+", default=["zipf0.8", "zipf1.1", "zipf1.3", "sampled", "uniform"],
+                   help='index streams to gather: zipfS (Zipf exponent S), sampled (degree-skewed neighbour batches),'
+                        ' uniform')
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.2],
+                   help='cache sizes as fractions of the table rows')
     p.add_argument("--budget-of", choices=["rows", "bytes"], default="rows",
                    help="the fractions are of the table's rows (default) or of its bytes (slot map included)")
     p.add_argument("--estimates", nargs="+", default=["degree", "presample", "counts"],
-                   choices=["degree", "presample", "counts"])
+                   choices=["degree", "presample", "counts"],
+                   help="frequency estimates that fill the cache: node degree, a pre-sampling pass, counts gathered "
+                        "while running")
     p.add_argument("--count", type=int, default=1 << 20, help="rows per batch of the zipf and uniform streams")
-    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batches", type=int, default=8, help='batches per stream')
     p.add_argument("--seeds", type=int, default=1024, help="seed nodes per sampled batch")
-    p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10])
+    p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10], help='neighbours per hop for the sampled stream')
     p.add_argument("--degree-s", type=float, default=0.9, help="rank-frequency exponent of the node degrees")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--csv", default=None)
+    p.add_argument("--repeats", type=int, default=3, help='timed repetitions per cell (best kept)')
+    p.add_argument("--device", default="cuda", help='CUDA device to run on')
+    p.add_argument("--csv", default=None, help='also write every row to this CSV file')
     return p.parse_args(argv)
 
 

@@ -93,9 +93,10 @@ def table_times(nbytes: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table-gib", type=float, default=64.0)
+    p.add_argument("--table-gib", type=float, default=64.0,
+                   help='size of the table created with pd.empty / pd.zeros and the memset baseline')
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per import timing")
-    p.add_argument("--csv", default=None)
+    p.add_argument("--csv", default=None, help='also write the rows to this CSV file')
     args = p.parse_args(argv)
     results = []
     torch_s, _, _ = import_time("torch", args.repeats)

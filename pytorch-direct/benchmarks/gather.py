@@ -61,22 +61,27 @@ COLUMNS = ("memcpy",) + BASELINES + ("wholegraph_cache",) + FORCED + ("auto", "a
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table-gib", type=float, nargs="+", default=[1, 16, 48])
-    p.add_argument("--row-bytes", type=int, nargs="+", default=[47, 64, 128, 256, 400, 1024, 4096])
-    p.add_argument("--patterns", nargs="+", default=["uniform", "sorted", "clustered", "zipf0.8", "zipf1.2"])
-    p.add_argument("--counts", type=int, nargs="+", default=[1 << 17, 1 << 20])
+    p.add_argument("--table-gib", type=float, nargs="+", default=[1, 16, 48],
+                   help='table sizes in GiB (one allocation; smaller tables are its first bytes)')
+    p.add_argument("--row-bytes", type=int, nargs="+", default=[47, 64, 128, 256, 400, 1024, 4096],
+                   help='row widths in bytes')
+    p.add_argument("--patterns", nargs="+", default=["uniform", "sorted", "clustered", "zipf0.8", "zipf1.2"],
+                   help='index patterns: uniform, sorted, clustered, zipfS (Zipf exponent S)')
+    p.add_argument("--counts", type=int, nargs="+", default=[1 << 17, 1 << 20], help='rows gathered per call')
     p.add_argument("--max-call-mib", type=int, default=1024, help="cap on one call's bytes (fewer rows if wider)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per column after one warm-up")
-    p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
+    p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS,
+                   help='which strategies and baselines to time')
     p.add_argument("--baseline-memory", choices=["pinned", "same"], default="pinned",
                    help="the table the baselines read: a pinned copy (default) or our own table")
     p.add_argument("--wholegraph-max-gib", type=float, default=16,
                    help="largest table WholeGraph gets a copy of (memory and time: one copy per group)")
-    p.add_argument("--wholegraph-cache-ratio", type=float, default=0.2)
+    p.add_argument("--wholegraph-cache-ratio", type=float, default=0.2,
+                   help="fraction of rows WholeGraph's device cache holds (wholegraph_cache column)")
     p.add_argument("--fresh-check", type=int, default=3, help="cells re-measured in a new process (smallest table)")
     p.add_argument("--budget-s", type=float, default=0, help="start no new (row width, table) group after this")
-    p.add_argument("--csv", default=None)
-    p.add_argument("--png", default=None)
+    p.add_argument("--csv", default=None, help='also write every cell to this CSV file')
+    p.add_argument("--png", default=None, help='also plot auto against the best baseline to this PNG file')
     p.add_argument("--fresh-child", default=None, help=argparse.SUPPRESS)  # JSON list of cells, internal
     return p.parse_args(argv)
 

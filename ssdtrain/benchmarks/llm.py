@@ -28,7 +28,7 @@ steps whose measured peaks calibrate its plan, so timing starts under the final 
 warm up one step, which pins their host memory) of forward + backward + AdamW step, CUDA events. Activation peak:
 max_memory_allocated over the timed steps minus the memory after model and optimizer state (gradients are set to
 None between steps, so they count as activations, the same for every policy). ssdtrain rows also give the prefetch
-counters of the timed steps (misses by cause) and how often the plan was calibrated. Targets of issue 10 are
+counters of the timed steps (misses by cause) and how often the plan was calibrated. Targets are
 checked at the end from the same run. Also: (4) a batch that runs out of memory with keep, trained by ssdtrain;
 (5) 20 steps of a small fp32 model with deterministic algorithms: the same losses as keep and bit-identical
 gradients and parameters.
@@ -98,7 +98,7 @@ def build(kind, a, device, dtype, attn="sdpa", seed=0):
     cls, cfg = model_config(kind, a)
     cfg._attn_implementation = attn
     # Training needs no KV cache; with it, torch.compile recompiles per layer (the cache's per-layer state is
-    # guarded) and hits its recompile limit at layer 8, leaving the rest eager (seen in run P2).
+    # guarded) and hits its recompile limit at layer 8, leaving the rest eager.
     cfg.use_cache = False
     torch.manual_seed(seed)
     with torch.device(device):
@@ -734,8 +734,8 @@ def _ok(results, model, policy):
 
 
 def targets(results, a) -> list[str]:
-    """Issue 10's targets (1)-(5), each met or missed with the numbers."""
-    out = ["# targets (issue 10), from this run"]
+    """The targets (1)-(5), each met or missed with the numbers."""
+    out = ["# targets, from this run"]
     _ratios(results)
     for model in a.models:
         keep, rec = _ok(results, model, "keep"), _ok(results, model, "recompute")

@@ -50,9 +50,10 @@ def alloc_table(nbytes: int) -> torch.Tensor:
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, nargs="+", default=[16, 48])
-    p.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--strategies", nargs="+", default=["naive", "vector", "sorted", "staged"])
+    p.add_argument("--gib", type=float, nargs="+", default=[16, 48], help='table sizes in GiB')
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024], help='row widths in bytes')
+    p.add_argument("--strategies", nargs="+", default=["naive", "vector", "sorted", "staged"],
+                   help='strategies to time on each table')
     args = p.parse_args(argv)
     for f in ("enabled", "defrag"):
         try:

@@ -471,8 +471,8 @@ class TensorCache:
         units) and release their device bytes before backward allocates. Otherwise they stay referenced until some
         later unpack polls: on GPT-2 at save_on_cpu's memory (H200) four blocks' inputs, 256 MiB, were still held
         at the head's backward, where the step peaks. The GPU still has the forward's last layers queued when
-        backward begins, so the wait should not leave it idle; the step times of benchmarks/RESULTS.md run P8 stayed
-        within 1.5 % of run P6's, before this wait."""
+        backward begins, so the wait should not leave it idle: measured step times stayed within 1.5 % of those
+        without this wait."""
         self._backward_started = True
         if self._pending:
             t0 = time.perf_counter()

@@ -191,7 +191,7 @@ class CudaBackend:
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run ``dtype`` on ``device`` (None: it can). Asked on every layer call, so the
         answer is kept per (device, dtype): looking for NVRTC again took ~0.2 ms per call under cProfile
-        (integration-tests run E10b)."""
+        in a GNN training loop."""
         key = (device, dtype)
         if key not in self._support:
             self._support[key] = self._check_support(device, dtype)

@@ -9,6 +9,8 @@ CPU or GPU. :mod:`hector.nn` has PyG-compatible layers; :mod:`hector.datasets` t
 
 from importlib.metadata import version as _version
 
+import torch
+
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
 from .config import settings
@@ -25,7 +27,8 @@ __all__ = ["Builder", "CompileError", "CudaError", "DSLTypeError", "Graph", "Gra
            "settings"]
 
 
-def prepare_graph(edge_index, edge_type, num_nodes: int, num_relations: int, node_type=None,
+def prepare_graph(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
+                  node_type: torch.Tensor | None = None,
                   num_node_types: int | None = None) -> Graph:
     """Validates a (mini-batch) graph and does now the preprocessing that waits for the GPU, so that hector's
     layers called on the same tensors only launch kernels. Returns the :class:`Graph` the layers will use (also

@@ -7,7 +7,10 @@ with no intermediate copy; on a machine without a GPU the same API gathers on th
     rows = table[index.cuda()]                       # CUDA rows, gathered zero-copy on the current stream
 """
 
+from __future__ import annotations
+
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 from . import _core, _shared_cuda
 from ._auto import calibrate
@@ -30,6 +33,9 @@ from ._sharing import share, shared_memory, unlink_shared_memory
 from ._strategies import STRATEGIES, get_strategy, set_strategy
 from ._tensor import UnifiedTensor, op_input
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 __version__ = _version("pytorch-direct")
 
 __all__ = [
@@ -42,7 +48,7 @@ __all__ = [
 ]
 
 
-def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
+def gather(table: Tensor, index: Tensor, *, strategy: str = "auto", max_sms: int = 0) -> Tensor:
     """Rows of ``table`` (a unified tensor) at ``index`` (int32/int64): shape ``index.shape + table.shape[1:]``.
 
     CUDA indices give a CUDA result gathered zero-copy on the current stream; CPU indices a CPU result.
@@ -62,7 +68,7 @@ def gather(table, index, *, strategy: str = "auto", max_sms: int = 0):
         return _ops.gather(op_input(table), op_input(index), strategy, int(max_sms))
 
 
-def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
+def scatter_(table: Tensor, index: Tensor, values: Tensor, *, strategy: str = "auto", max_sms: int = 0) -> Tensor:
     """``table[index[i]] = values[i]`` into host memory (from CUDA values on the current stream, or on the CPU).
     With duplicate indices one writer wins per element. Returns ``table``."""
     import torch
@@ -76,7 +82,8 @@ def scatter_(table, index, values, *, strategy: str = "auto", max_sms: int = 0):
     return table
 
 
-def index_add_(table, index, values, *, alpha: float = 1.0, strategy: str = "auto", max_sms: int = 0):
+def index_add_(table: Tensor, index: Tensor, values: Tensor, *, alpha: float = 1.0, strategy: str = "auto",
+               max_sms: int = 0) -> Tensor:
     """``table[index[i]] += alpha * values[i]`` with duplicate indices summed. Returns ``table``."""
     import torch
 

@@ -17,6 +17,7 @@ to measure): it passes typed values (a ``Call``, a ``RowJob``), never code.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -217,7 +218,8 @@ def reset(*, delete_file: bool = False) -> None:
     _state = _State()
 
 
-def calibrate(*, table=None, table_bytes: int = _measure.CALIBRATION_TABLE_BYTES, row_bytes=None, counts=None,
+def calibrate(*, table: Tensor | None = None, table_bytes: int = _measure.CALIBRATION_TABLE_BYTES,
+              row_bytes: int | Sequence[int] | None = None, counts: int | Sequence[int] | None = None,
               save: bool = True, verbose: bool = False) -> dict:
     """Measures the gather strategies on `table` (reads only: its contents are not changed) or on a scratch pinned
     table of `table_bytes`, for index patterns uniform / sorted / clustered / Zipf (exponents 0.9 and 1.1) at

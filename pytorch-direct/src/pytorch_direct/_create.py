@@ -15,7 +15,7 @@ from ._memory import cuda_usable, element_size, host_empty, host_zeros, register
 from ._tensor import UnifiedTensor
 
 
-def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
+def empty(*shape: int | Sequence[int], dtype: torch.dtype = torch.float32, pin: bool | None = None,
           memory: str = "auto") -> UnifiedTensor:
     """An uninitialised unified tensor in a new host allocation (page-aligned) that every GPU reads with no copy.
 
@@ -27,7 +27,7 @@ def empty(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
     return host_empty(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)
 
 
-def zeros(*shape, dtype: torch.dtype = torch.float32, pin: bool | None = None,
+def zeros(*shape: int | Sequence[int], dtype: torch.dtype = torch.float32, pin: bool | None = None,
           memory: str = "auto") -> UnifiedTensor:
     """Like :func:`empty`, filled with zeros (new managed memory is zero already: no second pass over it)."""
     return host_zeros(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)

@@ -14,7 +14,9 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,11 +93,13 @@ class NeighborLoader:
     the same batches whatever ``prefetch`` and ``thread`` are.
     """
 
-    def __init__(self, data, num_neighbors, *, input_nodes=None, batch_size: int = 1, shuffle: bool = False,
+    def __init__(self, data: Any, num_neighbors: list[int] | dict[Any, list[int]], *, input_nodes: Any = None,
+                 batch_size: int = 1, shuffle: bool = False,
                  drop_last: bool = False, replace: bool = False, device: torch.device | str | None = None,
                  topology: str = "auto", unify: bool = True, prefetch: int | None = None,
-                 thread: bool | None = None, transform=None, seed: int | None = None, is_sorted: bool = False,
-                 subgraph_type: str = "directional", disjoint: bool = False, **kwargs) -> None:
+                 thread: bool | None = None, transform: Callable[[Any], Any] | None = None, seed: int | None = None,
+                 is_sorted: bool = False,
+                 subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key == "num_workers" and not value:
                 continue
@@ -252,7 +256,7 @@ class NeighborLoader:
             order = order[: n // self.batch_size * self.batch_size]
         return list(order.split(self.batch_size))
 
-    def make(self, positions: Tensor):
+    def make(self, positions: Tensor) -> Any:
         """One batch: the seeds at ``positions`` (on the loader's device) of the input nodes, made on the current
         stream and thread."""
         start = time.perf_counter()

@@ -16,6 +16,7 @@ block of destination slots in one CSC array, so a hop over every edge type is st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -192,7 +193,7 @@ class NeighborSampler:
     another CUDA stream than the previous one must be ordered after it (the loader does this).
     """
 
-    def __init__(self, topology: Topology, num_neighbors, *, replace: bool = False,
+    def __init__(self, topology: Topology, num_neighbors: list[int] | dict[Any, list[int]], *, replace: bool = False,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
                  blocks: Blocks | None = None) -> None:
         self.topology = topology

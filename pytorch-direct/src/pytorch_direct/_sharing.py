@@ -75,7 +75,7 @@ def unlink_shared_memory(name: str) -> None:
         pass
 
 
-def share(t: Tensor | None, *, group=None) -> UnifiedTensor:
+def share(t: Tensor | None, *, group: torch.distributed.ProcessGroup | None = None) -> UnifiedTensor:
     """Every process of a ``torch.distributed`` job on this machine gets the same host copy of ``t``.
 
     Call it in every process after ``init_process_group`` (torchrun, mp.spawn); ``t`` is needed only on the

@@ -16,14 +16,19 @@ CPU there and moved by the loader as usual; in the main process they are gathere
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, NoReturn
+
 import torch
 from torch import Tensor
 
 try:
-    from torch_geometric.data import FeatureStore, TensorAttr
+    from torch_geometric.data import FeatureStore, GraphStore, TensorAttr
     from torch_geometric.sampler import BaseSampler, HeteroSamplerOutput, NodeSamplerInput, SamplerOutput
 except ImportError as e:  # pragma: no cover - only without torch_geometric
     raise ImportError("pytorch_direct.pyg needs torch_geometric: pip install torch_geometric") from e
+
+if TYPE_CHECKING:
+    from torch_geometric.data import Data, HeteroData
 
 from . import _topology
 from ._create import unified
@@ -121,7 +126,7 @@ class UnifiedFeatureStore(FeatureStore):
         return [TensorAttr(group_name=g, attr_name=a) for (g, a) in self._tensors]
 
 
-def make_graph_store(edge_index: Tensor, num_nodes: int, edge_type=None):
+def make_graph_store(edge_index: Tensor, num_nodes: int, edge_type: tuple[str, str, str] | None = None) -> GraphStore:
     """PyG's ``LocalGraphStore`` holding one COO edge index ([2, E], sources first) of a graph with ``num_nodes``
     nodes: homogeneous when ``edge_type`` is None, else the one edge type ``(src, rel, dst)`` (both endpoint types
     with ``num_nodes`` nodes). Edge ids are the edges' positions in ``edge_index``. For several edge types use
@@ -148,7 +153,9 @@ class NodeSampler(BaseSampler):
     ``seed`` fixes the random numbers. One thread at a time (use ``num_workers=0`` or ``fork`` workers, each with
     its own copy)."""
 
-    def __init__(self, data, num_neighbors, *, replace: bool = False, device: torch.device | str = "cpu",
+    def __init__(self, data: Data | HeteroData | tuple[FeatureStore, GraphStore],
+                 num_neighbors: list[int] | dict[tuple[str, str, str], list[int]], *,
+                 replace: bool = False, device: torch.device | str = "cpu",
                  seed: int | None = None, is_sorted: bool = False) -> None:
         self.source = _topology.source_of(data, is_sorted)
         self.device = torch.device(device)
@@ -160,7 +167,7 @@ class NodeSampler(BaseSampler):
                                        replace=replace, device=self.device, generator=gen,
                                        blocks=self.source.blocks)
 
-    def sample_from_nodes(self, index: NodeSamplerInput, **kwargs):
+    def sample_from_nodes(self, index: NodeSamplerInput, **kwargs: Any) -> SamplerOutput | HeteroSamplerOutput:
         src = self.source
         offset = src.node_offset(index.input_type)
         sub = self.sampler.sample(index.node.to(self.device) + offset)
@@ -181,7 +188,7 @@ class NodeSampler(BaseSampler):
             num_sampled_edges=dict(zip(src.edge_types, parts.num_sampled_edges, strict=True)),
             metadata=metadata)
 
-    def sample_from_edges(self, index, neg_sampling=None):
+    def sample_from_edges(self, index: Any, neg_sampling: Any = None) -> NoReturn:
         raise NotImplementedError("NodeSampler samples around seed nodes only (no link prediction loaders)")
 
 

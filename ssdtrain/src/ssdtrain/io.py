@@ -39,7 +39,9 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -135,7 +137,7 @@ class ChecksumError(OSError):
     """Data read back does not match the checksum taken when it was written (errno EBADMSG)."""
 
 
-def configure(**values) -> None:
+def configure(**values: object) -> None:
     """Set process-wide defaults for new engines (the setters mirroring the ``SSDTRAIN_IO_*`` variables).
 
     Keys: backend, directories, capacity_per_directory, preallocate_per_directory, queue_depth, block_size, direct,
@@ -230,7 +232,8 @@ def _forget_huge(key: int, address: int, pinned: bool) -> None:
             pass
 
 
-def huge_empty(shape, dtype=torch.uint8, *, pin_memory: bool | None = None) -> torch.Tensor:
+def huge_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, *,
+               pin_memory: bool | None = None) -> torch.Tensor:
     """An uninitialised CPU tensor on transparent huge pages (2 MiB aligned), pinned where CUDA is present.
 
     Its 1 MiB blocks are physically contiguous, so the engine moves them in place as one device request each;
@@ -286,7 +289,7 @@ def _madvise_hugepage(address: int, nbytes: int) -> bool:
     return libc.madvise(address, nbytes, 14) == 0  # MADV_HUGEPAGE
 
 
-def aligned_empty(shape, dtype=torch.uint8, alignment: int = 4096) -> torch.Tensor:
+def aligned_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 4096) -> torch.Tensor:
     """An uninitialised CPU tensor whose data starts on an `alignment` boundary, so O_DIRECT moves it in place.
 
     (Host tensors at other addresses work too, through the staging buffers; pinned tensors from
@@ -355,12 +358,12 @@ class _Notifier:
 class Future:
     """An asynchronous write or read. Thread-safe to poll and wait from any thread."""
 
-    def __init__(self, op, keep, value):
+    def __init__(self, op: Any, keep: object, value: object) -> None:
         self._op = op
         self._keep = keep  # the tensor(s) the transfer reads or fills: alive until it completes
         self._value = value
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: Callable[[Future], object]) -> None:
         """Call ``fn(future)`` once the transfer is done (successfully or not; use ``fn``'s ``exception()``).
 
         Runs at once in this thread when already done, else on ssdtrain's callback thread shortly after completion
@@ -413,7 +416,7 @@ class Future:
             return e
         return None
 
-    def result(self, timeout: float | None = None):
+    def result(self, timeout: float | None = None) -> object:
         """Wait, then return the Handle (write) or the destination tensor (read); raise the failure if any."""
         error = self.exception(timeout)
         if error is not None:
@@ -489,22 +492,22 @@ class Engine:
 
     def __init__(
         self,
-        directories=None,
+        directories: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         *,
-        capacity_per_directory=None,
-        preallocate_per_directory=None,
+        capacity_per_directory: int | str | None = None,
+        preallocate_per_directory: int | str | None = None,
         backend: str | None = None,
         queue_depth: int | None = None,
-        block_size=None,
-        direct=None,
+        block_size: int | str | None = None,
+        direct: bool | str | None = None,
         checksum: bool | None = None,
         staging_buffers: int | None = None,
         stage_host: bool | str | None = None,
         threads: int | None = None,
         cufile_library: str | None = None,
-        stripe_threshold=None,
+        stripe_threshold: int | str | None = None,
         _fault: tuple[str, int, int] | None = None,
-    ):
+    ) -> None:
         given = {
             "directories": directories,
             "capacity_per_directory": capacity_per_directory,

@@ -17,6 +17,7 @@ to measure): it passes typed values (a ``Call``, a ``RowJob``), never code.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -39,6 +40,8 @@ RACE_BUDGET_S = 2.0
 # A host strategy kept from a measured cell is then watched on its first CHECK_CALLS calls after the first, once
 # per cell (``_measure.judge`` says what is learned from them).
 CHECK_CALLS = 4
+
+log = logging.getLogger("pytorch_direct")
 
 
 class _Seen:
@@ -138,6 +141,9 @@ def measure(call: Call, decision: Decision, job: RowJob, *, check_bounds: bool, 
     _state.budget_s -= result.seconds
     _state.store.record({result.measurement.key: result.measurement})
     _state.last = Decision(result.plan, decision.candidates, source="measured now", features=decision.features)
+    rates = ", ".join(f"{name} {gbps:.1f}" for name, gbps in result.measurement.gbps.items())
+    log.info("auto measured %s in %.0f ms and kept %s (GB/s: %s)", result.measurement.key, result.seconds * 1e3,
+             result.measurement.best, rates)
     return result.plan
 
 
@@ -231,13 +237,16 @@ def calibrate(*, table: Tensor | None = None, table_bytes: int = _measure.CALIBR
     cell then also covers the counts 2x either side). `verbose`: print each measured cell as it is done. Took
     0.6-3.2 s per row width on an H200 host (1-48 GiB tables)."""
 
-    def log(m):
+    def log_cell(m):
+        rates = " ".join(f"{s}={v:.1f}" for s, v in m.gbps.items())
+        line = (f"calibrate {m.measured_on['row_bytes']:6d} B x {m.measured_on['count']:8d} {m.key.order:9} "
+                f"{m.key.dup:5} -> {m.best:13} ({rates} GB/s)")
+        log.info(line)
         if verbose:
-            rates = " ".join(f"{s}={v:.1f}" for s, v in m.gbps.items())
-            print(f"calibrate {m.measured_on['row_bytes']:6d} B x {m.measured_on['count']:8d} {m.key.order:9} "
-                  f"{m.key.dup:5} -> {m.best:13} ({rates} GB/s)", flush=True)
+            print(line, flush=True)
 
-    measured = _measure.calibrate(table=table, table_bytes=table_bytes, row_bytes=row_bytes, counts=counts, log=log)
+    measured = _measure.calibrate(table=table, table_bytes=table_bytes, row_bytes=row_bytes, counts=counts,
+                                  log=log_cell)
     _state.store.record(measured, save=save)  # in this process either way
     return {str(k): m for k, m in measured.items()}
 

@@ -14,7 +14,9 @@ code (``tests/emulator``), which exercises everything here on machines without a
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat1
 DTYPE_KEY = {v: k for k, v in TORCH_DTYPE.items()}
 _LEAF_OPS = (Op.INPUT, Op.PARAM, Op.SAVED)
 _DOMAIN = {d.value: d for d in Domain}  # a dict lookup, 10x cheaper than Domain(value); ~100 per layer call
+
+log = logging.getLogger("hector")
 
 
 # ------------------------------------------------------------------------------------------------- graph
@@ -141,7 +145,11 @@ class JitExecutor:
         from .. import _core, _shared_cuda
 
         loader = _shared_cuda.jit_loader(_core)
-        return loader.get(module.source, filename, 0, [])
+        start = time.perf_counter()
+        handle = loader.get(module.source, filename, 0, [])
+        log.debug("loaded %s (%d kernels) in %.1f ms", filename, len(module.kernels),
+                  (time.perf_counter() - start) * 1e3)
+        return handle
 
     def kernel(self, handle: Any, name: str, signature: str, smem: int) -> Any:
         from .. import _shared_cuda

@@ -214,12 +214,12 @@ def env_settings(monkeypatch):
     """Re-read the I/O settings from the environment inside a test; the process's own again after it."""
 
     def read():
-        ssdtrain.io.settings.reload()
+        ssdtrain.settings.reload()
         return ssdtrain.defaults()
 
     yield read
     monkeypatch.undo()
-    ssdtrain.io.settings.reload()
+    ssdtrain.settings.reload()
 
 
 def test_env_settings(monkeypatch, tmp_path, env_settings):

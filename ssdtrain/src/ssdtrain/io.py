@@ -29,7 +29,6 @@ compatibility mode, see ``cufile_config()``).
 
 from __future__ import annotations
 
-import ctypes
 import errno as _errno
 import glob
 import json
@@ -38,7 +37,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,16 +44,8 @@ from typing import Any
 import torch
 
 from . import _core
-from ._shared_cuda import (
-    Setting,
-    Settings,
-    choice,
-    integer,
-    parse_bool,
-    parse_size,
-    parse_text,
-    parse_tristate,
-)
+from .buffers import _huge_ranges, _is_huge, aligned_empty, huge_empty  # noqa: F401 - _huge_ranges: tests
+from .config import _SETTING_TABLE, configure, defaults, parse_size, settings  # noqa: F401 - re-exported
 
 __all__ = [
     "ChecksumError",
@@ -70,91 +60,8 @@ __all__ = [
     "huge_empty",
 ]
 
-_BACKENDS = ("auto", "io_uring", "gds", "threads")
-
-
-def _directories(value) -> list[str]:
-    """Folders from a list, one path, or text separated by ``os.pathsep``; none: the system's temp folder."""
-    if isinstance(value, str):
-        value = [p for p in value.split(os.pathsep) if p]
-    elif isinstance(value, os.PathLike):
-        value = [value]
-    return [os.fspath(d) for d in value] or [tempfile.gettempdir()]
-
-
-_SETTING_TABLE = {
-    "backend": Setting(
-        "SSDTRAIN_IO_BACKEND", "auto", choice(*_BACKENDS),
-        "`auto`: gds where GPUDirect Storage is really present (nvidia-fs loaded), else io_uring if the kernel "
-        "allows rings, else threads", "ssdtrain.configure(backend=)"),
-    "directories": Setting(
-        "SSDTRAIN_IO_DIRS", lambda: [tempfile.gettempdir()], _directories,
-        "folders for the per-process files, separated by `:`", "ssdtrain.configure(directories=)",
-        "the system temp folder"),
-    "capacity_per_directory": Setting(
-        "SSDTRAIN_IO_DIR_CAP", 0, parse_size,
-        "hard cap per folder in bytes (suffixes K, M, G, T); 0: 90% of the free space when the engine starts",
-        "ssdtrain.configure(capacity_per_directory=)"),
-    "preallocate_per_directory": Setting(
-        "SSDTRAIN_IO_PREALLOCATE", 0, parse_size,
-        "bytes reserved per folder at start (fallocate); files also grow in 256 MiB steps up to the cap",
-        "ssdtrain.configure(preallocate_per_directory=)"),
-    "queue_depth": Setting(
-        "SSDTRAIN_IO_QUEUE_DEPTH", 32, integer(1), "I/O requests in flight (io_uring ring entries)",
-        "ssdtrain.configure(queue_depth=)"),
-    "block_size": Setting(
-        "SSDTRAIN_IO_BLOCK_SIZE", 1 << 20, parse_size, "bytes per request; a multiple of 4096",
-        "ssdtrain.configure(block_size=)", "`1M`"),
-    "direct": Setting(
-        "SSDTRAIN_IO_DIRECT", "auto", parse_tristate,
-        "O_DIRECT: `auto` uses it where the file system allows, `on` fails where it does not, `off`",
-        "ssdtrain.configure(direct=)"),
-    "checksum": Setting(
-        "SSDTRAIN_IO_CHECKSUM", False, parse_bool, "crc32c per block, verified on every read",
-        "ssdtrain.configure(checksum=)", "`0`"),
-    "staging_buffers": Setting(
-        "SSDTRAIN_IO_STAGING_BUFFERS", 32, integer(1),
-        "pinned staging buffers of one block each (CUDA tensors and unaligned host tensors pass through them)",
-        "ssdtrain.configure(staging_buffers=)"),
-    "stage_host": Setting(
-        "SSDTRAIN_IO_STAGE_HOST", "auto", parse_tristate,
-        "host tensors copied through the staging buffers (huge pages, registered with the ring) instead of moved "
-        "from their own pages: a 1 MiB block of scattered 4 KiB pages is 256 segments, more than many devices take "
-        "in one request (virtio-blk: 254), so the kernel splits it and bandwidth drops by up to half. `auto`: "
-        "staged unless the tensor comes from `huge_empty()`. O_DIRECT files only", "ssdtrain.configure(stage_host=)"),
-    "threads": Setting(
-        "SSDTRAIN_IO_THREADS", 4, integer(1), "driver threads (and pread/pwrite or cuFile workers)",
-        "ssdtrain.configure(threads=)"),
-    "cufile_library": Setting(
-        "SSDTRAIN_CUFILE_LIBRARY", "", parse_text,
-        "path of `libcufile.so.0` for the gds backend; unset: the system's, then the nvidia-cufile wheel's",
-        "ssdtrain.configure(cufile_library=)", "unset"),
-}
-settings = Settings(_SETTING_TABLE)
-
-
 class ChecksumError(OSError):
     """Data read back does not match the checksum taken when it was written (errno EBADMSG)."""
-
-
-def configure(**values: object) -> None:
-    """Set process-wide defaults for new engines (the setters mirroring the ``SSDTRAIN_IO_*`` variables).
-
-    Keys: backend, directories, capacity_per_directory, preallocate_per_directory, queue_depth, block_size, direct,
-    checksum, staging_buffers, stage_host, threads, cufile_library. ``None`` restores the environment/default value.
-    Values are validated now, not at the next ``Engine()``.
-    """
-    for name, value in values.items():
-        try:
-            settings.set(name, value)
-        except TypeError:
-            raise TypeError(f"configure() got an unknown setting {name!r}; known: {', '.join(dict(settings))}") \
-                from None
-
-
-def defaults() -> dict:
-    """The settings a new Engine() would use: configure() overrides, then environment variables, then defaults."""
-    return settings.as_dict()
 
 
 def find_cufile() -> str:
@@ -213,93 +120,6 @@ class _Unraisable:
     def __post_init__(self):
         self.exc_type = type(self.exc_value)
         self.exc_traceback = self.exc_value.__traceback__
-
-
-_HUGE = 2 << 20
-_huge_ranges: dict[int, tuple[int, int]] = {}  # id -> [start, end) of memory from huge_empty()
-
-
-def _is_huge(address: int, nbytes: int) -> bool:
-    return any(start <= address and address + nbytes <= end for start, end in list(_huge_ranges.values()))
-
-
-def _forget_huge(key: int, address: int, pinned: bool) -> None:
-    _huge_ranges.pop(key, None)
-    if pinned:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(address)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going away with its memory
-            pass
-
-
-def huge_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, *,
-               pin_memory: bool | None = None) -> torch.Tensor:
-    """An uninitialised CPU tensor on transparent huge pages (2 MiB aligned), pinned where CUDA is present.
-
-    Its 1 MiB blocks are physically contiguous, so the engine moves them in place as one device request each;
-    a tensor of scattered 4 KiB pages (``torch.empty``, ``pin_memory=True``) is copied through the staging buffers
-    instead (stage_host=auto), which costs a memcpy. Huge pages are a request (``madvise``), not a guarantee:
-    with transparent_hugepage=never the tensor still works, only slower. ``pin_memory`` (default: CUDA available)
-    registers it with CUDA (cudaHostRegister through torch's runtime) for fast device copies; if that fails, or torch
-    does not then report ``is_pinned()``, it raises RuntimeError with the cause (never a silently pageable tensor).
-    """
-    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-    rounded = max(_HUGE, (nbytes + _HUGE - 1) // _HUGE * _HUGE)
-    raw = torch.empty(rounded + _HUGE, dtype=torch.uint8)  # not touched yet: pages fault in after madvise
-    start = raw.data_ptr() + (-raw.data_ptr()) % _HUGE
-    _madvise_hugepage(start, rounded)
-    view = raw[start - raw.data_ptr() :][:rounded]
-    view.zero_()  # fault the pages in now, as huge pages where the kernel has them
-    pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-    if pinned:
-        # The whole allocation, not only the aligned range: torch's is_pinned() asks CUDA about the *storage's* base
-        # address (raw.data_ptr(), up to 2 MiB before `start`); registering only [start, start+rounded) gave a
-        # tensor that worked but was not pinned in torch's eyes. Through torch's own CUDA runtime.
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(
-                f"huge_empty: cannot pin: cudaHostRegister of {raw.numel()} bytes failed "
-                f"({_cuda_error_text(err)}); pass pin_memory=False"
-            )
-        if not view.is_pinned():  # never hand out a tensor that silently is not pinned
-            cudart.cudaHostUnregister(raw.data_ptr())
-            raise RuntimeError(
-                "huge_empty: cannot pin: cudaHostRegister succeeded but torch does not see the memory "
-                "as pinned (is_pinned() is False); pass pin_memory=False"
-            )
-    storage = raw.untyped_storage()  # lives as long as any view of the memory
-    key = id(storage)
-    _huge_ranges[key] = (start, start + rounded)
-    weakref.finalize(storage, _forget_huge, key, raw.data_ptr(), pinned)
-    return view[:nbytes].view(dtype).view(shape)
-
-
-def _cuda_error_text(err) -> str:
-    try:
-        return f"{err}: {torch.cuda.cudart().cudaGetErrorString(err)}"
-    except Exception:  # noqa: BLE001 - the code alone still names the cause
-        return str(err)
-
-
-def _madvise_hugepage(address: int, nbytes: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, nbytes, 14) == 0  # MADV_HUGEPAGE
-
-
-def aligned_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 4096) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data starts on an `alignment` boundary, so O_DIRECT moves it in place.
-
-    (Host tensors at other addresses work too, through the staging buffers; pinned tensors from
-    ``torch.empty(..., pin_memory=True)`` are page aligned already.)
-    """
-    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % alignment
-    return raw[shift : shift + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -522,37 +342,37 @@ class Engine:
             "threads": threads,
             "cufile_library": cufile_library,
         }
-        settings = defaults()
+        values = defaults()
         for name, value in given.items():
             if value is not None:
-                settings[name] = _SETTING_TABLE[name].parse_value(value, source=name)
-        block = settings["block_size"]
+                values[name] = _SETTING_TABLE[name].parse_value(value, source=name)
+        block = values["block_size"]
         if block < 4096 or block % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {block}")
-        for d in settings["directories"]:
+        for d in values["directories"]:
             if not os.path.isdir(d):
                 reason = "does not exist" if not os.path.exists(d) else "is not a directory"
                 code = _errno.ENOENT if not os.path.exists(d) else _errno.ENOTDIR
                 raise OSError(code, f"ssdtrain: I/O directory {d!r} {reason}: create it or pass another one", d)
-        cap = settings["capacity_per_directory"]
+        cap = values["capacity_per_directory"]
         if cap == 0:
             # 90% of the smallest free space, so the engine cannot fill a disk shared with checkpoints and logs.
-            cap = min(shutil.disk_usage(d).free for d in settings["directories"]) * 9 // 10
+            cap = min(shutil.disk_usage(d).free for d in values["directories"]) * 9 // 10
             cap = max(cap // 4096 * 4096, 4096)
         cfg = _core.EngineConfig()
-        cfg.directories = settings["directories"]
+        cfg.directories = values["directories"]
         cfg.capacity_per_directory = cap
-        cfg.preallocate_per_directory = settings["preallocate_per_directory"]
-        cfg.backend = settings["backend"]
-        cfg.queue_depth = settings["queue_depth"]
+        cfg.preallocate_per_directory = values["preallocate_per_directory"]
+        cfg.backend = values["backend"]
+        cfg.queue_depth = values["queue_depth"]
         cfg.block_size = block
-        cfg.direct = settings["direct"]
-        cfg.checksum = settings["checksum"]
-        cfg.staging_buffers = settings["staging_buffers"]
-        cfg.stage_host = settings["stage_host"] == "on"
-        cfg.threads = settings["threads"]
-        cfg.cufile_library = settings["cufile_library"] or find_cufile()
-        if settings["backend"] in ("gds", "auto"):
+        cfg.direct = values["direct"]
+        cfg.checksum = values["checksum"]
+        cfg.staging_buffers = values["staging_buffers"]
+        cfg.stage_host = values["stage_host"] == "on"
+        cfg.threads = values["threads"]
+        cfg.cufile_library = values["cufile_library"] or find_cufile()
+        if values["backend"] in ("gds", "auto"):
             cufile_config()  # before cuFile is first loaded: it reads its config once
         if stripe_threshold is not None:
             cfg.stripe_threshold = parse_size(stripe_threshold)
@@ -561,7 +381,7 @@ class Engine:
             fault = _core.FaultSpec()
             fault.op, fault.error, fault.after_bytes = op, int(code), int(after)
             cfg.fault = fault
-        self.settings = dict(settings, capacity_per_directory=cap)
+        self.settings = dict(values, capacity_per_directory=cap)
         self._engine = _core.Engine(cfg)
         self._id = next(_engine_ids)
         self._inflight: list[Future] = []

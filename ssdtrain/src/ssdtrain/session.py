@@ -28,10 +28,10 @@ from torch import nn
 
 from . import stats as _stats
 from .cache import OffloadWarning, TensorCache
+from .config import settings as io_settings
 from .hooks import ModuleHooks
 from .hostpool import HostPool
 from .io import parse_size
-from .io import settings as io_settings
 from .model import (
     Checkpointer,
     cheap_modules,

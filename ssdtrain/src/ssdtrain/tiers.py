@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ._shared_cuda import cache_home
+from .config import settings as io_settings
 from .io import Engine, huge_empty
-from .io import settings as io_settings
 
 log = logging.getLogger("ssdtrain")
 _MIB = 1 << 20

@@ -266,3 +266,16 @@ def test_cache_prefetch_stays_within_the_window():
     assert s.stats()["misses"] == 0
     assert max(seen) <= block + s.plan.window_bytes
     assert torch.is_tensor(ids)
+
+
+def test_kept_units_move_the_prefetch_window_so_nothing_misses():
+    """The first blocks moved, the last ones kept: backward through the kept blocks prefetches the moved ones as it
+    nears them (at most `prefetch_units` units ahead), so none is restored on demand."""
+    model, ids = make_net(layers=8), batch()
+    overrides = {f"blocks.{i}": "host" if i < 4 else "keep" for i in range(8)}
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, overrides=overrides) as s:
+        for _ in range(3):
+            model.zero_grad()
+            model(ids).backward()
+    stats = s.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 and stats["misses"] == 0 and stats["prefetch_hits"] > 0

@@ -179,6 +179,7 @@ class TensorCache:
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
+        self._kept_unit: dict[int, int] = {}  # storage address -> unit of a kept activation (drives prefetch)
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
         self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
@@ -239,6 +240,7 @@ class TensorCache:
                 else:
                     del self._by_unit[unit]
             self._kept.clear()
+            self._kept_unit.clear()
             self._prefetched.clear()
             self._retry.clear()
             self._prefetched_bytes = 0
@@ -305,6 +307,7 @@ class TensorCache:
                 self.observer(unit, key, length, "small" if small else "saved")
             tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
             if tier is None or tier.resident:
+                self._kept_unit[sptr] = unit
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
                 return t
@@ -468,6 +471,13 @@ class TensorCache:
                 with self.lock:
                     self._begin_backward()
                     self._prefetch_from(max(self._by_unit, default=-1))
+            elif self._by_unit and isinstance(saved, torch.Tensor):
+                # A kept activation of a unit: backward has reached it, so the units below it are due (kept
+                # units move the prefetch window like moved ones).
+                unit = self._kept_unit.get(saved.untyped_storage().data_ptr())
+                if unit is not None:
+                    with self.lock:
+                        self._prefetch_from(unit)
             return saved
         entry = saved.entry
         with self.lock:

@@ -628,18 +628,21 @@ def main(argv=None) -> int:
 
 
 def _budget_suite(a) -> int:
-    """``--suite budget``: see llm_budget.py (sizes: 8 x 1024 models, batch 8 x 1024, 4 steps timed)."""
+    """``--suite budget``: see llm_budget.py (sizes: 16 x 2048 models, seq 2048, each cell's batch, 1 warm-up and 3
+    timed steps)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import llm_budget
 
     sizes = (
         dict(layers=3, hidden=64, heads=4, batch=2, seq=64)
         if a.quick
-        else dict(layers=8, hidden=1024, heads=16, batch=8, seq=1024)
+        else dict(layers=16, hidden=2048, heads=16, batch=None, seq=2048)  # batch: each cell's own
     )
     for k, v in sizes.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if not a.quick and "--warmup" not in sys.argv and "--steps" not in sys.argv:
+        a.warmup, a.steps = 1, 3
     if a.quick:
         a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
         a.warmup, a.steps = 1, 2
@@ -647,7 +650,8 @@ def _budget_suite(a) -> int:
     with contextlib.suppress(ImportError):
         import transformers  # noqa: F401 - imported once here, inherited by every forked child
     print(
-        f"# ssdtrain LLM budget suite: {a.device}, {a.layers} layers x {a.hidden}, batch {a.batch} x {a.seq}; "
+        f"# ssdtrain LLM budget suite: {a.device}, {a.layers} layers x {a.hidden}, batch {a.batch or 'per cell'} x "
+        f"{a.seq}; "
         f"{a.warmup} warm-up + {a.steps} timed steps (ssdtrain adds its profiling and calibration forwards)",
         flush=True,
     )

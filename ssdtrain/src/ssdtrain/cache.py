@@ -172,12 +172,14 @@ class TensorCache:
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
         self.tier_of = lambda unit, nbytes: "keep"  # the plan's tier name for a unit, set by the session
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
+        self.window_units = 1 << 30  # units below the one in backward that may be prefetched
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
+        self._kept_unit: dict[int, int] = {}  # storage address -> unit of a kept activation (drives prefetch)
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
         self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
@@ -186,6 +188,7 @@ class TensorCache:
         self._prefetched_bytes = 0
         self._backward_started = False
         self._inflight_bytes = 0
+        self._direct_bytes = 0  # device bytes of direct NVMe writes not yet staged
         self._streams: dict[int, tuple] = {}
         self._warned: set[str] = set()
         self._entries = 0  # entries not yet released
@@ -237,6 +240,7 @@ class TensorCache:
                 else:
                     del self._by_unit[unit]
             self._kept.clear()
+            self._kept_unit.clear()
             self._prefetched.clear()
             self._retry.clear()
             self._prefetched_bytes = 0
@@ -303,6 +307,7 @@ class TensorCache:
                 self.observer(unit, key, length, "small" if small else "saved")
             tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
             if tier is None or tier.resident:
+                self._kept_unit[sptr] = unit
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
                 return t
@@ -373,15 +378,25 @@ class TensorCache:
 
     def writing(self, entry: _Entry, write) -> None:
         """`write` (an engine future) stores `entry`'s bytes on disk (from its host buffer, or staged from the
-        device bytes by the engine when it has none)."""
+        device bytes by the engine when it has none: those device bytes count as in flight until staged)."""
         entry.write = write
         entry.handle = write.handle
         self._writing.append(entry)
+        if entry.host is None and entry.src is not None and entry.device.type == "cuda":
+            self._direct_bytes += entry.nbytes
 
     def _throttle(self) -> None:
-        while self._inflight_bytes > self.max_inflight and self._pending:
+        """Device bytes waiting to leave (copies out, direct NVMe writes not yet staged) stay within
+        `max_inflight`: the host waits for the oldest (the planner counts at most that much in flight)."""
+        while self._inflight_bytes + self._direct_bytes > self.max_inflight:
             t0 = time.perf_counter()
-            self._pending[0].d2h.synchronize()
+            if self._pending:
+                self._pending[0].d2h.synchronize()
+            else:
+                direct = next((e for e in self._writing if e.host is None and e.src is not None), None)
+                if direct is None:
+                    break
+                direct.write.wait()
             self.counters["throttle_waits"] += 1
             self.counters["throttle_ns"] += int((time.perf_counter() - t0) * 1e9)
             self.poll()
@@ -404,10 +419,15 @@ class TensorCache:
                     elif entry.host is None and entry.src is not None and entry.write.staged():
                         entry.src = None  # direct write: the device bytes are no longer read
                         self._account(-entry.nbytes)
+                        self._direct_done(entry)
                         still.append(entry)
                     else:
                         still.append(entry)
                 self._writing = still
+
+    def _direct_done(self, entry: _Entry) -> None:
+        if entry.device.type == "cuda":
+            self._direct_bytes = max(0, self._direct_bytes - entry.nbytes)
 
     def _write_done(self, entry: _Entry) -> None:
         error = entry.write.exception()
@@ -426,11 +446,14 @@ class TensorCache:
             if entry.src is not None:
                 entry.src = None
                 self._account(-entry.nbytes)
+                self._direct_done(entry)
             return
         # The disk refused the bytes: keep whatever copy still exists, or remember that they are lost.
         handle, entry.handle = entry.handle, None
         if handle is not None:
             self.engine.free(handle)
+        if entry.host is None and entry.src is not None:
+            self._direct_done(entry)  # kept on the device from here: no longer waiting to leave
         if entry.host is not None or entry.src is not None:
             entry.tier = self.tiers["host"] if entry.host is not None else self.tiers["keep"]
             self._warn(
@@ -448,6 +471,13 @@ class TensorCache:
                 with self.lock:
                     self._begin_backward()
                     self._prefetch_from(max(self._by_unit, default=-1))
+            elif self._by_unit and isinstance(saved, torch.Tensor):
+                # A kept activation of a unit: backward has reached it, so the units below it are due (kept
+                # units move the prefetch window like moved ones).
+                unit = self._kept_unit.get(saved.untyped_storage().data_ptr())
+                if unit is not None:
+                    with self.lock:
+                        self._prefetch_from(unit)
             return saved
         entry = saved.entry
         with self.lock:
@@ -575,13 +605,27 @@ class TensorCache:
             entry.handle = None
 
     def _prefetch_from(self, unit: int) -> None:
-        """Restore the units before `unit` (backward order) while the prefetch window has room."""
+        """Restore `unit` and the `window_units` units before it (backward order), whole units, while what is
+        prefetched and not yet used plus the next unit stays within the window (one unit at least): the planner's
+        bound on the bytes held ahead of backward."""
         u = unit
-        while u >= 0 and self._prefetched_bytes < self.window_bytes:
+        while u >= max(0, unit - self.window_units) and self._prefetched_bytes < self.window_bytes:
             if u not in self._prefetched or u in self._retry:
+                need = self._unit_pending_bytes(u)
+                if need and self._prefetched_bytes and self._prefetched_bytes + need > self.window_bytes:
+                    return
                 self._prefetched.add(u)
                 self._prefetch_unit(u)
             u -= 1
+
+    def _unit_pending_bytes(self, unit: int) -> int:
+        """Bytes of `unit` a prefetch would restore now."""
+        total = 0
+        for r in self._by_unit.get(unit, []):
+            e = r()
+            if e is not None and e.restored is None and not e.unpacked and e.src is None and e.lost is None:
+                total += e.nbytes
+        return total
 
     def _prefetch_unit(self, unit: int) -> None:
         refs = self._by_unit.get(unit, [])
@@ -667,6 +711,7 @@ class TensorCache:
                     self._pending.clear()
                     self._writing.clear()
                     self._inflight_bytes = 0
+                    self._direct_bytes = 0
                     self.gpu_saved_bytes = 0
                 self._kept.clear()
 

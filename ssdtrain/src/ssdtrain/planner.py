@@ -155,6 +155,29 @@ def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
     return small, movable, extra_s, transient
 
 
+def window_bytes(units: list[UnitProfile], choices: list[Choice], window_units: int) -> int:
+    """Device bytes the cache may hold for moved activations in either direction: prefetched but not yet used in
+    backward, and waiting for their copy out in forward (``window_units`` x the largest unit's moved bytes)."""
+    biggest = max((_split(u, c)[1] for u, c in zip(units, choices, strict=True)), default=0)
+    return window_units * biggest
+
+
+def _prefetch_bound(moved: list[int], i: int, window: int, window_units: int) -> int:
+    """The most bytes of units below `i` the cache holds prefetched during unit i's backward: it restores whole
+    units among the `window_units` below i, in backward order, while what it holds unused plus the next unit
+    stays within `window` (one unit at least)."""
+    total = 0
+    for k in range(i - 1, max(0, i - window_units) - 1, -1):
+        if not moved[k]:
+            continue
+        if total and total + moved[k] > window:
+            break
+        total += moved[k]
+        if total >= window:
+            break
+    return total
+
+
 def simulate(
     units: list[UnitProfile],
     choices: list[Choice],
@@ -163,13 +186,32 @@ def simulate(
     working_bytes: int = 0,
     tiers: dict[str, TierSpec] | None = None,
     grads: bool = False,
+    *,
+    forward_working: int | None = None,
+    block_working: int | None = None,
+    correction: int = 0,
+    async_copies: bool = True,
 ) -> Prediction:
-    """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit);
-    `working_bytes` (temporaries that are never saved: measured when profiling) is added to the peak, and with
-    `grads` (the step starts without gradients) so are the gradients each unit's backward allocates."""
+    """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
+
+    The peak is the largest of what the allocator holds at the end of each unit's forward and during each unit's
+    backward. Forward: what the units so far keep, plus the moved bytes still waiting for their copy out (at most
+    the cache's window: the host runs ahead of the device, so the allocator sees a copy as done only when the
+    cache polls it; past the window the cache makes the host wait, which delays compute here), plus
+    `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
+    Backward of unit i: what is still kept, its moved bytes (back), the units below it prefetched within the
+    window, what its recompute re-creates, the gradients allocated so far (with `grads`: the step starts without
+    them), and the working memory of that backward: `working_bytes` for the head (the logits' gradients), else
+    `block_working`. `correction` (from calibration by a measured peak) is added to the peak. A working value of
+    None falls back to `working_bytes`. Without `async_copies` (CPU: copies are done when the cache returns) a
+    moved byte is held only while the link, as timed, has not sent it."""
     tiers = tiers or {}
     n = len(units)
+    fwd_work = working_bytes if forward_working is None else forward_working
+    blk_work = working_bytes if block_working is None else block_working
     parts = [_split(u, c) for u, c in zip(units, choices, strict=True)]
+    moved_bytes = [p[1] for p in parts]
+    window = window_bytes(units, choices, window_units)
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
     # a tier with a stage of its own (the disk) then queues them there.
     t, link = 0.0, 0.0
@@ -182,6 +224,7 @@ def simulate(
     queued = []  # (sent time, bytes) in link order: sent times never decrease
     head = 0
     backlog = 0
+    cumulative = 0
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
         t += u.forward_s
         end[i] = t
@@ -191,18 +234,22 @@ def simulate(
             sent[i] = link
             queued.append((link, moved))
             backlog += moved
+            cumulative += moved
             spec = tiers.get(choices[i].tier)
             if spec is not None and spec.write_rate:
                 stage_free[spec.name] = max(stage_free.get(spec.name, 0.0), link) + moved / spec.write_rate
                 staged[i] = stage_free[spec.name]
-        # At the end of unit i its own moved bytes are counted whole (conservative: the link took some already).
-        while head < len(queued) - (1 if moved else 0) and queued[head][0] <= t:
-            backlog -= queued[head][1]
-            head += 1
-        peak = max(peak, resident + backlog)
         while head < len(queued) and queued[head][0] <= t:
             backlog -= queued[head][1]
             head += 1
+        # More than the window in flight: the host waits for copies out, and the device's compute with it.
+        while backlog > window and head < len(queued):
+            t = max(t, queued[head][0])
+            backlog -= queued[head][1]
+            head += 1
+        end[i] = t
+        inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
+        peak = max(peak, resident + inflight + fwd_work)
     forward_end = t
     # Backward, last unit first: unit i's moved bytes come back over H2D (after the disk read for NVMe), starting
     # once the unit `window_units` later has started its backward; data still on the device is used in place.
@@ -238,34 +285,47 @@ def simulate(
         stall += wait
         per_unit_stall[i] = wait
         start[i] = ready
-        # During unit i's backward: what is still kept, its moved bytes (back), the next units' prefetched bytes,
-        # and what its recompute re-creates.
-        ahead = sum(parts[k][1] for k in range(max(0, i - window_units), i))
-        peak = max(peak, live + on_device + ahead + transient + grads_live)
+        ahead = _prefetch_bound(moved_bytes, i, window, window_units)
+        work = working_bytes if i == n - 1 else blk_work
+        peak = max(peak, live + on_device + ahead + transient + grads_live + work)
         t = ready + extra_s + units[i].backward_s
         live -= res
     moved_by_tier: dict[str, int] = {}
     for p, c in zip(parts, choices, strict=True):
         if p[1]:
             moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
-    return Prediction(t, int(peak + working_bytes), stall, moved_by_tier, per_unit_stall)
+    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall)
 
 
+@dataclass
 class _Model:
     """Everything a prediction depends on besides the choices (shared by the search and the plan)."""
 
-    def __init__(self, units, bw, window, working, tiers, grads):
-        self.units, self.bw, self.window, self.working, self.tiers, self.grads = (
-            units,
-            bw,
-            window,
-            working,
-            tiers,
-            grads,
-        )
+    units: list[UnitProfile]
+    bw: Bandwidth
+    window: int
+    working: int
+    tiers: dict[str, TierSpec]
+    grads: bool
+    forward_working: int | None = None
+    block_working: int | None = None
+    correction: int = 0
+    async_copies: bool = True
 
     def __call__(self, choices) -> Prediction:
-        return simulate(self.units, choices, self.bw, self.window, self.working, self.tiers, self.grads)
+        return simulate(
+            self.units,
+            choices,
+            self.bw,
+            self.window,
+            self.working,
+            self.tiers,
+            self.grads,
+            forward_working=self.forward_working,
+            block_working=self.block_working,
+            correction=self.correction,
+            async_copies=self.async_copies,
+        )
 
     def feasible(self, pred: Prediction) -> bool:
         return all(b <= self.tiers[name].capacity for name, b in pred.moved.items())
@@ -290,18 +350,39 @@ class Plan:
     tiers: dict[str, TierSpec]
     block_container: str
     window_units: int = 2
-    working_bytes: int = 0  # temporaries on top of saved activations (measured while profiling)
+    working_bytes: int = 0  # never-saved temporaries of the head's backward (measured while profiling)
+    forward_working: int | None = None  # never-saved temporaries of the forward (None: working_bytes)
+    block_working: int | None = None  # never-saved temporaries of a block's backward (None: working_bytes)
+    correction: int = 0  # added to every predicted peak by calibration (measured peak - predicted)
+    async_copies: bool = True  # copies out run behind compute (a GPU); False: done when the cache returns (CPU)
     grads: bool = False  # steps start without gradients: backward allocates them (counted in the peak)
     order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
     speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
     budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
-    calibrations: list[str] = field(default_factory=list)  # measured peaks that corrected working_bytes
+    calibrations: list[str] = field(default_factory=list)  # measured peaks that set the correction
+    fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
     def _model(self, grads: bool | None = None) -> _Model:
         g = self.grads if grads is None else grads
-        return _Model(self.units, self.bandwidth, self.window_units, self.working_bytes, self.tiers, g)
+        return _Model(
+            self.units,
+            self.bandwidth,
+            self.window_units,
+            self.working_bytes,
+            self.tiers,
+            g,
+            self.forward_working,
+            self.block_working,
+            self.correction,
+            self.async_copies,
+        )
+
+    @property
+    def window_bytes(self) -> int:
+        """Device bytes the cache gives moved activations: prefetched ahead in backward, in flight in forward."""
+        return window_bytes(self.units, self.choices, self.window_units)
 
     @property
     def prediction(self) -> Prediction:
@@ -373,8 +454,11 @@ class Plan:
         lines = [
             f"ssdtrain plan for {self.model}: {len(self.units)} units ({self.block_container or 'no repeated blocks'}),"
             f" budget {budget}",
-            f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; working memory "
-            f"{format_bytes(self.working_bytes)} (never-saved temporaries, in every peak below)"
+            f"  measured: forward {sum(u.forward_s for u in self.units) * 1e3:.1f} ms; working memory (never-saved "
+            f"temporaries) forward {format_bytes(_or(self.forward_working, self.working_bytes))}, head's backward "
+            f"{format_bytes(self.working_bytes)}, a block's backward "
+            f"{format_bytes(_or(self.block_working, self.working_bytes))}"
+            + (f"; calibration {self.correction / _GIB:+.2f} GiB" if self.correction else "")
             + (
                 f"; gradients {format_bytes(sum(u.grad_bytes for u in self.units))} (allocated by backward)"
                 if self.grads
@@ -413,6 +497,10 @@ class Plan:
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def format_bytes(n) -> str:
@@ -502,11 +590,17 @@ def make_plan(
     working_bytes: int = 0,
     grads: bool = False,
     budget_fraction: float | None = None,
+    forward_working: int | None = None,
+    block_working: int | None = None,
+    correction: int = 0,
+    async_copies: bool = True,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
     `tiers` are the offload tiers' specs (``ssdtrain.tiers``); `host_limit=` / `nvme_limit=` instead build them
-    from capacities. With `budget_fraction` the budget is that fraction of keep's predicted peak."""
+    from capacities. With `budget_fraction` the budget is that fraction of keep's predicted peak. Working memory
+    (never-saved temporaries): `working_bytes` during the head's backward, `forward_working` in forward,
+    `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -524,7 +618,9 @@ def make_plan(
     for u, c in zip(units, choices, strict=True):
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
-    model = _Model(units, bw, window_units, working_bytes, tiers, grads)
+    model = _Model(
+        units, bw, window_units, working_bytes, tiers, grads, forward_working, block_working, correction, async_copies
+    )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
     # The budget is planned with a margin (BUDGET_MARGIN): measured peaks landed within a few percent of the
@@ -561,12 +657,17 @@ def make_plan(
         block_container,
         window_units,
         working_bytes=working_bytes,
+        forward_working=forward_working,
+        block_working=block_working,
+        correction=correction,
+        async_copies=async_copies,
         grads=grads,
         overridden=set(overrides),
         speed_target=speed_target,
         budget_fraction=budget_fraction,
     )
     if budget is None and speed_target is not None and not ok:
+        plan.fits = False
         plan.notes.append(
             f"even the leanest plan ({format_bytes(plan.prediction.peak)}) exceeds the free device "
             f"memory estimate ({format_bytes(speed_target)}); expect an out-of-memory error"
@@ -576,11 +677,15 @@ def make_plan(
 
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
-    working_bytes=, grads=)."""
+    working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
         "working_bytes": plan.working_bytes,
+        "forward_working": plan.forward_working,
+        "block_working": plan.block_working,
+        "correction": plan.correction,
+        "speed_target": plan.speed_target,
         "grads": plan.grads,
     }
     if "budget" in changes and "budget_fraction" not in changes:
@@ -599,7 +704,11 @@ def replan(plan: Plan, **changes) -> Plan:
         overrides=overrides,
         window_units=plan.window_units,
         working_bytes=fields["working_bytes"],
-        speed_target=plan.speed_target,
+        forward_working=fields["forward_working"],
+        block_working=fields["block_working"],
+        correction=fields["correction"],
+        async_copies=plan.async_copies,
+        speed_target=fields["speed_target"],
         grads=fields["grads"],
         budget_fraction=fields["budget_fraction"],
     )
@@ -621,4 +730,5 @@ __all__ = [
     "make_tiers",
     "replan",
     "simulate",
+    "window_bytes",
 ]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 import weakref
 
+from .cache import OffloadWarning
 from .planner import BudgetError, Plan, format_bytes, replan
 
 _GIB = float(1 << 30)
@@ -50,10 +52,13 @@ def state_of(model) -> ModelState:
 
 class Calibrator:
     """The first steps of a plan are measured (the device's peak statistic, reset for it). A peak above the
-    prediction (temporaries the profile could not see) corrects the plan's working memory and the same
-    measurements are planned again, at most `limit` times per plan; a peak far below it lowers it once. When the
-    corrected working memory leaves no plan within the budget, ``BudgetError`` names the smallest budget that fits
-    (the budget is a promise, not a hint); with no budget the leanest plan is used."""
+    prediction (temporaries the profile could not see) becomes the plan's ``correction`` and the same
+    measurements are planned again, at most `limit` times per plan; a peak far below it lowers it once.
+
+    When the corrected prediction leaves no plan within the budget: at the first calibration (the first step
+    under the first plan, right after profiling) ``BudgetError`` names the smallest budget that fits, so the
+    refusal comes before training goes on; at a later one the leanest plan is used with a warning (training that
+    has started is not stopped). With no budget (``budget=None``) the leanest plan is used, with a warning."""
 
     def __init__(self, memory, *, limit: int = 2, verbose: bool = False):
         self.memory = memory
@@ -88,26 +93,41 @@ class Calibrator:
         if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations):
             plan._verified = True
             return None
-        working = max(0, plan.working_bytes + peak - predicted)
-        if working == plan.working_bytes:
+        correction = max(-plan.working_bytes, plan.correction + peak - predicted)
+        if correction == plan.correction:
             plan._verified = True
             return None
         line = (
             f"step {step - 1}: measured peak {peak / _GIB:.2f} GiB, predicted {predicted / _GIB:.2f} GiB "
-            f"(limit {limit / _GIB:.2f} GiB): working memory {plan.working_bytes / _GIB:.2f} -> "
-            f"{working / _GIB:.2f} GiB"
+            f"(limit {limit / _GIB:.2f} GiB): correction {plan.correction / _GIB:+.2f} -> {correction / _GIB:+.2f} GiB"
         )
         try:
-            new = replan(plan, working_bytes=working)
+            new = replan(plan, correction=correction)
         except BudgetError as e:
-            raise BudgetError(
-                f"ssdtrain: the measured activation peak ({format_bytes(peak)}) is above the plan's prediction "
-                f"({format_bytes(predicted)}); with the measured working memory ({format_bytes(working)}) no plan "
-                f"fits the budget {format_bytes(plan.budget)}: the smallest budget is {format_bytes(e.minimum)} "
-                f"({e.minimum} bytes). Pass budget >= that, give more host RAM or an NVMe directory, or reduce "
-                "the batch",
-                e.minimum,
-            ) from None
+            if not plan.calibrations:
+                raise BudgetError(
+                    f"ssdtrain: the measured activation peak ({format_bytes(peak)}) of the first step under the plan "
+                    f"is above its prediction ({format_bytes(predicted)}); with that correction no plan fits the "
+                    f"budget {format_bytes(plan.budget)}: the smallest budget is {format_bytes(e.minimum)} "
+                    f"({e.minimum} bytes). Pass budget >= that, give more host RAM or an NVMe directory, or reduce "
+                    "the batch",
+                    e.minimum,
+                ) from None
+            new = self._leanest(plan, correction)
+            warnings.warn(
+                f"ssdtrain: {line}: no plan fits the budget {format_bytes(plan.budget)} any more; training goes on "
+                f"with the leanest plan (predicted peak {format_bytes(new.prediction.peak)}, over the budget)",
+                OffloadWarning,
+                stacklevel=5,
+            )
+        if plan.budget is None and not new.fits:
+            warnings.warn(
+                f"ssdtrain: {line}: even the leanest plan ({format_bytes(new.prediction.peak)}) is predicted above "
+                f"the free device memory ({format_bytes(plan.speed_target)}); training goes on with it, but may "
+                "run out of memory: reduce the batch",
+                OffloadWarning,
+                stacklevel=5,
+            )
         new.calibrations = plan.calibrations + [line]
         message = (
             f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} "
@@ -116,4 +136,12 @@ class Calibrator:
         log.info(message)
         if self.verbose:
             print(message, file=sys.stderr)
+        return new
+
+    @staticmethod
+    def _leanest(plan: Plan, correction: int) -> Plan:
+        """The fastest plan within the budget, else the leanest, keeping the budget it was asked for."""
+        new = replan(plan, correction=correction, budget=None, budget_fraction=None, speed_target=plan.budget)
+        new.budget, new.budget_fraction, new.speed_target = plan.budget, plan.budget_fraction, plan.speed_target
+        new.fits = False
         return new

@@ -65,6 +65,64 @@ class DeviceMemory:
         return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
 
+class PeakProbe:
+    """The measured step's peaks, split where the working memory differs: the forward (read when the model's
+    forward returns), the head's backward (read when the gradient of the last block's output arrives: the
+    logits' gradients are gone by then) and the rest of backward (read when the step ends). Each reading resets
+    the device's peak statistic for the next. Peaks are bytes above the step's starting allocation."""
+
+    def __init__(self, memory: DeviceMemory):
+        self.memory = memory
+        self.base = 0
+        self.forward: int | None = None
+        self.head: int | None = None
+        self.blocks: int | None = None
+
+    def start(self) -> None:
+        self.base = self.memory.allocated()
+        self.forward = self.head = self.blocks = None
+        self.memory.reset_peak()
+
+    def _read(self) -> int:
+        peak = self.memory.max_allocated() - self.base
+        self.memory.reset_peak()
+        return max(0, peak)
+
+    def forward_done(self) -> None:
+        if self.forward is None:
+            self.forward = self._read()
+
+    def head_done(self) -> None:
+        if self.forward is not None and self.head is None:
+            self.head = self._read()
+
+    def finish(self) -> None:
+        """The step ended: the last reading (the blocks' backward, or the whole backward without a head mark)."""
+        if self.forward is None:
+            self.forward = self._read()
+        elif self.head is None:
+            self.head = self._read()
+        elif self.blocks is None:
+            self.blocks = self._read()
+
+
+def working_memory(probe: PeakProbe, saved: int, head_saved: int, grads: tuple[int, int, int], recomputed: int):
+    """(forward, head's backward, a block's backward) working memory: each peak of `probe` minus what was saved at
+    most (`saved`: every saved byte on the device, kept or in flight; the head's own (`head_saved`) are gone in the
+    blocks' backward) and the gradients allocated by then (`grads`: (head, last block, all) bytes when the step
+    started without them, else zeros). `recomputed`: bytes a block checkpointed while profiling re-creates in its
+    backward (not working memory: the planner counts them as the recompute's). None where no peak was read."""
+    head_grads, block_grads, all_grads = grads
+    forward = None if probe.forward is None else max(0, probe.forward - saved)
+    if probe.blocks is None:  # no mark between the head's backward and the blocks': one backward peak
+        whole = probe.head
+        head = None if whole is None else max(0, whole - saved - head_grads)
+        return forward, head, head
+    head = max(0, probe.head - saved - head_grads)
+    blocks = max(0, probe.blocks - (saved - head_saved) - recomputed - head_grads - block_grads)
+    return forward, head, blocks
+
+
 def measure_link(device: torch.device) -> Bandwidth:
     """Device-to-host and host-to-device bytes per second with pinned memory (a memcpy rate on CPU)."""
     n = 256 * _MIB if device.type == "cuda" else 32 * _MIB
@@ -156,6 +214,7 @@ class Profiler:
         self.checkpointed: set[int] = set()
         self.order_bounds: list[int] = []
         self._cheap_hooks: list = []
+        self.on_head_done = None  # called when the gradient of the last block's output arrives (measured step)
 
     # --------------------------------------------------------------------------------------------- one step
     def begin(self, signature, allowance: float) -> None:
@@ -172,6 +231,8 @@ class Profiler:
     def measure(self) -> Profile:
         """This step is the measured one: record it."""
         self.profile = Profile(len(self.unit_names))
+        if not self.compiled and self.container and self.blocks:
+            self._cheap_hooks.append(self.blocks[-1][1].register_forward_hook(self._last_block_post))
         if not self.compiled:
             for block_cheap in self.cheap:
                 for name, module in block_cheap:
@@ -239,6 +300,20 @@ class Profiler:
         self.profile = None
         self.remove_hooks()
         return profile
+
+    def _last_block_post(self, module, args, output):
+        """The last block's forward returned in the measured step: mark its output's gradient (the head's backward
+        ends there)."""
+        if self.profile is None or self.pending is not None or not torch.is_grad_enabled():
+            return
+        t = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(t, torch.Tensor) and t.requires_grad and self.on_head_done is not None:
+            done = self.on_head_done
+
+            def hook(grad):
+                done()
+
+            t.register_hook(hook)
 
     def _cheap_pre(self, name: str):
         def hook(module, args):

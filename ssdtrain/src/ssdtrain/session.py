@@ -42,7 +42,7 @@ from .model import (
 )
 from .planner import Choice, Plan, format_bytes, make_plan
 from .planning import Calibrator, ModelState, state_of
-from .profiler import Clock, DeviceMemory, Profiler, measure_link
+from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
 from .tiers import DeviceTier, HostTier, NvmeTier, check_directories, default_directories, free_space
 
 log = logging.getLogger("ssdtrain")
@@ -176,6 +176,8 @@ class OffloadSession:
         self.profiler = Profiler(
             self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, Clock(cuda)
         )
+        self.probe = PeakProbe(self.memory)
+        self.profiler.on_head_done = self.probe.head_done
         self.calibrator = Calibrator(self.memory, limit=self.CALIBRATIONS, verbose=verbose)
         self.hooks = ModuleHooks(self)
         self.checkpoints = Checkpointer()
@@ -190,7 +192,6 @@ class OffloadSession:
         self._closed = False
         self._packs = 0
         self._order_bounds: list[int] = []
-        self._mem_base = 0
         self._grads_at_profile = 0
         self._warm = None  # (device base, kept) of a warm-up step, for the profiled step's allowance
         self._warm_excess = 0
@@ -368,16 +369,16 @@ class OffloadSession:
     def _begin_profiling(self, signature, grads: int) -> None:
         """No plan for this input shape yet: warm up (first-call costs, pool growth), then profile one step."""
         self._apply(None)
-        cuda = self.device.type == "cuda"
         done = self.state.warmups.get(signature, 0)
         warmup = done + 1 < self.profile_steps
         allowance = self._cpu_profile_allowance
-        if cuda:
-            # Half the free device memory at most, whatever the budget: profiling must not run out of memory, and
-            # what it keeps it measures without detours. A warm-up step keeps a quarter; what it needed beyond
-            # that (working memory: logits, workspaces) is left free in the measured step.
+        if self.memory.can_measure():
+            # A warm-up step keeps nothing it can move or recompute: blocks after the first are checkpointed and
+            # saved tensors go to host memory, so its peak (the head's logits and their gradients, which no plan
+            # removes) is at most what full recompute needs, whatever the batch. The measured step then keeps
+            # what leaves that peak's working memory free, half the free memory at most.
             free = self.memory.free()
-            allowance = free // 4 if warmup else max(0, min(free // 2, free - int(1.25 * self._warm_excess)))
+            allowance = 0 if warmup else max(0, min(free // 2, free - int(1.25 * self._warm_excess)))
             limit = 1 << 30 if self.budget is None else max(256 * _MIB, min(1 << 30, self.budget // 4))
             self.cache.max_inflight = limit
         else:
@@ -388,7 +389,7 @@ class OffloadSession:
                 self.checkpoints.wrap(block, when=self.profiler.checkpoint_when(i))
         if warmup:
             self.state.warmups[signature] = done + 1
-            if cuda:
+            if self.memory.can_measure():
                 self._warm = (self.memory.allocated(), 0)
                 self.memory.reset_peak()
             return
@@ -396,16 +397,18 @@ class OffloadSession:
         profile = self.profiler.measure()
         self.cache.observer = profile.record
         self._grads_at_profile = grads
-        if cuda:
-            # Working memory (temporaries never saved) = this step's peak minus what was saved at most. The peak
-            # statistics of torch.cuda are reset for it (documented).
-            self._mem_base = self.memory.allocated()
-            self.memory.reset_peak()
+        if self.memory.can_measure():
+            # Working memory (temporaries never saved) = this step's peaks (forward, the head's backward, the
+            # blocks' backward) minus what was saved at most. The peak statistics of torch.cuda are reset for
+            # each (documented).
+            self.probe.start()
             self.cache.peak_gpu_saved_bytes = self.cache.gpu_saved_bytes
 
     def forward_done(self, failed: bool) -> None:
         # Forward ends here; what is saved after it (a loss computed outside the model) still counts, in the
         # head, until the next step or plan() finishes the profile.
+        if self.profiler.profile is not None and self.profiler.pending is None and self.memory.can_measure():
+            self.probe.forward_done()
         self.profiler.forward_done(failed)
         self.cache.unit = len(self.unit_names) - 1
         self.cache.poll()
@@ -442,18 +445,19 @@ class OffloadSession:
         self.cache.observer = None
         if profile is None:
             return
-        working = 0
-        if self.device.type == "cuda":
-            peak = self.memory.max_allocated() - self._mem_base
-            saved = (
-                self.profiler.kept
-                + sum(profile.small)
-                + sum(profile.pinned)
-                + self.cache.peak_gpu_saved_bytes
-                + self._grads_at_profile
-            )
-            working = max(0, peak - saved)
         units = self.profiler.units(profile, self._unit_grads)
+        working = (0, 0, 0)
+        if self.memory.can_measure():
+            self.probe.finish()
+            saved = self.profiler.kept + sum(profile.small) + sum(profile.pinned) + self.cache.peak_gpu_saved_bytes
+            head = units[-1]
+            head_saved = head.saved_bytes + head.small_bytes + head.pinned_bytes
+            missing = self._grads_at_profile > 0
+            grads = (self._unit_grads[-1], self._unit_grads[-2] if len(self._unit_grads) > 2 else 0, 0)
+            grads = grads if missing else (0, 0, 0)
+            recomputed = units[1].saved_bytes + units[1].small_bytes if self.profiler.checkpointed else 0
+            fwd, hd, blk = working_memory(self.probe, saved, head_saved, grads, recomputed)
+            working = (fwd or 0, hd or 0, blk or 0)
         plan = self._make_plan(units, working)
         self.state.plans[self._plan_key(self.profiler.signature)] = plan
         self.state.latest = plan
@@ -470,14 +474,17 @@ class OffloadSession:
         log.info(line)
         if self.verbose:
             print(line, file=sys.stderr)
+        if not plan.fits:
+            warnings.warn(f"ssdtrain: {plan.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=4)
 
-    def _make_plan(self, units, working: int) -> Plan:
+    def _make_plan(self, units, working: tuple[int, int, int]) -> Plan:
+        """`working`: the measured (forward, head's backward, a block's backward) working memory."""
         key = str(self.device)
         if key not in _LINKS:
             _LINKS[key] = measure_link(self.device)
         tiers = {name: t.spec() for name, t in self.tiers.items() if not t.resident}
         speed_target = None
-        if self.budget is None and self.budget_fraction is None and self.device.type == "cuda":
+        if self.budget is None and self.budget_fraction is None and self.memory.can_measure():
             speed_target = int(self.memory.free() * 0.85)
         plan = make_plan(
             type(self.model._orig_mod if self.compiled else self.model).__name__,
@@ -489,7 +496,10 @@ class OffloadSession:
             overrides=self.overrides,
             window_units=self.prefetch_units,
             speed_target=speed_target,
-            working_bytes=working,
+            working_bytes=working[1],
+            forward_working=working[0],
+            block_working=working[2],
+            async_copies=self.device.type == "cuda",
             grads=self.state.grads_missing,
             budget_fraction=self.budget_fraction,
         )
@@ -507,10 +517,10 @@ class OffloadSession:
         self.plan = plan
         if plan is None:
             self.cache.window_bytes = 1 << 30
+            self.cache.window_units = 1 << 30
             return
         if self.compiled:
             self._order_bounds = list(plan.order_bounds)
-        moved = []
         for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True)):
             if c.recompute != "none" and u.kind == "block" and not self.compiled:
                 block = self.blocks[i - 1][1]
@@ -520,17 +530,12 @@ class OffloadSession:
                     for name, module in self.cheap[i - 1]:
                         if name.removeprefix(u.name + ".") in u.cheap_modules:
                             self.checkpoints.wrap(module)
-            if c.tier != "keep":
-                moved.append(u.saved_bytes if c.recompute == "none" else u.input_bytes)
         self._recomputed = len(self.checkpoints)
         self._recomputed_any = self._recomputed_any or self._recomputed > 0
-        biggest = max(moved, default=0)
-        self.cache.window_bytes = max(64 * _MIB, plan.window_units * biggest)
-        if plan.budget is not None and self.device.type == "cuda":
-            resident = plan.prediction.peak - sum(moved)
-            self.cache.max_inflight = max(256 * _MIB, plan.budget - max(resident, 0), 2 * biggest)
-        else:
-            self.cache.max_inflight = float("inf")
+        # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.
+        self.cache.window_bytes = plan.window_bytes
+        self.cache.window_units = plan.window_units
+        self.cache.max_inflight = plan.window_bytes if self.device.type == "cuda" else float("inf")
 
     # ----------------------------------------------------------------------------------------------- facts
     def stats(self) -> dict:

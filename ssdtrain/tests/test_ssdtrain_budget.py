@@ -1,0 +1,281 @@
+"""The budget as a promise, on CPU with device memory numbers made up: what the planner's peak is made of (copies
+out in flight, the prefetch window, working memory of the forward, the head's backward and a block's backward,
+gradients, the calibration correction), what the profiled step's peaks turn into, when ``BudgetError`` is raised
+(at the first plan or the first calibration only) and what calibration does later or with ``budget=None``, and
+the profiling that keeps ``budget=None`` safe at large batches (a warm-up that keeps nothing it can move)."""
+
+import warnings
+
+import pytest
+import torch
+from test_ssdtrain_offload import batch, make_net
+
+import ssdtrain
+from ssdtrain.planner import Bandwidth, Choice, UnitProfile, make_plan, simulate, window_bytes
+from ssdtrain.planning import Calibrator
+from ssdtrain.profiler import DeviceMemory, PeakProbe, working_memory
+
+MIB = 1 << 20
+GIB = 1 << 30
+FAST = Bandwidth(d2h=50e9, h2d=50e9)
+
+
+def _units(n=8, saved=400 * MIB, head_saved=1600 * MIB, inputs=32 * MIB, grad=40 * MIB, head_grad=200 * MIB):
+    units = [UnitProfile("<stem>", "stem", forward_s=1e-4, saved_bytes=MIB)]
+    units += [
+        UnitProfile(f"b.{i}", "block", forward_s=0.01, saved_bytes=saved, input_bytes=inputs, grad_bytes=grad)
+        for i in range(n)
+    ]
+    units.append(UnitProfile("<head>", "head", forward_s=0.005, saved_bytes=head_saved, grad_bytes=head_grad))
+    return units
+
+
+def test_copies_out_in_flight_count_up_to_the_window_in_forward():
+    """The host runs ahead of the device: the allocator frees a moved tensor only when the cache has seen its copy
+    out done, so forward holds up to the window of moved bytes (the cache makes the host wait beyond it)."""
+    units = _units()
+    host = [Choice()] + [Choice("none", "host")] * 8 + [Choice()]
+    window = window_bytes(units, host, 2)
+    assert window == 2 * 400 * MIB
+    fwd_work = 3 * GIB
+    sync = simulate(units, host, FAST, forward_working=fwd_work, working_bytes=0, block_working=0, async_copies=False)
+    asyn = simulate(units, host, FAST, forward_working=fwd_work, working_bytes=0, block_working=0)
+    resident = MIB + 1600 * MIB  # the stem and the head keep theirs
+    assert asyn.peak == resident + window + fwd_work  # at the head's forward: a full window still in flight
+    assert sync.peak < asyn.peak
+    # A slow link: the host waits for the window, and so does compute.
+    slow = simulate(units, host, Bandwidth(d2h=5e9, h2d=5e9))
+    assert slow.seconds > simulate(units, host, FAST).seconds + 0.3
+
+
+def test_prefetch_holds_at_most_the_window_of_the_next_units():
+    """During a block's backward: its own moved bytes plus the units below it prefetched within the window, whole
+    units, at most `window_units` of them."""
+    units = _units(head_saved=MIB)
+    host = [Choice()] + [Choice("none", "host")] * 8 + [Choice()]
+    for window_units in (1, 2, 3):
+        p = simulate(units, host, FAST, window_units, async_copies=False)
+        # At the last block's backward: itself + min(window_units, window / unit) units ahead, gradients aside.
+        ahead = min(window_units, window_bytes(units, host, window_units) // (400 * MIB))
+        assert p.peak == MIB + (1 + ahead) * 400 * MIB  # the stem's kept bytes; the head's are gone
+
+
+def test_working_memory_applies_where_it_is_alive():
+    """The head's backward working memory (logits' gradients) is added at the head only; a block's backward has
+    its own, smaller one, with the recompute's re-created activations: the leanest plan's peak is the larger of
+    the two, not their sum."""
+    units = _units(head_saved=MIB)
+    full = [Choice()] + [Choice("full", "keep")] * 8 + [Choice()]
+    head_work, block_work = 5 * GIB, 300 * MIB
+    p = simulate(units, full, FAST, 2, head_work, None, False, forward_working=2 * GIB, block_working=block_work)
+    inputs = 8 * 32 * MIB
+    head_point = MIB + inputs + MIB + head_work
+    block_point = MIB + inputs + 400 * MIB + block_work  # the last block: its inputs still counted
+    forward_point = MIB + inputs + MIB + 2 * GIB
+    assert p.peak == max(head_point, block_point, forward_point) == head_point
+    # One working number everywhere (what the planner did before) would add the head's to the recompute too.
+    lumped = simulate(units, full, FAST, 2, head_work, None, False)
+    assert lumped.peak == MIB + inputs + 400 * MIB + head_work > p.peak
+
+
+def test_gradients_are_counted_from_the_head_down_and_the_correction_everywhere():
+    units = _units()
+    keep = [Choice()] * len(units)
+    without = simulate(units, keep, FAST, 2, 0, None, False)
+    grads = simulate(units, keep, FAST, 2, 0, None, True)
+    assert grads.peak - without.peak == 200 * MIB  # at the head's backward: the head's gradients only
+    corrected = simulate(units, keep, FAST, 2, 0, None, True, correction=123 * MIB)
+    assert corrected.peak == grads.peak + 123 * MIB
+
+
+class _Memory:
+    """Device memory readings made up by the test: `peaks` are returned by max_allocated() in turn."""
+
+    def __init__(self, peaks=(), free=80 * GIB, allocated=0):
+        self.peaks = list(peaks)
+        self._free = free
+        self._allocated = allocated
+        self.resets = 0
+
+    def can_measure(self):
+        return True
+
+    def allocated(self):
+        return self._allocated
+
+    def max_allocated(self):
+        return self.peaks.pop(0) if self.peaks else self._allocated
+
+    def reset_peak(self):
+        self.resets += 1
+
+    def free(self):
+        return self._free
+
+
+def test_profiled_peaks_become_forward_head_and_block_working_memory():
+    """The measured step's three peaks (forward; the head's backward, up to the gradient of the last block's
+    output; the rest of backward) minus what was saved then and the gradients allocated by then."""
+    probe = PeakProbe(_Memory(peaks=[9 * GIB, 11 * GIB, 7 * GIB], allocated=GIB))
+    probe.start()
+    probe.forward_done()
+    probe.head_done()
+    probe.finish()
+    assert (probe.forward, probe.head, probe.blocks) == (8 * GIB, 10 * GIB, 6 * GIB)
+    saved, head_saved = 5 * GIB, 2 * GIB
+    grads = (GIB // 4, GIB // 8, GIB)
+    fwd, head, blocks = working_memory(probe, saved, head_saved, grads, recomputed=0)
+    assert fwd == 3 * GIB
+    assert head == 5 * GIB - GIB // 4
+    assert blocks == 6 * GIB - 3 * GIB - GIB // 4 - GIB // 8
+    # A block checkpointed while profiling re-creates its activations in backward: not working memory.
+    assert working_memory(probe, saved, head_saved, grads, recomputed=GIB)[2] == blocks - GIB
+    # No mark between the head's and the blocks' backward (a compiled model): one backward peak for both.
+    one = PeakProbe(_Memory(peaks=[9 * GIB, 11 * GIB], allocated=GIB))
+    one.start()
+    one.forward_done()
+    one.finish()
+    f, h, b = working_memory(one, saved, head_saved, grads, recomputed=0)
+    assert h == b == 5 * GIB - GIB // 4
+
+
+def _plan(budget, **kw):
+    return make_plan("m", _units(), FAST, budget, host_limit=64 * GIB, nvme_limit=0, block_container="b", **kw)
+
+
+def test_budget_error_at_the_first_plan_names_a_minimum_the_leanest_plan_reaches():
+    units = _units()
+    with pytest.raises(ssdtrain.BudgetError) as info:
+        _plan(GIB, working_bytes=4 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    minimum = info.value.minimum
+    plan = _plan(minimum, working_bytes=4 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    assert plan.prediction.peak <= minimum
+    full = [Choice()] + [Choice("full", "keep")] * 8 + [Choice()]
+    recompute = simulate(units, full, FAST, 2, 4 * GIB, None, False, forward_working=2 * GIB, block_working=200 * MIB)
+    assert plan.prediction.peak <= recompute.peak  # the leanest plan is at or below full recompute's
+
+
+def test_calibration_raises_only_at_the_first_check_then_uses_the_leanest_plan_with_a_warning():
+    plan = _plan(int(6.5 * GIB), working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    predicted = plan.predict(False).peak
+    # First check: measured 3 GiB above the prediction, no plan fits: refused now, with the minimum.
+    memory = _Memory(peaks=[predicted + 3 * GIB])
+    cal = Calibrator(memory)
+    cal.start(plan, False, given=False)
+    with pytest.raises(ssdtrain.BudgetError, match="first step under the plan") as info:
+        cal.finish(step=4)
+    assert info.value.minimum > plan.budget
+    # A plan calibrated once already: training has started, so the leanest plan and a warning instead.
+    plan.calibrations.append("step 3: earlier")
+    memory.peaks = [predicted + 3 * GIB]
+    cal.start(plan, False, given=False)
+    with pytest.warns(ssdtrain.OffloadWarning, match="leanest plan"):
+        new = cal.finish(step=5)
+    assert new is not None and new.budget == plan.budget and not new.fits
+    assert new.correction == 3 * GIB and len(new.calibrations) == 2
+    lean = make_plan(
+        "m", _units(), FAST, None, host_limit=64 * GIB, nvme_limit=0, block_container="b", speed_target=0,
+        working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB, correction=3 * GIB,
+    )  # fmt: skip
+    assert new.prediction.peak == lean.prediction.peak
+
+
+def test_calibration_with_a_leaner_plan_in_reach_replans_quietly():
+    plan = _plan(int(7.5 * GIB), working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    predicted = plan.predict(False).peak
+    cal = Calibrator(_Memory(peaks=[predicted + 300 * MIB]))
+    cal.start(plan, False, given=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = cal.finish(step=4)
+    assert new.correction == 300 * MIB and new.prediction.peak <= plan.budget and new.fits
+
+
+def test_calibration_with_no_budget_falls_back_to_the_leanest_plan_loudly():
+    plan = make_plan(
+        "m", _units(), FAST, None, host_limit=64 * GIB, nvme_limit=0, block_container="b", speed_target=8 * GIB,
+        working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB,
+    )  # fmt: skip
+    assert plan.fits
+    cal = Calibrator(_Memory(peaks=[plan.predict(False).peak + 6 * GIB]))
+    cal.start(plan, False, given=False)
+    with pytest.warns(ssdtrain.OffloadWarning, match="may run out of memory"):
+        new = cal.finish(step=4)
+    assert not new.fits and new.budget is None
+
+
+def test_budget_none_profiling_is_safe_with_little_free_memory(monkeypatch):
+    """With made-up device memory: the warm-up keeps nothing it can move (allowance 0: blocks after the first
+    checkpointed, saved tensors to host memory), so its peak is at most full recompute's; the measured step keeps
+    what leaves the warm-up's excess (the head's working memory) free; a budget=None plan that cannot fit the free
+    memory says so with a warning."""
+    free = {"bytes": 1 << 40}
+    peaks = []
+    allocated = {"now": 0}
+    monkeypatch.setattr(DeviceMemory, "can_measure", lambda self: True)
+    monkeypatch.setattr(DeviceMemory, "allocated", lambda self: allocated["now"])
+    monkeypatch.setattr(DeviceMemory, "max_allocated", lambda self: peaks.pop(0) if peaks else 0)
+    monkeypatch.setattr(DeviceMemory, "reset_peak", lambda self: None)
+    monkeypatch.setattr(DeviceMemory, "free", lambda self: free["bytes"])
+    model, ids = make_net(layers=4), batch()
+    session = ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=2)
+    allowances = []
+    real_begin = session.profiler.begin
+
+    def begin(signature, allowance):
+        allowances.append(allowance)
+        real_begin(signature, allowance)
+
+    session.profiler.begin = begin
+    with session:
+        free["bytes"] = 10 * MIB
+        model(ids).backward()  # warm-up: allowance 0, moves or checkpoints everything it can
+        warm_moved = session.cache.counters["bytes_to_host"]
+        warm_checkpointed = set(session.profiler.checkpointed)
+        peaks[:] = [4 * MIB]  # the warm-up's peak above its start: its excess
+        free["bytes"] = 6 * MIB
+        model(ids).backward()  # measured step: free - 1.25 x excess = 1 MiB kept at most
+        peaks[:] = [0, 0, 0]
+        free["bytes"] = 1 * MIB  # the leanest plan does not fit 85% of this
+        with pytest.warns(ssdtrain.OffloadWarning, match="leanest plan"):
+            model(ids).backward()
+    assert allowances[0] == 0 and warm_moved > 0 and warm_checkpointed == {2, 3, 4}
+    assert allowances[1] == 6 * MIB - int(1.25 * 4 * MIB)
+    assert not session.plan.fits and session.plan.speed_target == int(MIB * 0.85)
+
+
+def test_cache_prefetch_stays_within_the_window():
+    """On CPU, with every block in host memory: the bytes restored and not yet released at any time stay within a
+    block plus the plan's window (what the planner counts)."""
+    model, ids = make_net(layers=6), batch()
+    overrides = {f"blocks.{i}": "host" for i in range(6)}
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, overrides=overrides) as s:
+        model(ids).backward()
+        cache = s.cache
+        seen = []
+        real = cache._account
+
+        def account(delta):
+            real(delta)
+            seen.append(cache.gpu_saved_bytes)
+
+        cache._account = account
+        model.zero_grad()
+        model(ids).backward()
+    block = max(u.saved_bytes for u in s.plan.units[1:-1])
+    assert s.stats()["misses"] == 0
+    assert max(seen) <= block + s.plan.window_bytes
+    assert torch.is_tensor(ids)
+
+
+def test_kept_units_move_the_prefetch_window_so_nothing_misses():
+    """The first blocks moved, the last ones kept: backward through the kept blocks prefetches the moved ones as it
+    nears them (at most `prefetch_units` units ahead), so none is restored on demand."""
+    model, ids = make_net(layers=8), batch()
+    overrides = {f"blocks.{i}": "host" if i < 4 else "keep" for i in range(8)}
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, overrides=overrides) as s:
+        for _ in range(3):
+            model.zero_grad()
+            model(ids).backward()
+    stats = s.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 and stats["misses"] == 0 and stats["prefetch_hits"] > 0

@@ -120,6 +120,30 @@ def test_many_relations(emulated):
     et = torch.randint(0, r, (e,), generator=g)
     _compare(lambda: hn.RGCNConv(4, 4, r), ei, et, None, n, torch.float32, 1e-5)
     _compare(lambda: hn.RGATConv(4, 2, r, heads=2), ei, et, None, n, torch.float32, 1e-5)
+    # the gradients of weights shared by all relations (PyG's attention, the bases) sum over the relations: those
+    # weight-only einsums run as torch.einsum, not as a generated loop of r x features terms per thread
+    for make in (lambda: hn.RGATConv(4, 2, r, heads=2, attention="shared"), lambda: hn.RGCNConv(4, 4, r, num_bases=3)):
+        _compare(make, ei, et, None, n, torch.float32, 1e-5)
+        _compare(make, ei, et, None, n, torch.float16, 5e-3)
+
+
+def test_long_weight_reductions_run_as_torch_einsum():
+    """A weight-only einsum whose outputs each sum more than SERIAL_TERMS terms has no generated kernel (one thread
+    per output would walk them serially: milliseconds at thousands of relations), short ones keep theirs."""
+    from hector.codegen import layer_modules
+    from hector.codegen.param import SERIAL_TERMS
+
+    def param_kernels(relations):
+        layer = hn.RGATConv(16, 4, relations, heads=4, attention="shared", optimize="all")
+        ei, et, _ = make_graph(num_nodes=30, num_edges=200, node_types=1, seed=7)
+        compiled = layer.compiled(Graph(ei, et % relations, 30, relations), training=True)
+        back = layer_modules(compiled)["backward"]
+        return [(k.torch_op, k.launch.kind) for k in back.kernels if k.spec.kind == "param"]
+
+    assert 16 * 2 <= SERIAL_TERMS < 16 * 1000
+    few, many = param_kernels(2), param_kernels(1000)
+    assert ("einsum", "torch") not in few and ("", "elements") in few
+    assert ("einsum", "torch") in many
 
 
 @pytest.mark.parametrize("seed", [11, 222, 3333, 44444, 555555, 6, 77, 888])

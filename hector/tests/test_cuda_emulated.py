@@ -4,7 +4,7 @@ backend: forward and gradients of every model, random programs, awkward graphs, 
 
 import pytest
 import torch
-from conftest import make_graph, rel_err
+from conftest import half_storage_reference, make_graph, rel_err
 from emulation import EmulatedExecutor, compiler
 from test_random_programs import F, R, T, bind, random_program
 
@@ -125,6 +125,43 @@ def test_many_relations(emulated):
     for make in (lambda: hn.RGATConv(4, 2, r, heads=2, attention="shared"), lambda: hn.RGCNConv(4, 4, r, num_bases=3)):
         _compare(make, ei, et, None, n, torch.float32, 1e-5)
         _compare(make, ei, et, None, n, torch.float16, 5e-3)
+
+
+def test_half_precision_error_is_that_of_half_storage():
+    """In fp16 the generated kernels round every value they store: their gradient error is about that of torch
+    ops storing values in fp16 (the bound the GPU test uses, at most twice it), and well above that of the
+    reference's default float32-inside mode, which cannot serve as their bound."""
+    from hector import datasets
+
+    twin = datasets.load("aifb", scale=0.3, seed=0)
+    ei, et, nt = twin.edge_index, twin.edge_type, twin.node_type
+    torch.manual_seed(0)
+    ref = hn.RGATConv(64, 16, twin.num_relations, heads=4).double()
+    layer = hn.RGATConv(64, 16, twin.num_relations, heads=4).half()
+    layer.load_state_dict(ref.state_dict())
+    x = twin.features(64)
+
+    def grads(module, dtype):
+        xg = x.to(dtype).requires_grad_()
+        out = module(xg, ei, et, nt)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        return torch.autograd.grad((out.double() * w).sum(), [xg] + list(module.parameters()))
+
+    exact = grads(ref, torch.float64)
+    wide = grads(layer, torch.float16)
+    with half_storage_reference():
+        stored = grads(layer, torch.float16)
+    compiled_mod.select, select = (lambda device, dtype: EMULATED), compiled_mod.select
+    try:
+        kernels = grads(layer, torch.float16)
+    finally:
+        compiled_mod.select = select
+    for name, e, w, s_, k in zip(["x"] + [n for n, _ in ref.named_parameters()], exact, wide, stored, kernels,
+                                 strict=True):
+        err = rel_err(k.double(), e)
+        assert err < max(1e-2, 2 * rel_err(s_.double(), e)), (name, err, rel_err(s_.double(), e))
+        if name in ("q", "k", "weight"):
+            assert err > 2 * rel_err(w.double(), e), (name, err, rel_err(w.double(), e))
 
 
 def test_long_weight_reductions_run_as_torch_einsum():

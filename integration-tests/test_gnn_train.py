@@ -147,3 +147,54 @@ def test_batches_made_ahead_on_the_gpu():
         for way in ("-inturn", "-ahead"):
             # hector's kernels add with atomics: the order of additions, not the batches, may differ
             assert first(f"{impl}{way}") == pytest.approx(first(impl), abs=1e-4), (impl, way)
+
+
+def _toolkit_batch_ops(relations: int) -> tuple[int, int]:
+    """Torch operations dispatched to make one toolkit batch (sample, gather, hector.prepare_graph) and to train on
+    it (forward, backward, optimizer step), on the CPU, with a model of ``relations`` relations."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import harness
+    from gnn_data import generate
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    args = gnn_train.parse_args(["--size", "tiny", "--device", "cpu", "--relations", str(relations),
+                                 "--relation-skew", "1.0"])
+    cfg = gnn_train.configure(args)
+    proc = harness.start("cpu")
+    graph = generate(cfg.graph, proc.device)
+    table, _, _ = gnn_train.make_table(proc, graph, show_progress=False)
+    topology = gnn_train.make_topology(graph, "device")
+    model = gnn_train.build_models(cfg, 0)["toolkit"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    seeds = gnn_train.rank_seeds(graph.train_idx, cfg.batch_size, proc)
+    loader = iter(gnn_train.make_loader("toolkit", topology, table, graph.labels, cfg, seeds, proc.device,
+                                        "inturn", 1, 0, False))
+
+    def step(batch):
+        out = model(batch.x, batch.hector_graph, batch.edge_type)[: batch.batch_size]
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(out, batch.y[: batch.batch_size]).backward()
+        optimizer.step()
+
+    step(next(loader))  # tracing, the cost model's choice, the optimizer's state
+    with Count() as making:
+        batch = next(loader)
+    with Count() as training:
+        step(batch)
+    return making.count, training.count
+
+
+def test_toolkit_batch_work_does_not_grow_with_relations():
+    # a tiny batch holds a few hundred of the 5,000 relations: a per-relation loop anywhere in making a batch or
+    # training on it would add thousands of operations
+    few, many = _toolkit_batch_ops(16), _toolkit_batch_ops(5000)
+    assert many[0] <= 1.2 * few[0] + 20, ("making a batch", few[0], many[0])
+    assert many[1] <= 1.2 * few[1] + 20, ("training on it", few[1], many[1])

@@ -1,6 +1,9 @@
+import contextlib
+
 import pytest
 import torch
 
+from hector.runtime import reference
 from hector.runtime.graph import Graph
 
 
@@ -23,6 +26,25 @@ def make_graph(num_nodes=14, num_edges=80, num_relations=3, seed=0, dup=True, no
     if node_types:
         nt = torch.randint(0, node_types, (num_nodes,), generator=g)
     return torch.stack([src, dst]), et, nt
+
+
+@contextlib.contextmanager
+def half_storage_reference():
+    """The reference backend with every value of a bf16/fp16 program stored in that dtype, as the generated
+    kernels store them (they accumulate in float32 but write each materialised value in the model's dtype). By
+    default the reference computes such programs in float32 and rounds only their outputs, which leaves out the
+    rounding of the intermediates: a bound for the CUDA backend's 16-bit error must come from this mode."""
+    wide = reference.run_lowered
+
+    def stored(lowered, graph, leaves, dtype=None, keep=None):
+        half = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.dtype in reference._HALF), None)
+        return wide(lowered, graph, leaves, dtype if dtype is not None else half, keep)
+
+    reference.run_lowered = stored
+    try:
+        yield
+    finally:
+        reference.run_lowered = wide
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ backend: forward and gradients of every model, random programs, awkward graphs, 
 
 import pytest
 import torch
-from conftest import make_graph, rel_err
+from conftest import half_storage_reference, make_graph, rel_err
 from emulation import EmulatedExecutor, compiler
 from test_random_programs import F, R, T, bind, random_program
 
@@ -120,6 +120,67 @@ def test_many_relations(emulated):
     et = torch.randint(0, r, (e,), generator=g)
     _compare(lambda: hn.RGCNConv(4, 4, r), ei, et, None, n, torch.float32, 1e-5)
     _compare(lambda: hn.RGATConv(4, 2, r, heads=2), ei, et, None, n, torch.float32, 1e-5)
+    # the gradients of weights shared by all relations (PyG's attention, the bases) sum over the relations: those
+    # weight-only einsums run as torch.einsum, not as a generated loop of r x features terms per thread
+    for make in (lambda: hn.RGATConv(4, 2, r, heads=2, attention="shared"), lambda: hn.RGCNConv(4, 4, r, num_bases=3)):
+        _compare(make, ei, et, None, n, torch.float32, 1e-5)
+        _compare(make, ei, et, None, n, torch.float16, 5e-3)
+
+
+def test_half_precision_error_is_that_of_half_storage():
+    """In fp16 the generated kernels round every value they store: their gradient error is about that of torch
+    ops storing values in fp16 (the bound the GPU test uses, at most twice it), and well above that of the
+    reference's default float32-inside mode, which cannot serve as their bound."""
+    from hector import datasets
+
+    twin = datasets.load("aifb", scale=0.3, seed=0)
+    ei, et, nt = twin.edge_index, twin.edge_type, twin.node_type
+    torch.manual_seed(0)
+    ref = hn.RGATConv(64, 16, twin.num_relations, heads=4).double()
+    layer = hn.RGATConv(64, 16, twin.num_relations, heads=4).half()
+    layer.load_state_dict(ref.state_dict())
+    x = twin.features(64)
+
+    def grads(module, dtype):
+        xg = x.to(dtype).requires_grad_()
+        out = module(xg, ei, et, nt)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        return torch.autograd.grad((out.double() * w).sum(), [xg] + list(module.parameters()))
+
+    exact = grads(ref, torch.float64)
+    wide = grads(layer, torch.float16)
+    with half_storage_reference():
+        stored = grads(layer, torch.float16)
+    compiled_mod.select, select = (lambda device, dtype: EMULATED), compiled_mod.select
+    try:
+        kernels = grads(layer, torch.float16)
+    finally:
+        compiled_mod.select = select
+    for name, e, w, s_, k in zip(["x"] + [n for n, _ in ref.named_parameters()], exact, wide, stored, kernels,
+                                 strict=True):
+        err = rel_err(k.double(), e)
+        assert err < max(1e-2, 2 * rel_err(s_.double(), e)), (name, err, rel_err(s_.double(), e))
+        if name in ("q", "k", "weight"):
+            assert err > 2 * rel_err(w.double(), e), (name, err, rel_err(w.double(), e))
+
+
+def test_long_weight_reductions_run_as_torch_einsum():
+    """A weight-only einsum whose outputs each sum more than SERIAL_TERMS terms has no generated kernel (one thread
+    per output would walk them serially: milliseconds at thousands of relations), short ones keep theirs."""
+    from hector.codegen import layer_modules
+    from hector.codegen.param import SERIAL_TERMS
+
+    def param_kernels(relations):
+        layer = hn.RGATConv(16, 4, relations, heads=4, attention="shared", optimize="all")
+        ei, et, _ = make_graph(num_nodes=30, num_edges=200, node_types=1, seed=7)
+        compiled = layer.compiled(Graph(ei, et % relations, 30, relations), training=True)
+        back = layer_modules(compiled)["backward"]
+        return [(k.torch_op, k.launch.kind) for k in back.kernels if k.spec.kind == "param"]
+
+    assert 16 * 2 <= SERIAL_TERMS < 16 * 1000
+    few, many = param_kernels(2), param_kernels(1000)
+    assert ("einsum", "torch") not in few and ("", "elements") in few
+    assert ("einsum", "torch") in many
 
 
 @pytest.mark.parametrize("seed", [11, 222, 3333, 44444, 555555, 6, 77, 888])

@@ -70,7 +70,9 @@ class KernelCode:
     args: tuple[Arg, ...]
     launch: Launch
     outputs: tuple[Output, ...]
-    torch_op: str = ""  # "rng": run by the runtime with torch (counter-based RNG), no CUDA source
+    # run by the runtime with torch, no CUDA source: "rng" (counter-based RNG), "einsum" (a weight-only einsum with a
+    # long reduction, in the accumulation dtype)
+    torch_op: str = ""
 
     @property
     def signature(self) -> str:

@@ -17,7 +17,7 @@ Kernel families (the lowering's, see :mod:`hector.lower.kernels`):
 * **gemm** ``linear``: a segment GEMM over a device-side tile schedule (tiles never cross a type boundary, so a tile
   has one weight), A rows read through the gather index, an optional row-scale and an atomic scatter epilogue.
 * **gemm** ``outer_sum`` (weight gradient): per tile ``C[type] += A^T B`` in registers, flushed with atomics.
-* **param**: weight-only einsums, one thread per output element.
+* **param**: weight-only einsums, one thread per output element (long reductions: ``torch.einsum`` in the runtime).
 
 One module per family (``traversal``, ``gemm``, ``outer_sum``, ``param``) on the shared pieces of ``common`` and
 the expression templates of ``templates``; this module picks the family of each kernel spec and assembles the
@@ -83,7 +83,8 @@ def generate(lowered: Lowered, dtypes: Mapping[str, str], model_dtype: str,
         family = dict(spec.detail)["op"] if spec.kind == "gemm" else spec.kind
         emitter: _Emitter = FAMILIES[family](gen, spec)
         text, code = emitter.generate()
-        pieces.append(text)
+        if text:
+            pieces.append(text)
         kernels.append(code)
     used = {a.bind[1] for k in kernels for a in k.args if a.bind[0] in ("value", "out")}
     header = [f"// hector: generated CUDA for program {p.name} ({len(kernels)} kernels, storage {model_dtype}, "

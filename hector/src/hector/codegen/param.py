@@ -1,4 +1,13 @@
-"""Weight-only kernels (einsums composing params: reordering, basis decomposition), one thread per output element."""
+"""Weight-only kernels (einsums composing params: reordering, basis decomposition), one thread per output element.
+
+One thread per output is right where each output sums a few terms (composing ``W_r Q`` sums over one feature
+dimension). Where an output sums many terms, the same kernel is a serial loop on a few threads: the gradient of a
+weight shared by all relations through a reordered composition (``dQ = sum_r W_r^T d(W_r Q)``) has a few hundred
+outputs, each a sum over relations x features (over a million terms at 10,000 relations), which took tens of
+milliseconds per step on one GPU and grew with the relation count. Those einsums (more than
+``SERIAL_TERMS`` terms per output) run as one ``torch.einsum`` in the accumulation dtype instead: a GEMM (cuBLAS
+on a GPU) whose reduction is spread over the whole device.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,21 @@ import re
 from ..ir.core import Op
 from .common import KernelCode, Launch, Output, _Emitter
 from .templates import act_expr
+
+# Most terms one output of a generated param einsum sums on its own thread; longer reductions run as torch.einsum.
+SERIAL_TERMS = 256
+
+
+def summed_terms(equation: str, shape_a: tuple[int, ...], shape_b: tuple[int, ...]) -> int:
+    """Terms each output of ``equation`` (``"ab,bc->ac"``) sums: the product of the summed extents."""
+    m = re.fullmatch(r"([a-z]+),([a-z]+)->([a-z]*)", equation)
+    la, lb, lo = m.groups()
+    size = dict(zip(la, shape_a, strict=True)) | dict(zip(lb, shape_b, strict=True))
+    terms = 1
+    for ch in dict.fromkeys(la + lb):
+        if ch not in lo:
+            terms *= size[ch]
+    return terms
 
 
 class _ParamKernel(_Emitter):
@@ -21,6 +45,11 @@ class _ParamKernel(_Emitter):
         total = n.type.numel
         o_ptr = self.ptr(name, out=True)
         shape = n.type.shape
+        if n.op is Op.EINSUM and summed_terms(n.attr("equation"), p.type_of(n.args[0]).shape,
+                                              p.type_of(n.args[1]).shape) > SERIAL_TERMS:
+            # a long reduction: torch.einsum in the runtime (see the module docstring), no CUDA source
+            return "", KernelCode(self.k.name, self.k, (), Launch("torch", 0), (Output(name, g.acc, False),),
+                                  torch_op="einsum")
         body = ["  const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;",
                 f"  if (idx >= {total}) return;"]
         if n.op is Op.EINSUM:

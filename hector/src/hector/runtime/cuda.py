@@ -291,6 +291,13 @@ class CudaBackend:
             if keep is not None and i:
                 for name in [n for n, last in last_use.items() if last == i - 1 and n not in keep]:
                     env.pop(name, None)
+            if kc.torch_op == "einsum":
+                (out,) = kc.outputs
+                node = program.node(out.name)
+                dtype = TORCH_DTYPE[out.dtype]
+                a, b = (env[arg].to(dtype) for arg in node.args)
+                env[out.name] = torch.einsum(node.attr("equation"), a, b).contiguous()
+                continue
             for out in kc.outputs:
                 env[out.name] = self._allocate(program, out, dg, model_dtype)
             if kc.torch_op == "rng":

@@ -29,6 +29,7 @@ from .io import (
 )
 from .model import find_blocks
 from .planner import BudgetError, Choice, Plan
+from .resources import release
 from .session import OffloadSession, offload, plan
 
 __version__ = _version("ssdtrain")
@@ -44,6 +45,7 @@ __all__ = [
     "find_blocks",
     "offload",
     "plan",
+    "release",
     "CompileError",
     "CudaError",
     "Engine",

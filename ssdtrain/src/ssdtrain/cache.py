@@ -187,6 +187,7 @@ class TensorCache:
         self._backward_started = False
         self._inflight_bytes = 0
         self._streams: dict[int, tuple] = {}
+        self.stream_source = None  # index -> (copy out, prefetch) streams shared by the model's sessions
         self._warned: set[str] = set()
         self._entries = 0  # entries not yet released
         self.closed = False
@@ -204,6 +205,8 @@ class TensorCache:
     # ----------------------------------------------------------------------------------------------- helpers
     def _side_streams(self, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if self.stream_source is not None:
+            return self.stream_source(index)
         s = self._streams.get(index)
         if s is None:
             s = self._streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))

@@ -48,8 +48,22 @@ def cheap_modules(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def autocast_state() -> tuple:
+    """The autocast regions a call runs in, as (device type, dtype) pairs: under autocast a model saves other
+    tensors (bf16 copies of activations, casts of its weights) than without, so it gets its own plan."""
+    state = []
+    for device_type in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                state.append((device_type, torch.get_autocast_dtype(device_type)))
+        except (RuntimeError, TypeError, AttributeError):  # a torch without per-device queries: not told apart
+            pass
+    return tuple(state)
+
+
 def signature(args, kwargs) -> tuple:
-    """Shapes, dtypes and devices of a call's tensors (and the types of the rest): one plan per signature."""
+    """Shapes, dtypes and devices of a call's tensors (and the types of the rest), and the autocast state: one
+    plan per signature."""
 
     def sig(x):
         if isinstance(x, torch.Tensor):
@@ -60,7 +74,7 @@ def signature(args, kwargs) -> tuple:
             return tuple((k, sig(v)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
         return type(x).__name__
 
-    return sig(args), sig(kwargs)
+    return sig(args), sig(kwargs), autocast_state()
 
 
 def tensor_storages(values) -> dict[int, int]:

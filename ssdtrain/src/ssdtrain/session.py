@@ -43,6 +43,7 @@ from .model import (
 from .planner import Choice, Plan, format_bytes, make_plan
 from .planning import Calibrator, ModelState, state_of
 from .profiler import Clock, DeviceMemory, Profiler, measure_link
+from .resources import SharedTiers, resources_of
 from .tiers import DeviceTier, HostTier, NvmeTier, check_directories, default_directories, free_space
 
 log = logging.getLogger("ssdtrain")
@@ -133,6 +134,10 @@ class OffloadSession:
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
         self.directories, self.nvme_limit = self._nvme_options(directories, nvme_memory)
+        # The model's tiers are shared by sessions with the same limits *as given*: the default NVMe limit follows
+        # the free space, which the engine's own files change.
+        nvme_key = self.nvme_limit if nvme_memory is not None or self.nvme_limit == 0 else "free"
+        self._tiers_key = (self.host_limit, tuple(self.directories), nvme_key)
         self._key_options = (
             (self.budget, self.budget_fraction),
             host_memory,
@@ -162,16 +167,11 @@ class OffloadSession:
         self.memory = DeviceMemory(self.device)
         self.state = _state if _state is not None else (state_of(model) if plan is None else ModelState())
         self.plan: Plan | None = None
-        self.pool = HostPool(self.host_limit, pinned=cuda)
-        self.nvme = NvmeTier(
-            self.pool,
-            self.directories,
-            self.nvme_limit,
-            probe_bytes=64 * _MIB if cuda else 8 * _MIB,
-            pinned=cuda,
-        )
-        self.tiers = {"keep": DeviceTier(), "host": HostTier(self.pool), "nvme": self.nvme}
-        self.cache = TensorCache(min_bytes=self.min_bytes, tiers=self.tiers, on_full=on_full)
+        # The pinned pool, the NVMe engine and the side streams belong to the model: every session around it with
+        # the same limits reuses them (a session per step must not pin memory again every step).
+        self.resources = resources_of(model)
+        self.cache = TensorCache(min_bytes=self.min_bytes, tiers={}, on_full=on_full)
+        self._bind_shared()
         self.cache.tier_of = self._tier_of
         self.profiler = Profiler(
             self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, Clock(cuda)
@@ -197,6 +197,26 @@ class OffloadSession:
         self._unit_grads = self._unit_grad_bytes(inner)
         self._released = False
         self._quiet = False  # plan(): its steps only profile
+
+    def _bind_shared(self) -> None:
+        """Take the model's tiers for this session's limits (new ones if it has none, or other ones)."""
+        key = self._tiers_key + (self.device.type == "cuda",)
+        self.shared = self.resources.get(key, lambda: self._make_shared(key))
+        self.pool = self.shared.pool
+        self.nvme = self.shared.nvme
+        self.nvme_limit = self.nvme.limit
+        self.tiers = {"keep": DeviceTier(), "host": HostTier(self.pool), "nvme": self.nvme}
+        self.cache.tiers = self.tiers
+        self.cache.pool = self.pool
+        self.cache.stream_source = self.shared.side_streams
+
+    def _make_shared(self, key) -> SharedTiers:
+        cuda = self.device.type == "cuda"
+        pool = HostPool(self.host_limit, pinned=cuda)
+        nvme = NvmeTier(
+            pool, self.directories, self.nvme_limit, probe_bytes=64 * _MIB if cuda else 8 * _MIB, pinned=cuda
+        )
+        return SharedTiers(key, pool, nvme)
 
     # ----------------------------------------------------------------------------------------------- options
     @staticmethod
@@ -247,6 +267,9 @@ class OffloadSession:
         if self._closed:
             raise RuntimeError("this offload session is closed; create a new one with ssdtrain.offload()")
         self._entered = True
+        if self.shared.closed or self.shared.retired:  # released since offload() was called
+            self._bind_shared()
+        self.shared.acquire()
         self.cache.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
@@ -290,6 +313,9 @@ class OffloadSession:
             self.profiler.stop()
             self.cache.observer = None
             self.cache.on_idle = self._release_tiers
+            if abort:
+                # An exception left the session: everything goes at once (the next session makes new tiers).
+                self.resources.drop(self.shared)
             self.cache.close(abort=abort)
             if abort or self.cache.live_entries() == 0:
                 self._release_tiers()
@@ -297,11 +323,11 @@ class OffloadSession:
             self._warn_if_idle()
 
     def _release_tiers(self) -> None:
-        if self._released:
+        """This session no longer needs the model's tiers (closed, and no activation of it is still saved)."""
+        if self._released or not self._entered:
             return
         self._released = True
-        for tier in self.tiers.values():
-            tier.close(abort=True)
+        self.shared.release_user()
 
     def _warn_if_idle(self) -> None:
         """A session that was asked to offload (a budget, a tier override) and moved and recomputed nothing."""

@@ -38,6 +38,7 @@ __all__ = [
     "BudgetError",
     "ChecksumError",
     "Choice",
+    "OffloadCallback",
     "OffloadError",
     "OffloadSession",
     "OffloadWarning",
@@ -62,6 +63,15 @@ __all__ = [
     "info",
     "settings",
 ]
+
+
+def __getattr__(name: str):
+    # The Hugging Face callback imports transformers, which ssdtrain itself does not need: loaded on first use.
+    if name == "OffloadCallback":
+        from .huggingface import OffloadCallback
+
+        return OffloadCallback
+    raise AttributeError(f"module 'ssdtrain' has no attribute {name!r}")
 
 
 def backends() -> dict[str, dict]:

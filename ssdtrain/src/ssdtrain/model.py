@@ -101,6 +101,27 @@ def is_compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local data: the shard of a DTensor (FSDP2's ``fully_shard``, tensor parallelism), else itself."""
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p
+
+
+def param_storage_ptrs(model: nn.Module) -> set[int]:
+    """Storage addresses of the model's parameters (their local shards under FSDP2). A parameter without data of
+    its own here (a DTensor wrapper, a meta or freed storage) has none: parameters are also recognised by type and
+    by their autograd node when saved, so nothing depends on this set alone."""
+    ptrs = set()
+    for p in model.parameters():
+        try:
+            ptr = local_tensor(p).untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr:
+            ptrs.add(ptr)
+    return ptrs
+
+
 def param_bytes(modules) -> int:
     """Bytes of the gradients of the trainable parameters of `modules` (each parameter once)."""
     seen = set()
@@ -109,13 +130,16 @@ def param_bytes(modules) -> int:
         for p in m.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                total += p.numel() * p.element_size()
+                local = local_tensor(p)  # a sharded parameter's gradient is sharded too
+                total += local.numel() * local.element_size()
     return total
 
 
 def missing_grad_bytes(model: nn.Module) -> int:
     """Bytes of the gradients backward will allocate: trainable parameters whose ``.grad`` is None now."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    return sum(
+        local_tensor(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+    )
 
 
 class Checkpointer:

@@ -39,6 +39,7 @@ from .model import (
     is_compiled,
     missing_grad_bytes,
     param_bytes,
+    param_storage_ptrs,
 )
 from .planner import Choice, Plan, format_bytes, make_plan
 from .planning import Calibrator, ModelState, state_of
@@ -270,7 +271,7 @@ class OffloadSession:
         if self.shared.closed or self.shared.retired:  # released since offload() was called
             self._bind_shared()
         self.shared.acquire()
-        self.cache.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.cache.param_storages = param_storage_ptrs(self.model)
         # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
         # the session is active (what transformers itself does under gradient checkpointing).

@@ -283,3 +283,28 @@ def test_fsdp2_two_gloo_processes(tmp_path):
         s = got["stats"]
         assert s["host"] > 0 and s["params"] > 0 and s["recomputed"] >= 2 and s["container"] == "blocks"
         assert s["offenders"] == []
+
+
+# ------------------------------------------------------------------------------------------------ README
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_readme_training_stack_examples_run(tmp_path, monkeypatch):
+    """The README's Trainer, accelerate and FSDP2 examples, in order, in one scope (as a reader would paste them);
+    the FSDP2 one in a one-process gloo group, as torchrun would set it up."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## In your training stack") : readme.index("## Writing and reading tensors")]
+    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    assert len(blocks) == 3  # Trainer, accelerate, FSDP2
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    for code in blocks:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        if "init_process_group" in code:  # what torchrun sets (accelerate would read it too, so only now)
+            for name, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+                monkeypatch.setenv(name, value)
+            monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented examples must run
+    assert scope["offload"].stats()["steps"] == 8

@@ -3,8 +3,53 @@ signature of a call (plans are kept per input shape), and checkpoint wrappers it
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+# The ops whose outputs selective recompute keeps (what they cost to run again is most of a block's time: matrix
+# products and attention); everything else in the block (norms, activations, elementwise code, casts, copies) is
+# run again in backward from those and the block's inputs.
+_COMPUTE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_grouped_mm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def compute_ops() -> frozenset:
+    """The aten op packets selective recompute saves (those this torch build has)."""
+    return frozenset(getattr(torch.ops.aten, n) for n in _COMPUTE_OPS if hasattr(torch.ops.aten, n))
+
+
+def is_compute_op(func) -> bool:
+    return getattr(func, "overloadpacket", func) in compute_ops()
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if is_compute_op(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: keep the outputs of matrix products and attention, recompute
+    the rest (torch's selective activation checkpointing)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
@@ -152,8 +197,9 @@ class Checkpointer:
     def __len__(self) -> int:
         return len(self._wrapped)
 
-    def wrap(self, module: nn.Module, when=None) -> None:
-        """Checkpoint `module`, always or when `when()` says so at call time."""
+    def wrap(self, module: nn.Module, when=None, selective: bool = False) -> None:
+        """Checkpoint `module`, always or when `when()` says so at call time; `selective`: keep the outputs of its
+        matrix products and attention (``selective_context``), recompute only the rest."""
         if id(module) in self._wrapped:
             return
         had = module.__dict__.get("forward")
@@ -162,6 +208,10 @@ class Checkpointer:
         def forward(*args, **kwargs):
             if not torch.is_grad_enabled() or (when is not None and not when()):
                 return original(*args, **kwargs)
+            if selective:
+                return torch.utils.checkpoint.checkpoint(
+                    original, *args, use_reentrant=False, context_fn=selective_context, **kwargs
+                )
             return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward

@@ -543,6 +543,8 @@ class OffloadSession:
                 block = self.blocks[i - 1][1]
                 if c.recompute == "full":
                     self.checkpoints.wrap(block)
+                elif c.recompute == "selective":
+                    self.checkpoints.wrap(block, selective=True)
                 else:
                     for name, module in self.cheap[i - 1]:
                         if name.removeprefix(u.name + ".") in u.cheap_modules:

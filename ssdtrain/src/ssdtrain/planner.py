@@ -19,7 +19,8 @@ stalls. The peak also holds what never moves: small tensors, the parameters' cas
 block is recomputed), the gradients backward allocates when a step starts without them, and the measured working
 memory (temporaries never saved). ``make_plan()`` starts from keep-everything and greedily applies the change with
 the least predicted time per byte of peak saved until the peak fits the budget, then undoes changes that are no
-longer needed. """
+longer needed.
+"""
 
 from __future__ import annotations
 

@@ -171,6 +171,7 @@ class TensorCache:
         self.lock = threading.RLock()
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
         self.tier_of = lambda unit, nbytes: "keep"  # the plan's tier name for a unit, set by the session
+        self.keeps_unit = None  # unit -> True when the plan keeps all it saves (set by the session; None: ask tier_of)
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
@@ -260,6 +261,11 @@ class TensorCache:
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return t
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
+            return t
+        if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
+            # A unit the plan keeps whole: nothing to decide (this is most saved tensors of a plan that moves only
+            # a few units; autograd calls pack for every one of them, so the host's time per call counts).
+            self.counters["kept_tensors"] += 1
             return t
         with self.lock:
             self.poll()

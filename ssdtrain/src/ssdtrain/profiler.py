@@ -189,7 +189,12 @@ class Profiler:
         self._cheap_hooks: list = []
         # Selective recompute is measured on the first block, when the blocks run eagerly (a compiled block's ops
         # are the compiler's: it fuses the elementwise code itself).
-        self.selective = bool(container) and not compiled and bool(blocks)
+        self.selective = (
+            bool(container)
+            and not compiled
+            and bool(blocks)
+            and not any(hasattr(m.forward, "_torchdynamo_orig_callable") for _, m in blocks)
+        )
         self._recorder: OpRecorder | None = None
 
     # --------------------------------------------------------------------------------------------- one step

@@ -527,6 +527,11 @@ def main(argv=None) -> int:
         "autocast with gradient accumulation (llm_rok.py; --models llama by default)",
     )
     p.add_argument("--accum", type=int, default=0, help="rok suite: micro-batches per optimizer step (default 4)")
+    p.add_argument(
+        "--groups",
+        default="eager,compiled",
+        help="rok suite: eager, compiled or both (compiled jobs compile each block: a minute each on a cold cache)",
+    )
     p.add_argument("--cells", type=int, default=0, help="budget suite: only the first N cells")
     p.add_argument("--nvme-dir", default="", help="budget suite: a directory on the NVMe disk (default: temp dir)")
     p.add_argument("--nvme-host", default="256M", help="budget suite: host_memory of the NVMe runs")

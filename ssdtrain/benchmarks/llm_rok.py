@@ -66,18 +66,19 @@ COMPILED = [
     ("ssdtrain+compile", "compile_budget_0.8*1.0"),
 ]
 SLOW = ("save_on_cpu", "torchtune", "trl")
+GROUPS = ("eager", "compiled")
 
 
 def group_of(policy: str) -> str:
     return "compiled" if "compile" in policy else "eager"
 
 
-def plan_jobs(models: list[str]) -> list[tuple[str, str, str | None]]:
+def plan_jobs(models: list[str], groups=GROUPS) -> list[tuple[str, str, str | None]]:
     """(model, policy, spec): the first model's eager jobs, then its compiled ones, then the next model's."""
     jobs = []
     for model in models:
-        jobs += [(model, p, s) for p, s in EAGER]
-        jobs += [(model, p, s) for p, s in COMPILED]
+        jobs += [(model, p, s) for p, s in EAGER] if "eager" in groups else []
+        jobs += [(model, p, s) for p, s in COMPILED] if "compiled" in groups else []
     return jobs
 
 
@@ -296,7 +297,11 @@ def main(a, llm) -> int:
     results: list[dict] = []
     rows: dict[str, dict] = {}
     wanted = {p for p in a.policies.split(",") if p}
-    for kind, policy, spec in plan_jobs(a.models):
+    groups = [g for g in a.groups.split(",") if g]
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"--groups: unknown {sorted(unknown)}: use eager, compiled or both")
+    for kind, policy, spec in plan_jobs(a.models, groups):
         name = policy if spec is None else f"{policy}@{spec}"
         if wanted and name not in wanted:
             continue
@@ -461,9 +466,6 @@ def targets(results, a) -> list[str]:
     return out
 
 
-GROUPS = ("eager", "compiled")
-
-
 def _fastest(rows, peak):
     fit = [r for r in rows if r["peak_gib"] <= peak]
     return min(fit, key=lambda r: r["step_ms"]) if fit else None
@@ -485,9 +487,10 @@ def plot(path, results, a) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(a.models), 2, figsize=(14, 5 * len(a.models)), squeeze=False)
+    groups = [g for g in GROUPS if g in a.groups.split(",")]
+    fig, axes = plt.subplots(len(a.models), len(groups), figsize=(7 * len(groups), 5 * len(a.models)), squeeze=False)
     for row_axes, model in zip(axes, a.models, strict=True):
-        for ax, group in zip(row_axes, GROUPS, strict=True):
+        for ax, group in zip(row_axes, groups, strict=True):
             rows = [
                 r
                 for r in results

@@ -110,7 +110,8 @@ def resources_of(model) -> ModelResources:
     if res is None:
         res = _RESOURCES[model] = ModelResources()
         # The model's garbage collection retires them (closed at once, or when the last saved activation goes).
-        weakref.finalize(model, _finalize, res)
+        # Not at interpreter exit: the process's end frees pinned memory, threads and the nameless files anyway.
+        weakref.finalize(model, _finalize, res).atexit = False
     return res
 
 

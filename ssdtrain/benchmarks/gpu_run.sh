@@ -13,8 +13,11 @@
 #   rok-compiled  the same model, each block torch.compile'd: keep, activation_memory_budget 0.5 /
 #                 0.2 / 0.8, ssdtrain + compile at their peaks (inductor compiles cost ~1 min a job
 #                 on a cold cache: the deadline cuts the last ones)                                     ~8 min
+#   trainer       a Hugging Face Trainer on GPT-2 1.3B (24 x 2048, bf16 autocast, accumulation 2, eval
+#                 every 2 steps) with and without ssdtrain.OffloadCallback(budget=0.5): losses, peak,
+#                 evaluation untouched                                                                  ~2 min
 #   budget        budget accuracy over GPT-2 / Llama GQA / Qwen2 (llm.py --suite budget)               ~8 min
-# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io (~5 min), =rok, =rok-compiled, =budget;
+# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok, =rok-compiled, =budget;
 # SSDTRAIN_ROK_MODELS=gpt2 runs the ROK steps on GPT-2 instead (or llama,gpt2 with SSDTRAIN_GPU_SECONDS raised).
 #
 # Wheels carried to the machine (no package index there) go in SSDTRAIN_WHEELS (default .whl/): torchtune 0.6.1
@@ -23,7 +26,8 @@
 # dependencies) and put on PYTHONPATH; a missing one only turns its rows into "unavailable" with the reason.
 #
 # Writes into ${OUT:-./out}: ssdtrain-gpu.log (everything printed), rok.csv + rok.png (rok step),
-# rok-compiled.csv + rok-compiled.png, ssdtrain-io.csv (io step), llm-budget.csv + llm-budget.png (budget step).
+# rok-compiled.csv + rok-compiled.png, ssdtrain-io.csv (io step), trainer.csv (trainer step), llm-budget.csv +
+# llm-budget.png (budget step).
 #
 #   SSDTRAIN_BENCH_DIR   a directory on the machine's disk for NVMe files (default: a fresh one under the repo
 #                        root; /tmp may be a tmpfs)
@@ -46,6 +50,7 @@ tests_rc=0
 bench_rc=0
 io_rc=0
 rok_rc=0
+trainer_rc=0
 quiet() { grep -v -E '^\[transformers\]|Converting a tensor|Consider using tensor'; }
 
 WHEELS="${SSDTRAIN_WHEELS:-.whl}"
@@ -103,6 +108,17 @@ if [[ "$STEPS" == *,rok-compiled,* ]]; then
   rok compiled rok-compiled || rok_rc=$?
 fi
 
+if [[ "$STEPS" == *,trainer,* ]]; then
+  remaining=$(left)
+  echo "== Trainer check ($(date -u +%H:%M:%S), $remaining s left)" | tee -a "$LOG"
+  limit=$(( remaining - 10 ))
+  [ "$limit" -gt 200 ] && limit=200
+  # shellcheck disable=SC2086
+  python3 ssdtrain/benchmarks/llm.py --suite trainer --child-timeout $(( limit / 2 )) --csv "$OUT/trainer.csv" \
+    ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | quiet | grep -v -E "^\{'(loss|eval_loss|train_runtime)'" | tee -a "$LOG"
+  trainer_rc=${PIPESTATUS[0]}
+fi
+
 if [[ "$STEPS" == *,budget,* ]]; then
   remaining=$(left)
   echo "== LLM budget suite ($(date -u +%H:%M:%S), $remaining s left)" | tee -a "$LOG"
@@ -113,6 +129,7 @@ if [[ "$STEPS" == *,budget,* ]]; then
   bench_rc=${PIPESTATUS[0]}
 fi
 rm -rf "$BENCH_DIR"
-echo "== summary: GPU tests rc=$tests_rc, io rc=$io_rc, rok rc=$rok_rc, budget suite rc=$bench_rc" \
+echo "== summary: GPU tests rc=$tests_rc, io rc=$io_rc, rok rc=$rok_rc, trainer rc=$trainer_rc," \
+  "budget suite rc=$bench_rc" \
   "($(date -u +%H:%M:%S))" | tee -a "$LOG"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ] && [ "$rok_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ] && [ "$rok_rc" -eq 0 ] && [ "$trainer_rc" -eq 0 ]

@@ -520,12 +520,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--suite",
         default="headline",
-        choices=["headline", "budget", "rok"],
+        choices=["headline", "budget", "rok", "trainer"],
         help="headline: the policies above; budget: budget accuracy over models, compile, precision and "
         "accumulation, budget=None at recompute's largest batch, and NVMe with host RAM capped (llm_budget.py); "
         "rok: step time against activation peak for ssdtrain and every peer, eager and compiled, fp32 weights under "
-        "autocast with gradient accumulation (llm_rok.py; --models llama by default)",
+        "autocast with gradient accumulation (llm_rok.py; --models llama by default); trainer: a Hugging Face "
+        "Trainer on a GPT-2 config with and without ssdtrain.OffloadCallback (llm_trainer.py)",
     )
+    p.add_argument("--trainer-steps", type=int, default=8, help="trainer suite: optimizer steps per run")
     p.add_argument("--accum", type=int, default=0, help="rok suite: micro-batches per optimizer step (default 4)")
     p.add_argument(
         "--groups",
@@ -549,6 +551,8 @@ def main(argv=None) -> int:
         return _budget_suite(a)
     if a.suite == "rok":
         return _rok_suite(a)
+    if a.suite == "trainer":
+        return _trainer_suite(a)
     big = dict(layers=24, hidden=2048, heads=16, batch=8, seq=2048)
     tiny = dict(layers=3, hidden=64, heads=2, batch=2, seq=64)
     for k, v in (tiny if a.quick else big).items():
@@ -697,6 +701,31 @@ def _rok_suite(a) -> int:
         flush=True,
     )
     return llm_rok.main(a, sys.modules[__name__])
+
+
+def _trainer_suite(a) -> int:
+    """``--suite trainer``: see llm_trainer.py (default: GPT-2 24 x 2048, 1.3B parameters, batch 4 x 1024)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llm_trainer
+
+    sizes = (
+        dict(layers=3, hidden=64, heads=4, batch=2, seq=64)
+        if a.quick
+        else dict(layers=24, hidden=2048, heads=16, batch=4, seq=1024)
+    )
+    for k, v in sizes.items():
+        if not getattr(a, k):
+            setattr(a, k, v)
+    if a.quick:
+        a.vocab, a.min_bytes, a.trainer_steps = 512, "4K", min(a.trainer_steps, 6)
+    with contextlib.suppress(ImportError):
+        import transformers  # noqa: F401 - imported once here, inherited by every forked child
+    print(
+        f"# ssdtrain Trainer check: {a.device}, GPT-2 {a.layers} x {a.hidden}, batch {a.batch} x {a.seq}, "
+        f"accumulation 2, {a.trainer_steps} optimizer steps, evaluation every 2",
+        flush=True,
+    )
+    return llm_trainer.main(a, sys.modules[__name__])
 
 
 def _print_row(r):

@@ -4,6 +4,7 @@ callback, an accelerate loop, FSDP2 and DDP (gloo, two processes), forwards that
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -115,6 +116,17 @@ def test_accumulation_under_autocast_offloads_every_micro_batch():
 
 
 # ------------------------------------------------------------------------------------------------ Trainer
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trainer_callback_says_once_when_nothing_moved(tmp_path):
+    """A budget above keep's peak: the callback warns once, at the end of training, with the reason."""
+    callback = ssdtrain.OffloadCallback(budget="10GiB", min_bytes="1K")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tiny_gpt2(), tmp_path / "idle", [callback]).train()
+    idle = [w for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+    assert len(idle) == 1 and "keeps everything" in str(idle[0].message)
+
+
 def _trainer(model, out, callbacks=()):
     args = transformers.TrainingArguments(
         output_dir=str(out),
@@ -149,7 +161,11 @@ def test_trainer_callback_offloads_training_steps_only(tmp_path):
     callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
     model = tiny_gpt2()
     trainer = _trainer(model, tmp_path / "offload", [callback])
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    # The first step profiles by design: no "offloaded nothing" warning for it (the last step moved bytes).
+    assert not [w for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
 
     def losses(t):
         return [(h["step"], h[k]) for h in t.state.log_history for k in ("loss", "eval_loss") if k in h]

@@ -204,3 +204,22 @@ def test_llm_rok_targets():
     assert [x for x in text.splitlines() if "than sac" in x][0].endswith("MET")  # 1070 at 19.5 GiB vs 1080 at 20
     assert [x for x in text.splitlines() if "than recompute" in x][0].endswith("at that memory -> MISSED")
     assert [x for x in text.splitlines() if "than compile_budget_0.5" in x][0].endswith("MISSED")
+
+
+def test_llm_trainer_suite_quick(tmp_path):
+    """The Trainer check at a tiny size on CPU: both runs, the same losses, evaluation no step, one plan."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "trainer.csv"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--suite", "trainer", "--quick", "--device", "cpu", "--csv", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    rows = {r["policy"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"plain", "ssdtrain@0.8"} and {r["status"] for r in rows.values()} == {"ok"}
+    assert "losses (training and evaluation): worst relative difference 0.00e+00 -> MET" in text
+    assert "evaluation untouched: steps counted 12 = training micro-batches 12, plans 1 -> MET" in text

@@ -70,6 +70,9 @@ class OffloadCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close()
+        if self.last is not None:
+            # Said once for the training, by its last step (the first steps profile by design: not worth a warning).
+            self.last._warn_if_idle()
 
     # ------------------------------------------------------------------------------------------- results
     @property
@@ -91,6 +94,8 @@ class OffloadCallback(TrainerCallback):
             return
         if abort:
             log.warning("ssdtrain: a training step ended without on_step_end (an exception?): its session is closed")
+        session._quiet = True  # no "offloaded nothing" warning per step: on_train_end says it once, if at all
         session.close(abort=abort)
+        session._quiet = False
         self._totals = merge_stats(self._totals, session.stats())
         self.last = session

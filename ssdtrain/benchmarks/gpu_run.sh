@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
-# ssdtrain on the GPU machine: GPU tests, then the LLM budget suite (benchmarks/llm.py --suite budget, models of
-# 16 layers x 2048 at seq 2048: budget accuracy at 0.2-0.8 x keep on a Llama-style GQA model (eager, fp32 weights
-# under autocast, accumulation 4) and GPT-2 (eager, bf16), Qwen2 compiled in bf16 at 0.3 / 0.6; budget=None at full
-# recompute's largest GPT-2 batch; NVMe with host RAM capped), optionally the I/O benchmark.
-# Run from the repo root with the packages installed. Ends within SSDTRAIN_GPU_SECONDS (default 480) seconds.
-# Writes into ${OUT:-./out}: ssdtrain-gpu.log (everything printed), llm-budget.csv (every row), llm-budget.png
-# (peak / budget per cell, step time vs peak), ssdtrain-io.csv when the io step runs.
+# ssdtrain on the GPU machine, in steps chosen by SSDTRAIN_GPU_STEPS (comma-separated); each step fits one ~8 minute
+# call on one H100 (80 GB) alone. Run from the repo root with the packages installed. The whole call ends within
+# SSDTRAIN_GPU_SECONDS (default 480) seconds; the benchmark steps cut their job lists by that.
 #
-#   SSDTRAIN_GPU_STEPS   steps to run, comma-separated (default tests,budget; add io for the I/O benchmark)
+#   tests         GPU tests (pytest -m gpu ssdtrain/tests; at most 150 s)                              ~2 min
+#   io            I/O engine against fio, dd, a pread/pwrite loop and kvikio (GPU tensors and pinned
+#                 host buffers; kvikio writes with fsync, cold reads), 256M and 1G                     ~3 min
+#   rok           the ROK curve, eager: Llama-style GQA 16 x 2048, batch 4 x 2048, fp32 weights under
+#                 autocast bf16, gradient accumulation 4: keep, full recompute (HF checkpointing),
+#                 torch SAC, save_on_cpu, torchtune and TRL offloading, ssdtrain at budgets from their
+#                 peaks; the eager targets                                                              ~5-6 min
+#   rok-compiled  the same model, each block torch.compile'd: keep, activation_memory_budget 0.5 /
+#                 0.2 / 0.8, ssdtrain + compile at their peaks (inductor compiles cost ~1 min a job
+#                 on a cold cache: the deadline cuts the last ones)                                     ~8 min
+#   trainer       a Hugging Face Trainer on GPT-2 1.3B (24 x 2048, bf16 autocast, accumulation 2, eval
+#                 every 2 steps) with and without ssdtrain.OffloadCallback(budget=0.5): losses, peak,
+#                 evaluation untouched                                                                  ~2 min
+#   budget        budget accuracy (llm.py --suite budget): 16 x 2048 models at seq 2048, 0.2-0.8 x keep on a
+#                 Llama-style GQA model (eager, fp32 weights under autocast, accumulation 4) and GPT-2 (eager,
+#                 bf16), Qwen2 compiled at 0.3 / 0.6; budget=None at recompute's largest batch; NVMe with
+#                 host RAM capped                                                                        ~8 min
+# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok, =rok-compiled, =budget;
+# SSDTRAIN_ROK_MODELS=gpt2 runs the ROK steps on GPT-2 instead (or llama,gpt2 with SSDTRAIN_GPU_SECONDS raised).
+#
+# Wheels carried to the machine (no package index there) go in SSDTRAIN_WHEELS (default .whl/): torchtune 0.6.1
+# and trl (their offloading module files are loaded alone), kvikio-cu13 with libkvikio-cu13 and rapids-logger (the
+# io step's kvikio rows; cupy is on the machine). They are unpacked under /tmp/ssdtrain-wheels (pip --target, no
+# dependencies) and put on PYTHONPATH; a missing one only turns its rows into "unavailable" with the reason.
+#
+# Writes into ${OUT:-./out}: ssdtrain-gpu.log (everything printed), rok.csv + rok.png (rok step),
+# rok-compiled.csv + rok-compiled.png, ssdtrain-io.csv (io step), trainer.csv (trainer step), llm-budget.csv +
+# llm-budget.png (budget step).
+#
 #   SSDTRAIN_BENCH_DIR   a directory on the machine's disk for NVMe files (default: a fresh one under the repo
 #                        root; /tmp may be a tmpfs)
-#   SSDTRAIN_BENCH_ARGS  extra arguments for llm.py (e.g. "--cells 4")
+#   SSDTRAIN_BENCH_ARGS  extra arguments for llm.py (e.g. "--batch 8")
 # Exit code: non-zero if the tests or a benchmark failed.
 set -u
 OUT="${OUT:-./out}"
@@ -18,19 +42,35 @@ mkdir -p "$OUT"
 LOG="$OUT/ssdtrain-gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-STEPS=",${SSDTRAIN_GPU_STEPS:-tests,budget},"
+STEPS=",${SSDTRAIN_GPU_STEPS:-tests,rok},"
 END=$(( $(date +%s) + ${SSDTRAIN_GPU_SECONDS:-480} ))
 left() { echo $(( END - $(date +%s) )); }
 BENCH_DIR="${SSDTRAIN_BENCH_DIR:-$(mktemp -d -p "$PWD" ssdtrain-bench.XXXXXX)}"
+ROK_MODELS="${SSDTRAIN_ROK_MODELS:-llama}"
 TIMEOUT_ARG=""
 if python3 -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARG="--timeout=60"; fi
 tests_rc=0
 bench_rc=0
 io_rc=0
+rok_rc=0
+trainer_rc=0
+quiet() { grep -v -E '^\[transformers\]|Converting a tensor|Consider using tensor'; }
+
+WHEELS="${SSDTRAIN_WHEELS:-.whl}"
+carried=$(ls "$WHEELS"/torchtune-*.whl "$WHEELS"/trl-*.whl "$WHEELS"/kvikio*.whl "$WHEELS"/libkvikio*.whl \
+  "$WHEELS"/rapids_logger*.whl 2>/dev/null)
+if [ -n "$carried" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ssdtrain-wheels $carried 2>&1 \
+    | tail -n 3 | tee -a "$LOG"
+  export PYTHONPATH=/tmp/ssdtrain-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 {
   echo "== ssdtrain on $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  echo "carried wheels: ${carried:-none in $WHEELS}" | tr '\n' ' '; echo
+  python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -n 1
   python3 -m ssdtrain info
   grep -E 'MemTotal|MemAvailable' /proc/meminfo
   df -hT "$BENCH_DIR"
@@ -39,17 +79,47 @@ io_rc=0
 if [[ "$STEPS" == *,tests,* ]]; then
   echo "== GPU tests ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
   # faulthandler_timeout dumps every thread's stack into the log when one test runs longer than 40 s.
-  timeout 100 python3 -m pytest -m gpu ssdtrain/tests -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
+  timeout 150 python3 -m pytest -m gpu ssdtrain/tests -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
     $TIMEOUT_ARG 2>&1 | tail -n 60 | tee -a "$LOG"
   tests_rc=${PIPESTATUS[0]}
   echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
 fi
 
 if [[ "$STEPS" == *,io,* ]]; then
-  echo "== I/O benchmark ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
-  timeout 150 python3 ssdtrain/benchmarks/io.py --dir "$BENCH_DIR" --sizes 256M,1G --repeat 2 \
-    --csv "$OUT/ssdtrain-io.csv" 2>&1 | tee -a "$LOG"
+  echo "== I/O benchmark with kvikio ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
+  limit=$(( $(left) - 10 ))
+  [ "$limit" -gt 220 ] && limit=220
+  timeout "$limit" python3 ssdtrain/benchmarks/io.py --dir "$BENCH_DIR" --sizes 256M,1G --repeat 2 \
+    --kvikio-threads 1,4,16 --csv "$OUT/ssdtrain-io.csv" 2>&1 | tee -a "$LOG"
   io_rc=${PIPESTATUS[0]}
+fi
+
+rok() {  # rok <groups> <file stem>
+  local remaining
+  remaining=$(left)
+  echo "== ROK suite, $1 ($ROK_MODELS, $(date -u +%H:%M:%S), $remaining s left)" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  python3 ssdtrain/benchmarks/llm.py --suite rok --groups "$1" --models "$ROK_MODELS" \
+    --deadline $(( remaining - 60 )) --hard-end $(( remaining - 10 )) --child-timeout 150 \
+    --csv "$OUT/$2.csv" --png "$OUT/$2.png" ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | quiet | tee -a "$LOG"
+  return "${PIPESTATUS[0]}"
+}
+if [[ "$STEPS" == *,rok,* ]]; then
+  rok eager rok || rok_rc=$?
+fi
+if [[ "$STEPS" == *,rok-compiled,* ]]; then
+  rok compiled rok-compiled || rok_rc=$?
+fi
+
+if [[ "$STEPS" == *,trainer,* ]]; then
+  remaining=$(left)
+  echo "== Trainer check ($(date -u +%H:%M:%S), $remaining s left)" | tee -a "$LOG"
+  limit=$(( remaining - 10 ))
+  [ "$limit" -gt 200 ] && limit=200
+  # shellcheck disable=SC2086
+  python3 ssdtrain/benchmarks/llm.py --suite trainer --child-timeout $(( limit / 2 )) --csv "$OUT/trainer.csv" \
+    ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | quiet | grep -v -E "^\{'(loss|eval_loss|train_runtime)'" | tee -a "$LOG"
+  trainer_rc=${PIPESTATUS[0]}
 fi
 
 if [[ "$STEPS" == *,budget,* ]]; then
@@ -58,11 +128,11 @@ if [[ "$STEPS" == *,budget,* ]]; then
   # shellcheck disable=SC2086
   python3 ssdtrain/benchmarks/llm.py --suite budget --deadline $(( remaining - 45 )) --hard-end $(( remaining - 10 )) \
     --child-timeout 120 --nvme-dir "$BENCH_DIR" --csv "$OUT/llm-budget.csv" --png "$OUT/llm-budget.png" \
-    ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | grep -v -E '^\[transformers\]|Converting a tensor|Consider using tensor' \
-    | tee -a "$LOG"
+    ${SSDTRAIN_BENCH_ARGS:-} 2>&1 | quiet | tee -a "$LOG"
   bench_rc=${PIPESTATUS[0]}
 fi
 rm -rf "$BENCH_DIR"
-echo "== summary: GPU tests rc=$tests_rc, budget suite rc=$bench_rc, io rc=$io_rc ($(date -u +%H:%M:%S))" \
-  | tee -a "$LOG"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ]
+echo "== summary: GPU tests rc=$tests_rc, io rc=$io_rc, rok rc=$rok_rc, trainer rc=$trainer_rc," \
+  "budget suite rc=$bench_rc" \
+  "($(date -u +%H:%M:%S))" | tee -a "$LOG"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ] && [ "$rok_rc" -eq 0 ] && [ "$trainer_rc" -eq 0 ]

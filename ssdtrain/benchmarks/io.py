@@ -12,8 +12,13 @@ moved in place), host-4k (torch's tensor moved from its own 4 KiB pages: stage_h
                       engine's file), compared with fio randread bs=1M at the same depth
 References at the same block size, queue depth and O_DIRECT: fio (ioengine=io_uring), dd (8 MiB blocks,
 oflag/iflag=direct), and `pthreads`: a Python loop of os.pwrite/os.preadv on `--threads` threads (O_DIRECT).
+kvikio (RAPIDS, where importable and usable): ``CuFile.pwrite`` / ``pread`` of the same GPU tensors and pinned host
+buffers at each of `--kvikio-threads` thread counts (``kvikio.defaults.set({"num_threads": n})``); its writes are
+timed with the fsync after them (kvikio may write through the page cache: without it a write would time memory
+copies), its reads are cold (the file's pages are dropped first with posix_fadvise DONTNEED).
 Each number is the median of --repeat runs. "cpu s/GB" is process CPU time (all threads) per GB moved.
-Targets: io_uring host <-> file >= 0.95x fio; gpu <-> file >= 0.9x the host path.
+Targets: io_uring host <-> file >= 0.95x fio; gpu <-> file >= 0.9x the host path; the engine >= 1.2x kvikio's best
+thread count for GPU tensors, write and read.
 """
 
 from __future__ import annotations
@@ -521,6 +526,84 @@ def pthread_rows(args, size: int) -> list[dict]:
     return rows
 
 
+KVIKIO: dict = {}  # "module" or "reason", once per process
+
+
+def load_kvikio():
+    """(kvikio module, None) or (None, why it cannot be used here): never raises."""
+    if not KVIKIO:
+        try:
+            import kvikio
+            import kvikio.defaults
+
+            KVIKIO["module"] = kvikio
+        except Exception as e:  # noqa: BLE001 - any import failure only removes the kvikio rows
+            KVIKIO["reason"] = f"not importable ({type(e).__name__}: {e})"[:200]
+    return KVIKIO.get("module"), KVIKIO.get("reason")
+
+
+def kvikio_rows(args, size: int, memories: list[str]) -> list[dict]:
+    """kvikio's CuFile on the same sizes: GPU tensors and pinned host buffers, write (+ fsync) then cold read."""
+    kvikio, _ = load_kvikio()
+    if kvikio is None:
+        return []
+    rows = []
+    path = os.path.join(args.dir, "ssdtrain-bench.kvikio")
+    for memory in [m for m in ("gpu", "host") if m in memories]:
+        try:
+            rows += _kvikio_memory_rows(kvikio, args, size, memory, path)
+        except Exception as e:  # noqa: BLE001 - kvikio unusable here (no driver, no GPU): said once, no rows
+            KVIKIO.pop("module", None)
+            KVIKIO["reason"] = f"unusable ({type(e).__name__}: {e})"[:200]
+            print(f"# kvikio: {KVIKIO['reason']}", flush=True)
+            break
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+    return rows
+
+
+def _kvikio_memory_rows(kvikio, args, size: int, memory: str, path: str) -> list[dict]:
+    cuda = memory == "gpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    src, dst = new_tensor(memory, size), new_tensor(memory, size, fill=False)
+    # CUDA tensors by the CUDA array interface; host memory by the buffer protocol.
+    src_view, dst_view = (src, dst) if cuda else (src.numpy(), dst.numpy())
+    with open(path, "wb"):
+        pass
+    f = kvikio.CuFile(path, "r+")
+    try:
+        f.pwrite(src_view).get()  # allocates the file's blocks: later writes overwrite them, like the engine's
+        os.fsync(f.fileno())
+        detail = f"compat_mode {kvikio.defaults.get('compat_mode')}, task_size {kvikio.defaults.get('task_size')}"
+
+        def write():
+            c0 = cpu_seconds()
+            seconds, _, disk = measured(lambda: (f.pwrite(src_view).get(), os.fsync(f.fileno())))
+            return seconds, size, cpu_seconds() - c0, disk
+
+        def read():
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # cold: nothing from the page cache
+            dst.fill_(0x5A)
+            sync()
+            c0 = cpu_seconds()
+            seconds, _, disk = measured(lambda: (f.pread(dst_view).get(), sync()))
+            if not torch.equal(dst, src):
+                raise RuntimeError(f"kvikio {memory} read of {size} bytes returned other data")
+            return seconds, size, cpu_seconds() - c0, disk
+
+        rows = []
+        for threads in args.kvikio_threads:
+            kvikio.defaults.set({"num_threads": threads})
+            for op, fn in (("seqwrite", write), ("seqread", read)):
+                r = row("kvikio", f"{threads} thr", memory, op, size, args, median_run(fn, args.repeat), detail)
+                r["queue_depth"] = threads
+                rows.append(r)
+        return rows
+    finally:
+        f.close()
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -586,6 +669,28 @@ def print_checks(rows: list[dict]) -> None:
                 f"# gds gpu {op} {fmt_size(size)}: {by_memory['gpu']['GBps']:.2f} GB/s = "
                 f"{by_memory['gpu']['GBps'] / own['GBps']:.2f}x our own staging (io_uring gpu)"
             )
+    kvik = [r for r in rows if r["tool"] == "kvikio"]
+    if kvik:
+        print("# kvikio (best thread count) against the engine (best backend), same sizes, same run:")
+    for memory in ("gpu", "host"):
+        for op in ("seqwrite", "seqread"):
+            for size in sorted({r["size"] for r in kvik}):
+                theirs = [r for r in kvik if (r["memory"], r["op"], r["size"]) == (memory, op, size)]
+                ours = [
+                    r
+                    for r in rows
+                    if r["tool"] == "ssdtrain" and (r["memory"], r["op"], r["size"]) == (memory, op, size)
+                ]
+                if theirs and ours:
+                    k, e = max(theirs, key=lambda r: r["GBps"]), max(ours, key=lambda r: r["GBps"])
+                    verdict = f" -> {'MET' if e['GBps'] >= 1.2 * k['GBps'] else 'MISSED'}" if memory == "gpu" else ""
+                    print(
+                        f"#   {memory} {op} {fmt_size(size)}: engine ({e['backend']}) {e['GBps']:.2f} GB/s, kvikio "
+                        f"({k['backend']}) {k['GBps']:.2f} GB/s = {e['GBps'] / k['GBps']:.2f}x"
+                        + (f" (target >= 1.2x){verdict}" if memory == "gpu" else "")
+                    )
+    if not kvik:
+        print(f"# kvikio: no rows ({KVIKIO.get('reason') or 'not run'})")
     short = [
         r for r in rows if r["tool"] == "ssdtrain" and r["device_bytes_ratio"] != "" and r["device_bytes_ratio"] < 0.95
     ]
@@ -628,13 +733,15 @@ def main(argv=None) -> int:
     p.add_argument("--memory", default="", help="host,gpu (default: gpu too where CUDA is available)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--checksum", action="store_true")
-    p.add_argument("--no-references", action="store_true", help="skip fio, dd and the pthreads loop")
+    p.add_argument("--no-references", action="store_true", help="skip fio, dd, the pthreads loop and kvikio")
+    p.add_argument("--kvikio-threads", default="1,4,16", help="kvikio thread counts to measure (best one compared)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
     p.add_argument("--csv", default="", help="write every row here")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.repeat, args.random_count, args.random_depth = "1M,4M", 1, 16, 4
     args.sizes = parse_sizes(args.sizes)
+    args.kvikio_threads = [int(t) for t in args.kvikio_threads.split(",") if t]
     args.block_size = ssdtrain.io.parse_size(args.block_size)
     if ssdtrain.io.parse_size(shutil.disk_usage(args.dir).free) < 3 * max(args.sizes) + args.random_count * MiB:
         raise SystemExit(f"not enough free space in {args.dir} for sizes up to {fmt_size(max(args.sizes))}")
@@ -730,6 +837,7 @@ def measure_all(args, backends, memories, engines, rows) -> None:
     for size in args.sizes:
         if not args.no_references:
             rows += fio_rows(args, size) + dd_rows(args, size) + pthread_rows(args, size)
+            rows += kvikio_rows(args, size, memories)
         for backend in backends:
             for memory in memories:
                 if (backend, memory == "host-4k") not in engines:

@@ -520,9 +520,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--suite",
         default="headline",
-        choices=["headline", "budget"],
+        choices=["headline", "budget", "rok", "trainer"],
         help="headline: the policies above; budget: budget accuracy over models, compile, precision and "
-        "accumulation, budget=None at recompute's largest batch, and NVMe with host RAM capped (llm_budget.py)",
+        "accumulation, budget=None at recompute's largest batch, and NVMe with host RAM capped (llm_budget.py); "
+        "rok: step time against activation peak for ssdtrain and every peer, eager and compiled, fp32 weights under "
+        "autocast with gradient accumulation (llm_rok.py; --models llama by default); trainer: a Hugging Face "
+        "Trainer on a GPT-2 config with and without ssdtrain.OffloadCallback (llm_trainer.py)",
+    )
+    p.add_argument("--trainer-steps", type=int, default=8, help="trainer suite: optimizer steps per run")
+    p.add_argument("--accum", type=int, default=0, help="rok suite: micro-batches per optimizer step (default 4)")
+    p.add_argument(
+        "--groups",
+        default="eager,compiled",
+        help="rok suite: eager, compiled or both (compiled jobs compile each block: a minute each on a cold cache)",
     )
     p.add_argument("--cells", type=int, default=0, help="budget suite: only the first N cells")
     p.add_argument("--nvme-dir", default="", help="budget suite: a directory on the NVMe disk (default: temp dir)")
@@ -539,6 +549,10 @@ def main(argv=None) -> int:
         a.device = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
     if a.suite == "budget":
         return _budget_suite(a)
+    if a.suite == "rok":
+        return _rok_suite(a)
+    if a.suite == "trainer":
+        return _trainer_suite(a)
     big = dict(layers=24, hidden=2048, heads=16, batch=8, seq=2048)
     tiny = dict(layers=3, hidden=64, heads=2, batch=2, seq=64)
     for k, v in (tiny if a.quick else big).items():
@@ -656,6 +670,66 @@ def _budget_suite(a) -> int:
         flush=True,
     )
     return llm_budget.main(a, sys.modules[__name__])
+
+
+def _rok_suite(a) -> int:
+    """``--suite rok``: see llm_rok.py (default: the Llama-style GQA model, 16 x 2048, batch 4 x 2048, accumulation
+    4, fp32 weights under autocast bf16; 1 warm-up + 2 timed optimizer steps)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llm_rok
+
+    sizes = (
+        dict(layers=3, hidden=64, heads=4, batch=2, seq=64, accum=2)
+        if a.quick
+        else dict(layers=16, hidden=2048, heads=16, batch=4, seq=2048, accum=llm_rok.ACCUM)
+    )
+    for k, v in sizes.items():
+        if not getattr(a, k):
+            setattr(a, k, v)
+    if a.models == "gpt2,llama":  # the headline default: this suite is about the Llama-style target first
+        a.models = "llama"
+    a.models = [m for m in a.models.split(",") if m]
+    if a.quick:
+        a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
+        a.warmup, a.steps, a.slow_warmup, a.slow_steps = 1, 1, 1, 1
+    else:
+        a.warmup, a.steps = min(a.warmup, 1), min(a.steps, 2)
+        a.slow_warmup, a.slow_steps = 1, 1
+    with contextlib.suppress(ImportError):
+        import transformers  # noqa: F401 - imported once here, inherited by every forked child
+    print(
+        f"# ssdtrain ROK suite: {a.device}, models {','.join(a.models)}, {a.layers} layers x {a.hidden}, batch "
+        f"{a.batch} x {a.seq}, accumulation {a.accum}, fp32 weights + autocast bf16; {a.warmup} warm-up + "
+        f"{a.steps} timed optimizer steps (save_on_cpu/torchtune/TRL: {a.slow_warmup} + {a.slow_steps}; ssdtrain "
+        "adds its profiling and calibration forwards)",
+        flush=True,
+    )
+    return llm_rok.main(a, sys.modules[__name__])
+
+
+def _trainer_suite(a) -> int:
+    """``--suite trainer``: see llm_trainer.py (default: GPT-2 24 x 2048, 1.3B parameters, batch 4 x 1024)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llm_trainer
+
+    sizes = (
+        dict(layers=3, hidden=64, heads=4, batch=2, seq=64)
+        if a.quick
+        else dict(layers=24, hidden=2048, heads=16, batch=4, seq=1024)
+    )
+    for k, v in sizes.items():
+        if not getattr(a, k):
+            setattr(a, k, v)
+    if a.quick:
+        a.vocab, a.min_bytes, a.trainer_steps = 512, "4K", min(a.trainer_steps, 6)
+    with contextlib.suppress(ImportError):
+        import transformers  # noqa: F401 - imported once here, inherited by every forked child
+    print(
+        f"# ssdtrain Trainer check: {a.device}, GPT-2 {a.layers} x {a.hidden}, batch {a.batch} x {a.seq}, "
+        f"accumulation 2, {a.trainer_steps} optimizer steps, evaluation every 2",
+        flush=True,
+    )
+    return llm_trainer.main(a, sys.modules[__name__])
 
 
 def _print_row(r):

@@ -139,3 +139,87 @@ def test_llm_budget_suite_quick(tmp_path):
     assert "bit-identical to keep: True" in text
     assert "NVMe carries load, bit-identical: MET" in text
     assert png.stat().st_size > 1000
+
+
+ROK_QUICK = (
+    "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,save_on_cpu,torchtune,trl,compile,compile_budget_0.5,"
+    "ssdtrain+compile@compile_budget_0.5*1.0"
+)
+
+
+def test_llm_rok_suite_quick(tmp_path):
+    """The ROK suite at a tiny size on CPU with accumulation and autocast: every kind of peer runs (or says why it
+    cannot: torchtune's and TRL's offloading need CUDA), ssdtrain eager and compiled at budgets, table, CSV, PNG."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "rok.csv", tmp_path / "rok.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--suite", "rok", "--quick", "--device", "cpu", "--policies", ROK_QUICK]
+        + ["--csv", str(out), "--png", str(png), "--child-timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    rows = {r["policy"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == set(ROK_QUICK.split(","))
+    for name in ("keep", "recompute", "sac", "save_on_cpu", "compile", "compile_budget_0.5"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["ssdtrain@keep*0.7"]["status"] == "ok" and rows["ssdtrain@sac*1.0"]["status"] == "ok"
+    assert rows["ssdtrain+compile@compile_budget_0.5*1.0"]["status"] in ("ok", "budget")
+    assert rows["torchtune"]["status"] == rows["trl"]["status"] == "unavailable"
+    assert rows["sac"]["group"] == "eager" and rows["compile_budget_0.5"]["group"] == "compiled"
+    assert all(r["accum"] == "2" for r in rows.values())
+    assert "no activation peak measured on cpu" in text
+    assert png.stat().st_size > 1000
+
+
+def test_llm_rok_targets():
+    """The ROK verdicts from made-up rows: half of keep's peak within 1.10x its time, 1.2x recompute's peak
+    within 0.90x its time, and each peer beaten by an ssdtrain point of its own kind at <= its peak."""
+    sys.path.insert(0, str(BENCH.parent))
+    import llm_rok
+
+    def row(policy, ms, gib):
+        return {"model": "llama", "group": llm_rok.group_of(policy), "policy": policy, "status": "ok",
+                "step_ms": ms, "peak_gib": gib}  # fmt: skip
+
+    results = [
+        row("keep", 1000, 40),
+        row("recompute", 1300, 10),
+        row("sac", 1080, 20),
+        row("compile", 800, 30),
+        row("compile_budget_0.5", 900, 18),
+        row("ssdtrain@keep*0.5", 1070, 19.5),
+        row("ssdtrain@recompute*1.2", 1200, 11.9),
+        row("ssdtrain+compile@compile_budget_0.5*1.0", 950, 17),
+    ]
+    text = "\n".join(llm_rok.targets(results, argparse.Namespace(models=["llama"], device="cuda")))
+    assert "(1) llama eager" in text and "ssdtrain@keep*0.5 1070.0 ms" in text
+    lines = {line.split(":")[0]: line for line in text.splitlines()}
+    assert lines["(1) llama eager"].endswith("MET")
+    assert lines["(2) llama eager"].endswith("MISSED")  # 1200 > 0.90 x 1300
+    assert [x for x in text.splitlines() if "than sac" in x][0].endswith("MET")  # 1070 at 19.5 GiB vs 1080 at 20
+    assert [x for x in text.splitlines() if "than recompute" in x][0].endswith("at that memory -> MISSED")
+    assert [x for x in text.splitlines() if "than compile_budget_0.5" in x][0].endswith("MISSED")
+
+
+def test_llm_trainer_suite_quick(tmp_path):
+    """The Trainer check at a tiny size on CPU: both runs, the same losses, evaluation no step, one plan."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "trainer.csv"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--suite", "trainer", "--quick", "--device", "cpu", "--csv", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    rows = {r["policy"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"plain", "ssdtrain@0.8"} and {r["status"] for r in rows.values()} == {"ok"}
+    assert "losses (training and evaluation): worst relative difference 0.00e+00 -> MET" in text
+    assert "evaluation untouched: steps counted 12 = training micro-batches 12, plans 1 -> MET" in text

@@ -17,7 +17,6 @@ from test_ssdtrain_offload import assert_same_grads, batch, grads, make_net, ref
 from torch import nn
 
 import ssdtrain
-from ssdtrain import io as ssd_io
 from ssdtrain import tiers as ssd_tiers
 
 KIB = 1 << 10
@@ -96,7 +95,8 @@ def test_caught_exception_leaves_the_session_working(where):
     assert after["prefetch_hits"] > before["prefetch_hits"]
     assert after["misses"] - before["misses"] <= 2  # each backward's first unpack only
     assert after["bytes_offloaded"]["host"] > before["bytes_offloaded"]["host"]
-    assert s.pool.reserved == 0 and s.cache.live_entries() == 0
+    assert s.cache.live_entries() == 0 and s.pool.reserved > 0  # the pool stays with the model for its next session
+    assert ssdtrain.release(model) and s.pool.reserved == 0
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -121,12 +121,14 @@ def test_escaping_exception_releases_everything_and_the_next_session_works(where
     stats = again.stats()
     assert stats["profiled_steps"] == 0 and stats["steps"] == 2
     assert stats["bytes_offloaded"]["nvme"] > 0 and stats["bytes_written_to_nvme"] > 0
-    assert _native_threads() <= native  # the engine's threads ended with the session
+    assert again.cache.engine is not None  # kept with the model for its next session, until released
+    ssdtrain.release(model)
+    assert again.cache.engine is None and _native_threads() <= native
 
 
 def test_session_ends_before_backward_then_releases_when_the_graph_goes(tmp_path):
-    """Activations saved for a backward after the ``with`` block live on; when the last is used, the pool, files
-    and I/O threads go too."""
+    """Activations saved for a backward after the ``with`` block live on; released tiers (``ssdtrain.release``)
+    wait for them: when the last is used, the pool, files and I/O threads go."""
     model, ids = make_net(layers=4), batch()
     _, want = reference(model, ids)
     gc.collect()
@@ -138,7 +140,8 @@ def test_session_ends_before_backward_then_releases_when_the_graph_goes(tmp_path
         _steps(model, ids, 1)
         model.zero_grad()
         loss = model(ids)
-    assert s.cache.live_entries() > 0 and s.cache.engine is not None
+    assert ssdtrain.release(model)
+    assert s.cache.live_entries() > 0 and s.cache.engine is not None  # still needed by the graph
     loss.backward()
     del loss
     gc.collect()
@@ -354,28 +357,78 @@ def test_plans_use_the_measured_disk_rate(tmp_path):
     assert "nvme write" in str(s.plan) and "assumed" not in str(s.plan)
 
 
-def test_per_step_contexts_reuse_the_engine_files_cleanly(tmp_path):
-    """Each per-step session creates and closes its own engine: no file is left open after it."""
-    model, ids = make_net(layers=3), batch()
-    for _ in range(3):
-        with ssdtrain.offload(
-            model,
-            overrides={"blocks.0": "nvme"},
-            directories=[str(tmp_path)],
-            min_bytes="4K",
-            verbose=False,
-            profile_steps=1,
-        ):
-            model.zero_grad()
-            model(ids).backward()
+def _open_files_under(path) -> int:
     opened = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             opened.append(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:  # the directory listing's own descriptor, closed already
             pass
-    assert not [p for p in opened if p.startswith(str(tmp_path))]
-    assert ssd_io  # the engine module stays importable without an engine alive
+    return len([p for p in opened if p.startswith(str(path))])
+
+
+def test_per_step_contexts_share_one_pinned_pool_and_engine(tmp_path, monkeypatch):
+    """A session per step reuses the model's pinned pool (no new pinned chunk after the first step), its engine (one
+    file, one set of threads) and its plan; ``ssdtrain.release(model)`` closes them, and the next session makes new
+    ones."""
+    from ssdtrain import hostpool
+
+    chunks = []
+    real = hostpool.huge_empty
+    monkeypatch.setattr(hostpool, "huge_empty", lambda *a, **k: chunks.append(a) or real(*a, **k))
+    model, ids = make_net(layers=3), batch()
+    _, want = reference(model, ids)
+    options = dict(
+        overrides={"blocks.0": "nvme", "blocks.1": "host"},
+        directories=[str(tmp_path)],
+        min_bytes="4K",
+        verbose=False,
+        profile_steps=1,
+    )
+    sessions = []
+    for _ in range(4):
+        with ssdtrain.offload(model, **options) as s:
+            _steps(model, ids, 1, want)
+        sessions.append(s)
+        assert _open_files_under(tmp_path) == (len(sessions) > 1)  # the engine's one file, kept between steps
+    assert all(t.pool is sessions[0].pool and t.cache.engine is sessions[0].cache.engine for t in sessions)
+    assert len(chunks) == 1 and sessions[-1].stats()["bytes_offloaded"]["nvme"] > 0
+    assert sum(t.stats()["profiled_steps"] for t in sessions) == 1
+    engine = sessions[-1].cache.engine
+    assert ssdtrain.release(model) and not ssdtrain.release(model)  # the second call: nothing left
+    assert sessions[0].pool.reserved == 0 and engine.closed and _open_files_under(tmp_path) == 0
+    with ssdtrain.offload(model, **options) as again:
+        _steps(model, ids, 1, want)
+    assert again.pool is not sessions[0].pool and again.stats()["profiled_steps"] == 0  # new tiers, same plan
+    ssdtrain.release(model)
+
+
+def test_other_limits_get_other_tiers_and_the_old_ones_close(tmp_path):
+    model, ids = make_net(layers=3), batch()
+    with ssdtrain.offload(model, overrides={"blocks.0": "host"}, min_bytes="4K", profile_steps=1) as a:
+        _steps(model, ids, 2)
+    with ssdtrain.offload(
+        model, overrides={"blocks.0": "host"}, min_bytes="4K", host_memory="64M", profile_steps=1
+    ) as b:
+        _steps(model, ids, 2)
+    assert b.pool is not a.pool and a.pool.closed and a.pool.reserved == 0 and b.pool.reserved > 0
+    ssdtrain.release(model)
+
+
+def test_garbage_collecting_the_model_releases_its_tiers(tmp_path):
+    model, ids = make_net(layers=3), batch()
+    gc.collect()
+    native = _native_threads()
+    with ssdtrain.offload(
+        model, overrides={"blocks.0": "nvme"}, directories=[str(tmp_path)], min_bytes="4K", profile_steps=1
+    ) as s:
+        _steps(model, ids, 2)
+    pool, engine = s.pool, s.cache.engine
+    assert pool.reserved > 0 and not engine.closed
+    del model, s
+    gc.collect()
+    assert pool.reserved == 0 and engine.closed and _open_files_under(tmp_path) == 0
+    assert _native_threads() <= native
 
 
 def test_model_copy_has_its_own_plans():

@@ -29,6 +29,7 @@ from .io import (
 )
 from .model import find_blocks
 from .planner import BudgetError, Choice, Plan
+from .resources import release
 from .session import OffloadSession, offload, plan
 
 __version__ = _version("ssdtrain")
@@ -37,6 +38,7 @@ __all__ = [
     "BudgetError",
     "ChecksumError",
     "Choice",
+    "OffloadCallback",
     "OffloadError",
     "OffloadSession",
     "OffloadWarning",
@@ -44,6 +46,7 @@ __all__ = [
     "find_blocks",
     "offload",
     "plan",
+    "release",
     "CompileError",
     "CudaError",
     "Engine",
@@ -60,6 +63,15 @@ __all__ = [
     "info",
     "settings",
 ]
+
+
+def __getattr__(name: str):
+    # The Hugging Face callback imports transformers, which ssdtrain itself does not need: loaded on first use.
+    if name == "OffloadCallback":
+        from .huggingface import OffloadCallback
+
+        return OffloadCallback
+    raise AttributeError(f"module 'ssdtrain' has no attribute {name!r}")
 
 
 def backends() -> dict[str, dict]:

@@ -171,6 +171,7 @@ class TensorCache:
         self.lock = threading.RLock()
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
         self.tier_of = lambda unit, nbytes: "keep"  # the plan's tier name for a unit, set by the session
+        self.keeps_unit = None  # unit -> True when the plan keeps all it saves (set by the session; None: ask tier_of)
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.window_units = 1 << 30  # units below the one in backward that may be prefetched
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
@@ -190,6 +191,7 @@ class TensorCache:
         self._inflight_bytes = 0
         self._direct_bytes = 0  # device bytes of direct NVMe writes not yet staged
         self._streams: dict[int, tuple] = {}
+        self.stream_source = None  # index -> (copy out, prefetch) streams shared by the model's sessions
         self._warned: set[str] = set()
         self._entries = 0  # entries not yet released
         self.closed = False
@@ -207,6 +209,8 @@ class TensorCache:
     # ----------------------------------------------------------------------------------------------- helpers
     def _side_streams(self, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if self.stream_source is not None:
+            return self.stream_source(index)
         s = self._streams.get(index)
         if s is None:
             s = self._streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
@@ -261,6 +265,11 @@ class TensorCache:
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return t
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
+            return t
+        if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
+            # A unit the plan keeps whole: nothing to decide (this is most saved tensors of a plan that moves only
+            # a few units; autograd calls pack for every one of them, so the host's time per call counts).
+            self.counters["kept_tensors"] += 1
             return t
         with self.lock:
             self.poll()

@@ -4,7 +4,9 @@ A step starts at the model's outermost forward, or, for blocks called without th
 loop over ``model.layers``), when the blocks start over. The forward hooks are registered with ``always_call``:
 they run when a forward raises too, so an exception (caught inside the session or not) never leaves the depth
 counters behind, and the next forward starts a step as usual. Blocks re-run by a checkpoint during backward (Hugging
-Face's gradient checkpointing calls the layer again) are no new step.
+Face's gradient checkpointing calls the layer again) are no new step, and neither are forwards that save nothing
+for backward (under ``torch.no_grad()`` or ``torch.inference_mode()``: evaluation, generation), which the hooks
+leave alone entirely: they are not counted, not profiled and get no plan.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ModuleHooks:
         self.depth = 0  # nesting of the model's forward
         self.block_depth = 0
         self.last_started = 0  # the last block whose forward began this step
+        self.untracked = 0  # nesting of a forward that saves nothing for backward (no_grad: evaluation, generation)
         self._handles: list = []
 
     def install(self, root, blocks, with_blocks: bool) -> None:
@@ -57,8 +60,12 @@ class ModuleHooks:
         self.depth = 0
         self.block_depth = 0
         self.last_started = 0
+        self.untracked = 0
 
     def _root_pre(self, module, args, kwargs):
+        if self.untracked or (self.depth == 0 and not torch.is_grad_enabled()):
+            self.untracked += 1
+            return
         self.depth += 1
         if self.depth == 1:
             self.last_started = 0
@@ -66,13 +73,16 @@ class ModuleHooks:
             self.listener.start_step(signature(args, kwargs))
 
     def _root_post(self, module, args, output):
+        if self.untracked:
+            self.untracked -= 1
+            return
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
             self.listener.forward_done(_failed(output))
 
     def _block_pre(self, unit: int):
         def hook(module, args):
-            if _in_backward():
+            if _in_backward() or self.untracked or not torch.is_grad_enabled():
                 return
             if self.depth == 0 and self.block_depth == 0 and (self.listener.steps == 0 or unit <= self.last_started):
                 self.listener.start_step(("blocks", signature(args, {})))
@@ -84,7 +94,7 @@ class ModuleHooks:
 
     def _block_post(self, unit: int):
         def hook(module, args, output):
-            if _in_backward():
+            if _in_backward() or self.untracked or not torch.is_grad_enabled():
                 return
             self.block_depth = max(0, self.block_depth - 1)
             self.listener.block_done(unit)

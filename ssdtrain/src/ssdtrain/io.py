@@ -396,6 +396,11 @@ class Engine:
             self._inflight.clear()
             del engine
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran (or the engine was garbage-collected)."""
+        return "_engine" not in self.__dict__
+
     def __enter__(self) -> Engine:
         return self
 

@@ -3,8 +3,53 @@ signature of a call (plans are kept per input shape), and checkpoint wrappers it
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+# The ops whose outputs selective recompute keeps (what they cost to run again is most of a block's time: matrix
+# products and attention); everything else in the block (norms, activations, elementwise code, casts, copies) is
+# run again in backward from those and the block's inputs.
+_COMPUTE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_grouped_mm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def compute_ops() -> frozenset:
+    """The aten op packets selective recompute saves (those this torch build has)."""
+    return frozenset(getattr(torch.ops.aten, n) for n in _COMPUTE_OPS if hasattr(torch.ops.aten, n))
+
+
+def is_compute_op(func) -> bool:
+    return getattr(func, "overloadpacket", func) in compute_ops()
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if is_compute_op(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: keep the outputs of matrix products and attention, recompute
+    the rest (torch's selective activation checkpointing)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
@@ -48,8 +93,22 @@ def cheap_modules(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def autocast_state() -> tuple:
+    """The autocast regions a call runs in, as (device type, dtype) pairs: under autocast a model saves other
+    tensors (bf16 copies of activations, casts of its weights) than without, so it gets its own plan."""
+    state = []
+    for device_type in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                state.append((device_type, torch.get_autocast_dtype(device_type)))
+        except (RuntimeError, TypeError, AttributeError):  # a torch without per-device queries: not told apart
+            pass
+    return tuple(state)
+
+
 def signature(args, kwargs) -> tuple:
-    """Shapes, dtypes and devices of a call's tensors (and the types of the rest): one plan per signature."""
+    """Shapes, dtypes and devices of a call's tensors (and the types of the rest), and the autocast state: one
+    plan per signature."""
 
     def sig(x):
         if isinstance(x, torch.Tensor):
@@ -60,7 +119,7 @@ def signature(args, kwargs) -> tuple:
             return tuple((k, sig(v)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
         return type(x).__name__
 
-    return sig(args), sig(kwargs)
+    return sig(args), sig(kwargs), autocast_state()
 
 
 def tensor_storages(values) -> dict[int, int]:
@@ -87,6 +146,27 @@ def is_compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local data: the shard of a DTensor (FSDP2's ``fully_shard``, tensor parallelism), else itself."""
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p
+
+
+def param_storage_ptrs(model: nn.Module) -> set[int]:
+    """Storage addresses of the model's parameters (their local shards under FSDP2). A parameter without data of
+    its own here (a DTensor wrapper, a meta or freed storage) has none: parameters are also recognised by type and
+    by their autograd node when saved, so nothing depends on this set alone."""
+    ptrs = set()
+    for p in model.parameters():
+        try:
+            ptr = local_tensor(p).untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr:
+            ptrs.add(ptr)
+    return ptrs
+
+
 def param_bytes(modules) -> int:
     """Bytes of the gradients of the trainable parameters of `modules` (each parameter once)."""
     seen = set()
@@ -95,13 +175,16 @@ def param_bytes(modules) -> int:
         for p in m.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                total += p.numel() * p.element_size()
+                local = local_tensor(p)  # a sharded parameter's gradient is sharded too
+                total += local.numel() * local.element_size()
     return total
 
 
 def missing_grad_bytes(model: nn.Module) -> int:
     """Bytes of the gradients backward will allocate: trainable parameters whose ``.grad`` is None now."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    return sum(
+        local_tensor(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+    )
 
 
 class Checkpointer:
@@ -114,8 +197,9 @@ class Checkpointer:
     def __len__(self) -> int:
         return len(self._wrapped)
 
-    def wrap(self, module: nn.Module, when=None) -> None:
-        """Checkpoint `module`, always or when `when()` says so at call time."""
+    def wrap(self, module: nn.Module, when=None, selective: bool = False) -> None:
+        """Checkpoint `module`, always or when `when()` says so at call time; `selective`: keep the outputs of its
+        matrix products and attention (``selective_context``), recompute only the rest."""
         if id(module) in self._wrapped:
             return
         had = module.__dict__.get("forward")
@@ -124,6 +208,10 @@ class Checkpointer:
         def forward(*args, **kwargs):
             if not torch.is_grad_enabled() or (when is not None and not when()):
                 return original(*args, **kwargs)
+            if selective:
+                return torch.utils.checkpoint.checkpoint(
+                    original, *args, use_reentrant=False, context_fn=selective_context, **kwargs
+                )
             return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward

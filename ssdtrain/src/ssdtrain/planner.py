@@ -7,17 +7,19 @@ storage, parameters excluded), which of them are too small to move, the bytes of
 keeps) and its *cheap* submodules: parameter-free submodules (activation functions written as several elementwise
 ops, e.g. GPT-2's tanh GELU) whose saved tensors can be recomputed for a fraction of the block's time.
 
-Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``full``
-(checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``: ``keep`` on the GPU, ``host``
-pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the rates of the stage behind the
-device link (the disk, for NVMe). ``simulate()`` predicts forward+backward time and the activation peak of a set of
-choices from the measured link rates and each tier's rates: offloads queue on the device-to-host link behind forward
-compute (then on the tier's own stage) and hold GPU memory until copied; backward prefetches a window of units
-ahead over the tier's stage and the host-to-device link, and a unit whose data is late stalls. The peak also holds
-what never moves: small tensors, the parameters' casts saved by autocast (unless the block is recomputed), the
-gradients backward allocates when a step starts without them, and the measured working memory (temporaries never
-saved). ``make_plan()`` starts from keep-everything and greedily applies the change with the least predicted time
-per byte of peak saved until the peak fits the budget, then undoes changes that are no longer needed.
+Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``selective``
+(checkpoint the block keeping the outputs of its matrix products and attention: only norms, activations, elementwise
+code and casts run again) / ``full`` (checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``:
+``keep`` on the GPU, ``host`` pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the
+rates of the stage behind the device link (the disk, for NVMe). ``simulate()`` predicts forward+backward time and
+the activation peak of a set of choices from the measured link rates and each tier's rates: offloads queue on the
+device-to-host link behind forward compute (then on the tier's own stage) and hold GPU memory until copied; backward
+prefetches a window of units ahead over the tier's stage and the host-to-device link, and a unit whose data is late
+stalls. The peak also holds what never moves: small tensors, the parameters' casts saved by autocast (unless the
+block is recomputed), the gradients backward allocates when a step starts without them, and the measured working
+memory (temporaries never saved). ``make_plan()`` starts from keep-everything and greedily applies the change with
+the least predicted time per byte of peak saved until the peak fits the budget, then undoes changes that are no
+longer needed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from .tiers import TIER_NAMES as TIERS
 from .tiers import TierSpec
 
-RECOMPUTE = ("none", "cheap", "full")
+RECOMPUTE = ("none", "cheap", "selective", "full")
 BUDGET_MARGIN = 0.03
 # Disk rates the planner assumes where none was measured (a plan made by make_plan() with nvme_limit= alone).
 ASSUMED_DISK_RATE = 2e9
@@ -58,6 +60,8 @@ class UnitProfile:
     cheap_s: float = 0.0  # their forward time (the recompute cost)
     cheap_modules: list[str] = field(default_factory=list)
     tensors: int = 0
+    selective_bytes: int = 0  # what its matrix products and attention output (kept by selective recompute)
+    selective_s: float = 0.0  # the forward time of everything else (run again by selective recompute)
     pinned_bytes: int = 0  # casts of parameters saved inside it (autocast's bf16 weights): held unless recomputed
     grad_bytes: int = 0  # gradients of its parameters (allocated by its backward when a step starts without them)
 
@@ -70,6 +74,8 @@ class UnitProfile:
         if self.kind == "block":
             if self.cheap_bytes > 0:
                 recomputes.append("cheap")
+            if self.selective_s > 0 and self.selective_bytes < self.saved_bytes + self.pinned_bytes:
+                recomputes.append("selective")
             recomputes.append("full")
         return [Choice(r, t) for r in recomputes for t in tiers]
 
@@ -88,12 +94,13 @@ class Choice:
     def __str__(self) -> str:
         if self.recompute == "none":
             return self.tier
-        name = "recompute" if self.recompute == "full" else "cheap"
+        name = "recompute" if self.recompute == "full" else self.recompute
         return name if self.tier == "keep" else f"{name}+{self.tier}"
 
     @staticmethod
     def parse(text) -> Choice:
-        """'keep', 'host', 'nvme', 'recompute', 'cheap', 'recompute+host', 'cheap+nvme', ... (or a Choice)."""
+        """'keep', 'host', 'nvme', 'recompute', 'cheap', 'selective', 'recompute+host', 'selective+host', ... (or a
+        Choice)."""
         if isinstance(text, Choice):
             return text
         parts = [p.strip().lower() for p in str(text).split("+") if p.strip()]
@@ -101,13 +108,15 @@ class Choice:
         for p in parts:
             if p in ("recompute", "full", "checkpoint"):
                 recompute = "full"
-            elif p in ("cheap", "selective"):
+            elif p == "cheap":
                 recompute = "cheap"
+            elif p in ("selective", "sac"):
+                recompute = "selective"
             elif p in TIERS:
                 tier = p
             else:
                 raise ValueError(
-                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute or cheap, "
+                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute, selective or cheap, "
                     "optionally joined with '+' (e.g. 'recompute+host')"
                 )
         return Choice(recompute, tier)
@@ -148,6 +157,12 @@ def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
         movable, extra_s = max(0, u.saved_bytes - u.cheap_bytes), u.cheap_s
         transient = u.cheap_bytes
         small = u.small_bytes + u.pinned_bytes
+    elif c.recompute == "selective":
+        # Only the block's inputs pass through the tiers; the kept outputs of its matrix products and attention stay
+        # on the device (torch's selective checkpointing holds them); casts of its weights are made again.
+        movable, extra_s = u.input_bytes, u.selective_s
+        transient = max(0, u.saved_bytes - u.selective_bytes) + u.pinned_bytes
+        small = u.selective_bytes + u.small_bytes
     else:
         movable, extra_s, transient, small = u.saved_bytes, 0.0, 0, u.small_bytes + u.pinned_bytes
     if c.tier == "keep":
@@ -466,16 +481,17 @@ class Plan:
             )
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
             + (f"; {'; '.join(stages)}" if stages else ""),
-            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'choice':>15} {'on GPU MiB':>11}"
-            f" {'moved MiB':>10} {'stall ms':>9}",
+            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'select ms/MiB':>14}"
+            f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
         ]
         for u, c, s in zip(self.units, self.choices, p.per_unit_stall, strict=True):
             res, moved, _, _ = _split(u, c)
             mark = " *" if u.name in self.overridden else ""
             cheap = f"{u.cheap_s * 1e3:.2f}/{u.cheap_bytes / _MIB:.0f}" if u.cheap_bytes else "-"
+            sel = f"{u.selective_s * 1e3:.2f}/{u.selective_bytes / _MIB:.0f}" if u.selective_s else "-"
             lines.append(
                 f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
-                f" {cheap:>13} {str(c) + mark:>15} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
+                f" {cheap:>13} {sel:>14} {str(c) + mark:>16} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
             )
         capacity = ", ".join(
             f"{name} {format_bytes(p.moved.get(name, 0))} of {format_bytes(spec.capacity)}"
@@ -488,12 +504,17 @@ class Plan:
             f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; moved per step: {capacity or 'nothing'}"
         )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
+        legend = []
         if cheap:
-            lines.append(
-                f"  cheap = recompute the parameter-free submodules {', '.join(cheap[:4])}"
-                f"{' ...' if len(cheap) > 4 else ''}; recompute = checkpoint the whole block;"
-                " * = overridden"
+            more = " ..." if len(cheap) > 4 else ""
+            legend.append(f"cheap = recompute the parameter-free submodules {', '.join(cheap[:4])}{more}")
+        if any(u.selective_s for u in self.units):
+            legend.append(
+                "selective = keep what matrix products and attention output (MiB in 'select'), recompute the rest "
+                "(ms in 'select')"
             )
+        if legend:
+            lines.append(f"  {'; '.join(legend)}; recompute = checkpoint the whole block; * = overridden")
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)

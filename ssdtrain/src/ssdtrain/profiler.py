@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .io import huge_empty
-from .model import tensor_storages
+from .model import is_compute_op, tensor_storages
 from .planner import Bandwidth, UnitProfile
 
 _MIB = 1 << 20
@@ -149,6 +151,34 @@ def measure_link(device: torch.device) -> Bandwidth:
     return Bandwidth(rate, rate)
 
 
+class OpRecorder(TorchDispatchMode):
+    """Watches the ops of one block's forward (the first block of the measured step) for selective recompute: the
+    bytes of what its matrix products and attention output (what selective recompute keeps), and the time of
+    everything else (what it runs again in backward)."""
+
+    def __init__(self, clock: Clock):
+        super().__init__()
+        self.clock = clock
+        self.compute_bytes = 0
+        self._ptrs: set[int] = set()
+        self.marks: list = []  # (start, end) of each op selective recompute runs again
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        compute = is_compute_op(func)
+        start = None if compute else self.clock.mark()
+        out = func(*args, **(kwargs or {}))
+        if compute:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in self._ptrs:
+                        self._ptrs.add(storage.data_ptr())
+                        self.compute_bytes += storage.nbytes()
+        else:
+            self.marks.append((start, self.clock.mark()))
+        return out
+
+
 class Profile:
     """What one step measured: per unit, saved bytes by storage, small bytes, parameter casts, inputs, time; per
     cheap module, the storages saved inside it and its inputs."""
@@ -165,6 +195,7 @@ class Profile:
         self.cheap_marks: dict[str, list] = {}
         self.cheap_stack: list[str] = []
         self.order: list[tuple[int, int]] = []  # (unit, bytes) in pack order (compiled models)
+        self.selective: tuple[int, list] | None = None  # the first block's compute output bytes, recompute marks
         self.count = 0
         self.address: dict[int, int] = {}  # sequence number -> storage address when saved
         self.start = None
@@ -215,6 +246,15 @@ class Profiler:
         self.order_bounds: list[int] = []
         self._cheap_hooks: list = []
         self.on_head_done = None  # called when the gradient of the last block's output arrives (measured step)
+        # Selective recompute is measured on the first block, when the blocks run eagerly (a compiled block's ops
+        # are the compiler's: it fuses the elementwise code itself).
+        self.selective = (
+            bool(container)
+            and not compiled
+            and bool(blocks)
+            and not any(hasattr(m.forward, "_torchdynamo_orig_callable") for _, m in blocks)
+        )
+        self._recorder: OpRecorder | None = None
 
     # --------------------------------------------------------------------------------------------- one step
     def begin(self, signature, allowance: float) -> None:
@@ -246,6 +286,13 @@ class Profiler:
         self.active = False
         self.profile = None
         self.remove_hooks()
+        self._stop_recorder()
+
+    def _stop_recorder(self):
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+        return recorder
 
     def remove_hooks(self) -> None:
         for h in self._cheap_hooks:
@@ -277,10 +324,17 @@ class Profiler:
         if self.profile is not None and self.pending is None:
             self.profile.marks[unit].append([self.clock.mark(), None])
             self.profile.inputs[unit].update(tensor_storages(args))
+            if unit == 1 and self.selective and self.profile.selective is None and self._recorder is None:
+                self._recorder = OpRecorder(self.clock)
+                self._recorder.__enter__()
 
     def block_done(self, unit: int) -> None:
         if unit == 1 and self.first_block_bytes is None:
             self.first_block_bytes = self.seen - self.block_seen_start
+        if unit == 1 and self._recorder is not None:
+            recorder = self._stop_recorder()
+            if self.profile is not None:
+                self.profile.selective = (recorder.compute_bytes, recorder.marks)
         if self.profile is not None and self.pending is None and self.profile.marks[unit]:
             self.profile.marks[unit][-1][1] = self.clock.mark()
 
@@ -291,6 +345,7 @@ class Profiler:
         if failed:
             self.profile = None
             self.remove_hooks()
+            self._stop_recorder()
             return
         self.profile.end = self.clock.mark()
         self.pending = self.profile
@@ -363,6 +418,13 @@ class Profiler:
                     u.kind = "segment"  # top-level children of a model without repeated blocks: never recomputed
             units.append(u)
         first = units[1] if len(units) > 2 else None
+        if profile.selective is not None and self.container:
+            # The blocks are of one class: what the first keeps and recomputes under selective recompute holds for
+            # each of them.
+            compute, marks = profile.selective
+            seconds = sum(clock.seconds(a, b) for a, b in marks)
+            for u in units[1:-1]:
+                u.selective_bytes, u.selective_s = compute, seconds
         for i in self.checkpointed:
             # Checkpointed while profiling: its activations were not seen; it saves what the first block saved.
             u = units[i]

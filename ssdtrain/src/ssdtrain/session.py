@@ -39,10 +39,12 @@ from .model import (
     is_compiled,
     missing_grad_bytes,
     param_bytes,
+    param_storage_ptrs,
 )
 from .planner import Choice, Plan, format_bytes, make_plan
 from .planning import Calibrator, ModelState, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
+from .resources import SharedTiers, resources_of
 from .tiers import DeviceTier, HostTier, NvmeTier, check_directories, default_directories, free_space
 
 log = logging.getLogger("ssdtrain")
@@ -70,6 +72,11 @@ def default_host_limit() -> int:
     if _DEFAULT_HOST_LIMIT is None:
         _DEFAULT_HOST_LIMIT = _host_available() // 2
     return _DEFAULT_HOST_LIMIT
+
+
+def _not_compiled(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def _budget(budget):
@@ -133,6 +140,10 @@ class OffloadSession:
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
         self.directories, self.nvme_limit = self._nvme_options(directories, nvme_memory)
+        # The model's tiers are shared by sessions with the same limits *as given*: the default NVMe limit follows
+        # the free space, which the engine's own files change.
+        nvme_key = self.nvme_limit if nvme_memory is not None or self.nvme_limit == 0 else "free"
+        self._tiers_key = (self.host_limit, tuple(self.directories), nvme_key)
         self._key_options = (
             (self.budget, self.budget_fraction),
             host_memory,
@@ -162,16 +173,11 @@ class OffloadSession:
         self.memory = DeviceMemory(self.device)
         self.state = _state if _state is not None else (state_of(model) if plan is None else ModelState())
         self.plan: Plan | None = None
-        self.pool = HostPool(self.host_limit, pinned=cuda)
-        self.nvme = NvmeTier(
-            self.pool,
-            self.directories,
-            self.nvme_limit,
-            probe_bytes=64 * _MIB if cuda else 8 * _MIB,
-            pinned=cuda,
-        )
-        self.tiers = {"keep": DeviceTier(), "host": HostTier(self.pool), "nvme": self.nvme}
-        self.cache = TensorCache(min_bytes=self.min_bytes, tiers=self.tiers, on_full=on_full)
+        # The pinned pool, the NVMe engine and the side streams belong to the model: every session around it with
+        # the same limits reuses them (a session per step must not pin memory again every step).
+        self.resources = resources_of(model)
+        self.cache = TensorCache(min_bytes=self.min_bytes, tiers={}, on_full=on_full)
+        self._bind_shared()
         self.cache.tier_of = self._tier_of
         self.profiler = Profiler(
             self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, Clock(cuda)
@@ -198,6 +204,26 @@ class OffloadSession:
         self._unit_grads = self._unit_grad_bytes(inner)
         self._released = False
         self._quiet = False  # plan(): its steps only profile
+
+    def _bind_shared(self) -> None:
+        """Take the model's tiers for this session's limits (new ones if it has none, or other ones)."""
+        key = self._tiers_key + (self.device.type == "cuda",)
+        self.shared = self.resources.get(key, lambda: self._make_shared(key))
+        self.pool = self.shared.pool
+        self.nvme = self.shared.nvme
+        self.nvme_limit = self.nvme.limit
+        self.tiers = {"keep": DeviceTier(), "host": HostTier(self.pool), "nvme": self.nvme}
+        self.cache.tiers = self.tiers
+        self.cache.pool = self.pool
+        self.cache.stream_source = self.shared.side_streams
+
+    def _make_shared(self, key) -> SharedTiers:
+        cuda = self.device.type == "cuda"
+        pool = HostPool(self.host_limit, pinned=cuda)
+        nvme = NvmeTier(
+            pool, self.directories, self.nvme_limit, probe_bytes=64 * _MIB if cuda else 8 * _MIB, pinned=cuda
+        )
+        return SharedTiers(key, pool, nvme)
 
     # ----------------------------------------------------------------------------------------------- options
     @staticmethod
@@ -248,7 +274,10 @@ class OffloadSession:
         if self._closed:
             raise RuntimeError("this offload session is closed; create a new one with ssdtrain.offload()")
         self._entered = True
-        self.cache.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        if self.shared.closed or self.shared.retired:  # released since offload() was called
+            self._bind_shared()
+        self.shared.acquire()
+        self.cache.param_storages = param_storage_ptrs(self.model)
         # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
         # the session is active (what transformers itself does under gradient checkpointing).
@@ -260,7 +289,11 @@ class OffloadSession:
                 self._restore_cache = config
                 break
         self.hooks.install(self.model, [b for _, b in self.blocks], with_blocks=not self.compiled)
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.cache.pack, self.cache.unpack)
+        # The hooks are host-side bookkeeping, never code to compile. Called from a torch.compile'd block while a
+        # dispatch mode was active, TorchDynamo traced them as frames of their own, guarded on the cache's counters
+        # and recompiled them for almost every saved tensor (steps 100x slower on CPU).
+        pack, unpack = _not_compiled(self.cache.pack), _not_compiled(self.cache.unpack)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
         return self
 
@@ -291,6 +324,9 @@ class OffloadSession:
             self.profiler.stop()
             self.cache.observer = None
             self.cache.on_idle = self._release_tiers
+            if abort:
+                # An exception left the session: everything goes at once (the next session makes new tiers).
+                self.resources.drop(self.shared)
             self.cache.close(abort=abort)
             if abort or self.cache.live_entries() == 0:
                 self._release_tiers()
@@ -298,11 +334,11 @@ class OffloadSession:
             self._warn_if_idle()
 
     def _release_tiers(self) -> None:
-        if self._released:
+        """This session no longer needs the model's tiers (closed, and no activation of it is still saved)."""
+        if self._released or not self._entered:
             return
         self._released = True
-        for tier in self.tiers.values():
-            tier.close(abort=True)
+        self.shared.release_user()
 
     def _warn_if_idle(self) -> None:
         """A session that was asked to offload (a budget, a tier override) and moved and recomputed nothing."""
@@ -518,6 +554,7 @@ class OffloadSession:
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
+            self.cache.keeps_unit = None
             return
         if self.compiled:
             self._order_bounds = list(plan.order_bounds)
@@ -526,10 +563,16 @@ class OffloadSession:
                 block = self.blocks[i - 1][1]
                 if c.recompute == "full":
                     self.checkpoints.wrap(block)
+                elif c.recompute == "selective":
+                    self.checkpoints.wrap(block, selective=True)
                 else:
                     for name, module in self.cheap[i - 1]:
                         if name.removeprefix(u.name + ".") in u.cheap_modules:
                             self.checkpoints.wrap(module)
+        # Units the plan keeps whole skip the per-tensor bookkeeping in pack (not for a compiled model: its units are
+        # counted in pack order, every pack included).
+        kept = [c.tier == "keep" for c in plan.choices]
+        self.cache.keeps_unit = None if self.compiled else (lambda unit: kept[min(unit, len(kept) - 1)])
         self._recomputed = len(self.checkpoints)
         self._recomputed_any = self._recomputed_any or self._recomputed > 0
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.

@@ -1,0 +1,528 @@
+"""The ROK suite of ``llm.py --suite rok``: step time against activation peak (the recompute-offload-keep curve)
+for ssdtrain and every peer a user can pick today, in one run, on the user's setting: a Llama-style GQA model with
+fp32 weights under ``torch.autocast(bf16)`` and gradient accumulation 4 (GPT-2 with ``--models llama,gpt2``).
+
+Eager peers: keep; full recompute (Hugging Face ``gradient_checkpointing_enable``, non-reentrant: each block
+checkpointed); torch's selective activation checkpointing of each block (``sac``: keep what matrix products and
+attention output, recompute the rest: what torchtitan calls op-level SAC); ``torch.autograd.graph.save_on_cpu``;
+torchtune 0.6.1 ``OffloadActivations`` and TRL's ``get_act_offloading_ctx_manager`` (their offloading module files,
+loaded alone: see ``load_trl_offload``) around each forward. ssdtrain eager at budgets derived from those peaks in
+this run (``ssdtrain@keep*0.5`` = half of keep's measured activation peak). Compiled peers (each block's forward
+``torch.compile``'d): keep and ``activation_memory_budget`` 0.8 / 0.5 / 0.2; ssdtrain + the same compilation at
+their peaks. Each job runs in its own forked process (``llm.run_child``), in priority order: a deadline cuts from
+the end.
+
+A step is one optimizer step: 4 micro-batches (forward under autocast, loss / 4, backward), then AdamW. Step time:
+median of the timed steps (CUDA events). Activation peak: ``max_memory_allocated`` over the timed steps minus the
+memory before them (gradients are set to None at each step, so they count, the same for every policy).
+
+Targets, checked from this run (``targets``): eager ssdtrain at <= 0.5x keep's peak within 1.10x keep's time, and at
+<= 1.2x full recompute's peak within 0.90x its time; and for each peer, an ssdtrain point of the same kind (eager
+against eager, compiled against compiled) at <= that peer's peak that is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+GIB = float(1 << 30)
+ACCUM = 4
+
+# (policy, budget spec) in priority order. A spec "<policy>*f" is f times that policy's measured peak in this run.
+EAGER = [
+    ("keep", None),
+    ("recompute", None),
+    ("ssdtrain", "keep*0.5"),
+    ("ssdtrain", "recompute*1.2"),
+    ("sac", None),
+    ("ssdtrain", "sac*1.0"),
+    ("ssdtrain", "keep*0.3"),
+    ("ssdtrain", "keep*0.7"),
+    ("ssdtrain", "recompute*1.0"),
+    ("save_on_cpu", None),
+    ("torchtune", None),
+    ("trl", None),
+    ("ssdtrain", "save_on_cpu*1.0"),
+]
+COMPILED = [
+    ("compile", None),
+    ("compile_budget_0.5", None),
+    ("ssdtrain+compile", "compile*0.5"),
+    ("ssdtrain+compile", "compile_budget_0.5*1.0"),
+    ("compile_budget_0.2", None),
+    ("ssdtrain+compile", "compile_budget_0.2*1.0"),
+    ("compile_budget_0.8", None),
+    ("ssdtrain+compile", "compile_budget_0.8*1.0"),
+]
+SLOW = ("save_on_cpu", "torchtune", "trl")
+GROUPS = ("eager", "compiled")
+
+
+def group_of(policy: str) -> str:
+    return "compiled" if "compile" in policy else "eager"
+
+
+def plan_jobs(models: list[str], groups=GROUPS) -> list[tuple[str, str, str | None]]:
+    """(model, policy, spec): the first model's eager jobs, then its compiled ones, then the next model's."""
+    jobs = []
+    for model in models:
+        jobs += [(model, p, s) for p, s in EAGER] if "eager" in groups else []
+        jobs += [(model, p, s) for p, s in COMPILED] if "compiled" in groups else []
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------------- peers
+def _stub(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    return module
+
+
+def load_trl_offload():
+    """TRL's activation offloading (``trl/models/activation_offloading.py``), loaded from its own file.
+
+    ``import trl`` pulls in datasets and more that this benchmark does not use; the module itself needs only
+    psutil (a memory check), accelerate's logger and torch-version helper, and a transformers helper. Where
+    accelerate or psutil is missing, small stand-ins take their place; TRL's code runs unchanged. Returns
+    (``get_act_offloading_ctx_manager``, None) or (None, reason)."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "trl not installed (carry its wheel: .whl/trl-*.whl)"
+    path = os.path.join(list(spec.submodule_search_locations)[0], "models", "activation_offloading.py")
+    if not os.path.exists(path):
+        return None, f"this trl has no {path}"
+    if importlib.util.find_spec("accelerate") is None:
+
+        def is_torch_version(op, version):
+            from packaging.version import Version
+
+            return {">=": Version.__ge__, ">": Version.__gt__, "<": Version.__lt__, "<=": Version.__le__}[op](
+                Version(torch.__version__.split("+")[0]), Version(version)
+            )
+
+        sys.modules.setdefault("accelerate", _stub("accelerate"))
+        sys.modules.setdefault("accelerate.logging", _stub("accelerate.logging", get_logger=logging.getLogger))
+        sys.modules.setdefault("accelerate.utils", _stub("accelerate.utils"))
+        sys.modules.setdefault(
+            "accelerate.utils.versions", _stub("accelerate.utils.versions", is_torch_version=is_torch_version)
+        )
+    if importlib.util.find_spec("psutil") is None:
+        memory = types.SimpleNamespace(percent=0.0)
+        sys.modules.setdefault("psutil", _stub("psutil", virtual_memory=lambda: memory))
+    mspec = importlib.util.spec_from_file_location("trl_activation_offloading", path)
+    module = importlib.util.module_from_spec(mspec)
+    try:
+        mspec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - reported as the row's reason, the run goes on
+        return None, f"loading {path} failed: {type(e).__name__}: {e}"[:300]
+    return module.get_act_offloading_ctx_manager, None
+
+
+def selective_blocks(model, llm) -> None:
+    """torch's selective activation checkpointing on each block, as a user would write it: keep the outputs of
+    matrix products and attention, recompute the rest (the same policy ssdtrain's ``selective`` choice uses)."""
+    from ssdtrain.model import selective_context
+
+    for block in llm.blocks_of(model):
+        original = block.forward
+
+        def forward(*args, _original=original, **kwargs):
+            return torch.utils.checkpoint.checkpoint(
+                _original, *args, use_reentrant=False, context_fn=selective_context, **kwargs
+            )
+
+        block.forward = forward
+
+
+# --------------------------------------------------------------------------------------------------- one job
+def run_job(job: dict, llm) -> dict:
+    """One policy on one model, in this (fresh) process: a result row."""
+    import llm_budget
+
+    a = argparse.Namespace(**job["args"])
+    kind, policy, budget = job["model"], job["policy"], job.get("budget")
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    row = {
+        "model": kind,
+        "group": group_of(policy),
+        "policy": job["name"],
+        "batch": a.batch,
+        "accum": a.accum,
+        "status": "ok",
+        "detail": "",
+        "budget_gib": round(budget / GIB, 3) if isinstance(budget, int) else "",
+    }
+    if "compile_budget" in policy:
+        import torch._functorch.config as fconfig
+
+        fconfig.activation_memory_budget = float(policy.rsplit("_", 1)[1])
+    model, cfg = llm_budget.build(kind, a, device, torch.float32)  # fp32 weights, autocast(bf16) below
+    if policy == "recompute":
+        llm.checkpoint_blocks(model)
+    elif policy == "sac":
+        selective_blocks(model, llm)
+    if "compile" in policy:
+        llm.compile_blocks(model, "inductor" if cuda else "aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator(device=device).manual_seed(1)
+    micro = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=device, generator=gen) for _ in range(a.accum)]
+
+    forward_ctx = contextlib.nullcontext
+    session = None
+    if policy == "save_on_cpu":
+
+        def forward_ctx():
+            return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+    elif policy in ("torchtune", "trl"):
+        if not cuda:
+            return dict(row, status="unavailable", detail=f"{policy}'s activation offloading needs CUDA streams")
+        if policy == "torchtune":
+            cls, why = llm.load_torchtune_offload()
+            ctx = cls(use_pin_memory=True, use_streams=True) if cls is not None else None
+        else:
+            make, why = load_trl_offload()
+            ctx = make(model, use_pin_memory=True, use_streams=True) if make is not None else None
+        if ctx is None:
+            return dict(row, status="unavailable", detail=why)
+
+        def forward_ctx():
+            return ctx
+    elif policy.startswith("ssdtrain"):
+        import ssdtrain
+
+        session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, verbose=False)
+        if not isinstance(budget, int):
+            row["budget_gib"] = ""
+
+    slow = policy in SLOW
+    warmup, timed = (a.slow_warmup, a.slow_steps) if slow else (a.warmup, a.steps)
+    if session is not None:  # profiling forwards, then calibrated ones, counted in micro-batches
+        warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + 1) / a.accum)
+    times, losses, base, before = [], [], 0, None
+    try:
+        with session if session is not None else contextlib.nullcontext():
+            for i in range(warmup + timed):
+                if i == warmup:
+                    if cuda:
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                    before = session.stats() if session is not None else None
+                t0 = llm._mark(cuda)
+                total = 0.0
+                for ids in micro:
+                    with forward_ctx(), torch.autocast(device.type, dtype=torch.bfloat16):
+                        loss = model(input_ids=ids, labels=ids).loss / a.accum
+                    loss.backward()
+                    total = total + loss.detach()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                t1 = llm._mark(cuda)
+                losses.append(float(total))
+                if i >= warmup:
+                    times.append(llm._seconds(t0, t1, cuda))
+    except torch.cuda.OutOfMemoryError as e:
+        return dict(row, status="oom", detail=str(e).split("\n")[0][:160])
+    except Exception as e:
+        if type(e).__name__ == "BudgetError":
+            return dict(row, status="budget", detail=str(e)[:300])
+        raise
+    step = statistics.median(times)
+    row["step_ms"] = round(step * 1e3, 2)
+    row["tokens_per_s"] = round(a.batch * a.seq * a.accum / step, 1)
+    row["losses"] = losses
+    if cuda:
+        row["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+        if isinstance(budget, int):
+            row["peak_over_budget"] = round(row["peak_gib"] / (budget / GIB), 3)
+    if session is not None:
+        _ssdtrain_details(row, session, before)
+    return row
+
+
+def _ssdtrain_details(row, session, before) -> None:
+    plan, stats = session.plan, session.stats()
+    counts = {}
+    for c in plan.choices:
+        counts[str(c)] = counts.get(str(c), 0) + 1
+    row["plan"] = " ".join(f"{v}x{k}" for k, v in sorted(counts.items()))
+    row["predicted_peak_gib"] = round(plan.prediction.peak / GIB, 3)
+    row["predicted_x_keep_time"] = round(plan.prediction.seconds / plan.keep_prediction.seconds, 3)
+    row["calibrations"] = len(plan.calibrations)
+    if not row["budget_gib"] and plan.budget:
+        row["budget_gib"] = round(plan.budget / GIB, 3)
+    d = {k: stats[k] - before[k] for k in ("prefetch_hits", "forwarded", "misses", "late_prefetches")}
+    moved = {k: v - before["bytes_offloaded"][k] for k, v in stats["bytes_offloaded"].items()}
+    steps = max(1, stats["steps"] - before["steps"])
+    row["host_gib_per_micro_batch"] = round(moved.get("host", 0) / steps / GIB, 3)
+    row["detail"] = (
+        f"timed: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses {d['misses']}, late "
+        f"{d['late_prefetches']}, throttle waits {stats['throttle_waits'] - before['throttle_waits']}; "
+        f"calibrated {len(plan.calibrations)}x; fallbacks {stats['fallbacks']}"
+    )
+    row["plan_text"] = str(plan)
+
+
+# --------------------------------------------------------------------------------------------------- the suite
+def budget_of(spec: str, rows: dict, cuda: bool):
+    """Bytes from '<policy>*f' and that policy's measured peak; on CPU (no peak) the fraction f of ssdtrain's own
+    predicted keep peak (f <= 1) or no budget. -1: the reference has no measured peak."""
+    ref, factor = spec.split("*")
+    f = float(factor)
+    if not cuda:
+        return f if f <= 1 else None
+    row = rows.get(ref)
+    if row is None or row.get("status") != "ok" or not row.get("peak_gib"):
+        return -1
+    return int(row["peak_gib"] * f * GIB)
+
+
+def main(a, llm) -> int:
+    start = time.perf_counter()
+    args = {k: v for k, v in vars(a).items() if k not in ("csv", "png", "json", "policies")}
+    cuda = a.device == "cuda"
+    results: list[dict] = []
+    rows: dict[str, dict] = {}
+    wanted = {p for p in a.policies.split(",") if p}
+    groups = [g for g in a.groups.split(",") if g]
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"--groups: unknown {sorted(unknown)}: use eager, compiled or both")
+    for kind, policy, spec in plan_jobs(a.models, groups):
+        name = policy if spec is None else f"{policy}@{spec}"
+        if wanted and name not in wanted:
+            continue
+        base = {"model": kind, "group": group_of(policy), "policy": name}
+        elapsed = time.perf_counter() - start
+        budget = None
+        if spec is not None:
+            budget = budget_of(spec, {k.split("/", 1)[1]: v for k, v in rows.items() if k.startswith(kind + "/")}, cuda)
+        if a.deadline and elapsed > a.deadline:
+            r = dict(base, status="skipped", detail=f"deadline {a.deadline:.0f} s reached")
+        elif budget == -1:
+            r = dict(base, status="skipped", detail=f"no measured peak for {spec.split('*')[0]}")
+        else:
+            timeout = a.child_timeout if not a.hard_end else min(a.child_timeout, a.hard_end - elapsed)
+            if timeout < 15:
+                r = dict(base, status="skipped", detail=f"hard end {a.hard_end:.0f} s reached")
+            else:
+                job = {"fn": run_job, "llm": llm, "model": kind, "policy": policy, "name": name, "budget": budget}
+                r = llm.run_child(dict(job, args=args), timeout)
+                r.update(base)
+        rows[f"{kind}/{name}"] = r
+        results.append(r)
+        _print(r)
+    summary = targets(results, a)
+    print("\n" + format_table(results))
+    print("\n" + "\n".join(summary))
+    for r in results:
+        if r.get("plan_text"):
+            print(f"\n# plan of {r['model']} {r['policy']}:\n{r['plan_text']}")
+        if r.get("traceback"):
+            print(f"\n# {r['model']} {r['policy']} failed:\n{r['traceback']}")
+    if a.csv:
+        write_csv(a.csv, results)
+    if a.png:
+        plot(a.png, results, a)
+    print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
+    return 1 if [r for r in results if r["status"] in ("error", "crashed", "timeout")] else 0
+
+
+# --------------------------------------------------------------------------------------------------- reporting
+def _fmt(v, f):
+    return f.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+
+
+def _print(r):
+    print(
+        f"  {r['model']:<6} {r['policy']:<40} {r['status']:<11} {_fmt(r.get('step_ms'), '{:9.1f} ms'):>12} "
+        f"{_fmt(r.get('peak_gib'), '{:7.2f} GiB'):>11}  {r.get('plan', '')} [{r.get('wall_s', '')} s] "
+        f"{str(r.get('detail', ''))[:160]}",
+        flush=True,
+    )
+
+
+def _ratios(results) -> None:
+    keep = {(r["model"], r["group"]): r for r in results if r["policy"] in ("keep", "compile") and r["status"] == "ok"}
+    for r in results:
+        k = keep.get((r["model"], "eager"))  # every ratio against eager keep, the user's starting point
+        if k and r.get("step_ms"):
+            r["x_keep_time"] = round(r["step_ms"] / k["step_ms"], 3)
+            if r.get("peak_gib") and k.get("peak_gib"):
+                r["x_keep_peak"] = round(r["peak_gib"] / k["peak_gib"], 3)
+
+
+COLUMNS = [
+    "model",
+    "group",
+    "policy",
+    "status",
+    "step_ms",
+    "x_keep_time",
+    "peak_gib",
+    "x_keep_peak",
+    "budget_gib",
+    "peak_over_budget",
+    "predicted_peak_gib",
+    "predicted_x_keep_time",
+    "tokens_per_s",
+    "host_gib_per_micro_batch",
+    "calibrations",
+    "plan",
+    "batch",
+    "accum",
+    "wall_s",
+    "detail",
+]
+
+
+def format_table(results) -> str:
+    _ratios(results)
+    head = (
+        f"{'model':<6} {'group':<8} {'policy':<40} {'status':<11} {'step ms':>9} {'x keep':>7} {'peak GiB':>9} "
+        f"{'x keep':>7} {'budget':>7}  plan"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r['model']:<6} {r['group']:<8} {r['policy']:<40} {r['status']:<11} "
+            f"{_fmt(r.get('step_ms'), '{:9.1f}'):>9} {_fmt(r.get('x_keep_time'), '{:7.2f}'):>7} "
+            f"{_fmt(r.get('peak_gib'), '{:9.2f}'):>9} {_fmt(r.get('x_keep_peak'), '{:7.2f}'):>7} "
+            f"{_fmt(r.get('budget_gib'), '{:7.2f}'):>7}  {r.get('plan', '') or str(r.get('detail', ''))[:70]}"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(path, results) -> None:
+    import csv
+
+    _ratios(results)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS + ["losses"], extrasaction="ignore")
+        w.writeheader()
+        for r in results:
+            w.writerow({**r, "losses": " ".join(f"{x:.6f}" for x in r.get("losses", []))})
+
+
+def _ok(results, model, policy):
+    return next((r for r in results if r["model"] == model and r["policy"] == policy and r["status"] == "ok"), None)
+
+
+def targets(results, a) -> list[str]:
+    """The targets, met or missed with the numbers (peaks are measured on CUDA only)."""
+    _ratios(results)
+    out = ["# targets of the ROK suite, from this run"]
+    for model in a.models:
+        measured = [r for r in results if r["model"] == model and r["status"] == "ok" and r.get("peak_gib")]
+        keep, rec = _ok(measured, model, "keep"), _ok(measured, model, "recompute")
+        ssd = {g: [r for r in measured if r["policy"].startswith("ssdtrain") and r["group"] == g] for g in GROUPS}
+        if not measured:
+            out.append(f"{model}: no activation peak measured on {a.device}: targets not checked")
+            continue
+        if keep:
+            out.append(
+                _verdict(
+                    f"(1) {model} eager: peak <= 0.5x keep ({0.5 * keep['peak_gib']:.2f} GiB), time <= 1.10x keep "
+                    f"({1.10 * keep['step_ms']:.1f} ms)",
+                    _fastest(ssd["eager"], 0.5 * keep["peak_gib"]),
+                    lambda b, k=keep: b["step_ms"] <= 1.10 * k["step_ms"],
+                )
+            )
+        if rec:
+            out.append(
+                _verdict(
+                    f"(2) {model} eager: peak <= 1.2x full recompute ({1.2 * rec['peak_gib']:.2f} GiB), time <= "
+                    f"0.90x recompute ({0.90 * rec['step_ms']:.1f} ms)",
+                    _fastest(ssd["eager"], 1.2 * rec["peak_gib"]),
+                    lambda b, r=rec: b["step_ms"] <= 0.90 * r["step_ms"],
+                )
+            )
+        for peer in measured:
+            if peer["policy"].startswith("ssdtrain") or peer["policy"] in ("keep", "compile"):
+                continue
+            best = _fastest(ssd[peer["group"]], peer["peak_gib"])
+            out.append(
+                _verdict(
+                    f"(3) {model} {peer['group']}: faster than {peer['policy']} ({peer['step_ms']:.1f} ms, "
+                    f"{peer['peak_gib']:.2f} GiB) at <= its peak",
+                    best,
+                    lambda b, p=peer: b["step_ms"] < p["step_ms"],
+                    extra=lambda b, p=peer: f" = {p['step_ms'] / b['step_ms']:.2f}x faster",
+                )
+            )
+    return out
+
+
+def _fastest(rows, peak):
+    fit = [r for r in rows if r["peak_gib"] <= peak]
+    return min(fit, key=lambda r: r["step_ms"]) if fit else None
+
+
+def _verdict(what, best, met, extra=None) -> str:
+    if best is None:
+        return f"{what}: no ssdtrain run at that memory -> MISSED"
+    more = extra(best) if extra else ""
+    return (
+        f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
+        f"{best['peak_gib']:.2f} GiB{more} -> {'MET' if met(best) else 'MISSED'}"
+    )
+
+
+def plot(path, results, a) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g in GROUPS if g in a.groups.split(",")]
+    fig, axes = plt.subplots(len(a.models), len(groups), figsize=(7 * len(groups), 5 * len(a.models)), squeeze=False)
+    for row_axes, model in zip(axes, a.models, strict=True):
+        for ax, group in zip(row_axes, groups, strict=True):
+            rows = [
+                r
+                for r in results
+                if r["model"] == model and r["group"] == group and r["status"] == "ok" and r.get("step_ms")
+            ]
+            measured = [r for r in rows if r.get("peak_gib")]
+            if not measured:
+                ax.bar(range(len(rows)), [r["step_ms"] for r in rows], color="C0")
+                ax.set_xticks(range(len(rows)), [r["policy"] for r in rows], rotation=60, ha="right", fontsize=7)
+                ax.set_ylabel("step time (ms)")
+                ax.set_title(f"{model}, {group}: no activation peak measured on {a.device}")
+                continue
+            ssd = sorted([r for r in measured if r["policy"].startswith("ssdtrain")], key=lambda r: r["peak_gib"])
+            if ssd:
+                ax.plot([r["peak_gib"] for r in ssd], [r["step_ms"] for r in ssd], "o-", color="C0", label="ssdtrain")
+                for r in ssd:
+                    ax.annotate(r["policy"].split("@", 1)[-1], (r["peak_gib"], r["step_ms"]), fontsize=7)
+            peers = [r for r in measured if not r["policy"].startswith("ssdtrain")]
+            for i, r in enumerate(peers):
+                ax.scatter([r["peak_gib"]], [r["step_ms"]], marker="s^vD<>xP*"[i % 9], color=f"C{i % 9 + 1}",
+                           label=r["policy"])  # fmt: skip
+            ax.set_xlabel("activation peak (GiB)")
+            ax.set_ylabel("step time (ms, 4 micro-batches + AdamW)")
+            ax.set_yscale("log")
+            ax.set_title(
+                f"{model} {group}: {a.layers} x {a.hidden}, batch {a.batch} x {a.seq}, accumulation {a.accum}, "
+                "fp32 weights + autocast bf16",
+                fontsize=9,
+            )
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("Recompute-offload-keep: step time against activation peak (lower left is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,101 @@
+"""Hugging Face ``Trainer`` integration: one callback turns activation offload on for training steps only.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ssdtrain.OffloadCallback(budget=0.5)])
+
+An ``offload()`` session is entered when a training step begins (``on_step_begin``: before the step's first
+micro-batch) and left when it ends (``on_step_end``: after the optimizer step), so it covers every micro-batch of
+gradient accumulation and nothing else: evaluation, prediction, generation, logging and checkpointing run after
+``on_step_end``, outside any session. (Forwards under ``torch.no_grad()`` are never steps of a session anyway.) The
+sessions reuse the model's plan, pinned host pool and NVMe engine from step to step (``ssdtrain.resources``).
+
+Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from .session import OffloadSession, offload
+
+log = logging.getLogger("ssdtrain")
+
+__all__ = ["OffloadCallback", "merge_stats"]
+
+
+def merge_stats(total: dict, stats: dict) -> dict:
+    """Add one session's ``stats()`` to a running total: counters add up, the rest (pool sizes, peaks) take the
+    latest value."""
+    for key, value in stats.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, dict)) or key in _LATEST:
+            total[key] = value
+        elif isinstance(value, dict):
+            total[key] = merge_stats(dict(total.get(key) or {}), value)
+        else:
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+_LATEST = {"host_pool", "nvme", "peak_device_saved_bytes", "recomputed_modules"}
+
+
+class OffloadCallback(TrainerCallback):
+    """Activation offload for the training steps of a ``transformers.Trainer``.
+
+    ``budget`` and ``options`` are those of ``ssdtrain.offload()`` (e.g. ``budget=0.5``: half of keeping
+    everything; ``min_bytes=``, ``host_memory=``, ``directories=``). After (or during) training: ``plan`` (the
+    latest plan; ``print()`` it), ``stats()`` (counters summed over the training steps)."""
+
+    def __init__(self, budget=None, **options):
+        self.budget = budget
+        self.options = options
+        self.session: OffloadSession | None = None  # the open session (inside a training step)
+        self.last: OffloadSession | None = None
+        self._totals: dict = {}
+
+    # ------------------------------------------------------------------------------------------- Trainer events
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
+        self._close(abort=True)
+        self.session = offload(model, self.budget, **self.options)
+        self.session.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._close()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close()
+        if self.last is not None:
+            # Said once for the training, by its last step (the first steps profile by design: not worth a warning).
+            self.last._warn_if_idle()
+
+    # ------------------------------------------------------------------------------------------- results
+    @property
+    def plan(self):
+        """The plan the latest training step ran under (None while the first steps profile)."""
+        session = self.session or self.last
+        return None if session is None else session.plan
+
+    def stats(self) -> dict:
+        """``session.stats()`` summed over every training step so far (see the README for the keys)."""
+        totals = dict(self._totals)
+        if self.session is not None:
+            totals = merge_stats(totals, self.session.stats())
+        return totals
+
+    def _close(self, abort: bool = False) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        if abort:
+            log.warning("ssdtrain: a training step ended without on_step_end (an exception?): its session is closed")
+        session._quiet = True  # no "offloaded nothing" warning per step: on_train_end says it once, if at all
+        session.close(abort=abort)
+        session._quiet = False
+        self._totals = merge_stats(self._totals, session.stats())
+        self.last = session

@@ -350,7 +350,8 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
                         help="preset (default: small with a GPU, tiny without)")
-    parser.add_argument("--impl", choices=("both", *IMPLS), default="both")
+    parser.add_argument("--impl", choices=("both", *IMPLS), default="both",
+                        help="which implementation to train: both (default), toolkit or baseline")
     parser.add_argument("--device", default="auto", help="auto (GPU if usable), cpu, cuda")
     parser.add_argument("--topology", choices=("device", "host"), default="device",
                         help="where the sampler reads the graph: device memory, or host memory as unified tensors "
@@ -368,22 +369,22 @@ def parse_args(argv):
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help='random seed for the graph, weights and batches')
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     group = parser.add_argument_group("overrides of the preset")
-    group.add_argument("--num-nodes", type=int)
-    group.add_argument("--avg-degree", type=float)
+    group.add_argument("--num-nodes", type=int, help='nodes in the graph')
+    group.add_argument("--avg-degree", type=float, help='average in-degree')
     group.add_argument("--relations", type=int, help="number of relations (edge types), e.g. 1000")
     group.add_argument("--relation-skew", type=float,
                        help="power-law exponent of the relations' edge counts (preset 1.1; 0: equal counts)")
-    group.add_argument("--feature-dim", type=int)
-    group.add_argument("--num-train", type=int)
-    group.add_argument("--batch-size", type=int)
+    group.add_argument("--feature-dim", type=int, help='node feature width')
+    group.add_argument("--num-train", type=int, help='labelled seed nodes per epoch')
+    group.add_argument("--batch-size", type=int, help='seed nodes per mini-batch')
     group.add_argument("--fanout", help="neighbours per hop, e.g. 15,10")
-    group.add_argument("--epochs", type=int)
-    group.add_argument("--hidden", type=int)
-    group.add_argument("--heads", type=int)
-    group.add_argument("--lr", type=float)
+    group.add_argument("--epochs", type=int, help='training epochs')
+    group.add_argument("--hidden", type=int, help='hidden width per head')
+    group.add_argument("--heads", type=int, help='attention heads')
+    group.add_argument("--lr", type=float, help='learning rate (Adam)')
     args = parser.parse_args(argv)
     if args.prefetch < 1:
         parser.error(f"--prefetch must be >= 1 batch (--loading inturn makes them in turn), got {args.prefetch}")

@@ -601,13 +601,21 @@ def test_cache_file_problems_only_cost_measuring_again():
 def test_the_cache_directory_follows_xdg_cache_home(tmp_path, monkeypatch):
     from pytorch_direct import _config
 
-    monkeypatch.delenv("PYTORCH_DIRECT_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _config._Settings().cache_dir == tmp_path / "xdg" / "pytorch_direct"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert _config._Settings().cache_dir.parts[-2:] == (".cache", "pytorch_direct")
-    monkeypatch.setenv("PYTORCH_DIRECT_CACHE_DIR", str(tmp_path / "mine"))
-    assert _config._Settings().cache_dir == tmp_path / "mine"
+    def read():
+        _config.settings.reload()
+        return _config.settings.cache_dir
+
+    try:
+        monkeypatch.delenv("PYTORCH_DIRECT_CACHE_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert read() == tmp_path / "xdg" / "pytorch_direct"
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        assert read().parts[-2:] == (".cache", "pytorch_direct")
+        monkeypatch.setenv("PYTORCH_DIRECT_CACHE_DIR", str(tmp_path / "mine"))
+        assert read() == tmp_path / "mine"
+    finally:
+        monkeypatch.undo()
+        _config.settings.reload()
 
 
 def test_calibrate_needs_a_gpu():

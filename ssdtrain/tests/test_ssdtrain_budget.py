@@ -365,3 +365,30 @@ def test_backward_starts_after_the_copies_out_so_a_moved_head_comes_back_over_th
     # Moving the head adds its copy out before backward and its copy back before the head's backward.
     assert b.seconds >= a.seconds + 2 * 3 * GIB / slow.d2h - 1e-3
     assert b.stall_s > a.stall_s
+
+
+def test_a_session_with_gradient_accumulation_plans_for_held_gradients():
+    """Accumulation over 2 micro-batches with zero_grad(set_to_none=True): the session sees steps without and with
+    gradients and plans for both; a plan made before accumulation began is replanned when it does."""
+    model, ids = make_net(layers=4), batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ssdtrain.offload(model, budget=0.5, min_bytes="4K", verbose=False) as session:
+        for _ in range(3):
+            for _ in range(2):
+                model(ids).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert session.plan.grads and session.plan.held_grads
+    assert "held through accumulation steps" in str(session.plan)
+    # Plain steps first (a plan without held gradients), then accumulation: the plan is made again for it.
+    model2 = make_net(layers=4)
+    with ssdtrain.offload(model2, budget=0.5, min_bytes="4K", verbose=False) as session:
+        for _ in range(4):
+            model2(ids).sum().backward()
+            model2.zero_grad(set_to_none=True)
+        first = session.plan
+        assert first.grads and not first.held_grads
+        for _ in range(2):
+            model2(ids).sum().backward()
+        model2(ids).sum().backward()
+    assert session.plan is not first and session.plan.held_grads

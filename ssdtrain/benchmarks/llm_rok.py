@@ -210,7 +210,7 @@ def run_job(job: dict, llm) -> dict:
     slow = policy in SLOW
     warmup, timed = (a.slow_warmup, a.slow_steps) if slow else (a.warmup, a.steps)
     if session is not None:  # profiling forwards, then calibrated ones, counted in micro-batches
-        warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + 1) / a.accum)
+        warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + session.CALIBRATION_PASSES) / a.accum)
     times, losses, base, before = [], [], 0, None
     try:
         with session if session is not None else contextlib.nullcontext():

@@ -279,3 +279,116 @@ def test_kept_units_move_the_prefetch_window_so_nothing_misses():
             model(ids).backward()
     stats = s.stats()
     assert stats["bytes_offloaded"]["host"] > 0 and stats["misses"] == 0 and stats["prefetch_hits"] > 0
+
+
+# ------------------------------------------------------------------ gradient accumulation, steady-state checks
+def test_accumulation_steps_hold_every_gradient_through_forward_and_backward():
+    """A step of gradient accumulation after one that set the gradients to None starts with all of them: they
+    count at every point of the step (the forward's peak included), not only as backward allocates them."""
+    units = _units()
+    host = [Choice()] + [Choice("none", "host")] * 8 + [Choice()]
+    grads = sum(u.grad_bytes for u in units)
+    kw = dict(working_bytes=GIB, block_working=100 * MIB, forward_working=2 * GIB)
+    none = simulate(units, host, FAST, **kw)
+    held = simulate(units, host, FAST, held_grads=True, **kw)
+    progressive = simulate(units, host, FAST, grads=True, **kw)
+    assert held.peak == none.peak + grads  # the forward's peak holds them all
+    assert held.peak > progressive.peak
+    assert held.seconds == none.seconds
+    # A plan for steps of both kinds counts the larger; it fits its budget with the gradients held.
+    budget = int(5 * GIB)
+    plain = _plan(budget, grads=True, **kw)
+    both = _plan(budget, grads=True, held_grads=True, **kw)
+    assert both.predict(False, held=True).peak <= budget * 0.97
+    assert both.prediction.peak == max(both.predict(True).peak, both.predict(False, held=True).peak)
+    assert plain.predict(False, held=True).peak > both.predict(False, held=True).peak  # the old plan overshoots
+    assert "held through accumulation steps" in str(both)
+
+
+def test_calibration_of_an_accumulation_step_measures_below_the_held_gradients():
+    kw = dict(working_bytes=GIB, block_working=100 * MIB, forward_working=2 * GIB)
+    plan = _plan(int(8 * GIB), grads=True, held_grads=True, **kw)
+    grads = sum(u.grad_bytes for u in plan.units)
+    allocated = 5 * GIB  # parameters, optimizer state and the held gradients
+    predicted = plan.predict(False, held=True).peak
+    # The allocator's peak over the step, above the memory without gradients: exactly the prediction.
+    memory = _Memory(peaks=[allocated - grads + predicted], allocated=allocated)
+    cal = Calibrator(memory)
+    cal.start(plan, False, given=False, held=grads)
+    assert cal.finish(step=4) is None
+    # 1 GiB above it: a correction of 1 GiB (not 1 GiB + the gradients, nor 1 GiB - them).
+    memory.peaks = [allocated - grads + predicted + GIB]
+    cal.start(plan, False, given=False, held=grads)
+    new = cal.finish(step=5)
+    assert new is not None and new.correction == GIB
+
+
+def test_a_plan_is_trusted_only_after_two_steps_within_its_prediction():
+    """The first step under a plan grows the pinned pool (the host is held back, fewer copies are in flight): a
+    peak within the prediction there does not end the checks; the next step above it still corrects the plan."""
+    plan = _plan(int(7.5 * GIB), working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    predicted = plan.predict(False).peak
+    memory = _Memory(peaks=[predicted - 100 * MIB, predicted + 300 * MIB])
+    cal = Calibrator(memory)
+    cal.start(plan, False, given=False)
+    assert cal.finish(step=4) is None and not plan._verified
+    cal.start(plan, False, given=False)
+    new = cal.finish(step=5)
+    assert new is not None and new.correction == 300 * MIB
+    # Two passes in a row: trusted, no more checks (the peak statistics are left alone).
+    memory.peaks = [predicted, predicted]
+    for step in (6, 7):
+        cal.start(new, False, given=False)
+        assert cal.finish(step=step) is None
+    assert new._verified
+    resets = memory.resets
+    cal.start(new, False, given=False)
+    assert memory.resets == resets
+
+
+def test_backward_starts_after_the_copies_out_so_a_moved_head_comes_back_over_the_link():
+    """The cache waits for every copy out at backward's first unpack and frees their device bytes: a plan that
+    moves more than the forward can send waits for the backlog, then brings the head back before its backward."""
+    units = _units(head_saved=3 * GIB)
+    slow = Bandwidth(d2h=10e9, h2d=10e9)
+    keep_head = [Choice()] + [Choice("none", "host")] * 8 + [Choice()]
+    move_head = keep_head[:-1] + [Choice("none", "host")]
+    forward = sum(u.forward_s for u in units)
+    moved = 8 * 400 * MIB
+    a = simulate(units, keep_head, slow)
+    b = simulate(units, move_head, slow)
+    # Backward cannot start before the link has sent everything (forward ~85 ms, the link ~336 ms).
+    backward = sum(u.backward_s for u in units)
+    assert forward < moved / slow.d2h
+    assert a.seconds >= moved / slow.d2h + backward - 1e-6
+    assert a.per_unit_stall[-1] > 0
+    # Moving the head adds its copy out before backward and its copy back before the head's backward.
+    assert b.seconds >= a.seconds + 2 * 3 * GIB / slow.d2h - 1e-3
+    assert b.stall_s > a.stall_s
+
+
+def test_a_session_with_gradient_accumulation_plans_for_held_gradients():
+    """Accumulation over 2 micro-batches with zero_grad(set_to_none=True): the session sees steps without and with
+    gradients and plans for both; a plan made before accumulation began is replanned when it does."""
+    model, ids = make_net(layers=4), batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ssdtrain.offload(model, budget=0.5, min_bytes="4K", verbose=False) as session:
+        for _ in range(3):
+            for _ in range(2):
+                model(ids).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert session.plan.grads and session.plan.held_grads
+    assert "held through accumulation steps" in str(session.plan)
+    # Plain steps first (a plan without held gradients), then accumulation: the plan is made again for it.
+    model2 = make_net(layers=4)
+    with ssdtrain.offload(model2, budget=0.5, min_bytes="4K", verbose=False) as session:
+        for _ in range(4):
+            model2(ids).sum().backward()
+            model2.zero_grad(set_to_none=True)
+        first = session.plan
+        assert first.grads and not first.held_grads
+        for _ in range(2):
+            model2(ids).sum().backward()
+        model2(ids).sum().backward()
+    assert session.plan is not first and session.plan.held_grads

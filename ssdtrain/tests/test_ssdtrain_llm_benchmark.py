@@ -135,8 +135,10 @@ def test_llm_budget_suite_quick(tmp_path):
     parts = {r["part"] for r in rows}
     assert parts == {"budget", "maxbatch", "nvme"}, parts
     assert {r["status"] for r in rows if r["part"] != "budget" or r["policy"] == "keep"} == {"ok"}
-    assert "(2) batch" in text and "(3) ssdtrain@cap" in text
-    assert "bit-identical to keep: True" in text
+    assert "(2) batch" in text and "(3) control: keep run twice, gradients bit-identical: True" in text
+    assert "ssdtrain@cap: NVMe" in text and "ssdtrain@cap+nvme: NVMe" in text
+    assert text.count("bit-identical to keep: True") == 2  # a step under the final plan, both ssdtrain runs
+    assert "at best overlapped" in text
     assert "NVMe carries load, bit-identical: MET" in text
     assert png.stat().st_size > 1000
 

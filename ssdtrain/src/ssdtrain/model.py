@@ -187,6 +187,15 @@ def missing_grad_bytes(model: nn.Module) -> int:
     )
 
 
+def held_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients held now (a step of gradient accumulation starts with them)."""
+    return sum(
+        local_tensor(p.grad).numel() * p.grad.element_size()
+        for p in model.parameters()
+        if p.requires_grad and p.grad is not None
+    )
+
+
 class Checkpointer:
     """Wraps modules' forward in ``torch.utils.checkpoint`` (non-reentrant: RNG state replayed, inputs saved
     through the saved-tensor hooks) and takes the wrappers off again."""

@@ -206,6 +206,7 @@ def simulate(
     block_working: int | None = None,
     correction: int = 0,
     async_copies: bool = True,
+    held_grads: bool = False,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -219,7 +220,11 @@ def simulate(
     them), and the working memory of that backward: `working_bytes` for the head (the logits' gradients), else
     `block_working`. `correction` (from calibration by a measured peak) is added to the peak. A working value of
     None falls back to `working_bytes`. Without `async_copies` (CPU: copies are done when the cache returns) a
-    moved byte is held only while the link, as timed, has not sent it."""
+    moved byte is held only while the link, as timed, has not sent it. With `async_copies` backward begins only
+    when every copy out is done (the cache waits for them at the first unpack and frees their device bytes), so a
+    moved unit is always brought back over the link, the head first. `held_grads`: the step starts with every
+    gradient held (gradient accumulation after a step that set them to None): they count at every point of the
+    step, forward included."""
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -227,6 +232,7 @@ def simulate(
     parts = [_split(u, c) for u, c in zip(units, choices, strict=True)]
     moved_bytes = [p[1] for p in parts]
     window = window_bytes(units, choices, window_units)
+    held = sum(u.grad_bytes for u in units) if held_grads else 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
     # a tier with a stage of its own (the disk) then queues them there.
     t, link = 0.0, 0.0
@@ -264,7 +270,10 @@ def simulate(
             head += 1
         end[i] = t
         inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
-        peak = max(peak, resident + inflight + fwd_work)
+        peak = max(peak, resident + inflight + fwd_work + held)
+    if async_copies and queued:
+        # The first unpack of backward waits for the copies out still running (and frees their device bytes).
+        t = max(t, queued[-1][0])
     forward_end = t
     # Backward, last unit first: unit i's moved bytes come back over H2D (after the disk read for NVMe), starting
     # once the unit `window_units` later has started its backward; data still on the device is used in place.
@@ -279,7 +288,7 @@ def simulate(
         res, moved, extra_s, transient = parts[i]
         ready = t
         on_device = 0
-        if grads:
+        if grads and not held_grads:
             grads_live += units[i].grad_bytes
         if moved:
             trigger = start[i + window_units] if i + window_units < n else forward_end
@@ -297,12 +306,14 @@ def simulate(
                 ready = max(t, h2d_free)
                 on_device = moved
         wait = ready - t
+        if i == n - 1:
+            wait += forward_end - end[-1] if n else 0.0  # the wait for the copies out at backward's start
         stall += wait
         per_unit_stall[i] = wait
         start[i] = ready
         ahead = _prefetch_bound(moved_bytes, i, window, window_units)
         work = working_bytes if i == n - 1 else blk_work
-        peak = max(peak, live + on_device + ahead + transient + grads_live + work)
+        peak = max(peak, live + on_device + ahead + transient + max(grads_live, held) + work)
         t = ready + extra_s + units[i].backward_s
         live -= res
     moved_by_tier: dict[str, int] = {}
@@ -326,8 +337,17 @@ class _Model:
     block_working: int | None = None
     correction: int = 0
     async_copies: bool = True
+    held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
 
     def __call__(self, choices) -> Prediction:
+        pred = self._run(choices, self.grads, False)
+        if self.held_grads:
+            held = self._run(choices, False, True)
+            if held.peak > pred.peak:
+                pred = replace(pred, peak=held.peak)
+        return pred
+
+    def _run(self, choices, grads: bool, held: bool) -> Prediction:
         return simulate(
             self.units,
             choices,
@@ -335,11 +355,12 @@ class _Model:
             self.window,
             self.working,
             self.tiers,
-            self.grads,
+            grads,
             forward_working=self.forward_working,
             block_working=self.block_working,
             correction=self.correction,
             async_copies=self.async_copies,
+            held_grads=held,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -371,6 +392,7 @@ class Plan:
     correction: int = 0  # added to every predicted peak by calibration (measured peak - predicted)
     async_copies: bool = True  # copies out run behind compute (a GPU); False: done when the cache returns (CPU)
     grads: bool = False  # steps start without gradients: backward allocates them (counted in the peak)
+    held_grads: bool = False  # other steps start with them all held (gradient accumulation): counted throughout
     order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
     speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
     budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
@@ -379,8 +401,9 @@ class Plan:
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
-    def _model(self, grads: bool | None = None) -> _Model:
+    def _model(self, grads: bool | None = None, held: bool | None = None) -> _Model:
         g = self.grads if grads is None else grads
+        h = self.held_grads if held is None else held
         return _Model(
             self.units,
             self.bandwidth,
@@ -392,6 +415,7 @@ class Plan:
             self.block_working,
             self.correction,
             self.async_copies,
+            h,
         )
 
     @property
@@ -407,9 +431,11 @@ class Plan:
     def keep_prediction(self) -> Prediction:
         return self._model()([Choice()] * len(self.units))
 
-    def predict(self, grads: bool) -> Prediction:
-        """The prediction for a step that starts with (False) or without (True) gradients."""
-        return self._model(grads)(self.choices)
+    def predict(self, grads: bool, held: bool = False) -> Prediction:
+        """The prediction for a step that starts without gradients (`grads`: backward allocates them), with
+        every gradient held and counted (`held`: an accumulation step after one that set them to None), or with
+        them outside the count (neither)."""
+        return self._model(grads and not held, held)(self.choices)
 
     @property
     def host_limit(self) -> int:
@@ -475,8 +501,12 @@ class Plan:
             f"{format_bytes(_or(self.block_working, self.working_bytes))}"
             + (f"; calibration {self.correction / _GIB:+.2f} GiB" if self.correction else "")
             + (
-                f"; gradients {format_bytes(sum(u.grad_bytes for u in self.units))} (allocated by backward)"
-                if self.grads
+                f"; gradients {format_bytes(sum(u.grad_bytes for u in self.units))} ("
+                + ("allocated by backward" if self.grads else "")
+                + (" / " if self.grads and self.held_grads else "")
+                + ("held through accumulation steps" if self.held_grads else "")
+                + ")"
+                if self.grads or self.held_grads
                 else ""
             )
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
@@ -615,13 +645,16 @@ def make_plan(
     block_working: int | None = None,
     correction: int = 0,
     async_copies: bool = True,
+    held_grads: bool = False,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
     `tiers` are the offload tiers' specs (``ssdtrain.tiers``); `host_limit=` / `nvme_limit=` instead build them
     from capacities. With `budget_fraction` the budget is that fraction of keep's predicted peak. Working memory
     (never-saved temporaries): `working_bytes` during the head's backward, `forward_working` in forward,
-    `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak."""
+    `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak.
+    `grads`: steps start without gradients (backward allocates them); `held_grads`: other steps start with them
+    all (gradient accumulation), so they count at every point of those steps."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -640,7 +673,17 @@ def make_plan(
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
     model = _Model(
-        units, bw, window_units, working_bytes, tiers, grads, forward_working, block_working, correction, async_copies
+        units,
+        bw,
+        window_units,
+        working_bytes,
+        tiers,
+        grads,
+        forward_working,
+        block_working,
+        correction,
+        async_copies,
+        held_grads,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -683,6 +726,7 @@ def make_plan(
         correction=correction,
         async_copies=async_copies,
         grads=grads,
+        held_grads=held_grads,
         overridden=set(overrides),
         speed_target=speed_target,
         budget_fraction=budget_fraction,
@@ -698,7 +742,7 @@ def make_plan(
 
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
-    working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=)."""
+    working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -708,6 +752,7 @@ def replan(plan: Plan, **changes) -> Plan:
         "correction": plan.correction,
         "speed_target": plan.speed_target,
         "grads": plan.grads,
+        "held_grads": plan.held_grads,
     }
     if "budget" in changes and "budget_fraction" not in changes:
         fields["budget_fraction"] = None
@@ -731,6 +776,7 @@ def replan(plan: Plan, **changes) -> Plan:
         async_copies=plan.async_copies,
         speed_target=fields["speed_target"],
         grads=fields["grads"],
+        held_grads=fields["held_grads"],
         budget_fraction=fields["budget_fraction"],
     )
     new.calibrations = list(plan.calibrations)

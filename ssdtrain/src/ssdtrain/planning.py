@@ -30,6 +30,7 @@ class ModelState:
         self.warmups: dict = {}
         self.latest: Plan | None = None
         self.grads_missing = False  # some step started without gradients: backward allocates them
+        self.grads_held = False  # some step started with gradients held (accumulation): they count throughout
         self.warned: set[str] = set()
 
     def replace(self, old: Plan, new: Plan) -> None:
@@ -58,22 +59,32 @@ class Calibrator:
     When the corrected prediction leaves no plan within the budget: at the first calibration (the first step
     under the first plan, right after profiling) ``BudgetError`` names the smallest budget that fits, so the
     refusal comes before training goes on; at a later one the leanest plan is used with a warning (training that
-    has started is not stopped). With no budget (``budget=None``) the leanest plan is used, with a warning."""
+    has started is not stopped). With no budget (``budget=None``) the leanest plan is used, with a warning.
 
-    def __init__(self, memory, *, limit: int = 2, verbose: bool = False):
+    A plan is trusted after `passes` steps in a row measured within its prediction: the first step under a new
+    plan is not a steady one (the pinned host pool grows to the plan's size during it, which holds the host back
+    and leaves fewer copies in flight than later steps have).
+
+    Where steps start with gradients held (accumulation after a step that set them to None) and the plan counts
+    them (``plan.held_grads``), the measurement starts below them, as the budget counts them."""
+
+    def __init__(self, memory, *, limit: int = 2, verbose: bool = False, passes: int = 2):
         self.memory = memory
         self.limit = limit
+        self.passes = passes
         self.verbose = verbose
         self._check = None
 
-    def start(self, plan: Plan, grads: bool, given: bool) -> None:
-        """A step under `plan` begins (`grads`: it starts without gradients)."""
+    def start(self, plan: Plan, grads: bool, given: bool, held: int = 0) -> None:
+        """A step under `plan` begins (`grads`: it starts without gradients; `held`: bytes of the gradients it
+        starts with)."""
         self._check = None
         if given or not self.memory.can_measure() or (plan.budget is None and plan.speed_target is None):
             return
         if len(plan.calibrations) >= self.limit or getattr(plan, "_verified", False):
             return
-        self._check = (plan, grads, self.memory.allocated())
+        counted = held if plan.held_grads and not grads else 0
+        self._check = (plan, grads, counted > 0, self.memory.allocated() - counted)
         self.memory.reset_peak()
 
     def cancel(self) -> None:
@@ -84,19 +95,17 @@ class Calibrator:
         check, self._check = self._check, None
         if check is None:
             return None
-        plan, grads, base = check
+        plan, grads, held, base = check
         peak = self.memory.max_allocated() - base
-        predicted = plan.predict(grads).peak
+        predicted = plan.predict(grads, held).peak
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
         # the prediction was far too high.
-        if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations):
-            plan._verified = True
-            return None
+        if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations or getattr(plan, "_passes", 0)):
+            return self._passed(plan)
         correction = max(-plan.working_bytes, plan.correction + peak - predicted)
         if correction == plan.correction:
-            plan._verified = True
-            return None
+            return self._passed(plan)
         line = (
             f"step {step - 1}: measured peak {peak / _GIB:.2f} GiB, predicted {predicted / _GIB:.2f} GiB "
             f"(limit {limit / _GIB:.2f} GiB): correction {plan.correction / _GIB:+.2f} -> {correction / _GIB:+.2f} GiB"
@@ -137,6 +146,10 @@ class Calibrator:
         if self.verbose:
             print(message, file=sys.stderr)
         return new
+
+    def _passed(self, plan: Plan) -> None:
+        plan._passes = getattr(plan, "_passes", 0) + 1
+        plan._verified = plan._passes >= self.passes
 
     @staticmethod
     def _leanest(plan: Plan, correction: int) -> Plan:

@@ -36,12 +36,13 @@ from .model import (
     Checkpointer,
     cheap_modules,
     find_blocks,
+    held_grad_bytes,
     is_compiled,
     missing_grad_bytes,
     param_bytes,
     param_storage_ptrs,
 )
-from .planner import Choice, Plan, format_bytes, make_plan
+from .planner import Choice, Plan, format_bytes, make_plan, replan
 from .planning import Calibrator, ModelState, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
 from .resources import SharedTiers, resources_of
@@ -101,6 +102,7 @@ class OffloadSession:
     # Device bytes profiling may keep on a CPU "device" (tests lower it to exercise checkpointed profiling).
     _cpu_profile_allowance = float("inf")
     CALIBRATIONS = 2
+    CALIBRATION_PASSES = 2  # steps in a row within the prediction before a plan is trusted
 
     def __init__(
         self,
@@ -184,7 +186,9 @@ class OffloadSession:
         )
         self.probe = PeakProbe(self.memory)
         self.profiler.on_head_done = self.probe.head_done
-        self.calibrator = Calibrator(self.memory, limit=self.CALIBRATIONS, verbose=verbose)
+        self.calibrator = Calibrator(
+            self.memory, limit=self.CALIBRATIONS, verbose=verbose, passes=self.CALIBRATION_PASSES
+        )
         self.hooks = ModuleHooks(self)
         self.checkpoints = Checkpointer()
         self.steps = 0
@@ -381,8 +385,11 @@ class OffloadSession:
         self.cache.unit = 0
         self.cache.reset_step()
         grads = missing_grad_bytes(self.model)
+        held = 0 if grads else held_grad_bytes(self.model)
         if grads:
             self.state.grads_missing = True
+        elif held:
+            self.state.grads_held = True
         new = self.calibrator.finish(self.steps)
         if new is not None:
             self.state.replace(self.plan, new)
@@ -394,11 +401,16 @@ class OffloadSession:
         if plan is None and signature[0] == "blocks" and self.state.latest is not None:
             plan = self.state.latest  # a step through the blocks alone: the plan of the model's last shape
         if plan is not None:
+            if self.state.grads_missing and self.state.grads_held and plan.grads and not plan.held_grads:
+                # Gradient accumulation began after the plan was made: its steps hold every gradient throughout.
+                new = replan(plan, held_grads=True)
+                self.state.replace(plan, new)
+                plan = new
             if plan is not self.plan:
                 self._apply(plan)
             self.profiler.stop()
             self.planned_steps += 1
-            self.calibrator.start(plan, grads > 0, given=plan is self.given_plan)
+            self.calibrator.start(plan, grads > 0, given=plan is self.given_plan, held=held)
             return
         self._begin_profiling(signature, grads)
 
@@ -537,6 +549,7 @@ class OffloadSession:
             block_working=working[2],
             async_copies=self.device.type == "cuda",
             grads=self.state.grads_missing,
+            held_grads=self.state.grads_missing and self.state.grads_held,
             budget_fraction=self.budget_fraction,
         )
         if self.compiled:

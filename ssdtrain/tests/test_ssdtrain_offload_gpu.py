@@ -181,6 +181,8 @@ def test_device_memory_really_freed_and_pinned_memory_returned():
     assert after_forward < 0.25 * keep_after_forward, detail  # the saved activations left the device
     assert backward_peak < 0.75 * keep_peak, detail  # prefetch brings back a window, not everything
     assert left <= 4 * MIB  # nothing saved stays on the device after backward
+    assert s.pool.reserved > 0  # the pool outlives the session: the model's next session reuses it
+    assert ssdtrain.release(model)
     gc.collect()
     assert s.pool.reserved == 0 and not ssd_io._huge_ranges  # pinned chunks unregistered and freed
 
@@ -311,7 +313,8 @@ def test_host_pool_full_sends_cuda_activations_to_nvme_through_the_engine(tmp_pa
         assert torch.equal(got[k], want[k]), f"gradient of {k} differs"
     stats = s.stats()
     assert stats["bytes_written_to_nvme"] > 0 and "nvme_full" not in stats["fallbacks"]
-    assert s.cache.live_entries() == 0 and s.cache.engine is None
+    assert s.cache.live_entries() == 0 and s.cache.engine is not None  # kept for the model's next session
+    assert ssdtrain.release(model) and s.cache.engine is None
 
 
 def test_budget_fraction_holds_under_autocast_and_accumulation():

@@ -14,8 +14,10 @@ Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from transformers import TrainerCallback
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .session import OffloadSession, offload
 
@@ -47,7 +49,7 @@ class OffloadCallback(TrainerCallback):
     everything; ``min_bytes=``, ``host_memory=``, ``directories=``). After (or during) training: ``plan`` (the
     latest plan; ``print()`` it), ``stats()`` (counters summed over the training steps)."""
 
-    def __init__(self, budget=None, **options):
+    def __init__(self, budget: int | float | str | None = None, **options: Any) -> None:
         self.budget = budget
         self.options = options
         self.session: OffloadSession | None = None  # the open session (inside a training step)
@@ -55,20 +57,24 @@ class OffloadCallback(TrainerCallback):
         self._totals: dict = {}
 
     # ------------------------------------------------------------------------------------------- Trainer events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
         self._close(abort=True)
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self._close()
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._close()
         if self.last is not None:
             # Said once for the training, by its last step (the first steps profile by design: not worth a warning).

@@ -445,7 +445,7 @@ class Plan:
     def nvme_limit(self) -> int:
         return self.tiers["nvme"].capacity if "nvme" in self.tiers else 0
 
-    def replan(self, budget=None, **limits) -> Plan:
+    def replan(self, budget: int | float | str | None = None, **limits: int | str | None) -> Plan:
         """The same measurements planned for another budget (bytes, "20GiB", or a float in (0, 1]: that fraction
         of keep's predicted peak); ``host_limit=`` / ``nvme_limit=`` change the tiers' capacities."""
         from .io import parse_size
@@ -461,7 +461,7 @@ class Plan:
     def as_dict(self) -> dict[str, str]:
         return {u.name: str(c) for u, c in zip(self.units, self.choices, strict=True)}
 
-    def override(self, name: str, choice) -> Plan:
+    def override(self, name: str, choice: str | Choice) -> Plan:
         i = self._index(name)
         c = Choice.parse(choice)
         if c.recompute != "none" and self.units[i].kind != "block":

@@ -115,7 +115,7 @@ def resources_of(model) -> ModelResources:
     return res
 
 
-def release(model) -> bool:
+def release(model: torch.nn.Module) -> bool:
     """Release what sessions around `model` keep between steps: the pinned host pool (unpinned and freed), the
     NVMe engine (threads, files) and the side streams; at once, or when the last activation still saved by a
     session around it is used. Plans are kept (they are small): the next session reuses them and makes new tiers.

@@ -22,6 +22,8 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,20 +109,20 @@ class OffloadSession:
     def __init__(
         self,
         model: nn.Module,
-        budget=None,
+        budget: int | float | str | None = None,
         *,
         plan: Plan | None = None,
         overrides: dict | None = None,
-        host_memory=None,
-        nvme_memory=None,
-        directories=None,
-        min_bytes="1M",
+        host_memory: int | str | None = None,
+        nvme_memory: int | str | None = None,
+        directories: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+        min_bytes: int | str = "1M",
         prefetch_units: int = 2,
         on_full: str = "fallback",
         profile_steps: int = 2,
         verbose: bool = False,
         _state: ModelState | None = None,
-    ):
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
         if on_full not in ("fallback", "raise"):
@@ -376,7 +378,7 @@ class OffloadSession:
         warnings.warn(f"ssdtrain: this session offloaded nothing: {reason}", OffloadWarning, stacklevel=3)
 
     # ----------------------------------------------------------------------------------------------- hooks
-    def start_step(self, signature) -> None:
+    def start_step(self, signature: tuple) -> None:
         """A new step begins (the model's outermost forward, or the blocks starting over)."""
         if self.profiler.pending is not None:
             self._finish_profile()
@@ -461,7 +463,7 @@ class OffloadSession:
         self.cache.unit = len(self.unit_names) - 1
         self.cache.poll()
 
-    def block_started(self, unit: int, args) -> None:
+    def block_started(self, unit: int, args: tuple) -> None:
         self.cache.unit = unit
         if self.plan is None:
             self.profiler.block_started(unit, args)
@@ -600,7 +602,7 @@ class OffloadSession:
         return _stats.session_stats(self)
 
 
-def offload(model: nn.Module, budget=None, **options) -> OffloadSession:
+def offload(model: nn.Module, budget: int | float | str | None = None, **options: Any) -> OffloadSession:
     """Offload `model`'s saved activations to fit `budget`: bytes, a size such as ``"20GiB"``, or a float in
     (0, 1]: that fraction of the activation peak of keeping everything (as predicted from the profiled step, like
     ``torch.compile``'s ``activation_memory_budget``).
@@ -618,7 +620,8 @@ def offload(model: nn.Module, budget=None, **options) -> OffloadSession:
     return OffloadSession(model, budget, **options)
 
 
-def plan(model: nn.Module, step_fn, budget=None, **options) -> Plan:
+def plan(model: nn.Module, step_fn: Callable[[], object], budget: int | float | str | None = None,
+         **options: Any) -> Plan:
     """Profile `step_fn()` (a forward and backward of `model`; called ``profile_steps`` times, default 2: a
     warm-up, then the measured step) and return the plan ``offload()`` would use for `budget`. ``print()`` it for
     per-layer choices and predictions; pass it to ``offload(model, plan=...)`` (after ``plan.override(...)`` if you

@@ -146,6 +146,15 @@ def test_counting_and_refill_from_counts():
     assert same_bytes(u[hot], table[hot]) and cache.hit_rate(hot) >= 10 / 12
 
 
+def test_a_fill_with_no_positive_score_says_the_cache_is_empty():
+    table, u, _ = table_and_frequency()
+    with pytest.warns(UserWarning, match="filled with no rows"):
+        cache = pd.cached(u, budget_for(10, 64), frequency=torch.zeros(ROWS), device="cpu")
+    assert cache.cached_rows == 0
+    idx = torch.arange(ROWS)
+    assert same_bytes(u[idx], table[idx])  # every row from the table
+
+
 def test_count_rows_is_a_sampling_pass():
     batches = [torch.tensor([1, 2, 2]), torch.tensor([[2, 9]]), torch.tensor([], dtype=torch.int64)]
     counts = pd.count_rows(batches, 10)

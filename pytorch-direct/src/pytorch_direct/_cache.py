@@ -11,6 +11,7 @@ the :class:`RowCache` object, whichever lives longer), or until :meth:`RowCache.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Iterable
 
@@ -100,6 +101,13 @@ class RowCache:
             raise TypeError(f"frequency must be real numbers (counts, degrees), got {frequency.dtype}")
         scores = frequency.to(self.device, torch.float32)
         k = min(self.capacity, int((scores > 0).sum()))
+        if k == 0:
+            warnings.warn("pytorch_direct: the cache was filled with no rows (every frequency is 0 or less): it holds "
+                          "its device memory and serves no gather; pass a frequency with positive scores (degree, "
+                          "pd.count_rows over a few batches)", stacklevel=3)
+        elif k < self.capacity:
+            log.info("pytorch_direct: cache filled with %d rows of the %d it has room for: only %d rows have a "
+                     "positive frequency", k, self.capacity, k)
         hot = torch.topk(scores, k, sorted=False).indices if k else scores.new_empty(0, dtype=torch.int64)
         self._load(torch.sort(hot).values)
 

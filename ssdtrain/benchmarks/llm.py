@@ -60,7 +60,10 @@ GIB = float(1 << 30)
 
 
 # --------------------------------------------------------------------------------------------------- models
-def model_config(kind: str, a) -> tuple:
+def model_config(kind: str, a, kv_heads: int | None = None) -> tuple:
+    """transformers class and config built in code (no downloads): GPT-2, Llama-style or Qwen2. ``kv_heads``:
+    key/value heads of the Llama-style and Qwen2 models (default: one per query head; fewer is grouped-query
+    attention)."""
     import transformers
 
     if kind == "gpt2":
@@ -74,28 +77,30 @@ def model_config(kind: str, a) -> tuple:
             bos_token_id=0,
             eos_token_id=0,
         )
-        cls = transformers.GPT2LMHeadModel
-    elif kind == "llama":
-        inter = int(a.hidden * 8 / 3 + 255) // 256 * 256
-        cfg = transformers.LlamaConfig(
-            num_hidden_layers=a.layers,
-            hidden_size=a.hidden,
-            intermediate_size=inter,
-            num_attention_heads=a.heads,
-            num_key_value_heads=a.heads,
-            vocab_size=a.llama_vocab,
-            max_position_embeddings=a.seq,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(f"unknown model {kind!r}: gpt2 or llama")
+        return transformers.GPT2LMHeadModel, cfg
+    families = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    if kind not in families:
+        raise ValueError(f"unknown model {kind!r}: gpt2, llama or qwen2")
+    config_class, cls = families[kind]
+    cfg = config_class(
+        num_hidden_layers=a.layers,
+        hidden_size=a.hidden,
+        intermediate_size=int(a.hidden * 8 / 3 + 255) // 256 * 256,
+        num_attention_heads=a.heads,
+        num_key_value_heads=kv_heads or a.heads,
+        vocab_size=a.llama_vocab,
+        max_position_embeddings=a.seq,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return cls, cfg
 
 
-def build(kind, a, device, dtype, attn="sdpa", seed=0):
-    cls, cfg = model_config(kind, a)
+def build(kind, a, device, dtype, attn="sdpa", seed=0, kv_heads=None):
+    cls, cfg = model_config(kind, a, kv_heads)
     cfg._attn_implementation = attn
     # Training needs no KV cache; with it, torch.compile recompiles per layer (the cache's per-layer state is
     # guarded) and hits its recompile limit at layer 8, leaving the rest eager.

@@ -51,62 +51,10 @@ def cell_name(cell) -> str:
     return f"{model}/{'compile' if compiled else 'eager'}/{weights}/acc{accum}"
 
 
-def model_config(kind: str, a):
-    """transformers classes and configs built in code (no downloads): GPT-2, Llama-style GQA, Qwen2."""
-    import transformers
-
-    inter = int(a.hidden * 8 / 3 + 255) // 256 * 256
-    kv = max(1, a.heads // 4)  # grouped-query attention: 4 query heads per key/value head
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(
-            n_layer=a.layers,
-            n_embd=a.hidden,
-            n_head=a.heads,
-            n_positions=a.seq,
-            vocab_size=a.vocab,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return transformers.GPT2LMHeadModel, cfg
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            num_hidden_layers=a.layers,
-            hidden_size=a.hidden,
-            intermediate_size=inter,
-            num_attention_heads=a.heads,
-            num_key_value_heads=kv,
-            vocab_size=a.llama_vocab,
-            max_position_embeddings=a.seq,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return transformers.LlamaForCausalLM, cfg
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(
-            num_hidden_layers=a.layers,
-            hidden_size=a.hidden,
-            intermediate_size=inter,
-            num_attention_heads=a.heads,
-            num_key_value_heads=kv,
-            vocab_size=a.llama_vocab,
-            max_position_embeddings=a.seq,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return transformers.Qwen2ForCausalLM, cfg
-    raise ValueError(f"unknown model {kind!r}: gpt2, llama or qwen2")
-
-
-def build(kind, a, device, dtype, seed=0):
-    cls, cfg = model_config(kind, a)
-    cfg._attn_implementation = "sdpa"
-    cfg.use_cache = False
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = cls(cfg)
-    model.to(dtype)
-    model.train()
-    return model, cfg
+def build(llm, kind, a, device, dtype, seed=0):
+    """The suite's models: ``llm.build`` with grouped-query attention (4 query heads per key/value head) for the
+    Llama-style and Qwen2 models."""
+    return llm.build(kind, a, device, dtype, seed=seed, kv_heads=max(1, a.heads // 4))
 
 
 def cell_batch(cell, a) -> int:
@@ -137,7 +85,7 @@ def run_job(job: dict, llm) -> dict:
 
         fconfig.activation_memory_budget = float(policy.rsplit("_", 1)[1])
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
-    model, cfg = build(model_kind, a, device, dtype)
+    model, cfg = build(llm, model_kind, a, device, dtype)
     if policy == "recompute":
         llm.checkpoint_blocks(model)
     if compiled:
@@ -228,7 +176,7 @@ def run_nvme(job: dict, llm) -> dict:
     results = {}
 
     def one(mode, budget=None):
-        model, cfg = build("gpt2", small, device, torch.float32)
+        model, cfg = build(llm, "gpt2", small, device, torch.float32)
         if mode == "recompute":
             llm.checkpoint_blocks(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

@@ -169,7 +169,7 @@ def run_job(job: dict, llm) -> dict:
         import torch._functorch.config as fconfig
 
         fconfig.activation_memory_budget = float(policy.rsplit("_", 1)[1])
-    model, cfg = llm_budget.build(kind, a, device, torch.float32)  # fp32 weights, autocast(bf16) below
+    model, cfg = llm_budget.build(llm, kind, a, device, torch.float32)  # fp32 weights, autocast(bf16) below
     if policy == "recompute":
         llm.checkpoint_blocks(model)
     elif policy == "sac":

@@ -52,19 +52,11 @@ def run_job(job: dict, llm) -> dict:
             if state.global_step > MEASURE_FROM:
                 self.times.append(time.perf_counter() - self.t0)
 
-    cfg = transformers.GPT2Config(
-        n_layer=a.layers,
-        n_embd=a.hidden,
-        n_head=a.heads,
-        n_positions=a.seq,
-        vocab_size=a.vocab,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    cls, cfg = llm.model_config("gpt2", a)
     cfg.use_cache = False
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.GPT2LMHeadModel(cfg)
+        model = cls(cfg)
     gen = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, a.vocab, (64, a.seq), generator=gen)]
     probe = Probe()

@@ -161,7 +161,8 @@ class Settings:
 
     Each value is, in order: what its Python setter gave (``set(name, value)``; ``None`` clears it), else its
     environment variable as read when the package was imported (``reload()`` reads the environment again), else
-    its default. Values are validated when read from the environment and when set, never later.
+    its default. Values are validated when read from the environment and when set, never later. The value in
+    force is kept as a plain attribute, so reading a setting on a hot path costs an attribute lookup.
     """
 
     def __init__(self, table: dict[str, Setting]) -> None:
@@ -175,6 +176,11 @@ class Settings:
         """Read every variable from the environment again (setters keep precedence)."""
         self._environment = {name: s.from_environment() for name, s in self._table.items()}
         self._given = {name for name, s in self._table.items() if os.environ.get(s.env, "").strip()}
+        for name in self._table:
+            self._resolve(name)
+
+    def _resolve(self, name: str) -> None:
+        self.__dict__[name] = self._overrides[name] if name in self._overrides else self._environment[name]
 
     def source(self, name: str) -> str:
         """Where the value in force comes from: ``"setter"``, ``"environment"`` or ``"default"``."""
@@ -182,16 +188,10 @@ class Settings:
             raise TypeError(f"unknown setting {name!r}; known: {', '.join(self._table)}")
         return "setter" if name in self._overrides else "environment" if name in self._given else "default"
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not settings
         if name.startswith("_"):
             raise AttributeError(name)
-        try:
-            setting = self._table[name]
-        except KeyError:
-            raise AttributeError(f"no setting {name!r}; known: {', '.join(self._table)}") from None
-        if name in self._overrides:
-            return self._overrides[name]
-        return self._environment.get(name, setting.default_value())
+        raise AttributeError(f"no setting {name!r}; known: {', '.join(self._table)}")
 
     def set(self, name: str, value: Any) -> None:
         """Override a setting for this process (``None``: back to the environment variable or the default)."""
@@ -201,6 +201,7 @@ class Settings:
             self._overrides.pop(name, None)
         else:
             self._overrides[name] = self._table[name].parse_value(value, source=name)
+        self._resolve(name)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._table}

@@ -492,16 +492,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test; CPU is fine)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    p.add_argument("--models", default="gpt2,llama",
-                   help="comma-separated model families: gpt2, llama (qwen2 in the budget suite)")
-    p.add_argument("--layers", type=int, help='transformer blocks (overrides the preset)')
-    p.add_argument("--hidden", type=int, help='hidden size (overrides the preset)')
-    p.add_argument("--heads", type=int, help='attention heads (overrides the preset)')
-    p.add_argument("--batch", type=int, help='sequences per step (overrides the preset)')
-    p.add_argument("--seq", type=int, help='tokens per sequence (overrides the preset)')
-    p.add_argument("--vocab", type=int, default=50257, help='GPT-2 vocabulary size')
-    p.add_argument("--llama-vocab", type=int, default=32000, help='Llama vocabulary size')
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help='weights and activations dtype')
+    p.add_argument(
+        "--models", default="gpt2,llama", help="comma-separated model families: gpt2, llama (qwen2 in the budget suite)"
+    )
+    p.add_argument("--layers", type=int, help="transformer blocks (overrides the preset)")
+    p.add_argument("--hidden", type=int, help="hidden size (overrides the preset)")
+    p.add_argument("--heads", type=int, help="attention heads (overrides the preset)")
+    p.add_argument("--batch", type=int, help="sequences per step (overrides the preset)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (overrides the preset)")
+    p.add_argument("--vocab", type=int, default=50257, help="GPT-2 vocabulary size")
+    p.add_argument("--llama-vocab", type=int, default=32000, help="Llama vocabulary size")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights and activations dtype")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (ssdtrain adds its 2 profiling steps)")
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps of save_on_cpu and torchtune (~3 s each)")
@@ -516,7 +517,7 @@ def main(argv=None) -> int:
     p.add_argument("--oom-batch", type=int, default=-1, help="target (4): a batch that OOMs with keep (0: skip)")
     p.add_argument("--no-determinism", action="store_true", help="skip target (5)")
     p.add_argument("--deadline", type=float, default=0, help="seconds; jobs that would start later are skipped")
-    p.add_argument("--child-timeout", type=float, default=240, help='seconds each policy process may run')
+    p.add_argument("--child-timeout", type=float, default=240, help="seconds each policy process may run")
     p.add_argument(
         "--hard-end",
         type=float,
@@ -540,16 +541,22 @@ def main(argv=None) -> int:
         default="eager,compiled",
         help="rok suite: eager, compiled or both (compiled jobs compile each block: a minute each on a cold cache)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="rok suite: after the timed steps, profile one more step per policy (torch.profiler: GPU busy time by "
+        "kind of kernel; cProfile: host time in ssdtrain's own code) and print where the time beyond keep's goes",
+    )
     p.add_argument("--cells", type=int, default=0, help="budget suite: only the first N cells")
     p.add_argument("--nvme-dir", default="", help="budget suite: a directory on the NVMe disk (default: temp dir)")
     p.add_argument("--nvme-host", default="256M", help="budget suite: host_memory of the NVMe runs")
-    p.add_argument("--nvme-layers", type=int, default=8, help='budget suite: blocks of the NVMe model')
-    p.add_argument("--nvme-hidden", type=int, default=1024, help='budget suite: hidden size of the NVMe model')
-    p.add_argument("--nvme-seq", type=int, default=1024, help='budget suite: tokens per sequence of the NVMe runs')
-    p.add_argument("--nvme-batch", type=int, default=8, help='budget suite: sequences per step of the NVMe runs')
-    p.add_argument("--csv", help='also write every row to this CSV file')
-    p.add_argument("--png", help='also plot step time against activation peak to this PNG file')
-    p.add_argument("--json", help='also write the rows and the targets to this JSON file')
+    p.add_argument("--nvme-layers", type=int, default=8, help="budget suite: blocks of the NVMe model")
+    p.add_argument("--nvme-hidden", type=int, default=1024, help="budget suite: hidden size of the NVMe model")
+    p.add_argument("--nvme-seq", type=int, default=1024, help="budget suite: tokens per sequence of the NVMe runs")
+    p.add_argument("--nvme-batch", type=int, default=8, help="budget suite: sequences per step of the NVMe runs")
+    p.add_argument("--csv", help="also write every row to this CSV file")
+    p.add_argument("--png", help="also plot step time against activation peak to this PNG file")
+    p.add_argument("--json", help="also write the rows and the targets to this JSON file")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"

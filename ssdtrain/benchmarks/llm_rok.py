@@ -211,6 +211,18 @@ def run_job(job: dict, llm) -> dict:
     warmup, timed = (a.slow_warmup, a.slow_steps) if slow else (a.warmup, a.steps)
     if session is not None:  # profiling forwards, then calibrated ones, counted in micro-batches
         warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + session.CALIBRATION_PASSES) / a.accum)
+
+    def step():
+        total = 0.0
+        for ids in micro:
+            with forward_ctx(), torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / a.accum
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
     times, losses, base, before = [], [], 0, None
     try:
         with session if session is not None else contextlib.nullcontext():
@@ -222,18 +234,13 @@ def run_job(job: dict, llm) -> dict:
                         torch.cuda.reset_peak_memory_stats()
                     before = session.stats() if session is not None else None
                 t0 = llm._mark(cuda)
-                total = 0.0
-                for ids in micro:
-                    with forward_ctx(), torch.autocast(device.type, dtype=torch.bfloat16):
-                        loss = model(input_ids=ids, labels=ids).loss / a.accum
-                    loss.backward()
-                    total = total + loss.detach()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                total = step()
                 t1 = llm._mark(cuda)
                 losses.append(float(total))
                 if i >= warmup:
                     times.append(llm._seconds(t0, t1, cuda))
+            if getattr(a, "profile", False):
+                row["profile_text"] = profile_step(step, cuda)
     except torch.cuda.OutOfMemoryError as e:
         return dict(row, status="oom", detail=str(e).split("\n")[0][:160])
     except Exception as e:
@@ -251,6 +258,68 @@ def run_job(job: dict, llm) -> dict:
     if session is not None:
         _ssdtrain_details(row, session, before)
     return row
+
+
+def _kernel_kind(name: str) -> str:
+    n = name.lower()
+    if "memcpy" in n or "memset" in n:
+        return "copies"
+    if "gemm" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
+        return "matmul"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer"
+    return "other kernels"
+
+
+def profile_step(step, cuda: bool) -> str:
+    """One more step under torch.profiler and cProfile: wall time, GPU kernel time by kind (the compute the step
+    could not avoid, and what recompute or offload added), and the host's time in ssdtrain's own Python code (the
+    hooks' overhead). A wall time well above the GPU's busy time means the host, not the GPU, set the pace."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import ssdtrain
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof_py = cProfile.Profile()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        prof_py.enable()
+        step()
+        prof_py.disable()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    kinds: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kinds[_kernel_kind(e.name)] = kinds.get(_kernel_kind(e.name), 0.0) + e.device_time / 1e3
+    busy = sum(v for k, v in kinds.items() if k != "copies")
+    stats = pstats.Stats(prof_py)
+    package = os.path.dirname(ssdtrain.__file__)
+    own = {}
+    for (path, _, func), (_, calls, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if path.startswith(package):
+            key = f"{os.path.basename(path)}:{func}"
+            c, t = own.get(key, (0, 0.0))
+            own[key] = (c + calls, t + tottime)
+    host = sum(t for _, t in own.values())
+    top = sorted(own.items(), key=lambda kv: -kv[1][1])[:6]
+    lines = [
+        f"  one profiled step: wall {wall * 1e3:.1f} ms (under the profilers), GPU kernels {busy:.1f} ms "
+        + "("
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        + " ms)",
+        f"  host time in ssdtrain's Python code: {host * 1e3:.1f} ms"
+        + (": " + ", ".join(f"{k} {t * 1e3:.1f} ms/{c} calls" for k, (c, t) in top) if top else ""),
+    ]
+    return "\n".join(lines)
 
 
 def _ssdtrain_details(row, session, before) -> None:
@@ -329,6 +398,8 @@ def main(a, llm) -> int:
     print("\n" + format_table(results))
     print("\n" + "\n".join(summary))
     for r in results:
+        if r.get("profile_text"):
+            print(f"\n# profile of {r['model']} {r['policy']}:\n{r['profile_text']}")
         if r.get("plan_text"):
             print(f"\n# plan of {r['model']} {r['policy']}:\n{r['plan_text']}")
         if r.get("traceback"):

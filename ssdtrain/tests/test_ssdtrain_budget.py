@@ -392,3 +392,39 @@ def test_a_session_with_gradient_accumulation_plans_for_held_gradients():
             model2(ids).sum().backward()
         model2(ids).sum().backward()
     assert session.plan is not first and session.plan.held_grads
+
+
+def test_the_checked_step_peak_is_the_one_read_when_its_backward_ended():
+    """What runs between backward and the next step (the optimizer's first step allocates Adam's state) is not
+    activation memory: the calibration reads the peak at backward's end, not when the next step begins."""
+    plan = _plan(int(7.5 * GIB), working_bytes=3 * GIB, block_working=200 * MIB, forward_working=2 * GIB)
+    predicted = plan.predict(False).peak
+    memory = _Memory(peaks=[predicted - 100 * MIB, predicted + 5 * GIB])
+    cal = Calibrator(memory)
+    cal.start(plan, False, given=False)
+    assert cal.checking
+    cal.backward_done()  # backward ended: within the prediction
+    assert cal.finish(step=4) is None  # the optimizer's 5 GiB afterwards changes nothing
+    # Without a backward-end reading (no unpack went through the session), the next step's start reads the peak.
+    cal.start(plan, False, given=False)
+    memory.peaks = [predicted + 300 * MIB]
+    new = cal.finish(step=5)
+    assert new is not None and new.correction == 300 * MIB
+
+
+def test_the_session_reads_the_measured_step_peaks_when_backward_ends(monkeypatch):
+    """The measured step's last peak is read by the autograd engine's final callback, before `backward()`
+    returns, so an optimizer step after it is not taken for the blocks' working memory."""
+    monkeypatch.setattr(DeviceMemory, "can_measure", lambda self: True)
+    monkeypatch.setattr(DeviceMemory, "allocated", lambda self: 0)
+    monkeypatch.setattr(DeviceMemory, "max_allocated", lambda self: 0)
+    monkeypatch.setattr(DeviceMemory, "reset_peak", lambda self: None)
+    monkeypatch.setattr(DeviceMemory, "free", lambda self: 1 << 40)
+    model, ids = make_net(layers=4), batch()
+    session = ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1)
+    with session:
+        model(ids).backward()
+        assert session.probe.forward is not None
+        assert session.probe.finished  # read at backward's end, not at the next step
+        model(ids).backward()
+    assert session.plan is not None

@@ -26,8 +26,9 @@ def _forget_huge(key: int, address: int, pinned: bool) -> None:
             pass
 
 
-def huge_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, *,
-               pin_memory: bool | None = None) -> torch.Tensor:
+def huge_empty(
+    shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, *, pin_memory: bool | None = None
+) -> torch.Tensor:
     """An uninitialised CPU tensor on transparent huge pages (2 MiB aligned), pinned where CUDA is present.
 
     Its 1 MiB blocks are physically contiguous, so the engine moves them in place as one device request each;

@@ -177,6 +177,7 @@ class TensorCache:
         self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
+        self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
@@ -513,6 +514,8 @@ class TensorCache:
         backward begins, so the wait should not leave it idle: measured step times stayed within 1.5 % of those
         without this wait."""
         self._backward_started = True
+        if self.on_backward is not None:
+            self.on_backward()
         if self._pending:
             t0 = time.perf_counter()
             self._pending[-1].d2h.synchronize()  # one side stream: the last copy done means all are

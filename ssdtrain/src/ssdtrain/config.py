@@ -34,51 +34,97 @@ def _directories(value) -> list[str]:
 
 _SETTING_TABLE = {
     "backend": Setting(
-        "SSDTRAIN_IO_BACKEND", "auto", choice(*_BACKENDS),
+        "SSDTRAIN_IO_BACKEND",
+        "auto",
+        choice(*_BACKENDS),
         "`auto`: gds where GPUDirect Storage is really present (nvidia-fs loaded), else io_uring if the kernel "
-        "allows rings, else threads", "ssdtrain.configure(backend=)"),
+        "allows rings, else threads",
+        "ssdtrain.configure(backend=)",
+    ),
     "directories": Setting(
-        "SSDTRAIN_IO_DIRS", lambda: [tempfile.gettempdir()], _directories,
-        "folders for the per-process files, separated by `:`", "ssdtrain.configure(directories=)",
-        "the system temp folder"),
+        "SSDTRAIN_IO_DIRS",
+        lambda: [tempfile.gettempdir()],
+        _directories,
+        "folders for the per-process files, separated by `:`",
+        "ssdtrain.configure(directories=)",
+        "the system temp folder",
+    ),
     "capacity_per_directory": Setting(
-        "SSDTRAIN_IO_DIR_CAP", 0, parse_size,
+        "SSDTRAIN_IO_DIR_CAP",
+        0,
+        parse_size,
         "hard cap per folder in bytes (suffixes K, M, G, T); 0: 90% of the free space when the engine starts",
-        "ssdtrain.configure(capacity_per_directory=)"),
+        "ssdtrain.configure(capacity_per_directory=)",
+    ),
     "preallocate_per_directory": Setting(
-        "SSDTRAIN_IO_PREALLOCATE", 0, parse_size,
+        "SSDTRAIN_IO_PREALLOCATE",
+        0,
+        parse_size,
         "bytes reserved per folder at start (fallocate); files also grow in 256 MiB steps up to the cap",
-        "ssdtrain.configure(preallocate_per_directory=)"),
+        "ssdtrain.configure(preallocate_per_directory=)",
+    ),
     "queue_depth": Setting(
-        "SSDTRAIN_IO_QUEUE_DEPTH", 32, integer(1), "I/O requests in flight (io_uring ring entries)",
-        "ssdtrain.configure(queue_depth=)"),
+        "SSDTRAIN_IO_QUEUE_DEPTH",
+        32,
+        integer(1),
+        "I/O requests in flight (io_uring ring entries)",
+        "ssdtrain.configure(queue_depth=)",
+    ),
     "block_size": Setting(
-        "SSDTRAIN_IO_BLOCK_SIZE", 1 << 20, parse_size, "bytes per request; a multiple of 4096",
-        "ssdtrain.configure(block_size=)", "`1M`"),
+        "SSDTRAIN_IO_BLOCK_SIZE",
+        1 << 20,
+        parse_size,
+        "bytes per request; a multiple of 4096",
+        "ssdtrain.configure(block_size=)",
+        "`1M`",
+    ),
     "direct": Setting(
-        "SSDTRAIN_IO_DIRECT", "auto", parse_tristate,
+        "SSDTRAIN_IO_DIRECT",
+        "auto",
+        parse_tristate,
         "O_DIRECT: `auto` uses it where the file system allows, `on` fails where it does not, `off`",
-        "ssdtrain.configure(direct=)"),
+        "ssdtrain.configure(direct=)",
+    ),
     "checksum": Setting(
-        "SSDTRAIN_IO_CHECKSUM", False, parse_bool, "crc32c per block, verified on every read",
-        "ssdtrain.configure(checksum=)", "`0`"),
+        "SSDTRAIN_IO_CHECKSUM",
+        False,
+        parse_bool,
+        "crc32c per block, verified on every read",
+        "ssdtrain.configure(checksum=)",
+        "`0`",
+    ),
     "staging_buffers": Setting(
-        "SSDTRAIN_IO_STAGING_BUFFERS", 32, integer(1),
+        "SSDTRAIN_IO_STAGING_BUFFERS",
+        32,
+        integer(1),
         "pinned staging buffers of one block each (CUDA tensors and unaligned host tensors pass through them)",
-        "ssdtrain.configure(staging_buffers=)"),
+        "ssdtrain.configure(staging_buffers=)",
+    ),
     "stage_host": Setting(
-        "SSDTRAIN_IO_STAGE_HOST", "auto", parse_tristate,
+        "SSDTRAIN_IO_STAGE_HOST",
+        "auto",
+        parse_tristate,
         "host tensors copied through the staging buffers (huge pages, registered with the ring) instead of moved "
         "from their own pages: a 1 MiB block of scattered 4 KiB pages is 256 segments, more than many devices take "
         "in one request (virtio-blk: 254), so the kernel splits it and bandwidth drops by up to half. `auto`: "
-        "staged unless the tensor comes from `huge_empty()`. O_DIRECT files only", "ssdtrain.configure(stage_host=)"),
+        "staged unless the tensor comes from `huge_empty()`. O_DIRECT files only",
+        "ssdtrain.configure(stage_host=)",
+    ),
     "threads": Setting(
-        "SSDTRAIN_IO_THREADS", 4, integer(1), "driver threads (and pread/pwrite or cuFile workers)",
-        "ssdtrain.configure(threads=)"),
+        "SSDTRAIN_IO_THREADS",
+        4,
+        integer(1),
+        "driver threads (and pread/pwrite or cuFile workers)",
+        "ssdtrain.configure(threads=)",
+    ),
     "cufile_library": Setting(
-        "SSDTRAIN_CUFILE_LIBRARY", "", parse_text,
+        "SSDTRAIN_CUFILE_LIBRARY",
+        "",
+        parse_text,
         "path of `libcufile.so.0` for the gds backend; unset: the system's, then the nvidia-cufile wheel's",
-        "ssdtrain.configure(cufile_library=)", "unset"),
+        "ssdtrain.configure(cufile_library=)",
+        "unset",
+    ),
 }
 settings = Settings(_SETTING_TABLE)
 
@@ -94,8 +140,9 @@ def configure(**values: object) -> None:
         try:
             settings.set(name, value)
         except TypeError:
-            raise TypeError(f"configure() got an unknown setting {name!r}; known: {', '.join(dict(settings))}") \
-                from None
+            raise TypeError(
+                f"configure() got an unknown setting {name!r}; known: {', '.join(dict(settings))}"
+            ) from None
 
 
 def defaults() -> dict:

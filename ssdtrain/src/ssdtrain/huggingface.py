@@ -57,24 +57,36 @@ class OffloadCallback(TrainerCallback):
         self._totals: dict = {}
 
     # ------------------------------------------------------------------------------------------- Trainer events
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
         self._close(abort=True)
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._close()
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._close()
         if self.last is not None:
             # Said once for the training, by its last step (the first steps profile by design: not worth a warning).

@@ -60,6 +60,7 @@ __all__ = [
     "huge_empty",
 ]
 
+
 class ChecksumError(OSError):
     """Data read back does not match the checksum taken when it was written (errno EBADMSG)."""
 

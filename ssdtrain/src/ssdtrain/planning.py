@@ -74,11 +74,13 @@ class Calibrator:
         self.passes = passes
         self.verbose = verbose
         self._check = None
+        self._peak: int | None = None  # the device's peak statistic read when the checked step's backward ended
 
     def start(self, plan: Plan, grads: bool, given: bool, held: int = 0) -> None:
         """A step under `plan` begins (`grads`: it starts without gradients; `held`: bytes of the gradients it
         starts with)."""
         self._check = None
+        self._peak = None
         if given or not self.memory.can_measure() or (plan.budget is None and plan.speed_target is None):
             return
         if len(plan.calibrations) >= self.limit or getattr(plan, "_verified", False):
@@ -90,13 +92,25 @@ class Calibrator:
     def cancel(self) -> None:
         self._check = None
 
+    @property
+    def checking(self) -> bool:
+        return self._check is not None
+
+    def backward_done(self) -> None:
+        """The checked step's backward ended: its peak is read now, not when the next step begins, so the
+        optimizer's step (whose first call allocates its state: Adam's two fp32 copies of the parameters) and
+        whatever else runs between steps is not taken for activation memory."""
+        if self._check is not None:
+            self._peak = self.memory.max_allocated()
+
     def finish(self, step: int) -> Plan | None:
         """The step under check ended (the next one begins): a corrected plan, or None to keep the plan."""
         check, self._check = self._check, None
         if check is None:
             return None
         plan, grads, held, base = check
-        peak = self.memory.max_allocated() - base
+        peak = (self._peak if self._peak is not None else self.memory.max_allocated()) - base
+        self._peak = None
         predicted = plan.predict(grads, held).peak
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when

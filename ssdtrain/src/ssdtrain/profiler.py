@@ -79,10 +79,12 @@ class PeakProbe:
         self.forward: int | None = None
         self.head: int | None = None
         self.blocks: int | None = None
+        self.finished = True
 
     def start(self) -> None:
         self.base = self.memory.allocated()
         self.forward = self.head = self.blocks = None
+        self.finished = False
         self.memory.reset_peak()
 
     def _read(self) -> int:
@@ -99,7 +101,12 @@ class PeakProbe:
             self.head = self._read()
 
     def finish(self) -> None:
-        """The step ended: the last reading (the blocks' backward, or the whole backward without a head mark)."""
+        """Backward (or the step) ended: the last reading (the blocks' backward, or the whole backward without a
+        head mark). Only the first call reads: the one at backward's end, when there is one, so what runs between
+        backward and the next step (the optimizer's step, whose first call allocates its state) is not counted."""
+        if self.finished:
+            return
+        self.finished = True
         if self.forward is None:
             self.forward = self._read()
         elif self.head is None:

@@ -191,6 +191,7 @@ class OffloadSession:
         self.calibrator = Calibrator(
             self.memory, limit=self.CALIBRATIONS, verbose=verbose, passes=self.CALIBRATION_PASSES
         )
+        self.cache.on_backward = self._backward_began
         self.hooks = ModuleHooks(self)
         self.checkpoints = Checkpointer()
         self.steps = 0
@@ -489,6 +490,20 @@ class OffloadSession:
             return self.profiler.tier(nbytes) if self.profiler.active else "keep"
         return self.plan.choices[min(unit, len(self.plan.choices) - 1)].tier
 
+    def _backward_began(self) -> None:
+        """A step's backward began (its first unpack): the step's peaks are read when backward ends, through the
+        engine's final callback, not when the next step begins (the optimizer's step runs in between)."""
+        if not self.calibrator.checking and self.probe.finished:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        except RuntimeError:  # not inside the autograd engine: the next step's start reads the peaks, as before
+            pass
+
+    def _backward_ended(self) -> None:
+        self.calibrator.backward_done()
+        self.probe.finish()  # the measured step's last reading (nothing when no step is measured)
+
     # ----------------------------------------------------------------------------------------------- plans
     def _finish_profile(self) -> None:
         profile = self.profiler.take()
@@ -620,8 +635,9 @@ def offload(model: nn.Module, budget: int | float | str | None = None, **options
     return OffloadSession(model, budget, **options)
 
 
-def plan(model: nn.Module, step_fn: Callable[[], object], budget: int | float | str | None = None,
-         **options: Any) -> Plan:
+def plan(
+    model: nn.Module, step_fn: Callable[[], object], budget: int | float | str | None = None, **options: Any
+) -> Plan:
     """Profile `step_fn()` (a forward and backward of `model`; called ``profile_steps`` times, default 2: a
     warm-up, then the measured step) and return the plan ``offload()`` would use for `budget`. ``print()`` it for
     per-layer choices and predictions; pass it to ``offload(model, plan=...)`` (after ``plan.override(...)`` if you

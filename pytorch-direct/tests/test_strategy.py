@@ -76,6 +76,22 @@ def test_zipf_duplicates_are_estimated_from_a_sample(s, low, high):
         assert f.duplicate_class in ("some", "heavy") and f.order == "random"
 
 
+def test_duplicates_of_sorted_indices_are_counted_in_the_window():
+    # Sorted uniform indices at full density repeat ~37% of rows; a strided sample of a sorted index holds only
+    # distinct values, so without counting equal neighbours dedupe would never be a candidate for them.
+    g = torch.Generator().manual_seed(5)
+    rows = n = 1 << 20
+    idx = _features.synthetic_indices("sorted", n, rows, g)
+    exact = 1 - torch.unique(idx).numel() / n
+    f = features_of(idx, rows, 1024)
+    assert f.order == "sorted"
+    assert f.duplicates == pytest.approx(exact, abs=0.05)
+    assert "dedupe" in _decide.candidates(Cell(Call("gather", rows * 1024, rows, 1024, n, "managed"), f))
+    # Sorted indices into a large table stay duplicate-free.
+    idx = _features.synthetic_indices("sorted", n, 1 << 30, g)
+    assert features_of(idx, 1 << 30).duplicate_class == "none"
+
+
 def test_features_of_odd_index_tensors():
     f = features_of(torch.tensor([5]), 10)
     assert f.duplicates == 0.0 and f.order == "sorted"

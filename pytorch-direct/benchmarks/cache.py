@@ -230,8 +230,8 @@ def run(args, results: list[dict]) -> None:
                        "from_top_up": cache.filled_from["top_up"] / rows}
                 results.append(row)
                 print(f"  {name:9} {fraction:5.0%} {estimate:9} hit {hit:6.1%} ({row['rows_cached']:.1%} of rows "
-                      f"cached in {row['bytes_of_table']:.1%} of the table's bytes; {row['from_frequency']:.1%} from the estimate, "
-                      f"{row['from_top_up']:.1%} from the top-up) {row['cached_gbps']:7.2f} GB/s = "
+                      f"cached in {row['bytes_of_table']:.1%} of the table's bytes; {row['from_frequency']:.1%} "
+                      f"from the estimate, {row['from_top_up']:.1%} from the top-up) {row['cached_gbps']:7.2f} GB/s = "
                       f"{row['speedup']:5.2f}x uncached ({row['choice']}, exact {exact}, fill {fill_s:.1f} s)",
                       flush=True)
                 cache.release()

@@ -102,23 +102,30 @@ __global__ void __launch_bounds__(512, 3)
         const std::int64_t i = i0 + static_cast<std::int64_t>(k) * groups;
         r[k] = i < n ? load_index(index, index_bytes, i) : -1;
       }
+      // Which of the rows are in range, as bits: the gather needs no row number after its load (fewer registers
+      // held across the loads' latency; the kernel is capped at 40).
+      unsigned valid = 0;
       T buf[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        const std::int64_t i = i0 + static_cast<std::int64_t>(k) * groups;
-        if (active && r[k] >= 0 && r[k] < rows) {
-          const T* src = Scatter ? reinterpret_cast<const T*>(dense) + (positions != nullptr ? positions[i] : i) * row_words
-                                 : reinterpret_cast<const T*>(table) + r[k] * row_words;
-          PD_CHECK_ALIGNED(src + lane, V);
-          buf[k] = src[lane];
+        if (r[k] >= 0 && r[k] < rows) {
+          valid |= 1u << k;
+          if (active) {
+            const std::int64_t i = i0 + static_cast<std::int64_t>(k) * groups;
+            const T* src = Scatter ? reinterpret_cast<const T*>(dense) +
+                                         (positions != nullptr ? positions[i] : i) * row_words
+                                   : reinterpret_cast<const T*>(table) + r[k] * row_words;
+            PD_CHECK_ALIGNED(src + lane, V);
+            buf[k] = src[lane];
+          }
         }
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const std::int64_t i = i0 + static_cast<std::int64_t>(k) * groups;
         if (i >= n) break;
-        if (r[k] < 0 || r[k] >= rows) {
-          if (lane == 0) record_bad_index(error, r[k]);
+        if (!((valid >> k) & 1u)) {
+          if (lane == 0) record_bad_index(error, load_index(index, index_bytes, i));
           continue;
         }
         if (active) {

@@ -58,6 +58,13 @@ if [[ " $STEPS " == *" tests "* ]]; then
   tail -n 45 "$TESTS_TXT"
   rm -f "$TESTS_TXT"
   echo "== GPU tests exit code: $tests_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  # Not a GPU test (CI runs it on CPU builds), but only here does torch's CUDA wheel load its CUDA libraries: import
+  # pytorch_direct must add no CUDA initialisation, driver or NVRTC to what import torch loaded.
+  timeout 120 python3 -m pytest pytorch-direct/tests/test_import.py -q -p no:cacheprovider 2>&1 | tail -n 15 \
+    | tee -a "$LOG"
+  import_rc=${PIPESTATUS[0]}
+  echo "== import test exit code: $import_rc" | tee -a "$LOG"
+  [ "$tests_rc" -eq 0 ] && tests_rc=$import_rc
 fi
 cache_rc=0
 if [[ " $STEPS " == *" cache "* ]]; then

@@ -180,6 +180,7 @@ def test_a_pass_that_saw_few_rows_is_topped_up_to_the_budget(caplog):
 def test_counts_are_topped_up_at_every_refill():
     # count=True with a top-up starts filled from the top-up; refill() takes the counted rows first, then tops up.
     table, u, degree = table_and_frequency()
+    given = degree.clone()
     budget = budget_for(20, 64, count=True)
     cache = pd.cached(u, budget, count=True, top_up=degree, device="cpu")
     assert cache.cached_rows == 20 and cache.stats()["filled_from"] == {"frequency": 0, "top_up": 20}
@@ -188,6 +189,9 @@ def test_counts_are_topped_up_at_every_refill():
     cache.refill()
     assert cache.stats()["filled_from"] == {"frequency": 3, "top_up": 17}
     assert {3, 5, 6} <= set(cache.row_of_slot[:20].tolist()) and cache.bytes <= budget
+    assert torch.equal(degree, given) and torch.equal(cache.top_up, given)  # neither changed by the fills
+    cache.refill()  # (the same top-up again: the highest degrees still fill the rest)
+    assert cache.stats()["filled_from"]["top_up"] == 17
     assert same_bytes(u[torch.arange(ROWS)], table)
     with pytest.raises(ValueError, match="top_up must be a tensor with one number per table row"):
         cache.set_top_up(torch.ones(3))

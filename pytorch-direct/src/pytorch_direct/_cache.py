@@ -109,7 +109,7 @@ class RowCache:
         cache benchmark), and the rest of the budget would hold nothing. Kept in host memory. None: no top-up."""
         if top_up is not None:
             self._scores(top_up, "top_up")  # (checked now, not at the next fill)
-            top_up = top_up.detach().to("cpu", torch.float32)
+            top_up = top_up.detach().to("cpu", torch.float32, copy=True)  # (the caller's tensor is theirs)
         self.top_up = top_up
 
     def fill(self, frequency: Tensor, top_up: Tensor | None = None) -> None:
@@ -125,7 +125,7 @@ class RowCache:
         hot = torch.topk(scores, k, sorted=False).indices if k else scores.new_empty(0, dtype=torch.int64)
         extra = 0
         if k < self.capacity and self.top_up is not None:
-            rest = self.top_up.to(self.device)
+            rest = self.top_up.to(self.device, copy=True)  # (a copy: the stored scores stay as given)
             rest[hot] = 0.0  # (rows already chosen are not chosen twice)
             extra = min(self.capacity - k, int((rest > 0).sum()))
             if extra:

@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(512, 3)
   const int lane = threadIdx.x & (lanes - 1);
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t groups = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> group_shift;
-  const bool align_window = static_cast<std::int64_t>(lanes) * V >= 128;
   const std::int64_t n = indices_to_move(count, device_count);
   if constexpr (ShortRows) {
     const bool active = lane < row_words;
@@ -136,37 +135,38 @@ __global__ void __launch_bounds__(512, 3)
         }
       }
     }
-    return;
-  }
-  for (std::int64_t i = thread >> group_shift; i < n; i += groups) {
-    const std::int64_t r = load_index(index, index_bytes, i);
-    if (r < 0 || r >= rows) {
-      if (lane == 0) record_bad_index(error, r);
-      continue;
-    }
-    const std::int64_t p = positions != nullptr ? positions[i] : i;
-    T* host = reinterpret_cast<T*>(table) + r * row_words;
-    T* dev = reinterpret_cast<T*>(dense) + p * row_words;
-    PD_CHECK_ALIGNED(host, V);
-    PD_CHECK_ALIGNED(dev, V);
-    // Words between the row start and the 128-byte boundary before it (0 when the window is not aligned).
-    const std::int64_t head =
-        align_window ? static_cast<std::int64_t>((reinterpret_cast<std::uintptr_t>(host) & 127u) / V) : 0;
-    for (std::int64_t u = lane - head; u < row_words; u += static_cast<std::int64_t>(lanes) * kUnroll) {
-      T buf[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
-        if (w >= 0 && w < row_words) buf[k] = Scatter ? dev[w] : host[w];
+  } else {
+    const bool align_window = static_cast<std::int64_t>(lanes) * V >= 128;
+    for (std::int64_t i = thread >> group_shift; i < n; i += groups) {
+      const std::int64_t r = load_index(index, index_bytes, i);
+      if (r < 0 || r >= rows) {
+        if (lane == 0) record_bad_index(error, r);
+        continue;
       }
+      const std::int64_t p = positions != nullptr ? positions[i] : i;
+      T* host = reinterpret_cast<T*>(table) + r * row_words;
+      T* dev = reinterpret_cast<T*>(dense) + p * row_words;
+      PD_CHECK_ALIGNED(host, V);
+      PD_CHECK_ALIGNED(dev, V);
+      // Words between the row start and the 128-byte boundary before it (0 when the window is not aligned).
+      const std::int64_t head =
+          align_window ? static_cast<std::int64_t>((reinterpret_cast<std::uintptr_t>(host) & 127u) / V) : 0;
+      for (std::int64_t u = lane - head; u < row_words; u += static_cast<std::int64_t>(lanes) * kUnroll) {
+        T buf[kUnroll];
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
-        if (w >= 0 && w < row_words) {
-          if (Scatter) {
-            host[w] = buf[k];
-          } else {
-            dev[w] = buf[k];
+        for (int k = 0; k < kUnroll; ++k) {
+          const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+          if (w >= 0 && w < row_words) buf[k] = Scatter ? dev[w] : host[w];
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          const std::int64_t w = u + static_cast<std::int64_t>(k) * lanes;
+          if (w >= 0 && w < row_words) {
+            if (Scatter) {
+              host[w] = buf[k];
+            } else {
+              dev[w] = buf[k];
+            }
           }
         }
       }

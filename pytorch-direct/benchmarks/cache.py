@@ -22,6 +22,8 @@ Frequency estimates the cache is filled from:
   presample  pd.count_rows over --batches batches of the same stream drawn with another seed
   counts     count=True: the cache counts the rows of --batches batches drawn with a third seed (earlier training
              steps), then refill()
+The rows seen by presample and counts fill a small part of the budget; the rest is topped up from the degree
+estimate (--top-up degree, the default: a GNN user has the graph's degrees; --top-up none: the rows seen only).
 
 Columns: useful GB/s (rows * row bytes / seconds for one pass over the batches, synchronised, best of --repeats
 after a warm-up pass; auto's decisions forgotten before each configuration), the share of rows the cache held
@@ -63,6 +65,9 @@ def parse(argv):
     p.add_argument("--batches", type=int, default=8, help='batches per stream')
     p.add_argument("--seeds", type=int, default=1024, help="seed nodes per sampled batch")
     p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10], help='neighbours per hop for the sampled stream')
+    p.add_argument("--top-up", choices=["degree", "none"], default="degree",
+                   help="what fills the budget a pre-sampling pass or the counts leave: the degree estimate, or "
+                        "nothing (the rows they saw only)")
     p.add_argument("--degree-s", type=float, default=0.9, help="rank-frequency exponent of the node degrees")
     p.add_argument("--repeats", type=int, default=3, help='timed repetitions per cell (best kept)')
     p.add_argument("--device", default="cuda", help='CUDA device to run on')
@@ -193,15 +198,18 @@ def run(args, results: list[dict]) -> None:
                 else:
                     beside = rows * 4 * (2 if estimate == "counts" else 1) + _cache.SLACK
                     budget = beside + int(fraction * rows) * (rb + 8)
+                # The budget a pass or the counts leave (they see a small part of the table) is topped up from
+                # the degree estimate (--top-up degree), as a GNN user has the graph's degrees at hand.
+                top_up = true_frequency(name, rows, args, degree) if args.top_up == "degree" else None
                 t1 = time.perf_counter()
                 if estimate == "degree":
                     cache = pd.cached(table, budget, frequency=true_frequency(name, rows, args, degree),
                                       device=args.device)
                 elif estimate == "presample":
                     cache = pd.cached(table, budget, frequency=pd.count_rows(stream(name, rows, args, 2, degree),
-                                                                            rows), device=args.device)
+                                                                            rows), top_up=top_up, device=args.device)
                 else:
-                    cache = pd.cached(table, budget, count=True, device=args.device)
+                    cache = pd.cached(table, budget, count=True, top_up=top_up, device=args.device)
                     for b in stream(name, rows, args, 3, degree):  # earlier training steps' batches
                         pd.gather(table, b)
                     cache.refill()
@@ -218,10 +226,12 @@ def run(args, results: list[dict]) -> None:
                        "rows_cached": cache.cached_rows / rows, "device_bytes": cache.bytes,
                        "bytes_of_table": cache.bytes / nbytes, "exact": exact, "fill_s": fill_s,
                        "choice": _auto.last_decision().plan.strategy if _auto.last_decision() else "?",
-                       "uncached_choice": base_choice}
+                       "uncached_choice": base_choice, "from_frequency": cache.filled_from["frequency"] / rows,
+                       "from_top_up": cache.filled_from["top_up"] / rows}
                 results.append(row)
                 print(f"  {name:9} {fraction:5.0%} {estimate:9} hit {hit:6.1%} ({row['rows_cached']:.1%} of rows "
-                      f"cached in {row['bytes_of_table']:.1%} of the table's bytes) {row['cached_gbps']:7.2f} GB/s = "
+                      f"cached in {row['bytes_of_table']:.1%} of the table's bytes; {row['from_frequency']:.1%} "
+                      f"from the estimate, {row['from_top_up']:.1%} from the top-up) {row['cached_gbps']:7.2f} GB/s = "
                       f"{row['speedup']:5.2f}x uncached ({row['choice']}, exact {exact}, fill {fill_s:.1f} s)",
                       flush=True)
                 cache.release()

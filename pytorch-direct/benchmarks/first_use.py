@@ -99,12 +99,15 @@ def main(argv=None) -> int:
     p.add_argument("--csv", default=None, help='also write the rows to this CSV file')
     args = p.parse_args(argv)
     results = []
-    torch_s, _, _ = import_time("torch", args.repeats)
+    torch_s, torch_cuda, torch_nvrtc = import_time("torch", args.repeats)
     pd_s, cuda, nvrtc = import_time("pytorch_direct", args.repeats)
+    # (torch's CUDA wheels preload NVRTC, and libraries that link the driver, in `import torch` itself: what
+    # pytorch_direct adds is the difference)
     print(f"# import torch {torch_s:.2f} s, import pytorch_direct {pd_s:.2f} s (its own share {pd_s - torch_s:+.2f} s);"
-          f" the import loaded the CUDA driver: {'yes' if cuda else 'no'}, NVRTC: {'yes' if nvrtc else 'no'}",
-          flush=True)
-    results.append({"what": "import torch", "seconds": torch_s})
+          f" the import loaded the CUDA driver: {'yes' if cuda else 'no'}, NVRTC: {'yes' if nvrtc else 'no'}; "
+          f"import torch alone: {'yes' if torch_cuda else 'no'}, {'yes' if torch_nvrtc else 'no'}", flush=True)
+    results.append({"what": "import torch", "seconds": torch_s, "memory": f"cuda={int(torch_cuda)} "
+                    f"nvrtc={int(torch_nvrtc)}"})
     results.append({"what": "import pytorch_direct", "seconds": pd_s, "memory": f"cuda={int(cuda)} nvrtc={int(nvrtc)}"})
     nbytes = int(args.table_gib * 2**30)
     room = int(available_bytes() * 0.85)

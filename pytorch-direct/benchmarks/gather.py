@@ -7,7 +7,8 @@ Matrix: table sizes (--table-gib; one allocation of the largest, smaller tables 
 widths (47 B rows of uint8, the others float32) x index patterns (uniform, sorted, clustered: runs of 32
 consecutive rows, zipfS: Zipf with exponent S, hot rows spread over the table) x counts (capped at --max-call-mib).
 Columns, in one run (useful GB/s = rows * row bytes / wall time, device synchronised around each call, best of
---repeats after one warm-up; sync bounds checking, the default, for all of ours):
+--repeats interleaved rounds after one warm-up each, every column once per round; sync bounds checking, the default,
+for all of ours):
 
   memcpy        pinned cudaMemcpy of the same bytes (the link)
   torch         index_select on the CPU into a pinned buffer + copy to the GPU (CPU indices given)
@@ -28,6 +29,10 @@ Ours read the table a user gets from pd.empty (default settings: managed memory 
 The baselines read a second copy in pinned memory (cudaHostAlloc; --baseline-memory pinned, the default): the
 memory plain zero-copy uses, and as fast as ordinary memory for torch's CPU index_select. It needs host RAM for
 two tables; with too little, or --baseline-memory same, the baselines read our table (said in the header).
+
+Per cell, the link's ceiling for a gather without a cache (pinned memcpy x count / distinct rows: each distinct
+row crosses the link once) and the share of it auto and the best baseline reach: where the best baseline is above
+half the ceiling, 2x over it is physically impossible, and the report says so.
 
 Prints a table and the targets (auto >= 0.95x the best forced strategy in every cell; auto >= 2x the best of
 torch, torch_dedupe, naive and wholegraph as a geometric mean, >= 1.0x in every cell; rows >= 1 KB at >= 0.9x memcpy),
@@ -147,25 +152,61 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure_auto(fn, repeats: int) -> tuple[float, float, str, str, str]:
-    """(first call seconds, steady seconds, plan kept, where it came from, what its first call measured) of `fn`
-    with decisions forgotten (the cache file deleted too): a new process on a new machine. Steady: timed like every
-    other column. The measured rates ("vector=12.3 sorted=40.1 ...", GB/s) tell a wrong choice made on noisy
+def first_auto_calls(fn) -> tuple[float, str, str]:
+    """(first call seconds, where its plan came from, what it measured) of `fn`, an ``auto`` gather of a kind not
+    seen in this process, then CHECK_CALLS + 1 more calls back to back (a gather loop): a host plan is watched on
+    those (``_auto.CHECK_CALLS``), and watched while other columns run between its calls, it would take them for a
+    busy caller. The measured rates ("vector=12.3 sorted=40.1 ...", GB/s) tell a wrong choice made on noisy
     measurements from one made on faithful ones."""
-    _auto.reset(delete_file=True)
+    before = set(_auto.measured_cells())
     first = sync_time(fn)
     decision = _auto.last_decision()
-    cells = list(_auto.measured_cells().values())  # the one cell this call measured (none for a small call)
-    measured = " ".join(f"{s}={v:.2f}" for s, v in cells[0].gbps.items()) if len(cells) == 1 else ""
-    steady = best_of(fn, repeats)
-    after = _auto.last_decision()
-    plan = after.plan.strategy if after is not None and after.plan is not None else "?"
+    new = [m for k, m in _auto.measured_cells().items() if k not in before]  # the cell this call measured
+    measured = " ".join(f"{s}={v:.2f}" for s, v in new[0].gbps.items()) if len(new) == 1 else ""
+    for _ in range(_auto.CHECK_CALLS + 1):
+        sync_time(fn)
     source = decision.source if decision is not None else "?"
-    return first, steady, plan, source, measured
+    return first, source, measured
+
+
+def interleaved_best(fns: dict, repeats: int, label: str) -> dict:
+    """Best seconds of each column, timed in rounds that run every column once (alternate rounds in reverse order)
+    after one warm-up call each: every column sees the same conditions (GPU clocks, caches, the host's other work),
+    where timed one column after the other, the same plan timed 0.81-0.93x apart as ``auto`` and as its forced
+    column. At least `repeats` rounds, more (up to 8) while a round takes < 50 ms. A failing column is reported and
+    left out (NaN)."""
+    best = {}
+    live = dict(fns)
+
+    def timed(name):
+        try:
+            t = sync_time(live[name])
+        except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
+            print(f"# {label} {name}: {type(e).__name__}: {e}", flush=True)
+            if isinstance(e, pd.CudaError) or "CUDA error" in str(e):
+                raise  # the context is probably lost: every later call would fail too
+            del live[name]
+            best[name] = float("nan")
+            return
+        best[name] = min(best.get(name, math.inf), t)
+
+    for name in list(live):
+        timed(name)  # warm-up (not counted)
+        if name in live:
+            del best[name]
+    rounds, round_s = 0, 0.0
+    while live and (rounds < max(1, repeats) or (rounds < 8 and round_s < 0.05)):
+        t0 = time.perf_counter()
+        for name in (list(live) if rounds % 2 == 0 else list(live)[::-1]):
+            timed(name)
+        round_s = time.perf_counter() - t0
+        rounds += 1
+    return best
 
 
 def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row, wholegraph=None):
-    """Times every column of one cell into results_row (GB/s), auto first (from a clean slate). `tab`: the
+    """Times every column of one cell into results_row (GB/s). ``auto`` first makes its decision from a clean slate
+    (its first call timed apart); then every column's steady calls are timed in interleaved rounds. `tab`: the
     baselines' table (plain), `utab`: ours (unified), same rows."""
     n, rb = idx.numel(), results_row["row_bytes"]
     nbytes = n * rb
@@ -193,28 +234,50 @@ def cell_columns(tab, utab, idx, idx_cpu, pin, dev, args, results_row, wholegrap
         fns["wholegraph"] = lambda: wholegraph.gather(idx)
         if wholegraph.embedding is not None:
             fns["wholegraph_cache"] = lambda: wholegraph.gather_cached(idx)
+    plans = {}
+
+    def auto_on(table, col):
+        def fn():
+            out = pd.gather(table, idx)
+            plans[col] = _auto.last_decision()
+            return out
+        return fn
+
+    _auto.reset(delete_file=True)  # decisions forgotten: a new process on a new machine
     if "auto" in args.columns:
-        first, steady, plan, source, measured = measure_auto(lambda: pd.gather(utab, idx), args.repeats)
-        results_row.update(auto=nbytes / steady / 1e9, first_ms=first * 1e3, steady_ms=steady * 1e3, choice=plan,
-                           source=source, auto_measured=measured)
+        fns["auto"] = auto_on(utab, "auto")
+        first, source, measured = first_auto_calls(fns["auto"])
+        results_row.update(first_ms=first * 1e3, source=source, auto_measured=measured)
     if "auto_pinned" in args.columns and tab.data_ptr() != utab.data_ptr():
-        _, steady, plan, _, _ = measure_auto(lambda: pd.gather(base_u, idx), args.repeats)
-        results_row.update(auto_pinned=nbytes / steady / 1e9, choice_pinned=plan)
-    for col in args.columns:
-        if col in ("auto", "auto_cal", "auto_pinned") or col not in fns:
-            continue
-        try:
-            if col.startswith("wholegraph"):
+        fns["auto_pinned"] = auto_on(base_u, "auto_pinned")  # (another memory kind: a cell of its own)
+        first_auto_calls(fns["auto_pinned"])
+    for col in list(fns):
+        if col not in args.columns:
+            del fns[col]
+        elif col.startswith("wholegraph"):
+            try:
                 k = min(idx.numel(), 4096)
                 got = fns[col]()[:k].cpu().view(torch.uint8)
                 if not torch.equal(got.reshape(k, -1), tab[idx_cpu[:k]].view(torch.uint8).reshape(k, -1)):
                     raise AssertionError(f"{col} gathered wrong rows")
-            results_row[col] = nbytes / best_of(fns[col], args.repeats) / 1e9
-        except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
-            results_row[col] = float("nan")
-            print(f"# {results_row['label']} {col}: {type(e).__name__}: {e}", flush=True)
-            if isinstance(e, pd.CudaError) or "CUDA error" in str(e):
-                raise  # the context is probably lost: every later call would fail too
+            except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
+                results_row[col] = float("nan")
+                print(f"# {results_row['label']} {col}: {type(e).__name__}: {e}", flush=True)
+                del fns[col]
+    seconds = interleaved_best(fns, args.repeats, results_row["label"])
+    for col, t in seconds.items():
+        results_row[col] = nbytes / t / 1e9 if t == t else float("nan")
+    if "auto" in seconds:
+        results_row["steady_ms"] = seconds["auto"] * 1e3
+    for col, key in (("auto", "choice"), ("auto_pinned", "choice_pinned")):
+        decision = plans.get(col)
+        if col in fns:
+            results_row[key] = decision.plan.strategy if decision is not None and decision.plan is not None else "?"
+    # The link's ceiling for a gather without a cache: each distinct row crosses it once, at pinned memcpy's rate.
+    distinct = torch.unique(idx).numel()
+    results_row["distinct"] = distinct
+    if results_row.get("memcpy", 0) > 0:
+        results_row["ceiling"] = results_row["memcpy"] * n / distinct
 
 
 def check_same(utab, tab, idx, idx_cpu) -> None:
@@ -371,7 +434,10 @@ def ratios(row: dict) -> dict:
         return max(vals) if vals else float("nan")
 
     forced, base = best(FORCED), best(BASELINES)
-    out = {"best_forced": forced, "best_baseline": base}
+    ceiling = row.get("ceiling", float("nan"))
+    out = {"best_forced": forced, "best_baseline": base, "ceiling": ceiling,
+           "base_x_ceiling": base / ceiling if ceiling else float("nan"),
+           "auto_x_ceiling": row.get("auto", float("nan")) / ceiling if ceiling else float("nan")}
     for col in ("auto", "auto_cal", "auto_pinned"):
         v = row.get(col, float("nan"))
         out[f"{col}_x_forced"] = v / forced if forced else float("nan")
@@ -385,8 +451,9 @@ def print_row(row: dict, elapsed: float) -> None:
     nan = float("nan")
     print(f"[{elapsed:5.0f} s] {row['label']:32} auto {row.get('auto', nan):6.2f} GB/s "
           f"({row.get('choice', '?')}, {row.get('source', '?')}, first {row.get('first_ms', nan):.0f} ms) "
-          f"x forced {r['auto_x_forced']:.2f} x base {r['auto_x_base']:.2f} | cal {row.get('auto_cal', nan):.2f}"
-          f" ({row.get('choice_cal', '?')})", flush=True)
+          f"x forced {r['auto_x_forced']:.2f} x base {r['auto_x_base']:.2f} | ceiling {r['ceiling']:.1f} GB/s: "
+          f"auto {r['auto_x_ceiling']:.2f}, best baseline {r['base_x_ceiling']:.2f} of it | cal "
+          f"{row.get('auto_cal', nan):.2f} ({row.get('choice_cal', '?')})", flush=True)
 
 
 def geomean(values):
@@ -401,13 +468,15 @@ def print_table(results: list[dict]) -> None:
     print("\n## gather, useful GB/s (default settings; x forced = auto / best forced, x base = auto / best of torch, "
           "torch_dedupe, naive, wholegraph; first = auto's first call)")
     print(f"{'table':>5} {'row':>5} {'pattern':9} {'count':>8} " + " ".join(f"{c[:9]:>9}" for c in cols)
-          + f" {'choice':>13} {'first ms':>8} {'x forced':>8} {'x base':>6} {'x link':>6} {'cal x f':>7}")
+          + f" {'choice':>13} {'first ms':>8} {'x forced':>8} {'x base':>6} {'x link':>6} {'cal x f':>7}"
+          + f" {'ceiling':>8} {'auto/c':>6} {'base/c':>6}")
     for row in results:
         r = ratios(row)
         print(f"{row['table_gib']:5g} {row['row_bytes']:5d} {row['pattern']:9} {row['count']:8d} "
               + " ".join(f"{row.get(c, float('nan')):9.2f}" for c in cols)
               + f" {row.get('choice', '?'):>13} {row.get('first_ms', float('nan')):8.1f} {r['auto_x_forced']:8.2f}"
-              f" {r['auto_x_base']:6.2f} {r['auto_x_link']:6.2f} {r['auto_cal_x_forced']:7.2f}")
+              f" {r['auto_x_base']:6.2f} {r['auto_x_link']:6.2f} {r['auto_cal_x_forced']:7.2f}"
+              f" {r['ceiling']:8.1f} {r['auto_x_ceiling']:6.2f} {r['base_x_ceiling']:6.2f}")
     summary(results)
 
 
@@ -425,7 +494,8 @@ def summary(results: list[dict]) -> None:
         link_ok = sum(1 for _, r in big if r[f"{col}_x_link"] >= 0.9)
         print(f"# {col}: >= 0.95x best forced in {forced_ok}/{n} cells; x best baseline: geomean {geomean(base):.2f}, "
               f"min {min(base):.2f}, >= 1.0x in {base_ok}/{n}; rows >= 1 KB at >= 0.9x memcpy in {link_ok}/{len(big)}")
-    firsts = [row["first_ms"] - row["steady_ms"] for row in results if "first_ms" in row]
+    report_ceiling(rs)
+    firsts = [row["first_ms"] - row["steady_ms"] for row in results if "first_ms" in row and "steady_ms" in row]
     if firsts:
         firsts.sort()
         print(f"# auto first-call overhead (first call - steady call, decisions forgotten before each cell): median "
@@ -436,10 +506,30 @@ def summary(results: list[dict]) -> None:
               + ", ".join(f"{g:g}/{rb}: {s:.1f}" for g, rb, s in cal))
 
 
+def report_ceiling(rs: list) -> None:
+    """The physical limit per cell: without a cache each distinct row crosses the link once, so no gather beats
+    pinned memcpy's rate x count / distinct rows. Where the best baseline reaches more than half of that, 2x over it
+    is impossible: the report says so, with the share of the ceiling auto and the best baseline reach."""
+    got = [(row, r) for row, r in rs if not math.isnan(r["ceiling"]) and not math.isnan(row.get("auto", float("nan")))
+           and not math.isnan(r["best_baseline"])]
+    if not got:
+        return
+    capped = [(row, r) for row, r in got if 2 * r["best_baseline"] > r["ceiling"]]
+    auto_share = geomean([r["auto_x_ceiling"] for _, r in got])
+    print(f"# ceiling (pinned memcpy x count / distinct rows): 2x the best baseline exceeds it in {len(capped)}/"
+          f"{len(got)} cells; share of the ceiling reached, geomean: auto {auto_share:.2f}"
+          f", best baseline {geomean([r['base_x_ceiling'] for _, r in got]):.2f}"
+          + (f"; in those {len(capped)} cells: auto {geomean([r['auto_x_ceiling'] for _, r in capped]):.2f}, "
+             f"best baseline {geomean([r['base_x_ceiling'] for _, r in capped]):.2f}, auto x best baseline "
+             f"{geomean([r['auto_x_base'] for _, r in capped]):.2f} (2x needs a baseline below half the ceiling)"
+             if capped else ""))
+
+
 def write_csv(results: list[dict], path: str) -> None:
     keys = ["table_gib", "row_bytes", "pattern", "count", "mbytes", *COLUMNS, "choice", "source", "first_ms",
             "steady_ms", "auto_measured", "choice_cal", "choice_pinned", "calib_s", "fresh_choice", "fresh_auto",
-            "fresh_first_ms", "best_forced", "best_baseline"]
+            "fresh_first_ms", "best_forced", "best_baseline", "distinct", "ceiling", "auto_x_ceiling",
+            "base_x_ceiling"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

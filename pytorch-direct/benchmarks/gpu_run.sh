@@ -58,6 +58,13 @@ if [[ " $STEPS " == *" tests "* ]]; then
   tail -n 45 "$TESTS_TXT"
   rm -f "$TESTS_TXT"
   echo "== GPU tests exit code: $tests_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  # Not a GPU test (CI runs it on CPU builds), but only here does torch's CUDA wheel load its CUDA libraries: import
+  # pytorch_direct must add no CUDA initialisation, driver or NVRTC to what import torch loaded.
+  timeout 120 python3 -m pytest pytorch-direct/tests/test_import.py -q -p no:cacheprovider 2>&1 | tail -n 15 \
+    | tee -a "$LOG"
+  import_rc=${PIPESTATUS[0]}
+  echo "== import test exit code: $import_rc" | tee -a "$LOG"
+  [ "$tests_rc" -eq 0 ] && tests_rc=$import_rc
 fi
 cache_rc=0
 if [[ " $STEPS " == *" cache "* ]]; then
@@ -89,7 +96,7 @@ fi
 echo "== pytorch-direct summary ($(date -u +%H:%M:%S)): tests rc=$tests_rc cache rc=$cache_rc first-use rc=$first_rc" \
   "gather rc=$bench_rc" | tee -a "$LOG"
 # The lines that state the targets, from every step's report.
-grep -E "^(# skewed streams|#   (degree|presample|counts):|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# wholegraph:)" \
+grep -E "^(# skewed streams|#   (degree|presample|counts):|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# ceiling|# wholegraph:)" \
   "$LOG" | tee -a "$LOG.summary" || true
 cat "$LOG.summary" >> "$LOG" 2>/dev/null && rm -f "$LOG.summary"
 [ "$tests_rc" -eq 0 ] && [ "$cache_rc" -eq 0 ] && [ "$first_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -53,6 +53,38 @@ def test_report_table_csv_png(tmp_path, capsys):
         assert data.startswith(b"\x89PNG") and len(data) > 1000
 
 
+def test_ceiling_shares_and_where_2x_is_impossible(capsys):
+    # The link's ceiling is memcpy x count / distinct rows; a baseline above half of it leaves no room for 2x.
+    capped = {"memcpy": 50.0, "wholegraph": 33.0, "torch": 15.0, "auto": 30.0, "vector": 30.0, "ceiling": 50.0,
+              "row_bytes": 64}
+    room = {"memcpy": 50.0, "wholegraph": 8.0, "torch": 5.0, "auto": 22.0, "vector": 22.0, "ceiling": 100.0,
+            "row_bytes": 64}
+    r = gather.ratios(capped)
+    assert math.isclose(r["auto_x_ceiling"], 0.6) and math.isclose(r["base_x_ceiling"], 0.66)
+    gather.report_ceiling([(row, gather.ratios(row)) for row in (capped, room)])
+    text = capsys.readouterr().out
+    assert "2x the best baseline exceeds it in 1/2 cells" in text
+    assert "in those 1 cells: auto 0.60, best baseline 0.66" in text
+
+
+def test_interleaved_rounds_time_every_column_alike(monkeypatch):
+    # Each round runs every column once, alternate rounds reversed; a failing column is left out as NaN.
+    ran = []
+    monkeypatch.setattr(gather, "sync_time", lambda fn: (fn(), 0.1)[1])
+
+    def col(name, fail=False):
+        def fn():
+            ran.append(name)
+            if fail:
+                raise RuntimeError("broken")
+        return fn
+
+    best = gather.interleaved_best({"a": col("a"), "b": col("b"), "c": col("c", fail=True)}, 3, "cell")
+    # Warm-up calls, then rounds; short rounds (here all of them) go on to 8.
+    assert ran == ["a", "b", "c"] + ["a", "b", "b", "a"] * 4
+    assert best["a"] == best["b"] == 0.1 and math.isnan(best["c"])
+
+
 def test_ratios():
     r = {"torch": 10.0, "torch_dedupe": 12.0, "naive": 20.0, "auto": 30.0, "memcpy": 50.0, "vector": 25.0,
          "sorted": 40.0, "auto_cal": 36.0}

@@ -146,6 +146,57 @@ def test_counting_and_refill_from_counts():
     assert same_bytes(u[hot], table[hot]) and cache.hit_rate(hot) >= 10 / 12
 
 
+def test_a_pass_that_saw_few_rows_is_topped_up_to_the_budget(caplog):
+    # A pre-sampling pass saw 5 rows; the other 35 slots go to the highest degrees among the rest, never twice to a
+    # row, within the same byte budget; the log says what filled it; gathers stay exact and coherent after writes.
+    table, u, degree = table_and_frequency()
+    seen = torch.zeros(ROWS)
+    seen[[1, 2, 3, 4, 7]] = 5.0  # row 7 is also among the highest degrees
+    budget = budget_for(40, 64)
+    with caplog.at_level("INFO", logger="pytorch_direct"):
+        cache = pd.cached(u, budget, frequency=seen, top_up=degree, device="cpu")
+    assert "5 from the frequency" in caplog.text and "35 from the top-up" in caplog.text
+    assert cache.stats()["filled_from"] == {"frequency": 5, "top_up": 35}
+    assert cache.cached_rows == cache.capacity == 40 and cache.bytes <= budget
+    held = cache.row_of_slot[: cache.cached_rows].tolist()
+    assert len(set(held)) == 40 and {1, 2, 3, 4, 7} <= set(held)
+    assert set(held) - {1, 2, 3, 4} <= set(range(0, ROWS, 7))  # the rest: the highest degrees
+    assert held == sorted(held)  # slots in address order
+    everything = torch.arange(ROWS)
+    assert same_bytes(u[everything], table)
+    assert cache.hit_rate(torch.arange(0, ROWS, 7)) > 0.45
+    idx, vals = torch.tensor([1, 14, 15]), torch.randn(3, 16)
+    u[idx] = vals
+    table[idx] = vals
+    assert same_bytes(u[everything], table)
+    # Without a top-up the same pass fills 5 slots (and says so).
+    cache.release()
+    with caplog.at_level("INFO", logger="pytorch_direct"):
+        alone = pd.cached(u, budget, frequency=seen, device="cpu")
+    assert alone.cached_rows == 5 and alone.stats()["filled_from"] == {"frequency": 5, "top_up": 0}
+    assert "filled with 5 rows of the 40 it has room for: 5 from the frequency, 0 from the top-up" in caplog.text
+
+
+def test_counts_are_topped_up_at_every_refill():
+    # count=True with a top-up starts filled from the top-up; refill() takes the counted rows first, then tops up.
+    table, u, degree = table_and_frequency()
+    given = degree.clone()
+    budget = budget_for(20, 64, count=True)
+    cache = pd.cached(u, budget, count=True, top_up=degree, device="cpu")
+    assert cache.cached_rows == 20 and cache.stats()["filled_from"] == {"frequency": 0, "top_up": 20}
+    hot = torch.tensor([3, 5, 5, 6])
+    assert same_bytes(u[hot], table[hot])
+    cache.refill()
+    assert cache.stats()["filled_from"] == {"frequency": 3, "top_up": 17}
+    assert {3, 5, 6} <= set(cache.row_of_slot[:20].tolist()) and cache.bytes <= budget
+    assert torch.equal(degree, given) and torch.equal(cache.top_up, given)  # neither changed by the fills
+    cache.refill()  # (the same top-up again: the highest degrees still fill the rest)
+    assert cache.stats()["filled_from"]["top_up"] == 17
+    assert same_bytes(u[torch.arange(ROWS)], table)
+    with pytest.raises(ValueError, match="top_up must be a tensor with one number per table row"):
+        cache.set_top_up(torch.ones(3))
+
+
 def test_a_fill_with_no_positive_score_says_the_cache_is_empty():
     table, u, _ = table_and_frequency()
     with pytest.warns(UserWarning, match="filled with no rows"):

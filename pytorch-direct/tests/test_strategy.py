@@ -76,6 +76,22 @@ def test_zipf_duplicates_are_estimated_from_a_sample(s, low, high):
         assert f.duplicate_class in ("some", "heavy") and f.order == "random"
 
 
+def test_duplicates_of_sorted_indices_are_counted_in_the_window():
+    # Sorted uniform indices at full density repeat ~37% of rows; a strided sample of a sorted index holds only
+    # distinct values, so without counting equal neighbours dedupe would never be a candidate for them.
+    g = torch.Generator().manual_seed(5)
+    rows = n = 1 << 20
+    idx = _features.synthetic_indices("sorted", n, rows, g)
+    exact = 1 - torch.unique(idx).numel() / n
+    f = features_of(idx, rows, 1024)
+    assert f.order == "sorted"
+    assert f.duplicates == pytest.approx(exact, abs=0.05)
+    assert "dedupe" in _decide.candidates(Cell(Call("gather", rows * 1024, rows, 1024, n, "managed"), f))
+    # Sorted indices into a large table stay duplicate-free.
+    idx = _features.synthetic_indices("sorted", n, 1 << 30, g)
+    assert features_of(idx, 1 << 30).duplicate_class == "none"
+
+
 def test_features_of_odd_index_tensors():
     f = features_of(torch.tensor([5]), 10)
     assert f.duplicates == 0.0 and f.order == "sorted"
@@ -360,6 +376,40 @@ def test_finalists_are_compared_interleaved_not_one_after_the_other(monkeypatch)
     # staged's 18.4, and would have been kept.
     assert runs == ["staged"] * 2 + ["dedupe_staged"] * 2 + ["staged", "dedupe_staged", "dedupe_staged", "staged"]
     assert result.measurement.best == "staged" and result.plan == Plan("staged")
+
+
+# Steady rates (GB/s) of each strategy forced, in cells of an H100 benchmark where auto had kept a plan below 0.95x
+# the best one: (table GiB, row bytes, pattern, count) -> rates. The 1 KiB sorted cell repeats 37% of its rows.
+H100_CELLS = {
+    (1, 1024, "sorted", 1 << 20): {"vector": 67.92, "dedupe": 72.34, "staged": 51.24, "dedupe_staged": 61.69,
+                                   "split": 55.65},
+    (1, 64, "zipf", 1 << 20): {"dedupe": 47.77, "vector": 70.60, "sorted": 133.57, "staged": 26.99,
+                               "dedupe_staged": 42.59, "split": 40.81},
+    (16, 256, "uniform", 1 << 20): {"vector": 44.97, "sorted": 45.72, "staged": 28.30, "dedupe_staged": 25.82,
+                                    "split": 34.32},
+    (16, 64, "sorted", 1 << 17): {"vector": 18.01, "staged": 10.84, "dedupe_staged": 7.66, "split": 9.30},
+}
+
+
+@pytest.mark.parametrize("cell", list(H100_CELLS), ids=lambda c: "-".join(map(str, c)))
+def test_measuring_real_indices_keeps_the_best_forced_plan(fake_run, cell):
+    # Features from the cell's own indices (synthetic, on the CPU), its candidates raced at the rates measured when
+    # each was forced: the plan kept is the best forced one, and later calls of the kind run it without measuring.
+    gib, rb, pattern, count = cell
+    rows = gib * GIB // rb
+    g = torch.Generator().manual_seed(7)
+    idx = _features.synthetic_indices(pattern, count, rows, g, zipf_s=1.2)
+    call = Call("gather", gib * GIB, rows, rb, count, "managed")
+    features = features_of(idx, rows, rb)
+    d = decide_for({}, call, features)
+    rates = H100_CELLS[cell]
+    assert d.plan is None and set(d.candidates) <= set(rates)
+    best = max(d.candidates, key=rates.get)
+    assert best == max(rates, key=rates.get)  # the best forced strategy is among the candidates
+    fake_run({s: call.bytes / (v * 1e9) for s, v in rates.items()}, [])
+    plan, m = measure(call, features, d.candidates)
+    assert plan.strategy == best and m.best == best
+    assert decide_for(_auto.measured_cells(), call, features) == Decision(Plan(best), source="measured")
 
 
 def test_measuring_stops_at_the_budget(fake_run):

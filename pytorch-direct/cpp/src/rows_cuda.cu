@@ -83,19 +83,20 @@ void launch(const rows_call& c, const launch_plan& p, int max_sms, cudaStream_t 
          dense, err);
     }
   } else {
-    auto kernel = move_rows<1, Scatter>;
+    const bool sr = p.short_rows;
+    auto kernel = sr ? move_rows<1, Scatter, true> : move_rows<1, Scatter>;
     switch (p.width) {
       case 16:
-        kernel = move_rows<16, Scatter>;
+        kernel = sr ? move_rows<16, Scatter, true> : move_rows<16, Scatter>;
         break;
       case 8:
-        kernel = move_rows<8, Scatter>;
+        kernel = sr ? move_rows<8, Scatter, true> : move_rows<8, Scatter>;
         break;
       case 4:
-        kernel = move_rows<4, Scatter>;
+        kernel = sr ? move_rows<4, Scatter, true> : move_rows<4, Scatter>;
         break;
       case 2:
-        kernel = move_rows<2, Scatter>;
+        kernel = sr ? move_rows<2, Scatter, true> : move_rows<2, Scatter>;
         break;
       default:
         break;

@@ -57,6 +57,10 @@ class RowCache:
         self.rows_buffer = torch.empty(self.capacity * rb + SLACK, dtype=torch.uint8, device=device)
         self.counts = torch.zeros(rows, dtype=torch.float32, device=device) if count else None
         self.cached_rows = 0
+        # Scores that fill the slots a fill's frequency leaves empty (kept on the host: not the cache's device
+        # memory), and how many rows the last fill took from each source.
+        self.top_up: Tensor | None = None
+        self.filled_from = {"frequency": 0, "top_up": 0}
         self._key = plain.data_ptr()
 
     # ------------------------------------------------------------------------------------------------ state
@@ -74,7 +78,7 @@ class RowCache:
         ``bytes`` (device memory held), ``budget``, ``device``, ``counting``."""
         return {"rows": self.rows, "capacity": self.capacity, "cached_rows": self.cached_rows,
                 "row_bytes": self.row_bytes, "bytes": self.bytes, "budget": self.budget, "device": str(self.device),
-                "counting": self.counts is not None}
+                "counting": self.counts is not None, "filled_from": dict(self.filled_from)}
 
     def hit_rate(self, index: Tensor) -> float:
         """The fraction of `index` this cache holds (one reduction and a host round trip)."""
@@ -90,30 +94,59 @@ class RowCache:
 
     # ------------------------------------------------------------------------------------------------ filling
 
-    def fill(self, frequency: Tensor) -> None:
-        """Caches the rows with the highest `frequency` (one number per table row: degree, counts from a sampling
-        pass, ...; rows scored 0 or less are never cached), as many as fit, replacing what was cached."""
+    def _scores(self, frequency: Tensor, what: str) -> Tensor:
         if not isinstance(frequency, Tensor) or frequency.shape != (self.rows,):
             got = tuple(frequency.shape) if isinstance(frequency, Tensor) else type(frequency).__name__
-            raise ValueError(f"frequency must be a tensor with one number per table row, shape ({self.rows},); "
+            raise ValueError(f"{what} must be a tensor with one number per table row, shape ({self.rows},); "
                              f"got {got}")
         if frequency.dtype == torch.bool or frequency.is_complex():
-            raise TypeError(f"frequency must be real numbers (counts, degrees), got {frequency.dtype}")
-        scores = frequency.to(self.device, torch.float32)
+            raise TypeError(f"{what} must be real numbers (counts, degrees), got {frequency.dtype}")
+        return frequency.to(self.device, torch.float32)
+
+    def set_top_up(self, top_up: Tensor | None) -> None:
+        """Scores (one per table row, e.g. node degree) that fill the slots a later fill's frequency leaves empty:
+        a pre-sampling pass or counts of a few batches see a small part of the table (0.2-4% of its rows in the
+        cache benchmark), and the rest of the budget would hold nothing. Kept in host memory. None: no top-up."""
+        if top_up is not None:
+            self._scores(top_up, "top_up")  # (checked now, not at the next fill)
+            top_up = top_up.detach().to("cpu", torch.float32, copy=True)  # (the caller's tensor is theirs)
+        self.top_up = top_up
+
+    def fill(self, frequency: Tensor, top_up: Tensor | None = None) -> None:
+        """Caches the rows with the highest `frequency` (one number per table row: degree, counts from a sampling
+        pass, ...; rows scored 0 or less are never cached), as many as fit, replacing what was cached. Slots left
+        over (fewer rows scored above 0 than fit) go to the rows with the highest `top_up` score among the others
+        (`top_up` given here, else the one set with :meth:`set_top_up` or ``cached(top_up=...)``); how many rows
+        came from each is logged and kept in ``stats()["filled_from"]``."""
+        scores = self._scores(frequency, "frequency")
+        if top_up is not None:
+            self.set_top_up(top_up)
         k = min(self.capacity, int((scores > 0).sum()))
-        if k == 0:
+        hot = torch.topk(scores, k, sorted=False).indices if k else scores.new_empty(0, dtype=torch.int64)
+        extra = 0
+        if k < self.capacity and self.top_up is not None:
+            rest = self.top_up.to(self.device, copy=True)  # (a copy: the stored scores stay as given)
+            rest[hot] = 0.0  # (rows already chosen are not chosen twice)
+            extra = min(self.capacity - k, int((rest > 0).sum()))
+            if extra:
+                hot = torch.cat([hot, torch.topk(rest, extra, sorted=False).indices])
+        self.filled_from = {"frequency": k, "top_up": extra}
+        if k + extra == 0:
             warnings.warn("pytorch_direct: the cache was filled with no rows (every frequency is 0 or less): it holds "
                           "its device memory and serves no gather; pass a frequency with positive scores (degree, "
-                          "pd.count_rows over a few batches)", stacklevel=3)
-        elif k < self.capacity:
-            log.info("pytorch_direct: cache filled with %d rows of the %d it has room for: only %d rows have a "
-                     "positive frequency", k, self.capacity, k)
-        hot = torch.topk(scores, k, sorted=False).indices if k else scores.new_empty(0, dtype=torch.int64)
+                          "pd.count_rows over a few batches) or a top_up", stacklevel=3)
+        elif k + extra < self.capacity:
+            log.info("pytorch_direct: cache filled with %d rows of the %d it has room for: %d from the frequency, "
+                     "%d from the top-up; no other row has a positive score", k + extra, self.capacity, k, extra)
+        elif extra:
+            log.info("pytorch_direct: cache filled with %d rows: %d from the frequency (every row it scored above "
+                     "0), %d from the top-up", k + extra, k, extra)
         self._load(torch.sort(hot).values)
 
     def refill(self, frequency: Tensor | None = None) -> None:
         """:meth:`fill` from `frequency`, or from the counts of the gathers seen so far (``count=True``); the counts
-        are then halved, so that later calls weigh as much as all the earlier ones."""
+        are then halved, so that later calls weigh as much as all the earlier ones. The top-up (if set) fills what
+        either leaves."""
         if frequency is not None:
             self.fill(frequency)
             return
@@ -231,7 +264,7 @@ def caches_in(table: Tensor) -> list[RowCache]:
 
 
 def cached(table: Tensor, gpu_bytes: int, *, frequency: Tensor | None = None, count: bool = False,
-           device: str | torch.device | None = None) -> RowCache:
+           top_up: Tensor | None = None, device: str | torch.device | None = None) -> RowCache:
     """Keeps the hottest rows of `table` (a unified tensor) in `device` memory within `gpu_bytes` bytes, and returns
     the :class:`RowCache`. From then on every gather of the table with indices on that device (``table[idx]``,
     ``pd.gather``, ``F.embedding``, ``UnifiedFeatureStore``; eager, ``torch.compile`` and CUDA graphs) serves the
@@ -240,7 +273,11 @@ def cached(table: Tensor, gpu_bytes: int, *, frequency: Tensor | None = None, co
     Which rows: `frequency`, one number per table row (node degree, counts from a sampling pass over a few
     batches: :func:`count_rows`), the highest first; and/or ``count=True``: the cache counts the rows it is asked
     for, and :meth:`RowCache.refill` re-selects from those counts (e.g. after the first epoch). Without either it
-    is an error: an empty cache would only cost memory.
+    is an error: an empty cache would only cost memory. `top_up`: scores (one per row, e.g. node degree) that fill
+    the budget the frequency or the counts leave: a pre-sampling pass or a few batches' counts see only a small part
+    of the table, so without it most of the budget holds nothing (what filled the cache is logged, and in
+    :meth:`RowCache.stats`). With ``count=True`` and a `top_up` but no frequency, the cache starts filled from the
+    top-up.
 
     The budget covers everything the cache holds on the device: 4 bytes per table row for the slot map (8 with
     counting) and the row width + 8 bytes per cached row. Filling briefly needs the frequency on the device too.
@@ -277,8 +314,11 @@ def cached(table: Tensor, gpu_bytes: int, *, frequency: Tensor | None = None, co
     if old is not None and old() is not None:
         raise ValueError("this table has a cache already: release() it first, or refill() it")
     cache = RowCache(table, int(gpu_bytes), device, count)
+    cache.set_top_up(top_up)
     if frequency is not None:
         cache.fill(frequency)
+    elif top_up is not None:
+        cache.fill(torch.zeros(cache.rows))
     _CACHES[key] = weakref.ref(cache, lambda _, key=key: _forget(key))
     table.__dict__[_ATTRIBUTE] = cache  # lives as long as the tensor (and the returned object)
     log.debug("pytorch_direct: %r", cache)

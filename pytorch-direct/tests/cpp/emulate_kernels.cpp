@@ -109,23 +109,23 @@ void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64
     run_grid(grid, block, [&] {
       switch (p.width) {
         case 16:
-          move_rows<16, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+          (p.short_rows ? move_rows<16, Scatter, true> : move_rows<16, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
                                  c.positions, dense, err, p.group_shift);
           break;
         case 8:
-          move_rows<8, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+          (p.short_rows ? move_rows<8, Scatter, true> : move_rows<8, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
                                 c.positions, dense, err, p.group_shift);
           break;
         case 4:
-          move_rows<4, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+          (p.short_rows ? move_rows<4, Scatter, true> : move_rows<4, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
                                 c.positions, dense, err, p.group_shift);
           break;
         case 2:
-          move_rows<2, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+          (p.short_rows ? move_rows<2, Scatter, true> : move_rows<2, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
                                 c.positions, dense, err, p.group_shift);
           break;
         default:
-          move_rows<1, Scatter>(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
+          (p.short_rows ? move_rows<1, Scatter, true> : move_rows<1, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
                                 c.positions, dense, err, p.group_shift);
           break;
       }

@@ -87,6 +87,8 @@ class DeviceGraph:
             return
         g = self.graph
         src, etype, inverse = g._cache["unique"]
+        # the padded layout's tensors stay alive: a CUDA graph captured with them may still be replayed
+        self._retired = [g._cache, self._cache, self._valid]
         g._cache = {k: v for k, v in g._cache.items() if not _mentions_unique(k)}
         g._cache["unique"] = (src[:count], etype[:count], inverse)
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}

@@ -182,6 +182,8 @@ class Graph:
         the copy has finished."""
         if "unique_count" in self._cache or "unique_count_pending" in self._cache:
             return
+        if count.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # no event or pinned buffer inside a CUDA graph capture: the count stays unknown here
         if not count.is_cuda:  # nothing to wait for; picked up at the next look, as on a GPU
             self._cache["unique_count_pending"] = (None, count.reshape(1).clone())
             return
@@ -196,6 +198,8 @@ class Graph:
         if "unique_count" in self._cache:
             return self._cache["unique_count"]
         pending = self._cache.get("unique_count_pending")
+        if pending is not None and pending[0] is not None and torch.cuda.is_current_stream_capturing():
+            return None  # querying an event is not allowed while a CUDA graph is captured
         if pending is not None and (pending[0] is None or pending[0].query()):
             del self._cache["unique_count_pending"]
             self._record_unique_count(int(pending[1][0]))

@@ -278,3 +278,39 @@ def test_record_stream_reaches_every_cached_tensor(monkeypatch):
     for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, dg.dst_order, dg.order, dg.graph.src,
               dg._cache[("tiles", Domain.EDGE, ("etype",), 64)][0]):
         assert id(t) in ids
+
+
+@pytest.mark.parametrize("edges,nodes,relations", [(0, 3, 2), (1, 1, 1), (50, 4, 3), (400, 60, 7), (300, 300, 1)])
+def test_unique_pairs_on_the_device_match_torch_unique(edges, nodes, relations):
+    """The CUDA backend's host-read-free unique pairs: the count of torch.unique, each edge mapped to a row holding
+    its own (source, relation), every real row distinct and in relation-major order, the padding after them."""
+    from hector.runtime.cuda import unique_pairs
+
+    g = torch.Generator().manual_seed(edges)
+    src = torch.randint(0, nodes, (edges,), generator=g)
+    et = torch.randint(0, relations, (edges,), generator=g)
+    usrc, uet, inverse, count = unique_pairs(src, et, nodes, relations)
+    expected = torch.unique(src * relations + et).numel()
+    assert count.shape == (1,) and int(count) == expected
+    assert usrc.shape == uet.shape == inverse.shape == (edges,)
+    assert torch.equal(usrc[inverse], src) and torch.equal(uet[inverse], et)
+    key = (uet * nodes + usrc)[:expected]
+    assert bool((key[1:] > key[:-1]).all()), "distinct, relation-major"
+    assert bool((inverse < expected).all()) and bool((usrc[expected:] == 0).all() and (uet[expected:] == 0).all())
+
+
+def test_estimated_pair_count_learns_from_earlier_graphs_of_the_size_class(monkeypatch):
+    """A sync_free graph's cost-model pair count: the edge count while nothing is known; once an earlier graph of
+    the same size class has had its pairs counted on the device (the count reaching the host without waiting),
+    that graph's pairs-per-edge ratio; and its own count once that has arrived."""
+    from hector.runtime import graph as graph_mod
+    from hector.runtime.cuda import DeviceGraph
+
+    exact = _skewed_graph().num_unique
+    monkeypatch.setattr(graph_mod, "_PAIR_RATIOS", {})  # forget the ratio that count recorded
+    first, second = _skewed_graph(sync_free=True), _skewed_graph(sync_free=True)
+    assert first.size_stats()["num_unique"] == first.num_edges > exact
+    DeviceGraph(first)  # pairs counted on the device; the count is on its way
+    assert second.size_stats()["num_unique"] == exact, "the ratio of the first graph"
+    assert first.size_stats()["num_unique"] == exact, "its own count, arrived"
+    assert "unique" not in second._cache, "no host read on the second graph"

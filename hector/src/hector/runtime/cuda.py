@@ -151,6 +151,9 @@ class DeviceGraph:
 
     def perm(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         def compute():
+            if domain is Domain.UNIQUE and self.padded and by in ((), ("etype",)):
+                # padded pairs are relation-major with the padding last: already in this order
+                return torch.arange(self.graph.num_edges, dtype=torch.int32, device=self.device)
             if domain is Domain.UNIQUE and self.padded:
                 index, types = self._padded_types(by)
                 return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
@@ -201,19 +204,20 @@ def device_graph(graph: Graph) -> DeviceGraph:
 def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
                  num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
-    rows in key order (as ``torch.unique(sorted=True)``), padded to the edge count with (0, 0); each edge's pair
-    row; and the pair count, a one-element device tensor. One sort, one scan, two scatters."""
+    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
+    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
+    one-element device tensor. One sort, one scan, two scatters."""
     edges = src.numel()
     if edges == 0:
         empty = torch.zeros(0, dtype=torch.long, device=src.device)
         return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
-    key, order = sort_keys(src * num_relations + etype, num_nodes * num_relations)
+    key, order = sort_keys(etype * num_nodes + src, num_nodes * num_relations)
     first = torch.ones(edges, dtype=torch.long, device=src.device)
     first[1:] = key[1:] != key[:-1]
     row = torch.cumsum(first, 0) - 1  # pair row of each edge in key order
     inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
     pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
-    return pairs // num_relations, pairs % num_relations, inverse, row[-1:] + 1
+    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
 
 
 def _mentions_unique(key: Any) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +64,19 @@ def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) ->
 # Unique (source, relation) pairs per edge, by graph size class, from the graphs whose pair count is known: the
 # estimate a graph gets before its own count has come back from the device (see Graph.size_stats).
 _PAIR_RATIOS: dict[tuple[int, ...], float] = {}
+# Graphs whose pair count is on its way to the host: looked at (without waiting) whenever a graph needs an
+# estimate, so that a loop giving each graph one call (a mini-batch loop) still learns its size classes' ratios.
+_PENDING: deque[weakref.ref] = deque(maxlen=64)
+
+
+def _harvest_pending() -> None:
+    for _ in range(len(_PENDING)):
+        try:
+            g = _PENDING.popleft()()
+        except IndexError:  # emptied by another thread (a loader preparing graphs)
+            return
+        if g is not None and g.known_unique_count() is None and "unique_count_pending" in g._cache:
+            _PENDING.append(weakref.ref(g))  # not arrived yet
 
 
 def _ratio_class(num_nodes: int, num_edges: int, num_relations: int, num_node_types: int) -> tuple[int, ...]:
@@ -186,12 +199,14 @@ class Graph:
             return  # no event or pinned buffer inside a CUDA graph capture: the count stays unknown here
         if not count.is_cuda:  # nothing to wait for; picked up at the next look, as on a GPU
             self._cache["unique_count_pending"] = (None, count.reshape(1).clone())
+            _PENDING.append(weakref.ref(self))
             return
         host = torch.empty(1, dtype=count.dtype, pin_memory=True)
         host.copy_(count.reshape(1), non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self._cache["unique_count_pending"] = (done, host)
+        _PENDING.append(weakref.ref(self))
 
     def known_unique_count(self) -> int | None:
         """The number of unique (source, relation) pairs if the host has it, without waiting for the device."""
@@ -208,11 +223,13 @@ class Graph:
 
     def estimated_unique_count(self) -> int:
         """The pair count if known (:meth:`known_unique_count`), else the edge count over the pairs-per-edge
-        ratio of the last graph of the same size class whose count is known, else the edge count (no pair
-        shared: compaction is not assumed to pay before a graph of this class has shown that it does)."""
+        ratio of the last graph of the same size class whose count is known (counts still on their way from
+        earlier graphs are picked up first, without waiting), else the edge count (no pair shared: compaction
+        is not assumed to pay for its pairs before a graph of this class has shown that it does)."""
         known = self.known_unique_count()
         if known is not None:
             return known
+        _harvest_pending()
         ratio = _PAIR_RATIOS.get(_ratio_class(self.num_nodes, self.num_edges, self.num_relations,
                                               self.num_node_types), 1.0)
         return max(1, min(self.num_edges, round(self.num_edges / ratio))) if self.num_edges else 0

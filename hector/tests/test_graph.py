@@ -150,7 +150,7 @@ def test_config_setters_mirror_environment(monkeypatch, env_settings):
         config.set_debug(None)
 
 
-def _skewed_graph(n=500, e=4000, relations=5, seed=3, sync_free=None):
+def _skewed_graph(n=500, e=4000, relations=5, seed=3, sync_free=False):
     g = torch.Generator().manual_seed(seed)
     ei = torch.randint(0, n, (2, e), generator=g)
     et = (torch.rand(e, generator=g) ** 3 * relations).long()  # skewed: some relations hold few edges, one most

@@ -93,18 +93,19 @@ class Graph:
         num_nodes: number of nodes N (> 0); node ids must lie in [0, N).
         num_relations: R.
         node_type: optional [N] node-type ids in [0, num_node_types).
-        sync_free: build without waiting for the device (default: on a CUDA device). The id ranges are then
-            checked by device-side assertions, and the count of unique (source, relation) pairs, which sizes
+        sync_free: build without waiting for the device (what a layer does with new tensors on a GPU, see
+            :func:`graph_for`). The id ranges are then checked by device-side assertions (a bad id ends the CUDA
+            context at the next synchronisation), and the count of unique (source, relation) pairs, which sizes
             the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops its
             kernels at the count on the device, and the cost model estimates the count from graphs of the same
-            size class until this graph's own count has arrived (copied to the host without waiting). False:
-            the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError` naming the bad
-            id) and the pair count is read when first needed: two waits for the GPU per graph.
+            size class until this graph's own count has arrived (copied to the host without waiting). False
+            (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
+            naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
                  node_type: torch.Tensor | None = None, num_node_types: int | None = None, *,
-                 sync_free: bool | None = None):
+                 sync_free: bool = False):
         edge_index = _check_int_tensor("edge_index", edge_index, 2)
         if edge_index.size(0) != 2:
             raise GraphInputError(f"edge_index must have shape [2, num_edges], got {tuple(edge_index.shape)}"
@@ -138,7 +139,7 @@ class Graph:
             self.num_node_types = int(num_node_types)
             node_type = node_type.to(edge_index.device)
             checks.append(("node_type", node_type, self.num_node_types, "node type"))
-        self.sync_free = edge_index.is_cuda if sync_free is None else bool(sync_free)
+        self.sync_free = bool(sync_free)
         if self.sync_free and edge_index.is_cuda:
             _check_ranges_on_device(checks)
         else:
@@ -475,8 +476,9 @@ _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.pr
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
               node_type: torch.Tensor | None = None, num_node_types: int | None = None,
               sync_free: bool | None = None) -> Graph:
-    """The cached Graph for these exact tensors (same objects, unmodified), or a new one (``sync_free`` as for
-    :class:`Graph`; a cached graph is returned as it was built).
+    """The cached Graph for these exact tensors (same objects, unmodified), or a new one: ``sync_free`` as for
+    :class:`Graph`, by default on a CUDA device (a layer given new tensors prepares the graph without waiting for
+    the GPU); a cached graph is returned as it was built.
 
     Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
     """
@@ -490,6 +492,8 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
             _GRAPHS.move_to_end(key)
             return hit[1]
+    if sync_free is None:
+        sync_free = isinstance(edge_index, torch.Tensor) and edge_index.is_cuda
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free)
     with _GRAPHS_LOCK:
         _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)

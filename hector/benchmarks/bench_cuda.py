@@ -380,7 +380,9 @@ def print_row(row):
     for key, label in (("hector_newgraph_train_ms", "new edge_index"), ("hector_compiled_train_ms", "compiled"),
                        ("hector_autocast_train_ms", "autocast bf16"), ("hbm_floor_ms", "HBM floor")):
         if key in row:
-            parts.append(f"{label} {fmt_ms(row[key])}")
+            ratio = f" ({row['newgraph_ratio']:.2f}x)" if key == "hector_newgraph_train_ms" and \
+                _num(row.get("newgraph_ratio")) else ""
+            parts.append(f"{label} {fmt_ms(row[key])}{ratio}")
     if _num(row.get("roofline_train")):
         parts.append(f"roofline {row['roofline_train']:.0%}")
     if _num(row.get("hector_launches")):

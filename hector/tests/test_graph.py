@@ -314,3 +314,15 @@ def test_estimated_pair_count_learns_from_earlier_graphs_of_the_size_class(monke
     assert second.size_stats()["num_unique"] == exact, "the ratio of the first graph"
     assert first.size_stats()["num_unique"] == exact, "its own count, arrived"
     assert "unique" not in second._cache, "no host read on the second graph"
+
+
+def test_untyped_layer_ignores_node_types():
+    """A layer made without num_node_types never reads node types: given some (as a PyG loop passes them to every
+    layer), its graph does not count them (on a GPU that would read the device for every new graph)."""
+    g = _skewed_graph()
+    ei, et = torch.stack([g.src, g.dst]), g.etype
+    layer = hn.RGCNConv(4, 3, g.num_relations)
+    x = torch.randn(g.num_nodes, 4)
+    graph = layer.graph(x, ei, et, g.ntype)
+    assert graph.num_node_types == 1 and graph is layer.graph(x, ei, et, None)
+    assert torch.allclose(layer(x, ei, et, g.ntype), layer(x, ei, et))

@@ -183,6 +183,11 @@ def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s
     x = twin.features(dim).to(device)
     m = Stack(hector_model(kind, dim, twin, layers), lambda layer, h: layer(h, ei, et, nt)).to(device).train()
     train, infer = steps(m, x.clone(), True)
+    with contextlib.suppress(Exception):  # errors and OOM are recorded by guarded below
+        # a first call on a graph sizes its compacted rows before their count reaches the host without waiting;
+        # one more call settles them, so that the timed calls below all run the full-graph loop's steady state
+        train()
+        _sync(device)
     row["hector_train_ms"], row["hector_runs"], row["hector_peak"] = guarded(train, device, cap_s)
     row["hector_infer_ms"], _, _ = guarded(infer, device, cap_s)
     graph = m.layers[0].graph(x, ei, et, nt)
@@ -252,6 +257,24 @@ def hbm_floor_ms(model, graph, device):
     return moved / spec * 1e3
 
 
+def device_work(fn, device):
+    """(GPU operations, their summed GPU time in ms) of one call of ``fn``, from torch.profiler: every kernel,
+    memset and copy on the device, generated or torch's. Against the step's wall time it says whether a step is
+    bound by its kernels or by launching them (the host)."""
+    if device != "cuda":
+        return float("nan"), float("nan")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    work = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(work), sum(e.time_range.elapsed_us() for e in work) / 1e3
+
+
 def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
     """hector's training step with a new edge_index/edge_type each call (what a mini-batch loop does), under
     torch.compile, and under autocast bf16."""
@@ -265,6 +288,12 @@ def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
     row["hector_newgraph_train_ms"], _, _ = guarded(train_new, device, cap_s)
     if isinstance(row["hector_newgraph_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
         row["newgraph_ratio"] = row["hector_newgraph_train_ms"] / row["hector_train_ms"]
+        train, _ = steps(m, x.clone(), True)
+        try:
+            row["hector_launches"], row["hector_gpu_ms"] = device_work(train, device)
+            row["hector_newgraph_launches"], row["hector_newgraph_gpu_ms"] = device_work(train_new, device)
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot start leaves the columns empty, not the row
+            row["hector_launches"] = f"error ({type(e).__name__})"
     if compiled_too:
         torch._dynamo.reset()
         compiled = torch.compile(m, fullgraph=True, backend=COMPILE["backend"])
@@ -351,9 +380,14 @@ def print_row(row):
     for key, label in (("hector_newgraph_train_ms", "new edge_index"), ("hector_compiled_train_ms", "compiled"),
                        ("hector_autocast_train_ms", "autocast bf16"), ("hbm_floor_ms", "HBM floor")):
         if key in row:
-            parts.append(f"{label} {fmt_ms(row[key])}")
+            ratio = f" ({row['newgraph_ratio']:.2f}x)" if key == "hector_newgraph_train_ms" and \
+                _num(row.get("newgraph_ratio")) else ""
+            parts.append(f"{label} {fmt_ms(row[key])}{ratio}")
     if _num(row.get("roofline_train")):
         parts.append(f"roofline {row['roofline_train']:.0%}")
+    if _num(row.get("hector_launches")):
+        parts.append(f"GPU ops/step {row['hector_launches']} ({row['hector_gpu_ms']:.2f} ms busy), new edge_index "
+                     f"{row['hector_newgraph_launches']} ({row['hector_newgraph_gpu_ms']:.2f} ms busy)")
     parts.append(f"x best {row.get('speedup_train', float('nan')):.2f}/{row.get('speedup_infer', float('nan')):.2f} "
                  f"({row.get('best_baseline_train', '-')})")
     print(" | ".join(parts), flush=True)
@@ -393,6 +427,12 @@ def summary(rows):
         if roof:
             lines.append(f"  {kind:4s} training step at {geomean(roof):.0%} of its HBM floor (geomean; best "
                          f"{max(roof):.0%})")
+        ops = [f"{r['dataset']} {r['hector_launches']}/{r['hector_newgraph_launches']} "
+               f"({r['hector_gpu_ms']:.2f}/{r['hector_train_ms']:.2f} ms)" for r in sel
+               if _num(r.get("hector_launches")) and _num(r.get("hector_train_ms"))]
+        if ops:
+            lines.append(f"  {kind:4s} GPU ops per train step, persistent/new edge_index (GPU busy/step wall): "
+                         + ", ".join(ops))
     failed = [f"{r['dataset']} {r['model']} d={r['hidden']} L={r['layers']}: {r.get(f'hector_{w}_ms')}"
               for r in rows for w in ("train", "infer") if not isinstance(r.get(f"hector_{w}_ms"), float)]
     lines.append(f"  hector OOM or errors: {'; '.join(failed) if failed else 'none'} "
@@ -507,7 +547,7 @@ def ablation(twin, graph_tensors, device, cap_s):
                 "compaction off": Options(compact=False, reorder=True),
                 "reordering off": Options(compact=True, reorder=False),
                 "fusion off": Options(compact=True, reorder=True, fuse=False)}
-    for kind in ("rgat", "hgt"):
+    for kind in ("rgcn", "rgat", "hgt"):  # RGCN: atomic scatter GEMM (compaction off) or destination traversal
         for label, opt in variants.items():
             torch.manual_seed(0)
             x = twin.features(64).to(device)

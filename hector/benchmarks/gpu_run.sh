@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
 # GPU run for hector, from the repo root with the package installed (~8 minutes on one H100/H200). Steps
-# (HECTOR_STEPS, default tests,sanitize,bench,relations):
+# (HECTOR_STEPS, default tests,sanitize,bench):
 #   tests      the GPU tests (generated kernels vs the float64 reference, autocast bf16/fp16 on CUDA, no host
-#              synchronisation in a prepared graph's step, torch.compile, CUDA graphs, 10,000 relations, edge cases)
+#              synchronisation in a step on new edge_index tensors nor in a prepared graph's, torch.compile, CUDA
+#              graphs, 10,000 relations, edge cases)
 #   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics)
 #   bench      bench_cuda.py on the eight twins, RGCN/RGAT/HGT hidden 64, train step and inference: hector vs PyG
 #              eager and compiled, the plain-PyTorch baselines (grouped-GEMM bf16 eager/compiled, per-relation fp32),
-#              with a new edge_index per call, compiled vs eager, autocast bf16, the HBM floor (roofline column)
-#   relations  relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations (mini-batches)
+#              with a new edge_index per call, compiled vs eager, autocast bf16, the HBM floor (roofline column),
+#              GPU operations per train step and their busy time (torch.profiler), persistent and new edge_index
+#   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 # Writes into "${OUT:-./out}" (at most 6 files): hector_gpu.log (everything printed, the final tables),
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
 # hector_memory.csv for `memory`). Every step runs even if an earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory" sets each step's time limit in seconds (default "150 90 270 100 200").
+# relations memory" sets each step's time limit in seconds (default "150 60 270 100 200": the default steps end
+# inside 8 minutes).
 set -uo pipefail
 OUT="${OUT:-./out}"
-STEPS="${HECTOR_STEPS:-tests,sanitize,bench,relations}"
+STEPS="${HECTOR_STEPS:-tests,sanitize,bench}"
 mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 90 270 100 200}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 60 270 100 200}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }

@@ -150,12 +150,12 @@ def test_config_setters_mirror_environment(monkeypatch, env_settings):
         config.set_debug(None)
 
 
-def _skewed_graph(n=500, e=4000, relations=5, seed=3):
+def _skewed_graph(n=500, e=4000, relations=5, seed=3, sync_free=False):
     g = torch.Generator().manual_seed(seed)
     ei = torch.randint(0, n, (2, e), generator=g)
     et = (torch.rand(e, generator=g) ** 3 * relations).long()  # skewed: some relations hold few edges, one most
     nt = torch.randint(0, 2, (n,), generator=g)
-    return Graph(ei, et, n, relations, nt, 2)
+    return Graph(ei, et, n, relations, nt, 2, sync_free=sync_free)
 
 
 def _emulated_schedule_builder():
@@ -173,14 +173,17 @@ LAYOUTS = [(Domain.EDGE, ("etype",)), (Domain.UNIQUE, ("etype",)), (Domain.EDGE,
            (Domain.UNIQUE, ("src_ntype", "etype")), (Domain.NODE, ("ntype",)), (Domain.EDGE, ())]
 
 
-def test_device_layout_reads_nothing_on_the_host(monkeypatch):
-    """The CUDA backend's per-graph layout (destination order, CSC offsets, type orders, tile schedules) reads no
-    value on the host once the unique (source, relation) pairs are known: on a GPU each such read waits for every
-    kernel queued before it (e.g. the mini-batch's feature gather)."""
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_device_layout_reads_nothing_on_the_host(monkeypatch, sync_free):
+    """The CUDA backend's per-graph layout (destination order, CSC offsets, unique pairs, type orders, tile
+    schedules) reads no value on the host: on a GPU each such read waits for every kernel queued before it (e.g.
+    the mini-batch's feature gather). A graph that is not ``sync_free`` reads its unique-pair count once before;
+    a ``sync_free`` one reads nothing at all, its cost-model statistics included."""
     from hector.runtime.cuda import DeviceGraph
 
-    graph = _skewed_graph()
-    graph.size_stats()  # the one read: the number of unique pairs
+    graph = _skewed_graph(sync_free=sync_free)
+    if not sync_free:
+        graph.size_stats()  # the one read: the number of unique pairs
 
     def host_read(*args, **kwargs):
         raise AssertionError("a tensor value was read on the host")
@@ -188,6 +191,7 @@ def test_device_layout_reads_nothing_on_the_host(monkeypatch):
     build = _emulated_schedule_builder()
     for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, host_read)
+    stats = graph.size_stats()
     dg = DeviceGraph(graph)
     for domain, by in LAYOUTS:
         for rows in (7, 256):
@@ -196,7 +200,11 @@ def test_device_layout_reads_nothing_on_the_host(monkeypatch):
             dg.perm(domain, by)
             dg.index(domain, by)
     monkeypatch.undo()
-    assert dg.num_unique == graph.num_unique
+    assert dg.padded == sync_free
+    assert dg.num_unique == (graph.num_edges if sync_free else graph.num_unique)
+    assert int(dg.count(Domain.UNIQUE)) == graph.num_unique
+    if sync_free:  # no pair ratio known for this size class before: the estimate is the upper bound
+        assert stats["num_unique"] in (graph.num_edges, graph.num_unique)
     assert torch.equal(dg.csc_ptr.long(), torch.cat([torch.zeros(1, dtype=torch.long),
                                                      torch.cumsum(torch.bincount(graph.dst, minlength=500), 0)]))
 
@@ -204,13 +212,21 @@ def test_device_layout_reads_nothing_on_the_host(monkeypatch):
 @pytest.mark.parametrize("relations", [5, 1500])
 @pytest.mark.parametrize("domain,by", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 7, 64, 4096])
-def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows, relations):
+@pytest.mark.parametrize("padded", [False, True])
+def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows, relations, padded):
     """Tiles of at most ``rows`` rows, one type each, covering the type-sorted rows exactly once; the spare slots
     of the schedule (sized before the per-type counts are known) have count 0. With 1,500 relations (3,000
-    combined types, most empty) the kernel's threads place the types in several chunks of one block."""
+    combined types, most empty) the kernel's threads place the types in several chunks of one block. Padded
+    UNIQUE rows (a layout built before the pair count is known on the host) are never in a tile."""
     from hector.runtime.cuda import DeviceGraph
 
-    dg = DeviceGraph(_skewed_graph(e=4000 if relations == 5 else 600, relations=relations))
+    graph = _skewed_graph(e=4000 if relations == 5 else 600, relations=relations)
+    exact = graph.segments(domain, by)[1] if by else [graph.num_rows(domain)]
+    graph._cache.pop("unique", None)  # as a sync_free graph: the pairs are computed on the device
+    if not padded:
+        graph.size_stats()  # the unique pairs counted on the host: UNIQUE rows sized exactly
+    dg = DeviceGraph(graph)
+    assert dg.padded == padded
     table, slots = dg.tiles(domain, by, rows, _emulated_schedule_builder())
     assert table.shape == (slots, 3)
     total = dg.rows(domain)
@@ -218,13 +234,14 @@ def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows, re
     kind, begin, count = table.long().unbind(1)
     assert bool((count <= rows).all()) and bool((count >= 0).all())
     real = count > 0
-    assert int(real.sum()) == sum(-(-c // rows) for c in (dg.graph.segments(domain, by)[1] if by else [total]))
+    assert int(real.sum()) == sum(-(-c // rows) for c in exact)
     covered = torch.cat([torch.arange(b, b + c) for b, c in zip(begin[real].tolist(), count[real].tolist(),
                                                                 strict=True)])
-    assert torch.equal(covered, torch.arange(total)), "every position of the type order exactly once, in order"
+    assert torch.equal(covered, torch.arange(sum(exact))), "every real position of the type order once, in order"
     if by:
         types = dg.graph.combined_index(domain, by)[dg.perm(domain, by).long()]
         assert torch.equal(types[covered], torch.repeat_interleave(kind[real], count[real]))
+        assert bool((dg.perm(domain, by)[covered].long() < sum(exact)).all()), "no padding row in a tile"
 
 
 def test_prepare_graph_returns_the_graph_the_layers_use():
@@ -261,3 +278,51 @@ def test_record_stream_reaches_every_cached_tensor(monkeypatch):
     for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, dg.dst_order, dg.order, dg.graph.src,
               dg._cache[("tiles", Domain.EDGE, ("etype",), 64)][0]):
         assert id(t) in ids
+
+
+@pytest.mark.parametrize("edges,nodes,relations", [(0, 3, 2), (1, 1, 1), (50, 4, 3), (400, 60, 7), (300, 300, 1)])
+def test_unique_pairs_on_the_device_match_torch_unique(edges, nodes, relations):
+    """The CUDA backend's host-read-free unique pairs: the count of torch.unique, each edge mapped to a row holding
+    its own (source, relation), every real row distinct and in relation-major order, the padding after them."""
+    from hector.runtime.cuda import unique_pairs
+
+    g = torch.Generator().manual_seed(edges)
+    src = torch.randint(0, nodes, (edges,), generator=g)
+    et = torch.randint(0, relations, (edges,), generator=g)
+    usrc, uet, inverse, count = unique_pairs(src, et, nodes, relations)
+    expected = torch.unique(src * relations + et).numel()
+    assert count.shape == (1,) and int(count) == expected
+    assert usrc.shape == uet.shape == inverse.shape == (edges,)
+    assert torch.equal(usrc[inverse], src) and torch.equal(uet[inverse], et)
+    key = (uet * nodes + usrc)[:expected]
+    assert bool((key[1:] > key[:-1]).all()), "distinct, relation-major"
+    assert bool((inverse < expected).all()) and bool((usrc[expected:] == 0).all() and (uet[expected:] == 0).all())
+
+
+def test_estimated_pair_count_learns_from_earlier_graphs_of_the_size_class(monkeypatch):
+    """A sync_free graph's cost-model pair count: the edge count while nothing is known; once an earlier graph of
+    the same size class has had its pairs counted on the device (the count reaching the host without waiting),
+    that graph's pairs-per-edge ratio; and its own count once that has arrived."""
+    from hector.runtime import graph as graph_mod
+    from hector.runtime.cuda import DeviceGraph
+
+    exact = _skewed_graph().num_unique
+    monkeypatch.setattr(graph_mod, "_PAIR_RATIOS", {})  # forget the ratio that count recorded
+    first, second = _skewed_graph(sync_free=True), _skewed_graph(sync_free=True)
+    assert first.size_stats()["num_unique"] == first.num_edges > exact
+    DeviceGraph(first)  # pairs counted on the device; the count is on its way
+    assert second.size_stats()["num_unique"] == exact, "the ratio of the first graph"
+    assert first.size_stats()["num_unique"] == exact, "its own count, arrived"
+    assert "unique" not in second._cache, "no host read on the second graph"
+
+
+def test_untyped_layer_ignores_node_types():
+    """A layer made without num_node_types never reads node types: given some (as a PyG loop passes them to every
+    layer), its graph does not count them (on a GPU that would read the device for every new graph)."""
+    g = _skewed_graph()
+    ei, et = torch.stack([g.src, g.dst]), g.etype
+    layer = hn.RGCNConv(4, 3, g.num_relations)
+    x = torch.randn(g.num_nodes, 4)
+    graph = layer.graph(x, ei, et, g.ntype)
+    assert graph.num_node_types == 1 and graph is layer.graph(x, ei, et, None)
+    assert torch.allclose(layer(x, ei, et, g.ntype), layer(x, ei, et))

@@ -30,13 +30,15 @@ __all__ = ["Builder", "CompileError", "CudaError", "DSLTypeError", "Graph", "Gra
 def prepare_graph(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
                   node_type: torch.Tensor | None = None,
                   num_node_types: int | None = None) -> Graph:
-    """Validates a (mini-batch) graph and does now the preprocessing that waits for the GPU, so that hector's
-    layers called on the same tensors only launch kernels. Returns the :class:`Graph` the layers will use (also
-    accepted by them in place of ``edge_index``).
+    """Validates a (mini-batch) graph on the host and does now the preprocessing that reads the GPU (the unique
+    (source, relation) pair count), so that hector's layers called on the same tensors only launch kernels, with
+    their compacted rows sized exactly. Returns the :class:`Graph` the layers will use (also accepted by them in
+    place of ``edge_index``).
 
-    Call it where a mini-batch is made, before launching work the layers do not need yet, such as the feature
-    gather: a layer that preprocesses a new graph itself waits at its first host synchronisation for all work
-    queued before it::
+    Optional: a layer given new tensors on a GPU prepares the graph itself without waiting for the GPU (ids
+    checked by device-side assertions, compacted rows sized by the edge count until the pair count has arrived;
+    see :class:`Graph`'s ``sync_free``). Call it where a mini-batch is made for an error that names a bad id
+    before any kernel runs, and for exactly sized rows from the first step::
 
         sub = sampler.sample(seeds)
         hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)
@@ -45,7 +47,8 @@ def prepare_graph(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: 
 
     The arguments are those the layers get (``num_nodes`` = ``x.size(0)``; ``node_type``/``num_node_types`` only
     for layers typed by node type)."""
-    return prepare(graph_for(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types))
+    return prepare(graph_for(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types,
+                             sync_free=False))
 
 
 def info() -> dict:

@@ -1,9 +1,14 @@
 """The cost model: materialised bytes and multiply-adds of a lowered program on a graph, from graph statistics
 alone, and the choice of optimisations (compaction, reordering) that minimises the estimated time.
 
-Estimated time = bytes moved / bandwidth + flops / throughput, with H100-class defaults (fp32 CUDA cores, HBM3).
-Only the ratio of the two constants matters for the choice. Bytes moved counts every materialised value written
-once and read once by each kernel that reads it, plus the rows gathered into GEMMs and traversals.
+Estimated time = bytes moved / bandwidth + flops / throughput + atomic adds / atomic rate, with H100-class
+defaults (fp32 CUDA cores, HBM3). Only the ratios of the constants matter for the choice. Bytes moved counts every
+materialised value written once and read once by each kernel that reads it, plus the rows gathered into GEMMs and
+traversals. Atomic adds are the elements a GEMM's scatter epilogue sums into destination rows: each a
+read-modify-write in L2 (many rows into one destination, so they contend), which the compacted plan's
+destination-centric traversal replaces by a sum in registers written once per destination. (A traversal's atomic
+sums by source or pair, spread over rows with little contention, are not charged: measured, the compacted HGT
+and RGAT plans that use them are faster.)
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .ir.core import Domain, Program
+from .ir.core import Domain, Op, Program
 from .ir.opdefs import OPS
 from .lower.kernels import Lowered, row_count
 from .passes import Options
 
 BANDWIDTH = 3.0e12  # bytes/s
 THROUGHPUT = 5.0e13  # flop/s (fp32, no tensor cores)
+# fp32 atomic adds/s into scattered rows: an H100 scatter GEMM summed 365M of them per RGCN step on am at 164 GB/s
+# of compulsory traffic, ~20x slower than its bytes alone at HBM speed
+ATOMIC_RATE = 6.0e10
 
 
 @dataclass(frozen=True)
@@ -28,10 +36,11 @@ class Estimate:
     moved_bytes: int  # materialised writes + all reads
     flops: int
     kernels: int
+    atomic_adds: int = 0  # elements a GEMM's scatter epilogue sums into rows with atomics
 
     @property
     def seconds(self) -> float:
-        return self.moved_bytes / BANDWIDTH + self.flops / THROUGHPUT
+        return self.moved_bytes / BANDWIDTH + self.flops / THROUGHPUT + self.atomic_adds / ATOMIC_RATE
 
 
 def _rows(p: Program, name: str, stats: Mapping[str, int]) -> int:
@@ -41,7 +50,7 @@ def _rows(p: Program, name: str, stats: Mapping[str, int]) -> int:
 
 def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> Estimate:
     p = lowered.program
-    written = moved = flops = 0
+    written = moved = flops = atomics = 0
 
     def rows_of(name: str) -> int:
         return _rows(p, name, stats)
@@ -56,12 +65,14 @@ def estimate(lowered: Lowered, stats: Mapping[str, int], itemsize: int = 4) -> E
             f, gathered = OPS[n.op].cost(n, rows_of, p.type_of)  # each op's rule (hector.ir.opdefs)
             flops += f
             moved += gathered * itemsize
+            if n.op is Op.SCATTER_ADD and k.kind == "gemm":
+                atomics += rows_of(n.args[0]) * p.type_of(name).numel  # the scatter epilogue: one add per element
         for i in k.inputs:
             t = p.type_of(i)
             if t.domain is not Domain.PARAM:
                 moved += _rows(p, i, stats) * t.numel * itemsize
     moved += written
-    return Estimate(written, moved, flops, len(lowered.kernels))
+    return Estimate(written, moved, flops, len(lowered.kernels), atomics)
 
 
 def rows_for(stats: Mapping[str, int]) -> dict[Any, float]:
@@ -77,7 +88,7 @@ def training_estimate(compiled: Any, stats: Mapping[str, int], itemsize: int = 4
     fwd = estimate(compiled.forward_lowered, stats, itemsize)
     bwd = estimate(compiled.full_backward_lowered, stats, itemsize)
     return Estimate(fwd.materialized_bytes + bwd.materialized_bytes, fwd.moved_bytes + bwd.moved_bytes,
-                    fwd.flops + bwd.flops, fwd.kernels + bwd.kernels)
+                    fwd.flops + bwd.flops, fwd.kernels + bwd.kernels, fwd.atomic_adds + bwd.atomic_adds)
 
 
 def size_class(stats: Mapping[str, int]) -> tuple[int, ...]:

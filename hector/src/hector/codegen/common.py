@@ -32,7 +32,8 @@ class Arg:
     ``("csc_ptr",)`` int32 in-edge offsets per node; ``("dst_order",)`` int32 nodes, heaviest first;
     ``("perm", domain, by)`` int32 rows sorted by type; ``("tiles", domain, by, rows)`` int32 ``[T, 3]`` tile
     schedule (type, first position in perm, row count); ``("rows", domain)`` / ``("ntiles", domain, by, rows)``
-    counts (i64).
+    counts (i64); ``("count", domain)`` the domain's row count as a one-element int32 tensor on the device (the
+    unique-pair rows, whose count the host need not know).
     """
 
     cname: str

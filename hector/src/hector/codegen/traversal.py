@@ -362,8 +362,15 @@ class _Traversal(_Emitter):
             body.append("  __syncthreads();")
         order = self.args.get(("dst_order",), "dst_order", "const int* __restrict__") if self.edge else ""
         ptr = self.args.get(("csc_ptr",), "csc_ptr", "const int* __restrict__") if self.edge else ""
-        n_work = self.args.get(("rows", Domain.NODE.value if self.edge else self.space_domain.value),
-                               "n_work", "i64", "i64")
+        if not self.edge and self.space_domain is Domain.UNIQUE:
+            # the unique (source, relation) pair count lives on the device: the runtime need not read it to launch
+            # (rows past it are padding of a buffer sized by the edge count)
+            count = self.args.get(("count", Domain.UNIQUE.value), "n_unique", "const int* __restrict__")
+            body.append(f"  const i64 n_work = {count}[0];  // unique (source, relation) pairs")
+            n_work = "n_work"
+        else:
+            n_work = self.args.get(("rows", Domain.NODE.value if self.edge else self.space_domain.value),
+                                   "n_work", "i64", "i64")
         body.append(f"  const i64 groups = (i64)gridDim.x * {groups_per_block};")
         body.append(f"  for (i64 w = (i64)blockIdx.x * {groups_per_block} + threadIdx.x / G; w < {n_work}; "
                     "w += groups) {")

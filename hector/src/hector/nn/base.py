@@ -106,6 +106,10 @@ class RelationalLayer(nn.Module):
         if edge_type is None:
             raise GraphInputError(f"{type(self).__name__} needs edge_type (one relation id per edge)")
         self._check_node_type(node_type)
+        if self.num_node_types is None:
+            # a layer not typed by node type never reads them; counting the types of a node_type given anyway
+            # would read the device (its largest id) for every new graph
+            node_type = None
         return graph_for(edge_index, edge_type, x.size(0), self.num_relations, node_type, self.num_node_types)
 
     def _check_node_type(self, node_type: torch.Tensor | None) -> None:
@@ -166,7 +170,7 @@ class RelationalLayer(nn.Module):
                 node_type: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [N, in_channels] (floating point), ``edge_index`` [2, E] (source row 0, destination row 1) or a
         :class:`~hector.Graph`, ``edge_type`` [E] relation ids in [0, R), ``node_type`` [N] node-type ids (layers
-        typed by node type). Returns [N, out] in x's dtype (the autocast dtype under ``torch.autocast``)."""
+        typed by node type; ignored by a layer made without ``num_node_types``). Returns [N, out] in x's dtype (the autocast dtype under ``torch.autocast``)."""
         self._check_x(x)
         x, tensors, autocast_device = self._leaves(x)
         with torch.autocast(autocast_device, enabled=False) if autocast_device else contextlib.nullcontext():

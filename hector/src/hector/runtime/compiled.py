@@ -64,6 +64,8 @@ class _Apply(torch.autograd.Function):
     def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, training: bool,
                 *tensors: torch.Tensor):
         leaves = dict(zip(names, tensors, strict=True))
+        if graph.sync_free:
+            graph.known_unique_count()  # a pair count that has reached the host settles the backend's layout
         # without a backward to come (inference), nothing is kept beyond the outputs
         saved = compiled.saved if training else ()
         plan = compiled.forward_lowered if training else compiled.inference_lowered

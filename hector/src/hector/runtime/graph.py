@@ -9,9 +9,10 @@ called repeatedly on the same tensors (full-graph training) preprocesses once, w
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,42 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
                                   f"check {what} ids against the declared count ({upper})")
 
 
+def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
+    """The same check as :func:`_check_ranges` without reading the device: a device-side assertion per tensor,
+    queued on the current stream. A bad id then stops the program at the next synchronisation with a CUDA
+    device-side assertion (which ends the CUDA context) instead of a clear error now."""
+    for name, t, upper, what in checks:
+        if not t.numel():
+            continue
+        lo, hi = torch.aminmax(t)
+        torch._assert_async((lo >= 0) & (hi < upper),
+                            f"hector: {name} holds a {what} id outside [0, {upper}); check {what} ids against the "
+                            f"declared count, or call hector.prepare_graph for an error that names the id")
+
+
+# Unique (source, relation) pairs per edge, by graph size class, from the graphs whose pair count is known: the
+# estimate a graph gets before its own count has come back from the device (see Graph.size_stats).
+_PAIR_RATIOS: dict[tuple[int, ...], float] = {}
+# Graphs whose pair count is on its way to the host: looked at (without waiting) whenever a graph needs an
+# estimate, so that a loop giving each graph one call (a mini-batch loop) still learns its size classes' ratios.
+_PENDING: deque[weakref.ref] = deque(maxlen=64)
+
+
+def _harvest_pending() -> None:
+    for _ in range(len(_PENDING)):
+        try:
+            g = _PENDING.popleft()()
+        except IndexError:  # emptied by another thread (a loader preparing graphs)
+            return
+        if g is not None and g.known_unique_count() is None and "unique_count_pending" in g._cache:
+            _PENDING.append(weakref.ref(g))  # not arrived yet
+
+
+def _ratio_class(num_nodes: int, num_edges: int, num_relations: int, num_node_types: int) -> tuple[int, ...]:
+    return (round(2 * math.log2(max(num_nodes, 1))), round(2 * math.log2(max(num_edges, 1))), num_relations,
+            num_node_types)
+
+
 class Graph:
     """A directed multigraph with relation-typed edges and (optionally) typed nodes.
 
@@ -56,10 +93,19 @@ class Graph:
         num_nodes: number of nodes N (> 0); node ids must lie in [0, N).
         num_relations: R.
         node_type: optional [N] node-type ids in [0, num_node_types).
+        sync_free: build without waiting for the device (what a layer does with new tensors on a GPU, see
+            :func:`graph_for`). The id ranges are then checked by device-side assertions (a bad id ends the CUDA
+            context at the next synchronisation), and the count of unique (source, relation) pairs, which sizes
+            the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops its
+            kernels at the count on the device, and the cost model estimates the count from graphs of the same
+            size class until this graph's own count has arrived (copied to the host without waiting). False
+            (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
+            naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
-                 node_type: torch.Tensor | None = None, num_node_types: int | None = None):
+                 node_type: torch.Tensor | None = None, num_node_types: int | None = None, *,
+                 sync_free: bool = False):
         edge_index = _check_int_tensor("edge_index", edge_index, 2)
         if edge_index.size(0) != 2:
             raise GraphInputError(f"edge_index must have shape [2, num_edges], got {tuple(edge_index.shape)}"
@@ -93,7 +139,11 @@ class Graph:
             self.num_node_types = int(num_node_types)
             node_type = node_type.to(edge_index.device)
             checks.append(("node_type", node_type, self.num_node_types, "node type"))
-        _check_ranges(checks)
+        self.sync_free = bool(sync_free)
+        if self.sync_free and edge_index.is_cuda:
+            _check_ranges_on_device(checks)
+        else:
+            _check_ranges(checks)
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()
         self.etype = edge_type.contiguous()
@@ -109,6 +159,7 @@ class Graph:
         g.num_nodes, g.num_relations, g.num_node_types = like.num_nodes, like.num_relations, like.num_node_types
         g.src, g.dst, g.etype, g.ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like.ntype
         g.device = like.device
+        g.sync_free = like.sync_free
         g._cache = {}
         return g
 
@@ -126,10 +177,63 @@ class Graph:
     def _unique(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         def compute():
             key = self.src * self.num_relations + self.etype
-            uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)
+            uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)  # sizes its output: a host read
+            self._record_unique_count(uniq.numel())
             return uniq // self.num_relations, uniq % self.num_relations, inverse
 
         return self.cached("unique", compute)
+
+    def _record_unique_count(self, count: int) -> None:
+        self._cache["unique_count"] = count
+        self._cache.pop("size_stats", None)  # an estimate gives way to the count
+        if self.num_edges:
+            key = _ratio_class(self.num_nodes, self.num_edges, self.num_relations, self.num_node_types)
+            _PAIR_RATIOS[key] = self.num_edges / max(count, 1)
+
+    def expect_unique_count(self, count: torch.Tensor) -> None:
+        """Starts copying the pair count ``count`` (a one-element tensor on the graph's device, computed by a
+        backend without a host read) to the host without waiting; :meth:`known_unique_count` picks it up once
+        the copy has finished."""
+        if "unique_count" in self._cache or "unique_count_pending" in self._cache:
+            return
+        if count.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # no event or pinned buffer inside a CUDA graph capture: the count stays unknown here
+        if not count.is_cuda:  # nothing to wait for; picked up at the next look, as on a GPU
+            self._cache["unique_count_pending"] = (None, count.reshape(1).clone())
+            _PENDING.append(weakref.ref(self))
+            return
+        host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+        host.copy_(count.reshape(1), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._cache["unique_count_pending"] = (done, host)
+        _PENDING.append(weakref.ref(self))
+
+    def known_unique_count(self) -> int | None:
+        """The number of unique (source, relation) pairs if the host has it, without waiting for the device."""
+        if "unique_count" in self._cache:
+            return self._cache["unique_count"]
+        pending = self._cache.get("unique_count_pending")
+        if pending is not None and pending[0] is not None and torch.cuda.is_current_stream_capturing():
+            return None  # querying an event is not allowed while a CUDA graph is captured
+        if pending is not None and (pending[0] is None or pending[0].query()):
+            del self._cache["unique_count_pending"]
+            self._record_unique_count(int(pending[1][0]))
+            return self._cache["unique_count"]
+        return None
+
+    def estimated_unique_count(self) -> int:
+        """The pair count if known (:meth:`known_unique_count`), else the edge count over the pairs-per-edge
+        ratio of the last graph of the same size class whose count is known (counts still on their way from
+        earlier graphs are picked up first, without waiting), else the edge count (no pair shared: compaction
+        is not assumed to pay for its pairs before a graph of this class has shown that it does)."""
+        known = self.known_unique_count()
+        if known is not None:
+            return known
+        _harvest_pending()
+        ratio = _PAIR_RATIOS.get(_ratio_class(self.num_nodes, self.num_edges, self.num_relations,
+                                              self.num_node_types), 1.0)
+        return max(1, min(self.num_edges, round(self.num_edges / ratio))) if self.num_edges else 0
 
     @property
     def num_unique(self) -> int:
@@ -304,12 +408,15 @@ class Graph:
         return self.cached(("const", kind, dtype), lambda: compute().to(dtype))
 
     def size_stats(self) -> dict[str, int]:
-        """The row and type counts the cost model and the kernels are sized by. Only ``num_unique`` reads the
-        device (the unique (source, relation) pairs, computed once per graph)."""
+        """The row and type counts the cost model is sized by. ``num_unique`` reads the device (the unique
+        (source, relation) pairs, computed once per graph), except on a ``sync_free`` graph, where it is
+        :meth:`estimated_unique_count` until the graph's own count has arrived."""
+        if self.sync_free:
+            self.known_unique_count()  # a count that has arrived replaces the estimate
         return self.cached("size_stats", lambda: {
             "num_nodes": self.num_nodes,
             "num_edges": self.num_edges,
-            "num_unique": self.num_unique,
+            "num_unique": self.estimated_unique_count() if self.sync_free else self.num_unique,
             "num_relations": self.num_relations,
             "num_node_types": self.num_node_types,
         })
@@ -367,8 +474,11 @@ _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.pr
 
 
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
-              node_type: torch.Tensor | None = None, num_node_types: int | None = None) -> Graph:
-    """The cached Graph for these exact tensors (same objects, unmodified), or a new one.
+              node_type: torch.Tensor | None = None, num_node_types: int | None = None,
+              sync_free: bool | None = None) -> Graph:
+    """The cached Graph for these exact tensors (same objects, unmodified), or a new one: ``sync_free`` as for
+    :class:`Graph`, by default on a CUDA device (a layer given new tensors prepares the graph without waiting for
+    the GPU); a cached graph is returned as it was built.
 
     Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
     """
@@ -382,7 +492,9 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
             _GRAPHS.move_to_end(key)
             return hit[1]
-    g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types)
+    if sync_free is None:
+        sync_free = isinstance(edge_index, torch.Tensor) and edge_index.is_cuda
+    g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free)
     with _GRAPHS_LOCK:
         _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
         while len(_GRAPHS) > _MAX_GRAPHS:

@@ -192,23 +192,23 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
     them (``unify=False``)."""
     from pytorch_direct.sampling import NeighborLoader
 
-    transform = None
+    prepare = None
     if impl == "toolkit":
         import hector
 
         num_relations = cfg.graph.num_relations
 
-        def transform(batch):
-            # hector's preprocessing reads a few sizes on the host: done here, in the loader, not in the first layer
-            batch.hector_graph = hector.prepare_graph(batch.edge_index, batch.edge_type, batch.num_nodes,
-                                                      num_relations)
-            return batch
+        def prepare(sub):
+            # hector's preprocessing reads a few sizes on the host: done where the batch is made, while its
+            # features are gathered on the loader's other stream (its host reads then wait for the sampling only)
+            return {"hector_graph": hector.prepare_graph(sub.edge_index, sub.edge_type, sub.num_nodes,
+                                                         num_relations)}
 
     features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
     options = {"prefetch": prefetch, **WAYS[way]}
     return NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
                           shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
-                          transform=transform, seed=seed, **options)
+                          prepare=prepare, seed=seed, **options)
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topology, proc: harness.Process, args,

@@ -346,6 +346,26 @@ def test_topology_pair_carries_edge_and_node_types():
         NeighborLoader(({"x": x[:10]}, topo), [2])
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_prepare_sees_the_sampled_graph_and_sets_attributes(thread):
+    topo = skewed_graph(seed=4)
+    x = torch.randn(300, 5)
+    seen = []
+
+    def prepare(sub):
+        seen.append(sub.num_nodes)
+        return {"degree_sum": int(sub.edge_index[1].bincount(minlength=sub.num_nodes).sum()), "n": sub.num_nodes}
+
+    loader = NeighborLoader(({"x": x}, topo), [4, 2], input_nodes=torch.arange(48), batch_size=16, prepare=prepare,
+                            prefetch=1 if thread else 0, thread=thread)
+    batches = list(loader)
+    assert [b.n for b in batches] == seen == [b.num_nodes for b in batches]
+    assert all(b.degree_sum == b.num_edges and torch.equal(b.x, x[b.n_id]) for b in batches)
+    with pytest.raises(TypeError, match="must return a dict"):
+        list(NeighborLoader(({"x": x}, topo), [2], input_nodes=torch.arange(8), batch_size=4,
+                            prepare=lambda sub: sub.num_nodes))
+
+
 @pytest.mark.filterwarnings("ignore:NeighborLoader")
 @pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
 def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):

@@ -212,14 +212,55 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topology, proc: harness.Process, args,
-             result: dict, save=lambda: None, way: str = "thread", name: str | None = None) -> None:
+             result: dict, save=lambda: None, way: str = "thread", name: str | None = None,
+             cache: float = 0.0) -> None:
     """Train ``impl`` with batches made ``way`` (WAYS); fills ``result`` (epochs as they finish, then peak memory)
-    and calls ``save`` after each epoch. ``name`` labels the progress output (default: ``impl``)."""
+    and calls ``save`` after each epoch. ``name`` labels the progress output (default: ``impl``). ``cache``: the
+    share of the feature table's rows pytorch-direct's GPU cache holds during the run (the toolkit only; 0: none)."""
     name = name or impl
-    device = proc.device
     prefetch = max(1, args.prefetch)
     result["loader"] = way
     result["ahead"] = 0 if way == "inturn" else prefetch
+    row_cache = None
+    if cache > 0:
+        if impl != "toolkit":
+            raise ValueError("the feature cache is pytorch-direct's: only the toolkit can train with it")
+        row_cache = make_cache(table, graph, cache, proc.device)
+        result["cache"] = dict(row_cache.info)
+    try:
+        _train(impl, model, cfg, graph, table, topology, proc, args, result, save, way, name, prefetch, row_cache)
+    finally:
+        if row_cache is not None:
+            row_cache.release()
+
+
+def make_cache(table, graph, share: float, device: torch.device):
+    """pytorch-direct's GPU cache of the feature table holding ``share`` of its rows, filled by a degree estimate:
+    a node's row is gathered each time a sampled edge leaves it, so the nodes with the most out-edges first.
+    Returns the cache with ``info`` (share, rows, bytes, fill seconds) attached."""
+    import pytorch_direct as pd
+
+    if not 0 < share <= 1:
+        raise ValueError(f"the cache share must lie in (0, 1], got {share}")
+    start = time.perf_counter()
+    row = graph.row.plain() if pd.is_unified(graph.row) else graph.row
+    out_degree = torch.bincount(row, minlength=graph.num_nodes).float()
+    rows = max(1, int(share * graph.num_nodes))
+    row_bytes = table.shape[1] * table.element_size()
+    # the budget covers the rows (+ 8 bytes each: their table row) and the slot map (4 bytes per table row)
+    row_cache = pd.cached(table, rows * (row_bytes + 8) + 4 * graph.num_nodes, frequency=out_degree, device=device)
+    del out_degree
+    harness.synchronize(device)
+    stats = row_cache.stats()
+    row_cache.info = {"share": share, "rows": stats["cached_rows"], "bytes": stats["bytes"],
+                      "fill_s": time.perf_counter() - start}
+    return row_cache
+
+
+def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, way, name, prefetch,
+           row_cache) -> None:
+    """The training of :func:`run_impl` (``row_cache``: the feature cache in use, or None)."""
+    device = proc.device
     model = model.to(device)
     if proc.distributed:
         # static_graph: every step uses the same parameters, so DDP can skip re-tracing which ones took part
@@ -245,6 +286,8 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topolo
     for batch in loader(seeds[: cfg.warmup_batches * cfg.batch_size], args.seed + 29, shuffle=False):
         F.cross_entropy(forward(batch), batch.y[: batch.batch_size]).backward()
         optimizer.zero_grad(set_to_none=True)
+        if row_cache is not None and "hit_rate" not in result["cache"]:
+            result["cache"]["hit_rate"] = row_cache.hit_rate(batch.n_id)  # of the rows a batch gathers
     harness.reset_peak_memory(device)
 
     train_loader = loader(seeds, args.seed)
@@ -286,10 +329,13 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topolo
         epochs.append(record)
         result["batches_per_epoch_per_rank"] = len(losses)
         save()
+        cached = result.get("cache")
         proc.print(f"  {name:16s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  (waited for batches {wait:.2f} s = "
                    f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s)"
-                   + (f" [gather: {_status_text(auto)}]" if auto else ""))
+                   + (f" [gather: {_status_text(auto)}]" if auto else "")
+                   + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
+                      f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
@@ -366,6 +412,10 @@ def parse_args(argv):
                              "baseline-WAY: the toolkit is compared with the fastest")
     parser.add_argument("--toolkit-ways", default="", metavar="WAYS",
                         help="also train the toolkit these other ways, reported as toolkit-WAY")
+    parser.add_argument("--toolkit-cache", type=float, default=0.0, metavar="SHARE",
+                        help="also train the toolkit with pytorch-direct's GPU cache holding this share of the "
+                             "feature table's rows (e.g. 0.15; filled by out-degree), reported as toolkit-cache; "
+                             "default 0: not trained")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -390,15 +440,17 @@ def parse_args(argv):
         parser.error(f"--prefetch must be >= 1 batch (--loading inturn makes them in turn), got {args.prefetch}")
     args.baseline_ways = _ways(args.baseline_ways, parser, "--baseline-ways")
     args.toolkit_ways = _ways(args.toolkit_ways, parser, "--toolkit-ways")
+    if not 0 <= args.toolkit_cache <= 1:
+        parser.error(f"--toolkit-cache must be a share of the table's rows in [0, 1], got {args.toolkit_cache}")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
     return args
 
 
-def planned_runs(args, impls) -> list[tuple[str, str, str]]:
-    """(name in the report, implementation, way): each implementation the default way under its own name, then the
-    other ways asked for as NAME-WAY."""
-    runs = [(impl, impl, args.loading) for impl in impls]
+def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
+    """(name in the report, implementation, way, cache share): each implementation the default way under its own
+    name, then the other ways asked for as NAME-WAY, then the toolkit with the feature cache as toolkit-cache."""
+    runs = [(impl, impl, args.loading, 0.0) for impl in impls]
     extra = {impl: [] for impl in impls}
     if args.compare_loading:
         for impl in impls:
@@ -406,7 +458,10 @@ def planned_runs(args, impls) -> list[tuple[str, str, str]]:
     for impl, asked in (("toolkit", args.toolkit_ways), ("baseline", args.baseline_ways)):
         if impl in extra:
             extra[impl] += [w for w in asked if w != args.loading and w not in extra[impl]]
-    return runs + [(f"{impl}-{way}", impl, way) for impl in impls for way in extra[impl]]
+    runs += [(f"{impl}-{way}", impl, way, 0.0) for impl in impls for way in extra[impl]]
+    if args.toolkit_cache and "toolkit" in impls:
+        runs.append(("toolkit-cache", "toolkit", args.loading, args.toolkit_cache))
+    return runs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -419,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
                f"{spec.num_relations} relations (skew {spec.relation_skew}), {spec.num_classes} classes, features "
                f"{spec.feature_dim} x fp32 ({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} "
-               f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w in runs)}")
+               f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w, _ in runs)}")
 
     start = time.perf_counter()
     graph = generate(spec, proc.device)
@@ -454,10 +509,10 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.main:
             harness.write_json(args.json, report)
 
-    for name, impl, way in runs:
+    for name, impl, way, cache in runs:
         report["impls"][name] = {}
         run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
-                 report["impls"][name], save, way=way, name=name)
+                 report["impls"][name], save, way=way, name=name, cache=cache)
     report["summary"] = summarize(report, proc)
     save()
     harness.finish(proc)
@@ -510,6 +565,14 @@ def summarize(report: dict, proc: harness.Process) -> dict:
                f"batches {summary['toolkit_wait_fraction']:.1%} of its epochs; val acc "
                f"{summary['toolkit_val_acc']:.3f} vs {summary['baseline_val_acc']:.3f} (chance "
                f"{report['chance_accuracy']:.3f})")
+    cached = impls.get("toolkit-cache")
+    if cached is not None:
+        summary["cache_share"] = cached["cache"]["share"]
+        summary["cache_epoch_s"] = mean_epoch(cached)
+        summary["cache_speedup"] = summary["toolkit_epoch_s"] / summary["cache_epoch_s"]
+        proc.print(f"toolkit with the GPU cache ({summary['cache_share']:.0%} of the rows, "
+                   f"{cached['cache'].get('hit_rate', 0):.1%} of a batch's rows): {summary['cache_epoch_s']:.2f} s per "
+                   f"epoch = {summary['cache_speedup']:.2f}x the toolkit without it")
     return summary
 
 

@@ -134,6 +134,17 @@ def test_relation_flags_train_many_relations():
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
 
 
+def test_toolkit_with_the_feature_cache_trains_the_same():
+    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl",
+                             "toolkit", "--toolkit-cache", "0.2"])
+    cached, plain = report["impls"]["toolkit-cache"], report["impls"]["toolkit"]
+    assert cached["cache"]["share"] == 0.2 and abs(cached["cache"]["rows"] - 0.2 * 8_000) <= 1
+    assert 0.2 < cached["cache"]["hit_rate"] < 1  # the high-degree rows are gathered more often than the others
+    assert cached["epochs"][0]["batch_losses"] == pytest.approx(plain["epochs"][0]["batch_losses"], abs=1e-6)
+    with pytest.raises(SystemExit):
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--toolkit-cache", "1.5"])
+
+
 @pytest.mark.gpu
 def test_batches_made_ahead_on_the_gpu():
     # batches made on the loader's stream (ahead, in turn, or by a thread) reach the training stream intact: the

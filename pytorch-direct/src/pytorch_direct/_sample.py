@@ -214,6 +214,7 @@ class NeighborSampler:
         self.num_nodes = int(topology.num_nodes)
         self.generator = generator
         self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
         if blocks is not None:
             dev = self.device
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
@@ -241,28 +242,32 @@ class NeighborSampler:
         nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
         num_nodes_per_hop, num_edges_per_hop = [batch], []
         frontier, frontier_start, total = seeds, 0, batch
+        # Every operation here is a Python call and a kernel launch made while holding the GIL, beside a training
+        # thread that needs it too: the loop keeps to about a dozen per hop besides the draw.
         try:
             for hop in range(self.num_hops):
                 pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
-                src = _read(self.topology.row, pos).long()
+                src = _read(self.topology.row, pos)
                 # the sources not in the batch yet, sorted; seen ones become the sentinel num_nodes, which is added
                 # once more so it is always the last value and can be dropped without asking the device whether
                 # it occurred
-                sentinel = torch.full((1,), self.num_nodes, dtype=src.dtype, device=self.device)
-                new = torch.unique(torch.cat([torch.where(local[src] < 0, src, sentinel), sentinel]))[:-1]
-                local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
-                srcs.append(local[src].long())
+                seen = local[src]
+                new = torch.unique(torch.cat([torch.where(seen < 0, src, self._sentinel), self._sentinel]))[:-1]
+                if new.numel():
+                    local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
+                    seen = local[src]
+                srcs.append(seen)
                 dsts.append(dst_local)
                 poss.append(pos)
                 if block is not None:
                     etypes.append(block)
-                nodes.append(new)
+                nodes.append(new.long())
                 num_nodes_per_hop.append(new.numel())
                 num_edges_per_hop.append(pos.numel())
-                frontier, frontier_start, total = new, total, total + new.numel()
+                frontier, frontier_start, total = nodes[-1], total, total + new.numel()
         finally:
-            for part in nodes:
-                local.index_fill_(0, part, -1)  # (local[part] = -1 would copy the -1 from the host: a sync)
+            # (local[part] = -1 would copy the -1 from the host: a sync)
+            local.index_fill_(0, torch.cat(nodes) if len(nodes) > 1 else seeds, -1)
         n_id = torch.cat(nodes)
         pos = torch.cat(poss)
         topo = self.topology
@@ -273,8 +278,9 @@ class NeighborSampler:
         else:
             edge_type = _read(topo.edge_type, pos).long() if topo.edge_type is not None else None
             node_type = _read(topo.node_type, n_id).long() if topo.node_type is not None else None
-        return SampledSubgraph(n_id, torch.stack([torch.cat(srcs), torch.cat(dsts)]), e_id, batch, edge_type,
-                               node_type, num_nodes_per_hop, num_edges_per_hop, pos)
+        edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
+        return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
+                               num_edges_per_hop, pos)
 
     def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
         """(destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
@@ -294,11 +300,17 @@ class NeighborSampler:
     def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
         """(CSC positions of the sampled in-edges, local id of each edge's destination, edge type of each edge or
         None). One host round trip besides the slot expansion: the number of in-edges and of sampled edges."""
-        slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
+        if self.blocks is None:  # one slot per frontier node: its local id is its position + frontier_start
+            slots, dst_local, fanout, kind = frontier, None, self.fanouts[hop][0], None
+        else:
+            slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
         n = slots.numel()
+        if n == 0:
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            return empty, empty, (empty if kind is not None else None)
         colptr = self.topology.colptr
-        begin = _read(colptr, slots).long()
-        degree = _read(colptr, slots + 1).long() - begin
+        begin = _read(colptr, slots)
+        degree = _read(colptr, slots + 1) - begin
         if isinstance(fanout, int):
             every = fanout < 0  # all in-edges of every slot
             if every:
@@ -311,29 +323,32 @@ class NeighborSampler:
             every = fanout < 0  # per slot
             bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
             take = torch.where(every, degree, bounded)
-        total, taken = torch.stack([degree.sum(), take.sum()]).tolist()  # one host round trip
-        arange_n = torch.arange(n, device=self.device)
-        owner_taken = torch.repeat_interleave(arange_n, take, output_size=taken)
+        cum_degree, cum_take = degree.cumsum(0), take.cumsum(0)
+        total, taken = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # one host round trip
+        # (repeat_interleave of counts alone repeats 0..n-1: the slot of each sampled edge)
+        owner_taken = torch.repeat_interleave(take, output_size=taken)
+        dst_out = owner_taken + frontier_start if dst_local is None else dst_local[owner_taken]
         kind_out = kind[owner_taken] if kind is not None else None
         # the j-th sampled edge of its slot
-        j = torch.arange(taken, device=self.device) - (torch.cumsum(take, 0) - take)[owner_taken]
+        j = torch.arange(taken, device=self.device) - (cum_take - take)[owner_taken]
         if (total == taken and not self.replace) or every is True:  # every in-edge is taken: nothing to draw
-            return begin[owner_taken] + j, dst_local[owner_taken], kind_out
+            return begin[owner_taken] + j, dst_out, kind_out
+        begin_taken = begin[owner_taken]
         if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
             u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
             d = degree[owner_taken]
             drawn = (u * d).long().clamp(max=d - 1)
             offset = drawn if every is False else torch.where(every[owner_taken], j, drawn)
-            return begin[owner_taken] + offset, dst_local[owner_taken], kind_out
+            return begin_taken + offset, dst_out, kind_out
         # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
         # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
         # replacement. One sort instead of a loop of fanout steps of small kernels.
-        owner = torch.repeat_interleave(arange_n, degree, output_size=total)
-        start = torch.cumsum(degree, 0) - degree
-        key = owner.double() + torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        key = torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        key += torch.repeat_interleave(degree, output_size=total)
         order = torch.argsort(key)
-        edge = order[start[owner_taken] + j]  # index among the frontier's in-edges
-        return begin[owner_taken] + edge - start[owner_taken], dst_local[owner_taken], kind_out
+        start_taken = (cum_degree - degree)[owner_taken]
+        # order[start + j] is the index among the frontier's in-edges; minus start, among its slot's
+        return begin_taken + order[start_taken + j] - start_taken, dst_out, kind_out
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:

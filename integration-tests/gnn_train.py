@@ -337,8 +337,43 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
                    + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
+    if args.profile:
+        result["profile"] = profile_batches(train_loader, forward, optimizer, args.profile, device, name, proc)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
+
+
+def profile_batches(train_loader, forward, optimizer, count: int, device: torch.device, name: str,
+                    proc: harness.Process) -> list[dict]:
+    """``count`` more training steps (after the measured epochs, so their times are not inflated) under the torch
+    profiler: prints the operations that took the most device time (CPU time without a GPU), all threads
+    included (the loader thread's sampling too), and returns them as rows of name, calls and milliseconds per
+    step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = 0
+    with profile(activities=activities) as prof:
+        for batch in train_loader:
+            loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            if steps == count:
+                break
+        harness.synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:20]
+    rows = [{"op": e.key, "calls_per_step": e.count / max(steps, 1),
+             "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / max(steps, 1),
+             "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / max(steps, 1)} for e in events]
+    proc.print(f"  {name}: profile of {steps} steps, per step (ops by {'device' if cuda else 'CPU'} time):")
+    for r in rows:
+        proc.print(f"    {r['op'][:60]:60s} {r['calls_per_step']:7.1f} calls {r['device_ms_per_step']:8.3f} ms device "
+                   f"{r['cpu_ms_per_step']:8.3f} ms CPU")
+    return rows
 
 
 def _gather_status(impl: str, device: torch.device) -> dict | None:
@@ -418,6 +453,10 @@ def parse_args(argv):
                              "default 0: not trained")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the measured epochs, profile this many more training steps of each run (torch "
+                             "profiler, the loader's thread included) and print the operations taking the most "
+                             "device time (default 0: none)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help='random seed for the graph, weights and batches')
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

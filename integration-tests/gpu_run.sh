@@ -95,8 +95,9 @@ fi
 for relations in 1000 10000; do
   if wanted "gnn-r$relations"; then
     # shellcheck disable=SC2086
+    # (then 6 more steps of each run under the profiler: where the time per step goes at this relation count)
     step "gnn-r$relations" 150 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
-      --relation-skew 1.0 --epochs 2 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
+      --relation-skew 1.0 --epochs 2 --profile 6 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
   fi
 done
 if wanted llm-1; then

@@ -127,8 +127,12 @@ def test_every_way_of_loading_trains_the_same(tiny):
 
 def test_relation_flags_train_many_relations():
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
-                             "--relations", "200", "--relation-skew", "1.0"])
+                             "--relations", "200", "--relation-skew", "1.0", "--profile", "2"])
     assert report["config"]["graph"]["num_relations"] == 200 and report["config"]["graph"]["relation_skew"] == 1.0
+    for impl in ("toolkit", "baseline"):  # the profiled steps: the costliest operations, each step's matmuls among them
+        rows = report["impls"][impl]["profile"]
+        assert 0 < len(rows) <= 20 and all(r["cpu_ms_per_step"] >= 0 for r in rows)
+        assert any("mm" in r["op"] and r["calls_per_step"] >= 1 for r in rows), [r["op"] for r in rows]
     ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3

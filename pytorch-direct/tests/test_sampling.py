@@ -114,6 +114,40 @@ def test_map_is_reset_between_batches():
     assert bool((sampler._local == -1).all())
 
 
+def _sample_ops(sampler, seeds):
+    """(torch operations dispatched, host round trips: size reads and unique, which reads its size on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.reads += func.overloadpacket in (torch.ops.aten._unique2, torch.ops.aten.unique_dim,
+                                                  torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    lists = []
+    try:
+        torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)
+        with Count() as count:
+            sampler.sample(seeds, check=False)
+    finally:
+        torch.Tensor.tolist = tolist
+    return count.ops, count.reads + len(lists)
+
+
+def test_per_batch_host_work_is_a_few_operations_per_hop():
+    # a loader thread's host work competes with the training thread's for the GIL: the sampler makes a batch in a
+    # fixed, small number of operations (no per-node or per-edge Python work) and two host round trips per hop
+    topo = csc_from_edges(*skewed_edges(num_nodes=3000, e=60_000), 3000)
+    sampler = NeighborSampler(topo, [15, 10], generator=torch.Generator().manual_seed(0))
+    small, large = _sample_ops(sampler, torch.arange(16)), _sample_ops(sampler, torch.arange(0, 3000, 3))
+    assert small == large, (small, large)
+    assert small[0] <= 90 and small[1] <= 2 * 2, small
+
+
 @pytest.mark.parametrize("replace", [False, True])
 def test_sampling_is_uniform(replace):
     # one destination with 10 in-edges, 3 drawn: each edge drawn with probability 0.3 (without replacement) or

@@ -261,14 +261,15 @@ class NeighborSampler:
                 poss.append(pos)
                 if block is not None:
                     etypes.append(block)
-                nodes.append(new.long())
+                nodes.append(new)  # (in the row's dtype: the concatenation below makes them int64)
                 num_nodes_per_hop.append(new.numel())
                 num_edges_per_hop.append(pos.numel())
-                frontier, frontier_start, total = nodes[-1], total, total + new.numel()
-        finally:
-            # (local[part] = -1 would copy the -1 from the host: a sync)
-            local.index_fill_(0, torch.cat(nodes) if len(nodes) > 1 else seeds, -1)
-        n_id = torch.cat(nodes)
+                frontier, frontier_start, total = new, total, total + new.numel()
+            n_id = torch.cat(nodes)
+        except BaseException:
+            local.fill_(-1)  # (which entries this batch set is not known here)
+            raise
+        local.index_fill_(0, n_id, -1)  # (local[n_id] = -1 would copy the -1 from the host: a sync)
         pos = torch.cat(poss)
         topo = self.topology
         e_id = _read(topo.edge_id, pos).long() if topo.edge_id is not None else pos
@@ -283,10 +284,9 @@ class NeighborSampler:
                                num_edges_per_hop, pos)
 
     def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
-        """(destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
+        """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
+        frontier = frontier.long()
         arange = torch.arange(frontier.numel(), device=self.device)
-        if self.blocks is None:
-            return frontier, arange + frontier_start, self.fanouts[hop][0], None
         # one slot per (frontier node, edge type into its node type)
         ftype = torch.searchsorted(self._node_offset, frontier, right=True) - 1
         count = self._types_in_count[ftype]

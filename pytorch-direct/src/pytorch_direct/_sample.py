@@ -284,7 +284,8 @@ class NeighborSampler:
                                num_edges_per_hop, pos)
 
     def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
-        """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
+        """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot, edge type per
+        slot)."""
         frontier = frontier.long()
         arange = torch.arange(frontier.numel(), device=self.device)
         # one slot per (frontier node, edge type into its node type)

@@ -5,6 +5,7 @@ batches as PyG's own NodeLoader assembles from the same samples; its input forms
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -146,6 +147,66 @@ def test_per_batch_host_work_is_a_few_operations_per_hop():
     small, large = _sample_ops(sampler, torch.arange(16)), _sample_ops(sampler, torch.arange(0, 3000, 3))
     assert small == large, (small, large)
     assert small[0] <= 90 and small[1] <= 2 * 2, small
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_the_torchscript_path_gives_the_python_paths_batches(replace):
+    from pytorch_direct import _sample_script
+
+    assert _sample_script.scripted() is not None, "TorchScript compiles the sampler here"
+    topo = skewed_graph(seed=3)
+    topo.node_type = torch.arange(300) % 3
+    batches = []
+    for fn in (_sample_script.scripted(), _sample_script.sample_homogeneous):
+        sampler = NeighborSampler(topo, [6, -1, 3], replace=replace, generator=torch.Generator().manual_seed(5))
+        sampler._homogeneous = fn
+        batches.append([sampler.sample(seeds) for seeds in (torch.arange(0, 300, 7), torch.tensor([3]))])
+    for a, b in zip(*batches, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert torch.equal(x, y)
+        assert (a.num_sampled_nodes, a.num_sampled_edges) == (b.num_sampled_nodes, b.num_sampled_edges)
+
+
+def test_sampling_leaves_the_gil_to_other_threads():
+    # a loader thread samples while the training thread runs Python: the TorchScript path releases the GIL for the
+    # whole batch (host round trips included), so another thread runs meanwhile. Without a release it could not
+    # before the switch interval (longer than the call here): so for pure Python work of the same length.
+    import sys
+
+    from pytorch_direct import _sample_script
+
+    topo = csc_from_edges(*skewed_edges(num_nodes=20_000, e=400_000), 20_000)
+    sampler = NeighborSampler(topo, [15, 10])
+    sampler._homogeneous = _sample_script.scripted()
+    sampler.sample(torch.arange(500))
+
+    def python_work():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    ran = {}
+    for name, work in (("sampler", lambda: sampler.sample(torch.arange(500))), ("python", python_work)):
+        go, stop, count = threading.Event(), threading.Event(), [0]
+
+        def spin(go=go, stop=stop, count=count):
+            go.wait()
+            while not stop.is_set():
+                count[0] += 1
+
+        thread = threading.Thread(target=spin)
+        thread.start()
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            go.set()
+            work()
+            ran[name] = count[0]
+        finally:
+            stop.set()
+            sys.setswitchinterval(before)
+            thread.join()
+    assert ran["sampler"] > 0 and ran["python"] == 0, ran
 
 
 @pytest.mark.parametrize("replace", [False, True])

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _sample_script
 from ._create import is_unified
 
 
@@ -191,6 +192,10 @@ class NeighborSampler:
 
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
+
+    A homogeneous graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs
+    without holding the GIL (a loader thread then leaves the interpreter to the training thread); unified
+    tensors and edge-type blocks are sampled by the same operations called from Python.
     """
 
     def __init__(self, topology: Topology, num_neighbors: list[int] | dict[Any, list[int]], *, replace: bool = False,
@@ -215,6 +220,12 @@ class NeighborSampler:
         self.generator = generator
         self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
         self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
+        # the homogeneous path: TorchScript for plain tensors, Python for unified ones (their reads dispatch
+        # through Python)
+        self._homogeneous = None
+        if blocks is None:
+            plain = not any(is_unified(t) for t in topology.tensors().values())
+            self._homogeneous = (_sample_script.scripted() if plain else None) or _sample_script.sample_homogeneous
         if blocks is not None:
             dev = self.device
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
@@ -236,6 +247,8 @@ class NeighborSampler:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
         if check:
             check_seeds(seeds, self.num_nodes)
+        if self._homogeneous is not None:
+            return self._sample_homogeneous(seeds)
         local = self._local
         batch = seeds.numel()
         local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
@@ -282,6 +295,19 @@ class NeighborSampler:
         edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
         return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
                                num_edges_per_hop, pos)
+
+    def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
+        topo = self.topology
+        try:
+            n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = _sample_script.run(
+                self._homogeneous, topo.colptr, topo.row, self._local, seeds, self._sentinel,
+                [f[0] for f in self.fanouts], self.replace, self.generator, topo.edge_id, topo.edge_type,
+                topo.node_type)
+        except BaseException:
+            self._local.fill_(-1)  # (which entries the batch set is not known here)
+            raise
+        return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
+                               pos)
 
     def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
         """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot, edge type per

@@ -600,6 +600,26 @@ def test_sampler_on_the_gpu(where):
 
 
 @pytest.mark.gpu
+def test_the_torchscript_path_on_the_gpu_gives_the_python_paths_batches():
+    from pytorch_direct import _sample_script
+
+    topo = skewed_graph(seed=11).placed("device", torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    batches = []
+    for fn in (_sample_script.scripted(), _sample_script.sample_homogeneous):
+        gen = torch.Generator("cuda").manual_seed(3)
+        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen)
+        sampler._homogeneous = fn
+        with torch.cuda.stream(stream):  # as the loader samples: on a side stream
+            batches.append([sampler.sample(torch.arange(0, 300, k).cuda()) for k in (5, 7)])
+        stream.synchronize()
+    for a, b in zip(*batches, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert x.is_cuda and torch.equal(x, y)
+        assert a.num_sampled_nodes == b.num_sampled_nodes
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefetch,thread", [(0, False), (2, False), (1, True), (3, True)])
 def test_loader_on_the_gpu(prefetch, thread):
     data = random_data(n=3000, e=40000, seed=8)

@@ -364,10 +364,13 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
             if steps == count:
                 break
         harness.synchronize(device)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:20]
+    def device_us(e) -> float:  # (named self_cuda_time_total before torch 2.4)
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) or 0
+
+    time_of = device_us if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=time_of, reverse=True)[:20]
     rows = [{"op": e.key, "calls_per_step": e.count / max(steps, 1),
-             "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / max(steps, 1),
+             "device_ms_per_step": device_us(e) / 1e3 / max(steps, 1),
              "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / max(steps, 1)} for e in events]
     proc.print(f"  {name}: profile of {steps} steps, per step (ops by {'device' if cuda else 'CPU'} time):")
     for r in rows:

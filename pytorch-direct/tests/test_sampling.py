@@ -167,6 +167,22 @@ def test_the_torchscript_path_gives_the_python_paths_batches(replace):
         assert (a.num_sampled_nodes, a.num_sampled_edges) == (b.num_sampled_nodes, b.num_sampled_edges)
 
 
+def test_a_torch_without_torchscript_samples_through_python(monkeypatch, caplog):
+    from pytorch_direct import _sample_script
+
+    def no_script(fn):
+        raise RuntimeError("TorchScript is not available")
+
+    monkeypatch.setattr(torch.jit, "script", no_script)
+    monkeypatch.setattr(_sample_script, "_compiled", [])
+    with caplog.at_level("WARNING", logger="pytorch_direct"):
+        sampler = NeighborSampler(skewed_graph(), [4, 3])
+    assert sampler._homogeneous is _sample_script.sample_homogeneous
+    assert "did not compile" in caplog.text and "TorchScript is not available" in caplog.text
+    seeds = torch.arange(0, 300, 9)
+    check_subgraph(sampler.sample(seeds), seeds, skewed_graph(), [4, 3])
+
+
 def test_sampling_leaves_the_gil_to_other_threads():
     # a loader thread samples while the training thread runs Python: the TorchScript path releases the GIL for the
     # whole batch (host round trips included), so another thread runs meanwhile. Without a release it could not

@@ -42,8 +42,12 @@ from gnn_data import GraphSpec, fill_features, generate
 
 IMPLS = ("toolkit", "baseline")
 # How batches are made (pytorch_direct.sampling.NeighborLoader): by a loader thread on its own CUDA stream, ahead by
-# the training thread on that stream, or in turn when training asks for them.
-WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False)}
+# the training thread on that stream, or in turn when training asks for them; "thread-python": by the loader thread
+# with the sampler's operations called from Python (holding the GIL for each), instead of its TorchScript function
+# that runs without the GIL: what the GIL costs a loader thread.
+WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False),
+        "thread-python": dict(thread=True)}
+LOADING = ("thread", "ahead", "inturn")  # the three ways of --compare-loading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +210,12 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
 
     features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
     options = {"prefetch": prefetch, **WAYS[way]}
-    return NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
-                          shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
-                          prepare=prepare, seed=seed, **options)
+    loader = NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
+                            shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
+                            prepare=prepare, seed=seed, **options)
+    if way.endswith("-python"):
+        loader.sampler.script = False
+    return loader
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topology, proc: harness.Process, args,
@@ -442,7 +449,8 @@ def parse_args(argv):
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
     parser.add_argument("--loading", choices=tuple(WAYS), default="thread",
                         help="how both implementations make their batches: by a loader thread on its own CUDA "
-                             "stream (default), ahead by the training thread on that stream, or in turn")
+                             "stream (default), ahead by the training thread on that stream, in turn, or by the "
+                             "loader thread with the sampler's operations called from Python (thread-python)")
     parser.add_argument("--prefetch", type=int, default=1, metavar="K",
                         help="batches made ahead of training by the 'thread' and 'ahead' ways (default 1)")
     parser.add_argument("--baseline-ways", default="", metavar="WAYS",
@@ -496,7 +504,7 @@ def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
     extra = {impl: [] for impl in impls}
     if args.compare_loading:
         for impl in impls:
-            extra[impl] += [w for w in WAYS if w != args.loading]
+            extra[impl] += [w for w in LOADING if w != args.loading]
     for impl, asked in (("toolkit", args.toolkit_ways), ("baseline", args.baseline_ways)):
         if impl in extra:
             extra[impl] += [w for w in asked if w != args.loading and w not in extra[impl]]

@@ -111,10 +111,13 @@ def test_every_way_of_loading_trains_the_same(tiny):
         assert {"wait_s", "compute_s", "sample_s", "gather_s", "wait_fraction"} <= set(epoch), impl
         assert 0 <= epoch["wait_fraction"] < 1 and epoch["sample_s"] > 0
     two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "both",
-                          "--prefetch", "2", "--baseline-ways", "inturn,thread", "--toolkit-ways", "ahead"])
-    assert set(two["impls"]) == {"toolkit", "toolkit-ahead", "baseline", "baseline-inturn"}
+                          "--prefetch", "2", "--baseline-ways", "inturn,thread", "--toolkit-ways",
+                          "ahead,thread-python"])
+    assert set(two["impls"]) == {"toolkit", "toolkit-ahead", "toolkit-thread-python", "baseline", "baseline-inturn"}
     assert two["impls"]["toolkit"]["ahead"] == 2 and two["impls"]["toolkit-ahead"]["loader"] == "ahead"
-    assert first(two, "toolkit") == first(two, "toolkit-ahead") == first(report, "toolkit")
+    # the sampler's TorchScript function and its operations called from Python: the same batches
+    assert first(two, "toolkit") == first(two, "toolkit-ahead") == first(two, "toolkit-thread-python") == \
+        first(report, "toolkit")
     assert first(two, "baseline") == first(two, "baseline-inturn") == first(report, "baseline")
     summary = two["summary"]
     assert summary["best_baseline"] in ("baseline", "baseline-inturn") and summary["speedup"] > 0

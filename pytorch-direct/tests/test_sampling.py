@@ -151,15 +151,13 @@ def test_per_batch_host_work_is_a_few_operations_per_hop():
 
 @pytest.mark.parametrize("replace", [False, True])
 def test_the_torchscript_path_gives_the_python_paths_batches(replace):
-    from pytorch_direct import _sample_script
-
-    assert _sample_script.scripted() is not None, "TorchScript compiles the sampler here"
     topo = skewed_graph(seed=3)
     topo.node_type = torch.arange(300) % 3
     batches = []
-    for fn in (_sample_script.scripted(), _sample_script.sample_homogeneous):
-        sampler = NeighborSampler(topo, [6, -1, 3], replace=replace, generator=torch.Generator().manual_seed(5))
-        sampler._homogeneous = fn
+    for script in (True, False):
+        sampler = NeighborSampler(topo, [6, -1, 3], replace=replace, generator=torch.Generator().manual_seed(5),
+                                  script=script)
+        assert sampler.script is script, "TorchScript compiles the sampler here"
         batches.append([sampler.sample(seeds) for seeds in (torch.arange(0, 300, 7), torch.tensor([3]))])
     for a, b in zip(*batches, strict=True):
         for x, y in zip(a.tensors(), b.tensors(), strict=True):
@@ -177,7 +175,7 @@ def test_a_torch_without_torchscript_samples_through_python(monkeypatch, caplog)
     monkeypatch.setattr(_sample_script, "_compiled", [])
     with caplog.at_level("WARNING", logger="pytorch_direct"):
         sampler = NeighborSampler(skewed_graph(), [4, 3])
-    assert sampler._homogeneous is _sample_script.sample_homogeneous
+    assert not sampler.script
     assert "did not compile" in caplog.text and "TorchScript is not available" in caplog.text
     seeds = torch.arange(0, 300, 9)
     check_subgraph(sampler.sample(seeds), seeds, skewed_graph(), [4, 3])
@@ -189,11 +187,9 @@ def test_sampling_leaves_the_gil_to_other_threads():
     # before the switch interval (longer than the call here): so for pure Python work of the same length.
     import sys
 
-    from pytorch_direct import _sample_script
-
     topo = csc_from_edges(*skewed_edges(num_nodes=20_000, e=400_000), 20_000)
     sampler = NeighborSampler(topo, [15, 10])
-    sampler._homogeneous = _sample_script.scripted()
+    assert sampler.script
     sampler.sample(torch.arange(500))
 
     def python_work():
@@ -261,6 +257,7 @@ def test_bad_input_is_named():
 
 
 def test_topology_in_unified_host_memory_gives_the_same_batches():
+    assert not NeighborSampler(skewed_graph().placed("host", CPU), [2]).script  # (its reads dispatch in Python)
     topo = skewed_graph(seed=3)
     seeds = torch.randperm(300, generator=torch.Generator().manual_seed(0))[:32]
     plain = NeighborSampler(topo, [6, 4], generator=torch.Generator().manual_seed(5)).sample(seeds)
@@ -617,15 +614,13 @@ def test_sampler_on_the_gpu(where):
 
 @pytest.mark.gpu
 def test_the_torchscript_path_on_the_gpu_gives_the_python_paths_batches():
-    from pytorch_direct import _sample_script
-
     topo = skewed_graph(seed=11).placed("device", torch.device("cuda"))
     stream = torch.cuda.Stream()
     batches = []
-    for fn in (_sample_script.scripted(), _sample_script.sample_homogeneous):
+    for script in (True, False):
         gen = torch.Generator("cuda").manual_seed(3)
-        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen)
-        sampler._homogeneous = fn
+        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen, script=script)
+        assert sampler.script is script
         with torch.cuda.stream(stream):  # as the loader samples: on a side stream
             batches.append([sampler.sample(torch.arange(0, 300, k).cuda()) for k in (5, 7)])
         stream.synchronize()

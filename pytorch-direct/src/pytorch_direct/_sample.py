@@ -195,12 +195,13 @@ class NeighborSampler:
 
     A homogeneous graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs
     without holding the GIL (a loader thread then leaves the interpreter to the training thread); unified
-    tensors and edge-type blocks are sampled by the same operations called from Python.
+    tensors and edge-type blocks are sampled by the same operations called from Python (so is everything with
+    ``script=False``, for comparison).
     """
 
     def __init__(self, topology: Topology, num_neighbors: list[int] | dict[Any, list[int]], *, replace: bool = False,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 blocks: Blocks | None = None) -> None:
+                 blocks: Blocks | None = None, script: bool = True) -> None:
         self.topology = topology
         self.blocks = blocks
         self.device = torch.device(device) if device is not None else default_device(topology)
@@ -222,10 +223,7 @@ class NeighborSampler:
         self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
         # the homogeneous path: TorchScript for plain tensors, Python for unified ones (their reads dispatch
         # through Python)
-        self._homogeneous = None
-        if blocks is None:
-            plain = not any(is_unified(t) for t in topology.tensors().values())
-            self._homogeneous = (_sample_script.scripted() if plain else None) or _sample_script.sample_homogeneous
+        self.script = script
         if blocks is not None:
             dev = self.device
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
@@ -295,6 +293,21 @@ class NeighborSampler:
         edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
         return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
                                num_edges_per_hop, pos)
+
+    @property
+    def script(self) -> bool:
+        """Whether a homogeneous batch runs as one TorchScript function without the GIL (see the class docstring);
+        False where the topology is unified, has edge-type blocks, or TorchScript is not available."""
+        return self._homogeneous is not None and self._homogeneous is not _sample_script.sample_homogeneous
+
+    @script.setter
+    def script(self, value: bool) -> None:
+        """``False``: the same operations called from Python, holding the GIL for each (for comparison)."""
+        self._homogeneous = None
+        if self.blocks is None:
+            plain = not any(is_unified(t) for t in self.topology.tensors().values())
+            compiled = _sample_script.scripted() if value and plain else None
+            self._homogeneous = compiled or _sample_script.sample_homogeneous
 
     def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
         topo = self.topology

@@ -2,8 +2,9 @@
 # End-to-end runs on the GPU machine, from the repo root. Steps (E2E_STEPS, default "gnn-1 llm-1 gnn-2 llm-2"):
 #   gnn-tests  the GPU tests of the sampler and loader (pytorch-direct) and of gnn_train.py
 #   gnn-1      gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector, batches made by the loader
-#              thread, and ahead by the training thread; and with pytorch-direct's GPU feature cache holding 15% of
-#              the rows, E2E_GNN_CACHE) against the plain PyTorch/PyG baseline made by a loader thread and in turn
+#              thread; also ahead by the training thread, by the loader thread with the sampler called from Python
+#              instead of TorchScript, and with pytorch-direct's GPU feature cache holding 15% of the rows,
+#              E2E_GNN_CACHE) against the plain PyTorch/PyG baseline made by a loader thread and in turn
 #   gnn-r1000, gnn-r10000   the same on a 20M-node graph with 1,000 / 10,000 relations (relation skew 1.0), 2 epochs
 #   llm-1      llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
 #              ssdtrain at 1.5x the largest batch keep fitted
@@ -84,10 +85,11 @@ fi
 # The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
 GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)
 if wanted gnn-1; then
-  # (the toolkit also with batches made ahead by the training thread: how much the loader thread gains; and with
-  # the GPU feature cache: what it adds on top of zero-copy reads)
+  # (the toolkit also with batches made ahead by the training thread: how much the loader thread gains; with the
+  # sampler's operations called from Python in the loader thread: what the GIL costs; and with the GPU feature
+  # cache: what it adds on top of zero-copy reads)
   # shellcheck disable=SC2086
-  step gnn-1 210 "${GNN_RUN[@]}" --toolkit-ways ahead --toolkit-cache "${E2E_GNN_CACHE:-0.15}" \
+  step gnn-1 240 "${GNN_RUN[@]}" --toolkit-ways ahead,thread-python --toolkit-cache "${E2E_GNN_CACHE:-0.15}" \
     --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
 fi
 # Many relations (a 20M-node graph at the large size): the per-batch cost of relations.

@@ -559,13 +559,28 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.main:
             harness.write_json(args.json, report)
 
+    failed = []
     for name, impl, way, cache in runs:
         report["impls"][name] = {}
-        run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
-                 report["impls"][name], save, way=way, name=name, cache=cache)
+        try:
+            run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
+                     report["impls"][name], save, way=way, name=name, cache=cache)
+        except Exception as exc:
+            if not cache or proc.distributed:
+                raise
+            # the cached run is an extra column: its failure is reported (and fails the script at the end), the
+            # comparison of the others still stands
+            report["impls"][name]["error"] = f"{type(exc).__name__}: {exc}"
+            failed.append(name)
+            proc.print(f"  {name} FAILED: {type(exc).__name__}: {exc}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     report["summary"] = summarize(report, proc)
     save()
     harness.finish(proc)
+    if failed:
+        raise SystemExit(f"gnn_train: {', '.join(failed)} failed (see above); the other runs' results are in the "
+                         f"report")
     return report
 
 

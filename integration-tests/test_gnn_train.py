@@ -152,6 +152,22 @@ def test_toolkit_with_the_feature_cache_trains_the_same():
         gnn_train.main(["--size", "tiny", "--device", "cpu", "--toolkit-cache", "1.5"])
 
 
+def test_a_failed_cache_run_leaves_the_others_and_fails_the_script(tmp_path, monkeypatch):
+    import json
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for the cache")
+
+    monkeypatch.setattr(gnn_train, "make_cache", no_memory)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="toolkit-cache failed"):
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--toolkit-cache",
+                        "0.1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert "no room for the cache" in report["impls"]["toolkit-cache"]["error"]
+    assert report["summary"]["speedup"] > 0 and report["impls"]["toolkit"]["epochs"]
+
+
 @pytest.mark.gpu
 def test_batches_made_ahead_on_the_gpu():
     # batches made on the loader's stream (ahead, in turn, or by a thread) reach the training stream intact: the

@@ -344,7 +344,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
                    + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
-    if args.profile:
+    if args.profile and name in IMPLS:  # (each implementation's default way)
         result["profile"] = profile_batches(train_loader, forward, optimizer, args.profile, device, name, proc)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
@@ -465,9 +465,9 @@ def parse_args(argv):
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="after the measured epochs, profile this many more training steps of each run (torch "
-                             "profiler, the loader's thread included) and print the operations taking the most "
-                             "device time (default 0: none)")
+                        help="after the measured epochs, profile this many more training steps of the toolkit's and "
+                             "the baseline's default way (torch profiler, the loader's thread included) and print "
+                             "the operations taking the most device time (default 0: none)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help='random seed for the graph, weights and batches')
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

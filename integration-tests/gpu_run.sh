@@ -97,8 +97,8 @@ fi
 for relations in 1000 10000; do
   if wanted "gnn-r$relations"; then
     # shellcheck disable=SC2086
-    # (then 6 more steps of each run under the profiler: where the time per step goes at this relation count)
-    step "gnn-r$relations" 150 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
+    # (then 6 more steps of the toolkit and the baseline under the profiler: where the time per step goes)
+    step "gnn-r$relations" 170 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
       --relation-skew 1.0 --epochs 2 --profile 6 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
   fi
 done

@@ -253,8 +253,7 @@ class NeighborSampler:
         nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
         num_nodes_per_hop, num_edges_per_hop = [batch], []
         frontier, frontier_start, total = seeds, 0, batch
-        # Every operation here is a Python call and a kernel launch made while holding the GIL, beside a training
-        # thread that needs it too: the loop keeps to about a dozen per hop besides the draw.
+        # (with edge-type blocks; the homogeneous path is one TorchScript function, see _sample_homogeneous)
         try:
             for hop in range(self.num_hops):
                 pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
@@ -270,8 +269,7 @@ class NeighborSampler:
                 srcs.append(seen)
                 dsts.append(dst_local)
                 poss.append(pos)
-                if block is not None:
-                    etypes.append(block)
+                etypes.append(block)
                 nodes.append(new)  # (in the row's dtype: the concatenation below makes them int64)
                 num_nodes_per_hop.append(new.numel())
                 num_edges_per_hop.append(pos.numel())
@@ -284,12 +282,8 @@ class NeighborSampler:
         pos = torch.cat(poss)
         topo = self.topology
         e_id = _read(topo.edge_id, pos).long() if topo.edge_id is not None else pos
-        if self.blocks is not None:
-            edge_type = torch.cat(etypes)
-            node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
-        else:
-            edge_type = _read(topo.edge_type, pos).long() if topo.edge_type is not None else None
-            node_type = _read(topo.node_type, n_id).long() if topo.node_type is not None else None
+        edge_type = torch.cat(etypes)
+        node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
         edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
         return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
                                num_edges_per_hop, pos)
@@ -338,48 +332,35 @@ class NeighborSampler:
         return slots, owner + frontier_start, self._fanout_table[hop][k], k
 
     def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
-        """(CSC positions of the sampled in-edges, local id of each edge's destination, edge type of each edge or
-        None). One host round trip besides the slot expansion: the number of in-edges and of sampled edges."""
-        if self.blocks is None:  # one slot per frontier node: its local id is its position + frontier_start
-            slots, dst_local, fanout, kind = frontier, None, self.fanouts[hop][0], None
-        else:
-            slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
-        n = slots.numel()
-        if n == 0:
+        """With edge-type blocks: (CSC positions of the sampled in-edges, local id of each edge's destination, edge
+        type of each edge). One host round trip besides the slot expansion: the number of in-edges and of sampled
+        edges. (The homogeneous path is ``_sample_script.sample_homogeneous``: the same draw, one fan-out.)"""
+        slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
+        if slots.numel() == 0:
             empty = torch.empty(0, dtype=torch.long, device=self.device)
-            return empty, empty, (empty if kind is not None else None)
+            return empty, empty, empty
         colptr = self.topology.colptr
         begin = _read(colptr, slots)
         degree = _read(colptr, slots + 1) - begin
-        if isinstance(fanout, int):
-            every = fanout < 0  # all in-edges of every slot
-            if every:
-                take = degree
-            elif self.replace:
-                take = torch.where(degree > 0, fanout, 0)
-            else:
-                take = degree.clamp(max=fanout)
-        else:
-            every = fanout < 0  # per slot
-            bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
-            take = torch.where(every, degree, bounded)
+        every = fanout < 0  # per slot: all its in-edges
+        bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
+        take = torch.where(every, degree, bounded)
         cum_degree, cum_take = degree.cumsum(0), take.cumsum(0)
         total, taken = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # one host round trip
         # (repeat_interleave of counts alone repeats 0..n-1: the slot of each sampled edge)
         owner_taken = torch.repeat_interleave(take, output_size=taken)
-        dst_out = owner_taken + frontier_start if dst_local is None else dst_local[owner_taken]
-        kind_out = kind[owner_taken] if kind is not None else None
+        dst_out = dst_local[owner_taken]
+        kind_out = kind[owner_taken]
         # the j-th sampled edge of its slot
         j = torch.arange(taken, device=self.device) - (cum_take - take)[owner_taken]
-        if (total == taken and not self.replace) or every is True:  # every in-edge is taken: nothing to draw
+        if total == taken and not self.replace:  # every in-edge is taken: nothing to draw
             return begin[owner_taken] + j, dst_out, kind_out
         begin_taken = begin[owner_taken]
         if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
             u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
             d = degree[owner_taken]
             drawn = (u * d).long().clamp(max=d - 1)
-            offset = drawn if every is False else torch.where(every[owner_taken], j, drawn)
-            return begin_taken + offset, dst_out, kind_out
+            return begin_taken + torch.where(every[owner_taken], j, drawn), dst_out, kind_out
         # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
         # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
         # replacement. One sort instead of a loop of fanout steps of small kernels.

@@ -42,8 +42,12 @@ from gnn_data import GraphSpec, fill_features, generate
 
 IMPLS = ("toolkit", "baseline")
 # How batches are made (pytorch_direct.sampling.NeighborLoader): by a loader thread on its own CUDA stream, ahead by
-# the training thread on that stream, or in turn when training asks for them.
-WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False)}
+# the training thread on that stream, or in turn when training asks for them; "thread-python": by the loader thread
+# with the sampler's operations called from Python (holding the GIL for each), instead of its TorchScript function
+# that runs without the GIL: what the GIL costs a loader thread.
+WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False),
+        "thread-python": dict(thread=True)}
+LOADING = ("thread", "ahead", "inturn")  # the three ways of --compare-loading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,34 +196,78 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
     them (``unify=False``)."""
     from pytorch_direct.sampling import NeighborLoader
 
-    transform = None
+    prepare = None
     if impl == "toolkit":
         import hector
 
         num_relations = cfg.graph.num_relations
 
-        def transform(batch):
-            # hector's preprocessing reads a few sizes on the host: done here, in the loader, not in the first layer
-            batch.hector_graph = hector.prepare_graph(batch.edge_index, batch.edge_type, batch.num_nodes,
-                                                      num_relations)
-            return batch
+        def prepare(sub):
+            # hector's preprocessing reads a few sizes on the host: done where the batch is made, while its
+            # features are gathered on the loader's other stream (its host reads then wait for the sampling only)
+            return {"hector_graph": hector.prepare_graph(sub.edge_index, sub.edge_type, sub.num_nodes,
+                                                         num_relations)}
 
     features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
     options = {"prefetch": prefetch, **WAYS[way]}
-    return NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
-                          shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
-                          transform=transform, seed=seed, **options)
+    loader = NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
+                            shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
+                            prepare=prepare, seed=seed, **options)
+    if way.endswith("-python"):
+        loader.sampler.script = False
+    return loader
 
 
 def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topology, proc: harness.Process, args,
-             result: dict, save=lambda: None, way: str = "thread", name: str | None = None) -> None:
+             result: dict, save=lambda: None, way: str = "thread", name: str | None = None,
+             cache: float = 0.0) -> None:
     """Train ``impl`` with batches made ``way`` (WAYS); fills ``result`` (epochs as they finish, then peak memory)
-    and calls ``save`` after each epoch. ``name`` labels the progress output (default: ``impl``)."""
+    and calls ``save`` after each epoch. ``name`` labels the progress output (default: ``impl``). ``cache``: the
+    share of the feature table's rows pytorch-direct's GPU cache holds during the run (the toolkit only; 0: none)."""
     name = name or impl
-    device = proc.device
     prefetch = max(1, args.prefetch)
     result["loader"] = way
     result["ahead"] = 0 if way == "inturn" else prefetch
+    row_cache = None
+    if cache > 0:
+        if impl != "toolkit":
+            raise ValueError("the feature cache is pytorch-direct's: only the toolkit can train with it")
+        row_cache = make_cache(table, graph, cache, proc.device)
+        result["cache"] = dict(row_cache.info)
+    try:
+        _train(impl, model, cfg, graph, table, topology, proc, args, result, save, way, name, prefetch, row_cache)
+    finally:
+        if row_cache is not None:
+            row_cache.release()
+
+
+def make_cache(table, graph, share: float, device: torch.device):
+    """pytorch-direct's GPU cache of the feature table holding ``share`` of its rows, filled by a degree estimate:
+    a node's row is gathered each time a sampled edge leaves it, so the nodes with the most out-edges first.
+    Returns the cache with ``info`` (share, rows, bytes, fill seconds) attached."""
+    import pytorch_direct as pd
+
+    if not 0 < share <= 1:
+        raise ValueError(f"the cache share must lie in (0, 1], got {share}")
+    start = time.perf_counter()
+    row = graph.row.plain() if pd.is_unified(graph.row) else graph.row
+    out_degree = torch.bincount(row, minlength=graph.num_nodes).float()
+    rows = max(1, int(share * graph.num_nodes))
+    row_bytes = table.shape[1] * table.element_size()
+    # the budget covers the rows (+ 8 bytes each: their table row) and the slot map (4 bytes per table row)
+    row_cache = pd.cached(table, rows * (row_bytes + 8) + 4 * graph.num_nodes, frequency=out_degree, device=device)
+    del out_degree
+    harness.synchronize(device)
+    stats = row_cache.stats()
+    row_cache.info = {"share": share, "rows": stats["cached_rows"], "bytes": stats["bytes"],
+                      "fill_s": time.perf_counter() - start}
+    return row_cache
+
+
+def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, way, name, prefetch,
+           row_cache) -> None:
+    """The training of :func:`run_impl` (``row_cache``: the feature cache in use, or None)."""
+    device = proc.device
     model = model.to(device)
     if proc.distributed:
         # static_graph: every step uses the same parameters, so DDP can skip re-tracing which ones took part
@@ -245,6 +293,8 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topolo
     for batch in loader(seeds[: cfg.warmup_batches * cfg.batch_size], args.seed + 29, shuffle=False):
         F.cross_entropy(forward(batch), batch.y[: batch.batch_size]).backward()
         optimizer.zero_grad(set_to_none=True)
+        if row_cache is not None and "hit_rate" not in result["cache"]:
+            result["cache"]["hit_rate"] = row_cache.hit_rate(batch.n_id)  # of the rows a batch gathers
     harness.reset_peak_memory(device)
 
     train_loader = loader(seeds, args.seed)
@@ -286,13 +336,54 @@ def run_impl(impl: str, model: nn.Module, cfg: TrainConfig, graph, table, topolo
         epochs.append(record)
         result["batches_per_epoch_per_rank"] = len(losses)
         save()
+        cached = result.get("cache")
         proc.print(f"  {name:16s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  (waited for batches {wait:.2f} s = "
                    f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s)"
-                   + (f" [gather: {_status_text(auto)}]" if auto else ""))
+                   + (f" [gather: {_status_text(auto)}]" if auto else "")
+                   + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
+                      f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
+    if args.profile and name in IMPLS:  # (each implementation's default way)
+        result["profile"] = profile_batches(train_loader, forward, optimizer, args.profile, device, name, proc)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
+
+
+def profile_batches(train_loader, forward, optimizer, count: int, device: torch.device, name: str,
+                    proc: harness.Process) -> list[dict]:
+    """``count`` more training steps (after the measured epochs, so their times are not inflated) under the torch
+    profiler: prints the operations that took the most device time (CPU time without a GPU), all threads
+    included (the loader thread's sampling too), and returns them as rows of name, calls and milliseconds per
+    step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = 0
+    with profile(activities=activities) as prof:
+        for batch in train_loader:
+            loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            if steps == count:
+                break
+        harness.synchronize(device)
+    def device_us(e) -> float:  # (named self_cuda_time_total before torch 2.4)
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) or 0
+
+    time_of = device_us if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=time_of, reverse=True)[:20]
+    rows = [{"op": e.key, "calls_per_step": e.count / max(steps, 1),
+             "device_ms_per_step": device_us(e) / 1e3 / max(steps, 1),
+             "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / max(steps, 1)} for e in events]
+    proc.print(f"  {name}: profile of {steps} steps, per step (ops by {'device' if cuda else 'CPU'} time):")
+    for r in rows:
+        proc.print(f"    {r['op'][:60]:60s} {r['calls_per_step']:7.1f} calls {r['device_ms_per_step']:8.3f} ms device "
+                   f"{r['cpu_ms_per_step']:8.3f} ms CPU")
+    return rows
 
 
 def _gather_status(impl: str, device: torch.device) -> dict | None:
@@ -358,7 +449,8 @@ def parse_args(argv):
                              "(zero-copy from the GPU), for graphs larger than GPU memory")
     parser.add_argument("--loading", choices=tuple(WAYS), default="thread",
                         help="how both implementations make their batches: by a loader thread on its own CUDA "
-                             "stream (default), ahead by the training thread on that stream, or in turn")
+                             "stream (default), ahead by the training thread on that stream, in turn, or by the "
+                             "loader thread with the sampler's operations called from Python (thread-python)")
     parser.add_argument("--prefetch", type=int, default=1, metavar="K",
                         help="batches made ahead of training by the 'thread' and 'ahead' ways (default 1)")
     parser.add_argument("--baseline-ways", default="", metavar="WAYS",
@@ -366,8 +458,16 @@ def parse_args(argv):
                              "baseline-WAY: the toolkit is compared with the fastest")
     parser.add_argument("--toolkit-ways", default="", metavar="WAYS",
                         help="also train the toolkit these other ways, reported as toolkit-WAY")
+    parser.add_argument("--toolkit-cache", type=float, default=0.0, metavar="SHARE",
+                        help="also train the toolkit with pytorch-direct's GPU cache holding this share of the "
+                             "feature table's rows (e.g. 0.15; filled by out-degree), reported as toolkit-cache; "
+                             "default 0: not trained")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the measured epochs, profile this many more training steps of the toolkit's and "
+                             "the baseline's default way (torch profiler, the loader's thread included) and print "
+                             "the operations taking the most device time (default 0: none)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help='random seed for the graph, weights and batches')
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -390,23 +490,28 @@ def parse_args(argv):
         parser.error(f"--prefetch must be >= 1 batch (--loading inturn makes them in turn), got {args.prefetch}")
     args.baseline_ways = _ways(args.baseline_ways, parser, "--baseline-ways")
     args.toolkit_ways = _ways(args.toolkit_ways, parser, "--toolkit-ways")
+    if not 0 <= args.toolkit_cache <= 1:
+        parser.error(f"--toolkit-cache must be a share of the table's rows in [0, 1], got {args.toolkit_cache}")
     if args.size is None:
         args.size = "small" if torch.cuda.is_available() and args.device != "cpu" else "tiny"
     return args
 
 
-def planned_runs(args, impls) -> list[tuple[str, str, str]]:
-    """(name in the report, implementation, way): each implementation the default way under its own name, then the
-    other ways asked for as NAME-WAY."""
-    runs = [(impl, impl, args.loading) for impl in impls]
+def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
+    """(name in the report, implementation, way, cache share): each implementation the default way under its own
+    name, then the other ways asked for as NAME-WAY, then the toolkit with the feature cache as toolkit-cache."""
+    runs = [(impl, impl, args.loading, 0.0) for impl in impls]
     extra = {impl: [] for impl in impls}
     if args.compare_loading:
         for impl in impls:
-            extra[impl] += [w for w in WAYS if w != args.loading]
+            extra[impl] += [w for w in LOADING if w != args.loading]
     for impl, asked in (("toolkit", args.toolkit_ways), ("baseline", args.baseline_ways)):
         if impl in extra:
             extra[impl] += [w for w in asked if w != args.loading and w not in extra[impl]]
-    return runs + [(f"{impl}-{way}", impl, way) for impl in impls for way in extra[impl]]
+    runs += [(f"{impl}-{way}", impl, way, 0.0) for impl in impls for way in extra[impl]]
+    if args.toolkit_cache and "toolkit" in impls:
+        runs.append(("toolkit-cache", "toolkit", args.loading, args.toolkit_cache))
+    return runs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -419,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
                f"{spec.num_relations} relations (skew {spec.relation_skew}), {spec.num_classes} classes, features "
                f"{spec.feature_dim} x fp32 ({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} "
-               f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w in runs)}")
+               f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w, _ in runs)}")
 
     start = time.perf_counter()
     graph = generate(spec, proc.device)
@@ -454,13 +559,28 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.main:
             harness.write_json(args.json, report)
 
-    for name, impl, way in runs:
+    failed = []
+    for name, impl, way, cache in runs:
         report["impls"][name] = {}
-        run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
-                 report["impls"][name], save, way=way, name=name)
+        try:
+            run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
+                     report["impls"][name], save, way=way, name=name, cache=cache)
+        except Exception as exc:
+            if not cache or proc.distributed:
+                raise
+            # the cached run is an extra column: its failure is reported (and fails the script at the end), the
+            # comparison of the others still stands
+            report["impls"][name]["error"] = f"{type(exc).__name__}: {exc}"
+            failed.append(name)
+            proc.print(f"  {name} FAILED: {type(exc).__name__}: {exc}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     report["summary"] = summarize(report, proc)
     save()
     harness.finish(proc)
+    if failed:
+        raise SystemExit(f"gnn_train: {', '.join(failed)} failed (see above); the other runs' results are in the "
+                         f"report")
     return report
 
 
@@ -510,6 +630,14 @@ def summarize(report: dict, proc: harness.Process) -> dict:
                f"batches {summary['toolkit_wait_fraction']:.1%} of its epochs; val acc "
                f"{summary['toolkit_val_acc']:.3f} vs {summary['baseline_val_acc']:.3f} (chance "
                f"{report['chance_accuracy']:.3f})")
+    cached = impls.get("toolkit-cache")
+    if cached is not None:
+        summary["cache_share"] = cached["cache"]["share"]
+        summary["cache_epoch_s"] = mean_epoch(cached)
+        summary["cache_speedup"] = summary["toolkit_epoch_s"] / summary["cache_epoch_s"]
+        proc.print(f"toolkit with the GPU cache ({summary['cache_share']:.0%} of the rows, "
+                   f"{cached['cache'].get('hit_rate', 0):.1%} of a batch's rows): {summary['cache_epoch_s']:.2f} s per "
+                   f"epoch = {summary['cache_speedup']:.2f}x the toolkit without it")
     return summary
 
 

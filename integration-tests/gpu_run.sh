@@ -2,8 +2,9 @@
 # End-to-end runs on the GPU machine, from the repo root. Steps (E2E_STEPS, default "gnn-1 llm-1 gnn-2 llm-2"):
 #   gnn-tests  the GPU tests of the sampler and loader (pytorch-direct) and of gnn_train.py
 #   gnn-1      gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector, batches made by the loader
-#              thread, and ahead by the training thread) against the plain PyTorch/PyG baseline made by a loader
-#              thread and in turn
+#              thread; also ahead by the training thread, by the loader thread with the sampler called from Python
+#              instead of TorchScript, and with pytorch-direct's GPU feature cache holding 15% of the rows,
+#              E2E_GNN_CACHE) against the plain PyTorch/PyG baseline made by a loader thread and in turn
 #   gnn-r1000, gnn-r10000   the same on a 20M-node graph with 1,000 / 10,000 relations (relation skew 1.0), 2 epochs
 #   llm-1      llm_train.py --size large, 1 process: keep at growing batches until out of memory, then recompute and
 #              ssdtrain at 1.5x the largest batch keep fitted
@@ -11,7 +12,8 @@
 #   llm-2      llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of llm-1
 # then report.py over all of them (its last table: the toolkit against the fastest baseline way per GNN run, with
 # the share of the epoch spent waiting for batches). Every step runs under its own time limit, whatever happened to
-# the others. E2E_STEPS=gnn is "gnn-tests gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200).
+# the others. E2E_STEPS=gnn is "gnn-tests gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200);
+# "gnn-1 gnn-r1000 gnn-r10000" fits one 8-minute call.
 #
 #   bash integration-tests/gpu_run.sh                # installs the three packages first (no build isolation)
 #   bash integration-tests/gpu_run.sh --no-install   # they are installed already (e.g. from `nox -s gpu`)
@@ -83,17 +85,21 @@ fi
 # The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
 GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)
 if wanted gnn-1; then
-  # (the toolkit also with batches made ahead by the training thread: how much the loader thread gains)
+  # (the toolkit also with batches made ahead by the training thread: how much the loader thread gains; with the
+  # sampler's operations called from Python in the loader thread: what the GIL costs; and with the GPU feature
+  # cache: what it adds on top of zero-copy reads)
   # shellcheck disable=SC2086
-  step gnn-1 180 "${GNN_RUN[@]}" --toolkit-ways ahead --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
+  step gnn-1 240 "${GNN_RUN[@]}" --toolkit-ways ahead,thread-python --toolkit-cache "${E2E_GNN_CACHE:-0.15}" \
+    --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
 fi
 # Many relations (a 20M-node graph at the large size): the per-batch cost of relations.
 [ "$SIZE" = tiny ] && RELATION_NODES=8000 || RELATION_NODES=20000000
 for relations in 1000 10000; do
   if wanted "gnn-r$relations"; then
     # shellcheck disable=SC2086
-    step "gnn-r$relations" 150 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
-      --relation-skew 1.0 --epochs 2 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
+    # (then 6 more steps of the toolkit and the baseline under the profiler: where the time per step goes)
+    step "gnn-r$relations" 170 "${GNN_RUN[@]}" --num-nodes "$RELATION_NODES" --relations "$relations" \
+      --relation-skew 1.0 --epochs 2 --profile 6 --json "$RESULTS/gnn-r$relations.json" ${E2E_GNN_ARGS:-}
   fi
 done
 if wanted llm-1; then

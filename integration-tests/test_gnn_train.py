@@ -111,10 +111,13 @@ def test_every_way_of_loading_trains_the_same(tiny):
         assert {"wait_s", "compute_s", "sample_s", "gather_s", "wait_fraction"} <= set(epoch), impl
         assert 0 <= epoch["wait_fraction"] < 1 and epoch["sample_s"] > 0
     two = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl", "both",
-                          "--prefetch", "2", "--baseline-ways", "inturn,thread", "--toolkit-ways", "ahead"])
-    assert set(two["impls"]) == {"toolkit", "toolkit-ahead", "baseline", "baseline-inturn"}
+                          "--prefetch", "2", "--baseline-ways", "inturn,thread", "--toolkit-ways",
+                          "ahead,thread-python"])
+    assert set(two["impls"]) == {"toolkit", "toolkit-ahead", "toolkit-thread-python", "baseline", "baseline-inturn"}
     assert two["impls"]["toolkit"]["ahead"] == 2 and two["impls"]["toolkit-ahead"]["loader"] == "ahead"
-    assert first(two, "toolkit") == first(two, "toolkit-ahead") == first(report, "toolkit")
+    # the sampler's TorchScript function and its operations called from Python: the same batches
+    assert first(two, "toolkit") == first(two, "toolkit-ahead") == first(two, "toolkit-thread-python") == \
+        first(report, "toolkit")
     assert first(two, "baseline") == first(two, "baseline-inturn") == first(report, "baseline")
     summary = two["summary"]
     assert summary["best_baseline"] in ("baseline", "baseline-inturn") and summary["speedup"] > 0
@@ -127,11 +130,42 @@ def test_every_way_of_loading_trains_the_same(tiny):
 
 def test_relation_flags_train_many_relations():
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
-                             "--relations", "200", "--relation-skew", "1.0"])
+                             "--relations", "200", "--relation-skew", "1.0", "--profile", "2"])
     assert report["config"]["graph"]["num_relations"] == 200 and report["config"]["graph"]["relation_skew"] == 1.0
+    for impl in ("toolkit", "baseline"):  # the profiled steps: the costliest operations, each step's matmuls among them
+        rows = report["impls"][impl]["profile"]
+        assert 0 < len(rows) <= 20 and all(r["cpu_ms_per_step"] >= 0 for r in rows)
+        assert any("mm" in r["op"] and r["calls_per_step"] >= 1 for r in rows), [r["op"] for r in rows]
     ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
+
+
+def test_toolkit_with_the_feature_cache_trains_the_same():
+    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--impl",
+                             "toolkit", "--toolkit-cache", "0.2"])
+    cached, plain = report["impls"]["toolkit-cache"], report["impls"]["toolkit"]
+    assert cached["cache"]["share"] == 0.2 and abs(cached["cache"]["rows"] - 0.2 * 8_000) <= 1
+    assert 0.2 < cached["cache"]["hit_rate"] < 1  # the high-degree rows are gathered more often than the others
+    assert cached["epochs"][0]["batch_losses"] == pytest.approx(plain["epochs"][0]["batch_losses"], abs=1e-6)
+    with pytest.raises(SystemExit):
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--toolkit-cache", "1.5"])
+
+
+def test_a_failed_cache_run_leaves_the_others_and_fails_the_script(tmp_path, monkeypatch):
+    import json
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for the cache")
+
+    monkeypatch.setattr(gnn_train, "make_cache", no_memory)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="toolkit-cache failed"):
+        gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--toolkit-cache",
+                        "0.1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert "no room for the cache" in report["impls"]["toolkit-cache"]["error"]
+    assert report["summary"]["speedup"] > 0 and report["impls"]["toolkit"]["epochs"]
 
 
 @pytest.mark.gpu

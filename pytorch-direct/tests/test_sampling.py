@@ -5,6 +5,7 @@ batches as PyG's own NodeLoader assembles from the same samples; its input forms
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -114,6 +115,112 @@ def test_map_is_reset_between_batches():
     assert bool((sampler._local == -1).all())
 
 
+def _sample_ops(sampler, seeds):
+    """(torch operations dispatched, host round trips: size reads and unique, which reads its size on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.reads += func.overloadpacket in (torch.ops.aten._unique2, torch.ops.aten.unique_dim,
+                                                  torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    lists = []
+    try:
+        torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)
+        with Count() as count:
+            sampler.sample(seeds, check=False)
+    finally:
+        torch.Tensor.tolist = tolist
+    return count.ops, count.reads + len(lists)
+
+
+def test_per_batch_host_work_is_a_few_operations_per_hop():
+    # a loader thread's host work competes with the training thread's for the GIL: the sampler makes a batch in a
+    # fixed, small number of operations (no per-node or per-edge Python work) and two host round trips per hop
+    topo = csc_from_edges(*skewed_edges(num_nodes=3000, e=60_000), 3000)
+    sampler = NeighborSampler(topo, [15, 10], generator=torch.Generator().manual_seed(0))
+    small, large = _sample_ops(sampler, torch.arange(16)), _sample_ops(sampler, torch.arange(0, 3000, 3))
+    assert small == large, (small, large)
+    assert small[0] <= 90 and small[1] <= 2 * 2, small
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_the_torchscript_path_gives_the_python_paths_batches(replace):
+    topo = skewed_graph(seed=3)
+    topo.node_type = torch.arange(300) % 3
+    batches = []
+    for script in (True, False):
+        sampler = NeighborSampler(topo, [6, -1, 3], replace=replace, generator=torch.Generator().manual_seed(5),
+                                  script=script)
+        assert sampler.script is script, "TorchScript compiles the sampler here"
+        batches.append([sampler.sample(seeds) for seeds in (torch.arange(0, 300, 7), torch.tensor([3]))])
+    for a, b in zip(*batches, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert torch.equal(x, y)
+        assert (a.num_sampled_nodes, a.num_sampled_edges) == (b.num_sampled_nodes, b.num_sampled_edges)
+
+
+def test_a_torch_without_torchscript_samples_through_python(monkeypatch, caplog):
+    from pytorch_direct import _sample_script
+
+    def no_script(fn):
+        raise RuntimeError("TorchScript is not available")
+
+    monkeypatch.setattr(torch.jit, "script", no_script)
+    monkeypatch.setattr(_sample_script, "_compiled", [])
+    with caplog.at_level("WARNING", logger="pytorch_direct"):
+        sampler = NeighborSampler(skewed_graph(), [4, 3])
+    assert not sampler.script
+    assert "did not compile" in caplog.text and "TorchScript is not available" in caplog.text
+    seeds = torch.arange(0, 300, 9)
+    check_subgraph(sampler.sample(seeds), seeds, skewed_graph(), [4, 3])
+
+
+def test_sampling_leaves_the_gil_to_other_threads():
+    # a loader thread samples while the training thread runs Python: the TorchScript path releases the GIL for the
+    # whole batch (host round trips included), so another thread runs meanwhile. Without a release it could not
+    # before the switch interval (longer than the call here): so for pure Python work of the same length.
+    import sys
+
+    topo = csc_from_edges(*skewed_edges(num_nodes=20_000, e=400_000), 20_000)
+    sampler = NeighborSampler(topo, [15, 10])
+    assert sampler.script
+    sampler.sample(torch.arange(500))
+
+    def python_work():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    ran = {}
+    for name, work in (("sampler", lambda: sampler.sample(torch.arange(500))), ("python", python_work)):
+        go, stop, count = threading.Event(), threading.Event(), [0]
+
+        def spin(go=go, stop=stop, count=count):
+            go.wait()
+            while not stop.is_set():
+                count[0] += 1
+
+        thread = threading.Thread(target=spin)
+        thread.start()
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            go.set()
+            work()
+            ran[name] = count[0]
+        finally:
+            stop.set()
+            sys.setswitchinterval(before)
+            thread.join()
+    assert ran["sampler"] > 0 and ran["python"] == 0, ran
+
+
 @pytest.mark.parametrize("replace", [False, True])
 def test_sampling_is_uniform(replace):
     # one destination with 10 in-edges, 3 drawn: each edge drawn with probability 0.3 (without replacement) or
@@ -150,6 +257,7 @@ def test_bad_input_is_named():
 
 
 def test_topology_in_unified_host_memory_gives_the_same_batches():
+    assert not NeighborSampler(skewed_graph().placed("host", CPU), [2]).script  # (its reads dispatch in Python)
     topo = skewed_graph(seed=3)
     seeds = torch.randperm(300, generator=torch.Generator().manual_seed(0))[:32]
     plain = NeighborSampler(topo, [6, 4], generator=torch.Generator().manual_seed(5)).sample(seeds)
@@ -346,6 +454,26 @@ def test_topology_pair_carries_edge_and_node_types():
         NeighborLoader(({"x": x[:10]}, topo), [2])
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_prepare_sees_the_sampled_graph_and_sets_attributes(thread):
+    topo = skewed_graph(seed=4)
+    x = torch.randn(300, 5)
+    seen = []
+
+    def prepare(sub):
+        seen.append(sub.num_nodes)
+        return {"degree_sum": int(sub.edge_index[1].bincount(minlength=sub.num_nodes).sum()), "n": sub.num_nodes}
+
+    loader = NeighborLoader(({"x": x}, topo), [4, 2], input_nodes=torch.arange(48), batch_size=16, prepare=prepare,
+                            prefetch=1 if thread else 0, thread=thread)
+    batches = list(loader)
+    assert [b.n for b in batches] == seen == [b.num_nodes for b in batches]
+    assert all(b.degree_sum == b.num_edges and torch.equal(b.x, x[b.n_id]) for b in batches)
+    with pytest.raises(TypeError, match="must return a dict"):
+        list(NeighborLoader(({"x": x}, topo), [2], input_nodes=torch.arange(8), batch_size=4,
+                            prepare=lambda sub: sub.num_nodes))
+
+
 @pytest.mark.filterwarnings("ignore:NeighborLoader")
 @pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
 def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):
@@ -482,6 +610,24 @@ def test_sampler_on_the_gpu(where):
         sub = sampler.sample(seeds.cuda())
         assert sub.n_id.is_cuda and sub.edge_index.is_cuda
         check_subgraph(sub, seeds, topo, [5, 3])
+
+
+@pytest.mark.gpu
+def test_the_torchscript_path_on_the_gpu_gives_the_python_paths_batches():
+    topo = skewed_graph(seed=11).placed("device", torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    batches = []
+    for script in (True, False):
+        gen = torch.Generator("cuda").manual_seed(3)
+        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen, script=script)
+        assert sampler.script is script
+        with torch.cuda.stream(stream):  # as the loader samples: on a side stream
+            batches.append([sampler.sample(torch.arange(0, 300, k).cuda()) for k in (5, 7)])
+        stream.synchronize()
+    for a, b in zip(*batches, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert x.is_cuda and torch.equal(x, y)
+        assert a.num_sampled_nodes == b.num_sampled_nodes
 
 
 @pytest.mark.gpu

@@ -76,7 +76,11 @@ class NeighborLoader:
     ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
     ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
     ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
-    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG.
+    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG. ``prepare``: called on
+    each :class:`SampledSubgraph` where the batch is made, after its feature gathers are queued but while they may
+    still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
+    sampling only, not for the gathers); the attributes it returns (a dict) are set on the batch. The place for
+    per-batch preprocessing that reads sizes on the host, such as ``hector.prepare_graph``.
 
     ``device``: where sampling runs and batches arrive (default: the GPU when one is usable). ``topology``: where
     the sampler reads the graph on a GPU: "device" (GPU memory), "host" (unified tensors, zero-copy: graphs larger
@@ -88,7 +92,8 @@ class NeighborLoader:
     ``prefetch``: batches made ahead of training (default 1 on a GPU, 0 on the CPU: made when asked for);
     ``thread``: made by a background thread (default when prefetching) or by the training thread itself before
     it hands over the previous batch. On a GPU they are made on the loader's own CUDA stream and handed over with an
-    event (the training thread never waits for the GPU). ``seed``: the sampler's and shuffle's random numbers
+    event (the training thread never waits for the GPU); feature gathers run on a second stream of the loader, so
+    that the next batch's sampling does not wait for them. ``seed``: the sampler's and shuffle's random numbers
     (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches). The same seed gives
     the same batches whatever ``prefetch`` and ``thread`` are.
     """
@@ -98,7 +103,7 @@ class NeighborLoader:
                  drop_last: bool = False, replace: bool = False, device: torch.device | str | None = None,
                  topology: str = "auto", unify: bool = True, prefetch: int | None = None,
                  thread: bool | None = None, transform: Callable[[Any], Any] | None = None, seed: int | None = None,
-                 is_sorted: bool = False,
+                 is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key == "num_workers" and not value:
@@ -115,6 +120,7 @@ class NeighborLoader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.transform = transform
+        self.prepare = prepare
         self.device = _choose_device(device, data)
         cuda = self.device.type == "cuda"
         self.prefetch = (1 if cuda else 0) if prefetch is None else int(prefetch)
@@ -148,6 +154,8 @@ class NeighborLoader:
         self._seeds_global = (self._input_nodes + offset).to(self.device)
         self._input_id_dev = self._input_id.to(self.device) if self._input_id is not None else None
         self._stream = torch.cuda.Stream(self.device) if cuda and self.prefetch else None
+        self._gather_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
+        self._gathering: torch.cuda.Stream | None = None  # the gather stream while a batch is made on _stream
         self._active: weakref.ref | None = None
         self._stats = LoaderStats()
 
@@ -263,16 +271,56 @@ class NeighborLoader:
         sub = self.sampler.sample(self._seeds_global[positions], check=False)
         sampled = time.perf_counter()
         input_id = self._input_id_dev[positions] if self._input_id_dev is not None else positions
-        batch = self._assemble(sub, input_id)
+        on_stream = self._gather_stream is not None and torch.cuda.current_stream(self.device) == self._stream
+        self._gathering = self._gather_stream if on_stream else None
+        try:
+            batch = self._assemble(sub, input_id)
+        finally:
+            self._gathering = None
+        if self.prepare is not None:
+            extra = self.prepare(sub)
+            if not isinstance(extra, dict):
+                raise TypeError(f"NeighborLoader(prepare=...) must return a dict of attributes to set on the batch, "
+                                f"got {type(extra).__name__}")
+            for key, value in extra.items():
+                batch[key] = value
         if self.transform is not None:
+            if on_stream:  # a transform may read the gathered features
+                self._stream.wait_stream(self._gather_stream)
             batch = self.transform(batch)
         self._stats.sample_s += sampled - start
         self._stats.gather_s += time.perf_counter() - sampled
         return batch
 
+    def _ready_events(self) -> list:
+        """Events marking the batch just made on the loader's streams (sampling and gathers)."""
+        events = []
+        for stream in (self._stream, self._gather_stream):
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
+
     # ---- batch assembly --------------------------------------------------------------------------------------
 
     def _gather(self, table: Tensor, index: Tensor) -> Tensor:
+        return self._on_gather_stream(self._gather_now, table, index)
+
+    def _on_gather_stream(self, fn, *args):
+        """``fn(*args)`` on the gather stream while a batch is made on the loader's stream (else where called): the
+        gather stream first waits for the sampling that made the indices, and the indices are marked as used by it
+        (their memory is not reused by the sampling stream before the gather has read them)."""
+        gs = self._gathering
+        if gs is None:
+            return fn(*args)
+        gs.wait_stream(self._stream)
+        for a in args:
+            if isinstance(a, Tensor) and a.is_cuda:
+                a.record_stream(gs)
+        with torch.cuda.stream(gs):
+            return fn(*args)
+
+    def _gather_now(self, table: Tensor, index: Tensor) -> Tensor:
         if is_unified(table):
             rows = table[index]
         elif table.device == index.device:
@@ -287,6 +335,9 @@ class NeighborLoader:
 
     def _store_features(self, group, index: Tensor) -> dict:
         """The feature store's tensors of ``group`` at ``index`` (PyG's ``multi_get_tensor``)."""
+        return self._on_gather_stream(self._store_features_now, group, index)
+
+    def _store_features_now(self, group, index: Tensor) -> dict:
         from .pyg import UnifiedFeatureStore
 
         fs = self.source.feature_store
@@ -373,7 +424,7 @@ class _Maker:
         return self.next >= len(self.order)
 
     def make_one(self):
-        """The next batch and the event that marks it made (None without a stream)."""
+        """The next batch and the events that mark it made (None without a stream)."""
         if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 sizes = [len(p) for p in self.order]
@@ -384,9 +435,7 @@ class _Maker:
             return self.loader.make(positions), None
         with torch.cuda.stream(self.stream):
             batch = self.loader.make(positions)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return batch, ready
+        return batch, self.loader._ready_events()
 
     def produce(self) -> None:
         """The loader thread: makes batches into the queue until the epoch ends or training stops."""
@@ -425,8 +474,9 @@ class _Epoch:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._thread: threading.Thread | None = None
         if loader._stream is not None:
-            # the loader's stream reads what the training stream made (input nodes, the sampler's id map)
+            # the loader's streams read what the training stream made (input nodes, the sampler's id map, tables)
             loader._stream.wait_stream(torch.cuda.current_stream(self.device))
+            loader._gather_stream.wait_stream(torch.cuda.current_stream(self.device))
         if loader.thread:
             self._maker.queue = queue.Queue(maxsize=loader.prefetch)
             self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
@@ -462,7 +512,8 @@ class _Epoch:
             batch, ready = self._made.popleft()
         if ready is not None:
             stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(ready)
+            for event in ready:
+                stream.wait_event(event)
             _record_stream(batch, stream)
         if cuda:
             done = torch.cuda.Event(enable_timing=True)

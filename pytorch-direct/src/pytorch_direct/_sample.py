@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _sample_script
 from ._create import is_unified
 
 
@@ -191,11 +192,16 @@ class NeighborSampler:
 
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
+
+    A homogeneous graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs
+    without holding the GIL (a loader thread then leaves the interpreter to the training thread); unified
+    tensors and edge-type blocks are sampled by the same operations called from Python (so is everything with
+    ``script=False``, for comparison).
     """
 
     def __init__(self, topology: Topology, num_neighbors: list[int] | dict[Any, list[int]], *, replace: bool = False,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 blocks: Blocks | None = None) -> None:
+                 blocks: Blocks | None = None, script: bool = True) -> None:
         self.topology = topology
         self.blocks = blocks
         self.device = torch.device(device) if device is not None else default_device(topology)
@@ -214,6 +220,10 @@ class NeighborSampler:
         self.num_nodes = int(topology.num_nodes)
         self.generator = generator
         self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
+        # the homogeneous path: TorchScript for plain tensors, Python for unified ones (their reads dispatch
+        # through Python)
+        self.script = script
         if blocks is not None:
             dev = self.device
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
@@ -235,52 +245,82 @@ class NeighborSampler:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
         if check:
             check_seeds(seeds, self.num_nodes)
+        if self._homogeneous is not None:
+            return self._sample_homogeneous(seeds)
         local = self._local
         batch = seeds.numel()
         local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
         nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
         num_nodes_per_hop, num_edges_per_hop = [batch], []
         frontier, frontier_start, total = seeds, 0, batch
+        # (with edge-type blocks; the homogeneous path is one TorchScript function, see _sample_homogeneous)
         try:
             for hop in range(self.num_hops):
                 pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
-                src = _read(self.topology.row, pos).long()
+                src = _read(self.topology.row, pos)
                 # the sources not in the batch yet, sorted; seen ones become the sentinel num_nodes, which is added
                 # once more so it is always the last value and can be dropped without asking the device whether
                 # it occurred
-                sentinel = torch.full((1,), self.num_nodes, dtype=src.dtype, device=self.device)
-                new = torch.unique(torch.cat([torch.where(local[src] < 0, src, sentinel), sentinel]))[:-1]
-                local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
-                srcs.append(local[src].long())
+                seen = local[src]
+                new = torch.unique(torch.cat([torch.where(seen < 0, src, self._sentinel), self._sentinel]))[:-1]
+                if new.numel():
+                    local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
+                    seen = local[src]
+                srcs.append(seen)
                 dsts.append(dst_local)
                 poss.append(pos)
-                if block is not None:
-                    etypes.append(block)
-                nodes.append(new)
+                etypes.append(block)
+                nodes.append(new)  # (in the row's dtype: the concatenation below makes them int64)
                 num_nodes_per_hop.append(new.numel())
                 num_edges_per_hop.append(pos.numel())
                 frontier, frontier_start, total = new, total, total + new.numel()
-        finally:
-            for part in nodes:
-                local.index_fill_(0, part, -1)  # (local[part] = -1 would copy the -1 from the host: a sync)
-        n_id = torch.cat(nodes)
+            n_id = torch.cat(nodes)
+        except BaseException:
+            local.fill_(-1)  # (which entries this batch set is not known here)
+            raise
+        local.index_fill_(0, n_id, -1)  # (local[n_id] = -1 would copy the -1 from the host: a sync)
         pos = torch.cat(poss)
         topo = self.topology
         e_id = _read(topo.edge_id, pos).long() if topo.edge_id is not None else pos
-        if self.blocks is not None:
-            edge_type = torch.cat(etypes)
-            node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
-        else:
-            edge_type = _read(topo.edge_type, pos).long() if topo.edge_type is not None else None
-            node_type = _read(topo.node_type, n_id).long() if topo.node_type is not None else None
-        return SampledSubgraph(n_id, torch.stack([torch.cat(srcs), torch.cat(dsts)]), e_id, batch, edge_type,
-                               node_type, num_nodes_per_hop, num_edges_per_hop, pos)
+        edge_type = torch.cat(etypes)
+        node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
+        edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
+        return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
+                               num_edges_per_hop, pos)
+
+    @property
+    def script(self) -> bool:
+        """Whether a homogeneous batch runs as one TorchScript function without the GIL (see the class docstring);
+        False where the topology is unified, has edge-type blocks, or TorchScript is not available."""
+        return self._homogeneous is not None and self._homogeneous is not _sample_script.sample_homogeneous
+
+    @script.setter
+    def script(self, value: bool) -> None:
+        """``False``: the same operations called from Python, holding the GIL for each (for comparison)."""
+        self._homogeneous = None
+        if self.blocks is None:
+            plain = not any(is_unified(t) for t in self.topology.tensors().values())
+            compiled = _sample_script.scripted() if value and plain else None
+            self._homogeneous = compiled or _sample_script.sample_homogeneous
+
+    def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
+        topo = self.topology
+        try:
+            n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = _sample_script.run(
+                self._homogeneous, topo.colptr, topo.row, self._local, seeds, self._sentinel,
+                [f[0] for f in self.fanouts], self.replace, self.generator, topo.edge_id, topo.edge_type,
+                topo.node_type)
+        except BaseException:
+            self._local.fill_(-1)  # (which entries the batch set is not known here)
+            raise
+        return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
+                               pos)
 
     def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
-        """(destination slots, local id of each slot's node, fan-out per slot or one int, edge type per slot)."""
+        """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot, edge type per
+        slot)."""
+        frontier = frontier.long()
         arange = torch.arange(frontier.numel(), device=self.device)
-        if self.blocks is None:
-            return frontier, arange + frontier_start, self.fanouts[hop][0], None
         # one slot per (frontier node, edge type into its node type)
         ftype = torch.searchsorted(self._node_offset, frontier, right=True) - 1
         count = self._types_in_count[ftype]
@@ -292,48 +332,44 @@ class NeighborSampler:
         return slots, owner + frontier_start, self._fanout_table[hop][k], k
 
     def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
-        """(CSC positions of the sampled in-edges, local id of each edge's destination, edge type of each edge or
-        None). One host round trip besides the slot expansion: the number of in-edges and of sampled edges."""
+        """With edge-type blocks: (CSC positions of the sampled in-edges, local id of each edge's destination, edge
+        type of each edge). One host round trip besides the slot expansion: the number of in-edges and of sampled
+        edges. (The homogeneous path is ``_sample_script.sample_homogeneous``: the same draw, one fan-out.)"""
         slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
-        n = slots.numel()
+        if slots.numel() == 0:
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            return empty, empty, empty
         colptr = self.topology.colptr
-        begin = _read(colptr, slots).long()
-        degree = _read(colptr, slots + 1).long() - begin
-        if isinstance(fanout, int):
-            every = fanout < 0  # all in-edges of every slot
-            if every:
-                take = degree
-            elif self.replace:
-                take = torch.where(degree > 0, fanout, 0)
-            else:
-                take = degree.clamp(max=fanout)
-        else:
-            every = fanout < 0  # per slot
-            bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
-            take = torch.where(every, degree, bounded)
-        total, taken = torch.stack([degree.sum(), take.sum()]).tolist()  # one host round trip
-        arange_n = torch.arange(n, device=self.device)
-        owner_taken = torch.repeat_interleave(arange_n, take, output_size=taken)
-        kind_out = kind[owner_taken] if kind is not None else None
+        begin = _read(colptr, slots)
+        degree = _read(colptr, slots + 1) - begin
+        every = fanout < 0  # per slot: all its in-edges
+        bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
+        take = torch.where(every, degree, bounded)
+        cum_degree, cum_take = degree.cumsum(0), take.cumsum(0)
+        total, taken = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # one host round trip
+        # (repeat_interleave of counts alone repeats 0..n-1: the slot of each sampled edge)
+        owner_taken = torch.repeat_interleave(take, output_size=taken)
+        dst_out = dst_local[owner_taken]
+        kind_out = kind[owner_taken]
         # the j-th sampled edge of its slot
-        j = torch.arange(taken, device=self.device) - (torch.cumsum(take, 0) - take)[owner_taken]
-        if (total == taken and not self.replace) or every is True:  # every in-edge is taken: nothing to draw
-            return begin[owner_taken] + j, dst_local[owner_taken], kind_out
+        j = torch.arange(taken, device=self.device) - (cum_take - take)[owner_taken]
+        if total == taken and not self.replace:  # every in-edge is taken: nothing to draw
+            return begin[owner_taken] + j, dst_out, kind_out
+        begin_taken = begin[owner_taken]
         if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
             u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
             d = degree[owner_taken]
             drawn = (u * d).long().clamp(max=d - 1)
-            offset = drawn if every is False else torch.where(every[owner_taken], j, drawn)
-            return begin[owner_taken] + offset, dst_local[owner_taken], kind_out
+            return begin_taken + torch.where(every[owner_taken], j, drawn), dst_out, kind_out
         # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
         # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
         # replacement. One sort instead of a loop of fanout steps of small kernels.
-        owner = torch.repeat_interleave(arange_n, degree, output_size=total)
-        start = torch.cumsum(degree, 0) - degree
-        key = owner.double() + torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        key = torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
+        key += torch.repeat_interleave(degree, output_size=total)
         order = torch.argsort(key)
-        edge = order[start[owner_taken] + j]  # index among the frontier's in-edges
-        return begin[owner_taken] + edge - start[owner_taken], dst_local[owner_taken], kind_out
+        start_taken = (cum_degree - degree)[owner_taken]
+        # order[start + j] is the index among the frontier's in-edges; minus start, among its slot's
+        return begin_taken + order[start_taken + j] - start_taken, dst_out, kind_out
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:

@@ -229,7 +229,7 @@ def test_autocast_on_gpu_runs_generated_kernels(model, dtype):
 
 @pytest.mark.parametrize("model", ["rgcn", "rgat", "hgt"])
 def test_new_edge_index_step_has_no_host_synchronisation(model):
-    """A training step on new edge_index/edge_type tensors, with no hector.prepare_graph: validation (device-side
+    """A training step on a new ``Graph(..., sync_free=True)``: validation (device-side
     assertions), the unique (source, relation) pairs, the destination order, tile schedules and the cost model's
     statistics never wait for the GPU. Its result equals the step on a prepared copy of the same graph (UNIQUE
     rows padded to the edge count there, sized exactly here)."""
@@ -240,19 +240,22 @@ def test_new_edge_index_step_has_no_host_synchronisation(model):
     layer = MODELS[model](64, twin.num_relations, twin.num_node_types).cuda()
     x = twin.features(64).cuda().requires_grad_()
     typed = (nt, twin.num_node_types) if model == "hgt" else (None, None)
+    def graph():
+        return hector.Graph(ei.clone(), et.clone(), twin.num_nodes, twin.num_relations, *typed, sync_free=True)
+
     for _ in range(2):  # compile the modules; the pair ratio of this size class reaches the host
-        layer(x, ei.clone(), et.clone(), nt.clone()).sum().backward()
+        layer(x, graph()).sum().backward()
         torch.cuda.synchronize()
     params = [x] + list(layer.parameters())
-    ei2, et2, nt2 = ei.clone(), et.clone(), nt.clone()  # node types given to every model, as a PyG loop does
+    fresh = graph()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = layer(x, ei2, et2, nt2)
+        out = layer(x, fresh)
         grads = torch.autograd.grad(out.sum(), params)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     prepared = hector.prepare_graph(ei.clone(), et.clone(), twin.num_nodes, twin.num_relations, *typed)
-    assert layer.options_for(prepared) == layer.options_for(layer.graph(x, ei2, et2, nt2)), \
+    assert layer.options_for(prepared) == layer.options_for(fresh), \
         "the estimated pair count picks what the exact count picks"
     out_p = layer(x, prepared)
     grads_p = torch.autograd.grad(out_p.sum(), params)

@@ -35,10 +35,10 @@ def prepare_graph(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: 
     their compacted rows sized exactly. Returns the :class:`Graph` the layers will use (also accepted by them in
     place of ``edge_index``).
 
-    Optional: a layer given new tensors on a GPU prepares the graph itself without waiting for the GPU (ids
-    checked by device-side assertions, compacted rows sized by the edge count until the pair count has arrived;
-    see :class:`Graph`'s ``sync_free``). Call it where a mini-batch is made for an error that names a bad id
-    before any kernel runs, and for exactly sized rows from the first step::
+    Optional: a layer given new tensors prepares the graph itself on first use, the same way. Call it where a
+    mini-batch is made (a loader thread) so that the layers' step does not wait for the GPU, and for an error
+    that names a bad id before any kernel runs (``hector.Graph(..., sync_free=True)`` builds a graph that never
+    waits, at the cost of rows padded to the edge count)::
 
         sub = sampler.sample(seeds)
         hector.prepare_graph(sub.edge_index, sub.edge_type, sub.n_id.numel(), num_relations)

@@ -209,9 +209,8 @@ class _Joined:
 
     def graph(self, num_relations: int, num_node_types: int) -> Graph:
         if self._graph is None:
-            # as graph_for: a mini-batch's dicts on a GPU make a graph without waiting for it
             self._graph = Graph(self.edge_index, self.edge_type, sum(self.counts), num_relations, self.node_type,
-                                num_node_types, sync_free=self.edge_index.is_cuda)
+                                num_node_types)
         return self._graph
 
 

@@ -570,23 +570,25 @@ def test_planner_prefers_cheap_recompute_and_hidden_offload():
     assert info.value.minimum > 10 * MIB and "smallest predicted peak" in str(info.value)
 
 
-def test_planner_prefers_selective_recompute_to_full_when_the_link_cannot_hide_more():
-    """Selective recompute (keep what matrix products and attention output, run the rest again) removes most of a
-    block's bytes for a fraction of its time: where offload is exposed (slow link) and cheap submodules are not
-    enough, it does most of the work, and the prediction says what it keeps on the device."""
+def test_planner_leaves_selective_recompute_to_overrides():
+    """Selective recompute is never the planner's choice (torch's selective checkpointing costs a Python policy call
+    per op, in forward and in the recompute, which its measured time does not show: slower than full recompute on
+    an H100), however cheap its measurement looks; an override still gets it, predicted with what it keeps."""
     units = _units(cheap=0)
     for u in units[1:-1]:
         u.selective_bytes, u.selective_s = 35 * MIB, 0.001
+    assert all(c.recompute != "selective" for u in units for c in u.options())
     slow = Bandwidth(d2h=1e9, h2d=1e9)
     keep_peak = simulate(units, [Choice()] * len(units), slow).peak
     plan = make_plan("m", units, slow, keep_peak // 2, host_limit=1 << 40, nvme_limit=0, block_container="b")
-    assert sum(c.recompute == "selective" for c in plan.choices) > sum(c.recompute == "full" for c in plan.choices)
-    assert plan.prediction.seconds < plan.keep_prediction.seconds * 1.10
+    assert not any(c.recompute == "selective" for c in plan.choices)
     one = simulate(units, [Choice()] + [Choice("selective")] + [Choice()] * 6, slow)
     assert keep_peak - one.peak == 100 * MIB - 35 * MIB - 8 * MIB  # saved, less kept outputs and its inputs
-    assert "selective" in str(plan)
-    units[1].selective_s = 0  # not measured: not an option
-    assert all(c.recompute != "selective" for c in units[1].options())
+    over = make_plan(
+        "m", units, slow, keep_peak // 2, host_limit=1 << 40, nvme_limit=0, block_container="b",
+        overrides={"b.0": "selective"},
+    )  # fmt: skip
+    assert over.choices[1] == Choice("selective") and "selective" in str(over)
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -334,8 +334,11 @@ class NeighborLoader:
         return rows.to(self.device, non_blocking=True)
 
     def _store_features(self, group, index: Tensor) -> dict:
-        """The feature store's tensors of ``group`` at ``index`` (PyG's ``multi_get_tensor``)."""
-        return self._on_gather_stream(self._store_features_now, group, index)
+        """The feature store's tensors of ``group`` at ``index`` (PyG's ``multi_get_tensor``), on the loader's
+        stream, not the gather stream: a store's ``multi_get_tensor`` runs its own host code and copies, and the
+        GPU test of a (FeatureStore, GraphStore) pair failed once this path moved to the gather stream (cause not
+        yet found); this is the ordering that passed there."""
+        return self._store_features_now(group, index)
 
     def _store_features_now(self, group, index: Tensor) -> dict:
         from .pyg import UnifiedFeatureStore

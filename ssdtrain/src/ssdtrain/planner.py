@@ -11,15 +11,10 @@ Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the chea
 (checkpoint the block keeping the outputs of its matrix products and attention: only norms, activations, elementwise
 code and casts run again) / ``full`` (checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``:
 ``keep`` on the GPU, ``host`` pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the
-rates of the stage behind the device link (the disk, for NVMe). ``simulate()`` predicts forward+backward time and
-the activation peak of a set of choices from the measured link rates and each tier's rates: offloads queue on the
-device-to-host link behind forward compute (then on the tier's own stage) and hold GPU memory until copied; backward
-prefetches a window of units ahead over the tier's stage and the host-to-device link, and a unit whose data is late
-stalls. The peak also holds what never moves: small tensors, the parameters' casts saved by autocast (unless the
-block is recomputed), the gradients backward allocates when a step starts without them, and the measured working
-memory (temporaries never saved). ``make_plan()`` starts from keep-everything and greedily applies the change with
-the least predicted time per byte of peak saved until the peak fits the budget, then undoes changes that are no
-longer needed.
+rates of the stage behind the device link (the disk, for NVMe). ``prediction.simulate()`` predicts forward+backward
+time and the activation peak of a set of choices. ``make_plan()`` starts from keep-everything and greedily applies
+the change with the least predicted time per byte of peak saved until the peak fits the budget, then undoes changes
+that are no longer needed.
 """
 
 from __future__ import annotations
@@ -27,10 +22,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .tiers import TIER_NAMES as TIERS
+from .prediction import (
+    RECOMPUTE,
+    Bandwidth,
+    Choice,
+    Prediction,
+    UnitProfile,
+    simulate,
+    split_choice,
+    window_bytes,
+)
 from .tiers import TierSpec
 
-RECOMPUTE = ("none", "cheap", "selective", "full")
+__all__ = [
+    "RECOMPUTE",
+    "Bandwidth",
+    "BudgetError",
+    "Choice",
+    "Plan",
+    "Prediction",
+    "UnitProfile",
+    "format_bytes",
+    "make_plan",
+    "replan",
+    "simulate",
+    "window_bytes",
+]
+
 BUDGET_MARGIN = 0.03
 # Disk rates the planner assumes where none was measured (a plan made by make_plan() with nvme_limit= alone).
 ASSUMED_DISK_RATE = 2e9
@@ -44,286 +62,6 @@ class BudgetError(ValueError):
     def __init__(self, message: str, minimum: int):
         super().__init__(message)
         self.minimum = minimum
-
-
-@dataclass
-class UnitProfile:
-    """What one profiled step measured for one unit."""
-
-    name: str
-    kind: str  # "stem", "block", "head"
-    forward_s: float = 0.0
-    saved_bytes: int = 0  # unique saved bytes that may move (>= min_bytes)
-    small_bytes: int = 0  # saved bytes always kept (below min_bytes)
-    input_bytes: int = 0  # bytes of the block's tensor inputs (kept or moved under full recompute)
-    cheap_bytes: int = 0  # saved bytes that checkpointing the cheap submodules removes
-    cheap_s: float = 0.0  # their forward time (the recompute cost)
-    cheap_modules: list[str] = field(default_factory=list)
-    tensors: int = 0
-    selective_bytes: int = 0  # what its matrix products and attention output (kept by selective recompute)
-    selective_s: float = 0.0  # the forward time of everything else (run again by selective recompute)
-    pinned_bytes: int = 0  # casts of parameters saved inside it (autocast's bf16 weights): held unless recomputed
-    grad_bytes: int = 0  # gradients of its parameters (allocated by its backward when a step starts without them)
-
-    @property
-    def backward_s(self) -> float:
-        return (1.0 if self.kind == "stem" else 2.0) * self.forward_s  # backward ~ 2x forward FLOPs
-
-    def options(self, tiers=TIERS) -> list[Choice]:
-        recomputes = ["none"]
-        if self.kind == "block":
-            if self.cheap_bytes > 0:
-                recomputes.append("cheap")
-            # Selective recompute is not chosen by the planner, only by an override: torch's selective
-            # checkpointing sends every op of the block through a Python policy, in forward and again in the
-            # recompute, which its measured recompute time does not show. On an H100 (Llama-style 16 x 2048, fp32
-            # weights under autocast) torch's own selective checkpointing took 1.52x keep's step against 1.30x for
-            # full recompute, and plans with selective blocks ran 1.2x slower than their prediction.
-            recomputes.append("full")
-        return [Choice(r, t) for r in recomputes for t in tiers]
-
-
-@dataclass(frozen=True)
-class Choice:
-    recompute: str = "none"
-    tier: str = "keep"
-
-    def __post_init__(self):
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
-
-    def __str__(self) -> str:
-        if self.recompute == "none":
-            return self.tier
-        name = "recompute" if self.recompute == "full" else self.recompute
-        return name if self.tier == "keep" else f"{name}+{self.tier}"
-
-    @staticmethod
-    def parse(text) -> Choice:
-        """'keep', 'host', 'nvme', 'recompute', 'cheap', 'selective', 'recompute+host', 'selective+host', ... (or a
-        Choice)."""
-        if isinstance(text, Choice):
-            return text
-        parts = [p.strip().lower() for p in str(text).split("+") if p.strip()]
-        recompute, tier = "none", "keep"
-        for p in parts:
-            if p in ("recompute", "full", "checkpoint"):
-                recompute = "full"
-            elif p == "cheap":
-                recompute = "cheap"
-            elif p in ("selective", "sac"):
-                recompute = "selective"
-            elif p in TIERS:
-                tier = p
-            else:
-                raise ValueError(
-                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute, selective or cheap, "
-                    "optionally joined with '+' (e.g. 'recompute+host')"
-                )
-        return Choice(recompute, tier)
-
-
-@dataclass
-class Bandwidth:
-    """Bytes per second of the device link in each direction (measured when the plan is made)."""
-
-    d2h: float
-    h2d: float
-
-
-@dataclass
-class Prediction:
-    seconds: float  # forward + backward
-    peak: int  # activation peak on the device (bytes)
-    stall_s: float
-    moved: dict[str, int]  # bytes per tier
-    per_unit_stall: list[float]
-
-    @property
-    def host_bytes(self) -> int:
-        return self.moved.get("host", 0)
-
-    @property
-    def nvme_bytes(self) -> int:
-        return self.moved.get("nvme", 0)
-
-
-def _split(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
-    """(resident bytes, moved bytes, recompute seconds, transient bytes during its backward)."""
-    if c.recompute == "full":
-        movable, extra_s = u.input_bytes, u.forward_s
-        transient = u.saved_bytes + u.small_bytes + u.pinned_bytes
-        small = 0
-    elif c.recompute == "cheap":
-        movable, extra_s = max(0, u.saved_bytes - u.cheap_bytes), u.cheap_s
-        transient = u.cheap_bytes
-        small = u.small_bytes + u.pinned_bytes
-    elif c.recompute == "selective":
-        # Only the block's inputs pass through the tiers; the kept outputs of its matrix products and attention stay
-        # on the device (torch's selective checkpointing holds them); casts of its weights are made again.
-        movable, extra_s = u.input_bytes, u.selective_s
-        transient = max(0, u.saved_bytes - u.selective_bytes) + u.pinned_bytes
-        small = u.selective_bytes + u.small_bytes
-    else:
-        movable, extra_s, transient, small = u.saved_bytes, 0.0, 0, u.small_bytes + u.pinned_bytes
-    if c.tier == "keep":
-        return movable + small, 0, extra_s, transient
-    return small, movable, extra_s, transient
-
-
-def window_bytes(units: list[UnitProfile], choices: list[Choice], window_units: int) -> int:
-    """Device bytes the cache may hold for moved activations in either direction: prefetched but not yet used in
-    backward, and waiting for their copy out in forward (``window_units`` x the largest unit's moved bytes)."""
-    biggest = max((_split(u, c)[1] for u, c in zip(units, choices, strict=True)), default=0)
-    return window_units * biggest
-
-
-def _prefetch_bound(moved: list[int], i: int, window: int, window_units: int) -> int:
-    """The most bytes of units below `i` the cache holds prefetched during unit i's backward: it restores whole
-    units among the `window_units` below i, in backward order, while what it holds unused plus the next unit
-    stays within `window` (one unit at least)."""
-    total = 0
-    for k in range(i - 1, max(0, i - window_units) - 1, -1):
-        if not moved[k]:
-            continue
-        if total and total + moved[k] > window:
-            break
-        total += moved[k]
-        if total >= window:
-            break
-    return total
-
-
-def simulate(
-    units: list[UnitProfile],
-    choices: list[Choice],
-    bw: Bandwidth,
-    window_units: int = 2,
-    working_bytes: int = 0,
-    tiers: dict[str, TierSpec] | None = None,
-    grads: bool = False,
-    *,
-    forward_working: int | None = None,
-    block_working: int | None = None,
-    correction: int = 0,
-    async_copies: bool = True,
-    held_grads: bool = False,
-) -> Prediction:
-    """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
-
-    The peak is the largest of what the allocator holds at the end of each unit's forward and during each unit's
-    backward. Forward: what the units so far keep, plus the moved bytes still waiting for their copy out (at most
-    the cache's window: the host runs ahead of the device, so the allocator sees a copy as done only when the
-    cache polls it; past the window the cache makes the host wait, which delays compute here), plus
-    `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
-    Backward of unit i: what is still kept, its moved bytes (back), the units below it prefetched within the
-    window, what its recompute re-creates, the gradients allocated so far (with `grads`: the step starts without
-    them), and the working memory of that backward: `working_bytes` for the head (the logits' gradients), else
-    `block_working`. `correction` (from calibration by a measured peak) is added to the peak. A working value of
-    None falls back to `working_bytes`. Without `async_copies` (CPU: copies are done when the cache returns) a
-    moved byte is held only while the link, as timed, has not sent it. With `async_copies` backward begins only
-    when every copy out is done (the cache waits for them at the first unpack and frees their device bytes), so a
-    moved unit is always brought back over the link, the head first. `held_grads`: the step starts with every
-    gradient held (gradient accumulation after a step that set them to None): they count at every point of the
-    step, forward included."""
-    tiers = tiers or {}
-    n = len(units)
-    fwd_work = working_bytes if forward_working is None else forward_working
-    blk_work = working_bytes if block_working is None else block_working
-    parts = [_split(u, c) for u, c in zip(units, choices, strict=True)]
-    moved_bytes = [p[1] for p in parts]
-    window = window_bytes(units, choices, window_units)
-    held = sum(u.grad_bytes for u in units) if held_grads else 0
-    # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
-    # a tier with a stage of its own (the disk) then queues them there.
-    t, link = 0.0, 0.0
-    end = [0.0] * n
-    sent = [0.0] * n
-    resident = 0
-    peak = 0
-    stage_free: dict[str, float] = {}
-    staged = [0.0] * n
-    queued = []  # (sent time, bytes) in link order: sent times never decrease
-    head = 0
-    backlog = 0
-    cumulative = 0
-    for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
-        t += u.forward_s
-        end[i] = t
-        resident += res
-        if moved:
-            link = max(link, t - u.forward_s) + moved / bw.d2h
-            sent[i] = link
-            queued.append((link, moved))
-            backlog += moved
-            cumulative += moved
-            spec = tiers.get(choices[i].tier)
-            if spec is not None and spec.write_rate:
-                stage_free[spec.name] = max(stage_free.get(spec.name, 0.0), link) + moved / spec.write_rate
-                staged[i] = stage_free[spec.name]
-        while head < len(queued) and queued[head][0] <= t:
-            backlog -= queued[head][1]
-            head += 1
-        # More than the window in flight: the host waits for copies out, and the device's compute with it.
-        while backlog > window and head < len(queued):
-            t = max(t, queued[head][0])
-            backlog -= queued[head][1]
-            head += 1
-        end[i] = t
-        inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
-        peak = max(peak, resident + inflight + fwd_work + held)
-    if async_copies and queued:
-        # The first unpack of backward waits for the copies out still running (and frees their device bytes).
-        t = max(t, queued[-1][0])
-    forward_end = t
-    # Backward, last unit first: unit i's moved bytes come back over H2D (after the disk read for NVMe), starting
-    # once the unit `window_units` later has started its backward; data still on the device is used in place.
-    start = [0.0] * n
-    h2d_free = forward_end
-    read_free: dict[str, float] = {}
-    stall = 0.0
-    per_unit_stall = [0.0] * n
-    live = resident
-    grads_live = 0
-    for i in range(n - 1, -1, -1):
-        res, moved, extra_s, transient = parts[i]
-        ready = t
-        on_device = 0
-        if grads and not held_grads:
-            grads_live += units[i].grad_bytes
-        if moved:
-            trigger = start[i + window_units] if i + window_units < n else forward_end
-            if sent[i] > trigger:  # still being copied out when needed: forwarded, never left the device
-                on_device = moved
-            else:
-                spec = tiers.get(choices[i].tier)
-                if spec is not None and spec.read_rate:
-                    free = max(read_free.get(spec.name, forward_end), trigger, staged[i]) + moved / spec.read_rate
-                    read_free[spec.name] = free
-                    source_ready = free
-                else:
-                    source_ready = max(trigger, sent[i])
-                h2d_free = max(h2d_free, source_ready) + moved / bw.h2d
-                ready = max(t, h2d_free)
-                on_device = moved
-        wait = ready - t
-        if i == n - 1:
-            wait += forward_end - end[-1] if n else 0.0  # the wait for the copies out at backward's start
-        stall += wait
-        per_unit_stall[i] = wait
-        start[i] = ready
-        ahead = _prefetch_bound(moved_bytes, i, window, window_units)
-        work = working_bytes if i == n - 1 else blk_work
-        peak = max(peak, live + on_device + ahead + transient + max(grads_live, held) + work)
-        t = ready + extra_s + units[i].backward_s
-        live -= res
-    moved_by_tier: dict[str, int] = {}
-    for p, c in zip(parts, choices, strict=True):
-        if p[1]:
-            moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
-    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall)
 
 
 @dataclass
@@ -518,7 +256,7 @@ class Plan:
             f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
         ]
         for u, c, s in zip(self.units, self.choices, p.per_unit_stall, strict=True):
-            res, moved, _, _ = _split(u, c)
+            res, moved, _, _ = split_choice(u, c)
             mark = " *" if u.name in self.overridden else ""
             cheap = f"{u.cheap_s * 1e3:.2f}/{u.cheap_bytes / _MIB:.0f}" if u.cheap_bytes else "-"
             sel = f"{u.selective_s * 1e3:.2f}/{u.selective_bytes / _MIB:.0f}" if u.selective_s else "-"

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from .io import huge_empty
 from .model import is_compute_op, tensor_storages
-from .planner import Bandwidth, UnitProfile
+from .prediction import Bandwidth, UnitProfile
 
 _MIB = 1 << 20
 

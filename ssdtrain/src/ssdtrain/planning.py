@@ -99,7 +99,9 @@ class Calibrator:
     def backward_done(self) -> None:
         """The checked step's backward ended: its peak is read now, not when the next step begins, so the
         optimizer's step (whose first call allocates its state: Adam's two fp32 copies of the parameters) and
-        whatever else runs between steps is not taken for activation memory."""
+        whatever else runs between steps is not taken for activation memory. Only the step's first backward is
+        read this way: a second backward through the same graph (``retain_graph=True``) is not measured, as the
+        planner does not predict it either."""
         if self._check is not None:
             self._peak = self.memory.max_allocated()
 

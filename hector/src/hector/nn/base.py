@@ -170,7 +170,8 @@ class RelationalLayer(nn.Module):
                 node_type: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [N, in_channels] (floating point), ``edge_index`` [2, E] (source row 0, destination row 1) or a
         :class:`~hector.Graph`, ``edge_type`` [E] relation ids in [0, R), ``node_type`` [N] node-type ids (layers
-        typed by node type; ignored by a layer made without ``num_node_types``). Returns [N, out] in x's dtype (the autocast dtype under ``torch.autocast``)."""
+        typed by node type; ignored by a layer made without ``num_node_types``). Returns [N, out] in x's dtype
+        (the autocast dtype under ``torch.autocast``)."""
         self._check_x(x)
         x, tensors, autocast_device = self._leaves(x)
         with torch.autocast(autocast_device, enabled=False) if autocast_device else contextlib.nullcontext():

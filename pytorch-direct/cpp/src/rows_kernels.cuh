@@ -111,9 +111,9 @@ __global__ void __launch_bounds__(512, 3)
           valid |= 1u << k;
           if (active) {
             const std::int64_t i = i0 + static_cast<std::int64_t>(k) * groups;
-            const T* src = Scatter ? reinterpret_cast<const T*>(dense) +
-                                         (positions != nullptr ? positions[i] : i) * row_words
-                                   : reinterpret_cast<const T*>(table) + r[k] * row_words;
+            const T* src =
+                Scatter ? reinterpret_cast<const T*>(dense) + (positions != nullptr ? positions[i] : i) * row_words
+                        : reinterpret_cast<const T*>(table) + r[k] * row_words;
             PD_CHECK_ALIGNED(src + lane, V);
             buf[k] = src[lane];
           }

@@ -109,24 +109,29 @@ void emulate(const rows_call& c, const launch_plan& p, unsigned grid, std::int64
     run_grid(grid, block, [&] {
       switch (p.width) {
         case 16:
-          (p.short_rows ? move_rows<16, Scatter, true> : move_rows<16, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
-                                 c.positions, dense, err, p.group_shift);
+          (p.short_rows ? move_rows<16, Scatter, true>
+                        : move_rows<16, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count,
+                                                  c.device_count, c.positions, dense, err, p.group_shift);
           break;
         case 8:
-          (p.short_rows ? move_rows<8, Scatter, true> : move_rows<8, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
-                                c.positions, dense, err, p.group_shift);
+          (p.short_rows ? move_rows<8, Scatter, true> : move_rows<8, Scatter>)(table, c.rows, p.row_words, c.index,
+                                                                               c.index_bytes, c.count, c.device_count,
+                                                                               c.positions, dense, err, p.group_shift);
           break;
         case 4:
-          (p.short_rows ? move_rows<4, Scatter, true> : move_rows<4, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
-                                c.positions, dense, err, p.group_shift);
+          (p.short_rows ? move_rows<4, Scatter, true> : move_rows<4, Scatter>)(table, c.rows, p.row_words, c.index,
+                                                                               c.index_bytes, c.count, c.device_count,
+                                                                               c.positions, dense, err, p.group_shift);
           break;
         case 2:
-          (p.short_rows ? move_rows<2, Scatter, true> : move_rows<2, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
-                                c.positions, dense, err, p.group_shift);
+          (p.short_rows ? move_rows<2, Scatter, true> : move_rows<2, Scatter>)(table, c.rows, p.row_words, c.index,
+                                                                               c.index_bytes, c.count, c.device_count,
+                                                                               c.positions, dense, err, p.group_shift);
           break;
         default:
-          (p.short_rows ? move_rows<1, Scatter, true> : move_rows<1, Scatter>)(table, c.rows, p.row_words, c.index, c.index_bytes, c.count, c.device_count,
-                                c.positions, dense, err, p.group_shift);
+          (p.short_rows ? move_rows<1, Scatter, true> : move_rows<1, Scatter>)(table, c.rows, p.row_words, c.index,
+                                                                               c.index_bytes, c.count, c.device_count,
+                                                                               c.positions, dense, err, p.group_shift);
           break;
       }
     });

@@ -637,11 +637,7 @@ def main(argv=None) -> int:
     summary = targets(results, a)
     print("\n" + format_table(results))
     print("\n" + "\n".join(summary))
-    for r in results:
-        if r.get("plan_text"):
-            print(f"\n# plan of {r['model']} {r['policy']}:\n{r['plan_text']}")
-        if r.get("traceback"):
-            print(f"\n# {r['model']} {r['policy']} failed:\n{r['traceback']}")
+    print_details(results)
     if a.csv:
         write_csv(a.csv, results)
     if a.json:
@@ -743,6 +739,16 @@ def _trainer_suite(a) -> int:
         flush=True,
     )
     return llm_trainer.main(a, sys.modules[__name__])
+
+
+def print_details(results) -> None:
+    """Each row's long texts after the table: its profile (``--profile``), its plan, its traceback."""
+    for r in results:
+        for key, what in (("profile_text", "profile of"), ("plan_text", "plan of")):
+            if r.get(key):
+                print(f"\n# {what} {r['model']} {r['policy']}:\n{r[key]}")
+        if r.get("traceback"):
+            print(f"\n# {r['model']} {r['policy']} failed:\n{r['traceback']}")
 
 
 def _print_row(r):

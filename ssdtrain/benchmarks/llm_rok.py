@@ -397,13 +397,7 @@ def main(a, llm) -> int:
     summary = targets(results, a)
     print("\n" + format_table(results))
     print("\n" + "\n".join(summary))
-    for r in results:
-        if r.get("profile_text"):
-            print(f"\n# profile of {r['model']} {r['policy']}:\n{r['profile_text']}")
-        if r.get("plan_text"):
-            print(f"\n# plan of {r['model']} {r['policy']}:\n{r['plan_text']}")
-        if r.get("traceback"):
-            print(f"\n# {r['model']} {r['policy']} failed:\n{r['traceback']}")
+    llm.print_details(results)
     if a.csv:
         write_csv(a.csv, results)
     if a.png:

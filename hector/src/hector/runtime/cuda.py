@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -271,6 +271,44 @@ class JitExecutor:
 # ------------------------------------------------------------------------------------------------- backend
 
 
+_LAUNCH, _EINSUM, _RNG, _EMPTY_GRID = range(4)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One kernel of a launch plan (see :meth:`CudaBackend._launch_plan`)."""
+
+    drop: tuple[str, ...]  # values no longer read, released before this step (kept values excepted)
+    kind: int = _LAUNCH
+    outputs: tuple = ()  # (name, shape, dtype, zero-filled)
+    kernel: Any = None
+    grid: tuple[int, int] = (0, 0)
+    block: int = 0
+    smem: int = 0
+    args: list = field(default_factory=list)  # graph bindings resolved; None where a value is bound per call
+    env_args: tuple[tuple[int, str], ...] = ()  # (argument position, value name)
+    inputs: tuple[str, ...] = ()  # einsum operands
+    equation: str = ""
+    dtype: Any = None
+    p: float = 0.0
+
+
+class _Steps(list):
+    """A launch plan: its steps and the values a call keeps (program outputs and ``keep``)."""
+
+    def __init__(self, keep: frozenset[str]):
+        super().__init__()
+        self.keep = keep
+
+
+@dataclass(frozen=True)
+class _ProgramInfo:
+    leaves: tuple[tuple[str, str], ...]  # (value name, leaf name) of INPUT / PARAM / SAVED nodes
+    consts: tuple[tuple[str, str], ...]  # (value name, kind) of GRAPH nodes
+    leaf_names: frozenset[str]
+    outputs: tuple[str, ...]
+
+
 @dataclass
 class _Plan:
     module: ModuleCode
@@ -285,6 +323,7 @@ class CudaBackend:
     def __init__(self, executor: Any = None):
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
+        self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
         self._schedule: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
@@ -357,68 +396,133 @@ class CudaBackend:
 
     # -- execution -------------------------------------------------------------------------------------------
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
-        program = lowered.program
         dg = device_graph(graph)
+        info = self._program_info(lowered)
         model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
                            torch.float32)
         model = DTYPE_KEY[model_dtype]
         acc = torch.float64 if model == "f64" else torch.float32
         env: dict[str, torch.Tensor] = {}
-        for node in program.nodes:
-            if node.op in _LEAF_OPS:
-                t = leaves[node.attr("name")]
-                env[node.name] = t if t.is_contiguous() else t.contiguous()
-            elif node.op is Op.GRAPH:
-                env[node.name] = dg.graph.graph_const(node.attr("kind"), acc)
-        dtypes = {name: DTYPE_KEY[t.dtype] for name, t in env.items()}
-        plan = self.plan(lowered, dtypes, model, dg.device)
-        last_use: dict[str, int] = {}
-        if keep is not None:
-            keep = set(keep) | set(program.outputs)
-            for i, (kc, _) in enumerate(plan.kernels):
-                for name in kc.spec.inputs:
-                    last_use[name] = i
-        leaf_names = {n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH}
+        for name, leaf in info.leaves:
+            t = leaves[leaf]
+            env[name] = t if t.is_contiguous() else t.contiguous()
+        for name, kind in info.consts:
+            env[name] = dg.graph.graph_const(kind, acc)
+        plan = self.plan(lowered, {name: DTYPE_KEY[t.dtype] for name, t in env.items()}, model, dg.device)
+        steps = self._launch_plan(lowered, plan, dg, keep)
         stream = self.executor.stream()
-        sms = self.executor.properties(dg.device)["multiprocessors"]
-        for i, (kc, kernel) in enumerate(plan.kernels):
-            if keep is not None and i:
-                for name in [n for n, last in last_use.items() if last == i - 1 and n not in keep]:
-                    env.pop(name, None)
-            if kc.torch_op == "einsum":
-                (out,) = kc.outputs
-                node = program.node(out.name)
-                dtype = TORCH_DTYPE[out.dtype]
-                a, b = (env[arg].to(dtype) for arg in node.args)
-                env[out.name] = torch.einsum(node.attr("equation"), a, b).contiguous()
+        launch = self.executor.launch
+        for step in steps:
+            for name in step.drop:
+                env.pop(name, None)
+            kind = step.kind
+            if kind == _EINSUM:
+                a, b = (env[arg].to(step.dtype) for arg in step.inputs)
+                env[step.outputs[0][0]] = torch.einsum(step.equation, a, b).contiguous()
                 continue
-            for out in kc.outputs:
-                env[out.name] = self._allocate(program, out, dg, model_dtype)
-            if kc.torch_op == "rng":
-                node = program.node(kc.outputs[0].name)
-                p = node.attr("p")
-                env[node.name] = (torch.rand(env[node.name].shape, device=dg.device) >= p).to(model_dtype) / (1 - p)
+            for name, shape, dtype, zero in step.outputs:
+                env[name] = self._allocate(shape, dtype, zero, dg.device)
+            if kind == _RNG:
+                name = step.outputs[0][0]
+                p = step.p
+                env[name] = (torch.rand(env[name].shape, device=dg.device) >= p).to(model_dtype) / (1 - p)
                 continue
-            grid = self._grid(kc, dg, sms)
-            if grid[0] == 0:
+            if kind == _EMPTY_GRID:
                 continue
-            args = [self._bind(a.bind, env, dg, sms) for a in kc.args]
-            self.executor.launch(kernel, grid, kc.launch.block, args, kc.launch.smem, stream)
+            args = step.args.copy()
+            for i, name in step.env_args:
+                args[i] = env[name]
+            launch(step.kernel, step.grid, step.block, args, step.smem, stream)
         if keep is not None:
-            for name in [n for n in env if n not in keep and n not in leaf_names]:
+            keep_all = steps.keep
+            for name in [n for n in env if n not in keep_all and n not in info.leaf_names]:
                 del env[name]
-        for name in program.outputs:  # sums accumulated in float32 go back to the model's dtype
+        for name in info.outputs:  # sums accumulated in float32 go back to the model's dtype
             if env[name].dtype != model_dtype:
                 env[name] = env[name].to(model_dtype)
         return env
 
-    def _allocate(self, program, out, dg: DeviceGraph, model_dtype: torch.dtype) -> torch.Tensor:
-        t = program.type_of(out.name)
-        shape = tuple(t.shape) if t.domain is Domain.PARAM else (dg.rows(t.domain),) + tuple(t.shape)
-        dtype = TORCH_DTYPE[out.dtype]
-        if out.zero:
-            return torch.zeros(shape, dtype=dtype, device=dg.device)
-        return torch.empty(shape, dtype=dtype, device=dg.device)
+    def _program_info(self, lowered) -> _ProgramInfo:
+        """What :meth:`run` reads from a program on every call, read once per lowered program."""
+        hit = self._infos.get(id(lowered))
+        if hit is not None and hit[0] is lowered:
+            return hit[1]
+        program = lowered.program
+        info = _ProgramInfo(
+            leaves=tuple((n.name, n.attr("name")) for n in program.nodes if n.op in _LEAF_OPS),
+            consts=tuple((n.name, n.attr("kind")) for n in program.nodes if n.op is Op.GRAPH),
+            leaf_names=frozenset(n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH),
+            outputs=tuple(program.outputs))
+        self._infos[id(lowered)] = (lowered, info)
+        return info
+
+    def _launch_plan(self, lowered, plan: _Plan, dg: DeviceGraph, keep: Any) -> _Steps:
+        """Each kernel's launch with everything that depends only on the program, the graph and ``keep`` resolved
+        (output shapes, grids, graph bindings, which values to drop): made once per (plan, graph, keep) and kept
+        on the device graph, so a call only allocates, binds its values and launches. Keyed with the UNIQUE
+        domain so that a padded layout's plans are rebuilt when it settles."""
+        key = ("launch", Domain.UNIQUE, id(plan), None if keep is None else tuple(keep))
+        hit = dg._cache.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        program = lowered.program
+        sms = self.executor.properties(dg.device)["multiprocessors"]
+        drops: list[tuple[str, ...]] = [()] * len(plan.kernels)
+        keep_all: frozenset[str] = frozenset()
+        if keep is not None:
+            keep_all = frozenset(keep) | frozenset(program.outputs)
+            last_use: dict[str, int] = {}
+            for i, (kc, _) in enumerate(plan.kernels):
+                for name in kc.spec.inputs:
+                    last_use[name] = i
+            for i in range(1, len(plan.kernels)):
+                drops[i] = tuple(n for n, last in last_use.items() if last == i - 1 and n not in keep_all)
+        steps = _Steps(keep_all)
+        for i, (kc, kernel) in enumerate(plan.kernels):
+            step = _Step(drop=drops[i])
+            if kc.torch_op == "einsum":
+                (out,) = kc.outputs
+                node = program.node(out.name)
+                step.kind, step.dtype, step.equation = _EINSUM, TORCH_DTYPE[out.dtype], node.attr("equation")
+                step.inputs = tuple(node.args)
+                step.outputs = ((out.name, None, None, False),)
+                steps.append(step)
+                continue
+            step.outputs = tuple((out.name, self._shape(program, out.name, dg), TORCH_DTYPE[out.dtype], out.zero)
+                                 for out in kc.outputs)
+            if kc.torch_op == "rng":
+                step.kind, step.p = _RNG, program.node(kc.outputs[0].name).attr("p")
+                steps.append(step)
+                continue
+            step.grid = self._grid(kc, dg, sms)
+            if step.grid[0] == 0:
+                step.kind = _EMPTY_GRID
+                steps.append(step)
+                continue
+            step.kind, step.kernel, step.block, step.smem = _LAUNCH, kernel, kc.launch.block, kc.launch.smem
+            args: list[Any] = []
+            env_args: list[tuple[int, str]] = []
+            for j, a in enumerate(kc.args):
+                if a.bind[0] in ("value", "out"):
+                    env_args.append((j, a.bind[1]))
+                    args.append(None)
+                else:
+                    args.append(self._bind(a.bind, dg, sms))
+            step.args, step.env_args = args, tuple(env_args)
+            steps.append(step)
+        dg._cache[key] = (plan, steps)
+        return steps
+
+    @staticmethod
+    def _shape(program, name: str, dg: DeviceGraph) -> tuple[int, ...]:
+        t = program.type_of(name)
+        return tuple(t.shape) if t.domain is Domain.PARAM else (dg.rows(t.domain),) + tuple(t.shape)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool, device: torch.device) -> torch.Tensor:
+        """A kernel's output buffer: zero-filled where the kernel accumulates into it with atomics."""
+        if zero:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def _grid(self, kc, dg: DeviceGraph, sms: int) -> tuple[int, int]:
         launch = kc.launch
@@ -434,10 +538,9 @@ class CudaBackend:
             return (dg.tiles(domain, by, rows, self.build_schedule)[1], launch.grid_y)
         return (-(-launch.work[0] // launch.block), 1)
 
-    def _bind(self, bind: tuple, env: Mapping[str, torch.Tensor], dg: DeviceGraph, sms: int) -> Any:
+    def _bind(self, bind: tuple, dg: DeviceGraph, sms: int) -> Any:
+        """A kernel argument that depends on the graph only (values and outputs are bound per call)."""
         kind = bind[0]
-        if kind in ("value", "out"):
-            return env[bind[1]]
         if kind == "gather":
             return dg.gather(bind[1])
         if kind == "index":

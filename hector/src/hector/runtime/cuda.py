@@ -294,11 +294,20 @@ class _Step:
 
 
 class _Steps(list):
-    """A launch plan: its steps and the values a call keeps (program outputs and ``keep``)."""
+    """A launch plan: its steps, the values a call keeps (program outputs and ``keep``), and the small
+    zero-filled buffers carved from one pool per call (name -> (dtype, shape, stride, offset in elements))."""
 
     def __init__(self, keep: frozenset[str]):
         super().__init__()
         self.keep = keep
+        self.packed: dict[str, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = {}
+        self.pool_dtypes: set[torch.dtype] = set()
+        self.pool_bytes = 0
+
+
+_PACKED = "packed"  # an output's zero flag once it lives in the pool
+_POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
+_POOL_BYTES = 4 << 20  # ... while it stays this small
 
 
 @dataclass(frozen=True)
@@ -410,6 +419,11 @@ class CudaBackend:
             env[name] = dg.graph.graph_const(kind, acc)
         plan = self.plan(lowered, {name: DTYPE_KEY[t.dtype] for name, t in env.items()}, model, dg.device)
         steps = self._launch_plan(lowered, plan, dg, keep)
+        if steps.packed:  # the small zero-filled buffers of this call: one allocation, one fill
+            pool = torch.zeros(steps.pool_bytes, dtype=torch.uint8, device=dg.device)
+            typed = {dtype: pool.view(dtype) for dtype in steps.pool_dtypes}
+            for name, (dtype, shape, stride, offset) in steps.packed.items():
+                env[name] = typed[dtype].as_strided(shape, stride, offset)
         stream = self.executor.stream()
         launch = self.executor.launch
         for step in steps:
@@ -421,7 +435,8 @@ class CudaBackend:
                 env[step.outputs[0][0]] = torch.einsum(step.equation, a, b).contiguous()
                 continue
             for name, shape, dtype, zero in step.outputs:
-                env[name] = self._allocate(shape, dtype, zero, dg.device)
+                if zero is not _PACKED:
+                    env[name] = self._allocate(shape, dtype, zero, dg.device)
             if kind == _RNG:
                 name = step.outputs[0][0]
                 p = step.p
@@ -478,6 +493,11 @@ class CudaBackend:
             for i in range(1, len(plan.kernels)):
                 drops[i] = tuple(n for n, last in last_use.items() if last == i - 1 and n not in keep_all)
         steps = _Steps(keep_all)
+        # a forward program's outputs go to the user, who may change them in place: a view (of the pool) returned
+        # by an autograd Function may not be, so they get their own buffers; a backward program's outputs are
+        # gradients, which autograd accumulates without in-place changes to views
+        outputs = set(program.outputs)
+        gradients = any(leaf.startswith("grad:") for _, leaf in self._program_info(lowered).leaves)
         for i, (kc, kernel) in enumerate(plan.kernels):
             step = _Step(drop=drops[i])
             if kc.torch_op == "einsum":
@@ -490,6 +510,9 @@ class CudaBackend:
                 continue
             step.outputs = tuple((out.name, self._shape(program, out.name, dg), TORCH_DTYPE[out.dtype], out.zero)
                                  for out in kc.outputs)
+            step.outputs = tuple((name, shape, dtype, self._pack(steps, name, shape, dtype)
+                                  if zero and (name not in outputs or gradients) else zero)
+                                 for name, shape, dtype, zero in step.outputs)
             if kc.torch_op == "rng":
                 step.kind, step.p = _RNG, program.node(kc.outputs[0].name).attr("p")
                 steps.append(step)
@@ -512,6 +535,30 @@ class CudaBackend:
             steps.append(step)
         dg._cache[key] = (plan, steps)
         return steps
+
+    @staticmethod
+    def _pack(steps: _Steps, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """Places a zero-filled buffer in the call's pool if it is small (returns ``_PACKED``), else True (its own
+        ``torch.zeros``). Each fill is a launch and a few microseconds of host time, which small graphs pay many
+        times per step; a buffer in the pool keeps the pool alive as long as it lives, so only small ones go
+        there (a kept value or a returned gradient holds at most ``_POOL_BYTES``)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        if nbytes > _POOL_ITEM_BYTES or steps.pool_bytes + nbytes > _POOL_BYTES or numel == 0:
+            return True
+        offset = steps.pool_bytes
+        stride = []
+        acc = 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        steps.packed[name] = (dtype, shape, tuple(reversed(stride)), offset // dtype.itemsize)
+        steps.pool_dtypes.add(dtype)
+        # 256-byte aligned, as a CUDA allocation: the kernels' vector loads stay aligned
+        steps.pool_bytes = -(-(offset + nbytes) // 256) * 256
+        return _PACKED
 
     @staticmethod
     def _shape(program, name: str, dg: DeviceGraph) -> tuple[int, ...]:

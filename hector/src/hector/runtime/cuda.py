@@ -72,11 +72,10 @@ class DeviceGraph:
             self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
         # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
         nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
-        ptr = torch.searchsorted(g.dst, nodes)
-        self.csc_ptr = ptr.to(torch.int32)
-        deg = ptr[1:] - ptr[:-1]
+        self.csc_ptr = torch.searchsorted(g.dst, nodes, out_int32=True)
+        deg = self.csc_ptr[1:] - self.csc_ptr[:-1]
         # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
-        self.dst_order = torch.sort(deg.to(torch.int32), descending=True, stable=True).indices.to(torch.int32)
+        self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
         self._cache: dict[Any, Any] = {}
 
     def settle(self, count: int) -> None:

@@ -40,7 +40,7 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
     checks = [c for c in checks if c[1].numel()]
     if not checks:
         return
-    bounds = torch.stack([v for _, t, _, _ in checks for v in (t.min(), t.max())]).tolist()
+    bounds = torch.stack([v for _, t, _, _ in checks for v in torch.aminmax(t)]).tolist()  # one pass per tensor
     for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=True):
         if lo < 0 or hi >= upper:
             bad = lo if lo < 0 else hi
@@ -288,8 +288,11 @@ class Graph:
         """Row-major combination of several type indices (a param typed ``by=("src_ntype", "etype")``)."""
 
         def compute():
-            idx = torch.zeros(self.num_rows(domain), dtype=torch.long, device=self.device)
-            for kind in by:
+            if not by:
+                return torch.zeros(self.num_rows(domain), dtype=torch.long, device=self.device)
+            # the first index as it is (one type: no op at all; each op is a launch per new graph)
+            idx = self.index(domain, by[0])
+            for kind in by[1:]:
                 idx = idx * self.num_types(kind) + self.index(domain, kind)
             return idx
 
@@ -399,10 +402,10 @@ class Graph:
                 ordered = sort_keys(key, self.num_nodes * self.num_relations)[0]
                 key = key.to(ordered.dtype)
                 counts = torch.searchsorted(ordered, key, right=True) - torch.searchsorted(ordered, key)
-                return 1.0 / counts.to(torch.float64)
+                return counts.to(torch.float64).reciprocal_()  # as 1.0 / counts, one op fewer
             deg = self.in_degree().to(torch.float64)
             if kind == "inv_deg_dst":
-                return 1.0 / deg[self.dst]
+                return deg[self.dst].reciprocal_()
             if kind == "inv_in_degree":
                 return torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg))
             raise ValueError(f"unknown graph constant {kind!r}")

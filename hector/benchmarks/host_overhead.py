@@ -10,9 +10,10 @@ no GPU and no compiler, and what it measures is exactly the host's share of a GP
 * ``device_ops``: those of them that launch work on a GPU (views, ``empty`` and other metadata-only ops left out);
 * ``kernels``: generated-kernel launches per step;
 * ``launches``: ``device_ops + kernels``, the launches a GPU step makes;
-* ``host_ms``: wall time of a step (the best of five batches of ``--steps``) with the null executor (Python, dispatcher, and the CPU execution of the torch
-  ops above at this graph's size: the ``tiny`` graph keeps that small, so its ``host_ms`` is close to the host
-  time a GPU step pays; on the larger graphs the CPU fills and sorts dominate it).
+* ``host_ms``: wall time of a step (the best of five batches of ``--steps``) with the null executor (Python,
+  dispatcher, and the CPU execution of the torch ops above at this graph's size: the ``tiny`` graph keeps that
+  small, so its ``host_ms`` is close to the host time a GPU step pays; on the larger graphs the CPU fills and
+  sorts dominate it).
 
 Two graph modes: ``persistent`` (one graph object for every step, as a full-graph training loop) and ``new`` (new
 ``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again).
@@ -55,7 +56,8 @@ NO_LAUNCH = frozenset({
     "t", "transpose", "expand", "select", "slice", "detach", "alias", "unsqueeze", "squeeze", "permute", "reshape",
     "split", "unbind", "lift_fresh", "_reshape_alias", "view_as", "set_", "resize_", "chunk", "narrow", "numpy_T",
     "is_nonzero", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "diagonal",
-    "expand_as", "unflatten", "flatten", "movedim", "split_with_sizes", "indices", "values", "_has_compatible_shallow_copy_type",
+    "expand_as", "unflatten", "flatten", "movedim", "split_with_sizes", "indices", "values",
+    "_has_compatible_shallow_copy_type",
 })
 
 
@@ -128,7 +130,15 @@ def measure(graph: str, model: str, mode: str, dim: int = 64, heads: int = 4, st
     """One row: per-step ops, launches and host ms of ``model`` on ``graph`` in ``mode`` (persistent / new)."""
     # one intra-op thread: on a GPU the host only launches, and on a shared machine a thread pool's barriers
     # would time the other processes
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _measure(graph, model, mode, dim, heads, steps, warmup)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int, warmup: int) -> dict[str, Any]:
     spec = GRAPHS[graph]
     g, x = _inputs(spec, dim)
     torch.manual_seed(0)

@@ -93,9 +93,9 @@ class Graph:
         num_nodes: number of nodes N (> 0); node ids must lie in [0, N).
         num_relations: R.
         node_type: optional [N] node-type ids in [0, num_node_types).
-        sync_free: build without waiting for the device. The id ranges are then checked by device-side assertions (a bad id ends the CUDA
-            context at the next synchronisation), and the count of unique (source, relation) pairs, which sizes
-            the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops its
+        sync_free: build without waiting for the device. The id ranges are then checked by device-side
+            assertions (a bad id ends the CUDA context at the next synchronisation), and the count of unique
+            (source, relation) pairs, which sizes the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops its
             kernels at the count on the device, and the cost model estimates the count from graphs of the same
             size class until this graph's own count has arrived (copied to the host without waiting). False
             (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`

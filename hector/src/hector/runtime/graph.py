@@ -95,8 +95,8 @@ class Graph:
         node_type: optional [N] node-type ids in [0, num_node_types).
         sync_free: build without waiting for the device. The id ranges are then checked by device-side
             assertions (a bad id ends the CUDA context at the next synchronisation), and the count of unique
-            (source, relation) pairs, which sizes the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops its
-            kernels at the count on the device, and the cost model estimates the count from graphs of the same
+            (source, relation) pairs, which sizes the compacted rows, is not read: the CUDA backend sizes those
+            rows by the edge count and stops its kernels at the count on the device, and the cost model estimates the count from graphs of the same
             size class until this graph's own count has arrived (copied to the host without waiting). False
             (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
             naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.

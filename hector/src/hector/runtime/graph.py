@@ -93,16 +93,16 @@ class Graph:
         num_nodes: number of nodes N (> 0); node ids must lie in [0, N).
         num_relations: R.
         node_type: optional [N] node-type ids in [0, num_node_types).
-        sync_free: build without waiting for the device. The id ranges are then checked by device-side
-            assertions (a bad id ends the CUDA context at the next synchronisation), and the count of unique
-            (source, relation) pairs, which sizes the compacted rows, is not read: the CUDA backend sizes those
-            rows by the edge count and stops its kernels at the count on the device, and the cost model estimates the count from graphs of the same
-            size class until this graph's own count has arrived (copied to the host without waiting). False
-            (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
-            naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.
-            Layers given new tensors use False: on an H100 the padded rows cost more GPU time than the two waits
-            save (a new ``edge_index`` per call: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms
-            against 16.7 ms), and a small graph's step stays bound by its launches either way.
+        sync_free: build without waiting for the device. The id ranges are then checked by device-side assertions (a bad
+            id ends the CUDA context at the next synchronisation), and the count of unique (source, relation) pairs,
+            which sizes the compacted rows, is not read: the CUDA backend sizes those rows by the edge count and stops
+            its kernels at the count on the device, and the cost model estimates the count from graphs of the same size
+            class until this graph's own count has arrived (copied to the host without waiting). False (default): the
+            ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError` naming the bad id) and the
+            pair count is read when first needed: two waits for the GPU per graph. Layers given new tensors use False:
+            on an H100 the padded rows cost more GPU time than the two waits save (a new ``edge_index`` per call: 7 of 9
+            graph/model cells slower with True, e.g. am RGCN 18.1 ms against 16.7 ms), and a small graph's step stays
+            bound by its launches either way.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,

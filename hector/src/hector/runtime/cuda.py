@@ -150,9 +150,9 @@ class DeviceGraph:
 
     def perm(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         def compute():
-            if domain is Domain.UNIQUE and self.padded and by in ((), ("etype",)):
-                # padded pairs are relation-major with the padding last: already in this order
-                return torch.arange(self.graph.num_edges, dtype=torch.int32, device=self.device)
+            if (domain is Domain.UNIQUE and by == ("etype",)) or by == ():
+                # pairs are relation-major (padded ones with the padding last): already in this order
+                return torch.arange(self.rows(domain), dtype=torch.int32, device=self.device)
             if domain is Domain.UNIQUE and self.padded:
                 index, types = self._padded_types(by)
                 return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()

@@ -309,6 +309,32 @@ _POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
 _POOL_BYTES = 4 << 20  # ... while it stays this small
 
 
+@dataclass(slots=True)
+class _KernelTemplate:
+    """The graph-independent part of a :class:`_Step`."""
+
+    kc: Any
+    kernel: Any
+    drop: tuple[str, ...]
+    kind: int = _LAUNCH
+    # (name, domain or None for PARAM rows, feature shape, dtype, zero-filled, may live in the pool); einsum:
+    # (name, None, None, False)
+    outputs: tuple = ()
+    nargs: int = 0
+    env_args: tuple[tuple[int, str], ...] = ()
+    graph_args: tuple[tuple[int, tuple], ...] = ()
+    inputs: tuple[str, ...] = ()
+    equation: str = ""
+    dtype: Any = None
+    p: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Template:
+    keep: frozenset[str]
+    kernels: tuple[_KernelTemplate, ...]
+
+
 @dataclass(frozen=True)
 class _ProgramInfo:
     leaves: tuple[tuple[str, str], ...]  # (value name, leaf name) of INPUT / PARAM / SAVED nodes
@@ -332,6 +358,7 @@ class CudaBackend:
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
         self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
+        self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
         self._schedule: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
@@ -474,13 +501,56 @@ class CudaBackend:
         """Each kernel's launch with everything that depends only on the program, the graph and ``keep`` resolved
         (output shapes, grids, graph bindings, which values to drop): made once per (plan, graph, keep) and kept
         on the device graph, so a call only allocates, binds its values and launches. Keyed with the UNIQUE
-        domain so that a padded layout's plans are rebuilt when it settles."""
-        key = ("launch", Domain.UNIQUE, id(plan), None if keep is None else tuple(keep))
+        domain so that a padded layout's plans are rebuilt when it settles. The graph-independent part comes
+        from :meth:`_template`, made once per (plan, keep): a mini-batch loop builds one launch plan per batch."""
+        keep_key = None if keep is None else tuple(keep)
+        key = ("launch", Domain.UNIQUE, id(plan), keep_key)
         hit = dg._cache.get(key)
         if hit is not None and hit[0] is plan:
             return hit[1]
-        program = lowered.program
+        template = self._template(lowered, plan, keep_key)
         sms = self.executor.properties(dg.device)["multiprocessors"]
+        rows: dict[Domain | None, int] = {}
+        steps = _Steps(template.keep)
+        for t in template.kernels:
+            step = _Step(drop=t.drop, kind=t.kind)
+            if t.kind == _EINSUM:
+                step.dtype, step.equation, step.inputs, step.outputs = t.dtype, t.equation, t.inputs, t.outputs
+                steps.append(step)
+                continue
+            outputs = []
+            for name, domain, feature, dtype, zero, poolable in t.outputs:
+                if domain not in rows:
+                    rows[domain] = dg.rows(domain) if domain is not None else 0
+                shape = feature if domain is None else (rows[domain],) + feature
+                outputs.append((name, shape, dtype, self._pack(steps, name, shape, dtype) if poolable else zero))
+            step.outputs = tuple(outputs)
+            if t.kind == _RNG:
+                step.p = t.p
+                steps.append(step)
+                continue
+            kc = t.kc
+            step.grid = self._grid(kc, dg, sms)
+            if step.grid[0] == 0:
+                step.kind = _EMPTY_GRID
+                steps.append(step)
+                continue
+            step.kernel, step.block, step.smem = t.kernel, kc.launch.block, kc.launch.smem
+            args: list[Any] = [None] * t.nargs
+            for j, bind in t.graph_args:
+                args[j] = self._bind(bind, dg, sms)
+            step.args, step.env_args = args, t.env_args
+            steps.append(step)
+        dg._cache[key] = (plan, steps)
+        return steps
+
+    def _template(self, lowered, plan: _Plan, keep: tuple[str, ...] | None) -> _Template:
+        """The graph-independent part of a launch plan (see :meth:`_launch_plan`), once per (plan, keep)."""
+        key = (id(plan), keep)
+        hit = self._templates.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        program = lowered.program
         drops: list[tuple[str, ...]] = [()] * len(plan.kernels)
         keep_all: frozenset[str] = frozenset()
         if keep is not None:
@@ -489,51 +559,46 @@ class CudaBackend:
             for i, (kc, _) in enumerate(plan.kernels):
                 for name in kc.spec.inputs:
                     last_use[name] = i
+            dropped: dict[int, list[str]] = {}
+            for name, last in last_use.items():
+                if name not in keep_all:
+                    dropped.setdefault(last + 1, []).append(name)
             for i in range(1, len(plan.kernels)):
-                drops[i] = tuple(n for n, last in last_use.items() if last == i - 1 and n not in keep_all)
-        steps = _Steps(keep_all)
+                drops[i] = tuple(dropped.get(i, ()))
         # a forward program's outputs go to the user, who may change them in place: a view (of the pool) returned
         # by an autograd Function may not be, so they get their own buffers; a backward program's outputs are
         # gradients, which autograd accumulates without in-place changes to views
         outputs = set(program.outputs)
         gradients = any(leaf.startswith("grad:") for _, leaf in self._program_info(lowered).leaves)
+        kernels = []
         for i, (kc, kernel) in enumerate(plan.kernels):
-            step = _Step(drop=drops[i])
+            t = _KernelTemplate(kc=kc, kernel=kernel, drop=drops[i])
             if kc.torch_op == "einsum":
                 (out,) = kc.outputs
                 node = program.node(out.name)
-                step.kind, step.dtype, step.equation = _EINSUM, TORCH_DTYPE[out.dtype], node.attr("equation")
-                step.inputs = tuple(node.args)
-                step.outputs = ((out.name, None, None, False),)
-                steps.append(step)
+                t.kind, t.dtype, t.equation = _EINSUM, TORCH_DTYPE[out.dtype], node.attr("equation")
+                t.inputs = tuple(node.args)
+                t.outputs = ((out.name, None, None, False),)
+                kernels.append(t)
                 continue
-            step.outputs = tuple((out.name, self._shape(program, out.name, dg), TORCH_DTYPE[out.dtype], out.zero)
-                                 for out in kc.outputs)
-            step.outputs = tuple((name, shape, dtype, self._pack(steps, name, shape, dtype)
-                                  if zero and (name not in outputs or gradients) else zero)
-                                 for name, shape, dtype, zero in step.outputs)
+            specs = []
+            for out in kc.outputs:
+                ty = program.type_of(out.name)
+                domain = None if ty.domain is Domain.PARAM else ty.domain
+                specs.append((out.name, domain, tuple(ty.shape), TORCH_DTYPE[out.dtype], out.zero,
+                              out.zero and (out.name not in outputs or gradients)))
+            t.outputs = tuple(specs)
             if kc.torch_op == "rng":
-                step.kind, step.p = _RNG, program.node(kc.outputs[0].name).attr("p")
-                steps.append(step)
+                t.kind, t.p = _RNG, program.node(kc.outputs[0].name).attr("p")
+                kernels.append(t)
                 continue
-            step.grid = self._grid(kc, dg, sms)
-            if step.grid[0] == 0:
-                step.kind = _EMPTY_GRID
-                steps.append(step)
-                continue
-            step.kind, step.kernel, step.block, step.smem = _LAUNCH, kernel, kc.launch.block, kc.launch.smem
-            args: list[Any] = []
-            env_args: list[tuple[int, str]] = []
-            for j, a in enumerate(kc.args):
-                if a.bind[0] in ("value", "out"):
-                    env_args.append((j, a.bind[1]))
-                    args.append(None)
-                else:
-                    args.append(self._bind(a.bind, dg, sms))
-            step.args, step.env_args = args, tuple(env_args)
-            steps.append(step)
-        dg._cache[key] = (plan, steps)
-        return steps
+            t.nargs = len(kc.args)
+            t.env_args = tuple((j, a.bind[1]) for j, a in enumerate(kc.args) if a.bind[0] in ("value", "out"))
+            t.graph_args = tuple((j, a.bind) for j, a in enumerate(kc.args) if a.bind[0] not in ("value", "out"))
+            kernels.append(t)
+        template = _Template(keep_all, tuple(kernels))
+        self._templates[key] = (plan, template)
+        return template
 
     @staticmethod
     def _pack(steps: _Steps, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
@@ -558,11 +623,6 @@ class CudaBackend:
         # 256-byte aligned, as a CUDA allocation: the kernels' vector loads stay aligned
         steps.pool_bytes = -(-(offset + nbytes) // 256) * 256
         return _PACKED
-
-    @staticmethod
-    def _shape(program, name: str, dg: DeviceGraph) -> tuple[int, ...]:
-        t = program.type_of(name)
-        return tuple(t.shape) if t.domain is Domain.PARAM else (dg.rows(t.domain),) + tuple(t.shape)
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool, device: torch.device) -> torch.Tensor:
         """A kernel's output buffer: zero-filled where the kernel accumulates into it with atomics."""

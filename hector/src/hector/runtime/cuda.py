@@ -4,7 +4,9 @@ Per graph (computed once and cached on the :class:`~hector.runtime.graph.Graph`)
 (so a destination's in-edges are one contiguous range; edge-domain values live in this order, which never leaves
 the backend), int32 gather/type indices, the destinations ordered heaviest first, and the tile schedules of the
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
-and cached on disk by shared-cuda's JIT loader. A step then only allocates outputs and launches kernels on the
+and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
+graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
+ones carved from one pool: one fill per call, not one per buffer), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
 
 The *executor* compiles and launches; the default one uses the GPU. Tests plug in a CPU emulator of the generated

@@ -281,9 +281,9 @@ def test_graph_prepared_without_host_reads_matches_reference(emulated, monkeypat
 
     real_allocate = EMULATED._allocate
 
-    def poisoned(program, out, dg, model_dtype):
-        t = real_allocate(program, out, dg, model_dtype)
-        return t.fill_(math.nan) if not out.zero and t.is_floating_point() else t
+    def poisoned(shape, dtype, zero, device):
+        t = real_allocate(shape, dtype, zero, device)
+        return t.fill_(math.nan) if not zero and t.is_floating_point() else t
 
     monkeypatch.setattr(EMULATED, "_allocate", poisoned)
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=5)

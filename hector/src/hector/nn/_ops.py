@@ -107,7 +107,9 @@ def relational_layer_backward(grad: torch.Tensor, x: torch.Tensor, edge_index: t
     by_leaf = {name: env[out] for (_, name), out in zip(bw.grads_of, bw.program.outputs, strict=True)}
     names = [layer.input_name] + list(layer._tensors())
     tensors = [x] + list(weights)
-    return [by_leaf[n] if n in by_leaf else torch.zeros_like(t) for n, t in zip(names, tensors, strict=True)]
+    # a custom op's outputs may not alias each other: small gradients share the backend's zero-filled pool
+    return [(g.clone() if g._base is not None else g) if (g := by_leaf.get(n)) is not None else torch.zeros_like(t)
+            for n, t in zip(names, tensors, strict=True)]
 
 
 @relational_layer_backward.register_fake

@@ -50,6 +50,7 @@ class RelationalLayer(nn.Module):
         self.optimize = optimize
         self._compiled: dict[Any, CompiledLayer] = {}
         self._choices: dict[Any, Any] = {}  # the cost model's Options per graph size class (hector.cost)
+        self._option_keys: dict[int, tuple[Options, tuple]] = {}  # id(Options) -> (it, its part of the cache key)
         self._layer_id = _ops.register(self)
 
     # to implement
@@ -92,11 +93,22 @@ class RelationalLayer(nn.Module):
                  options: Options | None = None) -> CompiledLayer:
         training = self.training if training is None else training
         opts = self.options_for(graph) if options is None else options
-        rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
-        key = (training, opts.compact, opts.reorder, opts.force_reorder, opts.fuse, rows_key)
-        if key not in self._compiled:
-            self._compiled[key] = compile_program(self.trace(training), opts)
-        return self._compiled[key]
+        # the same Options object comes back for every call of a size class (the cost model's choice): its key
+        # is kept with it, not rebuilt per call
+        hit = self._option_keys.get(id(opts))
+        if hit is not None and hit[0] is opts:
+            opts_key = hit[1]
+        else:
+            rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
+            opts_key = (opts.compact, opts.reorder, opts.force_reorder, opts.fuse, rows_key)
+            if len(self._option_keys) > 64:
+                self._option_keys.clear()
+            self._option_keys[id(opts)] = (opts, opts_key)
+        key = (training, *opts_key)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = compile_program(self.trace(training), opts)
+        return compiled
 
     # running
     def graph(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None,

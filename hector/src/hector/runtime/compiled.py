@@ -34,8 +34,9 @@ class CompiledLayer:
         # read several times per layer call (the forward program never changes)
         return tuple((n.op, n.attr("name")) for n in self.forward.nodes if n.op in (Op.INPUT, Op.PARAM))
 
-    @property
+    @functools.cached_property
     def saved(self) -> tuple[str, ...]:
+        # read on every training call; the backward program never changes
         return self.full_backward.saved
 
     def backward_for(self, wrt: Iterable[tuple[Op, str]]) -> tuple[Backward, Lowered]:

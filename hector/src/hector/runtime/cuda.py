@@ -4,7 +4,9 @@ Per graph (computed once and cached on the :class:`~hector.runtime.graph.Graph`)
 (so a destination's in-edges are one contiguous range; edge-domain values live in this order, which never leaves
 the backend), int32 gather/type indices, the destinations ordered heaviest first, and the tile schedules of the
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
-and cached on disk by shared-cuda's JIT loader. A step then only allocates outputs and launches kernels on the
+and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
+graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
+ones carved from one pool: one fill per call, not one per buffer), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
 
 The *executor* compiles and launches; the default one uses the GPU. Tests plug in a CPU emulator of the generated
@@ -17,8 +19,8 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +29,8 @@ from .. import config
 from ..codegen import CodegenOptions, ModuleCode, generate
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
-from .graph import Graph, record_stream_of, sort_keys
+from .device_graph import DeviceGraph, device_graph, unique_pairs
+from .graph import Graph
 
 TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 DTYPE_KEY = {v: k for k, v in TORCH_DTYPE.items()}
@@ -35,195 +38,6 @@ _LEAF_OPS = (Op.INPUT, Op.PARAM, Op.SAVED)
 _DOMAIN = {d.value: d for d in Domain}  # a dict lookup, 10x cheaper than Domain(value); ~100 per layer call
 
 log = logging.getLogger("hector")
-
-
-# ------------------------------------------------------------------------------------------------- graph
-
-
-class DeviceGraph:
-    """A graph prepared for the generated kernels: destination-sorted edges and int32 indices, cached.
-
-    Built without host synchronisation: the caller's graph was validated once (on the host, or by device-side
-    assertions on a ``sync_free`` graph), and the unique (source, relation) pairs are either those computed on it
-    (their count read once: the UNIQUE rows sized exactly) or computed here on the device (*padded*: UNIQUE buffers
-    sized by the edge count, the pairs in their first rows, kernels stopped at the count on the device, types and
-    tile schedules counting only real pairs). A padded layout *settles* to the exact one, by slicing, once the
-    pair count has reached the host without waiting (:func:`device_graph`). A mini-batch's layers then only launch
-    kernels, and the host runs ahead of the GPU."""
-
-    def __init__(self, graph: Graph):
-        if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
-            raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
-        order = sort_keys(graph.dst, graph.num_nodes)[1]
-        self.order = order  # sorted position -> original edge id
-        g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph)
-        self.device = g.device
-        self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
-        self.padded = "unique" not in graph._cache
-        if self.padded:
-            src, etype, inverse, count = unique_pairs(g.src, g.etype, g.num_nodes, g.num_relations)
-            g._cache["unique"] = (src, etype, inverse)
-            self.unique_count = count.to(torch.int32)
-            self._valid = torch.arange(g.num_edges, device=g.device) < count
-            graph.expect_unique_count(count)
-        else:
-            # the same (source, relation) pairs in the same order; each edge keeps its pair
-            g._cache["unique"] = (graph.unique_src, graph.unique_etype, graph.edge_to_unique[order])
-            self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
-        # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
-        nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
-        ptr = torch.searchsorted(g.dst, nodes)
-        self.csc_ptr = ptr.to(torch.int32)
-        deg = ptr[1:] - ptr[:-1]
-        # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
-        self.dst_order = torch.sort(deg.to(torch.int32), descending=True, stable=True).indices.to(torch.int32)
-        self._cache: dict[Any, Any] = {}
-
-    def settle(self, count: int) -> None:
-        """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows
-        of the padded layout, which hold the same pairs in the same order; rows of buffers made before stay
-        valid). Everything cached about UNIQUE rows is rebuilt on next use."""
-        if not self.padded:
-            return
-        g = self.graph
-        src, etype, inverse = g._cache["unique"]
-        # the padded layout's tensors stay alive: a CUDA graph captured with them may still be replayed
-        self._retired = [g._cache, self._cache, self._valid]
-        g._cache = {k: v for k, v in g._cache.items() if not _mentions_unique(k)}
-        g._cache["unique"] = (src[:count], etype[:count], inverse)
-        self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
-        self.padded = False
-        del self._valid
-
-    @property
-    def num_unique(self) -> int:
-        """UNIQUE rows of the buffers: the pair count, or the edge count while padded."""
-        return self.graph.num_unique
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """See :meth:`Graph.record_stream`."""
-        self.graph.record_stream(stream)
-        record_stream_of((self.order, self.csc_ptr, self.dst_order, self.unique_count, self._cache), stream)
-
-    def rows(self, domain: Domain) -> int:
-        return self.graph.num_rows(domain)
-
-    def _cached(self, key, compute):
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
-
-    def gather(self, via: str) -> torch.Tensor:
-        return self._cached(("gather", via), lambda: self.graph.gather_index(via).to(torch.int32).contiguous())
-
-    def index(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        return self._cached(("index", domain, by),
-                            lambda: self.graph.combined_index(domain, by).to(torch.int32).contiguous())
-
-    def count(self, domain: Domain) -> torch.Tensor:
-        """The row count of ``domain`` as a one-element int32 device tensor (``("count", domain)`` bindings)."""
-        if domain is Domain.UNIQUE:
-            return self.unique_count
-        return self._cached(("count", domain), lambda: torch.full((1,), self.rows(domain), dtype=torch.int32,
-                                                                   device=self.device))
-
-    def _padded_types(self, by: tuple[str, ...]) -> tuple[torch.Tensor, int]:
-        """(type of every padded UNIQUE row, type count): padding rows get the type past the last, so sorting
-        puts them last and counting leaves them out."""
-        types = self.graph.num_combined_types(by)
-        index = self.graph.combined_index(Domain.UNIQUE, by) if by else \
-            torch.zeros(self.graph.num_edges, dtype=torch.long, device=self.device)
-        return torch.where(self._valid, index, types), types
-
-    def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        """Rows of each (combined) type on the device (real rows only)."""
-        if domain is Domain.UNIQUE and self.padded:
-            def compute():
-                index, types = self._padded_types(by)
-                counts = torch.zeros(types + 1, dtype=torch.long, device=self.device)
-                return counts.index_add_(0, index, torch.ones_like(index))[:types]
-
-            return self._cached(("type_counts", domain, by), compute)
-        if by:
-            return self.graph.type_counts(domain, by)
-        return self._cached(("type_counts", domain, by),
-                            lambda: torch.full((1,), self.rows(domain), dtype=torch.long, device=self.device))
-
-    def perm(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        def compute():
-            if domain is Domain.UNIQUE and self.padded and by in ((), ("etype",)):
-                # padded pairs are relation-major with the padding last: already in this order
-                return torch.arange(self.graph.num_edges, dtype=torch.int32, device=self.device)
-            if domain is Domain.UNIQUE and self.padded:
-                index, types = self._padded_types(by)
-                return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
-            return self.graph.type_order(domain, by).to(torch.int32).contiguous()
-
-        return self._cached(("perm", domain, by), compute)
-
-    def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
-        """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles
-        per multiprocessor (fewer, longer tiles where the graph is large: one atomic flush per tile)."""
-        if rows:
-            return rows
-        want = -(-self.rows(domain) // (8 * multiprocessors))
-        size = 256
-        while size * 2 <= min(want, 4096):
-            size *= 2
-        return size
-
-    def tiles(self, domain: Domain, by: tuple[str, ...], rows: int,
-              build: Callable[[torch.Tensor, int, int], torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Tile schedule of a segment GEMM: (type, first position in the type-sorted rows, count) per tile of at
-        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph by
-        ``build(counts, rows, slots)`` (the backend's schedule kernel) from the per-type counts, which stay on the
-        device. The schedule has ``slots`` entries, the most tiles the row count allows (each type adds at most one
-        partial tile: at most min(types, rows) of them, so the count does not grow with a model's relations beyond
-        those a graph can hold); the entries past the last tile have count 0 and their blocks return at once."""
-
-        def compute():
-            total = self.rows(domain)
-            if total == 0:
-                return torch.zeros(1, 3, dtype=torch.int32, device=self.device), 0
-            counts = self.type_counts(domain, by)
-            slots = -(-total // rows) + min(counts.numel(), total) - 1  # >= sum(ceil(count / rows))
-            return build(counts, rows, slots), slots
-
-        return self._cached(("tiles", domain, by, rows), compute)
-
-
-def device_graph(graph: Graph) -> DeviceGraph:
-    """The graph's CUDA layout (made on first use), settled to exact UNIQUE rows once the host knows the pair
-    count (looked for without waiting by :meth:`Graph.known_unique_count`, at each layer call's start)."""
-    dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
-    if dg.padded and "unique_count" in graph._cache:
-        dg.settle(graph._cache["unique_count"])
-    return dg
-
-
-def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
-                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
-    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
-    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
-    one-element device tensor. One sort, one scan, two scatters."""
-    edges = src.numel()
-    if edges == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=src.device)
-        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
-    key, order = sort_keys(etype * num_nodes + src, num_nodes * num_relations)
-    first = torch.ones(edges, dtype=torch.long, device=src.device)
-    first[1:] = key[1:] != key[:-1]
-    row = torch.cumsum(first, 0) - 1  # pair row of each edge in key order
-    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
-    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
-    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
-
-
-def _mentions_unique(key: Any) -> bool:
-    """A cache key of something derived from the UNIQUE rows (their pairs, types, orders, schedules)."""
-    parts = key if isinstance(key, tuple) else (key,)
-    return any(p is Domain.UNIQUE or p in ("unique", "unique_src", "size_stats") for p in parts)
 
 
 # ------------------------------------------------------------------------------------------------- executors
@@ -271,6 +85,79 @@ class JitExecutor:
 # ------------------------------------------------------------------------------------------------- backend
 
 
+_LAUNCH, _EINSUM, _RNG, _EMPTY_GRID = range(4)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One kernel of a launch plan (see :meth:`CudaBackend._launch_plan`)."""
+
+    drop: tuple[str, ...]  # values no longer read, released before this step (kept values excepted)
+    kind: int = _LAUNCH
+    outputs: tuple = ()  # (name, shape, dtype, zero-filled)
+    kernel: Any = None
+    grid: tuple[int, int] = (0, 0)
+    block: int = 0
+    smem: int = 0
+    args: list = field(default_factory=list)  # graph bindings resolved; None where a value is bound per call
+    env_args: tuple[tuple[int, str], ...] = ()  # (argument position, value name)
+    inputs: tuple[str, ...] = ()  # einsum operands
+    equation: str = ""
+    dtype: Any = None
+    p: float = 0.0
+
+
+class _Steps(list):
+    """A launch plan: its steps, the values a call keeps (program outputs and ``keep``), and the small
+    zero-filled buffers carved from one pool per call (name -> (dtype, shape, stride, offset in elements))."""
+
+    def __init__(self, keep: frozenset[str]):
+        super().__init__()
+        self.keep = keep
+        self.packed: dict[str, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = {}
+        self.pool_dtypes: set[torch.dtype] = set()
+        self.pool_bytes = 0
+
+
+_PACKED = "packed"  # an output's zero flag once it lives in the pool
+_POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
+_POOL_BYTES = 4 << 20  # ... while it stays this small
+
+
+@dataclass(slots=True)
+class _KernelTemplate:
+    """The graph-independent part of a :class:`_Step`."""
+
+    kc: Any
+    kernel: Any
+    drop: tuple[str, ...]
+    kind: int = _LAUNCH
+    # (name, domain or None for PARAM rows, feature shape, dtype, zero-filled, may live in the pool); einsum:
+    # (name, None, None, False)
+    outputs: tuple = ()
+    nargs: int = 0
+    env_args: tuple[tuple[int, str], ...] = ()
+    graph_args: tuple[tuple[int, tuple], ...] = ()
+    inputs: tuple[str, ...] = ()
+    equation: str = ""
+    dtype: Any = None
+    p: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Template:
+    keep: frozenset[str]
+    kernels: tuple[_KernelTemplate, ...]
+
+
+@dataclass(frozen=True)
+class _ProgramInfo:
+    leaves: tuple[tuple[str, str], ...]  # (value name, leaf name) of INPUT / PARAM / SAVED nodes
+    consts: tuple[tuple[str, str], ...]  # (value name, kind) of GRAPH nodes
+    leaf_names: frozenset[str]
+    outputs: tuple[str, ...]
+
+
 @dataclass
 class _Plan:
     module: ModuleCode
@@ -285,6 +172,8 @@ class CudaBackend:
     def __init__(self, executor: Any = None):
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
+        self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
+        self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
         self._schedule: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
@@ -357,68 +246,204 @@ class CudaBackend:
 
     # -- execution -------------------------------------------------------------------------------------------
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
-        program = lowered.program
         dg = device_graph(graph)
+        info = self._program_info(lowered)
         model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
                            torch.float32)
         model = DTYPE_KEY[model_dtype]
         acc = torch.float64 if model == "f64" else torch.float32
         env: dict[str, torch.Tensor] = {}
-        for node in program.nodes:
-            if node.op in _LEAF_OPS:
-                t = leaves[node.attr("name")]
-                env[node.name] = t if t.is_contiguous() else t.contiguous()
-            elif node.op is Op.GRAPH:
-                env[node.name] = dg.graph.graph_const(node.attr("kind"), acc)
-        dtypes = {name: DTYPE_KEY[t.dtype] for name, t in env.items()}
-        plan = self.plan(lowered, dtypes, model, dg.device)
-        last_use: dict[str, int] = {}
-        if keep is not None:
-            keep = set(keep) | set(program.outputs)
-            for i, (kc, _) in enumerate(plan.kernels):
-                for name in kc.spec.inputs:
-                    last_use[name] = i
-        leaf_names = {n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH}
+        for name, leaf in info.leaves:
+            t = leaves[leaf]
+            env[name] = t if t.is_contiguous() else t.contiguous()
+        for name, kind in info.consts:
+            env[name] = dg.graph.graph_const(kind, acc)
+        plan = self.plan(lowered, {name: DTYPE_KEY[t.dtype] for name, t in env.items()}, model, dg.device)
+        steps = self._launch_plan(lowered, plan, dg, keep)
+        if steps.packed:  # the small zero-filled buffers of this call: one allocation, one fill
+            pool = torch.zeros(steps.pool_bytes, dtype=torch.uint8, device=dg.device)
+            typed = {dtype: pool.view(dtype) for dtype in steps.pool_dtypes}
+            for name, (dtype, shape, stride, offset) in steps.packed.items():
+                env[name] = typed[dtype].as_strided(shape, stride, offset)
         stream = self.executor.stream()
-        sms = self.executor.properties(dg.device)["multiprocessors"]
-        for i, (kc, kernel) in enumerate(plan.kernels):
-            if keep is not None and i:
-                for name in [n for n, last in last_use.items() if last == i - 1 and n not in keep]:
-                    env.pop(name, None)
-            if kc.torch_op == "einsum":
-                (out,) = kc.outputs
-                node = program.node(out.name)
-                dtype = TORCH_DTYPE[out.dtype]
-                a, b = (env[arg].to(dtype) for arg in node.args)
-                env[out.name] = torch.einsum(node.attr("equation"), a, b).contiguous()
+        launch = self.executor.launch
+        for step in steps:
+            for name in step.drop:
+                env.pop(name, None)
+            kind = step.kind
+            if kind == _EINSUM:
+                a, b = (env[arg].to(step.dtype) for arg in step.inputs)
+                env[step.outputs[0][0]] = torch.einsum(step.equation, a, b).contiguous()
                 continue
-            for out in kc.outputs:
-                env[out.name] = self._allocate(program, out, dg, model_dtype)
-            if kc.torch_op == "rng":
-                node = program.node(kc.outputs[0].name)
-                p = node.attr("p")
-                env[node.name] = (torch.rand(env[node.name].shape, device=dg.device) >= p).to(model_dtype) / (1 - p)
+            for name, shape, dtype, zero in step.outputs:
+                if zero is not _PACKED:
+                    env[name] = self._allocate(shape, dtype, zero, dg.device)
+            if kind == _RNG:
+                name = step.outputs[0][0]
+                p = step.p
+                env[name] = (torch.rand(env[name].shape, device=dg.device) >= p).to(model_dtype) / (1 - p)
                 continue
-            grid = self._grid(kc, dg, sms)
-            if grid[0] == 0:
+            if kind == _EMPTY_GRID:
                 continue
-            args = [self._bind(a.bind, env, dg, sms) for a in kc.args]
-            self.executor.launch(kernel, grid, kc.launch.block, args, kc.launch.smem, stream)
+            args = step.args.copy()
+            for i, name in step.env_args:
+                args[i] = env[name]
+            launch(step.kernel, step.grid, step.block, args, step.smem, stream)
         if keep is not None:
-            for name in [n for n in env if n not in keep and n not in leaf_names]:
+            keep_all = steps.keep
+            for name in [n for n in env if n not in keep_all and n not in info.leaf_names]:
                 del env[name]
-        for name in program.outputs:  # sums accumulated in float32 go back to the model's dtype
+        for name in info.outputs:  # sums accumulated in float32 go back to the model's dtype
             if env[name].dtype != model_dtype:
                 env[name] = env[name].to(model_dtype)
         return env
 
-    def _allocate(self, program, out, dg: DeviceGraph, model_dtype: torch.dtype) -> torch.Tensor:
-        t = program.type_of(out.name)
-        shape = tuple(t.shape) if t.domain is Domain.PARAM else (dg.rows(t.domain),) + tuple(t.shape)
-        dtype = TORCH_DTYPE[out.dtype]
-        if out.zero:
-            return torch.zeros(shape, dtype=dtype, device=dg.device)
-        return torch.empty(shape, dtype=dtype, device=dg.device)
+    def _program_info(self, lowered) -> _ProgramInfo:
+        """What :meth:`run` reads from a program on every call, read once per lowered program."""
+        hit = self._infos.get(id(lowered))
+        if hit is not None and hit[0] is lowered:
+            return hit[1]
+        program = lowered.program
+        info = _ProgramInfo(
+            leaves=tuple((n.name, n.attr("name")) for n in program.nodes if n.op in _LEAF_OPS),
+            consts=tuple((n.name, n.attr("kind")) for n in program.nodes if n.op is Op.GRAPH),
+            leaf_names=frozenset(n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH),
+            outputs=tuple(program.outputs))
+        self._infos[id(lowered)] = (lowered, info)
+        return info
+
+    def _launch_plan(self, lowered, plan: _Plan, dg: DeviceGraph, keep: Any) -> _Steps:
+        """Each kernel's launch with everything that depends only on the program, the graph and ``keep`` resolved
+        (output shapes, grids, graph bindings, which values to drop): made once per (plan, graph, keep) and kept
+        on the device graph, so a call only allocates, binds its values and launches. Keyed with the UNIQUE
+        domain so that a padded layout's plans are rebuilt when it settles. The graph-independent part comes
+        from :meth:`_template`, made once per (plan, keep): a mini-batch loop builds one launch plan per batch."""
+        keep_key = None if keep is None else tuple(keep)
+        key = ("launch", Domain.UNIQUE, id(plan), keep_key)
+        hit = dg._cache.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        template = self._template(lowered, plan, keep_key)
+        sms = self.executor.properties(dg.device)["multiprocessors"]
+        rows: dict[Domain | None, int] = {}
+        steps = _Steps(template.keep)
+        for t in template.kernels:
+            step = _Step(drop=t.drop, kind=t.kind)
+            if t.kind == _EINSUM:
+                step.dtype, step.equation, step.inputs, step.outputs = t.dtype, t.equation, t.inputs, t.outputs
+                steps.append(step)
+                continue
+            outputs = []
+            for name, domain, feature, dtype, zero, poolable in t.outputs:
+                if domain not in rows:
+                    rows[domain] = dg.rows(domain) if domain is not None else 0
+                shape = feature if domain is None else (rows[domain],) + feature
+                outputs.append((name, shape, dtype, self._pack(steps, name, shape, dtype) if poolable else zero))
+            step.outputs = tuple(outputs)
+            if t.kind == _RNG:
+                step.p = t.p
+                steps.append(step)
+                continue
+            kc = t.kc
+            step.grid = self._grid(kc, dg, sms)
+            if step.grid[0] == 0:
+                step.kind = _EMPTY_GRID
+                steps.append(step)
+                continue
+            step.kernel, step.block, step.smem = t.kernel, kc.launch.block, kc.launch.smem
+            args: list[Any] = [None] * t.nargs
+            for j, bind in t.graph_args:
+                args[j] = self._bind(bind, dg, sms)
+            step.args, step.env_args = args, t.env_args
+            steps.append(step)
+        dg._cache[key] = (plan, steps)
+        return steps
+
+    def _template(self, lowered, plan: _Plan, keep: tuple[str, ...] | None) -> _Template:
+        """The graph-independent part of a launch plan (see :meth:`_launch_plan`), once per (plan, keep)."""
+        key = (id(plan), keep)
+        hit = self._templates.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        program = lowered.program
+        drops: list[tuple[str, ...]] = [()] * len(plan.kernels)
+        keep_all: frozenset[str] = frozenset()
+        if keep is not None:
+            keep_all = frozenset(keep) | frozenset(program.outputs)
+            last_use: dict[str, int] = {}
+            for i, (kc, _) in enumerate(plan.kernels):
+                for name in kc.spec.inputs:
+                    last_use[name] = i
+            dropped: dict[int, list[str]] = {}
+            for name, last in last_use.items():
+                if name not in keep_all:
+                    dropped.setdefault(last + 1, []).append(name)
+            for i in range(1, len(plan.kernels)):
+                drops[i] = tuple(dropped.get(i, ()))
+        # a forward program's outputs go to the user, who may change them in place: a view (of the pool) returned
+        # by an autograd Function may not be, so they get their own buffers; a backward program's outputs are
+        # gradients, which autograd accumulates without in-place changes to views
+        outputs = set(program.outputs)
+        gradients = any(leaf.startswith("grad:") for _, leaf in self._program_info(lowered).leaves)
+        kernels = []
+        for i, (kc, kernel) in enumerate(plan.kernels):
+            t = _KernelTemplate(kc=kc, kernel=kernel, drop=drops[i])
+            if kc.torch_op == "einsum":
+                (out,) = kc.outputs
+                node = program.node(out.name)
+                t.kind, t.dtype, t.equation = _EINSUM, TORCH_DTYPE[out.dtype], node.attr("equation")
+                t.inputs = tuple(node.args)
+                t.outputs = ((out.name, None, None, False),)
+                kernels.append(t)
+                continue
+            specs = []
+            for out in kc.outputs:
+                ty = program.type_of(out.name)
+                domain = None if ty.domain is Domain.PARAM else ty.domain
+                specs.append((out.name, domain, tuple(ty.shape), TORCH_DTYPE[out.dtype], out.zero,
+                              out.zero and (out.name not in outputs or gradients)))
+            t.outputs = tuple(specs)
+            if kc.torch_op == "rng":
+                t.kind, t.p = _RNG, program.node(kc.outputs[0].name).attr("p")
+                kernels.append(t)
+                continue
+            t.nargs = len(kc.args)
+            t.env_args = tuple((j, a.bind[1]) for j, a in enumerate(kc.args) if a.bind[0] in ("value", "out"))
+            t.graph_args = tuple((j, a.bind) for j, a in enumerate(kc.args) if a.bind[0] not in ("value", "out"))
+            kernels.append(t)
+        template = _Template(keep_all, tuple(kernels))
+        self._templates[key] = (plan, template)
+        return template
+
+    @staticmethod
+    def _pack(steps: _Steps, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """Places a zero-filled buffer in the call's pool if it is small (returns ``_PACKED``), else True (its own
+        ``torch.zeros``). Each fill is a launch and a few microseconds of host time, which small graphs pay many
+        times per step; a buffer in the pool keeps the pool alive as long as it lives, so only small ones go
+        there (a kept value or a returned gradient holds at most ``_POOL_BYTES``)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        if nbytes > _POOL_ITEM_BYTES or steps.pool_bytes + nbytes > _POOL_BYTES or numel == 0:
+            return True
+        offset = steps.pool_bytes
+        stride = []
+        acc = 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        steps.packed[name] = (dtype, shape, tuple(reversed(stride)), offset // dtype.itemsize)
+        steps.pool_dtypes.add(dtype)
+        # 256-byte aligned, as a CUDA allocation: the kernels' vector loads stay aligned
+        steps.pool_bytes = -(-(offset + nbytes) // 256) * 256
+        return _PACKED
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool, device: torch.device) -> torch.Tensor:
+        """A kernel's output buffer: zero-filled where the kernel accumulates into it with atomics."""
+        if zero:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def _grid(self, kc, dg: DeviceGraph, sms: int) -> tuple[int, int]:
         launch = kc.launch
@@ -434,10 +459,9 @@ class CudaBackend:
             return (dg.tiles(domain, by, rows, self.build_schedule)[1], launch.grid_y)
         return (-(-launch.work[0] // launch.block), 1)
 
-    def _bind(self, bind: tuple, env: Mapping[str, torch.Tensor], dg: DeviceGraph, sms: int) -> Any:
+    def _bind(self, bind: tuple, dg: DeviceGraph, sms: int) -> Any:
+        """A kernel argument that depends on the graph only (values and outputs are bound per call)."""
         kind = bind[0]
-        if kind in ("value", "out"):
-            return env[bind[1]]
         if kind == "gather":
             return dg.gather(bind[1])
         if kind == "index":

@@ -40,7 +40,7 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
     checks = [c for c in checks if c[1].numel()]
     if not checks:
         return
-    bounds = torch.stack([v for _, t, _, _ in checks for v in (t.min(), t.max())]).tolist()
+    bounds = torch.stack([v for _, t, _, _ in checks for v in torch.aminmax(t)]).tolist()  # one pass per tensor
     for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=True):
         if lo < 0 or hi >= upper:
             bad = lo if lo < 0 else hi
@@ -179,10 +179,12 @@ class Graph:
     # unique (source, relation) pairs: the rows of compact materialisation
     def _unique(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         def compute():
-            key = self.src * self.num_relations + self.etype
+            # relation-major (by relation, then source): the segmented GEMMs' relation order, so their row order
+            # over UNIQUE rows needs no sort (see type_order); the CUDA backend's device-side pairs use it too
+            key = self.etype * self.num_nodes + self.src
             uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)  # sizes its output: a host read
             self._record_unique_count(uniq.numel())
-            return uniq // self.num_relations, uniq % self.num_relations, inverse
+            return uniq % self.num_nodes, uniq // self.num_nodes, inverse
 
         return self.cached("unique", compute)
 
@@ -289,8 +291,11 @@ class Graph:
         """Row-major combination of several type indices (a param typed ``by=("src_ntype", "etype")``)."""
 
         def compute():
-            idx = torch.zeros(self.num_rows(domain), dtype=torch.long, device=self.device)
-            for kind in by:
+            if not by:
+                return torch.zeros(self.num_rows(domain), dtype=torch.long, device=self.device)
+            # the first index as it is (one type: no op at all; each op is a launch per new graph)
+            idx = self.index(domain, by[0])
+            for kind in by[1:]:
                 idx = idx * self.num_types(kind) + self.index(domain, kind)
             return idx
 
@@ -304,8 +309,13 @@ class Graph:
 
     def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
-        return self.cached(("type_order", domain, by),
-                           lambda: sort_keys(self.combined_index(domain, by), self.num_combined_types(by))[1])
+        def compute():
+            if by == () or (domain is Domain.UNIQUE and by == ("etype",)):
+                # one type, or the pairs' own relation-major order: already sorted
+                return torch.arange(self.num_rows(domain), device=self.device)
+            return sort_keys(self.combined_index(domain, by), self.num_combined_types(by))[1]
+
+        return self.cached(("type_order", domain, by), compute)
 
     def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         """Rows of each (combined) type, a tensor on the graph's device. No host synchronisation (unlike
@@ -392,18 +402,24 @@ class Graph:
         return self.cached("in_degree", compute)
 
     def graph_const(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        # reciprocals of integer counts: computed in float32 or float64 directly (the same correctly rounded
+        # values as through float64 for counts below 2**24, one cast fewer per new graph), others via float64
+        work = dtype if dtype in (torch.float32, torch.float64) else torch.float64
+
         def compute():
             if kind == "inv_deg_dst_rel":
                 # edges sharing (destination, relation), by binary search in the sorted keys: no host read (unique
                 # would size its output on the host, a synchronisation per new graph)
+                bound = self.num_nodes * self.num_relations
                 key = self.dst * self.num_relations + self.etype
-                ordered = sort_keys(key, self.num_nodes * self.num_relations)[0]
-                key = key.to(ordered.dtype)
+                if bound <= 2**31 - 1:
+                    key = key.to(torch.int32)  # once, for the sort and both searches
+                ordered = sort_keys(key, bound)[0]
                 counts = torch.searchsorted(ordered, key, right=True) - torch.searchsorted(ordered, key)
-                return 1.0 / counts.to(torch.float64)
-            deg = self.in_degree().to(torch.float64)
+                return counts.to(work).reciprocal_()
+            deg = self.in_degree().to(work)
             if kind == "inv_deg_dst":
-                return 1.0 / deg[self.dst]
+                return deg[self.dst].reciprocal_()
             if kind == "inv_in_degree":
                 return torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg))
             raise ValueError(f"unknown graph constant {kind!r}")

@@ -1,0 +1,215 @@
+"""Host work per training step of the CUDA backend, measured on the CPU: torch ops, kernel launches, host time.
+
+On small graphs and mini-batches a training step is bound by the host: every torch op the backend issues around
+its generated kernels is a launch (and a few microseconds of Python and dispatcher), every generated kernel one
+more. This CLI runs the CUDA backend's whole step (device graph, plans, allocations, bindings, autograd) on CPU
+tensors with a *null executor*: kernels are generated but never compiled or run, a launch only counts. So it needs
+no GPU and no compiler, and what it measures is exactly the host's share of a GPU step:
+
+* ``torch_ops``: aten ops dispatched per step (forward + backward + autograd's own), counted by a dispatch mode;
+* ``device_ops``: those of them that launch work on a GPU (views, ``empty`` and other metadata-only ops left out);
+* ``kernels``: generated-kernel launches per step;
+* ``launches``: ``device_ops + kernels``, the launches a GPU step makes;
+* ``host_ms``: wall time of a step (the best of five batches of ``--steps``) with the null executor (Python,
+  dispatcher, and the CPU execution of the torch ops above at this graph's size: the ``tiny`` graph keeps that
+  small, so its ``host_ms`` is close to the host time a GPU step pays; on the larger graphs the CPU fills and
+  sorts dominate it).
+
+Two graph modes: ``persistent`` (one graph object for every step, as a full-graph training loop) and ``new`` (new
+``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again).
+
+    python hector/benchmarks/host_overhead.py --graphs small,batch1000 --csv host.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hector_bench_common import LAYERS, hector_layer  # noqa: E402
+
+from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
+from hector.runtime import compiled as compiled_mod  # noqa: E402
+from hector.runtime.cuda import CudaBackend  # noqa: E402
+
+# graphs: a small full graph (aifb's size and relation count) and a mini-batch with 1,000 relations
+GRAPHS = {
+    "small": DatasetSpec("small", 7_262, 48_810, 104, 7, 2.5),
+    "batch1000": DatasetSpec("batch1000", 20_000, 50_000, 1_000, 4, 1.3),
+    "tiny": DatasetSpec("tiny", 200, 800, 20, 3, 2.0),  # the smoke test's
+}
+
+# aten ops that launch nothing on a GPU (views, allocation, metadata)
+NO_LAUNCH = frozenset({
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "as_strided",
+    "t", "transpose", "expand", "select", "slice", "detach", "alias", "unsqueeze", "squeeze", "permute", "reshape",
+    "split", "unbind", "lift_fresh", "_reshape_alias", "view_as", "set_", "resize_", "chunk", "narrow", "numpy_T",
+    "is_nonzero", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "diagonal",
+    "expand_as", "unflatten", "flatten", "movedim", "split_with_sizes", "indices", "values",
+    "_has_compatible_shallow_copy_type",
+})
+
+
+class NullExecutor:
+    """A :class:`~hector.runtime.cuda.CudaBackend` executor that launches nothing: kernels are generated but not
+    compiled, each launch is only counted (outputs keep whatever their allocation held)."""
+
+    def __init__(self, multiprocessors: int = 132, arch: int = 90):
+        self.multiprocessors = multiprocessors
+        self.arch = arch
+        self.launches = 0
+
+    def load(self, module: Any, filename: str) -> Any:
+        return filename
+
+    def kernel(self, handle: Any, name: str, signature: str, smem: int) -> Any:
+        return name
+
+    def launch(self, kernel: Any, grid: tuple[int, int], block: int, args: list, smem: int, stream: int) -> None:
+        self.launches += 1
+
+    def stream(self) -> int:
+        return 0
+
+    def properties(self, device: torch.device) -> dict:
+        return {"multiprocessors": self.multiprocessors, "arch": self.arch}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def device_ops(self) -> int:
+        return sum(n for name, n in self.ops.items() if name not in NO_LAUNCH)
+
+
+@contextlib.contextmanager
+def null_backend():
+    """Every layer call in the block runs on a CUDA backend with a :class:`NullExecutor` (yielded)."""
+    executor = NullExecutor()
+    backend = CudaBackend(executor)
+    select = compiled_mod.select
+    compiled_mod.select = lambda device, dtype: backend
+    try:
+        yield executor
+    finally:
+        compiled_mod.select = select
+
+
+def _inputs(spec: DatasetSpec, dim: int, seed: int = 0):
+    g = generate(spec, seed)
+    x = g.features(dim)
+    return g, x
+
+
+def measure(graph: str, model: str, mode: str, dim: int = 64, heads: int = 4, steps: int = 20,
+            warmup: int = 3) -> dict[str, Any]:
+    """One row: per-step ops, launches and host ms of ``model`` on ``graph`` in ``mode`` (persistent / new)."""
+    # one intra-op thread: on a GPU the host only launches, and on a shared machine a thread pool's barriers
+    # would time the other processes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(graph, model, mode, dim, heads, steps, warmup)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int, warmup: int) -> dict[str, Any]:
+    spec = GRAPHS[graph]
+    g, x = _inputs(spec, dim)
+    torch.manual_seed(0)
+    layer = hector_layer(model, dim, spec.num_relations, spec.num_node_types, heads)
+    x = x.requires_grad_()
+    persistent = g.graph()
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if mode == "persistent":
+            out = layer(x, persistent, g.edge_type, g.node_type)
+        else:  # new tensors, same values: the graph is prepared again, as for a mini-batch
+            out = layer(x, g.edge_index.clone(), g.edge_type.clone(), g.node_type.clone())
+        out.sum().backward()
+
+    with null_backend() as executor:
+        for _ in range(warmup):
+            step()
+        counter = OpCounter()
+        launches = executor.launches
+        with counter:
+            step()
+        kernels = executor.launches - launches
+        batches = []
+        for _ in range(5):  # the best of five batches: the machine may be shared, a mean would time the others
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            batches.append((time.perf_counter() - start) / steps)
+        host_ms = min(batches) * 1e3
+    return {"graph": graph, "model": model, "mode": mode, "edges": spec.num_edges,
+            "relations": spec.num_relations, "torch_ops": counter.total, "device_ops": counter.device_ops,
+            "kernels": kernels, "launches": counter.device_ops + kernels, "host_ms": round(host_ms, 3),
+            "top_ops": " ".join(f"{k}:{v}" for k, v in counter.ops.most_common(8))}
+
+
+def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_path: str | None,
+        verbose: bool = True) -> list[dict[str, Any]]:
+    rows = []
+    for graph in graphs:
+        for model in models:
+            for mode in modes:
+                rows.append(measure(graph, model, mode, steps=steps))
+    if verbose:
+        cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms"]
+        print(" | ".join(f"{c:>10}" for c in cols))
+        for r in rows:
+            print(" | ".join(f"{r[c]!s:>10}" for c in cols))
+            print(f"{'':>10}   top ops: {r['top_ops']}")
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", default="small,batch1000", help=f"comma list of {sorted(GRAPHS)}")
+    p.add_argument("--models", default=",".join(LAYERS), help="comma list of rgcn, rgat, hgt")
+    p.add_argument("--modes", default="persistent,new", help="comma list of persistent, new")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row")
+    p.add_argument("--csv", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    for name in a.graphs.split(","):
+        if name not in GRAPHS:
+            p.error(f"unknown graph {name!r}; known: {sorted(GRAPHS)}")
+    run(a.graphs.split(","), a.models.split(","), a.modes.split(","), a.steps, a.csv)
+
+
+if __name__ == "__main__":
+    main()

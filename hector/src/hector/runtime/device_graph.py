@@ -1,0 +1,201 @@
+"""The CUDA backend's layout of a graph (:class:`DeviceGraph`): destination-sorted edges, int32 indices, the
+destinations heaviest first, per-type orders and counts and the segment GEMMs' tile schedules, cached per graph and
+built without host synchronisation (see :mod:`hector.runtime.cuda`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..ir.core import Domain
+from .graph import Graph, record_stream_of, sort_keys
+
+
+class DeviceGraph:
+    """A graph prepared for the generated kernels: destination-sorted edges and int32 indices, cached.
+
+    Built without host synchronisation: the caller's graph was validated once (on the host, or by device-side
+    assertions on a ``sync_free`` graph), and the unique (source, relation) pairs are either those computed on it
+    (their count read once: the UNIQUE rows sized exactly) or computed here on the device (*padded*: UNIQUE buffers
+    sized by the edge count, the pairs in their first rows, kernels stopped at the count on the device, types and
+    tile schedules counting only real pairs). A padded layout *settles* to the exact one, by slicing, once the
+    pair count has reached the host without waiting (:func:`device_graph`). A mini-batch's layers then only launch
+    kernels, and the host runs ahead of the GPU."""
+
+    def __init__(self, graph: Graph):
+        if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
+            raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
+        order = sort_keys(graph.dst, graph.num_nodes)[1]
+        self.order = order  # sorted position -> original edge id
+        g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph)
+        self.device = g.device
+        self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
+        self.padded = "unique" not in graph._cache
+        if self.padded:
+            src, etype, inverse, count = unique_pairs(g.src, g.etype, g.num_nodes, g.num_relations)
+            g._cache["unique"] = (src, etype, inverse)
+            self.unique_count = count.to(torch.int32)
+            self._valid = torch.arange(g.num_edges, device=g.device) < count
+            graph.expect_unique_count(count)
+        else:
+            # the same (source, relation) pairs in the same order; each edge keeps its pair
+            g._cache["unique"] = (graph.unique_src, graph.unique_etype, graph.edge_to_unique[order])
+            self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
+        # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
+        nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
+        self.csc_ptr = torch.searchsorted(g.dst, nodes, out_int32=True)
+        deg = self.csc_ptr[1:] - self.csc_ptr[:-1]
+        # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
+        self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
+        self._cache: dict[Any, Any] = {}
+
+    def settle(self, count: int) -> None:
+        """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows
+        of the padded layout, which hold the same pairs in the same order; rows of buffers made before stay
+        valid). Everything cached about UNIQUE rows is rebuilt on next use."""
+        if not self.padded:
+            return
+        g = self.graph
+        src, etype, inverse = g._cache["unique"]
+        # the padded layout's tensors stay alive: a CUDA graph captured with them may still be replayed
+        self._retired = [g._cache, self._cache, self._valid]
+        g._cache = {k: v for k, v in g._cache.items() if not _mentions_unique(k)}
+        g._cache["unique"] = (src[:count], etype[:count], inverse)
+        self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
+        self.padded = False
+        del self._valid
+
+    @property
+    def num_unique(self) -> int:
+        """UNIQUE rows of the buffers: the pair count, or the edge count while padded."""
+        return self.graph.num_unique
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """See :meth:`Graph.record_stream`."""
+        self.graph.record_stream(stream)
+        record_stream_of((self.order, self.csc_ptr, self.dst_order, self.unique_count, self._cache), stream)
+
+    def rows(self, domain: Domain) -> int:
+        return self.graph.num_rows(domain)
+
+    def _cached(self, key, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def gather(self, via: str) -> torch.Tensor:
+        return self._cached(("gather", via), lambda: self.graph.gather_index(via).to(torch.int32).contiguous())
+
+    def index(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        return self._cached(("index", domain, by),
+                            lambda: self.graph.combined_index(domain, by).to(torch.int32).contiguous())
+
+    def count(self, domain: Domain) -> torch.Tensor:
+        """The row count of ``domain`` as a one-element int32 device tensor (``("count", domain)`` bindings)."""
+        if domain is Domain.UNIQUE:
+            return self.unique_count
+        return self._cached(("count", domain), lambda: torch.full((1,), self.rows(domain), dtype=torch.int32,
+                                                                   device=self.device))
+
+    def _padded_types(self, by: tuple[str, ...]) -> tuple[torch.Tensor, int]:
+        """(type of every padded UNIQUE row, type count): padding rows get the type past the last, so sorting
+        puts them last and counting leaves them out."""
+        types = self.graph.num_combined_types(by)
+        index = self.graph.combined_index(Domain.UNIQUE, by) if by else \
+            torch.zeros(self.graph.num_edges, dtype=torch.long, device=self.device)
+        return torch.where(self._valid, index, types), types
+
+    def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Rows of each (combined) type on the device (real rows only)."""
+        if domain is Domain.UNIQUE and self.padded:
+            def compute():
+                index, types = self._padded_types(by)
+                counts = torch.zeros(types + 1, dtype=torch.long, device=self.device)
+                return counts.index_add_(0, index, torch.ones_like(index))[:types]
+
+            return self._cached(("type_counts", domain, by), compute)
+        if by:
+            return self.graph.type_counts(domain, by)
+        return self._cached(("type_counts", domain, by),
+                            lambda: torch.full((1,), self.rows(domain), dtype=torch.long, device=self.device))
+
+    def perm(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        def compute():
+            if (domain is Domain.UNIQUE and by == ("etype",)) or by == ():
+                # pairs are relation-major (padded ones with the padding last): already in this order
+                return torch.arange(self.rows(domain), dtype=torch.int32, device=self.device)
+            if domain is Domain.UNIQUE and self.padded:
+                index, types = self._padded_types(by)
+                return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
+            return self.graph.type_order(domain, by).to(torch.int32).contiguous()
+
+        return self._cached(("perm", domain, by), compute)
+
+    def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
+        """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles
+        per multiprocessor (fewer, longer tiles where the graph is large: one atomic flush per tile)."""
+        if rows:
+            return rows
+        want = -(-self.rows(domain) // (8 * multiprocessors))
+        size = 256
+        while size * 2 <= min(want, 4096):
+            size *= 2
+        return size
+
+    def tiles(self, domain: Domain, by: tuple[str, ...], rows: int,
+              build: Callable[[torch.Tensor, int, int], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Tile schedule of a segment GEMM: (type, first position in the type-sorted rows, count) per tile of at
+        most ``rows`` rows; a tile never spans two types, so it needs one weight. Built once per graph by
+        ``build(counts, rows, slots)`` (the backend's schedule kernel) from the per-type counts, which stay on the
+        device. The schedule has ``slots`` entries, the most tiles the row count allows (each type adds at most one
+        partial tile: at most min(types, rows) of them, so the count does not grow with a model's relations beyond
+        those a graph can hold); the entries past the last tile have count 0 and their blocks return at once."""
+
+        def compute():
+            total = self.rows(domain)
+            if total == 0:
+                return torch.zeros(1, 3, dtype=torch.int32, device=self.device), 0
+            counts = self.type_counts(domain, by)
+            slots = -(-total // rows) + min(counts.numel(), total) - 1  # >= sum(ceil(count / rows))
+            return build(counts, rows, slots), slots
+
+        return self._cached(("tiles", domain, by, rows), compute)
+
+
+def device_graph(graph: Graph) -> DeviceGraph:
+    """The graph's CUDA layout (made on first use), settled to exact UNIQUE rows once the host knows the pair
+    count (looked for without waiting by :meth:`Graph.known_unique_count`, at each layer call's start)."""
+    dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
+    if dg.padded and "unique_count" in graph._cache:
+        dg.settle(graph._cache["unique_count"])
+    return dg
+
+
+def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
+                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
+    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
+    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
+    one-element device tensor. One sort, one scan, two scatters."""
+    edges = src.numel()
+    if edges == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=src.device)
+        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
+    key, order = sort_keys(etype * num_nodes + src, num_nodes * num_relations)
+    first = torch.ones(edges, dtype=torch.long, device=src.device)
+    first[1:] = key[1:] != key[:-1]
+    row = torch.cumsum(first, 0) - 1  # pair row of each edge in key order
+    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
+    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
+    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
+
+
+def _mentions_unique(key: Any) -> bool:
+    """A cache key of something derived from the UNIQUE rows (their pairs, types, orders, schedules)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return any(p is Domain.UNIQUE or p in ("unique", "unique_src", "size_stats") for p in parts)
+
+
+__all__ = ["DeviceGraph", "device_graph", "unique_pairs"]

@@ -428,3 +428,62 @@ def test_the_session_reads_the_measured_step_peaks_when_backward_ends(monkeypatc
         assert session.probe.finished  # read at backward's end, not at the next step
         model(ids).backward()
     assert session.plan is not None
+
+
+class _Clock:
+    """Marks read from a list of made-up times (seconds)."""
+
+    def __init__(self, times):
+        self.times = list(times)
+
+    def mark(self):
+        return self.times.pop(0)
+
+    def seconds(self, a, b):
+        return b - a
+
+
+def test_a_forward_faster_than_profiled_scales_unit_times_once_and_spreads_the_copies():
+    """The profiled step ran 4x slower than the steps after it. With its times a slow link hides the inputs moved
+    by recompute+host behind compute; with the measured ones it cannot: the plan predicts the stall and spreads
+    its moves out. Slower forwards (the plan's own copies holding the host back) and later checks leave the times
+    alone."""
+    slow = [UnitProfile("<stem>", "stem", forward_s=1e-4, saved_bytes=MIB)]
+    slow += [
+        UnitProfile(f"b.{i}", "block", forward_s=0.02, saved_bytes=400 * MIB, input_bytes=64 * MIB)
+        for i in range(16)
+    ]
+    slow.append(UnitProfile("<head>", "head", forward_s=0.02, saved_bytes=200 * MIB))
+    link = Bandwidth(d2h=2e9, h2d=2e9)
+    plan = make_plan("m", slow, link, int(1.1 * GIB), host_limit=64 * GIB, nvme_limit=0, block_container="b")
+    assert plan.prediction.host_bytes > 0
+    old_ratio = plan.prediction.seconds / plan.keep_prediction.seconds
+    profiled = sum(u.forward_s for u in plan.units)
+    predicted = plan.predict(False).peak
+    cal = Calibrator(_Memory(peaks=[predicted]), clock=_Clock([0.0, profiled / 4]))
+    cal.start(plan, False, given=False)
+    cal.forward_done()
+    cal.backward_done()
+    new = cal.finish(step=4)
+    assert new is not None and new.time_scale == pytest.approx(0.25)
+    assert sum(u.forward_s for u in new.units) == pytest.approx(profiled / 4)
+    assert sum(u.forward_s for u in plan.units) == pytest.approx(profiled)  # the old plan's units are untouched
+    assert new.prediction.seconds / new.keep_prediction.seconds > old_ratio + 0.2  # the copies' stall, predicted
+    assert [str(c) for c in new.choices] != [str(c) for c in plan.choices]
+    assert new.prediction.peak <= new.budget
+    assert "unit times scaled by 0.25" in new.calibrations[0]
+    # Once per plan: the rescaled plan's own check leaves its times alone and still counts as a peak check.
+    cal.memory.peaks = [new.predict(False).peak]
+    cal.clock = _Clock([0.0, profiled / 50])
+    cal.start(new, False, given=False)
+    assert cal.checking
+    cal.forward_done()
+    cal.backward_done()
+    assert cal.finish(step=5) is None
+    # A forward slower than profiled (copies holding the host back): no rescale.
+    cal.memory.peaks = [predicted]
+    cal.clock = _Clock([0.0, profiled * 2])
+    cal.start(plan, False, given=False)
+    cal.forward_done()
+    cal.backward_done()
+    assert cal.finish(step=6) is None

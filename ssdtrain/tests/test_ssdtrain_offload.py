@@ -407,6 +407,19 @@ def test_hugging_face_models(name, attn, tmp_path):
     assert stats["views_deduplicated"] > 0 or name == "bert"
 
 
+def test_llama_norms_are_cheap_recompute():
+    """Normalisation layers count as cheap submodules (elementwise work with per-feature weights): a Llama block's
+    RMSNorms save fp32 copies of their input that checkpointing them removes."""
+    cls, config, _ = _hf_models()["llama"]
+    torch.manual_seed(0)
+    model = cls(config)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    plan = ssdtrain.plan(model, lambda: model(input_ids=ids, labels=ids).loss.backward(), min_bytes="2K")
+    block = plan.units[1]
+    assert {"input_layernorm", "post_attention_layernorm"} <= set(block.cheap_modules)
+    assert block.cheap_bytes > 0
+
+
 def test_hugging_face_budget_plan_and_minimum():
     cls, config, _ = _hf_models()["gpt2"]
     torch.manual_seed(0)

@@ -76,14 +76,21 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
     return best[1], best[2]
 
 
+def _elementwise(module: nn.Module) -> bool:
+    """Parameter-free (activation functions, other elementwise code) or with 1-D parameters only (normalisation
+    layers: their per-feature weights and biases): work of a few passes over the activations, no matrix product."""
+    return all(p.dim() <= 1 for p in module.parameters())
+
+
 def cheap_modules(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
-    """The outermost parameter-free submodules of a block (activation functions and other elementwise code)."""
+    """The outermost elementwise submodules of a block: activation functions, normalisation layers (an RMSNorm in
+    fp32 under autocast saves several fp32 copies of its input) and other parameter-free code."""
     found = []
 
     def visit(module, name):
         for child_name, child in module.named_children():
             full = f"{name}.{child_name}"
-            if next(child.parameters(), None) is None:
+            if _elementwise(child):
                 if not isinstance(child, (nn.Dropout, nn.Identity)) and type(child).forward is not nn.Module.forward:
                     found.append((full, child))
             else:

@@ -4,8 +4,8 @@ A *unit* is a repeated block of the model (found automatically, e.g. GPT-2's ``t
 before the first block (``<stem>``: embeddings) and after the last one (``<head>``: final norm, LM head, loss).
 For each unit the profile holds its forward time, the bytes of the activations saved inside it (deduplicated by
 storage, parameters excluded), which of them are too small to move, the bytes of its inputs (what full recompute
-keeps) and its *cheap* submodules: parameter-free submodules (activation functions written as several elementwise
-ops, e.g. GPT-2's tanh GELU) whose saved tensors can be recomputed for a fraction of the block's time.
+keeps) and its *cheap* submodules: elementwise ones (activation functions written as several elementwise ops, e.g.
+GPT-2's tanh GELU; normalisation layers) whose saved tensors can be recomputed for a fraction of the block's time.
 
 Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``selective``
 (checkpoint the block keeping the outputs of its matrix products and attention: only norms, activations, elementwise
@@ -45,6 +45,7 @@ __all__ = [
     "format_bytes",
     "make_plan",
     "replan",
+    "scaled_units",
     "simulate",
     "window_bytes",
 ]
@@ -138,6 +139,7 @@ class Plan:
     speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
     budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
     calibrations: list[str] = field(default_factory=list)  # measured peaks that set the correction
+    time_scale: float = 1.0  # the units' times were scaled by this (a measured forward faster than profiled)
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -278,7 +280,7 @@ class Plan:
         legend = []
         if cheap:
             more = " ..." if len(cheap) > 4 else ""
-            legend.append(f"cheap = recompute the parameter-free submodules {', '.join(cheap[:4])}{more}")
+            legend.append(f"cheap = recompute the elementwise submodules {', '.join(cheap[:4])}{more}")
         if any(u.selective_s for u in self.units):
             legend.append(
                 "selective = keep what matrix products and attention output (MiB in 'select'), recompute the rest "
@@ -481,9 +483,24 @@ def make_plan(
     return plan
 
 
+def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
+    """Copies of `units` with every measured time multiplied by `scale` (bytes unchanged)."""
+    return [
+        replace(
+            u,
+            forward_s=u.forward_s * scale,
+            cheap_s=u.cheap_s * scale,
+            selective_s=u.selective_s * scale,
+            cheap_modules=list(u.cheap_modules),
+        )
+        for u in units
+    ]
+
+
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
-    working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=)."""
+    working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=), or with
+    rescaled measurements (units=, time_scale=: see ``scaled_units``)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -501,7 +518,7 @@ def replan(plan: Plan, **changes) -> Plan:
     overrides = {u.name: c for u, c in zip(plan.units, plan.choices, strict=True) if u.name in plan.overridden}
     new = make_plan(
         plan.model,
-        plan.units,
+        changes.get("units", plan.units),
         plan.bandwidth,
         fields["budget"],
         tiers=plan.tiers,
@@ -521,6 +538,7 @@ def replan(plan: Plan, **changes) -> Plan:
         budget_fraction=fields["budget_fraction"],
     )
     new.calibrations = list(plan.calibrations)
+    new.time_scale = changes.get("time_scale", plan.time_scale)
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new
@@ -537,6 +555,7 @@ __all__ = [
     "make_plan",
     "make_tiers",
     "replan",
+    "scaled_units",
     "simulate",
     "window_bytes",
 ]

@@ -15,7 +15,7 @@ import warnings
 import weakref
 
 from .cache import OffloadWarning
-from .planner import BudgetError, Plan, format_bytes, replan
+from .planner import BudgetError, Plan, format_bytes, replan, scaled_units
 
 _GIB = float(1 << 30)
 
@@ -51,6 +51,11 @@ def state_of(model) -> ModelState:
     return state
 
 
+def _peak_checks(plan: Plan) -> int:
+    """Calibrations of `plan` by a measured peak (its time rescale, at most one, is not one)."""
+    return len(plan.calibrations) - (plan.time_scale != 1.0)
+
+
 class Calibrator:
     """The first steps of a plan are measured (the device's peak statistic, reset for it). A peak above the
     prediction (temporaries the profile could not see) becomes the plan's ``correction`` and the same
@@ -66,10 +71,20 @@ class Calibrator:
     and leaves fewer copies in flight than later steps have).
 
     Where steps start with gradients held (accumulation after a step that set them to None) and the plan counts
-    them (``plan.held_grads``), the measurement starts below them, as the budget counts them."""
+    them (``plan.held_grads``), the measurement starts below them, as the budget counts them.
 
-    def __init__(self, memory, *, limit: int = 2, verbose: bool = False, passes: int = 2):
+    The checked step's forward is timed too (`clock`). The profiled step runs slower than the steps after it
+    (first calls, the profiler's own hooks), which makes copies to the host look hidden behind compute when they
+    are not. A forward measured below ``TIME_SLACK`` x the profiled one scales every unit's measured time by the
+    ratio, once per plan, and plans again: the moved bytes then compete with the real compute time. Only
+    downwards: a forward slowed by the plan's own copies (the host waiting on the link) is no measure of compute."""
+
+    TIME_SLACK = 0.8
+
+    def __init__(self, memory, *, clock=None, limit: int = 2, verbose: bool = False, passes: int = 2):
         self.memory = memory
+        self.clock = clock
+        self._forward: list | None = None  # [start mark, end mark] of the checked step's forward
         self.limit = limit
         self.passes = passes
         self.verbose = verbose
@@ -81,16 +96,25 @@ class Calibrator:
         starts with)."""
         self._check = None
         self._peak = None
+        self._forward = None
         if given or not self.memory.can_measure() or (plan.budget is None and plan.speed_target is None):
             return
-        if len(plan.calibrations) >= self.limit or getattr(plan, "_verified", False):
+        if _peak_checks(plan) >= self.limit or getattr(plan, "_verified", False):
             return
         counted = held if plan.held_grads and not grads else 0
         self._check = (plan, grads, counted > 0, self.memory.allocated() - counted)
         self.memory.reset_peak()
+        if self.clock is not None:
+            self._forward = [self.clock.mark(), None]
+
+    def forward_done(self) -> None:
+        """The checked step's forward ended."""
+        if self._check is not None and self._forward is not None and self._forward[1] is None:
+            self._forward[1] = self.clock.mark()
 
     def cancel(self) -> None:
         self._check = None
+        self._forward = None
 
     @property
     def checking(self) -> bool:
@@ -113,15 +137,18 @@ class Calibrator:
         plan, grads, held, base = check
         peak = (self._peak if self._peak is not None else self.memory.max_allocated()) - base
         self._peak = None
+        rescale = self._time_scale(plan)
+        if rescale is not None:
+            plan = self._rescaled(plan, rescale, step)
         predicted = plan.predict(grads, held).peak
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
         # the prediction was far too high.
         if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations or getattr(plan, "_passes", 0)):
-            return self._passed(plan)
+            return plan if rescale is not None else self._passed(plan)
         correction = max(-plan.working_bytes, plan.correction + peak - predicted)
         if correction == plan.correction:
-            return self._passed(plan)
+            return plan if rescale is not None else self._passed(plan)
         line = (
             f"step {step - 1}: measured peak {peak / _GIB:.2f} GiB, predicted {predicted / _GIB:.2f} GiB "
             f"(limit {limit / _GIB:.2f} GiB): correction {plan.correction / _GIB:+.2f} -> {correction / _GIB:+.2f} GiB"
@@ -129,7 +156,7 @@ class Calibrator:
         try:
             new = replan(plan, correction=correction)
         except BudgetError as e:
-            if not plan.calibrations:
+            if not _peak_checks(plan):
                 raise BudgetError(
                     f"ssdtrain: the measured activation peak ({format_bytes(peak)}) of the first step under the plan "
                     f"is above its prediction ({format_bytes(predicted)}); with that correction no plan fits the "
@@ -157,6 +184,45 @@ class Calibrator:
         message = (
             f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} "
             f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
+        )
+        log.info(message)
+        if self.verbose:
+            print(message, file=sys.stderr)
+        return new
+
+    def _time_scale(self, plan: Plan) -> float | None:
+        """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them."""
+        marks, self._forward = self._forward, None
+        if marks is None or marks[1] is None or plan.time_scale != 1.0:
+            return None
+        profiled = sum(u.forward_s for u in plan.units)
+        try:
+            measured = self.clock.seconds(marks[0], marks[1])
+        except RuntimeError:  # an event not recorded (a step interrupted between the marks)
+            return None
+        if profiled <= 0 or measured <= 0 or measured >= self.TIME_SLACK * profiled:
+            return None
+        return measured / profiled
+
+    def _rescaled(self, plan: Plan, scale: float, step: int) -> Plan:
+        """`plan` planned again with every unit's time scaled by `scale` (same budget, same correction)."""
+        profiled = sum(u.forward_s for u in plan.units)
+        line = (
+            f"step {step - 1}: measured forward {profiled * scale * 1e3:.1f} ms, profiled {profiled * 1e3:.1f} ms: "
+            f"unit times scaled by {scale:.2f}"
+        )
+        try:
+            new = replan(plan, units=scaled_units(plan.units, scale), time_scale=scale)
+        except BudgetError:
+            # The same bytes with less time to move them: no plan fits any more. Keep the plan; the peak check that
+            # follows guards the budget.
+            plan.time_scale = scale
+            plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
+            return plan
+        new.calibrations = plan.calibrations + [line]
+        message = (
+            f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} GiB, forward+backward "
+            f"{new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
         )
         log.info(message)
         if self.verbose:

@@ -183,13 +183,14 @@ class OffloadSession:
         self.cache = TensorCache(min_bytes=self.min_bytes, tiers={}, on_full=on_full)
         self._bind_shared()
         self.cache.tier_of = self._tier_of
+        clock = Clock(cuda)
         self.profiler = Profiler(
-            self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, Clock(cuda)
+            self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, clock
         )
         self.probe = PeakProbe(self.memory)
         self.profiler.on_head_done = self.probe.head_done
         self.calibrator = Calibrator(
-            self.memory, limit=self.CALIBRATIONS, verbose=verbose, passes=self.CALIBRATION_PASSES
+            self.memory, clock=clock, limit=self.CALIBRATIONS, verbose=verbose, passes=self.CALIBRATION_PASSES
         )
         self.cache.on_backward = self._backward_began
         self.hooks = ModuleHooks(self)
@@ -461,6 +462,7 @@ class OffloadSession:
         if self.profiler.profile is not None and self.profiler.pending is None and self.memory.can_measure():
             self.probe.forward_done()
         self.profiler.forward_done(failed)
+        self.calibrator.forward_done()
         self.cache.unit = len(self.unit_names) - 1
         self.cache.poll()
 

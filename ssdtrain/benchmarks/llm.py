@@ -222,7 +222,7 @@ def run_policy(job: dict) -> dict:
         # Its profiling steps, then the steps whose measured peaks calibrate the plan (each check reads the peak
         # of the step before, which the timed loop's reset of the peak statistics would hide): timing starts
         # under the final plan.
-        warmup += session.profile_steps + session.CALIBRATIONS + session.CALIBRATION_PASSES - 2
+        warmup += session.settling_steps - 2
     timed = a.slow_steps if slow else a.steps
     before = None
     losses, times = [], []

@@ -103,7 +103,7 @@ def run_job(job: dict, llm) -> dict:
         session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, verbose=False)
     warmup = a.warmup
     if session is not None:  # profiling forwards, then calibrated ones, counted in micro-batches
-        warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + session.CALIBRATION_PASSES) / accum)
+        warmup += math.ceil(session.settling_steps / accum)
     times, losses = [], []
     base = 0
     try:

@@ -210,7 +210,7 @@ def run_job(job: dict, llm) -> dict:
     slow = policy in SLOW
     warmup, timed = (a.slow_warmup, a.slow_steps) if slow else (a.warmup, a.steps)
     if session is not None:  # profiling forwards, then calibrated ones, counted in micro-batches
-        warmup += math.ceil((session.profile_steps + session.CALIBRATIONS + session.CALIBRATION_PASSES) / a.accum)
+        warmup += math.ceil(session.settling_steps / a.accum)
 
     def step():
         total = 0.0

@@ -460,7 +460,7 @@ def test_a_forward_faster_than_profiled_scales_unit_times_once_and_spreads_the_c
     old_ratio = plan.prediction.seconds / plan.keep_prediction.seconds
     profiled = sum(u.forward_s for u in plan.units)
     predicted = plan.predict(False).peak
-    cal = Calibrator(_Memory(peaks=[predicted]), clock=_Clock([0.0, profiled / 4]))
+    cal = Calibrator(_Memory(peaks=[predicted]), clock=_Clock([0.0, profiled / 4, profiled]))
     cal.start(plan, False, given=False)
     cal.forward_done()
     cal.backward_done()
@@ -474,7 +474,7 @@ def test_a_forward_faster_than_profiled_scales_unit_times_once_and_spreads_the_c
     assert "unit times scaled by 0.25" in new.calibrations[0]
     # Once per plan: the rescaled plan's own check leaves its times alone and still counts as a peak check.
     cal.memory.peaks = [new.predict(False).peak]
-    cal.clock = _Clock([0.0, profiled / 50])
+    cal.clock = _Clock([0.0, profiled / 50, profiled / 20])
     cal.start(new, False, given=False)
     assert cal.checking
     cal.forward_done()
@@ -482,8 +482,54 @@ def test_a_forward_faster_than_profiled_scales_unit_times_once_and_spreads_the_c
     assert cal.finish(step=5) is None
     # A forward slower than profiled (copies holding the host back): no rescale.
     cal.memory.peaks = [predicted]
-    cal.clock = _Clock([0.0, profiled * 2])
+    cal.clock = _Clock([0.0, profiled * 2, profiled * 5])
     cal.start(plan, False, given=False)
     cal.forward_done()
     cal.backward_done()
     assert cal.finish(step=6) is None
+
+
+def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_rates():
+    """From the second checked step of a plan that moves bytes, forward+backward above 1.15x its prediction halves
+    the link's rates for planning (late copies cost more than the rate says), at most twice; the first step under
+    a plan (not steady) and plans that move nothing are not judged by their time."""
+    units = [UnitProfile("<stem>", "stem", forward_s=1e-4, saved_bytes=MIB)]
+    units += [
+        UnitProfile(f"b.{i}", "block", forward_s=0.02, saved_bytes=400 * MIB, input_bytes=64 * MIB)
+        for i in range(16)
+    ]
+    units.append(UnitProfile("<head>", "head", forward_s=0.02, saved_bytes=200 * MIB))
+    plan = make_plan("m", units, Bandwidth(d2h=4e9, h2d=4e9), int(1.1 * GIB), host_limit=64 * GIB, nvme_limit=0,
+                     block_container="b")  # fmt: skip
+    assert plan.prediction.host_bytes > 0
+    forward = sum(u.forward_s for u in units)
+
+    def check(p, seconds, step):
+        """One checked step of `p`: its peak as predicted, forward+backward taking `seconds`."""
+        cal = Calibrator(_Memory(peaks=[p.predict(False).peak]), clock=_Clock([0.0, forward, seconds]))
+        cal.start(p, False, given=False)
+        assert cal.checking
+        cal.forward_done()
+        cal.backward_done()
+        return cal.finish(step=step)
+
+    slow = 2 * plan.prediction.seconds
+    assert check(plan, slow, 4) is None  # the first step under the plan: a pass, whatever its time
+    new = check(plan, slow, 5)
+    assert new is not None and new.link_scale == 0.5 and new.bandwidth.h2d == plan.bandwidth.h2d / 2
+    assert new.prediction.seconds >= plan.prediction.seconds and new.prediction.peak <= new.budget
+    assert "link rates halved" in new.calibrations[-1] and new.timing_calibrations == 1
+    assert check(new, slow, 6) is None
+    newer = check(new, 2 * new.prediction.seconds, 7)
+    assert newer is not None and newer.link_scale == 0.25
+    assert check(newer, slow * 4, 8) is None and check(newer, slow * 4, 9) is None  # two halvings at most
+    # Within 1.15x of the prediction: passes.
+    on_time = make_plan("m", units, Bandwidth(d2h=4e9, h2d=4e9), int(1.1 * GIB), host_limit=64 * GIB, nvme_limit=0,
+                        block_container="b")  # fmt: skip
+    assert check(on_time, on_time.prediction.seconds, 4) is None
+    assert check(on_time, 1.1 * on_time.prediction.seconds, 5) is None and on_time._verified
+    # Nothing moved: a slow step is not the link's doing.
+    roomy = make_plan("m", units, Bandwidth(d2h=4e9, h2d=4e9), 64 * GIB, host_limit=64 * GIB, nvme_limit=0,
+                      block_container="b")  # fmt: skip
+    assert not roomy.prediction.moved
+    assert check(roomy, 10.0, 4) is None and check(roomy, 10.0, 5) is None

@@ -140,6 +140,8 @@ class Plan:
     budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
     calibrations: list[str] = field(default_factory=list)  # measured peaks that set the correction
     time_scale: float = 1.0  # the units' times were scaled by this (a measured forward faster than profiled)
+    link_scale: float = 1.0  # the link rates were scaled by this (measured steps slower than their moves predicted)
+    timing_calibrations: int = 0  # lines of `calibrations` that rescaled times or link rates (not peaks)
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -500,7 +502,7 @@ def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
     working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=), or with
-    rescaled measurements (units=, time_scale=: see ``scaled_units``)."""
+    rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -519,7 +521,7 @@ def replan(plan: Plan, **changes) -> Plan:
     new = make_plan(
         plan.model,
         changes.get("units", plan.units),
-        plan.bandwidth,
+        changes.get("bandwidth", plan.bandwidth),
         fields["budget"],
         tiers=plan.tiers,
         host_limit=fields.get("host_limit"),
@@ -539,6 +541,8 @@ def replan(plan: Plan, **changes) -> Plan:
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)
+    new.link_scale = changes.get("link_scale", plan.link_scale)
+    new.timing_calibrations = plan.timing_calibrations
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new

@@ -10,12 +10,13 @@ model, even one per step, reuses them.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 import weakref
 
 from .cache import OffloadWarning
-from .planner import BudgetError, Plan, format_bytes, replan, scaled_units
+from .planner import Bandwidth, BudgetError, Plan, format_bytes, replan, scaled_units
 
 _GIB = float(1 << 30)
 
@@ -52,8 +53,8 @@ def state_of(model) -> ModelState:
 
 
 def _peak_checks(plan: Plan) -> int:
-    """Calibrations of `plan` by a measured peak (its time rescale, at most one, is not one)."""
-    return len(plan.calibrations) - (plan.time_scale != 1.0)
+    """Calibrations of `plan` by a measured peak (not those that rescaled its times or link rates)."""
+    return len(plan.calibrations) - plan.timing_calibrations
 
 
 class Calibrator:
@@ -77,14 +78,21 @@ class Calibrator:
     (first calls, the profiler's own hooks), which makes copies to the host look hidden behind compute when they
     are not. A forward measured below ``TIME_SLACK`` x the profiled one scales every unit's measured time by the
     ratio, once per plan, and plans again: the moved bytes then compete with the real compute time. Only
-    downwards: a forward slowed by the plan's own copies (the host waiting on the link) is no measure of compute."""
+    downwards: a forward slowed by the plan's own copies (the host waiting on the link) is no measure of compute.
+
+    Forward and backward together are timed as well. A plan that moves bytes and, from its second checked step on
+    (the first is not steady), runs above ``SPEED_SLACK`` x its predicted time is planned again with the link's
+    rates halved, at most twice: copies that arrive late (prefetches behind compute, restores on demand) cost
+    more than the link's rate says, and the planner then prefers recompute where it fits the budget."""
 
     TIME_SLACK = 0.8
+    SPEED_SLACK = 1.15
+    LINK_HALVINGS = 2
 
     def __init__(self, memory, *, clock=None, limit: int = 2, verbose: bool = False, passes: int = 2):
         self.memory = memory
         self.clock = clock
-        self._forward: list | None = None  # [start mark, end mark] of the checked step's forward
+        self._forward: list | None = None  # [start, forward's end, backward's end] marks of the checked step
         self.limit = limit
         self.passes = passes
         self.verbose = verbose
@@ -105,7 +113,7 @@ class Calibrator:
         self._check = (plan, grads, counted > 0, self.memory.allocated() - counted)
         self.memory.reset_peak()
         if self.clock is not None:
-            self._forward = [self.clock.mark(), None]
+            self._forward = [self.clock.mark(), None, None]
 
     def forward_done(self) -> None:
         """The checked step's forward ended."""
@@ -127,6 +135,8 @@ class Calibrator:
         read this way: a second backward through the same graph (``retain_graph=True``) is not measured, as the
         planner does not predict it either."""
         if self._check is not None:
+            if self._forward is not None and self._forward[1] is not None and self._forward[2] is None:
+                self._forward[2] = self.clock.mark()
             self._peak = self.memory.max_allocated()
 
     def finish(self, step: int) -> Plan | None:
@@ -137,7 +147,8 @@ class Calibrator:
         plan, grads, held, base = check
         peak = (self._peak if self._peak is not None else self.memory.max_allocated()) - base
         self._peak = None
-        rescale = self._time_scale(plan)
+        marks, self._forward = self._forward, None
+        rescale = self._time_scale(plan, marks)
         if rescale is not None:
             plan = self._rescaled(plan, rescale, step)
         predicted = plan.predict(grads, held).peak
@@ -145,10 +156,10 @@ class Calibrator:
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
         # the prediction was far too high.
         if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations or getattr(plan, "_passes", 0)):
-            return plan if rescale is not None else self._passed(plan)
+            return plan if rescale is not None else self._steady(plan, grads, held, marks, step)
         correction = max(-plan.working_bytes, plan.correction + peak - predicted)
         if correction == plan.correction:
-            return plan if rescale is not None else self._passed(plan)
+            return plan if rescale is not None else self._steady(plan, grads, held, marks, step)
         line = (
             f"step {step - 1}: measured peak {peak / _GIB:.2f} GiB, predicted {predicted / _GIB:.2f} GiB "
             f"(limit {limit / _GIB:.2f} GiB): correction {plan.correction / _GIB:+.2f} -> {correction / _GIB:+.2f} GiB"
@@ -190,9 +201,8 @@ class Calibrator:
             print(message, file=sys.stderr)
         return new
 
-    def _time_scale(self, plan: Plan) -> float | None:
+    def _time_scale(self, plan: Plan, marks) -> float | None:
         """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them."""
-        marks, self._forward = self._forward, None
         if marks is None or marks[1] is None or plan.time_scale != 1.0:
             return None
         profiled = sum(u.forward_s for u in plan.units)
@@ -218,8 +228,43 @@ class Calibrator:
             # follows guards the budget.
             plan.time_scale = scale
             plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
+            plan.timing_calibrations += 1
             return plan
         new.calibrations = plan.calibrations + [line]
+        new.timing_calibrations = plan.timing_calibrations + 1
+        message = (
+            f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} GiB, forward+backward "
+            f"{new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
+        )
+        log.info(message)
+        if self.verbose:
+            print(message, file=sys.stderr)
+        return new
+
+    def _steady(self, plan: Plan, grads: bool, held: bool, marks, step: int) -> Plan | None:
+        """The checked step's peak is within the prediction: a slower plan than predicted that moves bytes is
+        planned again with the link's rates halved; else the step counts as a pass."""
+        prediction = plan.predict(grads, held)
+        measured = None
+        if marks is not None and marks[2] is not None and prediction.moved and getattr(plan, "_passes", 0) >= 1:
+            try:
+                measured = self.clock.seconds(marks[0], marks[2])
+            except RuntimeError:
+                measured = None
+        halvings = round(math.log2(1 / plan.link_scale))
+        if measured is None or measured <= self.SPEED_SLACK * prediction.seconds or halvings >= self.LINK_HALVINGS:
+            return self._passed(plan)
+        bw = plan.bandwidth
+        line = (
+            f"step {step - 1}: measured forward+backward {measured * 1e3:.1f} ms, predicted "
+            f"{prediction.seconds * 1e3:.1f} ms with its moves: link rates halved for planning"
+        )
+        try:
+            new = replan(plan, bandwidth=Bandwidth(bw.d2h / 2, bw.h2d / 2), link_scale=plan.link_scale / 2)
+        except BudgetError:
+            return self._passed(plan)  # the budget needs the moves: keep them
+        new.calibrations = plan.calibrations + [line]
+        new.timing_calibrations = plan.timing_calibrations + 1
         message = (
             f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} GiB, forward+backward "
             f"{new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"

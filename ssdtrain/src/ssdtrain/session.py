@@ -106,6 +106,12 @@ class OffloadSession:
     CALIBRATIONS = 2
     CALIBRATION_PASSES = 2  # steps in a row within the prediction before a plan is trusted
 
+    @property
+    def settling_steps(self) -> int:
+        """The most steps before a plan settles: profiling, peak calibrations and passes, and the link-rate checks
+        (each halving is a new plan, checked over two steps). Benchmarks time the steps after these."""
+        return self.profile_steps + self.CALIBRATIONS + self.CALIBRATION_PASSES + 2 * Calibrator.LINK_HALVINGS
+
     def __init__(
         self,
         model: nn.Module,

@@ -100,7 +100,7 @@ class RelationalLayer(nn.Module):
             opts_key = hit[1]
         else:
             rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
-            opts_key = (opts.compact, opts.reorder, opts.force_reorder, opts.fuse, rows_key)
+            opts_key = (opts.compact, opts.reorder, opts.force_reorder, opts.fuse, opts.sorted_scatter, rows_key)
             if len(self._option_keys) > 64:
                 self._option_keys.clear()
             self._option_keys[id(opts)] = (opts, opts_key)

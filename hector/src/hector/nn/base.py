@@ -63,8 +63,10 @@ class RelationalLayer(nn.Module):
 
     # compilation
     def _tensors(self) -> dict[str, torch.Tensor]:
-        out = {name: p for name, p in self.named_parameters(recurse=False)}
-        out.update({name: b for name, b in self.named_buffers(recurse=False)})
+        # the module's own dicts (what named_parameters/named_buffers(recurse=False) walk, without their generator
+        # and memo set): read on every call, eager or compiled
+        out = {name: p for name, p in self._parameters.items() if p is not None}
+        out.update({name: b for name, b in self._buffers.items() if b is not None})
         return out
 
     def trace(self, training: bool | None = None) -> Program:
@@ -85,9 +87,16 @@ class RelationalLayer(nn.Module):
             raise ValueError(f"optimize must be 'auto', 'memory', 'all', 'none' or an Options, got {self.optimize!r}")
         if graph is None:
             return Options()
+        from .. import config
         from ..cost import choose_options
 
-        return choose_options(self, graph, "memory" if self.optimize == "memory" else "time")
+        # the choice is kept on the graph for its next call (a full-graph loop asks the same each step); a
+        # sync-free graph's statistics may still change when its pair count arrives, so it asks the cost model
+        objective = "memory" if self.optimize == "memory" else "time"
+        if graph.sync_free:
+            return choose_options(self, graph, objective)
+        return graph.cached(("options", self._layer_id, self.training, objective, config.sorted_scatter()),
+                            lambda: choose_options(self, graph, objective))
 
     def compiled(self, graph: Graph | None = None, training: bool | None = None,
                  options: Options | None = None) -> CompiledLayer:

@@ -11,7 +11,8 @@
 #              with a new edge_index per call, compiled vs eager, autocast bf16, the HBM floor (roofline column),
 #              GPU operations per train step and their busy time (torch.profiler), persistent and new edge_index,
 #              the train step with sums by source/pair atomic and sorted (columns atomic_train_ms, sorted_train_ms;
-#              the summary's "atomic/sorted" lines). Each row is written to the CSV as it finishes
+#              the summary's "atomic/sorted" lines), torch.compile(mode="reduce-overhead") (CUDA graphs) where the
+#              eager step is under 5 ms. Each row is written to the CSV as it finishes
 #   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 # Writes into "${OUT:-./out}" (at most 6 files): hector_gpu.log (everything printed, the final tables),

@@ -192,7 +192,8 @@ def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s
     row["hector_infer_ms"], _, _ = guarded(infer, device, cap_s)
     graph = m.layers[0].graph(x, ei, et, nt)
     opts = m.layers[0].options_for(graph)
-    row["hector_opts"] = f"c{int(opts.compact)}r{int(opts.reorder)}"
+    row["hector_opts"] = f"c{int(opts.compact)}r{int(opts.reorder)}s{int(opts.sorted_scatter)}"
+    scatter_variants(row, opts, train, device, cap_s)
     row["hbm_floor_ms"] = hbm_floor_ms(m, graph, device)
     if isinstance(row["hector_train_ms"], float) and _num(row["hbm_floor_ms"]):
         row["roofline_train"] = row["hbm_floor_ms"] / row["hector_train_ms"]
@@ -239,6 +240,21 @@ def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s
     if extras and layers == 1:
         user_baselines(row, twin, kind, dim, graph_tensors, x, device, cap_s, compile_baselines)
     return row
+
+
+def scatter_variants(row, opts, train, device, cap_s):
+    """The training step with sums by source and pair as atomic adds and as target-centric walks over sorted
+    layouts (``HECTOR_SORTED_SCATTER`` off / on; the cost model's pick is the row's hector time, the other one is
+    timed here): ``atomic_train_ms``, ``sorted_train_ms`` and ``sorted_speedup`` (atomic / sorted)."""
+    mine, other = ("sorted", "atomic") if opts.sorted_scatter else ("atomic", "sorted")
+    row[f"{mine}_train_ms"] = row["hector_train_ms"]
+    config.set_sorted_scatter(other == "sorted")
+    try:
+        row[f"{other}_train_ms"], _, _ = guarded(train, device, cap_s)
+    finally:
+        config.set_sorted_scatter(None)
+    if isinstance(row["atomic_train_ms"], float) and isinstance(row["sorted_train_ms"], float):
+        row["sorted_speedup"] = row["atomic_train_ms"] / row["sorted_train_ms"]
 
 
 def hbm_floor_ms(model, graph, device):
@@ -302,6 +318,20 @@ def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
         row["hector_compiled_infer_ms"], _, _ = guarded(infer_c, device, cap_s)
         if isinstance(row["hector_compiled_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
             row["compiled_vs_eager"] = row["hector_train_ms"] / row["hector_compiled_train_ms"]
+        eager_ms = row.get("hector_train_ms")
+        if device == "cuda" and isinstance(eager_ms, float) and eager_ms < 5.0:
+            # torch.compile(mode="reduce-overhead"): the compiled step replayed as CUDA graphs (hector's kernels
+            # launch on the current stream without host synchronisation, so they are captured with the rest); on
+            # a small graph, whose step is bound by launches and Python, this is where compiling can pay (a step
+            # of 5 ms or more is bound by the GPU: not timed there, to keep the run short)
+            torch._dynamo.reset()
+            graphed = torch.compile(m, fullgraph=True, backend=COMPILE["backend"], mode="reduce-overhead")
+            train_g, infer_g = steps(graphed, x.clone(), True)
+            row["hector_cudagraph_train_ms"], _, _ = guarded(train_g, device, cap_s)
+            row["hector_cudagraph_infer_ms"], _, _ = guarded(infer_g, device, cap_s)
+            if isinstance(row["hector_cudagraph_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
+                row["cudagraph_vs_eager"] = row["hector_train_ms"] / row["hector_cudagraph_train_ms"]
+            torch._dynamo.reset()
     train_a, _ = steps(m, x.clone(), True)
 
     def autocast_train():
@@ -372,12 +402,13 @@ def print_row(row):
     if "ref_train_ms" in row:
         parts.append(f"ref {fmt_ms(row['ref_train_ms'])}/{fmt_ms(row['ref_infer_ms'])}")
     for k in row:
-        if k.endswith("_train_ms") and not k.startswith(("hector", "ref")):
+        if k.endswith("_train_ms") and not k.startswith(("hector", "ref", "atomic", "sorted")):
             name = k[:-9]
             runs = row.get(f"{name}_runs")
             parts.append(f"{name} {fmt_ms(row[k])}/{fmt_ms(row.get(f'{name}_infer_ms'))}"
                          + (" (1 run)" if runs == 1 else ""))
     for key, label in (("hector_newgraph_train_ms", "new edge_index"), ("hector_compiled_train_ms", "compiled"),
+                       ("hector_cudagraph_train_ms", "compiled reduce-overhead"),
                        ("hector_autocast_train_ms", "autocast bf16"), ("hbm_floor_ms", "HBM floor")):
         if key in row:
             ratio = f" ({row['newgraph_ratio']:.2f}x)" if key == "hector_newgraph_train_ms" and \
@@ -385,6 +416,10 @@ def print_row(row):
             parts.append(f"{label} {fmt_ms(row[key])}{ratio}")
     if _num(row.get("roofline_train")):
         parts.append(f"roofline {row['roofline_train']:.0%}")
+    if "sorted_train_ms" in row:
+        ratio = f" ({row['sorted_speedup']:.2f}x)" if _num(row.get("sorted_speedup")) else ""
+        parts.append(f"scatter atomic {fmt_ms(row['atomic_train_ms'])} / sorted {fmt_ms(row['sorted_train_ms'])}"
+                     f"{ratio}")
     if _num(row.get("hector_launches")):
         parts.append(f"GPU ops/step {row['hector_launches']} ({row['hector_gpu_ms']:.2f} ms busy), new edge_index "
                      f"{row['hector_newgraph_launches']} ({row['hector_newgraph_gpu_ms']:.2f} ms busy)")
@@ -418,12 +453,20 @@ def summary(rows):
         new = [r["newgraph_ratio"] for r in sel if _num(r.get("newgraph_ratio"))]
         comp = [r["compiled_vs_eager"] for r in sel if _num(r.get("compiled_vs_eager"))]
         roof = [r["roofline_train"] for r in sel if _num(r.get("roofline_train"))]
+        sort = [f"{r['dataset']} {r['atomic_train_ms']:.2f}/{r['sorted_train_ms']:.2f} ms "
+                f"({r['sorted_speedup']:.2f}x, picked {'sorted' if r['hector_opts'].endswith('s1') else 'atomic'})"
+                for r in sel if _num(r.get("sorted_speedup"))]
+        if sort:
+            lines.append(f"  {kind:4s} train step, sums by source/pair atomic/sorted: " + ", ".join(sort))
         if new:
             lines.append(f"  {kind:4s} new edge_index per call: worst {max(new):.2f}x the persistent-graph step "
                          f"[target <=1.1x: {'met' if max(new) <= 1.1 else 'MISSED'}]")
         if comp:
             lines.append(f"  {kind:4s} torch.compile vs eager: worst {min(comp):.2f}x [target >=1.0x: "
                          f"{'met' if min(comp) >= 1.0 else 'MISSED'}]")
+        graphed = [f"{r['dataset']} {r['cudagraph_vs_eager']:.2f}x" for r in sel if _num(r.get("cudagraph_vs_eager"))]
+        if graphed:
+            lines.append(f"  {kind:4s} torch.compile(mode='reduce-overhead') vs eager: " + ", ".join(graphed))
         if roof:
             lines.append(f"  {kind:4s} training step at {geomean(roof):.0%} of its HBM floor (geomean; best "
                          f"{max(roof):.0%})")

@@ -3,20 +3,24 @@
 # (HECTOR_STEPS, default tests,sanitize,bench):
 #   tests      the GPU tests (generated kernels vs the float64 reference, autocast bf16/fp16 on CUDA, no host
 #              synchronisation in a step on new edge_index tensors nor in a prepared graph's, torch.compile, CUDA
-#              graphs, 10,000 relations, edge cases)
-#   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics)
+#              graphs, 10,000 relations, edge cases, sums by source/pair sorted (target-centric) and atomic)
+#   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics), the
+#              target-centric (sorted scatter) kernels included (HGT's: sums into pairs and into source nodes)
 #   bench      bench_cuda.py on the eight twins, RGCN/RGAT/HGT hidden 64, train step and inference: hector vs PyG
 #              eager and compiled, the plain-PyTorch baselines (grouped-GEMM bf16 eager/compiled, per-relation fp32),
 #              with a new edge_index per call, compiled vs eager, autocast bf16, the HBM floor (roofline column),
-#              GPU operations per train step and their busy time (torch.profiler), persistent and new edge_index
+#              GPU operations per train step and their busy time (torch.profiler), persistent and new edge_index,
+#              the train step with sums by source/pair atomic and sorted (columns atomic_train_ms, sorted_train_ms;
+#              the summary's "atomic/sorted" lines), torch.compile(mode="reduce-overhead") (CUDA graphs) where the
+#              eager step is under 5 ms. Each row is written to the CSV as it finishes
 #   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 # Writes into "${OUT:-./out}" (at most 6 files): hector_gpu.log (everything printed, the final tables),
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
 # hector_memory.csv for `memory`). Every step runs even if an earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory" sets each step's time limit in seconds (default "150 60 270 100 200": the default steps end
-# inside 8 minutes).
+# relations memory" sets each step's time limit in seconds (default "190 60 250 100 200": the default steps end
+# inside 8 minutes and 20 seconds).
 set -uo pipefail
 OUT="${OUT:-./out}"
 STEPS="${HECTOR_STEPS:-tests,sanitize,bench}"
@@ -24,7 +28,7 @@ mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-150 60 270 100 200}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-190 60 250 100 200}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -43,7 +47,8 @@ if has sanitize; then
   note "=== compute-sanitizer memcheck ($(date -u +%T))"
   # Small graphs only: memcheck slows every kernel (ours and torch's) by 10-100x.
   timeout "$T_SANITIZE" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-      python3 -m pytest hector/tests/test_cuda_gpu.py -q -p no:cacheprovider -k "edge_case or gradcheck" \
+      python3 -m pytest hector/tests/test_cuda_gpu.py -q -p no:cacheprovider \
+      -k "edge_case or gradcheck or (sorted_scatter and centric-fp32 and hgt)" \
       > "$OUT/hector_sanitize.log" 2>&1 || { note "sanitize: exit $?"; STATUS=1; }
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/hector_sanitize.log" | head -n 20 | tee -a "$LOG"
 fi
@@ -51,9 +56,9 @@ fi
 if has bench; then
   note "=== bench_cuda ($(date -u +%T))"
   # The issue's four comparison graphs first; compiled variants on two graphs (each compile costs seconds); no new
-  # graph after 180 s, so the step ends inside its limit.
+  # graph after 150 s, so the step ends inside its limit.
   DEFAULT_ARGS="--datasets aifb,fb15k,am,biokg,mutag,bgs,wikikg2,mag --configs rgcn:64:1,rgat:64:1,hgt:64:1
-      --no-reference --compile-datasets aifb,am --budget-s 180 --extras-dataset am"
+      --no-reference --compile-datasets aifb,am --budget-s 150 --extras-dataset am"
   # shellcheck disable=SC2086
   timeout "$T_BENCH" python3 hector/benchmarks/bench_cuda.py --csv "$OUT/hector_bench.csv" \
       ${HECTOR_BENCH_ARGS:-$DEFAULT_ARGS} 2>&1 | grep -v USDT | tee -a "$LOG" || { note "bench: exit $?"; STATUS=1; }

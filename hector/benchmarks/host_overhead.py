@@ -16,7 +16,11 @@ no GPU and no compiler, and what it measures is exactly the host's share of a GP
   sorts dominate it).
 
 Two graph modes: ``persistent`` (one graph object for every step, as a full-graph training loop) and ``new`` (new
-``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again).
+``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again). A third,
+``compiled``, runs the persistent step under ``torch.compile(fullgraph=True, backend="aot_eager")`` (the layer as
+one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s is what compiling adds to a step's
+host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph
+pays in full. Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
 
     python hector/benchmarks/host_overhead.py --graphs small,batch1000 --csv host.csv
 """
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hector_bench_common import LAYERS, hector_layer  # noqa: E402
 
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
+from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
 from hector.runtime.cuda import CudaBackend  # noqa: E402
 
@@ -112,11 +117,12 @@ def null_backend():
     executor = NullExecutor()
     backend = CudaBackend(executor)
     select = compiled_mod.select
-    compiled_mod.select = lambda device, dtype: backend
+    op_select = _ops.select  # what a compiled layer's custom op calls
+    compiled_mod.select = _ops.select = lambda device, dtype: backend
     try:
         yield executor
     finally:
-        compiled_mod.select = select
+        compiled_mod.select, _ops.select = select, op_select
 
 
 def _inputs(spec: DatasetSpec, dim: int, seed: int = 0):
@@ -146,11 +152,19 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
     x = x.requires_grad_()
     persistent = g.graph()
 
+    ei, et, nt = g.edge_index, g.edge_type, g.node_type
+    if mode == "compiled":
+        torch._dynamo.reset()  # each row's lambda is the same code object: no cache of an earlier row's layer
+    compiled = torch.compile(lambda h: layer(h, ei, et, nt), fullgraph=True, backend="aot_eager") \
+        if mode == "compiled" else None
+
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
         if mode == "persistent":
             out = layer(x, persistent, g.edge_type, g.node_type)
+        elif compiled is not None:  # the same tensors each call: one graph, prepared once
+            out = compiled(x)
         else:  # new tensors, same values: the graph is prepared again, as for a mini-batch
             out = layer(x, g.edge_index.clone(), g.edge_type.clone(), g.node_type.clone())
         out.sum().backward()
@@ -160,7 +174,7 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
             step()
         counter = OpCounter()
         launches = executor.launches
-        with counter:
+        with counter if compiled is None else contextlib.nullcontext():
             step()
         kernels = executor.launches - launches
         batches = []
@@ -171,8 +185,9 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
             batches.append((time.perf_counter() - start) / steps)
         host_ms = min(batches) * 1e3
     return {"graph": graph, "model": model, "mode": mode, "edges": spec.num_edges,
-            "relations": spec.num_relations, "torch_ops": counter.total, "device_ops": counter.device_ops,
-            "kernels": kernels, "launches": counter.device_ops + kernels, "host_ms": round(host_ms, 3),
+            "relations": spec.num_relations, "torch_ops": "-" if compiled else counter.total,
+            "device_ops": "-" if compiled else counter.device_ops, "kernels": kernels,
+            "launches": "-" if compiled else counter.device_ops + kernels, "host_ms": round(host_ms, 3),
             "top_ops": " ".join(f"{k}:{v}" for k, v in counter.ops.most_common(8))}
 
 
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--graphs", default="small,batch1000", help=f"comma list of {sorted(GRAPHS)}")
     p.add_argument("--models", default=",".join(LAYERS), help="comma list of rgcn, rgat, hgt")
-    p.add_argument("--modes", default="persistent,new", help="comma list of persistent, new")
+    p.add_argument("--modes", default="persistent,new", help="comma list of persistent, new, compiled")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--csv", default=None, help="write the rows here")
     a = p.parse_args(argv)

@@ -12,6 +12,7 @@ import hector
 import hector.nn as hn
 from hector import config
 from hector.codegen import CodegenOptions, compile_module, generate, layer_modules
+from hector.passes import Options
 from hector.runtime.graph import Graph
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -35,6 +36,11 @@ MODELS = {
     "rgat-shared": lambda: hn.RGATConv(64, 16, R, heads=4, attention="shared", concat=False),
     "hgt": lambda: hn.HGTConv(64, 64, 2, R, heads=4),
     "hgt-typed-reorder": lambda: hn.HGTConv(32, 48, 2, R, heads=2, optimize="all"),
+    # sums by source and pair without atomics (target-centric walks over sorted layouts)
+    "rgcn-sorted": lambda: hn.RGCNConv(64, 64, R, optimize=Options(sorted_scatter=True)),
+    "rgcn-uncompacted-sorted": lambda: hn.RGCNConv(64, 64, R, optimize=Options(compact=False, sorted_scatter=True)),
+    "rgat-sorted": lambda: hn.RGATConv(64, 16, R, heads=4, optimize=Options(sorted_scatter=True)),
+    "hgt-sorted": lambda: hn.HGTConv(64, 64, 2, R, heads=4, optimize=Options(sorted_scatter=True)),
 }
 
 

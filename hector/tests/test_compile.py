@@ -66,3 +66,65 @@ def test_custom_op_fake_kernel():
     torch.library.opcheck(torch.ops.hector.relational_layer, args,
                           test_utils=("test_schema", "test_faketensor"))
     assert layer.output_feature_shape() == (6,)
+
+
+def test_compiled_training_steps_do_no_extra_work(monkeypatch):
+    """What would make a compiled model slower than eager, checked over several training steps of a model with
+    all three layers: one graph and no graph break (dynamo's explain), no recompilation after the first step, no
+    graph prepared again per call, no forward recomputed in backward (the stash hits), and the same backend runs
+    (forward and backward programs, in the same number) as an eager step."""
+    from torch._dynamo.utils import counters
+
+    from hector.runtime import compiled as compiled_mod
+    from hector.runtime import graph as graph_mod
+
+    torch.manual_seed(0)
+    ei, et, nt = make_graph(node_types=2)
+    net = Net()
+    x = torch.randn(14, 6, requires_grad=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(net)(x, ei, et, nt)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    runs: list[str] = []
+    made = [0]
+    real_select, real_init = compiled_mod.select, graph_mod.Graph.__init__
+
+    def counting_select(device, dtype):
+        backend = real_select(device, dtype)
+
+        class Counting:
+            name = backend.name
+
+            def run(self, lowered, graph, leaves, keep=None):
+                runs.append((lowered.program.name, len(lowered.kernels)))
+                return backend.run(lowered, graph, leaves, keep)
+
+        return Counting()
+
+    def counting_init(self, *args, **kwargs):
+        made[0] += 1
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_mod, "select", counting_select)
+    monkeypatch.setattr(_ops, "select", counting_select)
+    monkeypatch.setattr(graph_mod.Graph, "__init__", counting_init)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+
+    def steps(model, n):
+        for _ in range(n):
+            model(x, ei, et, nt).pow(2).sum().backward()
+
+    steps(compiled, 2)  # traces, compiles, prepares the graph once
+    frames = counters["stats"]["unique_graphs"]
+    runs.clear()
+    made[0] = 0
+    steps(compiled, 3)
+    assert counters["stats"]["unique_graphs"] == frames and not counters["recompiles"], "recompiled per call"
+    assert made[0] == 0, "the graph was prepared again in a compiled step"
+    compiled_runs = list(runs)
+    runs.clear()
+    steps(net, 3)
+    assert sorted(compiled_runs) == sorted(runs), "a compiled step ran other programs than an eager one (a forward " \
+        "recomputed in backward?)"

@@ -122,3 +122,50 @@ def test_choice_is_made_once_per_size_class(monkeypatch):
     assert choose_options(m, b) == first and len(calls) == done  # same size class: kept
     choose_options(m, batch(2, n=3000, e=10000))  # 10x larger: decided anew
     assert len(calls) > done
+
+
+class _Stats:
+    """A graph known only by its statistics (the cost model reads nothing else)."""
+
+    def __init__(self, **stats):
+        self.stats = stats
+
+    def size_stats(self):
+        return self.stats
+
+
+AM = dict(num_nodes=881680, num_edges=5668682, num_unique=2267472, num_relations=108, num_node_types=7)
+
+
+def test_sorted_scatter_chosen_where_it_removes_atomics(monkeypatch):
+    """Training plans sum gradients by source and pair: the sorted plan has no atomic adds at all and is picked at
+    the measured atomic rate; inference plans have none to remove (ties keep the atomic plan); the setting forces
+    either way. With free atomics the choice follows the bytes: RGCN's sorted plan still wins (its sum into pairs
+    joins the kernel computing the summed edge values, no per-edge temporary), RGAT's loses (its GEMM rows are
+    written once more)."""
+    from hector import config, cost
+    from hector.cost import training_estimate
+
+    g = _Stats(**AM)
+    for make in (lambda: hn.RGCNConv(64, 64, 108), lambda: hn.RGATConv(64, 16, 108, heads=4),
+                 lambda: hn.HGTConv(64, 64, 7, 108, heads=4)):
+        layer = make().train()
+        chosen = choose_options(layer, g)
+        assert chosen.sorted_scatter, type(layer).__name__
+        est = training_estimate(layer.compiled(None, options=chosen), g.stats)
+        assert est.atomic_adds == 0 and est.traversal_atomic_adds == 0, type(layer).__name__
+        atomic = training_estimate(layer.compiled(None, options=cost.replace(chosen, sorted_scatter=False)), g.stats)
+        assert atomic.atomic_adds + atomic.traversal_atomic_adds > 0
+        layer.eval()
+        assert not choose_options(layer, g).sorted_scatter
+    layer = hn.RGCNConv(64, 64, 108).train()
+    try:
+        config.set_sorted_scatter("off")
+        assert not choose_options(layer, g).sorted_scatter
+        config.set_sorted_scatter("on")
+        assert choose_options(hn.RGCNConv(64, 64, 108).eval(), g).sorted_scatter
+    finally:
+        config.set_sorted_scatter(None)
+    monkeypatch.setattr(cost, "ATOMIC_RATE", float("inf"))
+    assert choose_options(hn.RGCNConv(64, 64, 108).train(), g).sorted_scatter
+    assert not choose_options(hn.RGATConv(64, 16, 108, heads=4).train(), g).sorted_scatter

@@ -24,11 +24,14 @@ host_overhead = _load()
 
 # launches per forward + backward step (torch ops that launch on a GPU + generated kernels) reached on the tiny
 # graph; before the launch plans, the zero-fill pool and the leaner graph preparation: rgcn 20 / 76, rgat 33 / 89,
-# hgt 53 / 111 (persistent graph / new edge_index tensors)
+# hgt 53 / 111 (persistent graph / new edge_index tensors). Where the cost model picks sorted scatter (RGCN and HGT
+# here; RGAT's sorted plan has two kernels more and loses on this graph), a new graph also builds one sorted layout
+# per index summed by (a sort, a binary search, a cast: 4 launches each, 8 in all), which the 60 / 80 before it did
+# not have
 LIMITS = {
-    ("rgcn", "persistent"): 16, ("rgcn", "new"): 60,
+    ("rgcn", "persistent"): 16, ("rgcn", "new"): 68,
     ("rgat", "persistent"): 26, ("rgat", "new"): 70,
-    ("hgt", "persistent"): 38, ("hgt", "new"): 80,
+    ("hgt", "persistent"): 38, ("hgt", "new"): 88,
 }
 
 
@@ -51,6 +54,15 @@ def test_null_backend_is_scoped():
         assert compiled_mod.select(torch.device("cpu"), torch.float32).executor is executor
     host_overhead.measure("tiny", "rgcn", "persistent", steps=1, warmup=1)
     assert compiled_mod.select is select and torch.get_num_threads() == threads
+
+
+def test_compiled_mode_runs_the_same_kernels():
+    """The compiled step (the layer as one custom op under torch.compile) launches the same generated kernels as
+    the eager one: nothing recomputed, nothing re-lowered; only its host time differs."""
+    for model in ("rgcn", "hgt"):
+        eager = host_overhead.measure("tiny", model, "persistent", steps=1, warmup=2)
+        compiled = host_overhead.measure("tiny", model, "compiled", steps=1, warmup=2)
+        assert compiled["kernels"] == eager["kernels"] > 0, (model, compiled["kernels"], eager["kernels"])
 
 
 def test_cli_smoke(tmp_path, capsys):

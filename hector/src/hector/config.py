@@ -35,6 +35,12 @@ settings = Settings({
         "float32 GEMMs on tensor cores in TF32: `auto` follows PyTorch "
         "(`torch.backends.cuda.matmul.allow_tf32`), `on` always, `off` never (exact float32)",
         "hector.config.set_tf32"),
+    "sorted_scatter": Setting(
+        "HECTOR_SORTED_SCATTER", "auto", parse_tristate,
+        "sums into rows by source or (source, relation) pair: `auto` lets the cost model pick per graph between "
+        "atomic adds and target-centric walks over a sorted layout (registers, each row written once); `on` "
+        "always sorted, `off` always atomic. Applies to layers with `optimize=\"auto\"`/`\"memory\"`",
+        "hector.config.set_sorted_scatter"),
 })
 
 _DEFAULT_TILE_BYTES = {"cuda": 64 << 20, "cpu": 1 << 20}
@@ -92,3 +98,14 @@ def tf32() -> bool:
 def set_tf32(mode: bool | str | None) -> None:
     """True/False force TF32 on/off for float32 GEMMs; "auto" follows PyTorch; None follows HECTOR_TF32."""
     settings.set("tf32", mode)
+
+
+def sorted_scatter() -> str:
+    """The sorted-scatter setting: "auto", "on" or "off"."""
+    return settings.sorted_scatter
+
+
+def set_sorted_scatter(mode: bool | str | None) -> None:
+    """True/False force sorted (atomic-free) sums by source and pair on/off; "auto" lets the cost model choose per
+    graph; None follows HECTOR_SORTED_SCATTER."""
+    settings.set("sorted_scatter", mode)

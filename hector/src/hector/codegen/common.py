@@ -31,7 +31,9 @@ class Arg:
     ``("gather", via)`` an int32 gather index; ``("index", domain, by)`` int32 (combined) type ids of rows;
     ``("csc_ptr",)`` int32 in-edge offsets per node; ``("dst_order",)`` int32 nodes, heaviest first;
     ``("perm", domain, by)`` int32 rows sorted by type; ``("tiles", domain, by, rows)`` int32 ``[T, 3]`` tile
-    schedule (type, first position in perm, row count); ``("rows", domain)`` / ``("ntiles", domain, by, rows)``
+    schedule (type, first position in perm, row count); ``("seg_ptr", domain, via)`` / ``("seg_rows", domain,
+    via)`` int32 offsets per target row and the domain's rows sorted by ``via``'s target (target-centric
+    kernels); ``("rows", domain)`` / ``("ntiles", domain, by, rows)``
     counts (i64); ``("count", domain)`` the domain's row count as a one-element int32 tensor on the device (the
     unique-pair rows, whose count the host need not know).
     """

@@ -126,14 +126,12 @@ def layer_modules(compiled: Any, model_dtype: str = "f32",
                   options: CodegenOptions = DEFAULT_OPTIONS) -> dict[str, ModuleCode]:
     """The CUDA modules of a compiled layer (:class:`hector.runtime.compiled.CompiledLayer`): ``forward``
     (training: keeps what the backward reads), ``inference`` and ``backward`` (all gradients)."""
-    from ..lower import lower
-
     fwd = generate(compiled.forward_lowered, leaf_dtypes(compiled.forward, model_dtype), model_dtype, options)
     inf = generate(compiled.inference_lowered, leaf_dtypes(compiled.forward, model_dtype), model_dtype, options)
     bw = compiled.full_backward.program
     stored = dict(fwd.dtypes)
     saved = {name: stored.get(name, model_dtype) for name in compiled.saved}
-    back = generate(lower(bw), leaf_dtypes(bw, model_dtype, saved), model_dtype, options)
+    back = generate(compiled.full_backward_lowered, leaf_dtypes(bw, model_dtype, saved), model_dtype, options)
     return {"forward": fwd, "inference": inf, "backward": back}
 
 

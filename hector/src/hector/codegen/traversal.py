@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..ir.core import Domain, Op
+from ..ir.core import GATHER_VIA, Domain, Op
 from ..lower.kernels import Kernel
 from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_least, _Ref, cname
 from .templates import BROADCASTING, ELEMENTWISE
@@ -17,7 +17,10 @@ class _Traversal(_Emitter):
 
     def __init__(self, gen: _Gen, spec: Kernel):
         super().__init__(gen, spec)
-        self.edge = spec.space == "edge"
+        # target-centric (lowering detail "centric"): one group per target row of that index walks its rows in a
+        # sorted order and sums them in registers; no destination walk, so the rows are read like a row kernel's
+        self.centric: str | None = dict(spec.detail).get("centric")
+        self.edge = spec.space == "edge" and self.centric is None
         self.row = "e" if self.edge else "r"
         self.space_domain = {"edge": Domain.EDGE, "node": Domain.NODE, "unique": Domain.UNIQUE}[spec.space]
         widths = [self.p.type_of(n).numel for n in spec.nodes if self.p.type_of(n).domain is not Domain.PARAM]
@@ -49,7 +52,13 @@ class _Traversal(_Emitter):
 
     def is_atomic(self, name: str) -> bool:
         n = self.p.node(name)
-        return n.op is Op.SELECT_SUM or (n.op is Op.SCATTER_ADD and not self.is_dst_reduce(name))
+        return n.op is Op.SELECT_SUM or (n.op is Op.SCATTER_ADD and not self.is_dst_reduce(name)
+                                         and not self.is_segment_sum(name))
+
+    def is_segment_sum(self, name: str) -> bool:
+        """Summed by the target-centric walk: in registers, written once per target row."""
+        n = self.p.node(name)
+        return self.centric is not None and n.op is Op.SCATTER_ADD and n.attr("via") == self.centric
 
     def natural_row(self, name: str) -> tuple[str, bool]:
         if self.edge and self.p.type_of(name).domain is Domain.NODE:
@@ -259,6 +268,8 @@ class _Traversal(_Emitter):
                 out.append((self.phase(n.args[0]), "softmax", name))
             elif self.is_dst_reduce(name):
                 out.append((self.phase(n.args[0]), "reduce", name))
+            elif self.is_segment_sum(name):
+                out.append((self.phase(n.args[0]), "segment", name))
             elif self.is_atomic(name):
                 out.append((self.phase(n.args[0]), "atomic", name))
             if name in self.k.outputs and n.type.domain is self.space_domain and not self.is_atomic(name):
@@ -282,6 +293,10 @@ class _Traversal(_Emitter):
             self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ const acc_t v = {src}[s]; "
                       f"const acc_t mx = hmax({sm}_m[s], v); {sm}_z[s] = {sm}_z[s] * hexp({sm}_m[s] - mx) + "
                       f"hexp(v - mx); {sm}_m[s] = mx; }}")
+            return
+        if kind == "segment":
+            self.emit(f"  // sum into the walk's target row: {self.g.comment(name)[3:]}")
+            self.emit(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) acc_{cname(name)}[s] += {src}[s];")
             return
         if kind == "reduce":
             self.emit(f"  // sum into the destination: {self.g.comment(name)[3:]}")
@@ -360,6 +375,9 @@ class _Traversal(_Emitter):
             body.append(f"  for (int i = threadIdx.x; i < {total}; i += blockDim.x) ss_{cname(name)}[i] = 0;")
         if self.smem_params:
             body.append("  __syncthreads();")
+        if self.centric is not None:
+            body += self.centric_walk()
+            return self.finish(body, ("rows", GATHER_VIA[self.centric][0].value))
         order = self.args.get(("dst_order",), "dst_order", "const int* __restrict__") if self.edge else ""
         ptr = self.args.get(("csc_ptr",), "csc_ptr", "const int* __restrict__") if self.edge else ""
         if not self.edge and self.space_domain is Domain.UNIQUE:
@@ -388,6 +406,44 @@ class _Traversal(_Emitter):
             body.append(f"  const i64 r = w;  // {self.k.space} row")
             body += self.loops[0]
         body.append("  }")
+        return self.finish(body, ("dst",) if self.edge else ("rows", self.space_domain.value))
+
+    def centric_walk(self) -> list[str]:
+        """The grid-stride loop of a target-centric kernel: per target row t, its rows in the sorted layout
+        (``seg_ptr[t] .. seg_ptr[t + 1]`` of ``seg_rows``), the sums in registers, one store per target row."""
+        via = self.centric
+        target = GATHER_VIA[via][0]
+        key = (self.space_domain.value, via)
+        ptr = self.args.get(("seg_ptr",) + key, "seg_ptr", "const int* __restrict__")
+        rows = self.args.get(("seg_rows",) + key, "seg_rows", "const int* __restrict__")
+        if target is Domain.UNIQUE:  # the pair count lives on the device (see the row kernels)
+            count = self.args.get(("count", Domain.UNIQUE.value), "n_unique", "const int* __restrict__")
+            body = [f"  const i64 n_work = {count}[0];  // unique (source, relation) pairs"]
+        else:
+            n = self.args.get(("rows", target.value), "n_targets", "i64", "i64")
+            body = [f"  const i64 n_work = {n};  // {target.value} rows"]
+        per_block = BLOCK // self.G
+        sums = [m for m in self.members if self.is_segment_sum(m)]
+        body.append(f"  const i64 groups = (i64)gridDim.x * {per_block};")
+        body.append(f"  for (i64 w = (i64)blockIdx.x * {per_block} + threadIdx.x / G; w < n_work; w += groups) {{")
+        body.append(f"  const i64 t = w;  // {target.value} row: the target of the sums by {via}")
+        for m in sums:
+            S = self.slots(self.p.node(m).args[0])
+            body.append(f"  acc_t acc_{cname(m)}[{S}];  // %{m}, summed over the rows of t")
+            body.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) acc_{cname(m)}[s] = 0;")
+        body.append(f"  const int k_begin = {ptr}[t], k_end = {ptr}[t + 1];")
+        body.append("  for (int k = k_begin; k < k_end; ++k) {")
+        body.append(f"  const i64 r = {rows}[k];  // {self.k.space} row, sorted by {via}")
+        body += ["  " + sub for ln in self.loops[0] for sub in ln.split("\n")]
+        body.append("  }")
+        for m in sums:
+            N = self.g.numel(m)
+            body.append(f"  #pragma unroll\n  for (int s = 0; s < {self.slots(N)}; ++s) {{ const int j = s * G + lane; "
+                        f"if (j < {N}) st({self.ptr(m, out=True)} + t * {N} + j, acc_{cname(m)}[s]); }}")
+        body.append("  }")
+        return body
+
+    def finish(self, body: list[str], work: tuple) -> tuple[str, KernelCode]:
         for name, total in self.smem_params.items():
             body.append("  __syncthreads();")
             body.append(f"  for (int i = threadIdx.x; i < {total}; i += blockDim.x) "
@@ -398,5 +454,5 @@ class _Traversal(_Emitter):
                  f'extern "C" __global__ void __launch_bounds__({BLOCK}) {self.k.name}({params}) {{']
         lines += body
         lines.append("}")
-        launch = Launch("groups", BLOCK, ("dst",) if self.edge else ("rows", self.space_domain.value), G)
+        launch = Launch("groups", BLOCK, work, self.G)
         return "\n".join(lines), KernelCode(self.k.name, self.k, tuple(self.args.args), launch, tuple(self.outputs))

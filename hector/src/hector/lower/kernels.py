@@ -74,9 +74,16 @@ def _space(domain: Domain) -> str:
     return {Domain.EDGE: "edge", Domain.NODE: "node", Domain.UNIQUE: "unique", Domain.PARAM: "param"}[domain]
 
 
-def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowered:
+def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True, sorted_scatter: bool = False) -> Lowered:
     """Fuse ``program`` into kernels; values in ``keep`` (e.g. saved for backward) are materialised.
-    ``fuse=False`` (ablation) gives every traversal op its own kernel and fuses no GEMM epilogue."""
+    ``fuse=False`` (ablation) gives every traversal op its own kernel and fuses no GEMM epilogue.
+
+    ``sorted_scatter=True`` plans sums into rows without atomics: a GEMM's result is written row by row (no
+    scatter epilogue) and summed by a traversal; a traversal with no reduction by destination that sums into rows
+    by another index (edge -> source, edge -> pair, pair -> source) runs *target-centric* (detail ``centric``):
+    one group of threads per target row walks that row's rows in an order sorted by the index, sums them in
+    registers and writes the target row once. Edge values summed into their pair join the kernel that computes
+    them (no per-edge temporary)."""
     p = _schedule(program)
     keep = set(keep) | set(p.outputs)
     virtual = {n.name for n in p.nodes if _is_virtual(n) and n.name not in keep}
@@ -125,6 +132,8 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowe
         t = p.type_of(arg)
         if t.domain is node_domain:
             return node_domain is not Domain.NODE or cur.space != "edge" or arg in cur.post_dst
+        if op is Op.SCATTER_ADD and sorted_scatter and node_domain is Domain.UNIQUE and t.domain is Domain.EDGE:
+            return True  # edge -> pair sum: the pair-centric walk sums it in registers
         return op is Op.SCATTER_ADD and node_domain is Domain.NODE  # edge -> dst reduction
 
     for n in p.nodes:
@@ -145,7 +154,8 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowe
             by = wt.by
             users = p.users[n.name]
             scatter = scale = None
-            if fuse and n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" and n.name not in keep:
+            if fuse and not sorted_scatter and n.op is Op.LINEAR and len(users) == 1 and users[0] != "<output>" \
+                    and n.name not in keep:
                 u = p.node(users[0])
                 if u.op is Op.MUL and u.name not in keep and u.args[0] != u.args[1]:
                     # row-scale epilogue (e.g. RGCN's 1/|N_r(i)|), then a scatter: gather -> matmul -> scale -> sum
@@ -200,6 +210,12 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowe
                                            or p.node(a).op is Op.SELECT for a in srcs)))
         if joinable and t.domain is Domain.NODE and n.op is not Op.SCATTER_ADD and cur.space == "edge":
             joinable = any(a in cur.post_dst for a in srcs)
+        if joinable and sorted_scatter and cur.space == "edge":
+            # a destination walk and a walk by another index cannot be one kernel: keep the sum by source or pair
+            # atomic-free in a kernel of its own (its operand written once) rather than atomic in the dst walk
+            by_dst = n.op is Op.EDGE_SOFTMAX or (n.op is Op.SCATTER_ADD and n.attr("via") == "dst")
+            by_other = n.op is Op.SCATTER_ADD and n.attr("via") != "dst"
+            joinable = not ((by_other and cur.reduces_dst) or (by_dst and _atomic_vias(p, cur) - {"dst"}))
         if not joinable:
             close()
             open_group(space)
@@ -231,9 +247,15 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowe
                 layout = "edge-parallel, any edge order"
             else:
                 layout = f"{g.space}-parallel"
-            if g.atomics:
-                layout += "; atomic scatter for reductions by source / pair / type"
             detail = {}
+            centric = _centric(p, g) if sorted_scatter and not g.reduces_dst else None
+            if centric is not None:
+                detail["centric"] = centric
+                target = GATHER_VIA[centric][0].value
+                layout = (f"{target}-centric over {g.space} rows sorted by {centric} (each group walks one {target} "
+                          f"row's {g.space} rows, sums by {centric} in registers, writes the row once)")
+            if g.atomics and (centric is None or _atomic_vias(p, g) - {centric} or _has_select_sum(p, g)):
+                layout += "; atomic scatter for reductions by source / pair / type"
         else:
             kind, space, names, layout = g["kind"], g["space"], list(g["nodes"]), g["layout"]
             detail = g.get("detail", {})
@@ -256,6 +278,25 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True) -> Lowe
                               tuple(sorted(detail.items()))))
     materialized = tuple(o for k in kernels for o in k.outputs)
     return Lowered(p, tuple(kernels), materialized)
+
+
+def _atomic_vias(p: Program, g: _Group) -> set[str]:
+    """Indices by which a traversal group sums into rows with atomics (not by its destination walk)."""
+    return {p.node(m).attr("via") for m in g.final if p.node(m).op is Op.SCATTER_ADD}
+
+
+def _has_select_sum(p: Program, g: _Group) -> bool:
+    return any(p.node(m).op is Op.SELECT_SUM for m in g.final)
+
+
+def _centric(p: Program, g: _Group) -> str | None:
+    """The index a target-centric walk of the group follows: the one its largest atomic sums go through."""
+    sizes: dict[str, int] = {}
+    for m in g.final:
+        n = p.node(m)
+        if n.op is Op.SCATTER_ADD and n.attr("via") != "dst":
+            sizes[n.attr("via")] = sizes.get(n.attr("via"), 0) + n.type.numel
+    return max(sizes, key=lambda v: (sizes[v], v)) if sizes else None
 
 
 def _schedule(p: Program) -> Program:

@@ -63,8 +63,10 @@ class RelationalLayer(nn.Module):
 
     # compilation
     def _tensors(self) -> dict[str, torch.Tensor]:
-        out = {name: p for name, p in self.named_parameters(recurse=False)}
-        out.update({name: b for name, b in self.named_buffers(recurse=False)})
+        # the module's own dicts (what named_parameters/named_buffers(recurse=False) walk, without their generator
+        # and memo set): read on every call, eager or compiled
+        out = {name: p for name, p in self._parameters.items() if p is not None}
+        out.update({name: b for name, b in self._buffers.items() if b is not None})
         return out
 
     def trace(self, training: bool | None = None) -> Program:
@@ -85,9 +87,16 @@ class RelationalLayer(nn.Module):
             raise ValueError(f"optimize must be 'auto', 'memory', 'all', 'none' or an Options, got {self.optimize!r}")
         if graph is None:
             return Options()
+        from .. import config
         from ..cost import choose_options
 
-        return choose_options(self, graph, "memory" if self.optimize == "memory" else "time")
+        # the choice is kept on the graph for its next call (a full-graph loop asks the same each step); a
+        # sync-free graph's statistics may still change when its pair count arrives, so it asks the cost model
+        objective = "memory" if self.optimize == "memory" else "time"
+        if graph.sync_free:
+            return choose_options(self, graph, objective)
+        return graph.cached(("options", self._layer_id, self.training, objective, config.sorted_scatter()),
+                            lambda: choose_options(self, graph, objective))
 
     def compiled(self, graph: Graph | None = None, training: bool | None = None,
                  options: Options | None = None) -> CompiledLayer:
@@ -100,7 +109,7 @@ class RelationalLayer(nn.Module):
             opts_key = hit[1]
         else:
             rows_key = tuple(sorted((str(k), round(math.log2(max(v, 1.0)))) for k, v in (opts.rows or {}).items()))
-            opts_key = (opts.compact, opts.reorder, opts.force_reorder, opts.fuse, rows_key)
+            opts_key = (opts.compact, opts.reorder, opts.force_reorder, opts.fuse, opts.sorted_scatter, rows_key)
             if len(self._option_keys) > 64:
                 self._option_keys.clear()
             self._option_keys[id(opts)] = (opts, opts_key)

@@ -29,6 +29,9 @@ class Options:
     reorder: bool = True
     force_reorder: bool = False
     fuse: bool = True  # kernel fusion in the lowering (off only for ablations)
+    # sums into rows by a non-destination index (source, pair) run target-centric over a sorted layout, and GEMM
+    # scatter epilogues are not fused: no atomics (see :func:`hector.lower.lower`); the cost model picks it per graph
+    sorted_scatter: bool = False
     rows: Mapping[Any, float] | None = field(default=None, hash=False, compare=False)
     debug: bool = False
 

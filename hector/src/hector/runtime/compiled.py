@@ -45,7 +45,8 @@ class CompiledLayer:
             bw = differentiate(self.forward, key)
             prog = optimize_backward(bw.program, self.options)
             bw = Backward(prog, bw.grads_of)
-            self._backward[key] = (bw, lower(prog, fuse=self.options.fuse))
+            how = dict(fuse=self.options.fuse, sorted_scatter=self.options.sorted_scatter)
+            self._backward[key] = (bw, lower(prog, **how))
         return self._backward[key]
 
 
@@ -54,8 +55,9 @@ def compile_program(program: Program, options: Options | None = None) -> Compile
     fwd = optimize(program, options)
     bw = differentiate(fwd)
     bw = Backward(optimize_backward(bw.program, options), bw.grads_of)
-    return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved, fuse=options.fuse),
-                         lower(fwd, fuse=options.fuse), lower(bw.program, fuse=options.fuse))
+    how = dict(fuse=options.fuse, sorted_scatter=options.sorted_scatter)
+    return CompiledLayer(program, fwd, options, bw, lower(fwd, keep=bw.saved, **how), lower(fwd, **how),
+                         lower(bw.program, **how))
 
 
 class _Apply(torch.autograd.Function):

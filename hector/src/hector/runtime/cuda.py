@@ -470,6 +470,9 @@ class CudaBackend:
             return dg.csc_ptr
         if kind == "dst_order":
             return dg.dst_order
+        if kind in ("seg_ptr", "seg_rows"):
+            ptr, rows = dg.segments(_DOMAIN[bind[1]], bind[2])
+            return ptr if kind == "seg_ptr" else rows
         if kind == "perm":
             return dg.perm(_DOMAIN[bind[1]], tuple(bind[2]))
         if kind == "tiles":

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..ir.core import Domain
+from ..ir.core import GATHER_VIA, Domain
 from .graph import Graph, record_stream_of, sort_keys
 
 
@@ -98,6 +98,24 @@ class DeviceGraph:
             return self.unique_count
         return self._cached(("count", domain), lambda: torch.full((1,), self.rows(domain), dtype=torch.int32,
                                                                    device=self.device))
+
+    def segments(self, domain: Domain, via: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``domain`` grouped by their row in ``via``'s target domain, for target-centric kernels:
+        (int32 offsets ``[targets + 1]``, int32 rows sorted by target, stable). Built once per graph on the device
+        (one sort, one binary search; no host read); padding rows of a padded UNIQUE layout are left out."""
+
+        def compute():
+            target = GATHER_VIA[via][0]
+            count = self.rows(target)
+            key = self.gather(via)  # int32 already: it sorts in half the radix passes of int64
+            if domain is Domain.UNIQUE and self.padded:
+                key = torch.where(self._valid, key, count)  # after every real target: in no segment
+            keys, order = torch.sort(key, stable=True)
+            bounds = self._cached(("arange", max(self.num_nodes, self.num_edges) + 1), lambda: torch.arange(
+                max(self.num_nodes, self.num_edges) + 1, dtype=torch.int32, device=self.device))[:count + 1]
+            return (torch.searchsorted(keys, bounds, out_int32=True), order.to(torch.int32))
+
+        return self._cached(("segments", domain, via), compute)
 
     def _padded_types(self, by: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         """(type of every padded UNIQUE row, type count): padding rows get the type past the last, so sorting

@@ -80,9 +80,34 @@ def test_interleaved_rounds_time_every_column_alike(monkeypatch):
         return fn
 
     best = gather.interleaved_best({"a": col("a"), "b": col("b"), "c": col("c", fail=True)}, 3, "cell")
-    # Warm-up calls, then rounds; short rounds (here all of them) go on to 8.
-    assert ran == ["a", "b", "c"] + ["a", "b", "b", "a"] * 4
+    # Warm-up calls, then rounds (each timed call after an untimed one of the same column); short rounds (here all
+    # of them) go on to 8.
+    assert ran == ["a", "b", "c"] + ["a", "a", "b", "b", "b", "b", "a", "a"] * 4
     assert best["a"] == best["b"] == 0.1 and math.isnan(best["c"])
+
+
+def test_a_column_is_timed_after_its_own_call_not_after_another_columns(monkeypatch):
+    # Columns in the benchmark's order, some reading our table, others other memory. A call is fast when the call
+    # before it read the same memory (its rows are in the GPU's L2), slow otherwise. Timed after whatever ran before
+    # them, "vector" (after "sorted" in reversed rounds) came out fast and "auto" (after "wholegraph" or
+    # "auto_pinned") slow; timed after their own calls, all are fast.
+    last = {"memory": None}
+
+    def column(memory):
+        def fn():
+            fn.seconds = 1.0 if last["memory"] == memory else 2.0
+            last["memory"] = memory
+        return fn
+
+    def sync_time(fn):
+        fn()
+        return fn.seconds
+
+    monkeypatch.setattr(gather, "sync_time", sync_time)
+    fns = {"vector": column("ours"), "sorted": column("ours"), "wholegraph": column("its copy"),
+           "auto": column("ours"), "auto_pinned": column("pinned copy")}
+    best = gather.interleaved_best(fns, 2, "cell")
+    assert best == dict.fromkeys(fns, 1.0)
 
 
 def test_ratios():

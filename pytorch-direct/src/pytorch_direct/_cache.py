@@ -216,7 +216,7 @@ class RowCache:
         indices it stands for (:func:`count_sample`)."""
         if self.counts is not None and idx.numel():
             sample, weight, self._count_offset = count_sample(idx, self._count_offset)
-            ones = torch.ones(1, dtype=torch.float32, device=idx.device).expand(sample.numel())
+            ones = torch.ones(sample.numel(), dtype=torch.float32, device=idx.device)
             self.counts.index_add_(0, sample, ones, alpha=weight)
 
     def gather_host(self, idx: Tensor, out: Tensor) -> None:

@@ -503,6 +503,21 @@ def summary(results: list[dict]) -> None:
         link_ok = sum(1 for _, r in big if r[f"{col}_x_link"] >= 0.9)
         print(f"# {col}: >= 0.95x best forced in {forced_ok}/{n} cells; x best baseline: geomean {geomean(base):.2f}, "
               f"min {min(base):.2f}, >= 1.0x in {base_ok}/{n}; rows >= 1 KB at >= 0.9x memcpy in {link_ok}/{len(big)}")
+        choice = {"auto": "choice", "auto_cal": "choice_cal"}.get(col)
+        below = [(row, r) for row, r in got if r[f"{col}_x_forced"] < 0.95]
+        if choice and below:
+            # A cell below 0.95x ran either the best forced column's own plan (the two timings differ) or another
+            # plan (the decision missed): told apart, with the cells.
+            same, other = [], []
+            for row, r in below:
+                best = max((c for c in FORCED if not math.isnan(row.get(c, float("nan")))), key=row.get)
+                if row.get(choice) == best:
+                    same.append(f"{row['label']} {r[f'{col}_x_forced']:.2f}")
+                else:
+                    other.append(f"{row['label']} {row.get(choice)} instead of {best} {r[f'{col}_x_forced']:.2f}")
+            print(f"#   {col} below 0.95x: {len(same)} cells ran the best forced column's plan"
+                  + "".join(f"; {c}" for c in same) + f" | {len(other)} ran another plan (a decision miss)"
+                  + "".join(f"; {c}" for c in other))
     report_ceiling(rs)
     firsts = [row["first_ms"] - row["steady_ms"] for row in results if "first_ms" in row and "steady_ms" in row]
     if firsts:

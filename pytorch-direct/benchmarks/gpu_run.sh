@@ -98,7 +98,7 @@ fi
 echo "== pytorch-direct summary ($(date -u +%H:%M:%S)): tests rc=$tests_rc cache rc=$cache_rc first-use rc=$first_rc" \
   "gather rc=$bench_rc" | tee -a "$LOG"
 # The lines that state the targets, from every step's report.
-grep -E "^(# \[ *[0-9.]+ s\] |# skewed streams|#   (degree|presample|counts):|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# ceiling|# wholegraph:)" \
+grep -E "^(# \[ *[0-9.]+ s\] |# skewed streams|#   (degree|presample|counts):|#   auto below|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# ceiling|# wholegraph:)" \
   "$LOG" | tee -a "$LOG.summary" || true
 cat "$LOG.summary" >> "$LOG" 2>/dev/null && rm -f "$LOG.summary"
 [ "$tests_rc" -eq 0 ] && [ "$cache_rc" -eq 0 ] && [ "$first_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

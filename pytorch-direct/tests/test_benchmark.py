@@ -53,6 +53,21 @@ def test_report_table_csv_png(tmp_path, capsys):
         assert data.startswith(b"\x89PNG") and len(data) > 1000
 
 
+def test_cells_below_the_best_forced_column_say_whether_the_decision_missed(capsys):
+    results = fake_results()[:3]
+    best = max(gather.FORCED, key=results[0].get)  # the fastest forced column of the fake cells
+    for row, choice in zip(results, (best, "vector", best), strict=True):
+        row["choice"] = choice
+    results[0]["auto"] = 0.9 * results[0][best]  # its own plan, slower
+    results[1]["auto"] = 0.5 * results[1][best]  # another plan
+    results[0]["label"], results[1]["label"] = "cell A", "cell B"
+    gather.summary(results)
+    text = capsys.readouterr().out
+    assert "# auto: >= 0.95x best forced in 1/3 cells" in text
+    assert (f"#   auto below 0.95x: 1 cells ran the best forced column's plan; cell A 0.90 | 1 ran another plan (a "
+            f"decision miss); cell B vector instead of {best} 0.50") in text
+
+
 def test_ceiling_shares_and_where_2x_is_impossible(capsys):
     # The link's ceiling is memcpy x count / distinct rows; a baseline above half of it leaves no room for 2x.
     capped = {"memcpy": 50.0, "wholegraph": 33.0, "torch": 15.0, "auto": 30.0, "vector": 30.0, "ceiling": 50.0,

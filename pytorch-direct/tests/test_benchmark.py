@@ -205,7 +205,7 @@ def test_first_use_benchmark_runs(tmp_path):
     assert "the import loaded the CUDA driver: no, NVRTC: no" in r.stdout and "## first use" in r.stdout
     rows = {row["what"]: row for row in csv.DictReader(open(tmp_path / "f.csv"))}
     assert float(rows["pd.empty"]["seconds"]) > 0 and rows["import pytorch_direct"]["memory"] == "cuda=0 nvrtc=0"
-    assert float(rows["pd.empty"]["free_s"]) >= 0 and "pd.zeros" in rows
+    assert float(rows["pd.empty"]["free_s"]) >= 0 and "pd.zeros" in rows and "parallel memset, again" in rows
     # The table rows come first, each printed as measured; pd.zeros is left out when the budget is spent.
     assert r.stdout.index("pd.empty: 0.0 GiB in") < r.stdout.index("# import torch")
     r = subprocess.run(cmd + ["--budget-s", "0.001"], capture_output=True, text=True, timeout=300)

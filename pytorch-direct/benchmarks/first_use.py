@@ -171,8 +171,8 @@ def main(argv=None) -> int:
         if "gbps" in row:
             print(f"# [{time.perf_counter() - start:5.1f} s] {row['what']}: {row['gib']:.1f} GiB in "
                   f"{row['seconds']:.2f} s ({row['gbps']:.2f} GB/s, {row.get('x_memset', float('nan')):.2f}x the "
-                  f"fastest memset so far), freed in {row['free_s']:.2f} s, {row['memory']} memory; host memory before: "
-                  f"{row['host_before']}", flush=True)
+                  f"fastest memset so far), freed in {row['free_s']:.2f} s, {row['memory']} memory; host memory "
+                  f"before: {row['host_before']}", flush=True)
         write_csv(args.csv, results)
 
     nbytes = int(args.table_gib * 2**30)

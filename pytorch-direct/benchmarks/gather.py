@@ -7,8 +7,8 @@ Matrix: table sizes (--table-gib; one allocation of the largest, smaller tables 
 widths (47 B rows of uint8, the others float32) x index patterns (uniform, sorted, clustered: runs of 32
 consecutive rows, zipfS: Zipf with exponent S, hot rows spread over the table) x counts (capped at --max-call-mib).
 Columns, in one run (useful GB/s = rows * row bytes / wall time, device synchronised around each call, best of
---repeats interleaved rounds after one warm-up each, every column once per round; sync bounds checking, the default,
-for all of ours):
+--repeats interleaved rounds after one warm-up each, every column once per round, each timed call right after an
+untimed call of the same column: ``interleaved_best``; sync bounds checking, the default, for all of ours):
 
   memcpy        pinned cudaMemcpy of the same bytes (the link)
   torch         index_select on the CPU into a pinned buffer + copy to the GPU (CPU indices given)
@@ -74,7 +74,7 @@ def parse(argv):
                    help='index patterns: uniform, sorted, clustered, zipfS (Zipf exponent S)')
     p.add_argument("--counts", type=int, nargs="+", default=[1 << 17, 1 << 20], help='rows gathered per call')
     p.add_argument("--max-call-mib", type=int, default=1024, help="cap on one call's bytes (fewer rows if wider)")
-    p.add_argument("--repeats", type=int, default=2, help="timed calls per column after one warm-up")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds (each column once per round) after one warm-up")
     p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS,
                    help='which strategies and baselines to time')
     p.add_argument("--baseline-memory", choices=["pinned", "same"], default="pinned",
@@ -171,15 +171,24 @@ def first_auto_calls(fn) -> tuple[float, str, str]:
 
 def interleaved_best(fns: dict, repeats: int, label: str) -> dict:
     """Best seconds of each column, timed in rounds that run every column once (alternate rounds in reverse order)
-    after one warm-up call each: every column sees the same conditions (GPU clocks, caches, the host's other work),
-    where timed one column after the other, the same plan timed 0.81-0.93x apart as ``auto`` and as its forced
-    column. At least `repeats` rounds, more (up to 8) while a round takes < 50 ms. A failing column is reported and
-    left out (NaN)."""
+    after one warm-up call each: every column sees the same GPU clocks and the same other work on the host, where
+    timed one column after the other, the same plan timed 0.81-0.93x apart as ``auto`` and as its forced column.
+    Within a round each timed call comes right after an untimed call of the same column (its lead-in), so every
+    column is timed as in a loop of its own calls, with what its previous call left in the GPU's L2 cache and
+    address translations. Timed right after whatever column came before it, a column that followed one reading the
+    same rows of the same table (``sorted`` after ``vector``) found them in L2, while ``auto``, after
+    ``wholegraph_cache`` or ``auto_pinned`` (other memory), never did: on an H100, ``auto`` ran the very plan of the
+    best forced column at 0.79-0.92x that column in 8 cells of 24, 7 of them cells whose distinct rows fit in L2.
+    At least `repeats` rounds, more (up to 8) while a round takes < 50 ms. A failing column is reported and left
+    out (NaN)."""
     best = {}
     live = dict(fns)
 
-    def timed(name):
+    def call(name, timed: bool):
         try:
+            if not timed:
+                live[name]()
+                return
             t = sync_time(live[name])
         except Exception as e:  # noqa: BLE001 - a failing column is reported, the run goes on
             print(f"# {label} {name}: {type(e).__name__}: {e}", flush=True)
@@ -191,14 +200,14 @@ def interleaved_best(fns: dict, repeats: int, label: str) -> dict:
         best[name] = min(best.get(name, math.inf), t)
 
     for name in list(live):
-        timed(name)  # warm-up (not counted)
-        if name in live:
-            del best[name]
+        call(name, timed=False)  # warm-up
     rounds, round_s = 0, 0.0
     while live and (rounds < max(1, repeats) or (rounds < 8 and round_s < 0.05)):
         t0 = time.perf_counter()
         for name in (list(live) if rounds % 2 == 0 else list(live)[::-1]):
-            timed(name)
+            call(name, timed=False)  # lead-in
+            if name in live:
+                call(name, timed=True)
         round_s = time.perf_counter() - t0
         rounds += 1
     return best
@@ -494,6 +503,21 @@ def summary(results: list[dict]) -> None:
         link_ok = sum(1 for _, r in big if r[f"{col}_x_link"] >= 0.9)
         print(f"# {col}: >= 0.95x best forced in {forced_ok}/{n} cells; x best baseline: geomean {geomean(base):.2f}, "
               f"min {min(base):.2f}, >= 1.0x in {base_ok}/{n}; rows >= 1 KB at >= 0.9x memcpy in {link_ok}/{len(big)}")
+        choice = {"auto": "choice", "auto_cal": "choice_cal"}.get(col)
+        below = [(row, r) for row, r in got if r[f"{col}_x_forced"] < 0.95]
+        if choice and below:
+            # A cell below 0.95x ran either the best forced column's own plan (the two timings differ) or another
+            # plan (the decision missed): told apart, with the cells.
+            same, other = [], []
+            for row, r in below:
+                best = max((c for c in FORCED if not math.isnan(row.get(c, float("nan")))), key=row.get)
+                if row.get(choice) == best:
+                    same.append(f"{row['label']} {r[f'{col}_x_forced']:.2f}")
+                else:
+                    other.append(f"{row['label']} {row.get(choice)} instead of {best} {r[f'{col}_x_forced']:.2f}")
+            print(f"#   {col} below 0.95x: {len(same)} cells ran the best forced column's plan"
+                  + "".join(f"; {c}" for c in same) + f" | {len(other)} ran another plan (a decision miss)"
+                  + "".join(f"; {c}" for c in other))
     report_ceiling(rs)
     firsts = [row["first_ms"] - row["steady_ms"] for row in results if "first_ms" in row and "steady_ms" in row]
     if firsts:

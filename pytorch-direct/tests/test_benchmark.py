@@ -53,6 +53,21 @@ def test_report_table_csv_png(tmp_path, capsys):
         assert data.startswith(b"\x89PNG") and len(data) > 1000
 
 
+def test_cells_below_the_best_forced_column_say_whether_the_decision_missed(capsys):
+    results = fake_results()[:3]
+    best = max(gather.FORCED, key=results[0].get)  # the fastest forced column of the fake cells
+    for row, choice in zip(results, (best, "vector", best), strict=True):
+        row["choice"] = choice
+    results[0]["auto"] = 0.9 * results[0][best]  # its own plan, slower
+    results[1]["auto"] = 0.5 * results[1][best]  # another plan
+    results[0]["label"], results[1]["label"] = "cell A", "cell B"
+    gather.summary(results)
+    text = capsys.readouterr().out
+    assert "# auto: >= 0.95x best forced in 1/3 cells" in text
+    assert (f"#   auto below 0.95x: 1 cells ran the best forced column's plan; cell A 0.90 | 1 ran another plan (a "
+            f"decision miss); cell B vector instead of {best} 0.50") in text
+
+
 def test_ceiling_shares_and_where_2x_is_impossible(capsys):
     # The link's ceiling is memcpy x count / distinct rows; a baseline above half of it leaves no room for 2x.
     capped = {"memcpy": 50.0, "wholegraph": 33.0, "torch": 15.0, "auto": 30.0, "vector": 30.0, "ceiling": 50.0,
@@ -80,9 +95,34 @@ def test_interleaved_rounds_time_every_column_alike(monkeypatch):
         return fn
 
     best = gather.interleaved_best({"a": col("a"), "b": col("b"), "c": col("c", fail=True)}, 3, "cell")
-    # Warm-up calls, then rounds; short rounds (here all of them) go on to 8.
-    assert ran == ["a", "b", "c"] + ["a", "b", "b", "a"] * 4
+    # Warm-up calls, then rounds (each timed call after an untimed one of the same column); short rounds (here all
+    # of them) go on to 8.
+    assert ran == ["a", "b", "c"] + ["a", "a", "b", "b", "b", "b", "a", "a"] * 4
     assert best["a"] == best["b"] == 0.1 and math.isnan(best["c"])
+
+
+def test_a_column_is_timed_after_its_own_call_not_after_another_columns(monkeypatch):
+    # Columns in the benchmark's order, some reading our table, others other memory. A call is fast when the call
+    # before it read the same memory (its rows are in the GPU's L2), slow otherwise. Timed after whatever ran before
+    # them, "vector" (after "sorted" in reversed rounds) came out fast and "auto" (after "wholegraph" or
+    # "auto_pinned") slow; timed after their own calls, all are fast.
+    last = {"memory": None}
+
+    def column(memory):
+        def fn():
+            fn.seconds = 1.0 if last["memory"] == memory else 2.0
+            last["memory"] = memory
+        return fn
+
+    def sync_time(fn):
+        fn()
+        return fn.seconds
+
+    monkeypatch.setattr(gather, "sync_time", sync_time)
+    fns = {"vector": column("ours"), "sorted": column("ours"), "wholegraph": column("its copy"),
+           "auto": column("ours"), "auto_pinned": column("pinned copy")}
+    best = gather.interleaved_best(fns, 2, "cell")
+    assert best == dict.fromkeys(fns, 1.0)
 
 
 def test_ratios():
@@ -165,6 +205,12 @@ def test_first_use_benchmark_runs(tmp_path):
     assert "the import loaded the CUDA driver: no, NVRTC: no" in r.stdout and "## first use" in r.stdout
     rows = {row["what"]: row for row in csv.DictReader(open(tmp_path / "f.csv"))}
     assert float(rows["pd.empty"]["seconds"]) > 0 and rows["import pytorch_direct"]["memory"] == "cuda=0 nvrtc=0"
+    assert float(rows["pd.empty"]["free_s"]) >= 0 and "pd.zeros" in rows and "parallel memset, again" in rows
+    # The table rows come first, each printed as measured; pd.zeros is left out when the budget is spent.
+    assert r.stdout.index("pd.empty: 0.0 GiB in") < r.stdout.index("# import torch")
+    r = subprocess.run(cmd + ["--budget-s", "0.001"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "# pd.zeros skipped" in r.stdout
+    assert "pd.zeros" not in {row["what"] for row in csv.DictReader(open(tmp_path / "f.csv"))}
 
 
 def test_wholegraph_baseline_fails_soft_without_pylibwholegraph():

@@ -146,6 +146,42 @@ def test_counting_and_refill_from_counts():
     assert same_bytes(u[hot], table[hot]) and cache.hit_rate(hot) >= 10 / 12
 
 
+def test_counting_a_large_call_adds_a_bounded_weighted_sample(monkeypatch):
+    # A call of more than COUNT_SAMPLE rows adds COUNT_SAMPLE atomic counts, not one per index (on a skewed stream
+    # those wait for each other on the hot rows), weighted so that the counts stay in gathered rows; successive calls
+    # sample other positions of the batch; the hottest rows still come out on top.
+    monkeypatch.setattr(_cache, "COUNT_SAMPLE", 64)
+    table, u, _ = table_and_frequency()
+    cache = pd.cached(u, budget_for(5, 64, count=True), count=True, device="cpu")
+    added = []
+    real = torch.Tensor.index_add_
+
+    class Spy(torch.Tensor):
+        pass
+
+    def spy(self, dim, index, source, alpha=1):
+        added.append(index.numel())
+        return real(self, dim, index, source, alpha=alpha)
+
+    monkeypatch.setattr(cache, "counts", cache.counts.as_subclass(Spy))
+    monkeypatch.setattr(Spy, "index_add_", spy)
+    g = torch.Generator().manual_seed(3)
+    hot = torch.tensor([11, 22, 33, 44, 55])
+    batch = torch.cat([hot.repeat(200), torch.randint(0, ROWS, (1000,), generator=g)])
+    batch = batch[torch.randperm(batch.numel(), generator=g)]  # 2000 rows: over the sample size
+    for _ in range(4):
+        assert same_bytes(u[batch], table[batch])
+    assert added == [64] * 4
+    assert float(cache.counts.sum()) == pytest.approx(4 * 2000)
+    sample, weight, offset = _cache.count_sample(batch, 0)
+    assert sample.numel() == 64 and weight == 2000 / 64 and torch.equal(sample, batch[::31][:64])
+    assert torch.equal(_cache.count_sample(batch, offset)[0], batch[1::31][:64])
+    small = torch.tensor([1, 2, 2])
+    assert _cache.count_sample(small, 5) == (small, 1.0, 5)  # small calls: every index, weight 1
+    cache.refill()
+    assert set(cache.row_of_slot[: cache.cached_rows].tolist()) == set(hot.tolist())
+
+
 def test_a_pass_that_saw_few_rows_is_topped_up_to_the_budget(caplog):
     # A pre-sampling pass saw 5 rows; the other 35 slots go to the highest degrees among the rest, never twice to a
     # row, within the same byte budget; the log says what filled it; gathers stay exact and coherent after writes.
@@ -329,6 +365,22 @@ def test_gpu_cached_gather_in_a_cuda_graph_and_compiled():
     fn = torch.compile(lambda t, i: t[i] + 1, fullgraph=True)
     assert torch.allclose(fn(u, idx).cpu(), table[idx.cpu()] + 1)
     assert cache.cached_rows > 0
+
+
+@pytest.mark.gpu
+def test_gpu_counting_of_a_large_skewed_call_is_sampled_and_finds_the_hot_rows():
+    table, u, _ = table_and_frequency((16,), torch.float32, seed=7)
+    cache = pd.cached(u, budget_for(3, 64, count=True), count=True)
+    g = torch.Generator().manual_seed(8)
+    n = 3 * _cache.COUNT_SAMPLE + 5
+    idx = torch.where(torch.rand(n, generator=g) < 0.6, torch.tensor([9, 99, 199])[torch.randint(0, 3, (n,),
+                      generator=g)], torch.randint(0, ROWS, (n,), generator=g)).cuda()
+    for _ in range(3):
+        assert same_bytes(u[idx].cpu(), table[idx.cpu()])
+    assert float(cache.counts.sum()) == pytest.approx(3 * n, rel=1e-4)
+    cache.refill()
+    assert set(cache.row_of_slot[:3].tolist()) == {9, 99, 199}
+    assert same_bytes(u[idx].cpu(), table[idx.cpu()])
 
 
 @pytest.mark.gpu

@@ -103,7 +103,7 @@ class OffloadSession:
 
     # Device bytes profiling may keep on a CPU "device" (tests lower it to exercise checkpointed profiling).
     _cpu_profile_allowance = float("inf")
-    CALIBRATIONS = 2
+    CALIBRATIONS = 3  # peak checks per plan lineage: a step-to-step spread of ~0.5 GiB (H100) needs a third
     CALIBRATION_PASSES = 2  # steps in a row within the prediction before a plan is trusted
 
     @property
@@ -196,7 +196,12 @@ class OffloadSession:
         self.probe = PeakProbe(self.memory)
         self.profiler.on_head_done = self.probe.head_done
         self.calibrator = Calibrator(
-            self.memory, clock=clock, limit=self.CALIBRATIONS, verbose=verbose, passes=self.CALIBRATION_PASSES
+            self.memory,
+            clock=clock,
+            late=self._late_unpacks,
+            limit=self.CALIBRATIONS,
+            verbose=verbose,
+            passes=self.CALIBRATION_PASSES,
         )
         self.cache.on_backward = self._backward_began
         self.hooks = ModuleHooks(self)
@@ -497,6 +502,12 @@ class OffloadSession:
         if self.plan is None:
             return self.profiler.tier(nbytes) if self.profiler.active else "keep"
         return self.plan.choices[min(unit, len(self.plan.choices) - 1)].tier
+
+    def _late_unpacks(self) -> tuple[int, int]:
+        """(moved tensors late or not prefetched, moved tensors unpacked) so far: the calibrator's measure of
+        copies that did not keep up."""
+        c = self.cache.counters
+        return c["late_prefetch"] + c["misses"], c["prefetch_hits"] + c["misses"] + c["forwarded"]
 
     def _backward_began(self) -> None:
         """A step's backward began (its first unpack): the step's peaks are read when backward ends, through the

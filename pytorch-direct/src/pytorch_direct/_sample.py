@@ -4,10 +4,12 @@ GPU memory or in host memory as unified tensors (read zero-copy), by the CPU oth
 Per hop, every frontier node draws ``min(in-degree, fanout)`` distinct in-edges uniformly (``replace=False``): a
 random key per in-edge of the frontier, one sort, the first ``fanout`` of each node. There is no per-node loop:
 the sampler's time on a GPU is launch overhead and host round trips, not GPU work, so each hop is a fixed, small
-number of kernels and two host round trips (the hop's edge count and the count of new nodes). Sources not in the
-batch yet get the next local ids through a global -> local id map of one int32 per node kept on the sampling device
-and reset after each batch by touching only the batch's nodes, so relabelling costs O(batch), not O(graph). New nodes
-of a hop are numbered in ascending global id, so feature rows are read in address order.
+number of kernels and, for a homogeneous graph, one host round trip (the hop's edge counts; a hop's new nodes, at
+most one per sampled edge, are counted on the device and read with the next hop's counts), plus one at the end.
+Sources not in the batch yet get the next local ids through a global -> local id map of one int32 per node (and one
+scratch entry) kept on the sampling device and reset after each batch by touching only the batch's nodes, so
+relabelling costs O(batch), not O(graph). New nodes of a hop are numbered in ascending global id, so feature rows
+are read in address order.
 
 A heterogeneous graph is sampled as one graph: node ids are offset per node type, and each edge type has its own
 block of destination slots in one CSC array, so a hop over every edge type is still one set of kernels.
@@ -214,12 +216,17 @@ class NeighborSampler:
                                  f"(Topology.placed('host', device)) to be read zero-copy by the GPU")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if blocks is None and topology.num_nodes != topology.num_slots:
+            raise ValueError(f"a homogeneous topology has one destination slot per node: colptr has "
+                             f"{topology.num_slots + 1} entries for {topology.num_nodes} nodes (num_nodes + 1 needed)")
         self.fanouts = _fanout_table(num_neighbors, blocks)
         self.num_hops = len(self.fanouts)
         self.replace = bool(replace)
         self.num_nodes = int(topology.num_nodes)
         self.generator = generator
-        self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        # one entry per node, and a scratch entry (at num_nodes, the sentinel) that the homogeneous path's
+        # repeated sources write instead of a node's
+        self._local = torch.full((self.num_nodes + 1,), -1, dtype=torch.int32, device=self.device)
         self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
         # the homogeneous path: TorchScript for plain tensors, Python for unified ones (their reads dispatch
         # through Python)

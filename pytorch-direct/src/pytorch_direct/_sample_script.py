@@ -26,27 +26,40 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, list[int],
                                   list[int]]:
     """(n_id, edge_index, e_id, CSC positions, edge_type, node_type, nodes per hop, edges per hop) around ``seeds``
-    (distinct, checked). ``local``: the id map (-1 everywhere, and again on return); ``sentinel``: [num_nodes] in
-    the row's dtype. Two host round trips per hop: the hop's edge counts and its new nodes (unique)."""
+    (distinct, checked). ``local``: the id map, one entry per node and a scratch entry at ``num_nodes`` (-1
+    everywhere, and again on return); ``sentinel``: [num_nodes] in the row's dtype; ``colptr`` has a slot per node.
+
+    One host round trip per hop (its edge counts) and one at the end. A hop's new nodes are not counted on the
+    host before the next hop: at most one per sampled edge, they lie in a buffer of the hop's edge count, in
+    ascending id, followed by nodes past the last (no in-edges, so the next hop draws nothing from them); their
+    count is read with the next hop's edge counts, or at the end."""
     device = seeds.device
     batch = seeds.numel()
+    slots = colptr.numel() - 1
     local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
-    nodes: list[Tensor] = [seeds]
     srcs: list[Tensor] = []
     dsts: list[Tensor] = []
     poss: list[Tensor] = []
+    found: list[Tensor] = []  # per hop: its new nodes, then padding
     num_nodes: list[int] = [batch]
     num_edges: list[int] = []
     frontier = seeds
-    frontier_start = 0
-    total = batch
-    for fanout in fanouts:
-        if frontier.numel() == 0:
+    frontier_start = 0  # local id of the frontier's first node
+    # the last hop's (new-node ranks, sorted unseen sources), their last entries tell its new-node count
+    last: list[Tensor] = []
+    for hop, fanout in enumerate(fanouts):
+        # the frontier is layer `hop` of the batch (the seeds, then each hop's new nodes), whose node count the
+        # host learns in this hop's round trip
+        if frontier.numel() == 0:  # the last hop sampled no edge, so found no node
+            num_nodes.append(0)
             pos = torch.empty(0, dtype=torch.long, device=device)
             dst = pos
         else:
             begin = colptr[frontier]
-            degree = colptr[frontier + 1] - begin
+            following = frontier + 1
+            if hop > 0:  # past the last node: no in-edges
+                following = following.clamp(max=slots)
+            degree = colptr[following] - begin
             if fanout < 0:
                 take = degree
             elif replace:
@@ -55,46 +68,64 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                 take = degree.clamp(max=fanout)
             cum_degree = degree.cumsum(0)
             cum_take = take.cumsum(0)
-            sizes: list[int] = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # a host round trip
+            # the hop's one host round trip: its edge counts (and the last hop's new-node count)
+            sizes: list[int] = torch.cat([cum_degree[-1:], cum_take[-1:]] + last).tolist()
             in_edges, taken = sizes[0], sizes[1]
+            if hop > 0:
+                num_nodes.append(_new_count(sizes[2], sizes[3], slots))
             owner = torch.repeat_interleave(take, output_size=taken)  # the frontier node of each sampled edge
             dst = owner + frontier_start
-            begin_taken = begin[owner]
-            j = torch.arange(taken, device=device) - (cum_take - take)[owner]  # its rank among that node's
             if fanout < 0 or (in_edges == taken and not replace):  # every in-edge is taken: nothing to draw
-                pos = begin_taken + j
+                # (the j-th taken edge of a node is its j-th in-edge)
+                pos = torch.arange(taken, device=device) + (begin - (cum_take - take))[owner]
             elif replace:
                 u = torch.rand(taken, dtype=torch.float64, device=device, generator=generator)
                 d = degree[owner]
-                pos = begin_taken + torch.minimum((u * d).long(), d - 1)
+                pos = begin[owner] + torch.minimum((u * d).long(), d - 1)
             else:
                 # keys of node i lie in [i, i + 1): sorted, each node's in-edges stay together in a random order,
                 # and their first min(degree, fanout) are a uniform sample without replacement
                 key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
                 key += torch.repeat_interleave(degree, output_size=in_edges)
                 order = torch.argsort(key)
-                start = (cum_degree - degree)[owner]
-                pos = begin_taken + order[start + j] - start
+                first_in = cum_degree - degree  # each node's first in-edge among the frontier's
+                # the j-th taken edge of a node is the j-th of its in-edges in key order: order[first_in + j]
+                pick = torch.arange(taken, device=device) + (first_in - (cum_take - take))[owner]
+                pos = order[pick] + (begin - first_in)[owner]
+        total = frontier_start + num_nodes[-1]  # the local id of this hop's first new node
         src = row[pos]
-        seen = local[src]
-        # the sources not in the batch yet, sorted; the seen ones become the sentinel num_nodes, added once more so
-        # that it is always the last value and is dropped without asking whether it occurred
-        new = torch.unique(torch.cat([torch.where(seen < 0, src, sentinel), sentinel]))[:-1]  # a host round trip
-        count = new.numel()
-        if count > 0:
-            local[new] = torch.arange(total, total + count, dtype=torch.int32, device=device)
-            seen = local[src]
-        srcs.append(seen)
+        # The sources not in the batch yet, sorted (the seen ones become the sentinel, the largest value); rank: the
+        # 1-based place of each value among the distinct ones, the same for repeats of a node, so that every write
+        # below of a node's repeats writes the same value. New nodes take local ids total, total + 1, ... and the
+        # buffer's places 1, 2, ... (0 is scratch); the sentinel, if present, comes last and writes the id map's
+        # scratch entry (reset at the end).
+        unseen = torch.sort(torch.where(local[src] < 0, src, sentinel)).values
+        step = torch.ones(unseen.numel(), dtype=torch.int32, device=device)
+        step[1:] = unseen[1:] != unseen[:-1]
+        rank = torch.cumsum(step, 0, dtype=torch.int32)
+        local[unseen] = rank + (total - 1)
+        new = torch.full((unseen.numel() + 1,), slots, dtype=unseen.dtype, device=device)
+        new[rank] = unseen
+        last = [rank[-1:], unseen[-1:]]
+        srcs.append(local[src])
         dsts.append(dst)
         poss.append(pos)
-        nodes.append(new)
-        num_nodes.append(count)
+        found.append(new[1:])
         num_edges.append(pos.numel())
-        frontier = new
+        frontier = new[1:]
         frontier_start = total
-        total += count
+    if len(fanouts) > 0:  # the last hop's new-node count: one more host round trip
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            ends: list[int] = torch.cat(last).long().tolist()
+            num_nodes.append(_new_count(ends[0], ends[1], slots))
+    nodes: list[Tensor] = [seeds]
+    for hop in range(len(found)):
+        nodes.append(found[hop][: num_nodes[hop + 1]])
     n_id = torch.cat(nodes)  # (int64: the seeds are)
     local.index_fill_(0, n_id, -1)
+    local[-1:].fill_(-1)  # the scratch entry
     pos = torch.cat(poss)
     edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
     e_id = pos
@@ -107,6 +138,12 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
     if node_type is not None:
         kinds = node_type[n_id].long()
     return n_id, edge_index, e_id, pos, types, kinds, num_nodes, num_edges
+
+
+def _new_count(last_rank: int, last_value: int, sentinel: int) -> int:
+    """A hop's new nodes: the distinct values of its sorted unseen sources (``last_rank``, the last one's rank),
+    less the sentinel if it is among them (then it is the last value)."""
+    return last_rank - 1 if last_value == sentinel else last_rank
 
 
 _lock = threading.Lock()

@@ -59,13 +59,15 @@ declare -a SUMMARY=()
 step() {
   local name=$1 limit=$2
   shift 2
-  local start rc
+  local start rc lines
   start=$(date +%s)
   say "=== $name (limit ${limit} s): $*"
   timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
   rc=$?
   local took=$(( $(date +%s) - start ))
-  tail -n 25 "$RESULTS/$name.log" | tee -a "$LOG"
+  # (a failed step shows more of its log: a test's traceback, or the thread stacks of a hang)
+  [ $rc -eq 0 ] && lines=25 || lines=120
+  tail -n "$lines" "$RESULTS/$name.log" | tee -a "$LOG"
   if [ $rc -eq 0 ]; then
     SUMMARY+=("$(printf '%-8s ok       %4d s' "$name" "$took")")
   else
@@ -79,8 +81,10 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
 # E2E_GNN_ARGS / E2E_LLM_ARGS: extra arguments for the 1-process steps (e.g. E2E_LLM_ARGS="--batch-sizes 4,6,8,12"
 # on an 80 GB GPU, where the preset's sweep from batch 8 may not fit at all).
 if wanted gnn-tests; then
-  step gnn-tests 150 python3 -m pytest -q -x -m gpu pytorch-direct/tests/test_sampling.py \
-    integration-tests/test_gnn_train.py
+  # (faulthandler_timeout: a test that hangs prints every thread's stack after 60 s instead of dying silently at
+  # the step's limit; -rfE: the failures' one-line reasons at the end, where the log's tail shows them)
+  step gnn-tests 150 python3 -m pytest -q -x -rfE --tb=short -o faulthandler_timeout=60 -m gpu \
+    pytorch-direct/tests/test_sampling.py integration-tests/test_gnn_train.py
 fi
 # The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
 GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)

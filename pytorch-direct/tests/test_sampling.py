@@ -585,6 +585,25 @@ def test_unified_feature_store_errors_say_the_fix():
             pyg().UnifiedFeatureStore(device="cuda")
 
 
+def test_small_tables_sharing_their_pages_are_copied_not_registered():
+    # registering pins whole pages: a small heap tensor shares its first and last page with other allocations, and
+    # a CUDA copy of one of those straddling the registered range fails, so such a table is copied
+    from pytorch_direct import _topology
+
+    small = torch.randn(100, 7)[1:]  # (not starting on a page boundary)
+    assert not _topology.owns_its_pages(small)
+    table = _topology.unify_table(small, "x")
+    assert pd.is_unified(table) and table.data_ptr() != small.data_ptr() and torch.equal(table, small)
+    large = torch.empty(_topology.OWN_PAGES_BYTES // 4, dtype=torch.float32)
+    assert _topology.owns_its_pages(large)
+    assert _topology.unify_table(large, "x").data_ptr() == large.data_ptr(), "a large table is registered in place"
+    own = pd.empty((1000, 8))
+    assert _topology.unify_table(own, "x") is own
+    fs = pyg().UnifiedFeatureStore(device="cpu")
+    fs.put_tensor(small, group_name=None, attr_name="x", index=None)
+    assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0, 5])), small[[0, 5]])
+
+
 def test_make_graph_store_is_pygs_local_graph_store():
     from torch_geometric.distributed import LocalGraphStore
 
@@ -673,14 +692,48 @@ def test_loader_on_the_gpu_reads_large_tables_and_the_topology_zero_copy():
 
 
 @pytest.mark.gpu
-def test_store_pair_and_pygs_node_loader_on_the_gpu():
+@pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True)])
+def test_store_pair_on_the_gpu(prefetch, thread):
     data = random_data(seed=10)
     fs = pyg().UnifiedFeatureStore()
-    assert fs.device.type == "cuda"
+    assert fs.device == torch.device("cuda", torch.cuda.current_device())
+    fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)  # small: copied, not registered in place
+    fs.put_tensor(data.y, group_name=None, attr_name="y", index=None)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    loader = NeighborLoader((fs, gs), [4, 4], batch_size=100, prefetch=prefetch, thread=thread)
+    seen = 0
+    for b in loader:
+        assert b.x.device == fs.device and b.y.device == fs.device and b.n_id.device == fs.device, (
+            b.x.device, b.y.device, b.n_id.device)
+        n_id = b.n_id.cpu()
+        assert torch.equal(b.x.cpu(), data.x[n_id]) and torch.equal(b.y.cpu(), data.y[n_id])
+        assert torch.equal(n_id[b.edge_index.cpu()], data.edge_index[:, b.e_id.cpu()])
+        check_counts(b.to("cpu"), data.edge_index, [4, 4])
+        seen += b.batch_size
+    assert seen == data.num_nodes
+
+
+@pytest.mark.gpu
+def test_a_cpu_store_feeds_a_loader_on_the_gpu():
+    # the store reads the index on the host: it gets a CPU copy made before it reads it, and the rows it returns
+    # are moved to the loader's device
+    data = random_data(seed=12)
+    fs = pyg().UnifiedFeatureStore(device="cpu")
     fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
     gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
-    for b in NeighborLoader((fs, gs), [4, 4], batch_size=100):
+    for b in NeighborLoader((fs, gs), [4, 4], batch_size=64, device="cuda"):
         assert b.x.is_cuda and torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+
+
+@pytest.mark.gpu
+def test_pygs_node_loader_with_the_sampler_on_the_gpu():
+    data = random_data(seed=10)
     theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [4, 4], device="cuda", seed=0), batch_size=50)
+    seen = 0
     for b in theirs:
+        assert b.n_id.device.type == "cpu", "PyG's loaders assemble batches on the CPU"
         assert torch.equal(b.n_id[b.edge_index], data.edge_index[:, b.e_id])
+        assert torch.equal(b.x, data.x[b.n_id])
+        check_counts(b, data.edge_index, [4, 4])
+        seen += b.batch_size
+    assert seen == data.num_nodes

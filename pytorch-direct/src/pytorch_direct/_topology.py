@@ -6,11 +6,13 @@ batch's attributes are gathered from. torch_geometric is imported only here and 
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ._create import is_unified, unified
 from ._sample import Blocks, SampledSubgraph, Topology
 
 log = logging.getLogger("pytorch_direct")
@@ -39,6 +41,34 @@ class Source:
 
     def node_offset(self, node_type) -> int:
         return self.blocks.node_offset[self.node_types.index(node_type)] if self.hetero else 0
+
+
+# glibc serves an allocation of at least this size with a mapping of its own (its largest dynamic mmap threshold on
+# 64-bit machines); a smaller one may share its first and last memory page with unrelated heap allocations.
+OWN_PAGES_BYTES = 32 << 20
+
+
+def owns_its_pages(t: Tensor) -> bool:
+    """Whether registering ``t``'s memory with CUDA pins no page that another allocation uses: a large tensor (a
+    mapping of its own), one whose memory starts and ends on page boundaries, or memory already page-locked."""
+    nbytes = t.numel() * t.element_size()
+    start = t.data_ptr()
+    return (nbytes >= OWN_PAGES_BYTES or (start % mmap.PAGESIZE == 0 and (start + nbytes) % mmap.PAGESIZE == 0)
+            or t.is_pinned())
+
+
+def unify_table(t: Tensor, name: str) -> Tensor:
+    """A CPU table as a unified tensor the GPU reads zero-copy: registered in place when it owns its pages, else
+    copied into memory of its own. Registration pins whole pages: a CUDA copy of another tensor that starts in a
+    page pinned with a small table and ends outside fails ("invalid argument"), depending on where the allocator
+    put the two, so a small table (cheap to copy) that shares its pages is copied."""
+    if is_unified(t):
+        return t
+    if t.is_contiguous() and owns_its_pages(t):
+        return unified(t)
+    log.info("pytorch-direct: %s (%d bytes) shares memory pages with other allocations (or is not contiguous): "
+             "copied into memory of its own instead of registered in place", name, t.numel() * t.element_size())
+    return unified(t.detach(), copy=True)
 
 
 def csc_from_coo(edge_index: Tensor, num_dst: int, is_sorted: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:

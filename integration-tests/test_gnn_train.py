@@ -136,6 +136,9 @@ def test_relation_flags_train_many_relations():
         rows = report["impls"][impl]["profile"]
         assert 0 < len(rows) <= 20 and all(r["cpu_ms_per_step"] >= 0 for r in rows)
         assert any("mm" in r["op"] and r["calls_per_step"] >= 1 for r in rows), [r["op"] for r in rows]
+        threads = {t["thread"]: t for t in report["impls"][impl]["profile_threads"]}
+        assert {"training", "loader"} <= set(threads), threads  # (the loader's thread makes the batches)
+        assert threads["training"]["host_ms_per_step"] > 0
     ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3

@@ -604,6 +604,71 @@ def test_small_tables_sharing_their_pages_are_copied_not_registered():
     assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0, 5])), small[[0, 5]])
 
 
+def _batch_work(loader):
+    """(operations that make a tensor, host round trips) of one batch made by ``loader`` on this thread: the
+    sampler's, the assembly's and the gathers'. Round trips: size reads, and the operations that read a size on a
+    GPU (unique, nonzero, bincount, repeat_interleave without output_size), counted on the sampler's Python path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    sized = (aten._unique2, aten.unique_dim, aten._local_scalar_dense, aten.nonzero, aten.bincount, aten.masked_select)
+
+    class Count(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.ops += not func.is_view
+            self.reads += func.overloadpacket in sized or (
+                func.overloadpacket is aten.repeat_interleave and kwargs.get("output_size") is None)
+            return func(*args, **kwargs)
+
+    positions = torch.arange(loader.batch_size)
+    loader.make(positions)  # (first-call work out of the way)
+    with Count() as count:
+        loader.make(positions)
+    tolist, lists = torch.Tensor.tolist, []
+    script = loader.sampler.script
+    try:
+        torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)
+        loader.sampler.script = False
+        with Count() as python:
+            loader.make(positions)
+    finally:
+        torch.Tensor.tolist = tolist
+        loader.sampler.script = script
+    return count.ops, python.reads + len(lists)
+
+
+def hetero_with(edge_types: int, seed=0):
+    """A HeteroData of two node types and ``edge_types`` edge types between them."""
+    gen = torch.Generator().manual_seed(seed)
+    h = pyg().HeteroData()
+    h["a"].x, h["b"].x = torch.randn(200, 4, generator=gen), torch.randn(100, 3, generator=gen)
+    for k in range(edge_types):
+        src, dst = ("a", "b") if k % 2 else ("b", "a")
+        n_src, n_dst = h[src].num_nodes, h[dst].num_nodes
+        h[src, f"r{k}", dst].edge_index = torch.stack([torch.randint(0, n_src, (400,), generator=gen),
+                                                       torch.randint(0, n_dst, (400,), generator=gen)])
+    return h
+
+
+def test_a_batchs_host_work_does_not_grow_with_the_edge_types():
+    # a loader thread's host work competes with training for the GIL, and each host round trip waits for a GPU busy
+    # with training: a batch is a fixed number of operations whatever the number of edge types (their parts are
+    # views) and a fixed number of round trips
+    data = random_data(n=3000, e=40_000, seed=13)
+    ops, reads = _batch_work(NeighborLoader(data, [15, 10], batch_size=256, device="cpu"))
+    assert ops <= 100 and reads <= 2 + 1, (ops, reads)
+    few, many = (_batch_work(NeighborLoader(hetero_with(k), [5, 3], input_nodes="a", batch_size=32, device="cpu"))
+                 for k in (4, 40))
+    assert few == many and few[1] <= 2 * 2 + 1 + 1, (few, many)  # (two per hop, one at the end, one to split)
+    loader = NeighborLoader(hetero_with(6), [5, 3], input_nodes="a", batch_size=32, device="cpu")
+    batch = loader.make(torch.arange(32))
+    for et in batch.edge_types:
+        assert batch[et].edge_index.is_contiguous() and batch[et].edge_index.shape[0] == 2
+
+
 def test_make_graph_store_is_pygs_local_graph_store():
     from torch_geometric.distributed import LocalGraphStore
 

@@ -239,7 +239,8 @@ class NeighborSampler:
             by_dst = sorted(range(blocks.num_edge_types), key=lambda k: blocks.dst_type[k])
             counts = [sum(1 for k in by_dst if blocks.dst_type[k] == t) for t in range(blocks.num_node_types)]
             self._types_in = torch.tensor(by_dst, dtype=torch.long, device=dev)
-            self._types_in_count = torch.tensor(counts, dtype=torch.long, device=dev)
+            # (and none into the type past the last: that of the padding after a hop's new nodes)
+            self._types_in_count = torch.tensor(counts + [0], dtype=torch.long, device=dev)
             self._types_in_start = torch.cumsum(self._types_in_count, 0) - self._types_in_count
             self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=dev)  # [hops, K]
 
@@ -257,34 +258,35 @@ class NeighborSampler:
         local = self._local
         batch = seeds.numel()
         local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
-        nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
+        found, srcs, dsts, poss, etypes = [], [], [], [], []
         num_nodes_per_hop, num_edges_per_hop = [batch], []
-        frontier, frontier_start, total = seeds, 0, batch
-        # (with edge-type blocks; the homogeneous path is one TorchScript function, see _sample_homogeneous)
+        frontier, frontier_start, last = seeds, 0, []
+        pad = self.num_nodes  # (the sentinel's value: a node of no type, into which no edge type leads)
+        # (with edge-type blocks; the homogeneous path is one TorchScript function, see _sample_homogeneous). A hop's
+        # new nodes are numbered on the device and counted on the host with the next hop's slot count (see
+        # _sample_script.number_new): two host round trips per hop, and one at the end.
         try:
             for hop in range(self.num_hops):
-                pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
+                pos, dst_local, block, layer = self._sample_hop(hop, frontier, frontier_start, last)
+                if hop > 0:
+                    num_nodes_per_hop.append(layer)
+                total = frontier_start + num_nodes_per_hop[-1]  # the local id of the hop's first new node
                 src = _read(self.topology.row, pos)
-                # the sources not in the batch yet, sorted; seen ones become the sentinel num_nodes, which is added
-                # once more so it is always the last value and can be dropped without asking the device whether
-                # it occurred
-                seen = local[src]
-                new = torch.unique(torch.cat([torch.where(seen < 0, src, self._sentinel), self._sentinel]))[:-1]
-                if new.numel():
-                    local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
-                    seen = local[src]
-                srcs.append(seen)
+                new, last = _sample_script.number_new(local, src, self._sentinel, total, pad)
+                srcs.append(local[src])
                 dsts.append(dst_local)
                 poss.append(pos)
                 etypes.append(block)
-                nodes.append(new)  # (in the row's dtype: the concatenation below makes them int64)
-                num_nodes_per_hop.append(new.numel())
+                found.append(new)
                 num_edges_per_hop.append(pos.numel())
-                frontier, frontier_start, total = new, total, total + new.numel()
-            n_id = torch.cat(nodes)
+                frontier, frontier_start = new, total
+            num_nodes_per_hop.append(_count_of(last, pad))
+            # (the new nodes are in the row's dtype: the concatenation makes them int64)
+            n_id = torch.cat([seeds] + [f[:n] for f, n in zip(found, num_nodes_per_hop[1:], strict=True)])
         except BaseException:
             local.fill_(-1)  # (which entries this batch set is not known here)
             raise
+        local[-1:].fill_(-1)  # the scratch entry
         local.index_fill_(0, n_id, -1)  # (local[n_id] = -1 would copy the -1 from the host: a sync)
         pos = torch.cat(poss)
         topo = self.topology
@@ -323,29 +325,35 @@ class NeighborSampler:
         return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
                                pos)
 
-    def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
+    def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int, last: list[Tensor]):
         """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot, edge type per
-        slot)."""
+        slot, the frontier's node count). The frontier is the last hop's buffer (see
+        ``_sample_script.number_new``): its padding has the type past the last, into which no edge type leads, so
+        it gets no slot; its node count is read with the slot count (one host round trip)."""
         frontier = frontier.long()
         arange = torch.arange(frontier.numel(), device=self.device)
         # one slot per (frontier node, edge type into its node type)
         ftype = torch.searchsorted(self._node_offset, frontier, right=True) - 1
         count = self._types_in_count[ftype]
-        pairs = int(count.sum())  # a host round trip
+        cum = torch.cumsum(count, 0)
+        read = torch.cat([cum[-1:]] + last).tolist() if count.numel() else [0]  # a host round trip
+        pairs = read[0]
+        layer = _sample_script.new_count(read[1], read[2], self.num_nodes) if len(read) == 3 else frontier.numel()
         owner = torch.repeat_interleave(arange, count, output_size=pairs)
-        first = torch.cumsum(count, 0) - count
+        first = cum - count
         k = self._types_in[self._types_in_start[ftype[owner]] + torch.arange(pairs, device=self.device) - first[owner]]
         slots = self._slot_offset[k] + frontier[owner] - self._node_offset[ftype[owner]]
-        return slots, owner + frontier_start, self._fanout_table[hop][k], k
+        return slots, owner + frontier_start, self._fanout_table[hop][k], k, layer
 
-    def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
+    def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int, last: list[Tensor]):
         """With edge-type blocks: (CSC positions of the sampled in-edges, local id of each edge's destination, edge
-        type of each edge). One host round trip besides the slot expansion: the number of in-edges and of sampled
-        edges. (The homogeneous path is ``_sample_script.sample_homogeneous``: the same draw, one fan-out.)"""
-        slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
+        type of each edge, the frontier's node count). One host round trip besides the slot expansion: the number
+        of in-edges and of sampled edges. (The homogeneous path is ``_sample_script.sample_homogeneous``: the same
+        draw, one fan-out.)"""
+        slots, dst_local, fanout, kind, layer = self._frontier_slots(hop, frontier, frontier_start, last)
         if slots.numel() == 0:
             empty = torch.empty(0, dtype=torch.long, device=self.device)
-            return empty, empty, empty
+            return empty, empty, empty, layer
         colptr = self.topology.colptr
         begin = _read(colptr, slots)
         degree = _read(colptr, slots + 1) - begin
@@ -361,13 +369,13 @@ class NeighborSampler:
         # the j-th sampled edge of its slot
         j = torch.arange(taken, device=self.device) - (cum_take - take)[owner_taken]
         if total == taken and not self.replace:  # every in-edge is taken: nothing to draw
-            return begin[owner_taken] + j, dst_out, kind_out
+            return begin[owner_taken] + j, dst_out, kind_out, layer
         begin_taken = begin[owner_taken]
         if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
             u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
             d = degree[owner_taken]
             drawn = (u * d).long().clamp(max=d - 1)
-            return begin_taken + torch.where(every[owner_taken], j, drawn), dst_out, kind_out
+            return begin_taken + torch.where(every[owner_taken], j, drawn), dst_out, kind_out, layer
         # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
         # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
         # replacement. One sort instead of a loop of fanout steps of small kernels.
@@ -376,7 +384,16 @@ class NeighborSampler:
         order = torch.argsort(key)
         start_taken = (cum_degree - degree)[owner_taken]
         # order[start + j] is the index among the frontier's in-edges; minus start, among its slot's
-        return begin_taken + order[start_taken + j] - start_taken, dst_out, kind_out
+        return begin_taken + order[start_taken + j] - start_taken, dst_out, kind_out, layer
+
+
+def _count_of(last: list[Tensor], sentinel: int) -> int:
+    """The new-node count of a hop from the tensors :func:`_sample_script.number_new` returned (a host round trip
+    where it found any)."""
+    if not last or last[0].numel() == 0:
+        return 0
+    rank, value = torch.cat(last).tolist()
+    return _sample_script.new_count(rank, value, sentinel)
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:

@@ -72,7 +72,7 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
             sizes: list[int] = torch.cat([cum_degree[-1:], cum_take[-1:]] + last).tolist()
             in_edges, taken = sizes[0], sizes[1]
             if hop > 0:
-                num_nodes.append(_new_count(sizes[2], sizes[3], slots))
+                num_nodes.append(new_count(sizes[2], sizes[3], slots))
             owner = torch.repeat_interleave(take, output_size=taken)  # the frontier node of each sampled edge
             dst = owner + frontier_start
             if fanout < 0 or (in_edges == taken and not replace):  # every in-edge is taken: nothing to draw
@@ -94,32 +94,20 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                 pos = order[pick] + (begin - first_in)[owner]
         total = frontier_start + num_nodes[-1]  # the local id of this hop's first new node
         src = row[pos]
-        # The sources not in the batch yet, sorted (the seen ones become the sentinel, the largest value); rank: the
-        # 1-based place of each value among the distinct ones, the same for repeats of a node, so that every write
-        # below of a node's repeats writes the same value. New nodes take local ids total, total + 1, ... and the
-        # buffer's places 1, 2, ... (0 is scratch); the sentinel, if present, comes last and writes the id map's
-        # scratch entry (reset at the end).
-        unseen = torch.sort(torch.where(local[src] < 0, src, sentinel)).values
-        step = torch.ones(unseen.numel(), dtype=torch.int32, device=device)
-        step[1:] = unseen[1:] != unseen[:-1]
-        rank = torch.cumsum(step, 0, dtype=torch.int32)
-        local[unseen] = rank + (total - 1)
-        new = torch.full((unseen.numel() + 1,), slots, dtype=unseen.dtype, device=device)
-        new[rank] = unseen
-        last = [rank[-1:], unseen[-1:]]
+        new, last = number_new(local, src, sentinel, total, slots)
         srcs.append(local[src])
         dsts.append(dst)
         poss.append(pos)
-        found.append(new[1:])
+        found.append(new)
         num_edges.append(pos.numel())
-        frontier = new[1:]
+        frontier = new
         frontier_start = total
     if len(fanouts) > 0:  # the last hop's new-node count: one more host round trip
         if frontier.numel() == 0:
             num_nodes.append(0)
         else:
             ends: list[int] = torch.cat(last).long().tolist()
-            num_nodes.append(_new_count(ends[0], ends[1], slots))
+            num_nodes.append(new_count(ends[0], ends[1], slots))
     nodes: list[Tensor] = [seeds]
     for hop in range(len(found)):
         nodes.append(found[hop][: num_nodes[hop + 1]])
@@ -140,7 +128,27 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
     return n_id, edge_index, e_id, pos, types, kinds, num_nodes, num_edges
 
 
-def _new_count(last_rank: int, last_value: int, sentinel: int) -> int:
+def number_new(local: Tensor, src: Tensor, sentinel: Tensor, total: int, pad: int) -> tuple[Tensor, list[Tensor]]:
+    """Gives the sources ``src`` of a hop's edges that are not in the batch yet (-1 in the id map ``local``) the next
+    local ids, ``total``, ``total + 1``, ... in ascending global id, without a host round trip. Returns (a buffer of
+    ``src.numel()`` entries: the new nodes in ascending id, then ``pad``, the sentinel's value; the tensors whose
+    last entries give the new-node count, see :func:`new_count`).
+
+    The unseen sources are sorted (the seen ones become the sentinel, larger than every node id); a value's rank is
+    its 1-based place among the distinct values, the same for every repeat of a node, so that the writes of a
+    node's repeats all write the same value. The sentinel, if present, comes last: it writes the id map's scratch
+    entry (at the sentinel's value; reset after the batch) and the buffer's last real place, with ``pad``."""
+    unseen = torch.sort(torch.where(local[src] < 0, src, sentinel)).values
+    step = torch.ones(unseen.numel(), dtype=torch.int32, device=src.device)
+    step[1:] = unseen[1:] != unseen[:-1]
+    rank = torch.cumsum(step, 0, dtype=torch.int32)
+    local[unseen] = rank + (total - 1)
+    new = torch.full((unseen.numel() + 1,), pad, dtype=unseen.dtype, device=src.device)  # (place 0: scratch)
+    new[rank] = unseen
+    return new[1:], [rank[-1:], unseen[-1:]]
+
+
+def new_count(last_rank: int, last_value: int, sentinel: int) -> int:
     """A hop's new nodes: the distinct values of its sorted unseen sources (``last_rank``, the last one's rank),
     less the sentinel if it is among them (then it is the last value)."""
     return last_rank - 1 if last_value == sentinel else last_rank

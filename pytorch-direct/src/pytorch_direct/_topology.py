@@ -270,38 +270,52 @@ class HeteroParts:
     num_sampled_edges: list
 
 
+def _counts(index: Tensor, size: int) -> Tensor:
+    """How often each value in [0, size) occurs in ``index``, without a host round trip (``bincount`` on a GPU reads
+    the largest value on the host to size its output)."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(
+        0, index, torch.ones_like(index, dtype=torch.long))
+
+
 def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
-    """Per-type ids and edges of a sample of the one-graph form (one host round trip for all the counts)."""
+    """Per-type ids and edges of a sample of the one-graph form: a fixed number of operations whatever the number
+    of types (the per-type parts are views) and one host round trip for all the counts."""
     dev = sub.n_id.device
     num_t, num_k, hops = blocks.num_node_types, blocks.num_edge_types, len(sub.num_sampled_edges)
     ntype, etype = sub.node_type, sub.edge_type
     node_offset = torch.tensor(blocks.node_offset[:-1], dtype=torch.long, device=dev)
     # the rank of each batch node among the batch's nodes of its type (batch order)
     order = torch.sort(ntype, stable=True).indices
-    type_count = torch.bincount(ntype, minlength=num_t)
+    type_count = _counts(ntype, num_t)
     type_start = torch.cumsum(type_count, 0) - type_count
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=dev) - type_start[ntype[order]]
     edge_order = torch.sort(etype, stable=True).indices
-    edge_count = torch.bincount(etype, minlength=num_k)
+    edge_count = _counts(etype, num_k)
     hop_of_node = torch.repeat_interleave(torch.arange(hops + 1, device=dev),
                                           torch.tensor(sub.num_sampled_nodes, device=dev),
                                           output_size=sub.num_nodes)
     hop_of_edge = torch.repeat_interleave(torch.arange(hops, device=dev),
                                           torch.tensor(sub.num_sampled_edges, device=dev),
                                           output_size=sub.num_edges)
-    per_hop_nodes = torch.bincount(hop_of_node * num_t + ntype, minlength=(hops + 1) * num_t)
-    per_hop_edges = torch.bincount(hop_of_edge * num_k + etype, minlength=max(hops, 1) * num_k)
+    per_hop_nodes = _counts(hop_of_node * num_t + ntype, (hops + 1) * num_t)
+    per_hop_edges = _counts(hop_of_edge * num_k + etype, max(hops, 1) * num_k)
     counts = torch.cat([type_count, edge_count, per_hop_nodes, per_hop_edges]).tolist()  # one host round trip
     type_counts, edge_counts = counts[:num_t], counts[num_t:num_t + num_k]
     nodes_hop = counts[num_t + num_k:num_t + num_k + (hops + 1) * num_t]
     edges_hop = counts[num_t + num_k + (hops + 1) * num_t:]
     local = sub.n_id - node_offset[ntype]
     n_id = list(local[order].split(type_counts))
-    src, dst = sub.edge_index
-    row, col = rank[src][edge_order], rank[dst][edge_order]
+    # each edge type's [2, E_k] edge_index, contiguous, a view of one buffer: its rows then its columns
+    row, col = rank[sub.edge_index[:, edge_order]]
+    kind = etype[edge_order]
+    first = torch.cumsum(edge_count, 0) - edge_count  # each type's first edge in type order
+    at = torch.arange(kind.numel(), device=dev) + first[kind]  # 2 * first + j: the row's place, then the column's
+    flat = torch.empty(2 * kind.numel(), dtype=row.dtype, device=dev)
+    flat[at] = row
+    flat[at + edge_count[kind]] = col
+    edge_index = [block.view(2, -1) for block in flat.split([2 * c for c in edge_counts])]
     e_id = sub.e_id[edge_order]
-    edge_index = [torch.stack(pair) for pair in zip(row.split(edge_counts), col.split(edge_counts), strict=True)]
     return HeteroParts(
         n_id, edge_index, list(e_id.split(edge_counts)),
         [[nodes_hop[h * num_t + t] for h in range(hops + 1)] for t in range(num_t)],

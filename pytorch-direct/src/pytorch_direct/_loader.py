@@ -428,6 +428,9 @@ class _Maker:
 
     def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
         self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
+        # the stream training reads the batches on (its current stream when the epoch began): the batches' memory
+        # is marked as used by it where they are made, not in the training thread (see _Epoch.__next__)
+        self.consumer = torch.cuda.current_stream(self.device) if self.stream is not None else None
         self.next = 0  # the next batch to make
         self.queue: queue.Queue | None = None
         self.stop = threading.Event()
@@ -447,6 +450,7 @@ class _Maker:
             return self.loader.make(positions), None
         with torch.cuda.stream(self.stream):
             batch = self.loader.make(positions)
+        _record_stream(batch, self.consumer)
         return batch, self.loader._ready_events()
 
     def produce(self) -> None:
@@ -526,7 +530,8 @@ class _Epoch:
             stream = torch.cuda.current_stream(self.device)
             for event in ready:
                 stream.wait_event(event)
-            _record_stream(batch, stream)
+            if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
+                _record_stream(batch, stream)
         if cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record()

@@ -184,7 +184,7 @@ def test_a_torch_without_torchscript_samples_through_python(monkeypatch, caplog)
         raise RuntimeError("TorchScript is not available")
 
     monkeypatch.setattr(torch.jit, "script", no_script)
-    monkeypatch.setattr(_sample_script, "_compiled", [])
+    monkeypatch.setattr(_sample_script, "_compiled", {})
     with caplog.at_level("WARNING", logger="pytorch_direct"):
         sampler = NeighborSampler(skewed_graph(), [4, 3])
     assert not sampler.script
@@ -251,6 +251,34 @@ def test_sampling_is_uniform(replace):
         assert 0.2 < twice / trials < 0.36  # P(some edge twice) = 1 - 0.9 * 0.8 = 0.28
     else:
         assert twice == 0
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_typed_sampling_is_uniform_per_edge_type(replace):
+    # node 0 of type "p" has 6 in-edges of one edge type (fan-out 2) and 4 of another (fan-out 3, given between
+    # them in the edge list): each edge drawn with probability 2/6 and 3/4 (or as often on average, with
+    # replacement), each type's own fan-out, never an edge twice without replacement
+    from pytorch_direct import _topology
+
+    h = pyg().HeteroData()
+    h["p"].num_nodes, h["q"].num_nodes = 1, 10
+    h["q", "x", "p"].edge_index = torch.stack([torch.arange(6), torch.zeros(6, dtype=torch.long)])
+    h["q", "y", "p"].edge_index = torch.stack([torch.arange(6, 10), torch.zeros(4, dtype=torch.long)])
+    source = _topology.source_of(h)
+    fanouts = _topology.fanouts(source, {("q", "x", "p"): [2], ("q", "y", "p"): [3]})
+    sampler = NeighborSampler(source.topology, fanouts, replace=replace, blocks=source.blocks,
+                              generator=torch.Generator().manual_seed(0))
+    assert sampler.script
+    counts = {0: torch.zeros(6), 1: torch.zeros(4)}
+    trials = 3000
+    for _ in range(trials):
+        sub = sampler.sample(torch.tensor([source.node_offset("p")]))
+        for k, fan in ((0, 2), (1, 3)):
+            ids = sub.e_id[sub.edge_type == k]
+            assert ids.numel() == fan and (replace or ids.unique().numel() == fan)
+            counts[k].index_add_(0, ids, torch.ones(fan))
+    assert bool(((counts[0] / trials - 2 / 6).abs() < 0.05).all()), counts[0] / trials
+    assert bool(((counts[1] / trials - 3 / 4).abs() < 0.05).all()), counts[1] / trials
 
 
 def test_bad_input_is_named():

@@ -154,25 +154,137 @@ def new_count(last_rank: int, last_value: int, sentinel: int) -> int:
     return last_rank - 1 if last_value == sentinel else last_rank
 
 
+def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, seeds: Tensor, sentinel: Tensor,
+                 fanouts: Tensor, replace: bool, generator: torch.Generator | None, edge_id: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[int], list[int]]:
+    """A heterogeneous graph's batch: (n_id, edge_index, e_id, CSC positions, edge types, nodes per hop, edges per
+    hop). The topology is one CSC over every node (``colptr`` has a slot per node, the padding included past the
+    last), each node's in-edges grouped by edge type, ``edge_type`` giving each edge's; ``fanouts``: [hops, edge
+    types] (-1: all); ``local`` and ``sentinel`` as for :func:`sample_homogeneous`.
+
+    Per hop, the frontier's in-edges fall into runs of one (node, edge type); a random key per in-edge, one sort,
+    and the first min(run length, fan-out of its type) of each run are a uniform sample without replacement. The
+    work is that of the frontier's in-edges, whatever the number of edge types (none is looked at for a node
+    without such in-edges). Two host round trips per hop (the in-edge count, with the last hop's new-node count;
+    the sampled count), three with ``replace``, and one at the end."""
+    device = seeds.device
+    batch = seeds.numel()
+    slots = colptr.numel() - 1
+    local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
+    srcs: list[Tensor] = []
+    dsts: list[Tensor] = []
+    poss: list[Tensor] = []
+    kinds: list[Tensor] = []
+    found: list[Tensor] = []
+    num_nodes: list[int] = [batch]
+    num_edges: list[int] = []
+    frontier = seeds
+    frontier_start = 0
+    last: list[Tensor] = []
+    for hop in range(fanouts.size(0)):
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        pos, dst, kind = empty, empty, empty
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            begin = colptr[frontier]
+            following = frontier + 1
+            if hop > 0:  # past the last node: no in-edges
+                following = following.clamp(max=slots)
+            degree = colptr[following] - begin
+            cum_degree = degree.cumsum(0)
+            sizes: list[int] = torch.cat([cum_degree[-1:]] + last).tolist()  # a host round trip
+            in_edges = sizes[0]
+            if hop > 0:
+                num_nodes.append(new_count(sizes[1], sizes[2], slots))
+            if in_edges > 0:
+                owner = torch.repeat_interleave(degree, output_size=in_edges)  # the frontier node of each in-edge
+                every = torch.arange(in_edges, device=device)
+                at = every + (begin - (cum_degree - degree))[owner]  # its CSC position
+                types = edge_type[at].long()
+                fan = fanouts[hop][types]
+                # runs of one (node, edge type): a node's in-edges are grouped by type
+                starts = torch.ones(in_edges, dtype=torch.bool, device=device)
+                starts[1:] = (owner[1:] != owner[:-1]) | (types[1:] != types[:-1])
+                if replace:
+                    first = starts.nonzero().squeeze(1)  # a host round trip (its size)
+                    length = torch.cat([first[1:], torch.full((1,), in_edges, dtype=torch.long,
+                                                              device=device)]) - first
+                    run_fan = fan[first]
+                    take = torch.where(run_fan < 0, length, run_fan)
+                    cum_take = take.cumsum(0)
+                    taken: list[int] = cum_take[-1:].tolist()  # a host round trip
+                    run = torch.repeat_interleave(take, output_size=taken[0])
+                    j = torch.arange(taken[0], device=device) - (cum_take - take)[run]
+                    u = torch.rand(taken[0], dtype=torch.float64, device=device, generator=generator)
+                    size = length[run]
+                    drawn = torch.minimum((u * size).long(), size - 1)
+                    picked = first[run] + torch.where(run_fan[run] < 0, j, drawn)
+                else:
+                    # keys of run r lie in [r, r + 1): sorted, each run's in-edges stay together in a random order
+                    run_id = torch.cumsum(starts, 0) - 1
+                    key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
+                    key += run_id
+                    order = torch.argsort(key)
+                    # (a run occupies the same positions before and after the sort)
+                    run_first = torch.where(starts, every, 0).cummax(0).values
+                    keep = ((every - run_first) < fan) | (fan < 0)
+                    picked = order[keep.nonzero().squeeze(1)]  # a host round trip (its size)
+                pos = at[picked]
+                dst = owner[picked] + frontier_start
+                kind = types[picked]
+        total = frontier_start + num_nodes[-1]  # the local id of this hop's first new node
+        src = row[pos]
+        new, last = number_new(local, src, sentinel, total, slots)
+        srcs.append(local[src])
+        dsts.append(dst)
+        poss.append(pos)
+        kinds.append(kind)
+        found.append(new)
+        num_edges.append(pos.numel())
+        frontier = new
+        frontier_start = total
+    if fanouts.size(0) > 0:  # the last hop's new-node count: one more host round trip
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            ends: list[int] = torch.cat(last).long().tolist()
+            num_nodes.append(new_count(ends[0], ends[1], slots))
+    nodes: list[Tensor] = [seeds]
+    for hop in range(len(found)):
+        nodes.append(found[hop][: num_nodes[hop + 1]])
+    n_id = torch.cat(nodes)
+    local.index_fill_(0, n_id, -1)
+    local[-1:].fill_(-1)  # the scratch entry
+    pos = torch.cat(poss)
+    edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
+    e_id = pos
+    if edge_id is not None:
+        e_id = edge_id[pos].long()
+    return n_id, edge_index, e_id, pos, torch.cat(kinds), num_nodes, num_edges
+
+
 _lock = threading.Lock()
-_compiled: list = []  # [the TorchScript function, or None where it did not compile]
+_compiled: dict = {}  # function name -> its TorchScript function, or None where it did not compile
 
 
-def scripted():
-    """:func:`sample_homogeneous` compiled by TorchScript (once per process), or None where it cannot be."""
+def scripted(fn=None):
+    """``fn`` (default :func:`sample_homogeneous`) compiled by TorchScript (once per process), or None where it
+    cannot be."""
+    fn = sample_homogeneous if fn is None else fn
     with _lock:
-        if not _compiled:
+        if fn.__name__ not in _compiled:
             try:
                 with warnings.catch_warnings():
                     # TorchScript is deprecated for models; for a function of plain torch ops it is the one way
                     # to run them after a single release of the GIL
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    _compiled.append(torch.jit.script(sample_homogeneous))
+                    _compiled[fn.__name__] = torch.jit.script(fn)
             except Exception as exc:  # a torch without TorchScript, or one that no longer compiles this
                 log.warning("pytorch-direct: the sampler's TorchScript function did not compile (%s: %s); it runs "
                             "as Python, holding the GIL for each operation", type(exc).__name__, exc)
-                _compiled.append(None)
-        return _compiled[0]
+                _compiled[fn.__name__] = None
+        return _compiled[fn.__name__]
 
 
 def run(fn, *args):

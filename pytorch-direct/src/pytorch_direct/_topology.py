@@ -134,32 +134,41 @@ def from_hetero_data(data, is_sorted: bool = False) -> Source:
 
 
 def _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted, edge_ids=None) -> Source:
+    """One CSC over every node (global ids: node types one after the other), each node's in-edges grouped by edge
+    type (in the order of ``edge_types``; within a type, in the order given), each edge's type index in
+    ``Topology.edge_type`` and its id within its type in ``edge_id`` (``is_sorted`` is not needed: one sort orders
+    every type)."""
     for et in edge_types:
         if et[0] not in num_nodes or et[2] not in num_nodes:
             raise ValueError(f"edge type {et} joins node types not in the graph ({sorted(num_nodes)})")
     node_offset = [0]
     for t in node_types:
         node_offset.append(node_offset[-1] + num_nodes[t])
-    colptrs, rows, ids, slot_offset, edge_offset = [], [], [], [0], [0]
-    for et in edge_types:
-        src_t = node_types.index(et[0])
-        colptr, row, perm = csc_from_coo(coo[et].cpu(), num_nodes[et[2]], is_sorted)
-        if row.numel() and (int(row.min()) < 0 or int(row.max()) >= num_nodes[et[0]]):
-            raise IndexError(f"edge type {et} has sources outside [0, {num_nodes[et[0]]})")
-        own = perm if perm is not None else torch.arange(row.numel())
-        if edge_ids is not None and edge_ids.get(et) is not None:
-            own = edge_ids[et].cpu()[own]
-        colptrs.append(colptr[:-1] + edge_offset[-1])
-        rows.append(row.long() + node_offset[src_t])
-        ids.append(own)
-        slot_offset.append(slot_offset[-1] + num_nodes[et[2]])
-        edge_offset.append(edge_offset[-1] + row.numel())
-    colptrs.append(torch.tensor([edge_offset[-1]]))
     total = node_offset[-1]
-    topology = Topology(torch.cat(colptrs), _small_ids(torch.cat(rows), total), edge_id=torch.cat(ids),
-                        num_nodes=total)
-    blocks = Blocks(tuple(node_offset), tuple(slot_offset), tuple(edge_offset),
-                    tuple(node_types.index(et[0]) for et in edge_types),
+    kinds = len(edge_types)
+    srcs, dsts, ids, types = [], [], [], []
+    for k, et in enumerate(edge_types):
+        edge_index = coo[et].cpu()
+        if edge_index.dim() != 2 or edge_index.size(0) != 2:
+            raise ValueError(f"edge type {et}: edge_index must have shape [2, edges], got {tuple(edge_index.shape)}")
+        row, col = edge_index[0].long(), edge_index[1].long()
+        for ids_, n, what in ((row, num_nodes[et[0]], "sources"), (col, num_nodes[et[2]], "destinations")):
+            if ids_.numel() and (int(ids_.min()) < 0 or int(ids_.max()) >= n):
+                raise IndexError(f"edge type {et} has {what} outside [0, {n})")
+        own = torch.arange(row.numel())
+        if edge_ids is not None and edge_ids.get(et) is not None:
+            own = edge_ids[et].cpu().long()
+        srcs.append(row + node_offset[node_types.index(et[0])])
+        dsts.append(col + node_offset[node_types.index(et[2])])
+        ids.append(own)
+        types.append(torch.full((row.numel(),), k, dtype=torch.long))
+    dst, kind = torch.cat(dsts), torch.cat(types)
+    order = torch.sort(dst * kinds + kind, stable=True).indices  # by destination, then edge type, then as given
+    colptr = torch.zeros(total + 1, dtype=torch.long)
+    colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=total), 0)
+    topology = Topology(colptr, _small_ids(torch.cat(srcs)[order], total), edge_type=_small_ids(kind[order], kinds),
+                        edge_id=torch.cat(ids)[order], num_nodes=total)
+    blocks = Blocks(tuple(node_offset), tuple(node_types.index(et[0]) for et in edge_types),
                     tuple(node_types.index(et[2]) for et in edge_types))
     return Source(topology, blocks, list(node_types), list(edge_types), dict(num_nodes))
 

@@ -1,4 +1,5 @@
-"""A homogeneous graph's whole batch of neighbour sampling in one call that runs without the GIL.
+"""A graph's whole batch of neighbour sampling in one call that runs without the GIL: a homogeneous graph's (typed
+edges included), and a heterogeneous graph's, with a fan-out per edge type.
 
 Torch operations called from Python hold the GIL from one to the next: a sampler making ~100 of them per batch in
 a loader thread takes turns with the training thread at the interpreter's switch interval, and each slows the
@@ -6,8 +7,8 @@ other. The same operations as one TorchScript function run in C++ after a single
 round trips included), beside a training thread that keeps it. Where TorchScript cannot compile the function (a
 torch without it), the same function runs as Python, with the same results.
 
-The function is the sampler's homogeneous path (see ``_sample.py`` for the method): per hop a random key per
-in-edge of the frontier and one sort, new nodes numbered in ascending id through the id map ``local``.
+The method (see ``_sample.py``): per hop a random key per in-edge of the frontier and one sort, new nodes numbered
+in ascending id through the id map ``local``, on the device (:func:`number_new`).
 """
 
 import logging

@@ -362,8 +362,16 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     steps = 0
+    prof = profile(activities=activities, **_all_threads())
+    try:
+        prof.start()
+    except Exception as exc:  # (a profiler that refuses to record every thread: the profiling thread then)
+        proc.print(f"  {name}: the profiler cannot record every thread here ({type(exc).__name__}: {exc}); "
+                   f"profiling the training thread only")
+        prof = profile(activities=activities)
+        prof.start()
     begin = harness.now(device)
-    with profile(activities=activities, **_all_threads()) as prof:
+    try:
         for batch in train_loader:
             loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
             optimizer.zero_grad(set_to_none=True)
@@ -373,6 +381,8 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
             if steps == count:
                 break
         harness.synchronize(device)
+    finally:
+        prof.stop()
     wall = time.perf_counter() - begin
 
     def device_us(e) -> float:  # (named self_cuda_time_total before torch 2.4)

@@ -386,14 +386,20 @@ def test_hetero_batches_equal_pygs_own_loader():
 
 
 def test_hetero_batches_follow_pyg_semantics():
+    check_hetero_semantics("cpu")
+
+
+def check_hetero_semantics(device):
     # per hop and edge type: the frontier nodes of the edge type's destination type draw min(in-degree, fanout)
     # distinct edges of that type each; seeds first; ids within each node type
     data = random_hetero(seed=1)
     fanouts = {et: [3, 2] for et in data.edge_types}
     fanouts["venue", "has", "paper"] = [-1, 0]
-    loader = NeighborLoader(data, fanouts, input_nodes="paper", batch_size=24, shuffle=True, seed=5)
+    loader = NeighborLoader(data, fanouts, input_nodes="paper", batch_size=24, shuffle=True, seed=5, device=device)
     seen = []
     for batch in loader:
+        assert batch["paper"].n_id.device.type == torch.device(device).type
+        batch = batch.to("cpu")
         seeds = batch["paper"].n_id[: batch["paper"].batch_size]
         seen.append(seeds)
         assert torch.equal(batch["paper"].input_id, seeds)
@@ -804,6 +810,11 @@ def test_store_pair_on_the_gpu(prefetch, thread):
         check_counts(b.to("cpu"), data.edge_index, [4, 4])
         seen += b.batch_size
     assert seen == data.num_nodes
+
+
+@pytest.mark.gpu
+def test_hetero_batches_on_the_gpu_follow_pyg_semantics():
+    check_hetero_semantics("cuda")
 
 
 @pytest.mark.gpu

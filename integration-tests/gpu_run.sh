@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end runs on the GPU machine, from the repo root. Steps (E2E_STEPS, default "gnn-1 llm-1 gnn-2 llm-2"):
 #   gnn-tests  the GPU tests of the sampler and loader (pytorch-direct) and of gnn_train.py
+#   gnn-sampling  the sampler's time per batch against the number of edge types (pytorch-direct/benchmarks)
 #   gnn-1      gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector, batches made by the loader
 #              thread; also ahead by the training thread, by the loader thread with the sampler called from Python
 #              instead of TorchScript, and with pytorch-direct's GPU feature cache holding 15% of the rows,
@@ -12,7 +13,7 @@
 #   llm-2      llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of llm-1
 # then report.py over all of them (its last table: the toolkit against the fastest baseline way per GNN run, with
 # the share of the epoch spent waiting for batches). Every step runs under its own time limit, whatever happened to
-# the others. E2E_STEPS=gnn is "gnn-tests gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200);
+# the others. E2E_STEPS=gnn is "gnn-tests gnn-sampling gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200);
 # "gnn-1 gnn-r1000 gnn-r10000" fits one 8-minute call.
 #
 #   bash integration-tests/gpu_run.sh                # installs the three packages first (no build isolation)
@@ -37,7 +38,7 @@ HOST_MEMORY="${E2E_HOST_MEMORY:-96GiB}"
 # E2E_SIZE=tiny runs the same steps in seconds on a CPU (the 2-process steps on gloo): the script's own smoke test.
 SIZE="${E2E_SIZE:-large}"
 STEPS="${E2E_STEPS:-gnn-1 llm-1 gnn-2 llm-2}"
-[ "$STEPS" = gnn ] && STEPS="gnn-tests gnn-1 gnn-r1000 gnn-r10000"
+[ "$STEPS" = gnn ] && STEPS="gnn-tests gnn-sampling gnn-1 gnn-r1000 gnn-r10000"
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 STATUS=0
 say() { echo "$@" | tee -a "$LOG"; }
@@ -85,6 +86,13 @@ if wanted gnn-tests; then
   # the step's limit; -rfE: the failures' one-line reasons at the end, where the log's tail shows them)
   step gnn-tests 150 python3 -m pytest -q -x -rfE --tb=short -o faulthandler_timeout=60 -m gpu \
     pytorch-direct/tests/test_sampling.py integration-tests/test_gnn_train.py
+fi
+# The sampler alone, per batch, against the number of edge types (4 to 10,000): a HeteroData graph and the same
+# edges as one graph with typed edges (2M nodes, 20M edges; ~1 minute, most of it building the graphs).
+if wanted gnn-sampling; then
+  [ "$SIZE" = tiny ] && SAMPLING_ARGS=(--nodes 3000 --edges 30000 --edge-types 2,50 --batches 2) || SAMPLING_ARGS=()
+  step gnn-sampling 150 python3 pytorch-direct/benchmarks/sampling.py ${SAMPLING_ARGS[@]+"${SAMPLING_ARGS[@]}"} \
+    --csv "$RESULTS/sampling.csv"
 fi
 # The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
 GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)

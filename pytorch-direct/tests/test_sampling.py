@@ -841,3 +841,21 @@ def test_pygs_node_loader_with_the_sampler_on_the_gpu():
         check_counts(b, data.edge_index, [4, 4])
         seen += b.batch_size
     assert seen == data.num_nodes
+
+
+def test_sampling_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    pyg()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sampling.py"
+    spec = importlib.util.spec_from_file_location("pd_bench_sampling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "sampling.csv"
+    rows = bench.main(["--nodes", "3000", "--edges", "30000", "--edge-types", "2,50", "--batches", "2",
+                       "--batch-size", "64", "--device", "cpu", "--csv", str(out)])
+    assert [(r["graph"], r["edge_types"]) for r in rows] == [("hetero", 2), ("typed", 2), ("hetero", 50),
+                                                             ("typed", 50)]
+    assert all(r["ms_per_batch"] > 0 and r["edges_per_batch"] > 0 for r in rows)
+    assert "edges/batch" in capsys.readouterr().out and len(out.read_text().splitlines()) == 5

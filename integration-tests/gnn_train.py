@@ -345,23 +345,33 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
     if args.profile and name in IMPLS:  # (each implementation's default way)
-        result["profile"] = profile_batches(train_loader, forward, optimizer, args.profile, device, name, proc)
+        result["profile"], result["profile_threads"] = profile_batches(train_loader, forward, optimizer,
+                                                                       args.profile, device, name, proc)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
 
 
 def profile_batches(train_loader, forward, optimizer, count: int, device: torch.device, name: str,
-                    proc: harness.Process) -> list[dict]:
+                    proc: harness.Process) -> tuple[list[dict], list[dict]]:
     """``count`` more training steps (after the measured epochs, so their times are not inflated) under the torch
     profiler: prints the operations that took the most device time (CPU time without a GPU), all threads
-    included (the loader thread's sampling too), and returns them as rows of name, calls and milliseconds per
-    step."""
+    included (the loader's thread too), then per thread its host time and kernel launches per step (which thread
+    bounds a step bound by the host). Returns (rows of name, calls and milliseconds per step; rows per thread)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     steps = 0
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities, **_all_threads())
+    try:
+        prof.start()
+    except Exception as exc:  # (a profiler that refuses to record every thread: the profiling thread then)
+        proc.print(f"  {name}: the profiler cannot record every thread here ({type(exc).__name__}: {exc}); "
+                   f"profiling the training thread only")
+        prof = profile(activities=activities)
+        prof.start()
+    begin = harness.now(device)
+    try:
         for batch in train_loader:
             loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
             optimizer.zero_grad(set_to_none=True)
@@ -371,19 +381,75 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
             if steps == count:
                 break
         harness.synchronize(device)
+    finally:
+        prof.stop()
+    wall = time.perf_counter() - begin
+
     def device_us(e) -> float:  # (named self_cuda_time_total before torch 2.4)
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) or 0
 
     time_of = device_us if cuda else (lambda e: e.self_cpu_time_total)
     events = sorted(prof.key_averages(), key=time_of, reverse=True)[:20]
-    rows = [{"op": e.key, "calls_per_step": e.count / max(steps, 1),
-             "device_ms_per_step": device_us(e) / 1e3 / max(steps, 1),
-             "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / max(steps, 1)} for e in events]
+    per = max(steps, 1)
+    rows = [{"op": e.key, "calls_per_step": e.count / per, "device_ms_per_step": device_us(e) / 1e3 / per,
+             "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / per} for e in events]
     proc.print(f"  {name}: profile of {steps} steps, per step (ops by {'device' if cuda else 'CPU'} time):")
     for r in rows:
         proc.print(f"    {r['op'][:60]:60s} {r['calls_per_step']:7.1f} calls {r['device_ms_per_step']:8.3f} ms device "
                    f"{r['cpu_ms_per_step']:8.3f} ms CPU")
-    return rows
+    threads, kernel_ms = thread_profile(prof.events(), per)
+    proc.print(f"  {name}: per step {wall / per * 1e3:.2f} ms of wall time, {kernel_ms:.2f} ms of kernels (all "
+               f"streams); per thread: " + "; ".join(f"{t['thread']} {t['host_ms_per_step']:.2f} ms host, "
+                                                    f"{t['launches_per_step']:.0f} launches" for t in threads))
+    return rows, threads
+
+
+def _all_threads() -> dict:
+    """The profiler's option to record every thread's operations (the loader's thread, started inside the
+    profile, included), where this torch has it; without it only the profiling thread is recorded."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def thread_profile(events, steps: int) -> tuple[list[dict], float]:
+    """Per host thread of a profile: what it is (the training thread runs the optimizer, the autograd engine's
+    thread the backward pass, the loader's thread the sampling), its host time (its outermost operations) and
+    its kernel launches, per step, the busiest first; and the milliseconds of kernels per step (all streams)."""
+    from torch.autograd import DeviceType
+
+    threads: dict = {}
+    kernel_us = 0.0
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            if not e.name.startswith(("Memcpy", "Memset")):
+                kernel_us += e.time_range.elapsed_us()
+            continue
+        t = threads.setdefault(e.thread, {"names": set(), "host_us": 0.0, "launches": 0})
+        t["names"].add(e.name)
+        t["launches"] += e.name in _LAUNCHES
+        if e.cpu_parent is None:
+            t["host_us"] += e.time_range.elapsed_us()
+    rows = []
+    for tid, t in threads.items():
+        names = t["names"]
+        if any(n.startswith("Optimizer.step") for n in names):
+            what = "training"
+        elif "aten::argsort" in names:  # (the sampler's draw)
+            what = "loader"
+        elif any(n.startswith("autograd::engine") for n in names):
+            what = "backward"
+        else:
+            what = f"thread {tid}"
+        rows.append({"thread": what, "host_ms_per_step": t["host_us"] / 1e3 / steps,
+                     "launches_per_step": t["launches"] / steps})
+    return sorted(rows, key=lambda r: -r["host_ms_per_step"]), kernel_us / 1e3 / steps
 
 
 def _gather_status(impl: str, device: torch.device) -> dict | None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end runs on the GPU machine, from the repo root. Steps (E2E_STEPS, default "gnn-1 llm-1 gnn-2 llm-2"):
 #   gnn-tests  the GPU tests of the sampler and loader (pytorch-direct) and of gnn_train.py
+#   gnn-sampling  the sampler's time per batch against the number of edge types (pytorch-direct/benchmarks)
 #   gnn-1      gnn_train.py --size large, 1 process: toolkit (pytorch-direct + hector, batches made by the loader
 #              thread; also ahead by the training thread, by the loader thread with the sampler called from Python
 #              instead of TorchScript, and with pytorch-direct's GPU feature cache holding 15% of the rows,
@@ -12,7 +13,7 @@
 #   llm-2      llm_train.py --size large, torchrun with 2 processes: ssdtrain at the batch of llm-1
 # then report.py over all of them (its last table: the toolkit against the fastest baseline way per GNN run, with
 # the share of the epoch spent waiting for batches). Every step runs under its own time limit, whatever happened to
-# the others. E2E_STEPS=gnn is "gnn-tests gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200);
+# the others. E2E_STEPS=gnn is "gnn-tests gnn-sampling gnn-1 gnn-r1000 gnn-r10000" (~7 minutes on one H100 or H200);
 # "gnn-1 gnn-r1000 gnn-r10000" fits one 8-minute call.
 #
 #   bash integration-tests/gpu_run.sh                # installs the three packages first (no build isolation)
@@ -37,7 +38,7 @@ HOST_MEMORY="${E2E_HOST_MEMORY:-96GiB}"
 # E2E_SIZE=tiny runs the same steps in seconds on a CPU (the 2-process steps on gloo): the script's own smoke test.
 SIZE="${E2E_SIZE:-large}"
 STEPS="${E2E_STEPS:-gnn-1 llm-1 gnn-2 llm-2}"
-[ "$STEPS" = gnn ] && STEPS="gnn-tests gnn-1 gnn-r1000 gnn-r10000"
+[ "$STEPS" = gnn ] && STEPS="gnn-tests gnn-sampling gnn-1 gnn-r1000 gnn-r10000"
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 STATUS=0
 say() { echo "$@" | tee -a "$LOG"; }
@@ -59,13 +60,15 @@ declare -a SUMMARY=()
 step() {
   local name=$1 limit=$2
   shift 2
-  local start rc
+  local start rc lines
   start=$(date +%s)
   say "=== $name (limit ${limit} s): $*"
   timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
   rc=$?
   local took=$(( $(date +%s) - start ))
-  tail -n 25 "$RESULTS/$name.log" | tee -a "$LOG"
+  # (a failed step shows more of its log: a test's traceback, or the thread stacks of a hang)
+  [ $rc -eq 0 ] && lines=25 || lines=120
+  tail -n "$lines" "$RESULTS/$name.log" | tee -a "$LOG"
   if [ $rc -eq 0 ]; then
     SUMMARY+=("$(printf '%-8s ok       %4d s' "$name" "$took")")
   else
@@ -79,8 +82,17 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
 # E2E_GNN_ARGS / E2E_LLM_ARGS: extra arguments for the 1-process steps (e.g. E2E_LLM_ARGS="--batch-sizes 4,6,8,12"
 # on an 80 GB GPU, where the preset's sweep from batch 8 may not fit at all).
 if wanted gnn-tests; then
-  step gnn-tests 150 python3 -m pytest -q -x -m gpu pytorch-direct/tests/test_sampling.py \
-    integration-tests/test_gnn_train.py
+  # (faulthandler_timeout: a test that hangs prints every thread's stack after 60 s instead of dying silently at
+  # the step's limit; -rfE: the failures' one-line reasons at the end, where the log's tail shows them)
+  step gnn-tests 150 python3 -m pytest -q -x -rfE --tb=short -o faulthandler_timeout=60 -m gpu \
+    pytorch-direct/tests/test_sampling.py integration-tests/test_gnn_train.py
+fi
+# The sampler alone, per batch, against the number of edge types (4 to 10,000): a HeteroData graph and the same
+# edges as one graph with typed edges (2M nodes, 20M edges; ~1 minute, most of it building the graphs).
+if wanted gnn-sampling; then
+  [ "$SIZE" = tiny ] && SAMPLING_ARGS=(--nodes 3000 --edges 30000 --edge-types 2,50 --batches 2) || SAMPLING_ARGS=()
+  step gnn-sampling 150 python3 pytorch-direct/benchmarks/sampling.py ${SAMPLING_ARGS[@]+"${SAMPLING_ARGS[@]}"} \
+    --csv "$RESULTS/sampling.csv"
 fi
 # The baseline's two ways (PyG's best is the faster of them): a loader thread (the default) and in turn.
 GNN_RUN=(python3 integration-tests/gnn_train.py --size "$SIZE" --no-progress --baseline-ways inturn)
@@ -89,8 +101,9 @@ if wanted gnn-1; then
   # sampler's operations called from Python in the loader thread: what the GIL costs; and with the GPU feature
   # cache: what it adds on top of zero-copy reads)
   # shellcheck disable=SC2086
+  # (then 6 more steps of the toolkit and the baseline under the profiler: host time and launches per thread)
   step gnn-1 240 "${GNN_RUN[@]}" --toolkit-ways ahead,thread-python --toolkit-cache "${E2E_GNN_CACHE:-0.15}" \
-    --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
+    --profile 6 --json "$RESULTS/gnn-1.json" ${E2E_GNN_ARGS:-}
 fi
 # Many relations (a 20M-node graph at the large size): the per-batch cost of relations.
 [ "$SIZE" = tiny ] && RELATION_NODES=8000 || RELATION_NODES=20000000

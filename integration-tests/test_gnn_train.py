@@ -136,6 +136,9 @@ def test_relation_flags_train_many_relations():
         rows = report["impls"][impl]["profile"]
         assert 0 < len(rows) <= 20 and all(r["cpu_ms_per_step"] >= 0 for r in rows)
         assert any("mm" in r["op"] and r["calls_per_step"] >= 1 for r in rows), [r["op"] for r in rows]
+        threads = {t["thread"]: t for t in report["impls"][impl]["profile_threads"]}
+        assert {"training", "loader"} <= set(threads), threads  # (the loader's thread makes the batches)
+        assert threads["training"]["host_ms_per_step"] > 0
     ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
@@ -232,3 +235,58 @@ def test_toolkit_batch_work_does_not_grow_with_relations():
     few, many = _toolkit_batch_ops(16), _toolkit_batch_ops(5000)
     assert many[0] <= 1.2 * few[0] + 20, ("making a batch", few[0], many[0])
     assert many[1] <= 1.2 * few[1] + 20, ("training on it", few[1], many[1])
+
+
+def _toolkit_batch_work(relations: int) -> tuple[int, int]:
+    """(operations that make a tensor, host round trips) of one toolkit batch made by its loader (sampling, feature
+    gathers, hector's graph preparation), on the CPU; round trips counted with the sampler's Python path (the
+    TorchScript interpreter reads sizes without dispatching an operation)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import harness
+    from gnn_data import generate
+
+    args = gnn_train.parse_args(["--size", "tiny", "--device", "cpu", "--relations", str(relations)])
+    cfg = gnn_train.configure(args)
+    graph = generate(cfg.graph, "cpu")
+    table = torch.randn(graph.num_nodes, cfg.graph.feature_dim)
+    seeds = gnn_train.rank_seeds(graph.train_idx, cfg.batch_size, harness.start("cpu"))
+    loader = gnn_train.make_loader("toolkit", gnn_train.make_topology(graph, "device"), table, graph.labels, cfg,
+                                   seeds, torch.device("cpu"), "inturn", 1, 0, False)
+    aten = torch.ops.aten
+    sized = (aten._unique2, aten.unique_dim, aten._local_scalar_dense, aten.nonzero, aten.bincount)
+
+    class Count(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.ops += not func.is_view
+            self.reads += func.overloadpacket in sized or (
+                func.overloadpacket is aten.repeat_interleave and kwargs.get("output_size") is None)
+            return func(*args, **kwargs)
+
+    positions = torch.arange(cfg.batch_size)
+    loader.make(positions)
+    with Count() as count:
+        loader.make(positions + cfg.batch_size)
+    tolist, lists = torch.Tensor.tolist, []
+    try:
+        torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)
+        loader.sampler.script = False
+        with Count() as python:
+            loader.make(positions)
+    finally:
+        torch.Tensor.tolist = tolist
+    return count.ops, python.reads + len(lists)
+
+
+def test_a_toolkit_batchs_host_work_is_fixed_and_does_not_grow_with_relations():
+    # the loader thread's host work competes with training (the GIL, and round trips that wait for a GPU busy with
+    # training): a batch is a fixed number of operations, whatever the relations, with one host round trip per hop
+    # and one more for sampling, and two for hector's graph preparation (ids checked, unique pairs counted)
+    few, many = _toolkit_batch_work(8), _toolkit_batch_work(200)
+    assert few == many, (few, many)
+    ops, reads = few
+    assert ops <= 110 and reads <= 2 + 1 + 2, few

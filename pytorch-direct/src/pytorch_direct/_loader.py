@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _topology
-from ._create import is_unified, unified
+from ._create import is_unified
 from ._memory import cuda_usable
 from ._sample import NeighborSampler, SampledSubgraph, Topology, check_seeds
 
@@ -226,7 +226,7 @@ class NeighborLoader:
                 if nbytes < SMALL_TABLE_BYTES:
                     tables[key] = t.to(self.device)
                 else:
-                    tables[key] = unified(t) if t.is_contiguous() else unified(t, copy=True)
+                    tables[key] = _topology.unify_table(t, str(key[1]))
                     log.info("NeighborLoader: %s (%.2f GiB) is read zero-copy from host memory", key[1],
                              nbytes / 2**30)
 
@@ -335,23 +335,32 @@ class NeighborLoader:
 
     def _store_features(self, group, index: Tensor) -> dict:
         """The feature store's tensors of ``group`` at ``index`` (PyG's ``multi_get_tensor``), on the loader's
-        stream, not the gather stream: a store's ``multi_get_tensor`` runs its own host code and copies, and the
-        GPU test of a (FeatureStore, GraphStore) pair failed once this path moved to the gather stream (cause not
-        yet found); this is the ordering that passed there."""
-        return self._store_features_now(group, index)
-
-    def _store_features_now(self, group, index: Tensor) -> dict:
+        stream (where the index was made), not the gather stream: a store's ``multi_get_tensor`` runs host code of
+        its own and may read the index on the host. A :class:`~pytorch_direct.pyg.UnifiedFeatureStore` gathering
+        on this loader's device gets the index where it is; any other store gets it on the CPU (copied before it is
+        read). The tensors come back on the loader's device."""
         from .pyg import UnifiedFeatureStore
 
         fs = self.source.feature_store
         attrs = [a for a in fs.get_all_tensor_attrs() if a.group_name == group]
         if not attrs:
             return {}
-        own = isinstance(fs, UnifiedFeatureStore)
+        here = isinstance(fs, UnifiedFeatureStore) and fs.device == self.device
+        where = index if here else index.cpu()
         for a in attrs:
-            a.index = index if own else index.cpu()
+            a.index = where
         tensors = fs.multi_get_tensor(attrs)
-        return {a.attr_name: t.to(self.device, non_blocking=True) for a, t in zip(attrs, tensors, strict=True)}
+        out = {}
+        for a, t in zip(attrs, tensors, strict=True):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"the feature store returned a {type(t).__name__} for {a.group_name}/{a.attr_name}, "
+                                f"not a tensor: NeighborLoader gathers tensors only")
+            if t.size(0) != index.numel():
+                raise ValueError(f"the feature store returned {t.size(0)} rows of {a.group_name}/{a.attr_name} for "
+                                 f"{index.numel()} nodes: its multi_get_tensor must return the rows at the index")
+            # (a pinned CPU tensor copies asynchronously on this stream; a pageable one at once)
+            out[a.attr_name] = t.to(self.device, non_blocking=t.device.type == "cpu" and t.is_pinned())
+        return out
 
     def _assemble(self, sub: SampledSubgraph, input_id: Tensor):
         if self.source.hetero:
@@ -419,6 +428,9 @@ class _Maker:
 
     def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
         self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
+        # the stream training reads the batches on (its current stream when the epoch began): the batches' memory
+        # is marked as used by it where they are made, not in the training thread (see _Epoch.__next__)
+        self.consumer = torch.cuda.current_stream(self.device) if self.stream is not None else None
         self.next = 0  # the next batch to make
         self.queue: queue.Queue | None = None
         self.stop = threading.Event()
@@ -438,6 +450,7 @@ class _Maker:
             return self.loader.make(positions), None
         with torch.cuda.stream(self.stream):
             batch = self.loader.make(positions)
+        _record_stream(batch, self.consumer)
         return batch, self.loader._ready_events()
 
     def produce(self) -> None:
@@ -517,7 +530,8 @@ class _Epoch:
             stream = torch.cuda.current_stream(self.device)
             for event in ready:
                 stream.wait_event(event)
-            _record_stream(batch, stream)
+            if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
+                _record_stream(batch, stream)
         if cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record()

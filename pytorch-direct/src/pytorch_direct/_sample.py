@@ -4,13 +4,17 @@ GPU memory or in host memory as unified tensors (read zero-copy), by the CPU oth
 Per hop, every frontier node draws ``min(in-degree, fanout)`` distinct in-edges uniformly (``replace=False``): a
 random key per in-edge of the frontier, one sort, the first ``fanout`` of each node. There is no per-node loop:
 the sampler's time on a GPU is launch overhead and host round trips, not GPU work, so each hop is a fixed, small
-number of kernels and two host round trips (the hop's edge count and the count of new nodes). Sources not in the
-batch yet get the next local ids through a global -> local id map of one int32 per node kept on the sampling device
-and reset after each batch by touching only the batch's nodes, so relabelling costs O(batch), not O(graph). New nodes
-of a hop are numbered in ascending global id, so feature rows are read in address order.
+number of kernels and, for a homogeneous graph, one host round trip (the hop's edge counts; a hop's new nodes, at
+most one per sampled edge, are counted on the device and read with the next hop's counts), plus one at the end.
+Sources not in the batch yet get the next local ids through a global -> local id map of one int32 per node (and one
+scratch entry) kept on the sampling device and reset after each batch by touching only the batch's nodes, so
+relabelling costs O(batch), not O(graph). New nodes of a hop are numbered in ascending global id, so feature rows
+are read in address order.
 
-A heterogeneous graph is sampled as one graph: node ids are offset per node type, and each edge type has its own
-block of destination slots in one CSC array, so a hop over every edge type is still one set of kernels.
+A heterogeneous graph is sampled as one graph: node ids are offset per node type, and each node's in-edges are
+grouped by edge type in one CSC array; a hop draws per run of one (node, edge type) with that type's fan-out, so it
+is one set of kernels over the frontier's in-edges whatever the number of edge types (a node is never looked at
+for an edge type it has no in-edges of).
 """
 
 from __future__ import annotations
@@ -99,13 +103,12 @@ class Topology:
 
 @dataclass(frozen=True)
 class Blocks:
-    """How edge types map onto one CSC (see the module docstring): for edge type k, its destinations (of node type
-    ``dst_type[k]``, local id ``v``) are slots ``slot_offset[k] + v`` and its edges CSC positions
-    ``edge_offset[k]:edge_offset[k + 1]``; node type t holds global ids ``node_offset[t]:node_offset[t + 1]``."""
+    """How a heterogeneous graph maps onto one graph (see the module docstring): node type t holds global ids
+    ``node_offset[t]:node_offset[t + 1]``; edge type k joins node type ``src_type[k]`` to ``dst_type[k]``. The
+    topology is a CSC over the global ids whose in-edges of a node are grouped by edge type, with each edge's type
+    index in ``Topology.edge_type``."""
 
     node_offset: tuple[int, ...]  # [T + 1]
-    slot_offset: tuple[int, ...]  # [K + 1]
-    edge_offset: tuple[int, ...]  # [K + 1]
     src_type: tuple[int, ...]  # [K]
     dst_type: tuple[int, ...]  # [K]
 
@@ -161,12 +164,6 @@ class SampledSubgraph:
                                list(self.num_sampled_edges), move(self.pos))
 
 
-def _read(t: Tensor, index: Tensor) -> Tensor:
-    """``t[index]``: a plain tensor on the index's device, or a unified tensor (read zero-copy by the GPU for CUDA
-    indices)."""
-    return t[index]
-
-
 def default_device(topology: Topology) -> torch.device:
     """Where a topology is sampled by default: on its GPU; on the GPU for unified tensors when one is usable; else
     on the CPU."""
@@ -193,9 +190,9 @@ class NeighborSampler:
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
 
-    A homogeneous graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs
-    without holding the GIL (a loader thread then leaves the interpreter to the training thread); unified
-    tensors and edge-type blocks are sampled by the same operations called from Python (so is everything with
+    A graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs without holding
+    the GIL (a loader thread then leaves the interpreter to the training thread); unified tensors are sampled by
+    the same operations called from Python (their reads dispatch through Python; so is everything with
     ``script=False``, for comparison).
     """
 
@@ -214,27 +211,25 @@ class NeighborSampler:
                                  f"(Topology.placed('host', device)) to be read zero-copy by the GPU")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if topology.num_nodes != topology.num_slots:
+            raise ValueError(f"the sampler's topology has one destination slot per node: colptr has "
+                             f"{topology.num_slots + 1} entries for {topology.num_nodes} nodes (num_nodes + 1 needed)")
         self.fanouts = _fanout_table(num_neighbors, blocks)
         self.num_hops = len(self.fanouts)
         self.replace = bool(replace)
         self.num_nodes = int(topology.num_nodes)
         self.generator = generator
-        self._local = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        # one entry per node, and a scratch entry (at num_nodes, the sentinel) that repeated and seen sources write
+        # instead of a node's (see _sample_script.number_new)
+        self._local = torch.full((self.num_nodes + 1,), -1, dtype=torch.int32, device=self.device)
         self._sentinel = torch.full((1,), self.num_nodes, dtype=topology.row.dtype, device=self.device)
-        # the homogeneous path: TorchScript for plain tensors, Python for unified ones (their reads dispatch
-        # through Python)
-        self.script = script
         if blocks is not None:
-            dev = self.device
-            self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=dev)
-            self._slot_offset = torch.tensor(blocks.slot_offset[:-1], dtype=torch.long, device=dev)
-            # the edge types into each node type, grouped by that type (CSR over node types)
-            by_dst = sorted(range(blocks.num_edge_types), key=lambda k: blocks.dst_type[k])
-            counts = [sum(1 for k in by_dst if blocks.dst_type[k] == t) for t in range(blocks.num_node_types)]
-            self._types_in = torch.tensor(by_dst, dtype=torch.long, device=dev)
-            self._types_in_count = torch.tensor(counts, dtype=torch.long, device=dev)
-            self._types_in_start = torch.cumsum(self._types_in_count, 0) - self._types_in_count
-            self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=dev)  # [hops, K]
+            if topology.edge_type is None:
+                raise ValueError("a topology with edge-type blocks needs each edge's type (Topology.edge_type)")
+            self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=self.device)
+            self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=self.device)  # [hops, K]
+        # TorchScript for plain tensors, Python for unified ones (their reads dispatch through Python)
+        self.script = script
 
     def sample(self, seeds: Tensor, *, check: bool = True) -> SampledSubgraph:
         """The sampled subgraph around ``seeds`` (distinct global node ids, 1-D; for a heterogeneous graph, global
@@ -245,69 +240,30 @@ class NeighborSampler:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
         if check:
             check_seeds(seeds, self.num_nodes)
-        if self._homogeneous is not None:
+        if self.blocks is None:
             return self._sample_homogeneous(seeds)
-        local = self._local
-        batch = seeds.numel()
-        local[seeds] = torch.arange(batch, dtype=torch.int32, device=self.device)
-        nodes, srcs, dsts, poss, etypes = [seeds], [], [], [], []
-        num_nodes_per_hop, num_edges_per_hop = [batch], []
-        frontier, frontier_start, total = seeds, 0, batch
-        # (with edge-type blocks; the homogeneous path is one TorchScript function, see _sample_homogeneous)
-        try:
-            for hop in range(self.num_hops):
-                pos, dst_local, block = self._sample_hop(hop, frontier, frontier_start)
-                src = _read(self.topology.row, pos)
-                # the sources not in the batch yet, sorted; seen ones become the sentinel num_nodes, which is added
-                # once more so it is always the last value and can be dropped without asking the device whether
-                # it occurred
-                seen = local[src]
-                new = torch.unique(torch.cat([torch.where(seen < 0, src, self._sentinel), self._sentinel]))[:-1]
-                if new.numel():
-                    local[new] = torch.arange(total, total + new.numel(), dtype=torch.int32, device=self.device)
-                    seen = local[src]
-                srcs.append(seen)
-                dsts.append(dst_local)
-                poss.append(pos)
-                etypes.append(block)
-                nodes.append(new)  # (in the row's dtype: the concatenation below makes them int64)
-                num_nodes_per_hop.append(new.numel())
-                num_edges_per_hop.append(pos.numel())
-                frontier, frontier_start, total = new, total, total + new.numel()
-            n_id = torch.cat(nodes)
-        except BaseException:
-            local.fill_(-1)  # (which entries this batch set is not known here)
-            raise
-        local.index_fill_(0, n_id, -1)  # (local[n_id] = -1 would copy the -1 from the host: a sync)
-        pos = torch.cat(poss)
-        topo = self.topology
-        e_id = _read(topo.edge_id, pos).long() if topo.edge_id is not None else pos
-        edge_type = torch.cat(etypes)
-        node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
-        edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
-        return SampledSubgraph(n_id, edge_index, e_id, batch, edge_type, node_type, num_nodes_per_hop,
-                               num_edges_per_hop, pos)
+        return self._sample_typed(seeds)
 
     @property
     def script(self) -> bool:
-        """Whether a homogeneous batch runs as one TorchScript function without the GIL (see the class docstring);
-        False where the topology is unified, has edge-type blocks, or TorchScript is not available."""
-        return self._homogeneous is not None and self._homogeneous is not _sample_script.sample_homogeneous
+        """Whether a batch runs as one TorchScript function without the GIL (see the class docstring); False where
+        the topology is unified or TorchScript is not available."""
+        fn = _sample_script.sample_homogeneous if self.blocks is None else _sample_script.sample_typed
+        return self._run is not fn
 
     @script.setter
     def script(self, value: bool) -> None:
         """``False``: the same operations called from Python, holding the GIL for each (for comparison)."""
-        self._homogeneous = None
-        if self.blocks is None:
-            plain = not any(is_unified(t) for t in self.topology.tensors().values())
-            compiled = _sample_script.scripted() if value and plain else None
-            self._homogeneous = compiled or _sample_script.sample_homogeneous
+        fn = _sample_script.sample_homogeneous if self.blocks is None else _sample_script.sample_typed
+        plain = not any(is_unified(t) for t in self.topology.tensors().values())
+        compiled = _sample_script.scripted(fn) if value and plain else None
+        self._run = compiled or fn
 
     def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
         topo = self.topology
         try:
             n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = _sample_script.run(
-                self._homogeneous, topo.colptr, topo.row, self._local, seeds, self._sentinel,
+                self._run, topo.colptr, topo.row, self._local, seeds, self._sentinel,
                 [f[0] for f in self.fanouts], self.replace, self.generator, topo.edge_id, topo.edge_type,
                 topo.node_type)
         except BaseException:
@@ -316,60 +272,19 @@ class NeighborSampler:
         return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
                                pos)
 
-    def _frontier_slots(self, hop: int, frontier: Tensor, frontier_start: int):
-        """With edge-type blocks: (destination slots, local id of each slot's node, fan-out per slot, edge type per
-        slot)."""
-        frontier = frontier.long()
-        arange = torch.arange(frontier.numel(), device=self.device)
-        # one slot per (frontier node, edge type into its node type)
-        ftype = torch.searchsorted(self._node_offset, frontier, right=True) - 1
-        count = self._types_in_count[ftype]
-        pairs = int(count.sum())  # a host round trip
-        owner = torch.repeat_interleave(arange, count, output_size=pairs)
-        first = torch.cumsum(count, 0) - count
-        k = self._types_in[self._types_in_start[ftype[owner]] + torch.arange(pairs, device=self.device) - first[owner]]
-        slots = self._slot_offset[k] + frontier[owner] - self._node_offset[ftype[owner]]
-        return slots, owner + frontier_start, self._fanout_table[hop][k], k
-
-    def _sample_hop(self, hop: int, frontier: Tensor, frontier_start: int):
-        """With edge-type blocks: (CSC positions of the sampled in-edges, local id of each edge's destination, edge
-        type of each edge). One host round trip besides the slot expansion: the number of in-edges and of sampled
-        edges. (The homogeneous path is ``_sample_script.sample_homogeneous``: the same draw, one fan-out.)"""
-        slots, dst_local, fanout, kind = self._frontier_slots(hop, frontier, frontier_start)
-        if slots.numel() == 0:
-            empty = torch.empty(0, dtype=torch.long, device=self.device)
-            return empty, empty, empty
-        colptr = self.topology.colptr
-        begin = _read(colptr, slots)
-        degree = _read(colptr, slots + 1) - begin
-        every = fanout < 0  # per slot: all its in-edges
-        bounded = torch.where(degree > 0, fanout, 0) if self.replace else torch.minimum(degree, fanout)
-        take = torch.where(every, degree, bounded)
-        cum_degree, cum_take = degree.cumsum(0), take.cumsum(0)
-        total, taken = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # one host round trip
-        # (repeat_interleave of counts alone repeats 0..n-1: the slot of each sampled edge)
-        owner_taken = torch.repeat_interleave(take, output_size=taken)
-        dst_out = dst_local[owner_taken]
-        kind_out = kind[owner_taken]
-        # the j-th sampled edge of its slot
-        j = torch.arange(taken, device=self.device) - (cum_take - take)[owner_taken]
-        if total == taken and not self.replace:  # every in-edge is taken: nothing to draw
-            return begin[owner_taken] + j, dst_out, kind_out
-        begin_taken = begin[owner_taken]
-        if self.replace:  # fan-out draws of one of degree edges each; slots with fan-out -1 take all, in order
-            u = torch.rand(taken, dtype=torch.float64, device=self.device, generator=self.generator)
-            d = degree[owner_taken]
-            drawn = (u * d).long().clamp(max=d - 1)
-            return begin_taken + torch.where(every[owner_taken], j, drawn), dst_out, kind_out
-        # A random key per in-edge of the frontier; sorted, each slot's edges stay together (keys of slot i lie in
-        # [i, i + 1)) in a random order, and their first min(degree, fanout) are a uniform sample without
-        # replacement. One sort instead of a loop of fanout steps of small kernels.
-        key = torch.rand(total, dtype=torch.float64, device=self.device, generator=self.generator)
-        key += torch.repeat_interleave(degree, output_size=total)
-        order = torch.argsort(key)
-        start_taken = (cum_degree - degree)[owner_taken]
-        # order[start + j] is the index among the frontier's in-edges; minus start, among its slot's
-        return begin_taken + order[start_taken + j] - start_taken, dst_out, kind_out
+    def _sample_typed(self, seeds: Tensor) -> SampledSubgraph:
+        """With edge-type blocks (see ``_sample_script.sample_typed``)."""
+        topo = self.topology
+        try:
+            n_id, edge_index, e_id, pos, edge_type, num_nodes, num_edges = _sample_script.run(
+                self._run, topo.colptr, topo.row, topo.edge_type, self._local, seeds, self._sentinel,
+                self._fanout_table, self.replace, self.generator, topo.edge_id)
+        except BaseException:
+            self._local.fill_(-1)  # (which entries the batch set is not known here)
+            raise
+        node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
+        return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
+                               pos)
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:

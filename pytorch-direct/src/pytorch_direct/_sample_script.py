@@ -1,4 +1,5 @@
-"""A homogeneous graph's whole batch of neighbour sampling in one call that runs without the GIL.
+"""A graph's whole batch of neighbour sampling in one call that runs without the GIL: a homogeneous graph's (typed
+edges included), and a heterogeneous graph's, with a fan-out per edge type.
 
 Torch operations called from Python hold the GIL from one to the next: a sampler making ~100 of them per batch in
 a loader thread takes turns with the training thread at the interpreter's switch interval, and each slows the
@@ -6,8 +7,8 @@ other. The same operations as one TorchScript function run in C++ after a single
 round trips included), beside a training thread that keeps it. Where TorchScript cannot compile the function (a
 torch without it), the same function runs as Python, with the same results.
 
-The function is the sampler's homogeneous path (see ``_sample.py`` for the method): per hop a random key per
-in-edge of the frontier and one sort, new nodes numbered in ascending id through the id map ``local``.
+The method (see ``_sample.py``): per hop a random key per in-edge of the frontier and one sort, new nodes numbered
+in ascending id through the id map ``local``, on the device (:func:`number_new`).
 """
 
 import logging
@@ -26,27 +27,40 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, list[int],
                                   list[int]]:
     """(n_id, edge_index, e_id, CSC positions, edge_type, node_type, nodes per hop, edges per hop) around ``seeds``
-    (distinct, checked). ``local``: the id map (-1 everywhere, and again on return); ``sentinel``: [num_nodes] in
-    the row's dtype. Two host round trips per hop: the hop's edge counts and its new nodes (unique)."""
+    (distinct, checked). ``local``: the id map, one entry per node and a scratch entry at ``num_nodes`` (-1
+    everywhere, and again on return); ``sentinel``: [num_nodes] in the row's dtype; ``colptr`` has a slot per node.
+
+    One host round trip per hop (its edge counts) and one at the end. A hop's new nodes are not counted on the
+    host before the next hop: at most one per sampled edge, they lie in a buffer of the hop's edge count, in
+    ascending id, followed by nodes past the last (no in-edges, so the next hop draws nothing from them); their
+    count is read with the next hop's edge counts, or at the end."""
     device = seeds.device
     batch = seeds.numel()
+    slots = colptr.numel() - 1
     local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
-    nodes: list[Tensor] = [seeds]
     srcs: list[Tensor] = []
     dsts: list[Tensor] = []
     poss: list[Tensor] = []
+    found: list[Tensor] = []  # per hop: its new nodes, then padding
     num_nodes: list[int] = [batch]
     num_edges: list[int] = []
     frontier = seeds
-    frontier_start = 0
-    total = batch
-    for fanout in fanouts:
-        if frontier.numel() == 0:
+    frontier_start = 0  # local id of the frontier's first node
+    # the last hop's (new-node ranks, sorted unseen sources), their last entries tell its new-node count
+    last: list[Tensor] = []
+    for hop, fanout in enumerate(fanouts):
+        # the frontier is layer `hop` of the batch (the seeds, then each hop's new nodes), whose node count the
+        # host learns in this hop's round trip
+        if frontier.numel() == 0:  # the last hop sampled no edge, so found no node
+            num_nodes.append(0)
             pos = torch.empty(0, dtype=torch.long, device=device)
             dst = pos
         else:
             begin = colptr[frontier]
-            degree = colptr[frontier + 1] - begin
+            following = frontier + 1
+            if hop > 0:  # past the last node: no in-edges
+                following = following.clamp(max=slots)
+            degree = colptr[following] - begin
             if fanout < 0:
                 take = degree
             elif replace:
@@ -55,46 +69,52 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                 take = degree.clamp(max=fanout)
             cum_degree = degree.cumsum(0)
             cum_take = take.cumsum(0)
-            sizes: list[int] = torch.stack([cum_degree[-1], cum_take[-1]]).tolist()  # a host round trip
+            # the hop's one host round trip: its edge counts (and the last hop's new-node count)
+            sizes: list[int] = torch.cat([cum_degree[-1:], cum_take[-1:]] + last).tolist()
             in_edges, taken = sizes[0], sizes[1]
+            if hop > 0:
+                num_nodes.append(new_count(sizes[2], sizes[3], slots))
             owner = torch.repeat_interleave(take, output_size=taken)  # the frontier node of each sampled edge
             dst = owner + frontier_start
-            begin_taken = begin[owner]
-            j = torch.arange(taken, device=device) - (cum_take - take)[owner]  # its rank among that node's
             if fanout < 0 or (in_edges == taken and not replace):  # every in-edge is taken: nothing to draw
-                pos = begin_taken + j
+                # (the j-th taken edge of a node is its j-th in-edge)
+                pos = torch.arange(taken, device=device) + (begin - (cum_take - take))[owner]
             elif replace:
                 u = torch.rand(taken, dtype=torch.float64, device=device, generator=generator)
                 d = degree[owner]
-                pos = begin_taken + torch.minimum((u * d).long(), d - 1)
+                pos = begin[owner] + torch.minimum((u * d).long(), d - 1)
             else:
                 # keys of node i lie in [i, i + 1): sorted, each node's in-edges stay together in a random order,
                 # and their first min(degree, fanout) are a uniform sample without replacement
                 key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
                 key += torch.repeat_interleave(degree, output_size=in_edges)
                 order = torch.argsort(key)
-                start = (cum_degree - degree)[owner]
-                pos = begin_taken + order[start + j] - start
+                first_in = cum_degree - degree  # each node's first in-edge among the frontier's
+                # the j-th taken edge of a node is the j-th of its in-edges in key order: order[first_in + j]
+                pick = torch.arange(taken, device=device) + (first_in - (cum_take - take))[owner]
+                pos = order[pick] + (begin - first_in)[owner]
+        total = frontier_start + num_nodes[-1]  # the local id of this hop's first new node
         src = row[pos]
-        seen = local[src]
-        # the sources not in the batch yet, sorted; the seen ones become the sentinel num_nodes, added once more so
-        # that it is always the last value and is dropped without asking whether it occurred
-        new = torch.unique(torch.cat([torch.where(seen < 0, src, sentinel), sentinel]))[:-1]  # a host round trip
-        count = new.numel()
-        if count > 0:
-            local[new] = torch.arange(total, total + count, dtype=torch.int32, device=device)
-            seen = local[src]
-        srcs.append(seen)
+        new, last = number_new(local, src, sentinel, total, slots)
+        srcs.append(local[src])
         dsts.append(dst)
         poss.append(pos)
-        nodes.append(new)
-        num_nodes.append(count)
+        found.append(new)
         num_edges.append(pos.numel())
         frontier = new
         frontier_start = total
-        total += count
+    if len(fanouts) > 0:  # the last hop's new-node count: one more host round trip
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            ends: list[int] = torch.cat(last).long().tolist()
+            num_nodes.append(new_count(ends[0], ends[1], slots))
+    nodes: list[Tensor] = [seeds]
+    for hop in range(len(found)):
+        nodes.append(found[hop][: num_nodes[hop + 1]])
     n_id = torch.cat(nodes)  # (int64: the seeds are)
     local.index_fill_(0, n_id, -1)
+    local[-1:].fill_(-1)  # the scratch entry
     pos = torch.cat(poss)
     edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
     e_id = pos
@@ -109,25 +129,163 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
     return n_id, edge_index, e_id, pos, types, kinds, num_nodes, num_edges
 
 
+def number_new(local: Tensor, src: Tensor, sentinel: Tensor, total: int, pad: int) -> tuple[Tensor, list[Tensor]]:
+    """Gives the sources ``src`` of a hop's edges that are not in the batch yet (-1 in the id map ``local``) the next
+    local ids, ``total``, ``total + 1``, ... in ascending global id, without a host round trip. Returns (a buffer of
+    ``src.numel()`` entries: the new nodes in ascending id, then ``pad``, the sentinel's value; the tensors whose
+    last entries give the new-node count, see :func:`new_count`).
+
+    The unseen sources are sorted (the seen ones become the sentinel, larger than every node id); a value's rank is
+    its 1-based place among the distinct values, the same for every repeat of a node, so that the writes of a
+    node's repeats all write the same value. The sentinel, if present, comes last: it writes the id map's scratch
+    entry (at the sentinel's value; reset after the batch) and the buffer's last real place, with ``pad``."""
+    unseen = torch.sort(torch.where(local[src] < 0, src, sentinel)).values
+    step = torch.ones(unseen.numel(), dtype=torch.int32, device=src.device)
+    step[1:] = unseen[1:] != unseen[:-1]
+    rank = torch.cumsum(step, 0, dtype=torch.int32)
+    local[unseen] = rank + (total - 1)
+    new = torch.full((unseen.numel() + 1,), pad, dtype=unseen.dtype, device=src.device)  # (place 0: scratch)
+    new[rank] = unseen
+    return new[1:], [rank[-1:], unseen[-1:]]
+
+
+def new_count(last_rank: int, last_value: int, sentinel: int) -> int:
+    """A hop's new nodes: the distinct values of its sorted unseen sources (``last_rank``, the last one's rank),
+    less the sentinel if it is among them (then it is the last value)."""
+    return last_rank - 1 if last_value == sentinel else last_rank
+
+
+def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, seeds: Tensor, sentinel: Tensor,
+                 fanouts: Tensor, replace: bool, generator: torch.Generator | None, edge_id: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[int], list[int]]:
+    """A heterogeneous graph's batch: (n_id, edge_index, e_id, CSC positions, edge types, nodes per hop, edges per
+    hop). The topology is one CSC over every node (``colptr`` has a slot per node, the padding included past the
+    last), each node's in-edges grouped by edge type, ``edge_type`` giving each edge's; ``fanouts``: [hops, edge
+    types] (-1: all); ``local`` and ``sentinel`` as for :func:`sample_homogeneous`.
+
+    Per hop, the frontier's in-edges fall into runs of one (node, edge type); a random key per in-edge, one sort,
+    and the first min(run length, fan-out of its type) of each run are a uniform sample without replacement. The
+    work is that of the frontier's in-edges, whatever the number of edge types (none is looked at for a node
+    without such in-edges). Two host round trips per hop (the in-edge count, with the last hop's new-node count;
+    the sampled count), three with ``replace``, and one at the end."""
+    device = seeds.device
+    batch = seeds.numel()
+    slots = colptr.numel() - 1
+    local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
+    srcs: list[Tensor] = []
+    dsts: list[Tensor] = []
+    poss: list[Tensor] = []
+    kinds: list[Tensor] = []
+    found: list[Tensor] = []
+    num_nodes: list[int] = [batch]
+    num_edges: list[int] = []
+    frontier = seeds
+    frontier_start = 0
+    last: list[Tensor] = []
+    for hop in range(fanouts.size(0)):
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        pos, dst, kind = empty, empty, empty
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            begin = colptr[frontier]
+            following = frontier + 1
+            if hop > 0:  # past the last node: no in-edges
+                following = following.clamp(max=slots)
+            degree = colptr[following] - begin
+            cum_degree = degree.cumsum(0)
+            sizes: list[int] = torch.cat([cum_degree[-1:]] + last).tolist()  # a host round trip
+            in_edges = sizes[0]
+            if hop > 0:
+                num_nodes.append(new_count(sizes[1], sizes[2], slots))
+            if in_edges > 0:
+                owner = torch.repeat_interleave(degree, output_size=in_edges)  # the frontier node of each in-edge
+                every = torch.arange(in_edges, device=device)
+                at = every + (begin - (cum_degree - degree))[owner]  # its CSC position
+                types = edge_type[at].long()
+                fan = fanouts[hop][types]
+                # runs of one (node, edge type): a node's in-edges are grouped by type
+                starts = torch.ones(in_edges, dtype=torch.bool, device=device)
+                starts[1:] = (owner[1:] != owner[:-1]) | (types[1:] != types[:-1])
+                if replace:
+                    first = starts.nonzero().squeeze(1)  # a host round trip (its size)
+                    length = torch.cat([first[1:], torch.full((1,), in_edges, dtype=torch.long,
+                                                              device=device)]) - first
+                    run_fan = fan[first]
+                    take = torch.where(run_fan < 0, length, run_fan)
+                    cum_take = take.cumsum(0)
+                    taken: list[int] = cum_take[-1:].tolist()  # a host round trip
+                    run = torch.repeat_interleave(take, output_size=taken[0])
+                    j = torch.arange(taken[0], device=device) - (cum_take - take)[run]
+                    u = torch.rand(taken[0], dtype=torch.float64, device=device, generator=generator)
+                    size = length[run]
+                    drawn = torch.minimum((u * size).long(), size - 1)
+                    picked = first[run] + torch.where(run_fan[run] < 0, j, drawn)
+                else:
+                    # keys of run r lie in [r, r + 1): sorted, each run's in-edges stay together in a random order
+                    run_id = torch.cumsum(starts, 0) - 1
+                    key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
+                    key += run_id
+                    order = torch.argsort(key)
+                    # (a run occupies the same positions before and after the sort)
+                    run_first = torch.where(starts, every, 0).cummax(0).values
+                    keep = ((every - run_first) < fan) | (fan < 0)
+                    picked = order[keep.nonzero().squeeze(1)]  # a host round trip (its size)
+                pos = at[picked]
+                dst = owner[picked] + frontier_start
+                kind = types[picked]
+        total = frontier_start + num_nodes[-1]  # the local id of this hop's first new node
+        src = row[pos]
+        new, last = number_new(local, src, sentinel, total, slots)
+        srcs.append(local[src])
+        dsts.append(dst)
+        poss.append(pos)
+        kinds.append(kind)
+        found.append(new)
+        num_edges.append(pos.numel())
+        frontier = new
+        frontier_start = total
+    if fanouts.size(0) > 0:  # the last hop's new-node count: one more host round trip
+        if frontier.numel() == 0:
+            num_nodes.append(0)
+        else:
+            ends: list[int] = torch.cat(last).long().tolist()
+            num_nodes.append(new_count(ends[0], ends[1], slots))
+    nodes: list[Tensor] = [seeds]
+    for hop in range(len(found)):
+        nodes.append(found[hop][: num_nodes[hop + 1]])
+    n_id = torch.cat(nodes)
+    local.index_fill_(0, n_id, -1)
+    local[-1:].fill_(-1)  # the scratch entry
+    pos = torch.cat(poss)
+    edge_index = torch.stack([torch.cat(srcs).long(), torch.cat(dsts)])
+    e_id = pos
+    if edge_id is not None:
+        e_id = edge_id[pos].long()
+    return n_id, edge_index, e_id, pos, torch.cat(kinds), num_nodes, num_edges
+
+
 _lock = threading.Lock()
-_compiled: list = []  # [the TorchScript function, or None where it did not compile]
+_compiled: dict = {}  # function name -> its TorchScript function, or None where it did not compile
 
 
-def scripted():
-    """:func:`sample_homogeneous` compiled by TorchScript (once per process), or None where it cannot be."""
+def scripted(fn=None):
+    """``fn`` (default :func:`sample_homogeneous`) compiled by TorchScript (once per process), or None where it
+    cannot be."""
+    fn = sample_homogeneous if fn is None else fn
     with _lock:
-        if not _compiled:
+        if fn.__name__ not in _compiled:
             try:
                 with warnings.catch_warnings():
                     # TorchScript is deprecated for models; for a function of plain torch ops it is the one way
                     # to run them after a single release of the GIL
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    _compiled.append(torch.jit.script(sample_homogeneous))
+                    _compiled[fn.__name__] = torch.jit.script(fn)
             except Exception as exc:  # a torch without TorchScript, or one that no longer compiles this
                 log.warning("pytorch-direct: the sampler's TorchScript function did not compile (%s: %s); it runs "
                             "as Python, holding the GIL for each operation", type(exc).__name__, exc)
-                _compiled.append(None)
-        return _compiled[0]
+                _compiled[fn.__name__] = None
+        return _compiled[fn.__name__]
 
 
 def run(fn, *args):

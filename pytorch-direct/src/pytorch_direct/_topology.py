@@ -6,11 +6,13 @@ batch's attributes are gathered from. torch_geometric is imported only here and 
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ._create import is_unified, unified
 from ._sample import Blocks, SampledSubgraph, Topology
 
 log = logging.getLogger("pytorch_direct")
@@ -39,6 +41,34 @@ class Source:
 
     def node_offset(self, node_type) -> int:
         return self.blocks.node_offset[self.node_types.index(node_type)] if self.hetero else 0
+
+
+# glibc serves an allocation of at least this size with a mapping of its own (its largest dynamic mmap threshold on
+# 64-bit machines); a smaller one may share its first and last memory page with unrelated heap allocations.
+OWN_PAGES_BYTES = 32 << 20
+
+
+def owns_its_pages(t: Tensor) -> bool:
+    """Whether registering ``t``'s memory with CUDA pins no page that another allocation uses: a large tensor (a
+    mapping of its own), one whose memory starts and ends on page boundaries, or memory already page-locked."""
+    nbytes = t.numel() * t.element_size()
+    start = t.data_ptr()
+    return (nbytes >= OWN_PAGES_BYTES or (start % mmap.PAGESIZE == 0 and (start + nbytes) % mmap.PAGESIZE == 0)
+            or t.is_pinned())
+
+
+def unify_table(t: Tensor, name: str) -> Tensor:
+    """A CPU table as a unified tensor the GPU reads zero-copy: registered in place when it owns its pages, else
+    copied into memory of its own. Registration pins whole pages: a CUDA copy of another tensor that starts in a
+    page pinned with a small table and ends outside fails ("invalid argument"), depending on where the allocator
+    put the two, so a small table (cheap to copy) that shares its pages is copied."""
+    if is_unified(t):
+        return t
+    if t.is_contiguous() and owns_its_pages(t):
+        return unified(t)
+    log.info("pytorch-direct: %s (%d bytes) shares memory pages with other allocations (or is not contiguous): "
+             "copied into memory of its own instead of registered in place", name, t.numel() * t.element_size())
+    return unified(t.detach(), copy=True)
 
 
 def csc_from_coo(edge_index: Tensor, num_dst: int, is_sorted: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -104,32 +134,41 @@ def from_hetero_data(data, is_sorted: bool = False) -> Source:
 
 
 def _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted, edge_ids=None) -> Source:
+    """One CSC over every node (global ids: node types one after the other), each node's in-edges grouped by edge
+    type (in the order of ``edge_types``; within a type, in the order given), each edge's type index in
+    ``Topology.edge_type`` and its id within its type in ``edge_id`` (``is_sorted`` is not needed: one sort orders
+    every type)."""
     for et in edge_types:
         if et[0] not in num_nodes or et[2] not in num_nodes:
             raise ValueError(f"edge type {et} joins node types not in the graph ({sorted(num_nodes)})")
     node_offset = [0]
     for t in node_types:
         node_offset.append(node_offset[-1] + num_nodes[t])
-    colptrs, rows, ids, slot_offset, edge_offset = [], [], [], [0], [0]
-    for et in edge_types:
-        src_t = node_types.index(et[0])
-        colptr, row, perm = csc_from_coo(coo[et].cpu(), num_nodes[et[2]], is_sorted)
-        if row.numel() and (int(row.min()) < 0 or int(row.max()) >= num_nodes[et[0]]):
-            raise IndexError(f"edge type {et} has sources outside [0, {num_nodes[et[0]]})")
-        own = perm if perm is not None else torch.arange(row.numel())
-        if edge_ids is not None and edge_ids.get(et) is not None:
-            own = edge_ids[et].cpu()[own]
-        colptrs.append(colptr[:-1] + edge_offset[-1])
-        rows.append(row.long() + node_offset[src_t])
-        ids.append(own)
-        slot_offset.append(slot_offset[-1] + num_nodes[et[2]])
-        edge_offset.append(edge_offset[-1] + row.numel())
-    colptrs.append(torch.tensor([edge_offset[-1]]))
     total = node_offset[-1]
-    topology = Topology(torch.cat(colptrs), _small_ids(torch.cat(rows), total), edge_id=torch.cat(ids),
-                        num_nodes=total)
-    blocks = Blocks(tuple(node_offset), tuple(slot_offset), tuple(edge_offset),
-                    tuple(node_types.index(et[0]) for et in edge_types),
+    kinds = len(edge_types)
+    srcs, dsts, ids, types = [], [], [], []
+    for k, et in enumerate(edge_types):
+        edge_index = coo[et].cpu()
+        if edge_index.dim() != 2 or edge_index.size(0) != 2:
+            raise ValueError(f"edge type {et}: edge_index must have shape [2, edges], got {tuple(edge_index.shape)}")
+        row, col = edge_index[0].long(), edge_index[1].long()
+        for ids_, n, what in ((row, num_nodes[et[0]], "sources"), (col, num_nodes[et[2]], "destinations")):
+            if ids_.numel() and (int(ids_.min()) < 0 or int(ids_.max()) >= n):
+                raise IndexError(f"edge type {et} has {what} outside [0, {n})")
+        own = torch.arange(row.numel())
+        if edge_ids is not None and edge_ids.get(et) is not None:
+            own = edge_ids[et].cpu().long()
+        srcs.append(row + node_offset[node_types.index(et[0])])
+        dsts.append(col + node_offset[node_types.index(et[2])])
+        ids.append(own)
+        types.append(torch.full((row.numel(),), k, dtype=torch.long))
+    dst, kind = torch.cat(dsts), torch.cat(types)
+    order = torch.sort(dst * kinds + kind, stable=True).indices  # by destination, then edge type, then as given
+    colptr = torch.zeros(total + 1, dtype=torch.long)
+    colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=total), 0)
+    topology = Topology(colptr, _small_ids(torch.cat(srcs)[order], total), edge_type=_small_ids(kind[order], kinds),
+                        edge_id=torch.cat(ids)[order], num_nodes=total)
+    blocks = Blocks(tuple(node_offset), tuple(node_types.index(et[0]) for et in edge_types),
                     tuple(node_types.index(et[2]) for et in edge_types))
     return Source(topology, blocks, list(node_types), list(edge_types), dict(num_nodes))
 
@@ -240,38 +279,52 @@ class HeteroParts:
     num_sampled_edges: list
 
 
+def _counts(index: Tensor, size: int) -> Tensor:
+    """How often each value in [0, size) occurs in ``index``, without a host round trip (``bincount`` on a GPU reads
+    the largest value on the host to size its output)."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(
+        0, index, torch.ones_like(index, dtype=torch.long))
+
+
 def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
-    """Per-type ids and edges of a sample of the one-graph form (one host round trip for all the counts)."""
+    """Per-type ids and edges of a sample of the one-graph form: a fixed number of operations whatever the number
+    of types (the per-type parts are views) and one host round trip for all the counts."""
     dev = sub.n_id.device
     num_t, num_k, hops = blocks.num_node_types, blocks.num_edge_types, len(sub.num_sampled_edges)
     ntype, etype = sub.node_type, sub.edge_type
     node_offset = torch.tensor(blocks.node_offset[:-1], dtype=torch.long, device=dev)
     # the rank of each batch node among the batch's nodes of its type (batch order)
     order = torch.sort(ntype, stable=True).indices
-    type_count = torch.bincount(ntype, minlength=num_t)
+    type_count = _counts(ntype, num_t)
     type_start = torch.cumsum(type_count, 0) - type_count
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=dev) - type_start[ntype[order]]
     edge_order = torch.sort(etype, stable=True).indices
-    edge_count = torch.bincount(etype, minlength=num_k)
+    edge_count = _counts(etype, num_k)
     hop_of_node = torch.repeat_interleave(torch.arange(hops + 1, device=dev),
                                           torch.tensor(sub.num_sampled_nodes, device=dev),
                                           output_size=sub.num_nodes)
     hop_of_edge = torch.repeat_interleave(torch.arange(hops, device=dev),
                                           torch.tensor(sub.num_sampled_edges, device=dev),
                                           output_size=sub.num_edges)
-    per_hop_nodes = torch.bincount(hop_of_node * num_t + ntype, minlength=(hops + 1) * num_t)
-    per_hop_edges = torch.bincount(hop_of_edge * num_k + etype, minlength=max(hops, 1) * num_k)
+    per_hop_nodes = _counts(hop_of_node * num_t + ntype, (hops + 1) * num_t)
+    per_hop_edges = _counts(hop_of_edge * num_k + etype, max(hops, 1) * num_k)
     counts = torch.cat([type_count, edge_count, per_hop_nodes, per_hop_edges]).tolist()  # one host round trip
     type_counts, edge_counts = counts[:num_t], counts[num_t:num_t + num_k]
     nodes_hop = counts[num_t + num_k:num_t + num_k + (hops + 1) * num_t]
     edges_hop = counts[num_t + num_k + (hops + 1) * num_t:]
     local = sub.n_id - node_offset[ntype]
     n_id = list(local[order].split(type_counts))
-    src, dst = sub.edge_index
-    row, col = rank[src][edge_order], rank[dst][edge_order]
+    # each edge type's [2, E_k] edge_index, contiguous, a view of one buffer: its rows then its columns
+    row, col = rank[sub.edge_index[:, edge_order]]
+    kind = etype[edge_order]
+    first = torch.cumsum(edge_count, 0) - edge_count  # each type's first edge in type order
+    at = torch.arange(kind.numel(), device=dev) + first[kind]  # 2 * first + j: the row's place, then the column's
+    flat = torch.empty(2 * kind.numel(), dtype=row.dtype, device=dev)
+    flat[at] = row
+    flat[at + edge_count[kind]] = col
+    edge_index = [block.view(2, -1) for block in flat.split([2 * c for c in edge_counts])]
     e_id = sub.e_id[edge_order]
-    edge_index = [torch.stack(pair) for pair in zip(row.split(edge_counts), col.split(edge_counts), strict=True)]
     return HeteroParts(
         n_id, edge_index, list(e_id.split(edge_counts)),
         [[nodes_hop[h * num_t + t] for h in range(hops + 1)] for t in range(num_t)],

@@ -47,9 +47,11 @@ class UnifiedFeatureStore(FeatureStore):
     ``device``: where gathered rows go: by default the GPU when one is usable (the unified table's GPU gather),
     else the CPU; "cuda", "cuda:1" or "cpu" to choose. ``copy``: put_tensor copies into a new allocation of kind
     ``memory`` (True) or registers the given tensor in place (False, the default; a non-contiguous tensor is
-    copied). ``memory`` (see :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in managed
-    memory, whose random rows the GPU reads fastest, but which forked DataLoader workers cannot read: with
-    ``num_workers > 0`` (fork), pass memory="pinned" or copy=False."""
+    copied, and so is a small one, under 32 MiB, that shares its memory pages with other allocations:
+    registration pins whole pages, and a CUDA copy of another tensor that straddles them fails). ``memory`` (see
+    :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in managed memory, whose random rows the
+    GPU reads fastest, but which forked DataLoader workers cannot read: with ``num_workers > 0`` (fork), pass
+    memory="pinned" or copy=False."""
 
     def __init__(self, device: str | torch.device | None = None, *, copy: bool = False,
                  memory: str = "auto") -> None:
@@ -62,6 +64,8 @@ class UnifiedFeatureStore(FeatureStore):
                                f"pytorch-direct was built without CUDA); leave device unset or pass device='cpu'")
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"UnifiedFeatureStore gathers to 'cuda' or 'cpu', got device={str(device)!r}")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.copy = copy
         self.memory = memory
         self._tensors: dict[tuple, UnifiedTensor] = {}
@@ -77,10 +81,11 @@ class UnifiedFeatureStore(FeatureStore):
             index = self._index(attr.index, existing)
             existing[index] = tensor.to(index.device)
             return True
-        if self.copy or not tensor.is_contiguous():
-            self._tensors[_key(attr)] = unified(tensor.detach().cpu(), copy=True, memory=self.memory)
+        tensor = tensor.detach().cpu()
+        if self.copy:
+            self._tensors[_key(attr)] = unified(tensor, copy=True, memory=self.memory)
         else:
-            self._tensors[_key(attr)] = unified(tensor.detach().cpu())
+            self._tensors[_key(attr)] = _topology.unify_table(tensor, f"{attr.group_name}/{attr.attr_name}")
         return True
 
     def _target_device(self) -> torch.device:
@@ -100,7 +105,9 @@ class UnifiedFeatureStore(FeatureStore):
             if index.dtype.is_floating_point or index.dtype.is_complex:
                 raise IndexError(f"feature rows are selected by integer ids or a boolean mask, got {index.dtype}")
             index = index.long()
-        return index.to(self._target_device(), non_blocking=True)
+        target = self._target_device()
+        # (an index read on the host must be there before it is read: a non-blocking copy from the GPU is not)
+        return index.to(target, non_blocking=target.type == "cuda")
 
     def _get_tensor(self, attr: TensorAttr) -> Tensor | None:
         table = self._tensors.get(_key(attr))

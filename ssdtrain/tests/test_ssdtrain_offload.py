@@ -577,6 +577,9 @@ def test_planner_prefers_cheap_recompute_and_hidden_offload():
     assert plan.prediction.peak <= keep_peak * 6 // 10
     assert all(c.recompute != "full" for c in plan.choices)  # cheaper ways exist
     assert plan.prediction.seconds < plan.keep_prediction.seconds * 1.05
+    # Cheap recompute only with the rest kept (cheap+host ran slower than either alone on an H100); overrides may.
+    assert not any(c.recompute == "cheap" and c.tier != "keep" for c in plan.choices)
+    assert all(c.tier == "keep" for u in units for c in u.options() if c.recompute == "cheap")
     # No host memory: only recompute is left, and the error names the minimum when even that is not enough.
     with pytest.raises(ssdtrain.BudgetError) as info:
         make_plan("m", units, bw, 10 * MIB, host_limit=0, nvme_limit=0, block_container="b")

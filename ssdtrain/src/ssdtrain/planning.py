@@ -237,16 +237,7 @@ class Calibrator:
             plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
             plan.timing_calibrations += 1
             return plan
-        new.calibrations = plan.calibrations + [line]
-        new.timing_calibrations = plan.timing_calibrations + 1
-        message = (
-            f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} GiB, forward+backward "
-            f"{new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
-        )
-        log.info(message)
-        if self.verbose:
-            print(message, file=sys.stderr)
-        return new
+        return self._timed(plan, new, line)
 
     def _steady(self, plan: Plan, grads: bool, held: bool, marks, step: int) -> Plan | None:
         """The checked step's peak is within the prediction: a slower plan than predicted that moves bytes is
@@ -279,6 +270,10 @@ class Calibrator:
             new = replan(plan, bandwidth=Bandwidth(bw.d2h / 2, bw.h2d / 2), link_scale=plan.link_scale / 2)
         except BudgetError:
             return self._passed(plan)  # the budget needs the moves: keep them
+        return self._timed(plan, new, line)
+
+    def _timed(self, plan: Plan, new: Plan, line: str) -> Plan:
+        """`new`, planned again from `plan` by a timing check (`line` says why), with that line recorded and said."""
         new.calibrations = plan.calibrations + [line]
         new.timing_calibrations = plan.timing_calibrations + 1
         message = (

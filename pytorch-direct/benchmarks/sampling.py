@@ -89,12 +89,12 @@ def run(nodes: int, edges: int, kinds: list[int], fanout: list[int], batch_size:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--nodes", type=int, default=2_000_000)
-    parser.add_argument("--edges", type=int, default=20_000_000)
+    parser.add_argument("--nodes", type=int, default=2_000_000, help="nodes of the synthetic graph")
+    parser.add_argument("--edges", type=int, default=20_000_000, help="edges of the synthetic graph")
     parser.add_argument("--edge-types", default="4,100,1000,10000", help="comma-separated edge-type counts")
     parser.add_argument("--fanout", default="15,10", help="neighbours per hop (per edge type for the hetero graph)")
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=1024, help="seed nodes per batch")
+    parser.add_argument("--batches", type=int, default=20, help="timed batches per graph")
     parser.add_argument("--device", default="auto", help="auto (the GPU if usable), cuda or cpu")
     parser.add_argument("--csv", default=None, help="write the rows here")
     args = parser.parse_args(argv)

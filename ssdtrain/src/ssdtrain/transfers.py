@@ -1,11 +1,12 @@
 """Moving stored entries' bytes: the copy out to a host buffer, NVMe writes, and the copy back (restore).
 
 ``Transfers`` is the base of ``TensorCache`` (``ssdtrain.cache``), which decides what to store and when to bring it
-back; this part carries it out. A tier's ``store()`` calls ``copy_out()`` or ``writing()``; ``poll()`` advances what
-finished without waiting (releasing device bytes, handing host copies on to disk); ``_throttle()`` bounds the device
-bytes still waiting to leave; ``_restore()`` issues the copy back on a stream (None: CPU, synchronous). The state of
-the transfers in flight and the byte accounting (``gpu_saved_bytes``) live here, with the counters and warnings both
-parts report through.
+back; this part carries it out. ``_store()`` hands an entry to its tier, else along the tier's fallback order; the
+tier's ``store()`` calls ``copy_out()`` or ``writing()``; ``poll()`` advances what finished without waiting
+(releasing device bytes, handing host copies on to disk); ``_throttle()`` bounds the device bytes still waiting to
+leave; ``_restore()`` issues the copy back on a stream (None: CPU, synchronous). The state of the transfers in
+flight and the byte accounting (``gpu_saved_bytes``) live here, with the counters and warnings both parts report
+through.
 """
 
 from __future__ import annotations

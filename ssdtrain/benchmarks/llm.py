@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import importlib.util
 import json
 import logging
@@ -55,6 +54,9 @@ import warnings
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the parent must not initialise CUDA before forking
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the suites' modules beside this file
+import llm_report as report  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -645,15 +647,12 @@ def main(argv=None) -> int:
             json.dump({"results": results, "targets": summary}, f, indent=1, default=str)
     if a.png:
         plot(a.png, results, a)
-    print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
-    bad = [r for r in results if r["status"] in ("error", "crashed", "timeout")]
-    return 1 if bad else 0
+    return report.finish(start, results)
 
 
 def _budget_suite(a) -> int:
     """``--suite budget``: see llm_budget.py (sizes: 16 x 2048 models, seq 2048, each cell's batch, 1 warm-up and 3
     timed steps)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import llm_budget
 
     sizes = (
@@ -684,7 +683,6 @@ def _budget_suite(a) -> int:
 def _rok_suite(a) -> int:
     """``--suite rok``: see llm_rok.py (default: the Llama-style GQA model, 16 x 2048, batch 4 x 2048, accumulation
     4, fp32 weights under autocast bf16; 1 warm-up + 2 timed optimizer steps)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import llm_rok
 
     sizes = (
@@ -718,7 +716,6 @@ def _rok_suite(a) -> int:
 
 def _trainer_suite(a) -> int:
     """``--suite trainer``: see llm_trainer.py (default: GPT-2 24 x 2048, 1.3B parameters, batch 4 x 1024)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import llm_trainer
 
     sizes = (
@@ -754,14 +751,10 @@ def print_details(results) -> None:
 def _print_row(r):
     print(
         f"  {r['model']:<6} {r['policy']:<34} {r['status']:<8} "
-        f"{_fmt(r.get('step_ms'), '{:9.1f} ms')} {_fmt(r.get('peak_gib'), '{:7.2f} GiB')}  "
+        f"{report.fmt(r.get('step_ms'), '{:9.1f} ms'):>12} {report.fmt(r.get('peak_gib'), '{:7.2f} GiB'):>11}  "
         f"{r.get('plan', '')} [{r.get('wall_s', '')} s] {r.get('detail', '')[:160]}",
         flush=True,
     )
-
-
-def _fmt(v, f):
-    return f.format(v) if isinstance(v, (int, float)) else " " * len(f.format(0))
 
 
 COLUMNS = [
@@ -796,38 +789,28 @@ def _ratios(results):
                 r["x_keep_peak"] = round(r["peak_gib"] / k["peak_gib"], 3)
 
 
+TABLE = [  # title, key, width, number format (None: text)
+    ("model", "model", 6, None),
+    ("policy", "policy", 34, None),
+    ("status", "status", 8, None),
+    ("step ms", "step_ms", 9, ".1f"),
+    ("x keep", "x_keep_time", 7, ".2f"),
+    ("act. peak GiB", "peak_gib", 13, ".2f"),
+    ("x keep", "x_keep_peak", 7, ".2f"),
+    ("budget", "budget_gib", 7, ".2f"),
+    ("pred ms", "predicted_ms", 8, ".1f"),
+    ("pred GiB", "predicted_peak_gib", 8, ".2f"),
+]
+
+
 def format_table(results) -> str:
     _ratios(results)
-    head = (
-        f"{'model':<6} {'policy':<34} {'status':<8} {'step ms':>9} {'x keep':>7} {'act. peak GiB':>13} "
-        f"{'x keep':>7} {'budget':>7} {'pred ms':>8} {'pred GiB':>8}  plan"
-    )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(
-            f"{r['model']:<6} {r['policy']:<34} {r['status']:<8} {_fmt(r.get('step_ms'), '{:9.1f}')} "
-            f"{_fmt(r.get('x_keep_time'), '{:7.2f}')} {_fmt(r.get('peak_gib'), '{:13.2f}')} "
-            f"{_fmt(r.get('x_keep_peak'), '{:7.2f}')} {_fmt(r.get('budget_gib'), '{:7.2f}')} "
-            f"{_fmt(r.get('predicted_ms'), '{:8.1f}')} {_fmt(r.get('predicted_peak_gib'), '{:8.2f}')}  "
-            f"{r.get('plan', '') or r.get('detail', '')[:100]}"
-        )
-    return "\n".join(lines)
+    return report.format_table(results, TABLE, detail_chars=100)
 
 
 def write_csv(path, results):
     _ratios(results)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS + ["losses"], extrasaction="ignore")
-        w.writeheader()
-        for r in results:
-            w.writerow({**r, "losses": " ".join(f"{x:.6f}" for x in r.get("losses", []))})
-
-
-def _ok(results, model, policy):
-    for r in results:
-        if r["model"] == model and r["policy"] == policy and r["status"] == "ok":
-            return r
-    return None
+    report.write_csv(path, [report.with_losses(r) for r in results], COLUMNS + ["losses"])
 
 
 def targets(results, a) -> list[str]:
@@ -835,7 +818,7 @@ def targets(results, a) -> list[str]:
     out = ["# targets, from this run"]
     _ratios(results)
     for model in a.models:
-        keep, rec = _ok(results, model, "keep"), _ok(results, model, "recompute")
+        keep, rec = report.ok_row(results, model, "keep"), report.ok_row(results, model, "recompute")
         # Every ssdtrain row at the run's batch, eager and compiled (ssdtrain+compile@B) alike.
         ssd = [
             r
@@ -850,7 +833,7 @@ def targets(results, a) -> list[str]:
             fit = [r for r in ssd if r["peak_gib"] <= 0.5 * keep["peak_gib"]]
             best = min(fit, key=lambda r: r["step_ms"]) if fit else None
             out.append(
-                _verdict(
+                report.verdict(
                     f"(1) {model}: peak <= 0.5x keep ({0.5 * keep['peak_gib']:.2f} GiB), time <= 1.05x "
                     f"keep ({1.05 * keep['step_ms']:.1f} ms)",
                     best,
@@ -875,7 +858,7 @@ def targets(results, a) -> list[str]:
             fit = [r for r in ssd if r["peak_gib"] <= 1.2 * rec["peak_gib"]]
             best = min(fit, key=lambda r: r["step_ms"]) if fit else None
             out.append(
-                _verdict(
+                report.verdict(
                     f"(2) {model}: peak <= 1.2x recompute ({1.2 * rec['peak_gib']:.2f} GiB), time <= "
                     f"0.95x recompute ({0.95 * rec['step_ms']:.1f} ms)",
                     best,
@@ -883,7 +866,7 @@ def targets(results, a) -> list[str]:
                 )
             )
             # The target is defined against eager full recompute; the compiled one is the stronger baseline.
-            rc = _ok(results, model, "recompute+compile")
+            rc = report.ok_row(results, model, "recompute+compile")
             if rc and best is not None and rc.get("peak_gib"):
                 out.append(
                     f"    vs recompute+compile ({rc['step_ms']:.1f} ms, {rc['peak_gib']:.2f} GiB): "
@@ -892,12 +875,12 @@ def targets(results, a) -> list[str]:
                     "recompute, above; <= 0.95x would meet it against this one too)"
                 )
         for slow in ("save_on_cpu", "torchtune"):
-            s = _ok(results, model, slow)
+            s = report.ok_row(results, model, slow)
             if s and ssd:
                 fit = [r for r in ssd if r["peak_gib"] <= s["peak_gib"] * 1.05]
                 best = min(fit, key=lambda r: r["step_ms"]) if fit else None
                 out.append(
-                    _verdict(
+                    report.verdict(
                         f"(3) {model}: >= 5x faster than {slow} ({s['step_ms']:.0f} ms, "
                         f"{s['peak_gib']:.2f} GiB) at equal memory (<= 1.05x its peak)",
                         best,
@@ -920,15 +903,6 @@ def targets(results, a) -> list[str]:
         ok = d.get("same_losses") and d.get("same_grads") and d.get("same_weights")
         out.append(f"(5) {d.get('detail', d['status'])} -> {'MET' if ok else 'MISSED'}")
     return out
-
-
-def _verdict(what, best, met, extra=""):
-    if best is None:
-        return f"{what}: no ssdtrain run at that memory -> MISSED"
-    return (
-        f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
-        f"{best['peak_gib']:.2f} GiB{extra} -> {'MET' if met else 'MISSED'}"
-    )
 
 
 def plot(path, results, a):

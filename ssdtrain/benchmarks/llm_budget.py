@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import time
 
+import llm_report as report
 import torch
 
 GIB = float(1 << 30)
@@ -350,8 +351,7 @@ def main(a, llm) -> int:
         write_csv(a.csv, results)
     if a.png:
         plot(a.png, results)
-    print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
-    return 1 if [r for r in results if r["status"] in ("error", "crashed", "timeout")] else 0
+    return report.finish(start, results)
 
 
 def _maxbatch(llm, a, run, cell, results) -> None:
@@ -378,34 +378,29 @@ def _maxbatch(llm, a, run, cell, results) -> None:
 def _print(r):
     print(
         f"  {r.get('cell', ''):<28} {r.get('policy', ''):<34} {r['status']:<8} "
-        f"{_fmt(r.get('step_ms'), '{:9.1f} ms')} {_fmt(r.get('peak_gib'), '{:7.2f} GiB')} "
-        f"{_fmt(r.get('peak_over_budget'), 'x{:.3f} budget')} [{r.get('wall_s', '')} s] "
+        f"{report.fmt(r.get('step_ms'), '{:9.1f} ms')} {report.fmt(r.get('peak_gib'), '{:7.2f} GiB')} "
+        f"{report.fmt(r.get('peak_over_budget'), 'x{:.3f} budget')} [{r.get('wall_s', '')} s] "
         f"{str(r.get('detail', ''))[:200]}",
         flush=True,
     )
 
 
-def _fmt(v, f):
-    return f.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+TABLE = [  # title, key, width, number format (None: text)
+    ("cell", "cell", 28, None),
+    ("policy", "policy", 34, None),
+    ("status", "status", 8, None),
+    ("step ms", "step_ms", 9, ".1f"),
+    ("tok/s", "tokens_per_s", 9, ".0f"),
+    ("peak GiB", "peak_gib", 9, ".2f"),
+    ("budget", "budget_gib", 7, ".2f"),
+    ("peak/budget", "peak_over_budget", 11, ".3f"),
+    ("pred GiB", "predicted_peak_gib", 8, ".2f"),
+]
 
 
 def format_table(results) -> str:
-    head = (
-        f"{'cell':<28} {'policy':<34} {'status':<8} {'step ms':>9} {'tok/s':>9} {'peak GiB':>9} {'budget':>7} "
-        f"{'peak/budget':>11} {'pred GiB':>8}  plan"
-    )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        if r.get("part") == "nvme":
-            continue
-        lines.append(
-            f"{r.get('cell', ''):<28} {r.get('policy', ''):<34} {r['status']:<8} "
-            f"{_fmt(r.get('step_ms'), '{:9.1f}'):>9} "
-            f"{_fmt(r.get('tokens_per_s'), '{:9.0f}'):>9} {_fmt(r.get('peak_gib'), '{:9.2f}'):>9} "
-            f"{_fmt(r.get('budget_gib'), '{:7.2f}'):>7} {_fmt(r.get('peak_over_budget'), '{:11.3f}'):>11} "
-            f"{_fmt(r.get('predicted_peak_gib'), '{:8.2f}'):>8}  {r.get('plan', '') or str(r.get('detail', ''))[:80]}"
-        )
-    return "\n".join(lines)
+    """Every row but the NVMe part's (the targets report that one)."""
+    return report.format_table([r for r in results if r.get("part") != "nvme"], TABLE, detail_chars=80)
 
 
 def targets(results, a) -> list[str]:
@@ -490,13 +485,7 @@ COLUMNS = [
 
 
 def write_csv(path, results):
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in results:
-            w.writerow(r)
+    report.write_csv(path, results, COLUMNS)
 
 
 def plot(path, results):

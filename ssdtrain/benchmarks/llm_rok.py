@@ -34,6 +34,7 @@ import sys
 import time
 import types
 
+import llm_report as report
 import torch
 
 GIB = float(1 << 30)
@@ -402,19 +403,14 @@ def main(a, llm) -> int:
         write_csv(a.csv, results)
     if a.png:
         plot(a.png, results, a)
-    print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
-    return 1 if [r for r in results if r["status"] in ("error", "crashed", "timeout")] else 0
+    return report.finish(start, results)
 
 
 # --------------------------------------------------------------------------------------------------- reporting
-def _fmt(v, f):
-    return f.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-
-
 def _print(r):
     print(
-        f"  {r['model']:<6} {r['policy']:<40} {r['status']:<11} {_fmt(r.get('step_ms'), '{:9.1f} ms'):>12} "
-        f"{_fmt(r.get('peak_gib'), '{:7.2f} GiB'):>11}  {r.get('plan', '')} [{r.get('wall_s', '')} s] "
+        f"  {r['model']:<6} {r['policy']:<40} {r['status']:<11} {report.fmt(r.get('step_ms'), '{:9.1f} ms'):>12} "
+        f"{report.fmt(r.get('peak_gib'), '{:7.2f} GiB'):>11}  {r.get('plan', '')} [{r.get('wall_s', '')} s] "
         f"{str(r.get('detail', ''))[:160]}",
         flush=True,
     )
@@ -454,36 +450,27 @@ COLUMNS = [
 ]
 
 
+TABLE = [  # title, key, width, number format (None: text)
+    ("model", "model", 6, None),
+    ("group", "group", 8, None),
+    ("policy", "policy", 40, None),
+    ("status", "status", 11, None),
+    ("step ms", "step_ms", 9, ".1f"),
+    ("x keep", "x_keep_time", 7, ".2f"),
+    ("peak GiB", "peak_gib", 9, ".2f"),
+    ("x keep", "x_keep_peak", 7, ".2f"),
+    ("budget", "budget_gib", 7, ".2f"),
+]
+
+
 def format_table(results) -> str:
     _ratios(results)
-    head = (
-        f"{'model':<6} {'group':<8} {'policy':<40} {'status':<11} {'step ms':>9} {'x keep':>7} {'peak GiB':>9} "
-        f"{'x keep':>7} {'budget':>7}  plan"
-    )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(
-            f"{r['model']:<6} {r['group']:<8} {r['policy']:<40} {r['status']:<11} "
-            f"{_fmt(r.get('step_ms'), '{:9.1f}'):>9} {_fmt(r.get('x_keep_time'), '{:7.2f}'):>7} "
-            f"{_fmt(r.get('peak_gib'), '{:9.2f}'):>9} {_fmt(r.get('x_keep_peak'), '{:7.2f}'):>7} "
-            f"{_fmt(r.get('budget_gib'), '{:7.2f}'):>7}  {r.get('plan', '') or str(r.get('detail', ''))[:70]}"
-        )
-    return "\n".join(lines)
+    return report.format_table(results, TABLE, detail_chars=70)
 
 
 def write_csv(path, results) -> None:
-    import csv
-
     _ratios(results)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS + ["losses"], extrasaction="ignore")
-        w.writeheader()
-        for r in results:
-            w.writerow({**r, "losses": " ".join(f"{x:.6f}" for x in r.get("losses", []))})
-
-
-def _ok(results, model, policy):
-    return next((r for r in results if r["model"] == model and r["policy"] == policy and r["status"] == "ok"), None)
+    report.write_csv(path, [report.with_losses(r) for r in results], COLUMNS + ["losses"])
 
 
 def targets(results, a) -> list[str]:
@@ -492,27 +479,29 @@ def targets(results, a) -> list[str]:
     out = ["# targets of the ROK suite, from this run"]
     for model in a.models:
         measured = [r for r in results if r["model"] == model and r["status"] == "ok" and r.get("peak_gib")]
-        keep, rec = _ok(measured, model, "keep"), _ok(measured, model, "recompute")
+        keep, rec = report.ok_row(measured, model, "keep"), report.ok_row(measured, model, "recompute")
         ssd = {g: [r for r in measured if r["policy"].startswith("ssdtrain") and r["group"] == g] for g in GROUPS}
         if not measured:
             out.append(f"{model}: no activation peak measured on {a.device}: targets not checked")
             continue
         if keep:
+            best = _fastest(ssd["eager"], 0.5 * keep["peak_gib"])
             out.append(
-                _verdict(
+                report.verdict(
                     f"(1) {model} eager: peak <= 0.5x keep ({0.5 * keep['peak_gib']:.2f} GiB), time <= 1.10x keep "
                     f"({1.10 * keep['step_ms']:.1f} ms)",
-                    _fastest(ssd["eager"], 0.5 * keep["peak_gib"]),
-                    lambda b, k=keep: b["step_ms"] <= 1.10 * k["step_ms"],
+                    best,
+                    best is not None and best["step_ms"] <= 1.10 * keep["step_ms"],
                 )
             )
         if rec:
+            best = _fastest(ssd["eager"], 1.2 * rec["peak_gib"])
             out.append(
-                _verdict(
+                report.verdict(
                     f"(2) {model} eager: peak <= 1.2x full recompute ({1.2 * rec['peak_gib']:.2f} GiB), time <= "
                     f"0.90x recompute ({0.90 * rec['step_ms']:.1f} ms)",
-                    _fastest(ssd["eager"], 1.2 * rec["peak_gib"]),
-                    lambda b, r=rec: b["step_ms"] <= 0.90 * r["step_ms"],
+                    best,
+                    best is not None and best["step_ms"] <= 0.90 * rec["step_ms"],
                 )
             )
         for peer in measured:
@@ -520,12 +509,12 @@ def targets(results, a) -> list[str]:
                 continue
             best = _fastest(ssd[peer["group"]], peer["peak_gib"])
             out.append(
-                _verdict(
+                report.verdict(
                     f"(3) {model} {peer['group']}: faster than {peer['policy']} ({peer['step_ms']:.1f} ms, "
                     f"{peer['peak_gib']:.2f} GiB) at <= its peak",
                     best,
-                    lambda b, p=peer: b["step_ms"] < p["step_ms"],
-                    extra=lambda b, p=peer: f" = {p['step_ms'] / b['step_ms']:.2f}x faster",
+                    best is not None and best["step_ms"] < peer["step_ms"],
+                    extra=f" = {peer['step_ms'] / best['step_ms']:.2f}x faster" if best is not None else "",
                 )
             )
     return out
@@ -534,16 +523,6 @@ def targets(results, a) -> list[str]:
 def _fastest(rows, peak):
     fit = [r for r in rows if r["peak_gib"] <= peak]
     return min(fit, key=lambda r: r["step_ms"]) if fit else None
-
-
-def _verdict(what, best, met, extra=None) -> str:
-    if best is None:
-        return f"{what}: no ssdtrain run at that memory -> MISSED"
-    more = extra(best) if extra else ""
-    return (
-        f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
-        f"{best['peak_gib']:.2f} GiB{more} -> {'MET' if met(best) else 'MISSED'}"
-    )
 
 
 def plot(path, results, a) -> None:

@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 
+import llm_report as report
 import torch
 
 GIB = float(1 << 30)
@@ -141,16 +142,10 @@ def main(a, llm) -> int:
         if r.get("traceback"):
             print(f"\n# {r['policy']} failed:\n{r['traceback']}")
     if a.csv:
-        import csv
-
+        # The losses as Python lists (the other suites' CSVs join them).
         keys = ["policy", "status", "step_ms", "peak_gib", "predicted_peak_gib", "budget_gib", "steps_counted"]
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys + ["losses", "eval_losses", "detail"], extrasaction="ignore")
-            w.writeheader()
-            for r in results:
-                w.writerow({**r, "losses": r.get("losses", ""), "eval_losses": r.get("eval_losses", "")})
-    print(f"\n# total {time.perf_counter() - start:.0f} s", flush=True)
-    return 1 if [r for r in results if r["status"] in ("error", "crashed", "timeout")] else 0
+        report.write_csv(a.csv, results, keys + ["losses", "eval_losses", "detail"])
+    return report.finish(start, results)
 
 
 def verdicts(results) -> list[str]:

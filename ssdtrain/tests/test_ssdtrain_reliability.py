@@ -158,7 +158,7 @@ def test_a_new_session_per_step_reuses_the_plan_and_offloads(monkeypatch):
     model, ids = make_net(layers=4), batch()
     _, want = reference(model, ids)
     available = iter(range(8 << 30, 1 << 40, 1 << 28))
-    monkeypatch.setattr(ssdtrain.session, "_host_available", lambda: next(available))
+    monkeypatch.setattr(ssdtrain.options, "_host_available", lambda: next(available))
     sessions = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -13,7 +13,8 @@ from importlib.metadata import version as _version
 
 from . import _core, _shared_cuda
 from ._core import CompileError, CudaError, UnavailableError
-from .cache import OffloadError, OffloadWarning
+from .api import offload, plan
+from .entries import OffloadError, OffloadWarning
 from .io import (
     ChecksumError,
     Engine,
@@ -30,7 +31,7 @@ from .io import (
 from .model import find_blocks
 from .planner import BudgetError, Choice, Plan
 from .resources import release
-from .session import OffloadSession, offload, plan
+from .session import OffloadSession
 
 __version__ = _version("ssdtrain")
 

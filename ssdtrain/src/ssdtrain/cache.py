@@ -16,165 +16,36 @@ reaches a unit. An entry's memory and disk space return to the pool the moment a
 (``retain_graph=False`` drops it right after the node that used it).
 
 On CPU tensors the same code runs with synchronous copies (no streams), so every path is tested without a GPU.
+
+This module is the front (what to store, what to bring back when); the copies themselves are its base class
+``Transfers`` (``ssdtrain.transfers``), and the stored records are ``ssdtrain.entries``.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
 import time
-import warnings
 import weakref
 
 import torch
 
-# Autograd nodes through which a parameter only changes dtype or layout (AMP's casts, Linear's weight.t(), views).
-_PARAM_VIEW_NODES = frozenset(
-    {
-        "ToCopyBackward0",
-        "TBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "ReshapeAliasBackward0",
-        "ExpandBackward0",
-        "AsStridedBackward0",
-        "SliceBackward0",
-        "AliasBackward0",
-        "DetachBackward0",
-        "CloneBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "UnsqueezeBackward0",
-    }
-)
+from .entries import OffloadError, OffloadWarning, _Entry, _param_derived, _Saved, _storage_ref
+from .transfers import Transfers
+
+__all__ = ["OffloadError", "OffloadWarning", "TensorCache"]
 
 
-class OffloadError(RuntimeError):
-    """A saved activation cannot be given back (its NVMe write or read failed, or its session was aborted)."""
-
-
-class OffloadWarning(UserWarning):
-    """A tier ran out of room and ssdtrain fell back to another one (the result stays exact)."""
-
-
-def _param_derived(t: torch.Tensor) -> bool:
-    node = t.grad_fn
-    for _ in range(4):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name == "AccumulateGrad":
-            return True
-        if name not in _PARAM_VIEW_NODES:
-            return False
-        nxt = [n for n, _ in node.next_functions if n is not None]
-        if len(nxt) != 1:
-            return False
-        node = nxt[0]
-    return False
-
-
-class _Entry:
-    """One stored span of a storage: where its bytes are now and what to release when the last token goes."""
-
-    __slots__ = (
-        "cache",
-        "key",
-        "unit",
-        "nbytes",
-        "device",
-        "tier",
-        "src",
-        "ref",
-        "sref",
-        "version",
-        "host",
-        "d2h",
-        "handle",
-        "write",
-        "read",
-        "restored",
-        "h2d",
-        "unpacked",
-        "lost",
-        "skipped",
-        "released",
-        "__weakref__",
-    )
-
-    def __init__(self, cache, key, unit, nbytes, device, tier, src, original, storage):
-        self.cache = cache
-        self.key = key
-        self.unit = unit
-        self.nbytes = nbytes
-        self.device = device
-        self.tier = tier
-        self.src = src  # device bytes, held until the copy out is done (then forwarded instead of re-read)
-        self.ref = weakref.ref(original)
-        self.sref = _storage_ref(storage)
-        self.version = original._version
-        self.host = None  # host buffer (uint8, pool) holding the bytes
-        self.d2h = None  # event: copy out done
-        self.handle = None  # NVMe handle
-        self.write = None  # NVMe write future in flight
-        self.read = None  # NVMe read future in flight (into `restored`)
-        self.restored = None  # device bytes brought back
-        self.h2d = None  # event: restored is complete
-        self.unpacked = False
-        self.lost = None  # the error that destroyed the only copy
-        self.skipped = None  # why prefetching its unit left it alone ("in_flight", "alive"), for miss counters
-        self.released = False
-
-    def storage_alive(self) -> bool:
-        """The stored storage still exists (so equal data pointers mean the same memory, not a reused address)."""
-        return self.src is not None or self.ref() is not None or (self.sref is not None and self.sref() is not None)
-
-    def alive_original(self):
-        t = self.ref()
-        if t is not None and t._version == self.version:
-            return t
-        return None
-
-    def __del__(self):
-        try:
-            self.cache._release(self)
-        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to give back any more
-            pass
-
-
-def _storage_ref(storage):
-    try:
-        return weakref.ref(storage)
-    except TypeError:  # torch builds whose storages take no weak references: the tensor's reference decides
-        return None
-
-
-class _Saved:
-    """What autograd holds for an offloaded tensor: the entry and the view to rebuild from it."""
-
-    __slots__ = ("entry", "dtype", "offset", "size", "stride")
-
-    def __init__(self, entry, dtype, offset, size, stride):
-        self.entry, self.dtype, self.offset, self.size, self.stride = entry, dtype, offset, size, stride
-
-
-class TensorCache:
+class TensorCache(Transfers):
     """Pack/unpack for saved tensors over tiers (``ssdtrain.tiers``). Driven by the session (units, plan, steps)."""
 
     def __init__(self, *, min_bytes: int, tiers: dict, on_full: str = "fallback"):
+        super().__init__(tiers=tiers, on_full=on_full)
         self.min_bytes = int(min_bytes)
-        self.tiers = tiers  # name -> Tier
-        self.pool = tiers["host"].pool if "host" in tiers else None
-        self.on_full = on_full
-        self.lock = threading.RLock()
         self.unit = 0  # the unit now running forward (set by the session's module hooks)
         self.tier_of = lambda unit, nbytes: "keep"  # the plan's tier name for a unit, set by the session
         self.keeps_unit = None  # unit -> True when the plan keeps all it saves (set by the session; None: ask tier_of)
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.window_units = 1 << 30  # units below the one in backward that may be prefetched
-        self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
@@ -183,58 +54,13 @@ class TensorCache:
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
         self._kept_unit: dict[int, int] = {}  # storage address -> unit of a kept activation (drives prefetch)
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
-        self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
-        self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
         self._prefetched_bytes = 0
         self._backward_started = False
-        self._inflight_bytes = 0
-        self._direct_bytes = 0  # device bytes of direct NVMe writes not yet staged
-        self._streams: dict[int, tuple] = {}
-        self.stream_source = None  # index -> (copy out, prefetch) streams shared by the model's sessions
-        self._warned: set[str] = set()
         self._entries = 0  # entries not yet released
         self.closed = False
         self.aborted = False
-        self.counters = collections.Counter()
-        self.gpu_saved_bytes = 0  # offloadable bytes now on the device (kept + in flight + restored)
-        self.peak_gpu_saved_bytes = 0
-
-    @property
-    def engine(self):
-        """The NVMe tier's I/O engine, once created."""
-        nvme = self.tiers.get("nvme")
-        return None if nvme is None else nvme.engine
-
-    # ----------------------------------------------------------------------------------------------- helpers
-    def _side_streams(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if self.stream_source is not None:
-            return self.stream_source(index)
-        s = self._streams.get(index)
-        if s is None:
-            s = self._streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
-        return s  # (copy out, prefetch)
-
-    def _warn(self, kind: str, message: str) -> None:
-        self.counters[f"fallback_{kind}"] += 1
-        if kind not in self._warned:
-            self._warned.add(kind)
-            warnings.warn(
-                f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
-                OffloadWarning,
-                stacklevel=5,
-            )
-
-    def fell_back(self, tier, to, kind: str) -> None:
-        """`tier` had no room for an activation, which went to `to` (a tier, or None: the device)."""
-        where = "keeping activations on the device" if to is None or to.resident else _WHERE[to.name]
-        self._warn(kind, f"{tier.full_message}: {where}")
-
-    def _account(self, delta: int) -> None:
-        self.gpu_saved_bytes += delta
-        self.peak_gpu_saved_bytes = max(self.peak_gpu_saved_bytes, self.gpu_saved_bytes)
 
     def reset_step(self) -> None:
         with self.lock:
@@ -346,134 +172,6 @@ class TensorCache:
             self._throttle()
             return saved
 
-    def _store(self, entry: _Entry) -> bool:
-        """Hand `entry` to its tier, else along the tier's fallback order; False if it must stay on the device."""
-        planned = entry.tier
-        order = [planned] + [self.tiers[n] for n in planned.fallback if n in self.tiers and n != planned.name]
-        for tier in order:
-            if tier.resident:
-                continue
-            entry.tier = tier
-            if tier.store(self, entry):
-                if tier is not planned:
-                    self.fell_back(planned, tier, f"{planned.name}_full")
-                return True
-            if tier is planned and self.on_full == "raise":
-                raise OffloadError(
-                    f"ssdtrain: {planned.full_message} ({planned.capacity()} bytes): pass "
-                    f"{'host_memory' if planned.name == 'host' else 'nvme_memory'}= larger, or on_full='fallback'"
-                )
-        entry.tier = planned
-        self.fell_back(planned, None, f"{planned.name}_full")
-        return False
-
-    def copy_out(self, entry: _Entry, buf: torch.Tensor) -> None:
-        """Start copying `entry`'s device bytes into the host buffer `buf` (a tier's store())."""
-        entry.host = buf
-        dst = buf[: entry.nbytes]
-        if entry.device.type == "cuda":
-            out_stream, _ = self._side_streams(entry.device)
-            out_stream.wait_stream(torch.cuda.current_stream(entry.device))  # after the op that produced it
-            with torch.cuda.stream(out_stream):
-                dst.copy_(entry.src, non_blocking=True)
-                entry.d2h = torch.cuda.Event()
-                entry.d2h.record(out_stream)
-            self._pending.append(entry)
-            self._inflight_bytes += entry.nbytes
-        else:
-            dst.copy_(entry.src)
-            entry.src = None
-            self._account(-entry.nbytes)
-            entry.tier.copied_out(self, entry)
-
-    def writing(self, entry: _Entry, write) -> None:
-        """`write` (an engine future) stores `entry`'s bytes on disk (from its host buffer, or staged from the
-        device bytes by the engine when it has none: those device bytes count as in flight until staged)."""
-        entry.write = write
-        entry.handle = write.handle
-        self._writing.append(entry)
-        if entry.host is None and entry.src is not None and entry.device.type == "cuda":
-            self._direct_bytes += entry.nbytes
-
-    def _throttle(self) -> None:
-        """Device bytes waiting to leave (copies out, direct NVMe writes not yet staged) stay within
-        `max_inflight`: the host waits for the oldest (the planner counts at most that much in flight)."""
-        while self._inflight_bytes + self._direct_bytes > self.max_inflight:
-            t0 = time.perf_counter()
-            if self._pending:
-                self._pending[0].d2h.synchronize()
-            else:
-                direct = next((e for e in self._writing if e.host is None and e.src is not None), None)
-                if direct is None:
-                    break
-                direct.write.wait()
-            self.counters["throttle_waits"] += 1
-            self.counters["throttle_ns"] += int((time.perf_counter() - t0) * 1e9)
-            self.poll()
-
-    # ----------------------------------------------------------------------------------------------- progress
-    def poll(self) -> None:
-        """Advance transfers that finished (no waiting): release device memory, send host copies to disk."""
-        with self.lock:
-            while self._pending and self._pending[0].d2h.query():
-                entry = self._pending.popleft()
-                self._inflight_bytes -= entry.nbytes
-                entry.src = None
-                self._account(-entry.nbytes)
-                entry.tier.copied_out(self, entry)
-            if self._writing:
-                still = []
-                for entry in self._writing:
-                    if entry.write.done():
-                        self._write_done(entry)
-                    elif entry.host is None and entry.src is not None and entry.write.staged():
-                        entry.src = None  # direct write: the device bytes are no longer read
-                        self._account(-entry.nbytes)
-                        self._direct_done(entry)
-                        still.append(entry)
-                    else:
-                        still.append(entry)
-                self._writing = still
-
-    def _direct_done(self, entry: _Entry) -> None:
-        if entry.device.type == "cuda":
-            self._direct_bytes = max(0, self._direct_bytes - entry.nbytes)
-
-    def _write_done(self, entry: _Entry) -> None:
-        error = entry.write.exception()
-        entry.write = None
-        if error is None:
-            if entry.host is not None and entry.restored is not None:
-                # Already brought back before the write finished: the disk copy is not needed. On CPU the
-                # restored bytes *are* the host buffer, which then stays with the entry.
-                if entry.device.type == "cuda":
-                    self.pool.release(entry.host, after=entry.h2d)
-                    entry.host = None
-                self._free_handle(entry)
-            elif entry.host is not None:
-                self.pool.release(entry.host)
-                entry.host = None
-            if entry.src is not None:
-                entry.src = None
-                self._account(-entry.nbytes)
-                self._direct_done(entry)
-            return
-        # The disk refused the bytes: keep whatever copy still exists, or remember that they are lost.
-        handle, entry.handle = entry.handle, None
-        if handle is not None:
-            self.engine.free(handle)
-        if entry.host is None and entry.src is not None:
-            self._direct_done(entry)  # kept on the device from here: no longer waiting to leave
-        if entry.host is not None or entry.src is not None:
-            entry.tier = self.tiers["host"] if entry.host is not None else self.tiers["keep"]
-            self._warn(
-                "nvme_error",
-                f"an NVMe write failed ({error}): keeping the activation in "
-                f"{'host memory' if entry.host is not None else 'device memory'}",
-            )
-        else:
-            entry.lost = error
-
     # ----------------------------------------------------------------------------------------------- unpack
     def unpack(self, saved):
         if not isinstance(saved, _Saved):
@@ -581,41 +279,6 @@ class TensorCache:
             entry.restored.record_stream(stream)
         return entry.restored
 
-    def _restore(self, entry: _Entry, stream) -> None:
-        """Issue the copy back of `entry` on `stream` (None: CPU)."""
-        if entry.device.type == "cpu":
-            if entry.host is not None:
-                entry.restored = entry.host[: entry.nbytes]
-            else:
-                buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
-                out = buf[: entry.nbytes] if buf is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
-                entry.read = self.engine.read(entry.handle, out=out)
-                entry.restored = out
-                entry.host = buf
-            self._account(entry.nbytes)
-            self.counters["bytes_restored"] += entry.nbytes
-            return
-        with torch.cuda.stream(stream):
-            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
-            if entry.host is not None:
-                out.copy_(entry.host[: entry.nbytes], non_blocking=True)
-                entry.h2d = torch.cuda.Event()
-                entry.h2d.record(stream)
-                if entry.write is None:  # the host copy is no longer needed once this copy is done
-                    self.pool.release(entry.host, after=entry.h2d)
-                    entry.host = None
-                    self._free_handle(entry)
-            else:
-                entry.read = self.engine.read(entry.handle, out=out, stream=stream)
-        entry.restored = out
-        self._account(entry.nbytes)
-        self.counters["bytes_restored"] += entry.nbytes
-
-    def _free_handle(self, entry: _Entry) -> None:
-        if entry.handle is not None and entry.write is None and self.engine is not None:
-            self.engine.free(entry.handle)
-            entry.handle = None
-
     def _prefetch_from(self, unit: int) -> None:
         """Restore `unit` and the `window_units` units before it (backward order), whole units, while what is
         prefetched and not yet used plus the next unit stays within the window (one unit at least): the planner's
@@ -694,15 +357,6 @@ class TensorCache:
                 idle, self.on_idle = self.on_idle, None
                 idle()
 
-    def drain(self) -> None:
-        """Wait for every copy out and NVMe write (used before closing)."""
-        with self.lock:
-            for entry in list(self._pending):
-                entry.d2h.synchronize()
-            for entry in list(self._writing):
-                entry.write.wait()
-            self.poll()
-
     def close(self, abort: bool) -> None:
         """Stop: with `abort`, every stored activation is dropped (tokens still held raise OffloadError)."""
         with self.lock:
@@ -730,6 +384,3 @@ class TensorCache:
     def live_entries(self) -> int:
         """Stored activations not yet released (autograd still holds them)."""
         return self._entries
-
-
-_WHERE = {"host": "keeping activations in host memory", "nvme": "moving activations to NVMe directly"}

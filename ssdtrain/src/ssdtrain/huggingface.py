@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .session import OffloadSession, offload
+from .api import offload
+from .session import OffloadSession
 
 log = logging.getLogger("ssdtrain")
 

@@ -15,7 +15,7 @@ import sys
 import warnings
 import weakref
 
-from .cache import OffloadWarning
+from .entries import OffloadWarning
 from .planner import Bandwidth, BudgetError, Plan, format_bytes, replan, scaled_units
 
 _GIB = float(1 << 30)

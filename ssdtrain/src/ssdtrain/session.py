@@ -1,17 +1,10 @@
-"""``ssdtrain.offload(model, budget=...)``: saved activations to host RAM / NVMe / recompute under a memory budget.
-
-    with ssdtrain.offload(model, budget="20GiB") as session:
-        for batch in loader:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step(); optimizer.zero_grad()
-    print(session.plan)       # per-layer keep / host / nvme / recompute, predicted step time and peak
-    print(session.stats())    # bytes per tier, prefetch hits, stalls, fallbacks
+"""``OffloadSession``: the object ``ssdtrain.offload()`` (``ssdtrain.api``) returns, a context manager.
 
 The session is an orchestrator of parts that each do one thing: ``hooks`` (module hooks and the call-depth
 bookkeeping that says when a step starts), ``profiler`` (warm-up and profiled steps, the device's memory readings),
 ``planner`` (a pure decision from measurements), ``planning`` (plans kept per model; calibration by measured peaks),
-``tiers`` (host pool, NVMe) and ``cache`` (the saved-tensor hooks that move activations between them), ``stats``.
+``tiers`` (host pool, NVMe) and ``cache`` (the saved-tensor hooks that move activations between them), ``stats``;
+``options`` checks what ``offload()`` is given.
 The module hooks and the saved-tensor hooks are installed when the ``with`` block starts and removed when it ends;
 checkpoint wrappers chosen by the plan are installed on the blocks and removed likewise.
 """
@@ -22,15 +15,14 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from . import stats as _stats
-from .cache import OffloadWarning, TensorCache
-from .config import settings as io_settings
+from .cache import TensorCache
+from .entries import OffloadWarning
 from .hooks import ModuleHooks
 from .hostpool import HostPool
 from .io import parse_size
@@ -44,58 +36,23 @@ from .model import (
     param_bytes,
     param_storage_ptrs,
 )
+from .options import default_host_limit, nvme_options, parse_budget
 from .planner import Choice, Plan, format_bytes, make_plan, replan
 from .planning import Calibrator, ModelState, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
 from .resources import SharedTiers, resources_of
-from .tiers import DeviceTier, HostTier, NvmeTier, check_directories, default_directories, free_space
+from .tiers import DeviceTier, HostTier, NvmeTier
 
 log = logging.getLogger("ssdtrain")
 _MIB = 1 << 20
-_DEFAULT_HOST_LIMIT: int | None = None
 _LINKS: dict[str, object] = {}  # device -> measured link Bandwidth (once per process)
 
-__all__ = ["OffloadSession", "find_blocks", "offload", "plan"]
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def default_host_limit() -> int:
-    """Half the RAM available when it is first asked for in this process (then fixed, so plans stay reusable)."""
-    global _DEFAULT_HOST_LIMIT
-    if _DEFAULT_HOST_LIMIT is None:
-        _DEFAULT_HOST_LIMIT = _host_available() // 2
-    return _DEFAULT_HOST_LIMIT
+__all__ = ["OffloadSession"]
 
 
 def _not_compiled(fn):
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
-
-
-def _budget(budget):
-    """(bytes or None, fraction or None) from what the user passed."""
-    if budget is None:
-        return None, None
-    if isinstance(budget, bool):
-        raise TypeError("budget must be bytes, a size such as '20GiB', a float in (0, 1] or None, not a bool")
-    if isinstance(budget, float) and budget <= 1:
-        if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget!r}")
-        return None, budget
-    value = parse_size(int(budget) if isinstance(budget, float) else budget)
-    if value <= 0:
-        raise ValueError(f"budget must be positive (bytes or a size such as '20GiB'), got {budget!r}")
-    return value, None
 
 
 class OffloadSession:
@@ -138,7 +95,7 @@ class OffloadSession:
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
         self.model = model
-        self.budget, self.budget_fraction = _budget(budget)
+        self.budget, self.budget_fraction = parse_budget(budget)
         self.given_plan = plan
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
@@ -149,7 +106,7 @@ class OffloadSession:
         self.verbose = verbose
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
-        self.directories, self.nvme_limit = self._nvme_options(directories, nvme_memory)
+        self.directories, self.nvme_limit = nvme_options(directories, nvme_memory)
         # The model's tiers are shared by sessions with the same limits *as given*: the default NVMe limit follows
         # the free space, which the engine's own files change.
         nvme_key = self.nvme_limit if nvme_memory is not None or self.nvme_limit == 0 else "free"
@@ -243,38 +200,6 @@ class OffloadSession:
             pool, self.directories, self.nvme_limit, probe_bytes=64 * _MIB if cuda else 8 * _MIB, pinned=cuda
         )
         return SharedTiers(key, pool, nvme)
-
-    # ----------------------------------------------------------------------------------------------- options
-    @staticmethod
-    def _nvme_options(directories, nvme_memory) -> tuple[list[str], int]:
-        """The NVMe directories and byte limit, checked now: a wrong directory or size fails at offload()."""
-        given = directories is not None or io_settings.source("directories") != "default"
-        if directories is None:
-            dirs = default_directories()
-        else:
-            d = directories
-            dirs = [os.fspath(x) for x in ([d] if isinstance(d, (str, os.PathLike)) else d)]
-        if not dirs:
-            raise ValueError("directories= is empty: pass at least one directory, or nvme_memory=0 for no NVMe tier")
-        limit = parse_size(nvme_memory) if nvme_memory is not None else None
-        if limit == 0:
-            return dirs, 0
-        try:
-            check_directories(dirs)
-        except OSError as e:
-            if given or limit is not None:
-                raise
-            log.warning("ssdtrain: no NVMe tier: %s", e)  # the default temp dir: train on without NVMe, said once
-            return dirs, 0
-        free = free_space(dirs)
-        if limit is None:
-            return dirs, int(free * 0.9)
-        if limit > free:
-            raise ValueError(
-                f"ssdtrain: nvme_memory={format_bytes(limit)} is more than the free space of {', '.join(dirs)} "
-                f"({format_bytes(free)}): pass nvme_memory <= {free} bytes, free space, or add directories"
-            )
-        return dirs, limit
 
     def _unit_grad_bytes(self, inner: nn.Module) -> list[int]:
         """Gradient bytes per unit: each block's parameters; everything else (embeddings, head) in the head,
@@ -634,44 +559,3 @@ class OffloadSession:
         """Counters since the session started: bytes per tier, prefetch hits, forwards, misses, stalls, fallbacks,
         the host pool and the NVMe engine."""
         return _stats.session_stats(self)
-
-
-def offload(model: nn.Module, budget: int | float | str | None = None, **options: Any) -> OffloadSession:
-    """Offload `model`'s saved activations to fit `budget`: bytes, a size such as ``"20GiB"``, or a float in
-    (0, 1]: that fraction of the activation peak of keeping everything (as predicted from the profiled step, like
-    ``torch.compile``'s ``activation_memory_budget``).
-
-    ``budget=None`` plans for speed: keep what fits in the free device memory (measured when the plan is made)
-    and move or recompute only the rest. Options: ``plan=`` (a Plan from ``ssdtrain.plan()``, used as is),
-    ``overrides={"transformer.h.0": "keep", "transformer.h.5": "recompute+host"}``, ``host_memory=`` (pinned pool
-    limit; default half the available RAM), ``nvme_memory=`` / ``directories=`` (the NVMe tier; default the
-    SSDTRAIN_IO_DIRS directories or the temp dir, up to 90% of their free space; checked here), ``min_bytes="1M"``
-    (smaller saved tensors stay on the device), ``prefetch_units=2``, ``on_full="fallback"`` (or ``"raise"``),
-    ``profile_steps=2`` (forwards of a new input shape before the plan: warm-ups, then one measured step),
-    ``verbose=False`` (True: one line on stderr when a plan is made; it always goes to the ``ssdtrain`` logger
-    at INFO).
-    """
-    return OffloadSession(model, budget, **options)
-
-
-def plan(
-    model: nn.Module, step_fn: Callable[[], object], budget: int | float | str | None = None, **options: Any
-) -> Plan:
-    """Profile `step_fn()` (a forward and backward of `model`; called ``profile_steps`` times, default 2: a
-    warm-up, then the measured step) and return the plan ``offload()`` would use for `budget`. ``print()`` it for
-    per-layer choices and predictions; pass it to ``offload(model, plan=...)`` (after ``plan.override(...)`` if you
-    like). The steps are real: they accumulate gradients like any other."""
-    options.setdefault("verbose", False)
-    state = ModelState()
-    session = OffloadSession(model, budget, _state=state, **options)
-    session._quiet = True
-    with session:
-        for _ in range(session.profile_steps):
-            step_fn()
-        if session.profiler.pending is None:
-            raise RuntimeError(
-                "plan(): step_fn() did not call the model's forward; it must run model(...) "
-                "(and backward) on the model passed to plan()"
-            )
-        session._finish_profile()
-    return next(iter(state.plans.values()))

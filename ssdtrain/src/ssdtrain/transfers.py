@@ -1,0 +1,254 @@
+"""Moving stored entries' bytes: the copy out to a host buffer, NVMe writes, and the copy back (restore).
+
+``Transfers`` is the base of ``TensorCache`` (``ssdtrain.cache``), which decides what to store and when to bring it
+back; this part carries it out. ``_store()`` hands an entry to its tier, else along the tier's fallback order; the
+tier's ``store()`` calls ``copy_out()`` or ``writing()``; ``poll()`` advances what finished without waiting
+(releasing device bytes, handing host copies on to disk); ``_throttle()`` bounds the device bytes still waiting to
+leave; ``_restore()`` issues the copy back on a stream (None: CPU, synchronous). The state of the transfers in
+flight and the byte accounting (``gpu_saved_bytes``) live here, with the counters and warnings both parts report
+through.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+
+import torch
+
+from .entries import OffloadError, OffloadWarning, _Entry
+
+
+class Transfers:
+    """Copies out, NVMe writes and restores of entries over tiers (``ssdtrain.tiers``); see the module docstring."""
+
+    def __init__(self, *, tiers: dict, on_full: str = "fallback"):
+        self.tiers = tiers  # name -> Tier
+        self.pool = tiers["host"].pool if "host" in tiers else None
+        self.on_full = on_full
+        self.lock = threading.RLock()
+        self.max_inflight = float("inf")  # device bytes waiting for their copy out before pack waits
+        self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
+        self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
+        self._inflight_bytes = 0
+        self._direct_bytes = 0  # device bytes of direct NVMe writes not yet staged
+        self._streams: dict[int, tuple] = {}
+        self.stream_source = None  # index -> (copy out, prefetch) streams shared by the model's sessions
+        self._warned: set[str] = set()
+        self.counters = collections.Counter()
+        self.gpu_saved_bytes = 0  # offloadable bytes now on the device (kept + in flight + restored)
+        self.peak_gpu_saved_bytes = 0
+
+    @property
+    def engine(self):
+        """The NVMe tier's I/O engine, once created."""
+        nvme = self.tiers.get("nvme")
+        return None if nvme is None else nvme.engine
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _side_streams(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if self.stream_source is not None:
+            return self.stream_source(index)
+        s = self._streams.get(index)
+        if s is None:
+            s = self._streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
+        return s  # (copy out, prefetch)
+
+    def _warn(self, kind: str, message: str) -> None:
+        self.counters[f"fallback_{kind}"] += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(
+                f"ssdtrain: {message} (further cases are counted in session.stats(), not repeated)",
+                OffloadWarning,
+                stacklevel=5,
+            )
+
+    def fell_back(self, tier, to, kind: str) -> None:
+        """`tier` had no room for an activation, which went to `to` (a tier, or None: the device)."""
+        where = "keeping activations on the device" if to is None or to.resident else _WHERE[to.name]
+        self._warn(kind, f"{tier.full_message}: {where}")
+
+    def _account(self, delta: int) -> None:
+        self.gpu_saved_bytes += delta
+        self.peak_gpu_saved_bytes = max(self.peak_gpu_saved_bytes, self.gpu_saved_bytes)
+
+    # ----------------------------------------------------------------------------------------------- store
+    def _store(self, entry: _Entry) -> bool:
+        """Hand `entry` to its tier, else along the tier's fallback order; False if it must stay on the device."""
+        planned = entry.tier
+        order = [planned] + [self.tiers[n] for n in planned.fallback if n in self.tiers and n != planned.name]
+        for tier in order:
+            if tier.resident:
+                continue
+            entry.tier = tier
+            if tier.store(self, entry):
+                if tier is not planned:
+                    self.fell_back(planned, tier, f"{planned.name}_full")
+                return True
+            if tier is planned and self.on_full == "raise":
+                raise OffloadError(
+                    f"ssdtrain: {planned.full_message} ({planned.capacity()} bytes): pass "
+                    f"{'host_memory' if planned.name == 'host' else 'nvme_memory'}= larger, or on_full='fallback'"
+                )
+        entry.tier = planned
+        self.fell_back(planned, None, f"{planned.name}_full")
+        return False
+
+    def copy_out(self, entry: _Entry, buf: torch.Tensor) -> None:
+        """Start copying `entry`'s device bytes into the host buffer `buf` (a tier's store())."""
+        entry.host = buf
+        dst = buf[: entry.nbytes]
+        if entry.device.type == "cuda":
+            out_stream, _ = self._side_streams(entry.device)
+            out_stream.wait_stream(torch.cuda.current_stream(entry.device))  # after the op that produced it
+            with torch.cuda.stream(out_stream):
+                dst.copy_(entry.src, non_blocking=True)
+                entry.d2h = torch.cuda.Event()
+                entry.d2h.record(out_stream)
+            self._pending.append(entry)
+            self._inflight_bytes += entry.nbytes
+        else:
+            dst.copy_(entry.src)
+            entry.src = None
+            self._account(-entry.nbytes)
+            entry.tier.copied_out(self, entry)
+
+    def writing(self, entry: _Entry, write) -> None:
+        """`write` (an engine future) stores `entry`'s bytes on disk (from its host buffer, or staged from the
+        device bytes by the engine when it has none: those device bytes count as in flight until staged)."""
+        entry.write = write
+        entry.handle = write.handle
+        self._writing.append(entry)
+        if entry.host is None and entry.src is not None and entry.device.type == "cuda":
+            self._direct_bytes += entry.nbytes
+
+    def _throttle(self) -> None:
+        """Device bytes waiting to leave (copies out, direct NVMe writes not yet staged) stay within
+        `max_inflight`: the host waits for the oldest (the planner counts at most that much in flight)."""
+        while self._inflight_bytes + self._direct_bytes > self.max_inflight:
+            t0 = time.perf_counter()
+            if self._pending:
+                self._pending[0].d2h.synchronize()
+            else:
+                direct = next((e for e in self._writing if e.host is None and e.src is not None), None)
+                if direct is None:
+                    break
+                direct.write.wait()
+            self.counters["throttle_waits"] += 1
+            self.counters["throttle_ns"] += int((time.perf_counter() - t0) * 1e9)
+            self.poll()
+
+    # ----------------------------------------------------------------------------------------------- progress
+    def poll(self) -> None:
+        """Advance transfers that finished (no waiting): release device memory, send host copies to disk."""
+        with self.lock:
+            while self._pending and self._pending[0].d2h.query():
+                entry = self._pending.popleft()
+                self._inflight_bytes -= entry.nbytes
+                entry.src = None
+                self._account(-entry.nbytes)
+                entry.tier.copied_out(self, entry)
+            if self._writing:
+                still = []
+                for entry in self._writing:
+                    if entry.write.done():
+                        self._write_done(entry)
+                    elif entry.host is None and entry.src is not None and entry.write.staged():
+                        entry.src = None  # direct write: the device bytes are no longer read
+                        self._account(-entry.nbytes)
+                        self._direct_done(entry)
+                        still.append(entry)
+                    else:
+                        still.append(entry)
+                self._writing = still
+
+    def _direct_done(self, entry: _Entry) -> None:
+        if entry.device.type == "cuda":
+            self._direct_bytes = max(0, self._direct_bytes - entry.nbytes)
+
+    def _write_done(self, entry: _Entry) -> None:
+        error = entry.write.exception()
+        entry.write = None
+        if error is None:
+            if entry.host is not None and entry.restored is not None:
+                # Already brought back before the write finished: the disk copy is not needed. On CPU the
+                # restored bytes *are* the host buffer, which then stays with the entry.
+                if entry.device.type == "cuda":
+                    self.pool.release(entry.host, after=entry.h2d)
+                    entry.host = None
+                self._free_handle(entry)
+            elif entry.host is not None:
+                self.pool.release(entry.host)
+                entry.host = None
+            if entry.src is not None:
+                entry.src = None
+                self._account(-entry.nbytes)
+                self._direct_done(entry)
+            return
+        # The disk refused the bytes: keep whatever copy still exists, or remember that they are lost.
+        handle, entry.handle = entry.handle, None
+        if handle is not None:
+            self.engine.free(handle)
+        if entry.host is None and entry.src is not None:
+            self._direct_done(entry)  # kept on the device from here: no longer waiting to leave
+        if entry.host is not None or entry.src is not None:
+            entry.tier = self.tiers["host"] if entry.host is not None else self.tiers["keep"]
+            self._warn(
+                "nvme_error",
+                f"an NVMe write failed ({error}): keeping the activation in "
+                f"{'host memory' if entry.host is not None else 'device memory'}",
+            )
+        else:
+            entry.lost = error
+
+    # ----------------------------------------------------------------------------------------------- restore
+    def _restore(self, entry: _Entry, stream) -> None:
+        """Issue the copy back of `entry` on `stream` (None: CPU)."""
+        if entry.device.type == "cpu":
+            if entry.host is not None:
+                entry.restored = entry.host[: entry.nbytes]
+            else:
+                buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
+                out = buf[: entry.nbytes] if buf is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
+                entry.read = self.engine.read(entry.handle, out=out)
+                entry.restored = out
+                entry.host = buf
+            self._account(entry.nbytes)
+            self.counters["bytes_restored"] += entry.nbytes
+            return
+        with torch.cuda.stream(stream):
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+            if entry.host is not None:
+                out.copy_(entry.host[: entry.nbytes], non_blocking=True)
+                entry.h2d = torch.cuda.Event()
+                entry.h2d.record(stream)
+                if entry.write is None:  # the host copy is no longer needed once this copy is done
+                    self.pool.release(entry.host, after=entry.h2d)
+                    entry.host = None
+                    self._free_handle(entry)
+            else:
+                entry.read = self.engine.read(entry.handle, out=out, stream=stream)
+        entry.restored = out
+        self._account(entry.nbytes)
+        self.counters["bytes_restored"] += entry.nbytes
+
+    def _free_handle(self, entry: _Entry) -> None:
+        if entry.handle is not None and entry.write is None and self.engine is not None:
+            self.engine.free(entry.handle)
+            entry.handle = None
+
+    def drain(self) -> None:
+        """Wait for every copy out and NVMe write (used before closing)."""
+        with self.lock:
+            for entry in list(self._pending):
+                entry.d2h.synchronize()
+            for entry in list(self._writing):
+                entry.write.wait()
+            self.poll()
+
+
+_WHERE = {"host": "keeping activations in host memory", "nvme": "moving activations to NVMe directly"}

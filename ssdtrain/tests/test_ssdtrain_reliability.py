@@ -22,6 +22,11 @@ from ssdtrain import tiers as ssd_tiers
 KIB = 1 << 10
 
 
+# A unit always moved: these tests are about bytes moving across sessions, and the budget alone may be met by
+# recompute (which plan it gets depends on the CPU timings of the profile).
+MOVED = {"blocks.0": "recompute+host"}
+
+
 def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -163,7 +168,7 @@ def test_a_new_session_per_step_reuses_the_plan_and_offloads(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(5):
-            with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False) as s:
+            with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False, overrides=MOVED) as s:
                 model.zero_grad()
                 model(ids).backward()
             sessions.append(s.stats())
@@ -181,7 +186,7 @@ def test_a_new_session_per_forward_with_backward_outside():
     moved = 0
     for _ in range(4):
         model.zero_grad()
-        with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False) as s:
+        with ssdtrain.offload(model, "1500K", min_bytes="4K", verbose=False, overrides=MOVED) as s:
             loss = model(ids)
         loss.backward()
         moved = s.stats()["bytes_offloaded"]["host"]

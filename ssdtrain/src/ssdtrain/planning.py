@@ -10,7 +10,6 @@ model, even one per step, reuses them.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import warnings
 import weakref
@@ -198,15 +197,7 @@ class Calibrator:
                 OffloadWarning,
                 stacklevel=5,
             )
-        new.calibrations = plan.calibrations + [line]
-        message = (
-            f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} "
-            f"GiB, forward+backward {new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"
-        )
-        log.info(message)
-        if self.verbose:
-            print(message, file=sys.stderr)
-        return new
+        return self._replanned(plan, new, line)
 
     def _time_scale(self, plan: Plan, marks) -> float | None:
         """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them."""
@@ -237,14 +228,13 @@ class Calibrator:
             plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
             plan.timing_calibrations += 1
             return plan
-        return self._timed(plan, new, line)
+        return self._replanned(plan, new, line, timing=True)
 
     def _steady(self, plan: Plan, grads: bool, held: bool, marks, step: int) -> Plan | None:
         """The checked step's peak is within the prediction: a slower plan than predicted that moves bytes is
         planned again with the link's rates halved; else the step counts as a pass."""
         prediction = plan.predict(grads, held)
         steady = bool(prediction.moved) and getattr(plan, "_passes", 0) >= 1
-        halvings = round(math.log2(1 / plan.link_scale))
         measured = None
         if steady and marks is not None and marks[2] is not None:
             try:
@@ -257,7 +247,7 @@ class Calibrator:
             late = (now[0] - self._late_base[0], now[1] - self._late_base[1])
         slow = measured is not None and measured > self.SPEED_SLACK * prediction.seconds
         behind = late is not None and late[1] > 0 and late[0] > self.LATE_SLACK * late[1]
-        if not (slow or behind) or halvings >= self.LINK_HALVINGS:
+        if not (slow or behind) or plan.link_scale <= 0.5**self.LINK_HALVINGS:
             return self._passed(plan)
         bw = plan.bandwidth
         why = []
@@ -270,12 +260,13 @@ class Calibrator:
             new = replan(plan, bandwidth=Bandwidth(bw.d2h / 2, bw.h2d / 2), link_scale=plan.link_scale / 2)
         except BudgetError:
             return self._passed(plan)  # the budget needs the moves: keep them
-        return self._timed(plan, new, line)
+        return self._replanned(plan, new, line, timing=True)
 
-    def _timed(self, plan: Plan, new: Plan, line: str) -> Plan:
-        """`new`, planned again from `plan` by a timing check (`line` says why), with that line recorded and said."""
+    def _replanned(self, plan: Plan, new: Plan, line: str, timing: bool = False) -> Plan:
+        """`new`, planned again from `plan` by a check (`line` says why; `timing`: a check of times, not of the
+        peak), with that line recorded and said."""
         new.calibrations = plan.calibrations + [line]
-        new.timing_calibrations = plan.timing_calibrations + 1
+        new.timing_calibrations = plan.timing_calibrations + timing
         message = (
             f"ssdtrain: {line}; replanned: predicted peak {new.prediction.peak / _GIB:.2f} GiB, forward+backward "
             f"{new.prediction.seconds / new.keep_prediction.seconds:.2f}x keep's"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Iterable, Mapping
@@ -116,9 +117,17 @@ def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, to
     names = tuple(name for _, name in compiled.leaf_names if name in dtypes)
     leaves = {name: dtypes[name] for name in names}
     backend = select(graph.device, leaves[names[0]])
-    prepare = getattr(backend, "prepare", None)
-    if prepare is None:
+    if getattr(backend, "prepare", None) is None:
         return False
+    # a loader thread's current device need not be the graph's (each thread starts on the first GPU): modules
+    # are loaded and kernels queued on the graph's device, on that thread's current stream there
+    with torch.cuda.device(graph.device) if graph.device.type == "cuda" else contextlib.nullcontext():
+        _prepare_on(backend.prepare, compiled, graph, leaves, training, grads)
+    return True
+
+
+def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.dtype],
+                training: bool, grads: Iterable[frozenset[str]]) -> None:
     saved = compiled.saved if training else ()
     plan = compiled.forward_lowered if training else compiled.inference_lowered
     env = prepare(plan, graph, leaves, keep=saved)
@@ -130,7 +139,6 @@ def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, to
             keys = [key for key in compiled.leaf_names if key[1] in wanted and key[1] in leaves]
             if keys:
                 prepare(compiled.backward_for(keys)[1], graph, bw_leaves, keep=())
-    return True
 
 
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):

@@ -116,7 +116,7 @@ class Graph:
             samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
             with the id check's read on the host (no wait of its own; unknown, so sorted again, on a
             ``sync_free`` graph). True: a promise, checked like the ids (an error now, or a device-side assertion
-            on a ``sync_free`` graph). False: not looked at.
+            on a ``sync_free`` graph). False: not looked at. The answer is kept as ``dst_sorted``.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,

@@ -19,7 +19,8 @@ Graph modes: ``persistent`` (one graph object for every step, as a full-graph tr
 ``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again, in the
 step) and ``prepared`` (new tensors each step, prepared before the step with ``hector.prepare_graph(...,
 layers=layer)``, as a loader thread does: its ``prepare_ms`` column is the host time that moved there; the step
-itself should launch what a persistent step launches). A fourth,
+itself should launch what a persistent step launches; its ``host_ms`` is a little above the persistent step's, as
+the preparation just ran on the same core and left its caches cold). A fourth,
 ``compiled``, runs the persistent step under ``torch.compile(fullgraph=True, backend="aot_eager")`` (the layer as
 one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s is what compiling adds to a step's
 host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph

@@ -442,7 +442,7 @@ def test_prepare_graph_in_a_loader_thread(emulated):
             failures.append(e)
         ready.put(None)
 
-    thread = threading.Thread(target=loader)
+    thread = threading.Thread(target=loader, daemon=True)  # a failed step leaves it blocked, not the process
     thread.start()
     steps = 0
     while (item := ready.get()) is not None:

@@ -408,7 +408,7 @@ def test_graphs_prepared_with_layers_in_a_loader_thread(model):
         try:
             with torch.cuda.stream(side):
                 for i in range(6):
-                    batch = sorted_batch if i % 2 else (ei.clone(), et.clone())
+                    batch = tuple(t.clone() for t in (sorted_batch if i % 2 else (ei, et)))
                     graph = hector.prepare_graph(*batch, twin.num_nodes, twin.num_relations, *typed, layers=layer)
                     done = torch.cuda.Event()
                     done.record(side)
@@ -417,7 +417,7 @@ def test_graphs_prepared_with_layers_in_a_loader_thread(model):
             failures.append(e)
         ready.put(None)
 
-    thread = threading.Thread(target=loader)
+    thread = threading.Thread(target=loader, daemon=True)  # a failed step leaves it blocked, not the process
     thread.start()
     steps = 0
     while (item := ready.get()) is not None:
@@ -433,7 +433,8 @@ def test_graphs_prepared_with_layers_in_a_loader_thread(model):
         steps += 1
     thread.join()
     assert not failures and steps == 6
-    graph = hector.prepare_graph(*sorted_batch, twin.num_nodes, twin.num_relations, *typed, layers=layer)
+    graph = hector.prepare_graph(*(t.clone() for t in sorted_batch), twin.num_nodes, twin.num_relations, *typed,
+                                 layers=layer)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -13,14 +13,18 @@
 #              the train step with sums by source/pair atomic and sorted (columns atomic_train_ms, sorted_train_ms;
 #              the summary's "atomic/sorted" lines), torch.compile(mode="reduce-overhead") (CUDA graphs) where the
 #              eager step is under 5 ms. Each row is written to the CSV as it finishes
-#   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations
+#   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations,
+#              and the step on a graph prepared ahead with its layer (prepare_graph(..., layers=...): the prepared_*
+#              columns; prepared_host_ms against host_ms is the host time a loader thread takes off the step)
+#   host       (not by default; CPU only, ~1 minute) host_overhead.py: launches and host ms per training step with a
+#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
-# Writes into "${OUT:-./out}" (at most 6 files): hector_gpu.log (everything printed, the final tables),
+# Writes into "${OUT:-./out}" (at most 8 files): hector_gpu.log (everything printed, the final tables),
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
-# hector_memory.csv for `memory`). Every step runs even if an earlier one failed; the script exits non-zero if any
+# hector_memory.csv for `memory`, hector_host.csv for `host`). Every step runs even if an earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory" sets each step's time limit in seconds (default "190 60 250 100 200": the default steps end
-# inside 8 minutes and 20 seconds).
+# relations memory host" sets each step's time limit in seconds (default "190 60 250 100 200 120": the default steps
+# end inside 8 minutes and 20 seconds). For the mini-batch preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
 OUT="${OUT:-./out}"
 STEPS="${HECTOR_STEPS:-tests,sanitize,bench}"
@@ -28,7 +32,8 @@ mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY <<< "${HECTOR_LIMITS:-190 60 250 100 200}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY T_HOST <<< "${HECTOR_LIMITS:-190 60 250 100 200 120}"
+T_HOST="${T_HOST:-120}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -76,6 +81,13 @@ if has memory; then
   timeout "$T_MEMORY" python3 hector/benchmarks/memory_table.py --device cuda --measure-edges 2000000 --pyg-limit 4e10 \
       --datasets aifb,mutag,bgs,am,fb15k,biokg,mag,wikikg2 --csv "$OUT/hector_memory.csv" --markdown 2>&1 \
       | grep -v USDT | tee -a "$LOG" || { note "memory_table: exit $?"; STATUS=1; }
+fi
+
+if has host; then
+  note "=== host_overhead ($(date -u +%T))"
+  timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --graphs tiny,small,batch1000 --models rgcn,rgat,hgt \
+      --modes persistent,new,prepared --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
+      || { note "host_overhead: exit $?"; STATUS=1; }
 fi
 
 note "=== hector GPU run done, status $STATUS ($(date -u +%T))"

@@ -15,14 +15,18 @@ no GPU and no compiler, and what it measures is exactly the host's share of a GP
   small, so its ``host_ms`` is close to the host time a GPU step pays; on the larger graphs the CPU fills and
   sorts dominate it).
 
-Two graph modes: ``persistent`` (one graph object for every step, as a full-graph training loop) and ``new`` (new
-``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again). A third,
+Graph modes: ``persistent`` (one graph object for every step, as a full-graph training loop), ``new`` (new
+``edge_index`` / ``edge_type`` tensors each step, as every mini-batch does: the graph is prepared again, in the
+step) and ``prepared`` (new tensors each step, prepared before the step with ``hector.prepare_graph(...,
+layers=layer)``, as a loader thread does: its ``prepare_ms`` column is the host time that moved there; the step
+itself should launch what a persistent step launches; its ``host_ms`` is a little above the persistent step's, as
+the preparation just ran on the same core and left its caches cold). A fourth,
 ``compiled``, runs the persistent step under ``torch.compile(fullgraph=True, backend="aot_eager")`` (the layer as
 one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s is what compiling adds to a step's
 host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph
 pays in full. Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
 
-    python hector/benchmarks/host_overhead.py --graphs small,batch1000 --csv host.csv
+    python hector/benchmarks/host_overhead.py --graphs small,batch1000 --modes persistent,new,prepared --csv host.csv
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hector_bench_common import LAYERS, hector_layer  # noqa: E402
 
+import hector  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
 from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
@@ -54,6 +59,8 @@ GRAPHS = {
     "batch1000": DatasetSpec("batch1000", 20_000, 50_000, 1_000, 4, 1.3),
     "tiny": DatasetSpec("tiny", 200, 800, 20, 3, 2.0),  # the smoke test's
 }
+
+MODES = ("persistent", "new", "prepared", "compiled")
 
 # aten ops that launch nothing on a GPU (views, allocation, metadata)
 NO_LAUNCH = frozenset({
@@ -153,41 +160,64 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
     persistent = g.graph()
 
     ei, et, nt = g.edge_index, g.edge_type, g.node_type
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     if mode == "compiled":
         torch._dynamo.reset()  # each row's lambda is the same code object: no cache of an earlier row's layer
     compiled = torch.compile(lambda h: layer(h, ei, et, nt), fullgraph=True, backend="aot_eager") \
         if mode == "compiled" else None
 
-    def step():
+    typed = layer.num_node_types is not None
+
+    def prepare():
+        """What a loader thread does for ``prepared`` (the step's graph tensors; nothing for the other modes)."""
+        if mode != "prepared":
+            return None
+        batch = (g.edge_index.clone(), g.edge_type.clone(), g.node_type.clone())
+        hector.prepare_graph(batch[0], batch[1], spec.num_nodes, spec.num_relations, batch[2] if typed else None,
+                             layer.num_node_types, layers=layer)
+        return batch
+
+    def step(batch):
         layer.zero_grad(set_to_none=True)
         x.grad = None
         if mode == "persistent":
             out = layer(x, persistent, g.edge_type, g.node_type)
         elif compiled is not None:  # the same tensors each call: one graph, prepared once
             out = compiled(x)
+        elif batch is not None:  # new tensors, prepared before the step (found by the layer from the tensors)
+            out = layer(x, *batch)
         else:  # new tensors, same values: the graph is prepared again, as for a mini-batch
             out = layer(x, g.edge_index.clone(), g.edge_type.clone(), g.node_type.clone())
         out.sum().backward()
 
     with null_backend() as executor:
         for _ in range(warmup):
-            step()
+            step(prepare())
+        batch = prepare()
         counter = OpCounter()
         launches = executor.launches
         with counter if compiled is None else contextlib.nullcontext():
-            step()
+            step(batch)
         kernels = executor.launches - launches
-        batches = []
+        batches, prepares = [], []
         for _ in range(5):  # the best of five batches: the machine may be shared, a mean would time the others
-            start = time.perf_counter()
+            spent = prepared = 0.0
             for _ in range(steps):
-                step()
-            batches.append((time.perf_counter() - start) / steps)
+                start = time.perf_counter()
+                batch = prepare()
+                ready = time.perf_counter()
+                step(batch)
+                spent += time.perf_counter() - ready
+                prepared += ready - start
+            batches.append(spent / steps)
+            prepares.append(prepared / steps)
         host_ms = min(batches) * 1e3
     return {"graph": graph, "model": model, "mode": mode, "edges": spec.num_edges,
             "relations": spec.num_relations, "torch_ops": "-" if compiled else counter.total,
             "device_ops": "-" if compiled else counter.device_ops, "kernels": kernels,
             "launches": "-" if compiled else counter.device_ops + kernels, "host_ms": round(host_ms, 3),
+            "prepare_ms": round(min(prepares) * 1e3, 3) if mode == "prepared" else "-",
             "top_ops": " ".join(f"{k}:{v}" for k, v in counter.ops.most_common(8))}
 
 
@@ -199,7 +229,7 @@ def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_
             for mode in modes:
                 rows.append(measure(graph, model, mode, steps=steps))
     if verbose:
-        cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms"]
+        cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms"]
         print(" | ".join(f"{c:>10}" for c in cols))
         for r in rows:
             print(" | ".join(f"{r[c]!s:>10}" for c in cols))
@@ -216,13 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--graphs", default="small,batch1000", help=f"comma list of {sorted(GRAPHS)}")
     p.add_argument("--models", default=",".join(LAYERS), help="comma list of rgcn, rgat, hgt")
-    p.add_argument("--modes", default="persistent,new", help="comma list of persistent, new, compiled")
+    p.add_argument("--modes", default="persistent,new,prepared",
+                   help="comma list of persistent, new, prepared, compiled")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--csv", default=None, help="write the rows here")
     a = p.parse_args(argv)
     for name in a.graphs.split(","):
         if name not in GRAPHS:
             p.error(f"unknown graph {name!r}; known: {sorted(GRAPHS)}")
+    for mode in a.modes.split(","):
+        if mode not in MODES:
+            p.error(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     run(a.graphs.split(","), a.models.split(","), a.modes.split(","), a.steps, a.csv)
 
 

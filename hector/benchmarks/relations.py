@@ -5,7 +5,11 @@ of R relations, R in ``--relations`` (default 16, 1000, 10000), with a fixed bat
 batch are at most its edge count, so its cost should grow with those, not with R. Per model and R it prints the
 median milliseconds per training step (forward + backward) and the number of torch operations dispatched per step
 (a machine-independent count: per-relation Python loops show up as operations growing with R), and the per-batch
-graph preparation time alone (``hector.prepare_graph``).
+graph preparation time alone (``hector.prepare_graph``). Then the same on graphs prepared ahead with the layer
+(``hector.prepare_graph(..., layers=layer)``, what a loader thread does): the preparation's time
+(``prepare_layers_ms``), the step's (``prepared_step_ms``), the host time until the step's launches have returned
+(``prepared_host_ms``, against ``host_ms`` for a graph the step prepares itself: what a loader thread takes off the
+training thread) and its torch operations (``ops_prepared``).
 
     python hector/benchmarks/relations.py                       # CPU, reference backend
     python hector/benchmarks/relations.py --device cuda --edges 200000 --csv rel.csv
@@ -75,30 +79,51 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
         layer.zero_grad(set_to_none=True)
         layer(x, ei, et, nt).float().sum().backward()
 
+    typed = (nt, node_types) if kind == "hgt" else (None, None)
+
+    def timed(batches_, prepare=None):
+        """Median (step ms, host ms until the step returned, prepare ms) over ``batches_``."""
+        steps, hosts, preps = [], [], []
+        for ei, et in batches_:
+            t = time.perf_counter()
+            if prepare is not None:
+                prepare(ei, et)
+                _sync(a.device)
+            ready = time.perf_counter()
+            step(ei, et)
+            launched = time.perf_counter()
+            _sync(a.device)
+            steps.append(time.perf_counter() - ready)
+            hosts.append(launched - ready)
+            preps.append(ready - t)
+        return tuple(statistics.median(v) * 1e3 for v in (steps, hosts, preps))
+
+    def plain(ei, et):
+        hector.prepare_graph(ei, et, a.nodes, relations, *typed)
+
+    def with_layer(ei, et):
+        hector.prepare_graph(ei, et, a.nodes, relations, *typed, layers=layer)
+
     for ei, et in data[:2]:  # warm-up: compilation, the cost model's choice for this size class
         step(ei, et)
     _sync(a.device)
-    times = []
-    for ei, et in data[2:]:
-        t = time.perf_counter()
-        step(ei, et)
-        _sync(a.device)
-        times.append(time.perf_counter() - t)
-    fresh = batches(a.batches, a.nodes, a.edges, relations, a.skew, 2, a.device)
-    prep = []
-    for ei, et in fresh:
-        t = time.perf_counter()
-        hector.prepare_graph(ei, et, a.nodes, relations, nt if kind == "hgt" else None,
-                             node_types if kind == "hgt" else None)
-        _sync(a.device)
-        prep.append(time.perf_counter() - t)
+    step_ms, host_ms, _ = timed(data[2:])
+    _, _, prepare_ms = timed(batches(a.batches, a.nodes, a.edges, relations, a.skew, 2, a.device), plain)
+    prepared = batches(a.batches + 1, a.nodes, a.edges, relations, a.skew, 3, a.device)
+    prepared_step_ms, prepared_host_ms, prepare_layers_ms = timed(prepared[1:], with_layer)
+    fresh = batches(1, a.nodes, a.edges, relations, a.skew, 4, a.device)
     ei, et = fresh[0]
     with CountOps() as counter:
         step(ei, et)
+    ei, et = prepared[0]
+    with_layer(ei, et)
+    with CountOps() as counted_prepared:
+        step(ei, et)
     present = round(statistics.mean(int(torch.unique(b[1]).numel()) for b in data[2:]))
     return {"model": kind, "relations": relations, "present_per_batch": present, "edges": a.edges,
-            "step_ms": statistics.median(times) * 1e3, "prepare_ms": statistics.median(prep) * 1e3,
-            "ops_per_step": counter.count}
+            "step_ms": step_ms, "host_ms": host_ms, "prepare_ms": prepare_ms, "ops_per_step": counter.count,
+            "prepared_step_ms": prepared_step_ms, "prepared_host_ms": prepared_host_ms,
+            "prepare_layers_ms": prepare_layers_ms, "ops_prepared": counted_prepared.count}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -114,13 +139,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--csv", help='also write every row to this CSV file (after each row)')
     a = ap.parse_args(argv)
     rows = []
-    print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'prepare ms':>10s} {'ops/step':>8s}", flush=True)
+    print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
+          f"{'ops/step':>8s} | prepared with the layer: {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
+          f"{'ops/step':>8s}", flush=True)
     for kind in a.models.split(","):
         for r in (int(v) for v in a.relations.split(",")):
             row = run(kind, r, a)
             rows.append(row)
-            print(f"{kind:5s} {r:6d} {row['present_per_batch']:7d} {row['step_ms']:8.2f} {row['prepare_ms']:10.2f} "
-                  f"{row['ops_per_step']:8d}", flush=True)
+            print(f"{kind:5s} {r:6d} {row['present_per_batch']:7d} {row['step_ms']:8.2f} {row['host_ms']:8.2f} "
+                  f"{row['prepare_ms']:10.2f} {row['ops_per_step']:8d} | {'':24s} {row['prepared_step_ms']:8.2f} "
+                  f"{row['prepared_host_ms']:8.2f} {row['prepare_layers_ms']:10.2f} {row['ops_prepared']:8d}",
+                  flush=True)
             if a.csv:  # after every row: a run stopped by a time limit keeps what it measured
                 with open(a.csv, "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ class EmulatedExecutor:
         self.multiprocessors = multiprocessors
         self.arch = arch
         self.launches: list[str] = []
+        # one emulated launch at a time: the shim's fiber scheduler is process-wide, and a ctypes call lets
+        # another Python thread (a loader preparing graphs) launch meanwhile, as it may on a GPU
+        self._lock = threading.Lock()
 
     def load(self, module, filename: str):
         cxx = compiler()
@@ -73,7 +77,8 @@ class EmulatedExecutor:
         launch.restype = ctypes.c_int
         launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p]
         gx, gy = grid
-        rc = launch(stub, gx, gy, 1, block, 1, 1, smem, ctypes.cast(array, ctypes.c_void_p))
+        with self._lock:
+            rc = launch(stub, gx, gy, 1, block, 1, 1, smem, ctypes.cast(array, ctypes.c_void_p))
         if rc != 0:
             raise RuntimeError(f"emulated kernel {name} failed (code {rc})")
 

@@ -85,6 +85,8 @@ def test_relations_smoke(tmp_path):
                            "--dim", "8", "--csv", str(out)])
     assert out.exists() and len(rows) == 6
     assert all(r["step_ms"] > 0 and r["ops_per_step"] > 0 for r in rows)
+    # a graph prepared with its layer (loader thread) leaves the step fewer operations, never more
+    assert all(r["prepared_step_ms"] > 0 and 0 < r["ops_prepared"] <= r["ops_per_step"] for r in rows)
 
 
 @pytest.mark.parametrize("kind", ["rgcn", "rgat", "hgt"])

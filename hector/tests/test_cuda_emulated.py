@@ -358,3 +358,139 @@ def test_sorted_scatter_writes_rows_without_atomics(emulated, name):
     _compare(LAYERS[name], ei, et, nt, 17, torch.float32, 1e-5)
     assert {k.name for k in centric} & set(EMULATED.executor.launches), "the centric kernels ran"
     _compare(LAYERS[name], ei, et, nt, 17, torch.bfloat16, 3e-2)  # bf16 rows written once from float32 sums
+
+
+def _launch_plans(graph: Graph) -> int:
+    """Launch plans the CUDA backend holds for ``graph`` (built by a call or by preparing it)."""
+    return sum(1 for key in device_graph(graph)._cache if isinstance(key, tuple) and key[0] == "launch")
+
+
+@pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgcn-sorted", "hgt-in-ne-out"])
+def test_prepared_graph_builds_every_plan_ahead(emulated, name):
+    """``hector.prepare_graph(..., layers=...)`` builds the launch plans a training step on the graph needs (forward
+    that keeps values, backward with and without x's gradient): the step builds none, and its forward and
+    gradients equal the reference's."""
+    import hector
+
+    ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=7)
+    torch.manual_seed(0)
+    ref = LAYERS[name]().double()
+    layer = LAYERS[name]().float()
+    layer.load_state_dict(ref.state_dict())
+    typed = (nt, 2) if layer.num_node_types else (None, None)
+    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
+    xa = x.clone().requires_grad_()
+    a = ref(xa, ei, et, typed[0])
+    ga = _grads(a, [xa] + list(ref.parameters()))
+    for x_grad in (True, False):
+        graph = hector.prepare_graph(ei.clone(), et.clone(), 17, 3, *typed, layers=[layer])
+        plans = _launch_plans(graph)
+        assert plans >= 3, "a forward and two backwards (x with and without a gradient)"
+        xb = x.float().requires_grad_(x_grad)
+        b = layer(xb, graph)
+        assert rel_err(b.double(), a) < 1e-5
+        inputs = ([xb] if x_grad else []) + list(layer.parameters())
+        gb = _grads(b, inputs)
+        assert _launch_plans(graph) == plans, "the step built a launch plan of its own"
+        for u, v in zip(gb, ga if x_grad else ga[1:], strict=True):
+            assert (u is None) == (v is None)
+            if v is not None:
+                assert rel_err(u.double(), v) < 1e-5
+
+
+def test_prepared_graph_under_autocast(emulated):
+    """Prepared for bfloat16 (``dtype=``), the graph's step under ``torch.autocast`` builds no plan of its own."""
+    import hector
+
+    ei, et, nt = make_graph(num_nodes=17, num_edges=90, seed=8)
+    torch.manual_seed(0)
+    layer = LAYERS["rgat"]()
+    graph = hector.prepare_graph(ei, et, 17, 3, layers=layer, dtype=torch.bfloat16, input_grad=False)
+    plans = _launch_plans(graph)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(17, 6), graph)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and _launch_plans(graph) == plans
+    unprepared = hector.Graph(ei, et, 17, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out2 = layer(torch.randn(17, 6), unprepared)
+    out2.float().sum().backward()
+    assert _launch_plans(unprepared) == plans, "the same plans as those prepared"
+
+
+def test_prepare_graph_in_a_loader_thread(emulated):
+    """Graphs prepared by a loader thread while the training thread runs steps on the graphs made before: every
+    step's output equals the reference's (nothing shared is half-built while the other thread reads it)."""
+    import queue
+    import threading
+
+    import hector
+
+    torch.manual_seed(0)
+    layer = LAYERS["rgat"]()
+    ref = LAYERS["rgat"]().double()
+    ref.load_state_dict(layer.state_dict())
+    graphs = [make_graph(num_nodes=17, num_edges=60 + 5 * i, seed=20 + i) for i in range(6)]
+    ready: queue.Queue = queue.Queue(maxsize=2)
+    failures = []
+
+    def loader():
+        try:
+            for ei, et, _ in graphs:
+                ready.put((ei, et, hector.prepare_graph(ei, et, 17, 3, layers=layer)))
+        except Exception as e:  # handed to the training thread, which fails the test with it
+            failures.append(e)
+        ready.put(None)
+
+    thread = threading.Thread(target=loader, daemon=True)  # a failed step leaves it blocked, not the process
+    thread.start()
+    steps = 0
+    while (item := ready.get()) is not None:
+        ei, et, graph = item
+        x = torch.randn(17, 6, dtype=torch.float64)
+        out = layer(x.float(), graph)
+        out.sum().backward()
+        assert rel_err(out.double(), ref(x, ei, et)) < 1e-5
+        steps += 1
+    thread.join()
+    assert not failures and steps == len(graphs)
+
+
+@pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgat-sorted"])
+def test_destination_sorted_edges_skip_the_sort(emulated, name):
+    """Edges already in destination order (a sampler's CSC order): found with the id check, or promised by
+    ``sorted_by_destination=True``, the backend keeps them as they are (no sort, no gathers), and the forward and
+    gradients equal those of the same graph sorted again (``False``: bit for bit, the stable sort of sorted
+    edges changes nothing) and the reference's. Shuffled edges are found unsorted and sorted as before."""
+    ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=9)
+    order = torch.sort(ei[1], stable=True).indices
+    ei, et = ei[:, order], et[order]
+    torch.manual_seed(0)
+    ref = LAYERS[name]().double()
+    layer = LAYERS[name]().float()
+    layer.load_state_dict(ref.state_dict())
+    typed = (nt, 2) if layer.num_node_types else (None, None)
+    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
+    xa = x.clone().requires_grad_()
+    a = ref(xa, ei, et, typed[0])
+    ga = _grads(a, [xa] + list(ref.parameters()))
+    results = {}
+    for hint in (None, True, False):
+        graph = Graph(ei, et, 17, 3, *typed, sorted_by_destination=hint)
+        assert graph.dst_sorted == (hint is not False)
+        assert (device_graph(graph).order is None) == (hint is not False)
+        xb = x.float().requires_grad_()
+        b = layer(xb, graph)
+        results[hint] = (b,) + _grads(b, [xb] + list(layer.parameters()))
+    for hint in (None, True):
+        for u, v in zip(results[hint], results[False], strict=True):
+            assert (u is None) == (v is None)
+            if v is not None:
+                assert torch.equal(u, v), hint
+    for u, v in zip(results[None][1:], ga, strict=True):
+        if v is not None:
+            assert rel_err(u.double(), v) < 1e-5
+    assert rel_err(results[None][0].double(), a) < 1e-5
+    shuffled = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(1))
+    unsorted = Graph(ei[:, shuffled], et[shuffled], 17, 3, *typed)
+    assert not unsorted.dst_sorted and device_graph(unsorted).order is not None

@@ -363,3 +363,82 @@ def test_torch_compile_cudagraphs_training_step(model):
     torch._dynamo.reset()
     for a, b in zip(got, eager, strict=True):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("model", ["rgcn", "rgat", "hgt"])
+def test_graphs_prepared_with_layers_in_a_loader_thread(model):
+    """A loader thread on a CUDA stream of its own prepares each batch's graph with its layer
+    (``prepare_graph(..., layers=...)``: layout, constants, launch plans) while the training thread runs steps on
+    the graphs made before: each step builds no launch plan, and its output and gradients equal those of the same
+    layer on an unprepared graph; destination-sorted batches (the sampler's order) skip the sort and give the
+    results of the same edges sorted again (up to the order of atomic adds). A step on a prepared graph never waits
+    for the GPU (checked after the thread, as the sync debug mode is process-wide and preparing does wait)."""
+    import queue
+    import threading
+
+    import hector
+    from hector.runtime.cuda import device_graph
+
+    twin, ei, et, nt = _twin(scale=0.05)
+    torch.manual_seed(0)
+    layer = MODELS[model](64, twin.num_relations, twin.num_node_types).cuda()
+    x = twin.features(64).cuda()
+    typed = (nt, twin.num_node_types) if model == "hgt" else (None, None)
+    order = torch.sort(ei[1], stable=True).indices
+    sorted_batch = (ei[:, order].contiguous(), et[order].contiguous())
+    layer(x, ei, et, nt).sum().backward()  # compile the modules, pick the options for this size class
+
+    def step(graph):
+        xg = x.clone().requires_grad_()
+        out = layer(xg, graph)
+        return [out] + list(torch.autograd.grad(out.sum(), [xg] + list(layer.parameters())))
+
+    def plans(graph):
+        return sum(1 for k in device_graph(graph)._cache if isinstance(k, tuple) and k[0] == "launch")
+
+    expected = step(hector.Graph(ei, et, twin.num_nodes, twin.num_relations, *typed))
+    expected_sorted = step(hector.Graph(*sorted_batch, twin.num_nodes, twin.num_relations, *typed,
+                                        sorted_by_destination=False))
+    ready: queue.Queue = queue.Queue(maxsize=2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    failures = []
+
+    def loader():
+        try:
+            with torch.cuda.stream(side):
+                for i in range(6):
+                    batch = tuple(t.clone() for t in (sorted_batch if i % 2 else (ei, et)))
+                    graph = hector.prepare_graph(*batch, twin.num_nodes, twin.num_relations, *typed, layers=layer)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    ready.put((i % 2 == 1, graph, done))
+        except Exception as e:  # handed to the training thread, which fails the test with it
+            failures.append(e)
+        ready.put(None)
+
+    thread = threading.Thread(target=loader, daemon=True)  # a failed step leaves it blocked, not the process
+    thread.start()
+    steps = 0
+    while (item := ready.get()) is not None:
+        is_sorted, graph, done = item
+        torch.cuda.current_stream().wait_event(done)
+        graph.record_stream(torch.cuda.current_stream())
+        assert graph.dst_sorted == is_sorted and (device_graph(graph).order is None) == is_sorted
+        count = plans(graph)
+        got = step(graph)
+        assert plans(graph) == count, "the step built a launch plan of its own"
+        for a, b in zip(got, expected_sorted if is_sorted else expected, strict=True):
+            assert rel_err(a.double(), b.double()) < 1e-5
+        steps += 1
+    thread.join()
+    assert not failures and steps == 6
+    graph = hector.prepare_graph(*(t.clone() for t in sorted_batch), twin.num_nodes, twin.num_relations, *typed,
+                                 layers=layer)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(graph)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(g).all() for g in got)

@@ -326,3 +326,40 @@ def test_untyped_layer_ignores_node_types():
     graph = layer.graph(x, ei, et, g.ntype)
     assert graph.num_node_types == 1 and graph is layer.graph(x, ei, et, None)
     assert torch.allclose(layer(x, ei, et, g.ntype), layer(x, ei, et))
+
+
+def test_sorted_by_destination_is_checked():
+    """The destination-order hint is checked with the ids (one host read): a false promise is an error that says
+    the fix; without the hint the order is found out; a graph of one edge or none is sorted."""
+    import hector
+
+    ei = torch.tensor([[0, 1, 2, 3], [1, 0, 2, 2]])
+    et = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(hector.GraphInputError, match="sort the edges by destination or leave the hint out"):
+        hector.Graph(ei, et, 4, 1, sorted_by_destination=True)
+    assert not hector.Graph(ei, et, 4, 1).dst_sorted
+    assert hector.Graph(ei[:, [1, 0, 2, 3]], et, 4, 1).dst_sorted
+    assert not hector.Graph(ei[:, [1, 0, 2, 3]], et, 4, 1, sorted_by_destination=False).dst_sorted
+    assert hector.Graph(ei[:, :1], et[:1], 4, 1).dst_sorted
+    assert hector.Graph(ei[:, :0], et[:0], 4, 1, sorted_by_destination=True).dst_sorted
+    # the reference's CSC layout of sorted edges is the identity permutation
+    perm, ptr = hector.Graph(ei[:, [1, 0, 2, 3]], et, 4, 1).csc()
+    assert perm.tolist() == [0, 1, 2, 3] and ptr.tolist() == [0, 1, 2, 4, 4]
+
+
+def test_prepare_graph_layers_argument():
+    """``layers=`` takes modules holding hector layers; a layer made for another relation count is an error; a
+    module without any hector layer gets a warning (nothing prepared); a non-module is a TypeError."""
+    import hector
+
+    ei, et, _ = make_graph(seed=2)
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 4), hn.RGCNConv(4, 4, 3)])
+    graph = hector.prepare_graph(ei, et, 14, 3, layers=model)
+    assert graph.cached(("options", model[1]._layer_id, True, "time", hector.config.sorted_scatter()),
+                        lambda: None) is not None, "the cost model's choice was made ahead"
+    with pytest.raises(hector.GraphInputError, match="num_relations"):
+        hector.prepare_graph(ei, et, 14, 3, layers=[hn.RGCNConv(4, 4, 5)])
+    with pytest.warns(UserWarning, match="found no hector layer"):
+        hector.prepare_graph(ei, et, 14, 3, layers=torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="torch modules"):
+        hector.prepare_graph(ei, et, 14, 3, layers=["rgcn"])

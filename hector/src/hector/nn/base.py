@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any
 
 import torch
@@ -13,9 +14,11 @@ from ..errors import GraphInputError
 from ..ir.builder import Builder, Value
 from ..ir.core import Program
 from ..passes import Options
-from ..runtime.compiled import CompiledLayer, apply, compile_program
+from ..runtime.compiled import CompiledLayer, apply, compile_program, prepare_apply
 from ..runtime.graph import Graph, graph_for
 from . import _ops
+
+_COMPILE_LOCK = threading.RLock()
 
 
 class RelationalLayer(nn.Module):
@@ -116,8 +119,55 @@ class RelationalLayer(nn.Module):
         key = (training, *opts_key)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = compile_program(self.trace(training), opts)
+            with _COMPILE_LOCK:  # a loader thread preparing graphs (prepare) may compile the same program
+                compiled = self._compiled.get(key)
+                if compiled is None:
+                    compiled = self._compiled[key] = compile_program(self.trace(training), opts)
         return compiled
+
+    def prepare(self, graph: Graph, *, dtype: torch.dtype | None = None, input_grad: bool | None = None) -> Graph:
+        """Builds now everything this layer's first call on ``graph`` would build: the cost model's choice, the
+        compiled program, and (on the CUDA backend) the graph's layout, constants and the launch plans of the
+        forward and backward (sizes, grids, index bindings, tile schedules), so that a step on ``graph`` launches
+        what a step on a graph used for many steps launches. Meant for the thread that makes mini-batches (see
+        :func:`hector.prepare_graph`, which calls it for its ``layers``): thread-safe, and its device work runs
+        on that thread's current CUDA stream.
+
+        ``graph``: a :class:`~hector.Graph` (what :func:`hector.prepare_graph` returns). ``dtype``: the dtype the
+        layer will run in (default: its parameters'; ``torch.bfloat16`` for a step under ``torch.autocast`` with
+        bfloat16). ``input_grad``: whether ``x`` will need a gradient (True: a layer after another trainable
+        one; False: the first layer on fixed features; None, the default: prepare both). The layer's current
+        mode (``train()`` / ``eval()``) decides between the training forward and backward and the inference
+        forward. Returns ``graph``. Without effect on the reference backend beyond the cost model's choice and
+        the compiled program (it builds its per-graph data on the call)."""
+        if not isinstance(graph, Graph):
+            raise GraphInputError(f"{type(self).__name__}.prepare takes a hector.Graph (from hector.prepare_graph), "
+                                  f"got {type(graph).__name__}")
+        if graph.num_relations != self.num_relations:
+            raise GraphInputError(f"{type(self).__name__} has {self.num_relations} relations but the graph was made "
+                                  f"with num_relations={graph.num_relations}; prepare it with the layer's count")
+        if self.num_node_types is not None and graph.num_node_types != self.num_node_types:
+            raise GraphInputError(f"{type(self).__name__} has {self.num_node_types} node types but the graph "
+                                  f"{graph.num_node_types}; give prepare_graph node_type and num_node_types")
+        tensors = self._tensors()
+        param = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+        run_dtype = param if dtype is None else dtype
+        if not run_dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {run_dtype}")
+
+        def cast(t: torch.Tensor) -> torch.dtype:  # as _leaves casts under autocast
+            return run_dtype if t.is_floating_point() and t.dtype != torch.float64 else t.dtype
+
+        compiled = self.compiled(graph)
+        used = {name for _, name in compiled.leaf_names}
+        dtypes = {self.input_name: run_dtype}  # x in the parameters' dtype (or cast to the autocast one)
+        dtypes.update((k, cast(v) if dtype is not None else v.dtype) for k, v in tensors.items())
+        dtypes = {k: v for k, v in dtypes.items() if k in used}
+        trained = frozenset(k for k, v in tensors.items() if v.requires_grad and k in used)
+        variants = (False, True) if input_grad is None else (bool(input_grad),)
+        grads = [trained | {self.input_name} if with_input else trained for with_input in variants]
+        prepare_apply(compiled, graph, dtypes, self.training, grads)
+        return graph
 
     # running
     def graph(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None,

@@ -16,6 +16,7 @@ values in its own row order).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -52,6 +53,7 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 _cuda_backend = None
 _warned: set[str] = set()
+_CUDA_LOCK = threading.Lock()
 
 
 def cuda_backend():
@@ -60,7 +62,9 @@ def cuda_backend():
     if _cuda_backend is None:
         from .cuda import CudaBackend
 
-        _cuda_backend = CudaBackend()
+        with _CUDA_LOCK:  # one backend even when a loader thread asks first (hector.prepare_graph)
+            if _cuda_backend is None:
+                _cuda_backend = CudaBackend()
     return _cuda_backend
 
 

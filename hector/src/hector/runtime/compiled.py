@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,8 @@ from ..lower.kernels import Lowered, lower
 from ..passes import Backward, Options, differentiate, optimize, optimize_backward
 from .backend import Backend, select
 from .graph import Graph
+
+_LOCK = threading.RLock()
 
 
 @dataclass
@@ -41,13 +45,17 @@ class CompiledLayer:
 
     def backward_for(self, wrt: Iterable[tuple[Op, str]]) -> tuple[Backward, Lowered]:
         key = frozenset(wrt)
-        if key not in self._backward:
-            bw = differentiate(self.forward, key)
-            prog = optimize_backward(bw.program, self.options)
-            bw = Backward(prog, bw.grads_of)
-            how = dict(fuse=self.options.fuse, sorted_scatter=self.options.sorted_scatter)
-            self._backward[key] = (bw, lower(prog, **how))
-        return self._backward[key]
+        hit = self._backward.get(key)
+        if hit is not None:
+            return hit
+        with _LOCK:  # a loader thread preparing graphs may ask for the same backward
+            if key not in self._backward:
+                bw = differentiate(self.forward, key)
+                prog = optimize_backward(bw.program, self.options)
+                bw = Backward(prog, bw.grads_of)
+                how = dict(fuse=self.options.fuse, sorted_scatter=self.options.sorted_scatter)
+                self._backward[key] = (bw, lower(prog, **how))
+            return self._backward[key]
 
 
 def compile_program(program: Program, options: Options | None = None) -> CompiledLayer:
@@ -97,6 +105,40 @@ class _Apply(torch.autograd.Function):
         by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)}
         grads = tuple(by_leaf.get(k) for k in leaf_keys)
         return (None, None, None, None) + grads
+
+
+def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, torch.dtype], training: bool,
+                  grads: Iterable[frozenset[str]] = ()) -> bool:
+    """Builds now, on the calling thread's current stream, what :func:`apply` of ``compiled`` on ``graph`` with
+    leaves of these ``dtypes`` (leaf name -> dtype, in the layer's order) builds on its first call: the backend's
+    layout of the graph and its launch plans, for the forward (``training``: the one that keeps values for a
+    backward) and for the backward of each set of leaf names in ``grads`` (the leaves that will want a
+    gradient). Returns False where the backend builds nothing ahead (the reference backend)."""
+    names = tuple(name for _, name in compiled.leaf_names if name in dtypes)
+    leaves = {name: dtypes[name] for name in names}
+    backend = select(graph.device, leaves[names[0]])
+    if getattr(backend, "prepare", None) is None:
+        return False
+    # a loader thread's current device need not be the graph's (each thread starts on the first GPU): modules
+    # are loaded and kernels queued on the graph's device, on that thread's current stream there
+    with torch.cuda.device(graph.device) if graph.device.type == "cuda" else contextlib.nullcontext():
+        _prepare_on(backend.prepare, compiled, graph, leaves, training, grads)
+    return True
+
+
+def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.dtype],
+                training: bool, grads: Iterable[frozenset[str]]) -> None:
+    saved = compiled.saved if training else ()
+    plan = compiled.forward_lowered if training else compiled.inference_lowered
+    env = prepare(plan, graph, leaves, keep=saved)
+    if training:
+        # the backward's leaves in the order its call binds them: the saved values, then the output gradients
+        bw_leaves = {name: env[name] for name in saved}
+        bw_leaves.update((f"grad:{o}", env[o]) for o in compiled.forward.outputs)
+        for wanted in grads:
+            keys = [key for key in compiled.leaf_names if key[1] in wanted and key[1] in leaves]
+            if keys:
+                prepare(compiled.backward_for(keys)[1], graph, bw_leaves, keep=())
 
 
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):

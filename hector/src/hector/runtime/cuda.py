@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -177,6 +178,9 @@ class CudaBackend:
         self._schedule: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
+        # a loader thread may prepare graphs (hector.prepare_graph) while the training thread runs layers: what
+        # is made once and shared (modules, templates, program facts) is made under this lock
+        self._lock = threading.RLock()
 
     # -- support ---------------------------------------------------------------------------------------------
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -216,6 +220,13 @@ class CudaBackend:
         hit = self._plans.get(key)
         if hit is not None and hit[0] is lowered:
             return hit[1]
+        with self._lock:
+            hit = self._plans.get(key)
+            if hit is not None and hit[0] is lowered:
+                return hit[1]
+            return self._make_plan(lowered, dtypes, model, options, key)
+
+    def _make_plan(self, lowered, dtypes: Mapping[str, str], model: str, options: CodegenOptions, key) -> _Plan:
         module = generate(lowered, dtypes, model, options)
         digest = hashlib.sha256(module.source.encode()).hexdigest()[:12]
         filename = f"{cname_file(module.name)}_{digest}.cu"
@@ -237,14 +248,46 @@ class CudaBackend:
     def build_schedule(self, counts: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
         """A tile schedule ([slots, 3] int32, see :meth:`DeviceGraph.tiles`) written by the schedule kernel."""
         if self._schedule is None:
-            handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
-            self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+            with self._lock:
+                self._load_schedule()
         table = torch.empty(slots, 3, dtype=torch.int32, device=counts.device)
         args = [counts, counts.numel(), rows, slots, table]
         self.executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, self.executor.stream())
         return table
 
+    def _load_schedule(self) -> None:
+        if self._schedule is None:
+            handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
+            self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+
     # -- execution -------------------------------------------------------------------------------------------
+    def prepare(self, lowered, graph: Graph, dtypes: Mapping[str, torch.dtype],
+                keep: Any = None) -> dict[str, torch.dtype]:
+        """Builds now what :meth:`run` of ``lowered`` on ``graph`` with leaves of these ``dtypes`` (leaf name ->
+        dtype) would build on its first call: the graph's layout, its constants, the compiled module and the launch
+        plan (sizes, grids, bindings, tile schedules), so that the call itself only allocates and launches.
+        Device work goes to the calling thread's current stream. Returns the dtype of every value that call's
+        environment would hold (what a backward run reads from it)."""
+        dg = device_graph(graph)
+        info = self._program_info(lowered)
+        model_dtype = next((d for d in dtypes.values() if d.is_floating_point), torch.float32)
+        acc = torch.float64 if model_dtype == torch.float64 else torch.float32
+        env = {name: dtypes[leaf] for name, leaf in info.leaves}
+        for name, kind in info.consts:
+            dg.graph.graph_const(kind, acc)
+            env[name] = acc
+        plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
+                         dg.device)
+        for step in self._launch_plan(lowered, plan, dg, keep):
+            if step.kind == _EINSUM:
+                env[step.outputs[0][0]] = step.dtype
+            elif step.kind == _RNG:
+                env[step.outputs[0][0]] = model_dtype
+            else:
+                env.update((name, dtype) for name, _, dtype, _ in step.outputs)
+        env.update((name, model_dtype) for name in info.outputs)
+        return env
+
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)
         info = self._program_info(lowered)
@@ -303,6 +346,10 @@ class CudaBackend:
         hit = self._infos.get(id(lowered))
         if hit is not None and hit[0] is lowered:
             return hit[1]
+        with self._lock:
+            return self._make_program_info(lowered)
+
+    def _make_program_info(self, lowered) -> _ProgramInfo:
         program = lowered.program
         info = _ProgramInfo(
             leaves=tuple((n.name, n.attr("name")) for n in program.nodes if n.op in _LEAF_OPS),
@@ -365,6 +412,13 @@ class CudaBackend:
         hit = self._templates.get(key)
         if hit is not None and hit[0] is plan:
             return hit[1]
+        with self._lock:
+            hit = self._templates.get(key)
+            if hit is not None and hit[0] is plan:
+                return hit[1]
+            return self._make_template(lowered, plan, keep, key)
+
+    def _make_template(self, lowered, plan: _Plan, keep: tuple[str, ...] | None, key: tuple) -> _Template:
         program = lowered.program
         drops: list[tuple[str, ...]] = [()] * len(plan.kernels)
         keep_all: frozenset[str] = frozenset()

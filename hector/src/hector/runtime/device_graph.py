@@ -1,6 +1,6 @@
-"""The CUDA backend's layout of a graph (:class:`DeviceGraph`): destination-sorted edges, int32 indices, the
-destinations heaviest first, per-type orders and counts and the segment GEMMs' tile schedules, cached per graph and
-built without host synchronisation (see :mod:`hector.runtime.cuda`)."""
+"""The CUDA backend's layout of a graph (:class:`DeviceGraph`): destination-sorted edges (as they came, where they
+were sorted already), int32 indices, the destinations heaviest first, per-type orders and counts and the segment
+GEMMs' tile schedules, cached per graph and built without host synchronisation (see :mod:`hector.runtime.cuda`)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,14 @@ class DeviceGraph:
     def __init__(self, graph: Graph):
         if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
             raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
-        order = sort_keys(graph.dst, graph.num_nodes)[1]
-        self.order = order  # sorted position -> original edge id
-        g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph)
+        if graph.dst_sorted:  # already in destination order (a sampler's CSC order): nothing to sort or gather
+            self.order = None
+            g = self.graph = Graph._derived(graph.src, graph.dst, graph.etype, like=graph, dst_sorted=True)
+        else:
+            order = sort_keys(graph.dst, graph.num_nodes)[1]
+            self.order = order  # sorted position -> original edge id
+            g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph,
+                                            dst_sorted=True)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = "unique" not in graph._cache
@@ -41,7 +46,8 @@ class DeviceGraph:
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
-            g._cache["unique"] = (graph.unique_src, graph.unique_etype, graph.edge_to_unique[order])
+            inverse = graph.edge_to_unique if self.order is None else graph.edge_to_unique[self.order]
+            g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
             self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
         # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
         nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)

@@ -35,17 +35,25 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     return t.long()
 
 
-def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
-    """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them."""
+def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None) -> bool:
+    """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them, which also
+    says whether ``dst`` (if given) is in non-decreasing order (returned; False without ``dst``)."""
     checks = [c for c in checks if c[1].numel()]
-    if not checks:
-        return
-    bounds = torch.stack([v for _, t, _, _ in checks for v in torch.aminmax(t)]).tolist()  # one pass per tensor
-    for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=True):
+    values = [v for _, t, _, _ in checks for v in torch.aminmax(t)]  # one pass per tensor
+    if dst is not None and dst.numel() > 1:
+        values.append((dst[1:] - dst[:-1]).amin())  # the smallest step: negative where an edge goes back
+    if not values:
+        return dst is not None
+    bounds = torch.stack(values).tolist()
+    ranges = bounds[:2 * len(checks)]
+    for (name, _, upper, what), lo, hi in zip(checks, ranges[0::2], ranges[1::2], strict=True):
         if lo < 0 or hi >= upper:
             bad = lo if lo < 0 else hi
             raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
                                   f"check {what} ids against the declared count ({upper})")
+    if dst is None:
+        return False
+    return dst.numel() <= 1 or bounds[-1] >= 0
 
 
 def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
@@ -104,11 +112,16 @@ class Graph:
             Layers given new tensors use False: on an H100 the padded rows cost more GPU time than the two waits
             save (a new ``edge_index`` per call: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms
             against 16.7 ms), and a small graph's step stays bound by its launches either way.
+        sorted_by_destination: whether the edges are already in destination order (CSC order, as neighbour
+            samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
+            with the id check's read on the host (no wait of its own; unknown, so sorted again, on a
+            ``sync_free`` graph). True: a promise, checked like the ids (an error now, or a device-side assertion
+            on a ``sync_free`` graph). False: not looked at. The answer is kept as ``dst_sorted``.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
                  node_type: torch.Tensor | None = None, num_node_types: int | None = None, *,
-                 sync_free: bool = False):
+                 sync_free: bool = False, sorted_by_destination: bool | None = None):
         edge_index = _check_int_tensor("edge_index", edge_index, 2)
         if edge_index.size(0) != 2:
             raise GraphInputError(f"edge_index must have shape [2, num_edges], got {tuple(edge_index.shape)}"
@@ -143,10 +156,20 @@ class Graph:
             node_type = node_type.to(edge_index.device)
             checks.append(("node_type", node_type, self.num_node_types, "node type"))
         self.sync_free = bool(sync_free)
+        dst = edge_index[1]
         if self.sync_free and edge_index.is_cuda:
             _check_ranges_on_device(checks)
+            if sorted_by_destination and dst.numel() > 1:
+                torch._assert_async((dst[1:] >= dst[:-1]).all(),
+                                    "hector: sorted_by_destination=True but edge_index's destinations (row 1) are "
+                                    "not in non-decreasing order; sort the edges or leave the hint out")
+            self.dst_sorted = bool(sorted_by_destination)
         else:
-            _check_ranges(checks)
+            # the order is read with the ids' ranges (no wait of its own) unless the caller said it is unsorted
+            self.dst_sorted = _check_ranges(checks, None if sorted_by_destination is False else dst)
+            if sorted_by_destination and not self.dst_sorted:
+                raise GraphInputError("sorted_by_destination=True but edge_index's destinations (row 1) are not in "
+                                      "non-decreasing order; sort the edges by destination or leave the hint out")
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()
         self.etype = edge_type.contiguous()
@@ -155,7 +178,8 @@ class Graph:
         self._cache: dict[Any, Any] = {}
 
     @classmethod
-    def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph) -> Graph:
+    def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph,
+                 dst_sorted: bool = False) -> Graph:
         """A graph over the same nodes as the checked graph ``like`` whose edges are a permutation of its edges:
         nothing to validate again (validation reads the ids on the host, a synchronisation)."""
         g = cls.__new__(cls)
@@ -163,6 +187,7 @@ class Graph:
         g.src, g.dst, g.etype, g.ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like.ntype
         g.device = like.device
         g.sync_free = like.sync_free
+        g.dst_sorted = dst_sorted
         g._cache = {}
         return g
 
@@ -374,7 +399,10 @@ class Graph:
         return self.cached("csr", lambda: self._compressed(self.src))
 
     def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        perm = sort_keys(key, self.num_nodes)[1]
+        if key is self.dst and self.dst_sorted:  # already in destination order
+            perm = torch.arange(self.num_edges, device=self.device)
+        else:
+            perm = sort_keys(key, self.num_nodes)[1]
         ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
         counts = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
         counts.index_add_(0, key, torch.ones_like(key))
@@ -494,9 +522,10 @@ _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.pr
 
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
               node_type: torch.Tensor | None = None, num_node_types: int | None = None,
-              sync_free: bool = False) -> Graph:
-    """The cached Graph for these exact tensors (same objects, unmodified), or a new one: ``sync_free`` as for
-    :class:`Graph` (default False: checked and counted exactly); a cached graph is returned as it was built.
+              sync_free: bool = False, sorted_by_destination: bool | None = None) -> Graph:
+    """The cached Graph for these exact tensors (same objects, unmodified), or a new one: ``sync_free`` and
+    ``sorted_by_destination`` as for :class:`Graph` (default False: checked and counted exactly; None: order
+    found out); a cached graph is returned as it was built.
 
     Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
     """
@@ -510,7 +539,8 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
             _GRAPHS.move_to_end(key)
             return hit[1]
-    g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free)
+    g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free,
+              sorted_by_destination=sorted_by_destination)
     with _GRAPHS_LOCK:
         _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
         while len(_GRAPHS) > _MAX_GRAPHS:

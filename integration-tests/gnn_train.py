@@ -190,10 +190,11 @@ def rank_seeds(train_idx: torch.Tensor, batch_size: int, proc: harness.Process) 
 
 
 def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: torch.Tensor, device: torch.device,
-                way: str, prefetch: int, seed: int, shuffle: bool):
+                way: str, prefetch: int, seed: int, shuffle: bool, model: nn.Module | None = None):
     """The mini-batch loader of ``impl``: the toolkit reads the unified table zero-copy and prepares each batch's
-    graph for hector where the batch is made; the baseline gathers rows on the CPU into pinned memory and copies
-    them (``unify=False``)."""
+    graph for hector's layers in ``model`` where the batch is made (their launch plans too); the baseline gathers
+    rows on the CPU into pinned memory and copies them (``unify=False``)."""
+
     from pytorch_direct.sampling import NeighborLoader
 
     prepare = None
@@ -203,10 +204,11 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
         num_relations = cfg.graph.num_relations
 
         def prepare(sub):
-            # hector's preprocessing reads a few sizes on the host: done where the batch is made, while its
-            # features are gathered on the loader's other stream (its host reads then wait for the sampling only)
+            # hector's preprocessing reads a few sizes on the host and builds the layers' launch plans: done where
+            # the batch is made, while its features are gathered on the loader's other stream (its host reads
+            # then wait for the sampling only), so the training step only launches kernels
             return {"hector_graph": hector.prepare_graph(sub.edge_index, sub.edge_type, sub.num_nodes,
-                                                         num_relations)}
+                                                         num_relations, layers=model if model is not None else ())}
 
     features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
     options = {"prefetch": prefetch, **WAYS[way]}
@@ -281,7 +283,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
     seeds = rank_seeds(graph.train_idx, cfg.batch_size, proc)
 
     def loader(nodes, seed, shuffle=True):
-        return make_loader(impl, topology, table, labels, cfg, nodes, device, way, prefetch, seed, shuffle)
+        return make_loader(impl, topology, table, labels, cfg, nodes, device, way, prefetch, seed, shuffle, model)
 
     def forward(batch) -> torch.Tensor:
         edges = batch.hector_graph if impl == "toolkit" else batch.edge_index

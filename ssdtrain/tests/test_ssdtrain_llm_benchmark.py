@@ -225,3 +225,19 @@ def test_llm_trainer_suite_quick(tmp_path):
     assert set(rows) == {"plain", "ssdtrain@0.8"} and {r["status"] for r in rows.values()} == {"ok"}
     assert "losses (training and evaluation): worst relative difference 0.00e+00 -> MET" in text
     assert "evaluation untouched: steps counted 12 = training micro-batches 12, plans 1 -> MET" in text
+
+
+def test_block_memory_probe_quick():
+    """The block-memory probe runs at a tiny size on CPU and prints a row per block, kept and checkpointed."""
+    pytest.importorskip("transformers")
+    probe = BENCH.parent / "probe_block_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(probe), "--quick", "--device", "cpu", "--checkpointed", "1-1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mean kept:" in proc.stdout and "mean checkpointed:" in proc.stdout
+    kinds = [line.split()[1] for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert kinds == ["kept", "checkpointed", "kept"]

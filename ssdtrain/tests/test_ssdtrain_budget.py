@@ -545,3 +545,22 @@ def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_
                       block_container="b")  # fmt: skip
     assert not roomy.prediction.moved
     assert check(roomy, 10.0, 4) is None and check(roomy, 10.0, 5) is None
+
+
+def test_weight_casts_of_recomputed_blocks_count_until_the_forward_ends():
+    """Autocast caches its bf16 weight casts until the autocast region ends: a recomputed block saves none of
+    them, but they are held through the rest of the forward (measured on an H100: a checkpointed Llama block
+    leaves its casts allocated after its forward). Kept blocks hold theirs as saved bytes; both count."""
+    casts = 90 * MIB
+    units = _units(n=4, head_saved=MIB)
+    for u in units[1:-1]:
+        u.pinned_bytes = casts
+    fwd_work = 2 * GIB
+    recompute = [Choice()] + [Choice("full", "keep")] * 4 + [Choice()]
+    p = simulate(units, recompute, FAST, forward_working=fwd_work, working_bytes=0, block_working=0)
+    inputs = 4 * 32 * MIB
+    # At the head's forward: the stem and head keep theirs, the blocks keep their inputs and all four blocks' casts
+    assert p.peak >= MIB + MIB + inputs + 4 * casts + fwd_work
+    kept = [Choice()] * 6
+    k = simulate(units, kept, FAST, forward_working=fwd_work, working_bytes=0, block_working=0)
+    assert k.peak == MIB + MIB + 4 * (400 * MIB + casts) + fwd_work

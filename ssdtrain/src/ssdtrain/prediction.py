@@ -192,7 +192,8 @@ def simulate(
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
     The peak is the largest of what the allocator holds at the end of each unit's forward and during each unit's
-    backward. Forward: what the units so far keep, plus the moved bytes still waiting for their copy out (at most
+    backward. Forward: what the units so far keep (and autocast's weight casts of the recomputed ones, cached
+    until the forward ends), plus the moved bytes still waiting for their copy out (at most
     the cache's window: the host runs ahead of the device, so the allocator sees a copy as done only when the
     cache polls it; past the window the cache makes the host wait, which delays compute here), plus
     `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
@@ -214,6 +215,10 @@ def simulate(
     moved_bytes = [p[1] for p in parts]
     window = window_bytes(units, choices, window_units)
     held = sum(u.grad_bytes for u in units) if held_grads else 0
+    # Autocast caches its weight casts until the autocast region ends (after the forward, where backward runs
+    # outside it): a recomputed block saves none of its casts, yet they are held through the rest of the forward.
+    casts = [u.pinned_bytes if c.recompute in ("full", "selective") else 0 for u, c in zip(units, choices, strict=True)]
+    held_casts = 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
     # a tier with a stage of its own (the disk) then queues them there.
     t, link = 0.0, 0.0
@@ -231,6 +236,7 @@ def simulate(
         t += u.forward_s
         end[i] = t
         resident += res
+        held_casts += casts[i]
         if moved:
             link = max(link, t - u.forward_s) + moved / bw.d2h
             sent[i] = link
@@ -251,7 +257,7 @@ def simulate(
             head += 1
         end[i] = t
         inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
-        peak = max(peak, resident + inflight + fwd_work + held)
+        peak = max(peak, resident + held_casts + inflight + fwd_work + held)
     if async_copies and queued:
         # The first unpack of backward waits for the copies out still running (and frees their device bytes).
         t = max(t, queued[-1][0])

@@ -5,7 +5,8 @@
 #
 #   tests         GPU tests (pytest -m gpu ssdtrain/tests; at most 150 s)                              ~2 min
 #   io            I/O engine (io_uring and threads backends) against kvikio (1/4/16 threads) and the
-#                 disk's own rate (O_DIRECT io_uring to pinned host memory), GPU tensors, 256M and 1G,
+#                 disk's own rate (O_DIRECT io_uring to pinned host memory) and the engine moving that
+#                 host memory in place (no device copy), GPU tensors, 256M and 1G,
 #                 1 warm-up + 5 interleaved rounds: every write with fsync, every read cold; median,
 #                 spread and per-round ratios (io.py --compare)                                        ~1.5-3 min
 #   rok           the ROK curve, eager: Llama-style GQA 16 x 2048, batch 4 x 2048, fp32 weights under

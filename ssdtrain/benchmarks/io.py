@@ -9,8 +9,10 @@
 size, the engine (each of --backends), kvikio at each --kvikio-threads count and the disk's own rate ("ceiling":
 ``_core.raw_transfer``, O_DIRECT io_uring between the file and pinned huge-page host memory at the same block size
 and queue depth, nothing else in the path) move the same bytes (GPU tensors where CUDA is available, host memory
-otherwise). One warm-up round, then --rounds rounds, each contender writing then reading back, in an order rotated by
-one every round so disk drift hits all alike. Every write is timed through an fsync of its file; every read is cold
+otherwise); so does the engine with pinned huge-page host memory moved in place ("engine <backend> (host)"): the
+main rows against it show what the staging copies cost, it against the ceiling what the engine's own machinery costs.
+One warm-up round, then --rounds rounds, each contender writing then reading back, in an order rotated by one every
+round so disk drift hits all alike. Every write is timed through an fsync of its file; every read is cold
 the same way for all (fsync, then posix_fadvise DONTNEED on the file right before it; the engine and the ceiling
 also use O_DIRECT); every read is compared with the source. Reported: median GB/s, min-max and the samples; against
 kvikio's best thread count and the ceiling as a ratio of medians and as the range of per-round ratios.
@@ -654,6 +656,8 @@ class _EngineContender(_Contender):
         )
         self.backend = self.engine.backend_name
         self.name, self.memory, self.src, self.dst = f"engine {self.backend}", memory, src, dst
+        if memory == "host-huge":
+            self.name += " (host)"  # pinned huge pages moved in place: no device copy in the path
         self.fd = self.engine.directories()[0]["fd"]
         self.detail = self.engine.backend_detail
         self.handle = None
@@ -763,33 +767,59 @@ def _device_ratio(disk, key: str, nbytes: int):
     return round(disk[key + "bytes"] / nbytes, 3) if disk else ""
 
 
+def _add_contenders(args, size: int, memory: str, backends: list[str], src, dst, contenders: list) -> None:
+    """The engine per backend, kvikio per thread count, the ceiling, and the engine (first backend) moving pinned
+    huge-page host memory in place: the ceiling's path with the engine's machinery in it. The main rows against it
+    show what the staging copies cost (device copies for GPU tensors), it against the ceiling what the engine itself
+    costs."""
+    contenders += [_EngineContender(args, b, memory, src, dst) for b in backends]
+    kvikio, reason = load_kvikio()
+    if kvikio is not None:
+        path = os.path.join(args.dir, "ssdtrain-bench.kvikio")
+        created = []
+        try:
+            for threads in args.kvikio_threads:
+                created.append(_KvikioContender(kvikio, args, threads, memory, src, dst, f"{path}.{threads}"))
+        except Exception as e:  # noqa: BLE001 - kvikio unusable here (no driver, no GPU): said once, no rows
+            KVIKIO.pop("module", None)
+            KVIKIO["reason"] = f"unusable ({type(e).__name__}: {e})"[:200]
+            print(f"# kvikio: {KVIKIO['reason']}", flush=True)
+            for c in created:
+                c.close()
+            for leftover in glob.glob(path + ".*"):
+                os.unlink(leftover)
+            created = []
+        contenders += created
+    elif not KVIKIO.get("said"):
+        print(f"# kvikio: no rows ({reason})", flush=True)
+        KVIKIO["said"] = True
+    ceiling = None
+    if ssdtrain._core.io_uring_status()["usable"]:
+        ceiling = _CeilingContender(args, size, os.path.join(args.dir, "ssdtrain-bench.ceiling"))
+        contenders.append(ceiling)
+    else:
+        print("# ceiling: no rows (io_uring not usable here)", flush=True)
+    if memory != "host-huge":
+        if ceiling is not None:
+            hsrc, hdst = ceiling.src, ceiling.dst
+        else:
+            hsrc, hdst = host_tensor(size, huge=True), host_tensor(size, huge=True)
+        contenders.append(_EngineContender(args, backends[0], "host-huge", hsrc, hdst))
+
+
 def compare_size(args, size: int, memory: str, backends: list[str], samples: list[dict]) -> None:
     """Every contender at one size: a warm-up round (not counted: first touches, thread pools, the engine's file
     growth), then --rounds rounds in which each contender writes (with fsync) and reads back cold, in an order
     rotated by one each round. Appends one dict per contender, op and round to `samples` as they are measured."""
     src = new_tensor(memory, size)
     dst = new_tensor(memory, size, fill=False)
-    contenders: list[_Contender] = [_EngineContender(args, b, memory, src, dst) for b in backends]
-    kvikio, reason = load_kvikio()
-    if kvikio is not None:
-        path = os.path.join(args.dir, "ssdtrain-bench.kvikio")
-        for threads in args.kvikio_threads:
-            try:
-                contenders.append(_KvikioContender(kvikio, args, threads, memory, src, dst, f"{path}.{threads}"))
-            except Exception as e:  # noqa: BLE001 - kvikio unusable here (no driver, no GPU): said once, no rows
-                KVIKIO.pop("module", None)
-                KVIKIO["reason"] = f"unusable ({type(e).__name__}: {e})"[:200]
-                print(f"# kvikio: {KVIKIO['reason']}", flush=True)
-                for f in glob.glob(path + ".*"):
-                    os.unlink(f)
-                break
-    elif not KVIKIO.get("said"):
-        print(f"# kvikio: no rows ({reason})", flush=True)
-        KVIKIO["said"] = True
-    if ssdtrain._core.io_uring_status()["usable"]:
-        contenders.append(_CeilingContender(args, size, os.path.join(args.dir, "ssdtrain-bench.ceiling")))
-    else:
-        print("# ceiling: no rows (io_uring not usable here)", flush=True)
+    contenders: list[_Contender] = []
+    try:
+        _add_contenders(args, size, memory, backends, src, dst, contenders)
+    except BaseException:
+        for c in contenders:
+            c.close()
+        raise
     try:
         for rnd in range(args.rounds + 1):
             shift = rnd % len(contenders)
@@ -864,7 +894,7 @@ def summarize(samples: list[dict], args) -> list[dict]:
         )
     for row_ in rows:
         same = [r for r in rows if (r["size"], r["op"]) == (row_["size"], row_["op"])]
-        kvik = [r for r in same if r["contender"].startswith("kvikio")]
+        kvik = [r for r in same if r["contender"].startswith("kvikio") and r["memory"] == row_["memory"]]
         best = max(kvik, key=lambda r: r["GBps"]) if kvik else None
         ceiling = next((r for r in same if r["contender"] == "ceiling"), None)
         for ref, key in ((best, "vs_kvikio"), (ceiling, "vs_ceiling")):
@@ -878,7 +908,8 @@ def summarize(samples: list[dict], args) -> list[dict]:
         del row_["_by_round"]
 
     def order(r):
-        kind = 0 if r["contender"].startswith("engine") else 1 if r["contender"].startswith("kvikio") else 2
+        name = r["contender"]
+        kind = 1 if name.startswith("kvikio") else 3 if name == "ceiling" else 2 if r["memory"] == "host-huge" else 0
         threads = int(r["backend"].split()[0]) if kind == 1 else 0
         return r["size"], r["op"] != "seqwrite", kind, threads, r["contender"]
 
@@ -904,8 +935,9 @@ def print_compare(rows: list[dict]) -> None:
     for size in sorted({r["size"] for r in rows}):
         for op in ("seqwrite", "seqread"):
             same = [r for r in rows if (r["size"], r["op"]) == (size, op)]
-            ours = [r for r in same if r["contender"].startswith("engine")]
             kvik = [r for r in same if r["contender"].startswith("kvikio")]
+            # The memory the target is about (GPU tensors where CUDA is present), not the in-place host row.
+            ours = [r for r in same if r["contender"].startswith("engine") and r["memory"] != "host-huge"]
             ceiling = next((r for r in same if r["contender"] == "ceiling"), None)
             if not ours:
                 continue

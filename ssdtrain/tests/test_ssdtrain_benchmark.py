@@ -99,15 +99,20 @@ def test_io_compare_quick(tmp_path, capsys):
     rows = list(csv.DictReader(out.open()))
     contenders = {r["contender"] for r in rows}
     ceiling = bench.ssdtrain._core.io_uring_status()["usable"]
-    assert contenders == {"engine threads", "kvikio 1 thr", "kvikio 2 thr"} | ({"ceiling"} if ceiling else set())
+    expected = {"engine threads", "engine threads (host)", "kvikio 1 thr", "kvikio 2 thr"}
+    assert contenders == expected | ({"ceiling"} if ceiling else set())
+    assert {r["memory"] for r in rows if r["contender"] == "engine threads (host)"} == {"host-huge"}
     assert {(r["op"], r["size"]) for r in rows} == {
         (op, str(n << 20)) for op in ("seqwrite", "seqread") for n in (1, 4)
     }
     for r in rows:
         assert r["rounds"] == "3" and len(r["samples_GBps"].split(";")) == 3
         assert float(r["GBps_min"]) <= float(r["GBps"]) <= float(r["GBps_max"])
-        if r["contender"].startswith("engine"):
+        if r["contender"] == "engine threads":  # kvikio moved the same memory: compared
             assert float(r["vs_kvikio"]) > 0 and "-" in r["vs_kvikio_rounds"]
+        if r["contender"] == "engine threads (host)":  # other memory than kvikio's: not compared with it
+            assert r["vs_kvikio"] == ""
+        if r["contender"].startswith("engine"):
             assert (r["vs_ceiling"] != "") == ceiling
     assert set(threads) == {1, 2}  # each thread count set before its own transfers
     text = capsys.readouterr().out

@@ -54,6 +54,60 @@ def test_cuda_round_trip(gpu_engine, nbytes, checksum):
     assert torch.equal(engine.read(h2, out=torch.empty_like(src)).result(timeout=60), src)
 
 
+PIPE_BLOCK = 64 << 10
+PIPE_BYTES = 37 * PIPE_BLOCK + 4099  # many blocks and a tail that is neither a block nor a page multiple
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize(("staging", "depth"), [(1, 2), (3, 2), (9, 4), (48, 32)])
+def test_cuda_pipeline_is_exact(gpu_engine, staging, depth, checksum):
+    """Device copies queued ahead of the disk (fewer, as many and more buffers than the copy lookahead)."""
+    engine = gpu_engine(block_size=PIPE_BLOCK, staging_buffers=staging, queue_depth=depth, checksum=checksum)
+    sources = [torch.randint(0, 256, (PIPE_BYTES + k * 4097,), dtype=torch.uint8, device="cuda") for k in range(3)]
+    writes = [engine.write(s) for s in sources]
+    # Reads issued while the writes run: ordered after them inside the engine.
+    outs = [torch.full_like(s, 0x5A) for s in sources]
+    reads = [engine.read(w.handle, out=o) for w, o in zip(writes, outs, strict=True)]
+    for r, s in zip(reads, sources, strict=True):
+        got = r.result(timeout=60)
+        mismatch = (got != s).nonzero()
+        assert mismatch.numel() == 0, f"first wrong byte at {int(mismatch[0])} of {s.numel()}"
+    host = engine.read(writes[0].handle, out=torch.empty(PIPE_BYTES, dtype=torch.uint8)).result(timeout=60)
+    assert torch.equal(host, sources[0].cpu())
+
+
+def test_cuda_source_reusable_once_staged(gpu_engine):
+    engine = gpu_engine(block_size=PIPE_BLOCK, staging_buffers=4, queue_depth=2)
+    src = torch.randint(0, 256, (PIPE_BYTES,), dtype=torch.uint8, device="cuda")
+    expected = src.clone()
+    torch.cuda.synchronize()
+    fut = engine.write(src)
+    while not fut.staged():
+        pass
+    src.fill_(0)  # staged: the engine no longer reads it, so this cannot reach the stored bytes
+    assert torch.equal(engine.read(fut.result(timeout=60)).result(timeout=60), expected)
+
+
+def test_cuda_read_fault_returns_buffers(tmp_path):
+    with ssdtrain.Engine(
+        [tmp_path],
+        backend="threads",
+        capacity_per_directory="64M",
+        block_size=PIPE_BLOCK,
+        staging_buffers=2,
+        queue_depth=2,
+        _fault=("read", errno.EIO, 5 * PIPE_BLOCK),
+    ) as engine:
+        src = torch.randint(0, 256, (PIPE_BYTES,), dtype=torch.uint8, device="cuda")
+        handle = engine.write(src).result(timeout=60)
+        with pytest.raises(OSError) as info:
+            engine.read(handle, out=torch.empty_like(src)).result(timeout=60)
+        assert info.value.errno == errno.EIO
+        # Both staging buffers came back: another write through them completes.
+        again = engine.write(src).result(timeout=30)
+        assert again.nbytes == PIPE_BYTES
+
+
 def test_cuda_dtypes(gpu_engine):
     engine = gpu_engine()
     t = torch.randn(33, 65, dtype=torch.bfloat16, device="cuda")

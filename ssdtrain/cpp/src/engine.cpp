@@ -81,6 +81,28 @@ struct stream_mark {
   }
 };
 
+// How many staging copies one transfer keeps queued on its stream ahead of the disk (device -> staging for writes,
+// staging -> device for reads). Each is one block (1 MiB by default, ~40 us over PCIe): a few queued back to back keep
+// the copy engine busy while the driver thread hands finished blocks to the disk, instead of one round trip
+// (copy, then a host wait) per block.
+constexpr unsigned copy_lookahead = 8;
+
+// A non-blocking CUDA stream with the events its transfer marks copies with; reused across device transfers.
+struct pooled_stream {
+  int device = -1;
+  void* stream = nullptr;
+  std::vector<void*> events;  // created on first use, at most copy_lookahead
+};
+
+void destroy_stream([[maybe_unused]] pooled_stream& s) {
+#if SHARED_CUDA_HAS_CUDA
+  for (void* e : s.events) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (s.stream) cudaStreamDestroy(static_cast<cudaStream_t>(s.stream));  // returns at once; CUDA frees it later
+#endif
+  s.events.clear();
+  s.stream = nullptr;
+}
+
 // Non-blocking CUDA streams reused across device transfers. Creating and destroying a stream per transfer took
 // the CUDA context's lock twice per operation, on up to 16 driver threads at once: for random 1 MiB reads into GPU
 // memory that cost more than the device copy itself (io_uring random reads into GPU memory ran at 0.79x the host path).
@@ -91,88 +113,127 @@ class stream_pool {
   stream_pool(const stream_pool&) = delete;
   stream_pool& operator=(const stream_pool&) = delete;
   ~stream_pool() {
-#if SHARED_CUDA_HAS_CUDA
-    for (const auto& entry : idle_) cudaStreamDestroy(static_cast<cudaStream_t>(entry.second));
-#endif
+    for (auto& entry : idle_) destroy_stream(entry);
   }
   // A stream of `device` (the calling thread's current device is set to it).
-  void* acquire([[maybe_unused]] int device) {
+  pooled_stream acquire([[maybe_unused]] int device) {
+    pooled_stream out;
+    out.device = device;
 #if SHARED_CUDA_HAS_CUDA
     cuda_check(cudaSetDevice(device), "cudaSetDevice");
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
-        if (it->first == device) {
-          void* s = it->second;
+        if (it->device == device) {
+          out = std::move(*it);
           idle_.erase(std::next(it).base());
-          return s;
+          return out;
         }
       }
     }
     cudaStream_t s = nullptr;
     cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-    return s;
-#else
-    return nullptr;
+    out.stream = s;
 #endif
+    return out;
   }
-  void release(int device, void* stream) {
-    if (!stream) return;
+  void release(pooled_stream s) {
+    if (!s.stream) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    idle_.emplace_back(device, stream);
+    idle_.push_back(std::move(s));
   }
 
  private:
   std::mutex mutex_;
-  std::vector<std::pair<int, void*>> idle_;
+  std::vector<pooled_stream> idle_;
 };
 
 // The stream of one device transfer, taken from the engine's pool on the driver thread (on the transfer's device)
 // and given back when the transfer no longer uses it. A stream that still has a wait on the caller's event queued
-// (the transfer failed before its first copy) is destroyed instead: a later transfer must not inherit that
-// dependency on someone else's stream.
+// (the transfer failed before its first copy) or copies not known to be finished is destroyed instead: a later
+// transfer must not inherit that dependency on someone else's stream.
+//
+// Copies are queued with copy_async(), each marked by one of the stream's events (`mark`, in a ring of
+// copy_lookahead); finished(mark) polls it and wait_for(mark) blocks the driver until that copy is done.
 struct op_stream {
-  void* handle = nullptr;
-  int device = -1;
+  pooled_stream entry;
   stream_pool* pool = nullptr;
-  bool waiting = false;  // a cudaStreamWaitEvent queued and no synchronization since
-  op_stream(stream_pool& streams, int dev) : device(dev), pool(&streams) { handle = streams.acquire(dev); }
+  bool waiting = false;    // a cudaStreamWaitEvent queued and no synchronization since
+  unsigned unsettled = 0;  // copies queued and not yet seen finished
+  unsigned next_mark = 0;
+  op_stream(stream_pool& streams, int dev) : pool(&streams) { entry = streams.acquire(dev); }
   op_stream(const op_stream&) = delete;
   op_stream& operator=(const op_stream&) = delete;
   ~op_stream() {
+    if (unsettled > 0) {
 #if SHARED_CUDA_HAS_CUDA
+      // Only after an error: the staging buffers were already handed back after a synchronize (see settle()).
+      if (cudaStreamSynchronize(static_cast<cudaStream_t>(entry.stream)) != cudaSuccess) waiting = true;
+#endif
+    }
     if (waiting) {
-      if (handle) cudaStreamDestroy(static_cast<cudaStream_t>(handle));  // returns at once; CUDA frees it later
+      destroy_stream(entry);
       return;
     }
-#endif
-    pool->release(device, handle);
+    pool->release(std::move(entry));
   }
   void wait([[maybe_unused]] const stream_mark& mark) {
 #if SHARED_CUDA_HAS_CUDA
     if (mark.event) {
-      cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(handle), static_cast<cudaEvent_t>(mark.event), 0),
+      cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(entry.stream), static_cast<cudaEvent_t>(mark.event), 0),
                  "cudaStreamWaitEvent");
       waiting = true;
     }
 #endif
   }
-  // Copies and waits: the staging buffer is reused right after.
-  void copy(void* dst, const void* src, std::size_t bytes) {
+  // Queues a copy and returns the mark that says when it is done. At most copy_lookahead copies may be unsettled.
+  unsigned copy_async([[maybe_unused]] void* dst, [[maybe_unused]] const void* src,
+                      [[maybe_unused]] std::size_t bytes) {
+    const unsigned m = next_mark;
+    next_mark = (next_mark + 1) % copy_lookahead;
 #if SHARED_CUDA_HAS_CUDA
-    auto s = static_cast<cudaStream_t>(handle);
+    auto s = static_cast<cudaStream_t>(entry.stream);
+    while (entry.events.size() <= m) {
+      cudaEvent_t e = nullptr;
+      cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      entry.events.push_back(e);
+    }
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-    cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    waiting = false;
-#else
-    (void)dst, (void)src, (void)bytes;
+    ++unsettled;
+    cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(entry.events[m]), s), "cudaEventRecord");
+#endif
+    return m;
+  }
+  // True once the copy marked `m` finished (never blocks). Copies finish in the order they were queued.
+  bool finished([[maybe_unused]] unsigned m) {
+#if SHARED_CUDA_HAS_CUDA
+    const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(entry.events[m]));
+    if (status == cudaErrorNotReady) return false;
+    cuda_check(status, "cudaEventQuery (a staging copy)");
+    settle();
+#endif
+    return true;
+  }
+  // Blocks until the copy marked `m` finished.
+  void wait_for([[maybe_unused]] unsigned m) {
+#if SHARED_CUDA_HAS_CUDA
+    cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(entry.events[m])),
+               "cudaEventSynchronize (a staging copy)");
+    settle();
 #endif
   }
   void synchronize() {
 #if SHARED_CUDA_HAS_CUDA
-    cuda_check(cudaStreamSynchronize(static_cast<cudaStream_t>(handle)), "cudaStreamSynchronize");
+    cuda_check(cudaStreamSynchronize(static_cast<cudaStream_t>(entry.stream)), "cudaStreamSynchronize");
     waiting = false;
+    unsettled = 0;
 #endif
+  }
+
+ private:
+  void settle() {
+    waiting = false;  // the caller's event was waited for before this copy ran
+    if (unsettled > 0) --unsettled;
   }
 };
 
@@ -597,35 +658,87 @@ void engine_impl::run_write(operation_ptr op, record_ptr rec, memory_view src, s
       stream->wait(*mark);
       if (device_direct(src)) stream->synchronize();  // cuFile reads the memory itself: the producer must be done
     }
-    for (const piece& p : pieces) {
-      if (op->error()) break;  // a block already failed: stop sending more
-      char* from = static_cast<char*>(src.data) + p.logical;
-      auto on_done = [this, op, rec, p](int slot) {
-        return [this, op, rec, p, slot](long result) {
-          if (slot >= 0) staging_->release(slot);
-          if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
-          if (--op->pending == 0) {
-            rec->unuse();
-            op->finish();
-          }
-        };
+    auto on_done = [this, op, rec](const piece& p, int slot) {
+      return [this, op, rec, p, slot](long result) {
+        if (slot >= 0) staging_->release(slot);
+        if (result != static_cast<long>(p.disk_bytes)) op->fail(block_error(*op, rec->id, p, result));
+        if (--op->pending == 0) {
+          rec->unuse();
+          op->finish();
+        }
       };
-      ++op->pending;
-      if (!p.staged) {
-        submit(p, from, -1, src.device >= 0 ? src.device : -1, true, on_done(-1));
-        continue;
-      }
-      const int slot = staging_->acquire();
+    };
+    // A staged block whose bytes are in its buffer goes to the disk (zero padding to whole pages first).
+    auto send = [&](const piece& p, int slot) {
       char* buf = staging_->data(slot);
-      if (src.device >= 0) {
-        stream->copy(buf, from, p.bytes);
-        if (config_.checksum) rec->crcs[p.logical / block] = crc32c(buf, p.bytes);
-      } else {
-        std::memcpy(buf, from, p.bytes);
-      }
+      if (config_.checksum && src.device >= 0) rec->crcs[p.logical / block] = crc32c(buf, p.bytes);
       if (p.disk_bytes > p.bytes) std::memset(buf + p.bytes, 0, p.disk_bytes - p.bytes);
       staged_copies_.fetch_add(1, std::memory_order_relaxed);
-      submit(p, buf, slot, -1, true, on_done(slot));
+      ++op->pending;
+      submit(p, buf, slot, -1, true, on_done(p, slot));
+    };
+    // Device blocks: device -> staging copies queued on the stream up to copy_lookahead ahead; each block goes to
+    // the disk as soon as its copy is seen finished, so the copy engine and the disk work at the same time and the
+    // driver never waits for a copy while an earlier one could already be on its way to the disk.
+    struct queued {
+      const piece* p;
+      int slot;
+      unsigned mark;
+    };
+    std::deque<queued> copies;
+    auto retire = [&](bool block_on_oldest) {
+      while (!copies.empty()) {
+        const queued q = copies.front();
+        if (block_on_oldest) {
+          stream->wait_for(q.mark);
+          block_on_oldest = false;
+        } else if (!stream->finished(q.mark)) {
+          return;
+        }
+        copies.pop_front();
+        if (op->error())
+          staging_->release(q.slot);  // a block already failed: the rest is not sent
+        else
+          send(*q.p, q.slot);
+      }
+    };
+    try {
+      for (const piece& p : pieces) {
+        if (op->error()) break;  // a block already failed: stop sending more
+        char* from = static_cast<char*>(src.data) + p.logical;
+        if (!p.staged) {
+          ++op->pending;
+          submit(p, from, -1, src.device >= 0 ? src.device : -1, true, on_done(p, -1));
+          continue;
+        }
+        if (src.device < 0) {
+          const int slot = staging_->acquire();
+          std::memcpy(staging_->data(slot), from, p.bytes);
+          send(p, slot);
+          continue;
+        }
+        retire(false);
+        int slot = -1;
+        for (;;) {
+          // Block for a buffer only while holding none: the buffers of queued copies come back through retire().
+          if (copies.size() < copy_lookahead) slot = copies.empty() ? staging_->acquire() : staging_->try_acquire();
+          if (slot >= 0) break;
+          retire(true);
+        }
+        copies.push_back({&p, slot, 0});
+        copies.back().mark = stream->copy_async(staging_->data(slot), from, p.bytes);
+      }
+      while (!copies.empty()) retire(true);
+    } catch (...) {
+      // A copy or its wait failed: its buffer may still be written by the device until the stream is idle.
+      if (!copies.empty()) {
+        try {
+          stream->synchronize();
+        } catch (...) {
+        }
+        for (const queued& q : copies) staging_->release(q.slot);
+      }
+      throw;
     }
     // Device data has left the GPU once every staging copy finished (direct cuFile writes: at completion).
     if (src.device >= 0 && !device_direct(src)) op->set_staged();
@@ -699,7 +812,45 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
     auto box = std::make_shared<mailbox>();
     std::size_t next = 0, finished = 0, held = 0;
     std::exception_ptr first_error;
-    while (finished < next || (next < pieces.size() && !first_error)) {
+    // Staging -> device copies queued on the stream (up to copy_lookahead), oldest first: a buffer goes back to the
+    // pool once its copy is seen finished, while the driver goes on handing blocks that arrive to the copy engine
+    // and buffers that come back to the disk.
+    struct queued {
+      int slot;
+      unsigned mark;
+    };
+    std::deque<queued> copies;
+    auto abandon_copies = [&] {  // after a CUDA failure: the device may write the buffers until the stream is idle
+      try {
+        stream->synchronize();
+      } catch (...) {
+      }
+      for (const queued& q : copies) staging_->release(q.slot);
+      held -= copies.size();
+      copies.clear();
+    };
+    auto retire = [&](bool block_on_oldest) {
+      while (!copies.empty()) {
+        const queued q = copies.front();
+        try {
+          if (block_on_oldest) {
+            block_on_oldest = false;
+            stream->wait_for(q.mark);
+          } else if (!stream->finished(q.mark)) {
+            return;
+          }
+        } catch (...) {
+          if (!first_error) first_error = std::current_exception();
+          abandon_copies();
+          return;
+        }
+        copies.pop_front();
+        staging_->release(q.slot);
+        --held;
+      }
+    };
+    while (finished < next || (next < pieces.size() && !first_error) || !copies.empty()) {
+      retire(false);
       // Keep as many pieces in flight as buffers allow; block for a buffer only while holding none, so a read
       // never waits on buffers that only it can give back.
       while (next < pieces.size() && !first_error) {
@@ -718,11 +869,19 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
           box->cv.notify_one();
         });
       }
-      if (finished == next) continue;
+      if (finished == next) {
+        if (!copies.empty()) retire(true);  // nothing on the disk for this read: its buffers are in copies
+        continue;
+      }
       arrival a{};
       {
         std::unique_lock<std::mutex> lock(box->m);
-        box->cv.wait(lock, [&] { return !box->arrived.empty(); });
+        const auto ready = [&] { return !box->arrived.empty(); };
+        if (copies.empty()) {
+          box->cv.wait(lock, ready);
+        } else if (!box->cv.wait_for(lock, std::chrono::microseconds(50), ready)) {
+          continue;  // look at the queued copies again (a copy of one block takes tens of microseconds)
+        }
         a = box->arrived.front();
         box->arrived.pop_front();
       }
@@ -741,14 +900,20 @@ void engine_impl::run_read(operation_ptr op, record_ptr rec, memory_view dst, st
                                           ": the stored data is corrupt (disk or file system fault)");
             }
           }
-          if (dst.device >= 0)
-            stream->copy(static_cast<char*>(dst.data) + p.logical, buf, p.bytes);
-          else
+          if (dst.device >= 0) {
+            if (copies.size() >= copy_lookahead) retire(true);
+            if (first_error) std::rethrow_exception(first_error);  // that copy failed: this block is not copied
+            copies.push_back({a.slot, 0});
+            a.slot = -1;  // given back by retire() once its copy is done
+            copies.back().mark = stream->copy_async(static_cast<char*>(dst.data) + p.logical, buf, p.bytes);
+          } else {
             std::memcpy(static_cast<char*>(dst.data) + p.logical, buf, p.bytes);
+          }
           staged_copies_.fetch_add(1, std::memory_order_relaxed);
         }
       } catch (...) {
         if (!first_error) first_error = std::current_exception();
+        if (!copies.empty()) abandon_copies();
       }
       if (a.slot >= 0) {
         staging_->release(a.slot);

@@ -95,9 +95,10 @@ _SETTING_TABLE = {
     ),
     "staging_buffers": Setting(
         "SSDTRAIN_IO_STAGING_BUFFERS",
-        32,
+        48,
         integer(1),
-        "pinned staging buffers of one block each (CUDA tensors and unaligned host tensors pass through them)",
+        "pinned staging buffers of one block each (CUDA tensors and unaligned host tensors pass through them); "
+        "more than the queue depth, so the disk keeps a full queue while some buffers are in device copies",
         "ssdtrain.configure(staging_buffers=)",
     ),
     "stage_host": Setting(

@@ -46,7 +46,7 @@ struct engine_config {
   std::size_t block_size = 1u << 20;            // bytes per I/O request; a multiple of 4096
   direct_mode direct = direct_mode::automatic;
   bool checksum = false;          // crc32c per block, verified on read
-  unsigned staging_buffers = 32;  // pinned staging buffers of block_size bytes each (= queue depth)
+  unsigned staging_buffers = 48;  // pinned staging buffers of block_size bytes each (queue depth + copies)
   // Host tensors copied through the staging pool (physically contiguous, registered with the ring) instead of
   // being moved from their own pages.
   bool stage_host = false;

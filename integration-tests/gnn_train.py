@@ -532,6 +532,10 @@ def parse_args(argv):
                              "default 0: not trained")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="after every other run, train each implementation its default way once more, reported "
+                             "as NAME-rerun (the first runs of a fresh process also warm the machine: page "
+                             "mappings of the host table, clocks)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the measured epochs, profile this many more training steps of the toolkit's and "
                              "the baseline's default way (torch profiler, the loader's thread included) and print "
@@ -567,7 +571,8 @@ def parse_args(argv):
 
 def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
     """(name in the report, implementation, way, cache share): each implementation the default way under its own
-    name, then the other ways asked for as NAME-WAY, then the toolkit with the feature cache as toolkit-cache."""
+    name, then the other ways asked for as NAME-WAY, then the toolkit with the feature cache as toolkit-cache, then
+    (``--rerun``) each implementation its default way again as NAME-rerun."""
     runs = [(impl, impl, args.loading, 0.0) for impl in impls]
     extra = {impl: [] for impl in impls}
     if args.compare_loading:
@@ -579,6 +584,8 @@ def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
     runs += [(f"{impl}-{way}", impl, way, 0.0) for impl in impls for way in extra[impl]]
     if args.toolkit_cache and "toolkit" in impls:
         runs.append(("toolkit-cache", "toolkit", args.loading, args.toolkit_cache))
+    if getattr(args, "rerun", False):
+        runs += [(f"{impl}-rerun", impl, args.loading, 0.0) for impl in impls]
     return runs
 
 

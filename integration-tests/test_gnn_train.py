@@ -155,6 +155,13 @@ def test_toolkit_with_the_feature_cache_trains_the_same():
         gnn_train.main(["--size", "tiny", "--device", "cpu", "--toolkit-cache", "1.5"])
 
 
+def test_rerun_trains_each_implementation_again_last():
+    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun"])
+    assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
+    again, first = report["impls"]["toolkit-rerun"], report["impls"]["toolkit"]
+    assert again["epochs"][0]["batch_losses"] == pytest.approx(first["epochs"][0]["batch_losses"], abs=1e-6)
+
+
 def test_a_failed_cache_run_leaves_the_others_and_fails_the_script(tmp_path, monkeypatch):
     import json
 

@@ -31,6 +31,7 @@ from ..codegen import CodegenOptions, ModuleCode, generate
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
 from .device_graph import DeviceGraph, device_graph, unique_pairs
+from .einsum import einsum
 from .graph import Graph
 
 TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -316,7 +317,7 @@ class CudaBackend:
             kind = step.kind
             if kind == _EINSUM:
                 a, b = (env[arg].to(step.dtype) for arg in step.inputs)
-                env[step.outputs[0][0]] = torch.einsum(step.equation, a, b).contiguous()
+                env[step.outputs[0][0]] = einsum(step.equation, a, b).contiguous()
                 continue
             for name, shape, dtype, zero in step.outputs:
                 if zero is not _PACKED:

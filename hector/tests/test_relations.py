@@ -1,11 +1,14 @@
 """A mini-batch step's work does not grow with the number of relations the model has, only with the rows of the
-batch (counted in torch operations, which per-relation Python loops would multiply; never timed)."""
+batch (counted in torch operations, which per-relation Python loops would multiply; never timed), and the passes
+over whole per-relation weights a step cannot avoid are not multiplied (no weight copies, one gradient buffer)."""
 
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hector.nn as hn
 
@@ -168,3 +171,59 @@ def test_gnn_benchmark_layers_at_ten_thousand_relations_on_gpu(optimize):
     finally:
         config.set_backend(None)
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+
+
+class _WeightBuffers(TorchDispatchMode):
+    """Counts the new tensors of ``numel`` elements (allocated, filled or computed; views and in-place results
+    excluded) while active."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count, self.ops = numel, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.numel:
+            storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if out.untyped_storage().data_ptr() in storages:  # a view or an in-place result: no new tensor
+                return out
+            self.count += 1
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("compact,reorder", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("attention", ["shared", "per_relation"])
+def test_weight_gradient_is_one_buffer(attention, compact, reorder):
+    """RGAT's weight enters twice (source and destination projections, or a reordered composition): its gradient is
+    built in one weight-sized buffer per step on the CUDA backend (emulated), not in two parts summed by a third."""
+    from emulation import EmulatedExecutor, compiler
+
+    from hector.passes import Options
+    from hector.runtime import compiled as compiled_mod
+    from hector.runtime.cuda import CudaBackend
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    backend = CudaBackend(EmulatedExecutor())
+    r = 1500  # a weight of 1.5 MB: above the size the backend carves from its pool of small buffers
+    torch.manual_seed(0)
+    layer = hn.RGATConv(16, 8, r, heads=2, attention=attention, optimize=Options(compact=compact, reorder=reorder))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 16, generator=g)
+    ei, et = torch.randint(0, 50, (2, 200), generator=g), torch.randint(0, r, (200,), generator=g)
+    saved = compiled_mod.select
+    compiled_mod.select = lambda device, dtype: backend
+    try:
+        layer(x, ei, et).square().sum().backward()  # warm-up: compilation
+        layer.zero_grad(set_to_none=True)
+        out = layer(x, ei, et)
+        with _WeightBuffers(layer.weight.numel()) as counter:
+            out.square().sum().backward()
+    finally:
+        compiled_mod.select = saved
+    assert counter.count == 1, counter.ops
+    ref = hn.RGATConv(16, 8, r, heads=2, attention=attention, optimize="none").double()
+    ref.load_state_dict(layer.state_dict())
+    ref(x.double(), ei, et).square().sum().backward()
+    assert rel_err(layer.weight.grad.double(), ref.weight.grad) < 1e-5

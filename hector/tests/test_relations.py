@@ -121,7 +121,10 @@ def test_cuda_backend_step_copies_no_per_relation_weight(kind):
 
 
 @pytest.mark.parametrize("equation,a,b", [("rio,rim->mo", (50, 6, 3), (50, 6, 7)), ("rim,mo->rio", (5, 6, 7), (7, 3)),
-                                          ("rb,bio->rio", (9, 2), (2, 4, 5)), ("ab,b->a", (4, 3), (3,))])
+                                          ("rb,bio->rio", (9, 2), (2, 4, 5)), ("ab,b->a", (4, 3), (3,)),
+                                          # long reductions, split in parts (a remainder part too), both output orders
+                                          ("rio,rim->mo", (3001, 23, 3), (3001, 23, 5)),
+                                          ("ri,ro->oi", (70001, 2), (70001, 3))])
 def test_memory_order_einsum_is_einsum(equation, a, b):
     from hector.runtime.einsum import einsum, memory_order_equation
 

@@ -13,6 +13,7 @@ dims lie in the same order, which is what the IR's weight einsums have.
 from __future__ import annotations
 
 import functools
+import math
 import string
 
 import torch
@@ -35,10 +36,60 @@ def memory_order_equation(equation: str, larger_first: bool = True) -> str:
     return "".join(rename.get(ch, ch) for ch in equation)
 
 
+# A contraction summing more terms per output than this (a weight gradient summed over every relation's rows) runs
+# as a batch of GEMMs over parts of SPLIT_ROWS rows, whose results are then summed: a single GEMM with a reduction
+# that long and a small result (a few hundred outputs) keeps only a few thread blocks busy; the parts spread the
+# reduction over the whole GPU, in a fixed order (deterministic).
+SPLIT_TERMS = 1 << 16
+SPLIT_ROWS = 2048
+
+
+@functools.lru_cache(maxsize=256)
+def _matmul_form(equation: str) -> tuple[int, bool] | None:
+    """For ``equation`` = ``"<s><p>,<s><q>->..."`` (the same summed labels ``s`` leading both operands, no label
+    kept from both, the output ``p q`` or ``q p``): (len(s), whether the output is ``q p``). None otherwise."""
+    inputs, _, output = equation.partition("->")
+    la, lb = inputs.split(",")
+    summed = [ch for ch in dict.fromkeys(la + lb) if ch not in output]
+    n = len(summed)
+    if not n or la[:n] != lb[:n] or set(la[:n]) != set(summed) or len(set(la + lb)) != len(la) + len(lb) - n:
+        return None
+    p, q = la[n:], lb[n:]
+    if output == p + q:
+        return n, False
+    if output == q + p:
+        return n, True
+    return None
+
+
+def _split_reduction(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a.T @ b`` for ``a`` [K, P] and ``b`` [K, Q] with a long K: a batch of GEMMs over parts of K, summed."""
+    k = a.size(0)
+    parts = max(1, k // SPLIT_ROWS)
+    rows = k // parts
+    head = parts * rows
+    out = torch.bmm(a[:head].reshape(parts, rows, -1).transpose(1, 2), b[:head].reshape(parts, rows, -1)).sum(0)
+    if head < k:
+        out += a[head:].t() @ b[head:]
+    return out
+
+
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(equation, a, b)``, with the labels ordered as the larger operand lies in memory (see the
-    module docstring): no operand copy where both operands' summed dims lie in the same order."""
-    return torch.einsum(memory_order_equation(equation, a.numel() >= b.numel()), a, b)
+    module docstring): no operand copy where both operands' summed dims lie in the same order. A long reduction to a
+    small result runs split (see ``SPLIT_TERMS``)."""
+    eq = memory_order_equation(equation, a.numel() >= b.numel())
+    form = _matmul_form(eq)
+    if form is not None and a.shape[: form[0]] == b.shape[: form[0]]:
+        n, swapped = form
+        k = math.prod(a.shape[:n])
+        if k >= SPLIT_TERMS and a.dim() > n and b.dim() > n:
+            out = _split_reduction(a.reshape(k, -1), b.reshape(k, -1))
+            shape = a.shape[n:] + b.shape[n:]
+            if swapped:
+                out, shape = out.t(), b.shape[n:] + a.shape[n:]
+            return out.reshape(shape)
+    return torch.einsum(eq, a, b)
 
 
-__all__ = ["einsum", "memory_order_equation"]
+__all__ = ["SPLIT_ROWS", "SPLIT_TERMS", "einsum", "memory_order_equation"]

@@ -15,16 +15,22 @@
 #              eager step is under 5 ms. Each row is written to the CSV as it finishes
 #   relations  (not by default) relations.py: per-batch step and graph preparation at 16 / 1,000 / 10,000 relations,
 #              and the step on a graph prepared ahead with its layer (prepare_graph(..., layers=...): the prepared_*
-#              columns; prepared_host_ms against host_ms is the host time a loader thread takes off the step)
+#              columns; prepared_host_ms against host_ms is the host time a loader thread takes off the step), the
+#              MB of the per-relation weights and the MB tensor copies wrote per step (copy_mb: the batch's, never
+#              the weights'); then RGAT as the GNN benchmark's second layer (64 -> 16 x 4 heads, attention shared by
+#              the relations) on a batch of its size (165K edges) with nearly every relation present (skew 1), at 16
+#              and 10,000 relations (hector_relations_gnn.csv): the weight-sized passes a step keeps at 10,000
 #   host       (not by default; CPU only, ~1 minute) host_overhead.py: launches and host ms per training step with a
 #              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 # Writes into "${OUT:-./out}" (at most 8 files): hector_gpu.log (everything printed, the final tables),
-# hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv (and
+# hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv,
+# hector_relations_gnn.csv (and
 # hector_memory.csv for `memory`, hector_host.csv for `host`). Every step runs even if an earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
 # relations memory host" sets each step's time limit in seconds (default "190 60 250 100 200 120": the default steps
-# end inside 8 minutes and 20 seconds). For the mini-batch preparation alone: HECTOR_STEPS=tests,relations,host.
+# end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit each). For the mini-batch
+# preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
 OUT="${OUT:-./out}"
 STEPS="${HECTOR_STEPS:-tests,sanitize,bench}"
@@ -74,6 +80,9 @@ if has relations; then
   timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --nodes 200000 --edges 400000 \
       --dim 64 --batches 5 --csv "$OUT/hector_relations.csv" 2>&1 | grep -v USDT | tee -a "$LOG" \
       || { note "relations: exit $?"; STATUS=1; }
+  timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --models rgat --relations 16,10000 \
+      --nodes 170000 --edges 165000 --dim 64 --skew 1 --batches 5 --csv "$OUT/hector_relations_gnn.csv" 2>&1 \
+      | grep -v USDT | tee -a "$LOG" || { note "relations (GNN layer): exit $?"; STATUS=1; }
 fi
 
 if has memory; then

@@ -4,8 +4,10 @@ A mini-batch loop (a new ``edge_index``/``edge_type`` per batch, as a sampler gi
 of R relations, R in ``--relations`` (default 16, 1000, 10000), with a fixed batch size: the relations present in a
 batch are at most its edge count, so its cost should grow with those, not with R. Per model and R it prints the
 median milliseconds per training step (forward + backward) and the number of torch operations dispatched per step
-(a machine-independent count: per-relation Python loops show up as operations growing with R), and the per-batch
-graph preparation time alone (``hector.prepare_graph``). Then the same on graphs prepared ahead with the layer
+(a machine-independent count: per-relation Python loops show up as operations growing with R), the per-batch graph
+preparation time alone (``hector.prepare_graph``), the size of the per-relation weights (``per_relation_mb``) and the
+megabytes tensor copies wrote in a step (``copy_mb``, the largest copy in ``largest_copy_mb``: a step's copies should
+scale with the batch, never be as large as the weights). Then the same on graphs prepared ahead with the layer
 (``hector.prepare_graph(..., layers=layer)``, what a loader thread does): the preparation's time
 (``prepare_layers_ms``), the step's (``prepared_step_ms``), the host time until the step's launches have returned
 (``prepared_host_ms``, against ``host_ms`` for a graph the step prepares itself: what a loader thread takes off the
@@ -29,17 +31,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hector
 import hector.nn as hn
 
+# operations that copy a tensor's elements into another (``.contiguous()``, ``.clone()``, ``.to()`` and in-place
+# copies dispatch to these)
+COPIES = frozenset({"aten.copy_.default", "aten.copy.default", "aten.clone.default", "aten._to_copy.default"})
+
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten operations dispatched while active."""
+    """Counts the aten operations dispatched while active, and the bytes written by tensor copies among them
+    (``copied_bytes``, the largest one in ``largest_copy``: a copy of a whole per-relation weight in a step shows
+    up as one as large as the weight)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.copied_bytes = 0
+        self.largest_copy = 0
+        self.copies: list[tuple[str, tuple[int, ...]]] = []  # (operation, output shape) of each copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name in COPIES:
+            dst = args[0] if name == "aten.copy_.default" else out
+            nbytes = dst.numel() * dst.element_size()
+            self.copied_bytes += nbytes
+            self.largest_copy = max(self.largest_copy, nbytes)
+            self.copies.append((name, tuple(dst.shape)))
+        return out
 
 
 def make_layer(kind: str, dim: int, relations: int, node_types: int) -> torch.nn.Module:
@@ -120,8 +139,11 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
     with CountOps() as counted_prepared:
         step(ei, et)
     present = round(statistics.mean(int(torch.unique(b[1]).numel()) for b in data[2:]))
+    per_relation = sum(p.numel() * p.element_size() for p in layer.parameters() if p.dim() and p.size(0) == relations)
     return {"model": kind, "relations": relations, "present_per_batch": present, "edges": a.edges,
             "step_ms": step_ms, "host_ms": host_ms, "prepare_ms": prepare_ms, "ops_per_step": counter.count,
+            "per_relation_mb": per_relation / 1e6, "copy_mb": counter.copied_bytes / 1e6,
+            "largest_copy_mb": counter.largest_copy / 1e6,
             "prepared_step_ms": prepared_step_ms, "prepared_host_ms": prepared_host_ms,
             "prepare_layers_ms": prepare_layers_ms, "ops_prepared": counted_prepared.count}
 
@@ -140,14 +162,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     rows = []
     print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
-          f"{'ops/step':>8s} | prepared with the layer: {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
-          f"{'ops/step':>8s}", flush=True)
+          f"{'ops/step':>8s} {'weights MB':>10s} {'copied MB':>9s} | prepared with the layer: {'step ms':>8s} "
+          f"{'host ms':>8s} {'prepare ms':>10s} {'ops/step':>8s}", flush=True)
     for kind in a.models.split(","):
         for r in (int(v) for v in a.relations.split(",")):
             row = run(kind, r, a)
             rows.append(row)
             print(f"{kind:5s} {r:6d} {row['present_per_batch']:7d} {row['step_ms']:8.2f} {row['host_ms']:8.2f} "
-                  f"{row['prepare_ms']:10.2f} {row['ops_per_step']:8d} | {'':24s} {row['prepared_step_ms']:8.2f} "
+                  f"{row['prepare_ms']:10.2f} {row['ops_per_step']:8d} {row['per_relation_mb']:10.1f} "
+                  f"{row['copy_mb']:9.2f} | {'':24s} {row['prepared_step_ms']:8.2f} "
                   f"{row['prepared_host_ms']:8.2f} {row['prepare_layers_ms']:10.2f} {row['ops_prepared']:8d}",
                   flush=True)
             if a.csv:  # after every row: a run stopped by a time limit keeps what it measured

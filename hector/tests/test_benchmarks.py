@@ -87,6 +87,8 @@ def test_relations_smoke(tmp_path):
     assert all(r["step_ms"] > 0 and r["ops_per_step"] > 0 for r in rows)
     # a graph prepared with its layer (loader thread) leaves the step fewer operations, never more
     assert all(r["prepared_step_ms"] > 0 and 0 < r["ops_prepared"] <= r["ops_per_step"] for r in rows)
+    # the copies a step makes are the batch's, smaller than the weights at 400 relations
+    assert all(r["largest_copy_mb"] < r["per_relation_mb"] for r in rows if r["relations"] == 400), rows
 
 
 @pytest.mark.parametrize("kind", ["rgcn", "rgat", "hgt"])

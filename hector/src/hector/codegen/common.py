@@ -64,6 +64,8 @@ class Output:
     name: str
     dtype: str
     zero: bool  # written with atomics: the runtime zero-fills it first
+    # written with atomics into the buffer of this earlier value (which it then is), instead of a zero-filled one
+    init: str = ""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,12 @@ class _OuterSum(_Emitter):
         H, din, dout = (1,) + core if len(core) == 2 else core
         domain = p.type_of(node.args[0]).domain
         Ka, Nb = p.type_of(node.args[0]).numel, p.type_of(node.args[1]).numel
-        g.dtypes[node.name] = g.acc
-        out = Output(node.name, g.acc, True)
+        # accumulating into another buffer of the call (the lowering's ``accumulate``): the kernel writes the sum
+        # node that follows it, whose buffer is that one, not a zero-filled one of its own
+        into = dict(self.k.detail).get("accumulate")
+        target = self.k.nodes[-1] if into else node.name
+        g.dtypes[node.name] = g.dtypes[target] = g.acc
+        out = Output(target, g.acc, not into, into or "")
         RK = 4 if din % 4 == 0 else 1
         RN = 4 if dout % 4 == 0 else 1
         cells = H * (din // RK) * (dout // RN)
@@ -37,7 +41,7 @@ class _OuterSum(_Emitter):
         perm = self.args.get(("perm", domain.value, by), "perm", "const int* __restrict__") if by else None
         a_ref, b_ref = self.ref(node.args[0], "r", False), self.ref(node.args[1], "r", False)
         a_ptr, b_ptr = self.ptr(a_ref.base), self.ptr(b_ref.base)
-        o_ptr = self.ptr(node.name, out=True)
+        o_ptr = self.ptr(target, out=True)
         P = H * din * dout
         lines = ["// " + self.k.describe().replace("\n", "\n// ")]
         for m in self.k.nodes:

@@ -6,7 +6,8 @@ weight shared by all relations through a reordered composition (``dQ = sum_r W_r
 outputs, each a sum over relations x features (over a million terms at 10,000 relations), which took tens of
 milliseconds per step on one GPU and grew with the relation count. Those einsums (more than
 ``SERIAL_TERMS`` terms per output) run as one ``torch.einsum`` in the accumulation dtype instead: a GEMM (cuBLAS
-on a GPU) whose reduction is spread over the whole device.
+on a GPU) whose reduction is spread over the whole device (:mod:`hector.runtime.einsum`: no copy of an operand, and
+the longest reductions split into a batch of GEMMs).
 """
 
 from __future__ import annotations

@@ -191,6 +191,16 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True, sorted_
             for m in nodes:
                 owner[m] = len(groups) - 1
             continue
+        into = _accumulate_into(p, n, keep, groups, owner) if fuse else None
+        if into is not None:
+            # a weight gradient summed from two parts: the outer sum adds its tiles into the other part's buffer
+            x, y = into
+            g = groups[owner[x]]
+            g["nodes"].append(n.name)
+            g["detail"] = dict(g["detail"], accumulate=y)
+            g["layout"] += f"; accumulated into %{y} (no zero-filled buffer, no separate sum)"
+            owner[n.name] = owner[x]
+            continue
         if t.domain is Domain.PARAM and n.op is not Op.SELECT_SUM:
             if cur is not None and any(owner.get(source(a)[0]) == cur_idx for a in n.args):
                 close()
@@ -278,6 +288,34 @@ def lower(program: Program, keep: Iterable[str] = (), fuse: bool = True, sorted_
                               tuple(sorted(detail.items()))))
     materialized = tuple(o for k in kernels for o in k.outputs)
     return Lowered(p, tuple(kernels), materialized)
+
+
+# ops whose param-domain result is a buffer of the call's own, in the accumulation dtype (weight-only kernels, weight
+# gradients, and sums of them: a param kernel's or an earlier accumulation's)
+_OWN_PARAM_BUFFER = (Op.EINSUM, Op.OUTER_SUM, Op.ADD)
+
+
+def _accumulate_into(p: Program, n: Any, keep: set[str], groups: list, owner: Mapping[str, int]) \
+        -> tuple[str, str] | None:
+    """For ``n`` = ``add(x, y)`` of two weight-sized values where ``x`` is a weight gradient's outer sum read by
+    nothing else and ``y`` a buffer computed earlier in the call and read by nothing else: (x, y), so that the outer
+    sum's kernel adds its tiles into ``y``'s buffer and that buffer becomes ``n``. A gradient of a weight used twice
+    (e.g. RGAT's source and destination projections, or a reordered composition) otherwise costs a zero fill and a
+    separate elementwise sum of the whole per-relation weight per step, which at thousands of relations is more
+    traffic than the batch's own. None where the pattern does not hold."""
+    if n.op is not Op.ADD or n.type.domain is not Domain.PARAM or n.args[0] == n.args[1]:
+        return None
+    users = p.users
+    for x, y in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        nx, ny = p.node(x), p.node(y)
+        if nx.op is not Op.OUTER_SUM or ny.op not in _OWN_PARAM_BUFFER or x in keep or y in keep:
+            continue
+        if users[x] != [n.name] or users[y] != [n.name] or nx.type != n.type or ny.type != n.type:
+            continue
+        g = groups[owner[x]] if x in owner else None
+        if isinstance(g, dict) and g["nodes"] == [x] and "accumulate" not in g.get("detail", {}) and y in owner:
+            return x, y
+    return None
 
 
 def _atomic_vias(p: Program, g: _Group) -> set[str]:

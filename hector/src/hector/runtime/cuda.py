@@ -31,6 +31,7 @@ from ..codegen import CodegenOptions, ModuleCode, generate
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
 from .device_graph import DeviceGraph, device_graph, unique_pairs
+from .einsum import einsum
 from .graph import Graph
 
 TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -121,6 +122,13 @@ class _Steps(list):
 
 
 _PACKED = "packed"  # an output's zero flag once it lives in the pool
+
+
+@dataclass(frozen=True, slots=True)
+class _Alias:
+    """An output's zero flag where the kernel accumulates into the buffer of the earlier value ``name``."""
+
+    name: str
 _POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
 _POOL_BYTES = 4 << 20  # ... while it stays this small
 
@@ -316,10 +324,14 @@ class CudaBackend:
             kind = step.kind
             if kind == _EINSUM:
                 a, b = (env[arg].to(step.dtype) for arg in step.inputs)
-                env[step.outputs[0][0]] = torch.einsum(step.equation, a, b).contiguous()
+                env[step.outputs[0][0]] = einsum(step.equation, a, b).contiguous()
                 continue
             for name, shape, dtype, zero in step.outputs:
-                if zero is not _PACKED:
+                if zero is _PACKED:
+                    continue
+                if type(zero) is _Alias:  # accumulates into an earlier value's buffer, read by nothing else
+                    env[name] = env[zero.name]
+                else:
                     env[name] = self._allocate(shape, dtype, zero, dg.device)
             if kind == _RNG:
                 name = step.outputs[0][0]
@@ -454,7 +466,8 @@ class CudaBackend:
             for out in kc.outputs:
                 ty = program.type_of(out.name)
                 domain = None if ty.domain is Domain.PARAM else ty.domain
-                specs.append((out.name, domain, tuple(ty.shape), TORCH_DTYPE[out.dtype], out.zero,
+                zero = _Alias(out.init) if out.init else out.zero
+                specs.append((out.name, domain, tuple(ty.shape), TORCH_DTYPE[out.dtype], zero,
                               out.zero and (out.name not in outputs or gradients)))
             t.outputs = tuple(specs)
             if kc.torch_op == "rng":

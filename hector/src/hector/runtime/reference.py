@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..ir.core import GATHER_VIA, Domain, Node, Op, Program
+from .einsum import einsum
 from .graph import Graph
 
 
@@ -230,7 +231,7 @@ REFERENCE: dict[Op, Any] = {
                                                                           graph),
     Op.SELECT: _ref_select,
     Op.SELECT_SUM: _ref_select_sum,
-    Op.EINSUM: lambda node, args, types, graph, leaf, dtype: torch.einsum(node.attr("equation"), args[0], args[1]),
+    Op.EINSUM: lambda node, args, types, graph, leaf, dtype: einsum(node.attr("equation"), args[0], args[1]),
     Op.ADD: lambda node, args, types, graph, leaf, dtype: _binary(Op.ADD, args[0], args[1]),
     Op.SUB: lambda node, args, types, graph, leaf, dtype: _binary(Op.SUB, args[0], args[1]),
     Op.MUL: lambda node, args, types, graph, leaf, dtype: _binary(Op.MUL, args[0], args[1]),

@@ -156,7 +156,10 @@ def test_toolkit_with_the_feature_cache_trains_the_same():
 
 
 def test_rerun_trains_each_implementation_again_last():
-    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun"])
+    """--rerun adds each implementation's default way at the end (the same batches, the same losses); with
+    --prepare-layers the loader also builds hector's launch plans, which changes nothing in the results."""
+    report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun",
+                             "--prepare-layers"])
     assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
     again, first = report["impls"]["toolkit-rerun"], report["impls"]["toolkit"]
     assert again["epochs"][0]["batch_losses"] == pytest.approx(first["epochs"][0]["batch_losses"], abs=1e-6)

@@ -36,6 +36,22 @@ def _grads(out, inputs, weight=None):
     return torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
 
 
+def _reference_and_layer(name: str, ei, et, nt):
+    """LAYERS[name] twice from one seed, float64 (the reference) and float32 with its weights; the node types when
+    the layer is typed by them; a 17-node input x, its float64 copy xa, the reference's output a on it and the
+    gradients ga of a weighted sum of a with respect to xa and the reference's parameters."""
+    torch.manual_seed(0)
+    ref = LAYERS[name]().double()
+    layer = LAYERS[name]().float()
+    layer.load_state_dict(ref.state_dict())
+    typed = (nt, 2) if layer.num_node_types else (None, None)
+    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
+    xa = x.clone().requires_grad_()
+    a = ref(xa, ei, et, typed[0])
+    ga = _grads(a, [xa] + list(ref.parameters()))
+    return ref, layer, typed, x, xa, a, ga
+
+
 LAYERS = {
     "rgcn": lambda: hn.RGCNConv(6, 5, 3, num_bases=2),
     "rgcn-uncompacted": lambda: hn.RGCNConv(6, 5, 3, optimize="none"),
@@ -301,15 +317,7 @@ def test_graph_prepared_without_host_reads_matches_reference(emulated, monkeypat
 
     monkeypatch.setattr(EMULATED, "_allocate", poisoned)
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=5)
-    torch.manual_seed(0)
-    ref = LAYERS[name]().double()
-    layer = LAYERS[name]().float()
-    layer.load_state_dict(ref.state_dict())
-    typed = (nt, 2) if layer.num_node_types else (None, None)
-    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
-    xa = x.clone().requires_grad_()
-    a = ref(xa, ei, et, typed[0])
-    ga = _grads(a, [xa] + list(ref.parameters()))
+    ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
     mixed = Graph(ei, et, 17, 3, *typed, sync_free=True)
     graph = Graph(ei, et, 17, 3, *typed, sync_free=True)
     # padded forward and backward; the same graph settled; a padded forward whose backward runs settled
@@ -373,15 +381,7 @@ def test_prepared_graph_builds_every_plan_ahead(emulated, name):
     import hector
 
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=7)
-    torch.manual_seed(0)
-    ref = LAYERS[name]().double()
-    layer = LAYERS[name]().float()
-    layer.load_state_dict(ref.state_dict())
-    typed = (nt, 2) if layer.num_node_types else (None, None)
-    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
-    xa = x.clone().requires_grad_()
-    a = ref(xa, ei, et, typed[0])
-    ga = _grads(a, [xa] + list(ref.parameters()))
+    ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
     for x_grad in (True, False):
         graph = hector.prepare_graph(ei.clone(), et.clone(), 17, 3, *typed, layers=[layer])
         plans = _launch_plans(graph)
@@ -465,15 +465,7 @@ def test_destination_sorted_edges_skip_the_sort(emulated, name):
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=9)
     order = torch.sort(ei[1], stable=True).indices
     ei, et = ei[:, order], et[order]
-    torch.manual_seed(0)
-    ref = LAYERS[name]().double()
-    layer = LAYERS[name]().float()
-    layer.load_state_dict(ref.state_dict())
-    typed = (nt, 2) if layer.num_node_types else (None, None)
-    x = torch.randn(17, ref.in_channels, dtype=torch.float64)
-    xa = x.clone().requires_grad_()
-    a = ref(xa, ei, et, typed[0])
-    ga = _grads(a, [xa] + list(ref.parameters()))
+    ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
     results = {}
     for hint in (None, True, False):
         graph = Graph(ei, et, 17, 3, *typed, sorted_by_destination=hint)

@@ -11,7 +11,9 @@ scale with the batch, never be as large as the weights). Then the same on graphs
 (``hector.prepare_graph(..., layers=layer)``, what a loader thread does): the preparation's time
 (``prepare_layers_ms``), the step's (``prepared_step_ms``), the host time until the step's launches have returned
 (``prepared_host_ms``, against ``host_ms`` for a graph the step prepares itself: what a loader thread takes off the
-training thread) and its torch operations (``ops_prepared``).
+training thread) and its torch operations (``ops_prepared``). Last, the step on one graph's tensors reused for every
+step (``persistent_step_ms``) and each mini-batch step against it (``new_vs_persistent``: a graph the step prepares
+itself; ``prepared_vs_persistent``: one prepared ahead with the layer).
 
     python hector/benchmarks/relations.py                       # CPU, reference backend
     python hector/benchmarks/relations.py --device cuda --edges 200000 --csv rel.csv
@@ -127,6 +129,9 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
         step(ei, et)
     _sync(a.device)
     step_ms, host_ms, _ = timed(data[2:])
+    # the same graph tensors every step (plans and layout found again, nothing rebuilt): what a new graph's step is
+    # compared with
+    persistent_step_ms, _, _ = timed([data[2]] * a.batches)
     _, _, prepare_ms = timed(batches(a.batches, a.nodes, a.edges, relations, a.skew, 2, a.device), plain)
     prepared = batches(a.batches + 1, a.nodes, a.edges, relations, a.skew, 3, a.device)
     prepared_step_ms, prepared_host_ms, prepare_layers_ms = timed(prepared[1:], with_layer)
@@ -145,7 +150,9 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
             "per_relation_mb": per_relation / 1e6, "copy_mb": counter.copied_bytes / 1e6,
             "largest_copy_mb": counter.largest_copy / 1e6,
             "prepared_step_ms": prepared_step_ms, "prepared_host_ms": prepared_host_ms,
-            "prepare_layers_ms": prepare_layers_ms, "ops_prepared": counted_prepared.count}
+            "prepare_layers_ms": prepare_layers_ms, "ops_prepared": counted_prepared.count,
+            "persistent_step_ms": persistent_step_ms, "new_vs_persistent": step_ms / persistent_step_ms,
+            "prepared_vs_persistent": prepared_step_ms / persistent_step_ms}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
           f"{'ops/step':>8s} {'weights MB':>10s} {'copied MB':>9s} | prepared with the layer: {'step ms':>8s} "
-          f"{'host ms':>8s} {'prepare ms':>10s} {'ops/step':>8s}", flush=True)
+          f"{'host ms':>8s} {'prepare ms':>10s} {'ops/step':>8s} | persistent graph: {'step ms':>8s} "
+          f"{'new x':>6s} {'prepared x':>10s}", flush=True)
     for kind in a.models.split(","):
         for r in (int(v) for v in a.relations.split(",")):
             row = run(kind, r, a)
@@ -171,8 +179,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{kind:5s} {r:6d} {row['present_per_batch']:7d} {row['step_ms']:8.2f} {row['host_ms']:8.2f} "
                   f"{row['prepare_ms']:10.2f} {row['ops_per_step']:8d} {row['per_relation_mb']:10.1f} "
                   f"{row['copy_mb']:9.2f} | {'':24s} {row['prepared_step_ms']:8.2f} "
-                  f"{row['prepared_host_ms']:8.2f} {row['prepare_layers_ms']:10.2f} {row['ops_prepared']:8d}",
-                  flush=True)
+                  f"{row['prepared_host_ms']:8.2f} {row['prepare_layers_ms']:10.2f} {row['ops_prepared']:8d} | "
+                  f"{'':17s} {row['persistent_step_ms']:8.2f} {row['new_vs_persistent']:6.2f} "
+                  f"{row['prepared_vs_persistent']:10.2f}", flush=True)
             if a.csv:  # after every row: a run stopped by a time limit keeps what it measured
                 with open(a.csv, "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -87,6 +87,9 @@ def test_relations_smoke(tmp_path):
     assert all(r["step_ms"] > 0 and r["ops_per_step"] > 0 for r in rows)
     # a graph prepared with its layer (loader thread) leaves the step fewer operations, never more
     assert all(r["prepared_step_ms"] > 0 and 0 < r["ops_prepared"] <= r["ops_per_step"] for r in rows)
+    # a step on the same graph's tensors is timed too, and each mini-batch step is given against it
+    assert all(r["persistent_step_ms"] > 0 for r in rows)
+    assert all(r["new_vs_persistent"] == pytest.approx(r["step_ms"] / r["persistent_step_ms"]) for r in rows)
     # the copies a step makes are the batch's, smaller than the weights at 400 relations
     assert all(r["largest_copy_mb"] < r["per_relation_mb"] for r in rows if r["relations"] == 400), rows
 

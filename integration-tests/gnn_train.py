@@ -286,7 +286,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
 
     def loader(nodes, seed, shuffle=True):
         return make_loader(impl, topology, table, labels, cfg, nodes, device, way, prefetch, seed, shuffle,
-                           model if getattr(args, "prepare_layers", False) else None)
+                           model if args.prepare_layers else None)
 
     def forward(batch) -> torch.Tensor:
         edges = batch.hector_graph if impl == "toolkit" else batch.edge_index
@@ -591,7 +591,7 @@ def planned_runs(args, impls) -> list[tuple[str, str, str, float]]:
     runs += [(f"{impl}-{way}", impl, way, 0.0) for impl in impls for way in extra[impl]]
     if args.toolkit_cache and "toolkit" in impls:
         runs.append(("toolkit-cache", "toolkit", args.loading, args.toolkit_cache))
-    if getattr(args, "rerun", False):
+    if args.rerun:
         runs += [(f"{impl}-rerun", impl, args.loading, 0.0) for impl in impls]
     return runs
 

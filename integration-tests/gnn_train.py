@@ -402,6 +402,12 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
     for r in rows:
         proc.print(f"    {r['op'][:60]:60s} {r['calls_per_step']:7.1f} calls {r['device_ms_per_step']:8.3f} ms device "
                    f"{r['cpu_ms_per_step']:8.3f} ms CPU")
+    if cuda:  # (a step bound by the host: where its host time goes, by self CPU time, all threads)
+        host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+        proc.print(f"  {name}: ops by host (self CPU) time per step:")
+        for e in host:
+            ms = e.self_cpu_time_total / 1e3 / per
+            proc.print(f"    {e.key[:60]:60s} {e.count / per:7.1f} calls {ms:8.3f} ms CPU")
     threads, kernel_ms = thread_profile(prof.events(), per)
     proc.print(f"  {name}: per step {wall / per * 1e3:.2f} ms of wall time, {kernel_ms:.2f} ms of kernels (all "
                f"streams); per thread: " + "; ".join(f"{t['thread']} {t['host_ms_per_step']:.2f} ms host, "

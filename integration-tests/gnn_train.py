@@ -44,9 +44,14 @@ IMPLS = ("toolkit", "baseline")
 # How batches are made (pytorch_direct.sampling.NeighborLoader): by a loader thread on its own CUDA stream, ahead by
 # the training thread on that stream, or in turn when training asks for them; "thread-python": by the loader thread
 # with the sampler's operations called from Python (holding the GIL for each), instead of its TorchScript function
-# that runs without the GIL: what the GIL costs a loader thread.
+# that runs without the GIL: what the GIL costs a loader thread. "thread-normal-priority": the loader's CUDA streams
+# at the default priority instead of high; "thread-plans-step" / "thread-plans-loader": hector's launch plans built
+# always in the training step / always in the loader thread (instead of --layer-plans).
 WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False),
-        "thread-python": dict(thread=True)}
+        "thread-python": dict(thread=True), "thread-normal-priority": dict(thread=True, high_priority=False),
+        "thread-plans-step": dict(thread=True, plans="step"), "thread-plans-loader": dict(thread=True, plans="loader")}
+# where the toolkit builds hector's launch plans for each batch (--layer-plans)
+PLANS = ("ahead", "loader", "step")
 LOADING = ("thread", "ahead", "inturn")  # the three ways of --compare-loading
 
 
@@ -190,33 +195,46 @@ def rank_seeds(train_idx: torch.Tensor, batch_size: int, proc: harness.Process) 
 
 
 def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: torch.Tensor, device: torch.device,
-                way: str, prefetch: int, seed: int, shuffle: bool, model: nn.Module | None = None):
+                way: str, prefetch: int, seed: int, shuffle: bool, model: nn.Module | None = None,
+                plans: str = "ahead"):
     """The mini-batch loader of ``impl``: the toolkit reads the unified table zero-copy and prepares each batch's
-    graph for hector where the batch is made (with ``model``, its hector layers' launch plans too); the baseline
-    gathers rows on the CPU into pinned memory and copies them (``unify=False``)."""
+    graph for hector where the batch is made, and the launch plans of ``model``'s hector layers where ``plans``
+    says (PLANS: the loader thread while it is ahead of training, always the loader, or the training step; a way
+    may say otherwise; without ``model`` the layers build them); the baseline gathers rows on the CPU into pinned
+    memory and copies them (``unify=False``)."""
 
     from pytorch_direct.sampling import NeighborLoader
 
-    prepare = None
+    options = {"prefetch": prefetch, **WAYS[way]}
+    plans = options.pop("plans", plans)
+    prepare = when_ahead = None
     if impl == "toolkit":
-        import hector
+        import hector.nn
 
         num_relations = cfg.graph.num_relations
 
         def prepare(sub):
             # hector's preprocessing reads a few sizes on the host: done where the batch is made, while its
-            # features are gathered on the loader's other stream (its host reads then wait for the sampling only).
-            # The layers' launch plans are built there too only when asked: on an H100 that made the loader thread
-            # the epoch's bottleneck (large preset 1.20 s per epoch, 19% waiting, against 1.00 s without) and the
-            # training step no faster.
+            # features are gathered on the loader's other stream (its host reads then wait for the sampling only)
             return {"hector_graph": hector.prepare_graph(sub.edge_index, sub.edge_type, sub.num_nodes,
-                                                         num_relations, layers=model if model is not None else ())}
+                                                         num_relations,
+                                                         layers=model if plans == "loader" and model else ())}
+
+        if plans == "ahead" and model is not None:
+            # The layers' launch plans cost the host a few ms per batch wherever they are built. In the loader
+            # thread they help where the step is the slower side (many relations) and hurt where the loader is
+            # (an H100, large preset: 1.20 s per epoch, 19% waiting, against 1.16 s with the plans in the step):
+            # so only while the loader is ahead; the layers build them at their first call otherwise.
+            convs = [m for m in model.modules() if isinstance(m, hector.nn.RelationalLayer)]
+
+            def when_ahead(batch):
+                for conv in convs:
+                    conv.prepare(batch.hector_graph)
 
     features = {"x": table if impl == "toolkit" else table.plain(), "y": labels}
-    options = {"prefetch": prefetch, **WAYS[way]}
     loader = NeighborLoader((features, topology), list(cfg.fanout), input_nodes=seeds, batch_size=cfg.batch_size,
                             shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
-                            prepare=prepare, seed=seed, **options)
+                            prepare=prepare, prepare_when_ahead=when_ahead, seed=seed, **options)
     if way.endswith("-python"):
         loader.sampler.script = False
     return loader
@@ -286,7 +304,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
 
     def loader(nodes, seed, shuffle=True):
         return make_loader(impl, topology, table, labels, cfg, nodes, device, way, prefetch, seed, shuffle,
-                           model if args.prepare_layers else None)
+                           model, args.layer_plans)
 
     def forward(batch) -> torch.Tensor:
         edges = batch.hector_graph if impl == "toolkit" else batch.edge_index
@@ -541,10 +559,11 @@ def parse_args(argv):
                              "default 0: not trained")
     parser.add_argument("--compare-loading", "--compare-prefetch", action="store_true", dest="compare_loading",
                         help="also train both implementations the two other ways (-inturn, -ahead, -thread)")
-    parser.add_argument("--prepare-layers", action="store_true",
-                        help="the toolkit's loader thread also builds the hector layers' launch plans for each batch "
-                             "(hector.prepare_graph(..., layers=model)); default: the layers build them at their "
-                             "first call in the training step")
+    parser.add_argument("--layer-plans", choices=PLANS, default="ahead",
+                        help="where the toolkit builds its hector layers' launch plans for each batch: 'ahead' "
+                             "(default): in the loader thread while it is ahead of training, else at the layers' "
+                             "first call in the training step; 'loader': always in the loader thread; 'step': "
+                             "always in the training step")
     parser.add_argument("--rerun", action="store_true",
                         help="after every other run, train each implementation its default way once more, reported "
                              "as NAME-rerun (the first runs of a fresh process also warm the machine: page "

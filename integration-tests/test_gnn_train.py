@@ -156,13 +156,15 @@ def test_toolkit_with_the_feature_cache_trains_the_same():
 
 
 def test_rerun_trains_each_implementation_again_last():
-    """--rerun adds each implementation's default way at the end (the same batches, the same losses); with
-    --prepare-layers the loader also builds hector's launch plans, which changes nothing in the results."""
+    """--rerun adds each implementation's default way at the end (the same batches, the same losses); where
+    hector's launch plans are built (--layer-plans, and the ways that force a place) changes nothing in the
+    results."""
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun",
-                             "--prepare-layers"])
+                             "--layer-plans", "loader", "--toolkit-ways", "thread-plans-step,thread-normal-priority"])
     assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
-    again, first = report["impls"]["toolkit-rerun"], report["impls"]["toolkit"]
-    assert again["epochs"][0]["batch_losses"] == pytest.approx(first["epochs"][0]["batch_losses"], abs=1e-6)
+    first = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
+    for name in ("toolkit-rerun", "toolkit-thread-plans-step", "toolkit-thread-normal-priority"):
+        assert report["impls"][name]["epochs"][0]["batch_losses"] == pytest.approx(first, abs=1e-6), name
 
 
 def test_a_failed_cache_run_leaves_the_others_and_fails_the_script(tmp_path, monkeypatch):

@@ -520,6 +520,34 @@ def test_prepare_sees_the_sampled_graph_and_sets_attributes(thread):
                             prepare=lambda sub: sub.num_nodes))
 
 
+def test_prepare_when_ahead_runs_only_while_the_loader_is_ahead_of_training():
+    data = random_data(seed=7)
+    marked = []
+
+    def when_ahead(batch):
+        batch.ahead = True
+        marked.append(batch.n_id[0].item())
+
+    # training slower than the loader: from the third batch on, the one before still waits in the queue
+    loader = NeighborLoader(data, [4, 2], batch_size=40, prefetch=1, thread=True, prepare_when_ahead=when_ahead)
+    slow = []
+    for batch in loader:
+        slow.append(getattr(batch, "ahead", False))
+        time.sleep(0.1)
+    assert len(slow) == 10 and all(slow[2:]) and not slow[0]
+    assert loader.stats()["ahead_batches"] == sum(slow) == len(marked)
+
+    # the loader slower than training (which takes each batch at once): never ahead, never called
+    marked.clear()
+    loader = NeighborLoader(data, [4, 2], batch_size=40, prefetch=1, thread=True, prepare_when_ahead=when_ahead,
+                            prepare=lambda sub: (time.sleep(0.05), {})[1])
+    assert not any(getattr(b, "ahead", False) for b in loader) and not marked
+    assert loader.stats()["ahead_batches"] == 0
+    # without a loader thread there is no "ahead": never called
+    list(NeighborLoader(data, [4, 2], batch_size=40, prefetch=0, prepare_when_ahead=when_ahead))
+    assert not marked
+
+
 @pytest.mark.filterwarnings("ignore:NeighborLoader")
 @pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
 def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):
@@ -775,6 +803,10 @@ def test_loader_on_the_gpu(prefetch, thread):
         (a.x.sum() * 2).item()  # used on the training stream
     stats = loader.stats()
     assert stats["batches"] == len(loader) and stats["wait_s"] >= 0
+    if loader._stream is not None:  # the loader's streams run at high priority unless asked otherwise
+        assert loader._stream.priority < 0 and loader._gather_stream.priority < 0
+        plain = NeighborLoader(data, [6, 4], batch_size=128, prefetch=prefetch, thread=thread, high_priority=False)
+        assert plain._stream.priority == 0 and plain._gather_stream.priority == 0
 
 
 @pytest.mark.gpu

@@ -57,13 +57,16 @@ class LoaderStats:
     """Per epoch: ``batches`` handed to training; ``wait_s``: how long training waited for them (on a GPU, the
     time the training stream stalled for a batch, CUDA events; on the CPU, wall time); ``host_wait_s``: wall time
     the training thread spent in ``next()``; ``sample_s`` / ``gather_s``: host time spent making the batches (in
-    the loader thread when there is one)."""
+    the loader thread when there is one); ``ahead_batches`` / ``ahead_s``: batches that ``prepare_when_ahead``
+    ran on, and its host time."""
 
     batches: int = 0
     wait_s: float = 0.0
     host_wait_s: float = 0.0
     sample_s: float = 0.0
     gather_s: float = 0.0
+    ahead_batches: int = 0
+    ahead_s: float = 0.0
 
 
 class NeighborLoader:
@@ -81,6 +84,11 @@ class NeighborLoader:
     still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
     sampling only, not for the gathers); the attributes it returns (a dict) are set on the batch. The place for
     per-batch preprocessing that reads sizes on the host, such as ``hector.prepare_graph``.
+    ``prepare_when_ahead``: optional work on each made batch that training could also do itself (e.g. building a
+    model's per-batch launch plans, ``layer.prepare(graph)``): a loader thread calls it on a batch only while the
+    batch before it still waits in the queue, i.e. while the loader is ahead of training and would otherwise wait;
+    when training is waiting for batches it is skipped, so the loader never becomes the slower side because of it.
+    Without a loader thread it is never called. ``stats()`` counts the batches it ran on.
 
     ``device``: where sampling runs and batches arrive (default: the GPU when one is usable). ``topology``: where
     the sampler reads the graph on a GPU: "device" (GPU memory), "host" (unified tensors, zero-copy: graphs larger
@@ -93,7 +101,9 @@ class NeighborLoader:
     ``thread``: made by a background thread (default when prefetching) or by the training thread itself before
     it hands over the previous batch. On a GPU they are made on the loader's own CUDA stream and handed over with an
     event (the training thread never waits for the GPU); feature gathers run on a second stream of the loader, so
-    that the next batch's sampling does not wait for them. ``seed``: the sampler's and shuffle's random numbers
+    that the next batch's sampling does not wait for them. ``high_priority``: the loader's streams run at CUDA's
+    high priority (default), so that its short sampling kernels, which its host round trips wait for, do not queue
+    behind the training step's kernels. ``seed``: the sampler's and shuffle's random numbers
     (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches). The same seed gives
     the same batches whatever ``prefetch`` and ``thread`` are.
     """
@@ -104,6 +114,7 @@ class NeighborLoader:
                  topology: str = "auto", unify: bool = True, prefetch: int | None = None,
                  thread: bool | None = None, transform: Callable[[Any], Any] | None = None, seed: int | None = None,
                  is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
+                 prepare_when_ahead: Callable[[Any], None] | None = None, high_priority: bool = True,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key == "num_workers" and not value:
@@ -121,6 +132,7 @@ class NeighborLoader:
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.transform = transform
         self.prepare = prepare
+        self.prepare_when_ahead = prepare_when_ahead
         self.device = _choose_device(device, data)
         cuda = self.device.type == "cuda"
         self.prefetch = (1 if cuda else 0) if prefetch is None else int(prefetch)
@@ -153,8 +165,9 @@ class NeighborLoader:
         offset = self.source.node_offset(self.input_type)
         self._seeds_global = (self._input_nodes + offset).to(self.device)
         self._input_id_dev = self._input_id.to(self.device) if self._input_id is not None else None
-        self._stream = torch.cuda.Stream(self.device) if cuda and self.prefetch else None
-        self._gather_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
+        priority = -1 if cuda and high_priority else 0  # (lower is higher; 0 is CUDA's default)
+        self._stream = torch.cuda.Stream(self.device, priority=priority) if cuda and self.prefetch else None
+        self._gather_stream = torch.cuda.Stream(self.device, priority=priority) if self._stream is not None else None
         self._gathering: torch.cuda.Stream | None = None  # the gather stream while a batch is made on _stream
         self._active: weakref.ref | None = None
         self._stats = LoaderStats()
@@ -447,11 +460,26 @@ class _Maker:
         positions = self.order[self.next]
         self.next += 1
         if self.stream is None:
-            return self.loader.make(positions), None
+            batch = self.loader.make(positions)
+            self.when_ahead(batch)
+            return batch, None
         with torch.cuda.stream(self.stream):
             batch = self.loader.make(positions)
+            self.when_ahead(batch)
         _record_stream(batch, self.consumer)
         return batch, self.loader._ready_events()
+
+    def when_ahead(self, batch) -> None:
+        """The loader's ``prepare_when_ahead`` on ``batch`` if this is a loader thread whose previous batch has not
+        been taken yet (it would wait for training to take it anyway)."""
+        work = self.loader.prepare_when_ahead
+        if work is None or self.queue is None or not self.queue.full():
+            return
+        start = time.perf_counter()
+        work(batch)
+        stats = self.loader._stats
+        stats.ahead_batches += 1
+        stats.ahead_s += time.perf_counter() - start
 
     def produce(self) -> None:
         """The loader thread: makes batches into the queue until the epoch ends or training stops."""

@@ -12,8 +12,9 @@ faults and one write per byte, the memory system's rate), one after the other in
 the next (the host needs the table's size free once, not twice; the time the free took is reported too). The
 target: the table ready in <= 1.5x the memset's time.
 
-Order: the memset, ``pd.empty``, the memset again (each table's pages come from what the one before freed: the
-target takes the faster memset), then the imports, then ``pd.zeros`` if --budget-s leaves time for it.
+Order: the memset, ``pd.empty``, the memset again, ``pd.empty`` again (each table's pages come from what the one
+before freed, and the first of the run also from whatever the machine did before: the target compares the faster of
+each pair), then the imports, then ``pd.zeros`` if --budget-s leaves time for it.
 Each row is printed, and the CSV rewritten, as soon as it is measured: a run stopped by a time limit keeps what it
 measured. Prints a table, writes CSV.
 """
@@ -97,6 +98,7 @@ def timed(fn) -> tuple[float, object]:
 
 TABLE_STEPS = ("parallel memset (torch.empty + fill_)", "pd.empty", "pd.zeros")
 MEMSET_AGAIN = "parallel memset, again"
+EMPTY_AGAIN = "pd.empty, again"
 
 
 def against_memset(results: list[dict]) -> None:
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
     # The memset again: each table's pages come from what the one before it freed (the first one's from whatever
     # the machine did before), so the target compares with the faster of the two.
     add(table_step(TABLE_STEPS[0], nbytes, what=MEMSET_AGAIN))
+    add(table_step("pd.empty", nbytes, what=EMPTY_AGAIN))
     torch_s, torch_cuda, torch_nvrtc = import_time("torch", args.repeats)
     pd_s, cuda, nvrtc = import_time("pytorch_direct", args.repeats)
     # (torch's CUDA wheels preload NVRTC, and libraries that link the driver, in `import torch` itself: what
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
           f"import torch alone: {'yes' if torch_cuda else 'no'}, {'yes' if torch_nvrtc else 'no'}", flush=True)
     add({"what": "import torch", "seconds": torch_s, "memory": f"cuda={int(torch_cuda)} nvrtc={int(torch_nvrtc)}"})
     add({"what": "import pytorch_direct", "seconds": pd_s, "memory": f"cuda={int(cuda)} nvrtc={int(nvrtc)}"})
-    made = next(r for r in results if r["what"] == "pd.empty")
+    made = min((r for r in results if r["what"] in ("pd.empty", EMPTY_AGAIN)), key=lambda r: r["seconds"])
     likely = 1.5 * (made["seconds"] + made["free_s"])
     left = args.budget_s - (time.perf_counter() - start)
     if args.budget_s and left < likely:
@@ -212,7 +215,8 @@ def main(argv=None) -> int:
         gib = f"{r['gib']:6.1f}" if "gib" in r else " " * 6
         extra = f"{r['gbps']:7.2f} {r['x_memset']:8.2f} {r['free_s']:6.2f}" if "gbps" in r else " " * 23
         print(f"{r['what']:40} {gib} {r['seconds']:8.2f} {extra}  {r.get('memory', '')}")
-    print(f"# pd.empty: {made['x_memset']:.2f}x the faster memset's time (target <= 1.5x); import pytorch_direct "
+    print(f"# pd.empty (the faster of two): {made['x_memset']:.2f}x the faster memset's time (target <= 1.5x); "
+          f"import pytorch_direct "
           f"{pd_s:.2f} s (target < 1 s)")
     return 0
 

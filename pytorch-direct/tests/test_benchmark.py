@@ -206,6 +206,7 @@ def test_first_use_benchmark_runs(tmp_path):
     rows = {row["what"]: row for row in csv.DictReader(open(tmp_path / "f.csv"))}
     assert float(rows["pd.empty"]["seconds"]) > 0 and rows["import pytorch_direct"]["memory"] == "cuda=0 nvrtc=0"
     assert float(rows["pd.empty"]["free_s"]) >= 0 and "pd.zeros" in rows and "parallel memset, again" in rows
+    assert float(rows["pd.empty, again"]["seconds"]) > 0  # (each of the pair measured twice, interleaved)
     # The table rows come first, each printed as measured; pd.zeros is left out when the budget is spent.
     assert r.stdout.index("pd.empty: 0.0 GiB in") < r.stdout.index("# import torch")
     r = subprocess.run(cmd + ["--budget-s", "0.001"], capture_output=True, text=True, timeout=300)

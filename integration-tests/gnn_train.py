@@ -46,10 +46,12 @@ IMPLS = ("toolkit", "baseline")
 # with the sampler's operations called from Python (holding the GIL for each), instead of its TorchScript function
 # that runs without the GIL: what the GIL costs a loader thread. "thread-normal-priority": the loader's CUDA streams
 # at the default priority instead of high; "thread-plans-step" / "thread-plans-loader": hector's launch plans built
-# always in the training step / always in the loader thread (instead of --layer-plans).
+# always in the training step / always in the loader thread (instead of --layer-plans); "thread-serial": one loader
+# thread samples and gathers in turn (not pipelined through a sampler thread of its own).
 WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False),
         "thread-python": dict(thread=True), "thread-normal-priority": dict(thread=True, high_priority=False),
-        "thread-plans-step": dict(thread=True, plans="step"), "thread-plans-loader": dict(thread=True, plans="loader")}
+        "thread-plans-step": dict(thread=True, plans="step"), "thread-plans-loader": dict(thread=True, plans="loader"),
+        "thread-serial": dict(thread=True, pipeline=False)}
 # where the toolkit builds hector's launch plans for each batch (--layer-plans)
 PLANS = ("ahead", "loader", "step")
 LOADING = ("thread", "ahead", "inturn")  # the three ways of --compare-loading

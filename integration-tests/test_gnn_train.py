@@ -160,10 +160,12 @@ def test_rerun_trains_each_implementation_again_last():
     hector's launch plans are built (--layer-plans, and the ways that force a place) changes nothing in the
     results."""
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun",
-                             "--layer-plans", "loader", "--toolkit-ways", "thread-plans-step,thread-normal-priority"])
+                             "--layer-plans", "loader",
+                             "--toolkit-ways", "thread-plans-step,thread-normal-priority,thread-serial"])
     assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
     first = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
-    for name in ("toolkit-rerun", "toolkit-thread-plans-step", "toolkit-thread-normal-priority"):
+    for name in ("toolkit-rerun", "toolkit-thread-plans-step", "toolkit-thread-normal-priority",
+                 "toolkit-thread-serial"):
         assert report["impls"][name]["epochs"][0]["batch_losses"] == pytest.approx(first, abs=1e-6), name
 
 

@@ -29,6 +29,7 @@ LAYERS = [
     ("_sharing", "_sample"),  # _sample: the neighbour sampler
     ("_topology",),   # PyG data and stores taken apart for the sampler
     ("pyg",),
+    ("_epoch",),      # one epoch of the loader: its threads, queues and CUDA events
     ("_loader",),     # the mini-batch loader
     ("sampling",),    # public face of the sampler and loader
     ("__init__",),

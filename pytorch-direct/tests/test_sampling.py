@@ -549,16 +549,22 @@ def test_prepare_when_ahead_runs_only_while_the_loader_is_ahead_of_training():
 
 
 @pytest.mark.filterwarnings("ignore:NeighborLoader")
-@pytest.mark.parametrize("prefetch,thread", [(0, False), (1, False), (1, True), (3, True)])
-def test_every_way_of_loading_gives_the_same_batches(prefetch, thread):
+@pytest.mark.parametrize("prefetch,thread,pipeline", [(0, False, True), (1, False, True), (1, True, True),
+                                                      (3, True, True), (1, True, False)])
+def test_every_way_of_loading_gives_the_same_batches(prefetch, thread, pipeline):
     data = random_data(seed=6)
     ref = [b.n_id for b in NeighborLoader(data, [4, 2], batch_size=64, shuffle=True, seed=11, prefetch=0)]
-    loader = NeighborLoader(data, [4, 2], batch_size=64, shuffle=True, seed=11, prefetch=prefetch, thread=thread)
-    names = set()
+    loader = NeighborLoader(data, [4, 2], batch_size=64, shuffle=True, seed=11, prefetch=prefetch, thread=thread,
+                            pipeline=pipeline)
+    names, samplers = set(), set()
     loader.transform = lambda b: (names.add(threading.current_thread().name), b)[1]
+    sample = loader.sampler.sample
+    loader.sampler.sample = lambda *a, **k: (samplers.add(threading.current_thread().name), sample(*a, **k))[1]
     got = [b.n_id for b in loader]
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert names == ({"pytorch-direct-loader"} if thread else {threading.current_thread().name})
+    # a pipelined loader thread samples in a thread of its own, the next batch while it assembles one
+    assert samplers == ({"pytorch-direct-sampler"} if thread and pipeline else names)
     stats = loader.stats()
     assert stats["batches"] == len(ref) and stats["wait_s"] >= 0 and stats["sample_s"] > 0
     # a second epoch: another order, the same seeds
@@ -590,9 +596,26 @@ def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
         for _ in loader:
             seen += 1
     assert seen == 2
-    for i, _ in enumerate(NeighborLoader(data, [2], batch_size=10, prefetch=2, thread=True)):
-        if i == 2:
-            break  # stopping early
+    # an error while sampling (the pipelined loader's sampler thread) reaches training too
+    loader = NeighborLoader(data, [2], batch_size=40, prefetch=1, thread=True)
+    sample, calls = loader.sampler.sample, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("sampler broke")
+        return sample(*args, **kwargs)
+
+    loader.sampler.sample = failing
+    seen = 0
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        for _ in loader:
+            seen += 1
+    assert seen == 2
+    for pipeline in (True, False):
+        for i, _ in enumerate(NeighborLoader(data, [2], batch_size=10, prefetch=2, thread=True, pipeline=pipeline)):
+            if i == 2:
+                break  # stopping early
     import gc
 
     gc.collect()
@@ -789,11 +812,13 @@ def test_the_torchscript_path_on_the_gpu_gives_the_python_paths_batches():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch,thread", [(0, False), (2, False), (1, True), (3, True)])
-def test_loader_on_the_gpu(prefetch, thread):
+@pytest.mark.parametrize("prefetch,thread,pipeline", [(0, False, True), (2, False, True), (1, True, True),
+                                                      (3, True, True), (1, True, False)])
+def test_loader_on_the_gpu(prefetch, thread, pipeline):
     data = random_data(n=3000, e=40000, seed=8)
     data.x = torch.randn(3000, 300)  # 3.4 MiB: copied to the GPU; larger tables are registered (below)
-    loader = NeighborLoader(data, [6, 4], batch_size=128, shuffle=True, seed=1, prefetch=prefetch, thread=thread)
+    loader = NeighborLoader(data, [6, 4], batch_size=128, shuffle=True, seed=1, prefetch=prefetch, thread=thread,
+                            pipeline=pipeline)
     ref = NeighborLoader(data, [6, 4], batch_size=128, shuffle=True, seed=1, device="cuda", prefetch=0)
     for a, b in zip(loader, ref, strict=True):
         assert a.x.is_cuda and a.edge_index.is_cuda

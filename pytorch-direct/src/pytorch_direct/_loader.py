@@ -5,12 +5,8 @@ background thread so that sampling and gathering overlap the training step.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import logging
-import queue
-import threading
 import time
 import warnings
 import weakref
@@ -23,6 +19,7 @@ from torch import Tensor
 
 from . import _topology
 from ._create import is_unified
+from ._epoch import Epoch
 from ._memory import cuda_usable
 from ._sample import NeighborSampler, SampledSubgraph, Topology, check_seeds
 
@@ -56,9 +53,9 @@ _NOT_SUPPORTED = {
 class LoaderStats:
     """Per epoch: ``batches`` handed to training; ``wait_s``: how long training waited for them (on a GPU, the
     time the training stream stalled for a batch, CUDA events; on the CPU, wall time); ``host_wait_s``: wall time
-    the training thread spent in ``next()``; ``sample_s`` / ``gather_s``: host time spent making the batches (in
-    the loader thread when there is one); ``ahead_batches`` / ``ahead_s``: batches that ``prepare_when_ahead``
-    ran on, and its host time."""
+    the training thread spent in ``next()``; ``sample_s`` / ``gather_s``: host time spent sampling the batches and
+    then gathering their features and preparing them (in the loader's threads when it has them);
+    ``ahead_batches`` / ``ahead_s``: batches that ``prepare_when_ahead`` ran on, and its host time."""
 
     batches: int = 0
     wait_s: float = 0.0
@@ -105,7 +102,10 @@ class NeighborLoader:
     high priority (default), so that its short sampling kernels, which its host round trips wait for, do not queue
     behind the training step's kernels. ``seed``: the sampler's and shuffle's random numbers
     (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches). The same seed gives
-    the same batches whatever ``prefetch`` and ``thread`` are.
+    the same batches whatever ``prefetch``, ``thread`` and ``pipeline`` are. ``pipeline``: with a loader thread,
+    split its work between two threads (default): one samples batch ``k + 1`` while the other gathers batch ``k``'s
+    features and runs ``prepare`` on it, each on its own CUDA stream, so that a batch takes the longer of the two
+    phases instead of their sum; ``False``: one thread does both in turn.
     """
 
     def __init__(self, data: Any, num_neighbors: list[int] | dict[Any, list[int]], *, input_nodes: Any = None,
@@ -115,6 +115,7 @@ class NeighborLoader:
                  thread: bool | None = None, transform: Callable[[Any], Any] | None = None, seed: int | None = None,
                  is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
                  prepare_when_ahead: Callable[[Any], None] | None = None, high_priority: bool = True,
+                 pipeline: bool = True,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key == "num_workers" and not value:
@@ -133,6 +134,7 @@ class NeighborLoader:
         self.transform = transform
         self.prepare = prepare
         self.prepare_when_ahead = prepare_when_ahead
+        self.pipeline = bool(pipeline)
         self.device = _choose_device(device, data)
         cuda = self.device.type == "cuda"
         self.prefetch = (1 if cuda else 0) if prefetch is None else int(prefetch)
@@ -168,7 +170,10 @@ class NeighborLoader:
         priority = -1 if cuda and high_priority else 0  # (lower is higher; 0 is CUDA's default)
         self._stream = torch.cuda.Stream(self.device, priority=priority) if cuda and self.prefetch else None
         self._gather_stream = torch.cuda.Stream(self.device, priority=priority) if self._stream is not None else None
-        self._gathering: torch.cuda.Stream | None = None  # the gather stream while a batch is made on _stream
+        # where a pipelined loader thread assembles the batches sampled on _stream
+        self._assemble_stream = (torch.cuda.Stream(self.device, priority=priority)
+                                 if self._stream is not None and self.thread and self.pipeline else None)
+        self._gathering: torch.cuda.Stream | None = None  # the gather stream while a batch is assembled
         self._active: weakref.ref | None = None
         self._stats = LoaderStats()
 
@@ -253,7 +258,7 @@ class NeighborLoader:
         if self._active is not None and self._active() is not None:
             self._active().close()  # one epoch at a time: the sampler is not shared between threads
         self._stats = LoaderStats()
-        it = _Epoch(self, self._epoch_order())
+        it = Epoch(self, self._epoch_order())
         self._epoch += 1
         self._active = weakref.ref(it)
         return it
@@ -280,11 +285,22 @@ class NeighborLoader:
     def make(self, positions: Tensor) -> Any:
         """One batch: the seeds at ``positions`` (on the loader's device) of the input nodes, made on the current
         stream and thread."""
+        return self.finish(*self.sample(positions))
+
+    def sample(self, positions: Tensor) -> tuple[SampledSubgraph, Tensor]:
+        """The sampled subgraph around the seeds at ``positions``, and their input ids (current stream)."""
         start = time.perf_counter()
         sub = self.sampler.sample(self._seeds_global[positions], check=False)
-        sampled = time.perf_counter()
         input_id = self._input_id_dev[positions] if self._input_id_dev is not None else positions
-        on_stream = self._gather_stream is not None and torch.cuda.current_stream(self.device) == self._stream
+        self._stats.sample_s += time.perf_counter() - start
+        return sub, input_id
+
+    def finish(self, sub: SampledSubgraph, input_id: Tensor) -> Any:
+        """The batch of a sampled subgraph: its features gathered (on the gather stream when the current stream is
+        one of the loader's), ``prepare`` and ``transform`` run, on the current stream and thread."""
+        start = time.perf_counter()
+        current = torch.cuda.current_stream(self.device) if self._gather_stream is not None else None
+        on_stream = current is not None and current in (self._stream, self._assemble_stream)
         self._gathering = self._gather_stream if on_stream else None
         try:
             batch = self._assemble(sub, input_id)
@@ -299,16 +315,15 @@ class NeighborLoader:
                 batch[key] = value
         if self.transform is not None:
             if on_stream:  # a transform may read the gathered features
-                self._stream.wait_stream(self._gather_stream)
+                current.wait_stream(self._gather_stream)
             batch = self.transform(batch)
-        self._stats.sample_s += sampled - start
-        self._stats.gather_s += time.perf_counter() - sampled
+        self._stats.gather_s += time.perf_counter() - start
         return batch
 
-    def _ready_events(self) -> list:
-        """Events marking the batch just made on the loader's streams (sampling and gathers)."""
+    def _ready_events(self, made_on: torch.cuda.Stream) -> list:
+        """Events marking the batch just made on the loader's streams (``made_on``, and the gathers')."""
         events = []
-        for stream in (self._stream, self._gather_stream):
+        for stream in (made_on, self._gather_stream):
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)
@@ -326,7 +341,7 @@ class NeighborLoader:
         gs = self._gathering
         if gs is None:
             return fn(*args)
-        gs.wait_stream(self._stream)
+        gs.wait_stream(torch.cuda.current_stream(self.device))
         for a in args:
             if isinstance(a, Tensor) and a.is_cuda:
                 a.record_stream(gs)
@@ -433,177 +448,6 @@ class NeighborLoader:
         out[self.input_type].input_id = input_id
         out[self.input_type].batch_size = sub.batch_size
         return out
-
-
-class _Maker:
-    """Makes an epoch's batches in order, on the loader's stream (if any); what a loader thread holds (not the
-    epoch the training thread iterates, so that an epoch left early is collected and stops its thread)."""
-
-    def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
-        self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
-        # the stream training reads the batches on (its current stream when the epoch began): the batches' memory
-        # is marked as used by it where they are made, not in the training thread (see _Epoch.__next__)
-        self.consumer = torch.cuda.current_stream(self.device) if self.stream is not None else None
-        self.next = 0  # the next batch to make
-        self.queue: queue.Queue | None = None
-        self.stop = threading.Event()
-
-    def done(self) -> bool:
-        return self.next >= len(self.order)
-
-    def make_one(self):
-        """The next batch and the events that mark it made (None without a stream)."""
-        if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                sizes = [len(p) for p in self.order]
-                self.order = list(torch.cat(self.order).to(self.device).split(sizes))
-        positions = self.order[self.next]
-        self.next += 1
-        if self.stream is None:
-            batch = self.loader.make(positions)
-            self.when_ahead(batch)
-            return batch, None
-        with torch.cuda.stream(self.stream):
-            batch = self.loader.make(positions)
-            self.when_ahead(batch)
-        _record_stream(batch, self.consumer)
-        return batch, self.loader._ready_events()
-
-    def when_ahead(self, batch) -> None:
-        """The loader's ``prepare_when_ahead`` on ``batch`` if this is a loader thread whose previous batch has not
-        been taken yet (it would wait for training to take it anyway)."""
-        work = self.loader.prepare_when_ahead
-        if work is None or self.queue is None or not self.queue.full():
-            return
-        start = time.perf_counter()
-        work(batch)
-        stats = self.loader._stats
-        stats.ahead_batches += 1
-        stats.ahead_s += time.perf_counter() - start
-
-    def produce(self) -> None:
-        """The loader thread: makes batches into the queue until the epoch ends or training stops."""
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            while not self.done() and not self.stop.is_set():
-                if not self.put(self.make_one()):
-                    return
-        except BaseException as exc:  # handed to the training thread, which raises it
-            self.put(exc)
-
-    def put(self, item) -> bool:
-        """Queues ``item`` unless training has stopped the epoch; False when it has."""
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-
-class _Epoch:
-    """One pass over a loader's batches: made in turn, ahead by the training thread, or by a background thread
-    (see :class:`NeighborLoader`)."""
-
-    def __init__(self, loader: NeighborLoader, order: list[Tensor]) -> None:
-        self.prefetch = loader.prefetch
-        self.stats = loader._stats
-        self.device = loader.device
-        self.total = len(order)
-        self._maker = _Maker(loader, order)
-        self._handed = 0
-        self._made: collections.deque = collections.deque()
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._thread: threading.Thread | None = None
-        if loader._stream is not None:
-            # the loader's streams read what the training stream made (input nodes, the sampler's id map, tables)
-            loader._stream.wait_stream(torch.cuda.current_stream(self.device))
-            loader._gather_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if loader.thread:
-            self._maker.queue = queue.Queue(maxsize=loader.prefetch)
-            self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
-            self._thread.start()
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return self.total - self._handed
-
-    def __next__(self):
-        if self._handed >= self.total:
-            self.close()
-            raise StopIteration
-        begin = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        mark = None
-        if cuda:
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-        if self._thread is not None:
-            item = self._maker.queue.get()
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            batch, ready = item
-        elif not self.prefetch:
-            batch, ready = self._maker.make_one()
-        else:
-            while not self._maker.done() and len(self._made) <= self.prefetch:
-                self._made.append(self._maker.make_one())
-            batch, ready = self._made.popleft()
-        if ready is not None:
-            stream = torch.cuda.current_stream(self.device)
-            for event in ready:
-                stream.wait_event(event)
-            if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
-                _record_stream(batch, stream)
-        if cuda:
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            self._events.append((mark, done))
-        else:
-            self.stats.wait_s += time.perf_counter() - begin
-        self.stats.host_wait_s += time.perf_counter() - begin
-        self.stats.batches += 1
-        self._handed += 1
-        return batch
-
-    def read_events(self) -> None:
-        """Adds the training stream's waits measured so far to the stats (synchronises on the last one)."""
-        if not self._events:
-            return
-        self._events[-1][1].synchronize()
-        self.stats.wait_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-        self._events.clear()
-
-    def close(self) -> None:
-        """Stops the loader thread (batches made but not taken are dropped)."""
-        self._maker.stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        with contextlib.suppress(Exception):
-            self.read_events()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-def _record_stream(batch, stream: torch.cuda.Stream) -> None:
-    """Marks every CUDA tensor of ``batch`` (and any attribute with a ``record_stream`` method) as used by
-    ``stream``, so the caching allocator does not give their memory back to the loader's stream too early."""
-    stores = getattr(batch, "stores", None)
-    values = [v for store in stores for v in store.values()] if stores is not None else [batch]
-    for v in values:
-        if isinstance(v, Tensor):
-            if v.is_cuda:
-                v.record_stream(stream)
-        elif callable(getattr(v, "record_stream", None)):
-            v.record_stream(stream)
 
 
 def _choose_device(device, data) -> torch.device:

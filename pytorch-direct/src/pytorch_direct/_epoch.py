@@ -1,0 +1,266 @@
+"""One epoch of a :class:`~pytorch_direct.sampling.NeighborLoader`: the batches made in turn, ahead by the training
+thread, or by the loader's threads (a sampler thread and an assembling thread when pipelined), handed over through
+a queue and CUDA events. (``loader`` below is the NeighborLoader, from the layer above: not imported.)"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _Maker:
+    """Makes an epoch's batches in order, on the loader's streams (if any); what the loader's threads hold (not the
+    epoch the training thread iterates, so that an epoch left early is collected and stops its threads). A
+    pipelined loader thread takes the sampled subgraphs from a sampler thread of its own."""
+
+    def __init__(self, loader: Any, order: list[Tensor]) -> None:
+        self.loader, self.order, self.stream, self.device = loader, order, loader._stream, loader.device
+        # the stream training reads the batches on (its current stream when the epoch began): the batches' memory
+        # is marked as used by it where they are made, not in the training thread (see Epoch.__next__)
+        self.consumer = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        self.next = 0  # the next batch to sample
+        self.finished = 0  # batches finished (pipelined)
+        self.queue: queue.Queue | None = None
+        self.stop = threading.Event()  # set by training: the epoch ends
+        self.halt = threading.Event()  # set by the loader thread: its sampler thread ends
+
+    def done(self) -> bool:
+        return self.next >= len(self.order)
+
+    def positions(self) -> Tensor:
+        """The next batch's positions into the input nodes, on the loader's device."""
+        if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                sizes = [len(p) for p in self.order]
+                self.order = list(torch.cat(self.order).to(self.device).split(sizes))
+        self.next += 1
+        return self.order[self.next - 1]
+
+    def make_one(self):
+        """The next batch and the events that mark it made (None without a stream)."""
+        positions = self.positions()
+        if self.stream is None:
+            batch = self.loader.make(positions)
+            self.when_ahead(batch)
+            return batch, None
+        with torch.cuda.stream(self.stream):
+            batch = self.loader.make(positions)
+            self.when_ahead(batch)
+        record_stream(batch, self.consumer)
+        return batch, self.loader._ready_events(self.stream)
+
+    def sample_one(self):
+        """(the next batch's subgraph and input ids, the event marking them sampled or None): the sampler thread."""
+        positions = self.positions()
+        if self.stream is None:
+            return self.loader.sample(positions), None
+        with torch.cuda.stream(self.stream):
+            sampled = self.loader.sample(positions)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return sampled, event
+
+    def finish_one(self, sampled, event):
+        """The batch of a subgraph from :meth:`sample_one` and the events that mark it made: the loader thread,
+        on the loader's assembling stream, after the sampling."""
+        stream = self.loader._assemble_stream
+        if stream is None:
+            batch = self.loader.finish(*sampled)
+            self.when_ahead(batch)
+            return batch, None
+        stream.wait_event(event)
+        sub, input_id = sampled
+        # made on the sampling stream, read on this one: not reused by the sampling stream before they are read
+        for t in [input_id, *vars(sub).values()]:
+            if isinstance(t, Tensor) and t.is_cuda:
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            batch = self.loader.finish(sub, input_id)
+            self.when_ahead(batch)
+        record_stream(batch, self.consumer)
+        return batch, self.loader._ready_events(stream)
+
+    def when_ahead(self, batch) -> None:
+        """The loader's ``prepare_when_ahead`` on ``batch`` if this is a loader thread whose previous batch has not
+        been taken yet (it would wait for training to take it anyway)."""
+        work = self.loader.prepare_when_ahead
+        if work is None or self.queue is None or not self.queue.full():
+            return
+        start = time.perf_counter()
+        work(batch)
+        stats = self.loader._stats
+        stats.ahead_batches += 1
+        stats.ahead_s += time.perf_counter() - start
+
+    def produce(self) -> None:
+        """The loader thread: makes batches into the queue until the epoch ends or training stops (pipelined: it
+        assembles what its sampler thread samples)."""
+        sampler = None
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if not self.loader.pipeline:
+                while not self.done() and not self.stop.is_set():
+                    if not self.put(self.queue, self.make_one()):
+                        return
+                return
+            samples: queue.Queue = queue.Queue(maxsize=1)
+            sampler = threading.Thread(target=self.produce_samples, args=(samples,), name="pytorch-direct-sampler",
+                                       daemon=True)
+            sampler.start()
+            while self.finished < len(self.order):
+                item = self.take(samples)
+                if item is None:  # training stopped the epoch
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if not self.put(self.queue, self.finish_one(*item)):
+                    return
+                self.finished += 1
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self.put(self.queue, exc)
+        finally:
+            self.halt.set()
+            if sampler is not None:
+                sampler.join()
+
+    def produce_samples(self, samples: queue.Queue) -> None:
+        """The sampler thread of a pipelined loader: samples the batches in order into ``samples``."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            while not self.done() and not self.halt.is_set():
+                if not self.put(samples, self.sample_one()):
+                    return
+        except BaseException as exc:  # handed to the loader thread, which raises it
+            self.put(samples, exc)
+
+    def put(self, into: queue.Queue, item) -> bool:
+        """Queues ``item`` unless the epoch has ended; False when it has."""
+        while not (self.stop.is_set() or (self.halt.is_set() and into is not self.queue)):
+            try:
+                into.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def take(self, source: queue.Queue):
+        """The next item of ``source``, or None once training has stopped the epoch."""
+        while not self.stop.is_set():
+            try:
+                return source.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return None
+
+
+class Epoch:
+    """One pass over a loader's batches: made in turn, ahead by the training thread, or by a background thread
+    (see :class:`NeighborLoader`)."""
+
+    def __init__(self, loader: Any, order: list[Tensor]) -> None:
+        self.prefetch = loader.prefetch
+        self.stats = loader._stats
+        self.device = loader.device
+        self.total = len(order)
+        self._maker = _Maker(loader, order)
+        self._handed = 0
+        self._made: collections.deque = collections.deque()
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._thread: threading.Thread | None = None
+        if loader._stream is not None:
+            # the loader's streams read what the training stream made (input nodes, the sampler's id map, tables)
+            for stream in (loader._stream, loader._gather_stream, loader._assemble_stream):
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+        if loader.thread:
+            self._maker.queue = queue.Queue(maxsize=loader.prefetch)
+            self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
+            self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self.total - self._handed
+
+    def __next__(self):
+        if self._handed >= self.total:
+            self.close()
+            raise StopIteration
+        begin = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        mark = None
+        if cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        if self._thread is not None:
+            item = self._maker.queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            batch, ready = item
+        elif not self.prefetch:
+            batch, ready = self._maker.make_one()
+        else:
+            while not self._maker.done() and len(self._made) <= self.prefetch:
+                self._made.append(self._maker.make_one())
+            batch, ready = self._made.popleft()
+        if ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for event in ready:
+                stream.wait_event(event)
+            if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
+                record_stream(batch, stream)
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._events.append((mark, done))
+        else:
+            self.stats.wait_s += time.perf_counter() - begin
+        self.stats.host_wait_s += time.perf_counter() - begin
+        self.stats.batches += 1
+        self._handed += 1
+        return batch
+
+    def read_events(self) -> None:
+        """Adds the training stream's waits measured so far to the stats (synchronises on the last one)."""
+        if not self._events:
+            return
+        self._events[-1][1].synchronize()
+        self.stats.wait_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        self._events.clear()
+
+    def close(self) -> None:
+        """Stops the loader thread (batches made but not taken are dropped)."""
+        self._maker.stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with contextlib.suppress(Exception):
+            self.read_events()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def record_stream(batch, stream: torch.cuda.Stream) -> None:
+    """Marks every CUDA tensor of ``batch`` (and any attribute with a ``record_stream`` method) as used by
+    ``stream``, so the caching allocator does not give their memory back to the loader's stream too early."""
+    stores = getattr(batch, "stores", None)
+    values = [v for store in stores for v in store.values()] if stores is not None else [batch]
+    for v in values:
+        if isinstance(v, Tensor):
+            if v.is_cuda:
+                v.record_stream(stream)
+        elif callable(getattr(v, "record_stream", None)):
+            v.record_stream(stream)

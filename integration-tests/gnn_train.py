@@ -345,6 +345,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         stats = train_loader.stats()
         phases = {"wait": stats["wait_s"], "compute": max(0.0, elapsed - stats["wait_s"]),
                   "sample": stats["sample_s"], "gather": stats["gather_s"]}
+        ahead = stats.get("ahead_batches", 0)  # batches whose launch plans the loader built (--layer-plans ahead)
         batch_losses = [v / proc.world_size for v in proc.sum(torch.stack(losses).tolist())]
         seeds_total, edges_total = proc.sum([len(losses) * cfg.batch_size, edges])
         elapsed, wait = proc.max([elapsed, stats["wait_s"]])
@@ -353,7 +354,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
             "epoch": epoch + 1, "time_s": elapsed, "seeds_per_s": seeds_total / elapsed,
             "edges_per_s": edges_total / elapsed, "loss": sum(batch_losses) / len(batch_losses),
             "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "wait_fraction": wait / elapsed,
-            "batch_losses": batch_losses,
+            "batch_losses": batch_losses, "plans_in_loader": ahead,
         }
         auto = _gather_status(impl, device)
         if auto is not None:
@@ -364,7 +365,8 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         cached = result.get("cache")
         proc.print(f"  {name:16s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  (waited for batches {wait:.2f} s = "
-                   f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s)"
+                   f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s"
+                   + (f", plans of {ahead} of {len(losses)} batches" if ahead else "") + ")"
                    + (f" [gather: {_status_text(auto)}]" if auto else "")
                    + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))

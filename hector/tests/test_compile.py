@@ -68,11 +68,13 @@ def test_custom_op_fake_kernel():
     assert layer.output_feature_shape() == (6,)
 
 
-def test_compiled_training_steps_do_no_extra_work(monkeypatch):
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_compiled_training_steps_do_no_extra_work(monkeypatch, x_grad):
     """What would make a compiled model slower than eager, checked over several training steps of a model with
     all three layers: one graph and no graph break (dynamo's explain), no recompilation after the first step, no
     graph prepared again per call, no forward recomputed in backward (the stash hits), and the same backend runs
-    (forward and backward programs, in the same number) as an eager step."""
+    (forward and backward programs, in the same number) as an eager step; with input features that need no
+    gradient (``x_grad=False``, a first layer), no gradient of them computed either."""
     from torch._dynamo.utils import counters
 
     from hector.runtime import compiled as compiled_mod
@@ -81,7 +83,7 @@ def test_compiled_training_steps_do_no_extra_work(monkeypatch):
     torch.manual_seed(0)
     ei, et, nt = make_graph(node_types=2)
     net = Net()
-    x = torch.randn(14, 6, requires_grad=True)
+    x = torch.randn(14, 6, requires_grad=x_grad)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(net)(x, ei, et, nt)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons

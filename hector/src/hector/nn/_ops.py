@@ -7,7 +7,9 @@ Eager calls do not use these ops (they go straight through :class:`hector.runtim
 * ``hector::relational_layer(x, edge_index, edge_type, node_type, weights, layer_id) -> out`` runs the layer's
   forward program on its backend. In training mode the values the backward program reads are stashed, keyed by the
   call's input tensors (at most ``STASH_LIMIT`` calls are kept; an evicted call is recomputed in backward).
-* ``hector::relational_layer_backward(grad, x, ...) -> [grad_x, grad_weights...]`` runs the generated backward.
+* ``hector::relational_layer_backward(grad, x, ..., needs) -> [grad_x, grad_weights...]`` runs the generated
+  backward for the inputs that need a gradient (``needs``, as autograd says: the first layer's ``x`` usually does
+  not), like the eager path; the others get an empty placeholder, which autograd receives as None.
 
 ``layer_id`` names the module in a process-wide registry of weak references (an int, so the op schema stays
 tensor-only and torch.compile guards on it like on any constant).
@@ -86,7 +88,7 @@ def _(x, edge_index, edge_type, node_type, weights, layer_id):
 @torch.library.custom_op("hector::relational_layer_backward", mutates_args=())
 def relational_layer_backward(grad: torch.Tensor, x: torch.Tensor, edge_index: torch.Tensor,
                               edge_type: torch.Tensor, node_type: torch.Tensor | None, weights: list[torch.Tensor],
-                              layer_id: int) -> list[torch.Tensor]:
+                              layer_id: int, needs: list[bool]) -> list[torch.Tensor]:
     layer, graph, compiled, leaves = _setup(layer_id, x, edge_index, edge_type, node_type, weights)
     hit = _STASH.pop(_key(layer_id, x, edge_index, weights), None)
     if hit is not None and hit[0] is compiled:
@@ -99,22 +101,33 @@ def relational_layer_backward(grad: torch.Tensor, x: torch.Tensor, edge_index: t
         backend = select(x.device, x.dtype)
         env = backend.run(compiled.forward_lowered, graph, leaves, keep=compiled.saved)
         saved = {s: env[s] for s in compiled.saved}
-    wrt = [(op, name) for op, name in compiled.leaf_names if name in leaves]
-    bw, lowered = compiled.backward_for(wrt)
-    bleaves = dict(saved)
-    bleaves[f"grad:{compiled.forward.outputs[0]}"] = grad.contiguous()
-    env = backend.run(lowered, graph, bleaves, keep=())
-    by_leaf = {name: env[out] for (_, name), out in zip(bw.grads_of, bw.program.outputs, strict=True)}
     names = [layer.input_name] + list(layer._tensors())
     tensors = [x] + list(weights)
-    # a custom op's outputs may not alias each other: small gradients share the backend's zero-filled pool
-    return [(g.clone() if g._base is not None else g) if (g := by_leaf.get(n)) is not None else torch.zeros_like(t)
-            for n, t in zip(names, tensors, strict=True)]
+    wanted = {n for n, need in zip(names, needs, strict=True) if need}
+    wrt = [(op, name) for op, name in compiled.leaf_names if name in leaves and name in wanted]
+    by_leaf: dict[str, torch.Tensor] = {}
+    if wrt:
+        bw, lowered = compiled.backward_for(wrt)
+        bleaves = dict(saved)
+        bleaves[f"grad:{compiled.forward.outputs[0]}"] = grad.contiguous()
+        env = backend.run(lowered, graph, bleaves, keep=())
+        by_leaf = {name: env[out] for (_, name), out in zip(bw.grads_of, bw.program.outputs, strict=True)}
+
+    def grad_of(name: str, t: torch.Tensor, need: bool) -> torch.Tensor:
+        if not need:
+            return t.new_empty(0)  # (a placeholder: no gradient wanted)
+        g = by_leaf.get(name)
+        if g is None:  # the program does not read this leaf
+            return torch.zeros_like(t)
+        # a custom op's outputs may not alias each other: small gradients share the backend's zero-filled pool
+        return g.clone() if g._base is not None else g
+
+    return [grad_of(n, t, need) for n, t, need in zip(names, tensors, needs, strict=True)]
 
 
 @relational_layer_backward.register_fake
-def _(grad, x, edge_index, edge_type, node_type, weights, layer_id):
-    return [torch.empty_like(x)] + [torch.empty_like(w) for w in weights]
+def _(grad, x, edge_index, edge_type, node_type, weights, layer_id, needs):
+    return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip([x, *weights], needs, strict=True)]
 
 
 def _setup_context(ctx, inputs, output):
@@ -130,9 +143,11 @@ def _backward(ctx, grad):
     x, edge_index, edge_type = saved[:3]
     node_type = saved[3] if ctx.has_node_type else None
     weights = saved[3 + int(ctx.has_node_type):]
+    needs = [bool(ctx.needs_input_grad[0]), *(bool(n) for n in ctx.needs_input_grad[4])]
     grads = torch.ops.hector.relational_layer_backward(grad, x, edge_index, edge_type, node_type, weights,
-                                                       ctx.layer_id)
-    return grads[0], None, None, None, list(grads[1:]), None
+                                                       ctx.layer_id, needs)
+    grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
+    return grads[0], None, None, None, grads[1:], None
 
 
 relational_layer.register_autograd(_backward, setup_context=_setup_context)

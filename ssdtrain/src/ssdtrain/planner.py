@@ -80,6 +80,7 @@ class _Model:
     correction: int = 0
     async_copies: bool = True
     held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
+    move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -103,6 +104,7 @@ class _Model:
             correction=self.correction,
             async_copies=self.async_copies,
             held_grads=held,
+            move_overhead_s=self.move_overhead_s,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -142,6 +144,11 @@ class Plan:
     time_scale: float = 1.0  # the units' times were scaled by this (a measured forward faster than profiled)
     link_scale: float = 1.0  # the link rates were scaled by this (measured steps slower than their moves predicted)
     timing_calibrations: int = 0  # lines of `calibrations` that rescaled times or link rates (not peaks)
+    # The unit times were checked against a measured forward (rescaled, or found right): until then a step's late
+    # copies or its time say nothing about the link, as the plan may have hidden copies behind compute that its
+    # profiled times overstated.
+    times_checked: bool = False
+    move_overhead_s: float = 0.0  # seconds charged per moved unit beyond its copies' link time (calibration)
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -161,6 +168,7 @@ class Plan:
             self.correction,
             self.async_copies,
             h,
+            self.move_overhead_s,
         )
 
     @property
@@ -255,6 +263,8 @@ class Plan:
                 else ""
             )
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
+            + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
+            + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
             + (f"; {'; '.join(stages)}" if stages else ""),
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'select ms/MiB':>14}"
             f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
@@ -336,6 +346,23 @@ def _search(model: _Model, choices, target, fixed, by_peak=False):
     return choices, current, True
 
 
+def _lean_seed(model: _Model, choices, fixed):
+    """Every unit not fixed at its leanest choice alone: the least bytes left on the device, then the least moved
+    (the cache's window, held in flight in forward and prefetched in backward, is a multiple of the largest moved
+    unit). A one-change-at-a-time search can stall above this: while one unit moves a whole block, the window
+    stays that block's size, so turning any other unit from moving its block to moving only its inputs does not
+    lower the peak on its own."""
+    names = model.tier_names()
+    seed = list(choices)
+    for i, u in enumerate(model.units):
+        if u.name in fixed:
+            continue
+        options = [c for c in u.options(names) if model.tiers.get(c.tier) is None or model.tiers[c.tier].capacity]
+        seed[i] = min(options, key=lambda c, u=u: (split_choice(u, c)[0], split_choice(u, c)[1], c != Choice()))
+    pred = model(seed)
+    return seed, pred
+
+
 def _relax(model: _Model, choices, target, fixed):
     """Undo what is no longer needed: any single change that is faster and still fits, best first."""
     current = model(choices)
@@ -391,6 +418,7 @@ def make_plan(
     correction: int = 0,
     async_copies: bool = True,
     held_grads: bool = False,
+    move_overhead_s: float = 0.0,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -399,7 +427,8 @@ def make_plan(
     (never-saved temporaries): `working_bytes` during the head's backward, `forward_working` in forward,
     `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak.
     `grads`: steps start without gradients (backward allocates them); `held_grads`: other steps start with them
-    all (gradient accumulation), so they count at every point of those steps."""
+    all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
+    moved unit costs beyond its copies' link time (set by calibration)."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -429,6 +458,7 @@ def make_plan(
         correction,
         async_copies,
         held_grads,
+        move_overhead_s,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -441,9 +471,17 @@ def make_plan(
     plan_choices, pred, ok = _search(model, choices, target, fixed)
     if not ok:  # the cheapest-first path got stuck: try the leanest-first one
         plan_choices, pred, ok = _search(model, choices, target, fixed, by_peak=True)
+    if not ok:  # both stalled: start from every unit's leanest choice (then `_relax` undoes what is not needed)
+        seed, seeded = _lean_seed(model, choices, fixed)
+        if model.feasible(seeded) and seeded.peak <= target:
+            plan_choices, ok = seed, True
     if not ok:
-        # The least memory any plan reaches (the leanest-first search towards 0 bytes), for the error message.
+        # The least memory any plan reaches (the leanest-first search towards 0 bytes, or the leanest choice of
+        # every unit), for the error message.
         lean, low, _ = _search(model, choices, 0, fixed, by_peak=True)
+        seed, seeded = _lean_seed(model, choices, fixed)
+        if model.feasible(seeded) and seeded.peak < low.peak:
+            lean, low = seed, seeded
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
@@ -475,6 +513,7 @@ def make_plan(
         overridden=set(overrides),
         speed_target=speed_target,
         budget_fraction=budget_fraction,
+        move_overhead_s=move_overhead_s,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -502,7 +541,8 @@ def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
     working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=), or with
-    rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=)."""
+    rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=;
+    move_overhead_s=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -538,11 +578,13 @@ def replan(plan: Plan, **changes) -> Plan:
         grads=fields["grads"],
         held_grads=fields["held_grads"],
         budget_fraction=fields["budget_fraction"],
+        move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)
     new.link_scale = changes.get("link_scale", plan.link_scale)
     new.timing_calibrations = plan.timing_calibrations
+    new.times_checked = changes.get("time_scale") is not None or plan.times_checked
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new

@@ -188,6 +188,7 @@ def simulate(
     correction: int = 0,
     async_copies: bool = True,
     held_grads: bool = False,
+    move_overhead_s: float = 0.0,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -206,7 +207,9 @@ def simulate(
     when every copy out is done (the cache waits for them at the first unpack and frees their device bytes), so a
     moved unit is always brought back over the link, the head first. `held_grads`: the step starts with every
     gradient held (gradient accumulation after a step that set them to None): they count at every point of the
-    step, forward included."""
+    step, forward included. `move_overhead_s`: seconds each moved unit costs beyond its copies' time on the link
+    (measured by calibration: a step that ran slower than predicted while the device did not wait for copies
+    back), counted as a stall at the unit's backward."""
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -278,6 +281,8 @@ def simulate(
         if grads and not held_grads:
             grads_live += units[i].grad_bytes
         if moved:
+            # The cache restores a unit when backward unpacks a saved tensor of one of the `window_units` units
+            # above it, moved or kept (the farthest of them comes first), or when backward begins.
             trigger = start[i + window_units] if i + window_units < n else forward_end
             if sent[i] > trigger:  # still being copied out when needed: forwarded, never left the device
                 on_device = moved
@@ -292,6 +297,8 @@ def simulate(
                 h2d_free = max(h2d_free, source_ready) + moved / bw.h2d
                 ready = max(t, h2d_free)
                 on_device = moved
+        if moved:
+            ready += move_overhead_s
         wait = ready - t
         if i == n - 1:
             wait += forward_end - end[-1] if n else 0.0  # the wait for the copies out at backward's start

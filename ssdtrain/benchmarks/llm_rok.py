@@ -234,6 +234,8 @@ def run_job(job: dict, llm) -> dict:
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()
                     before = session.stats() if session is not None else None
+                    if before is not None:  # a plan still calibrating would be timed with its checks (syncs)
+                        before["plan"] = session.plan
                 t0 = llm._mark(cuda)
                 total = step()
                 t1 = llm._mark(cuda)
@@ -347,7 +349,9 @@ def _ssdtrain_details(row, session, before) -> None:
         f"{d['late_prefetches']} ({late_mib:.0f} MiB; the device waited {wait_ms:.2f} ms per micro-batch), "
         f"throttle waits {stats['throttle_waits'] - before['throttle_waits']} "
         f"({(stats['throttle_seconds'] - before['throttle_seconds']) * 1e3 / steps:.2f} ms per micro-batch); "
-        f"calibrated {len(plan.calibrations)}x; fallbacks {stats['fallbacks']}"
+        f"calibrated {len(plan.calibrations)}x"
+        + ("" if plan is before.get("plan") else " (the plan changed during the timed steps)")
+        + f"; fallbacks {stats['fallbacks']}"
     )
     row["plan_text"] = str(plan)
 

@@ -335,3 +335,17 @@ def test_a_tensor_saved_by_every_block_is_prefetched_with_the_last_one():
     model(x).backward()  # without ssdtrain: the same gradients
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n])
+
+
+def test_the_plan_says_where_its_peak_is_and_what_it_is_made_of():
+    """The leanest plans are compared with peers by their peak: the plan names the point of its predicted peak and
+    its parts (kept, weight casts, in flight, working, ...), which add up to the peak before any correction."""
+    for budget in (4.5 * GIB, 9 * GIB, 16 * GIB):
+        p = _plan(budget).prediction
+        assert p.peak_at.startswith(("forward of ", "backward of "))
+        assert sum(p.peak_parts.values()) == p.peak and all(v > 0 for v in p.peak_parts.values())
+    lean = _plan(4.5 * GIB)
+    assert lean.prediction.peak_parts["weight casts"] > 0  # held until autocast's region ends, recomputed or not
+    assert f"the peak is at the {lean.prediction.peak_at}: " in str(lean)
+    corrected = _plan(4.5 * GIB, correction=100 * MIB)
+    assert corrected.prediction.peak == sum(corrected.prediction.peak_parts.values()) + 100 * MIB

@@ -323,10 +323,14 @@ class TensorCache(Transfers):
             with self.lock:
                 still = []
                 for reached, done in self._waits:
-                    if reached.query() and done.query():
-                        self.counters["prefetch_wait_ns"] += max(0, int(reached.elapsed_time(done) * 1e6))
-                    else:
-                        still.append((reached, done))
+                    try:
+                        if not (reached.query() and done.query()):
+                            still.append((reached, done))
+                            continue
+                        waited = reached.elapsed_time(done)
+                    except RuntimeError:  # an event not recorded or not timed (NVMe reads): nothing to read
+                        continue
+                    self.counters["prefetch_wait_ns"] += max(0, int(waited * 1e6))
                 self._waits = still[-4096:]
         return self.counters["prefetch_wait_ns"] / 1e9
 

@@ -87,7 +87,7 @@ class _Model:
         if self.held_grads:
             held = self._run(choices, False, True)
             if held.peak > pred.peak:
-                pred = replace(pred, peak=held.peak)
+                pred = replace(pred, peak=held.peak, peak_at=held.peak_at, peak_parts=held.peak_parts)
         return pred
 
     def _run(self, choices, grads: bool, held: bool) -> Prediction:
@@ -288,6 +288,9 @@ class Plan:
             " (keep everything: "
             f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; moved per step: {capacity or 'nothing'}"
         )
+        if p.peak_parts:
+            what = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.peak_parts.items())
+            lines.append(f"  the peak is at the {p.peak_at}: {what}")
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         legend = []
         if cheap:
@@ -347,20 +350,14 @@ def _search(model: _Model, choices, target, fixed, by_peak=False):
 
 
 def _lean_seed(model: _Model, choices, fixed):
-    """Every unit not fixed at its leanest choice alone: the least bytes left on the device, then the least moved
-    (the cache's window, held in flight in forward and prefetched in backward, is a multiple of the largest moved
-    unit). A one-change-at-a-time search can stall above this: while one unit moves a whole block, the window
-    stays that block's size, so turning any other unit from moving its block to moving only its inputs does not
-    lower the peak on its own."""
-    names = model.tier_names()
+    """Every unit not fixed at its leanest choice: the least bytes left on the device, then the least moved (the
+    cache's window is a multiple of the largest moved unit). The one-change search can stall above it: while one
+    unit moves a whole block, no other unit's change from moving its block to moving its inputs lowers the peak."""
     seed = list(choices)
     for i, u in enumerate(model.units):
-        if u.name in fixed:
-            continue
-        options = [c for c in u.options(names) if model.tiers.get(c.tier) is None or model.tiers[c.tier].capacity]
-        seed[i] = min(options, key=lambda c, u=u: (split_choice(u, c)[0], split_choice(u, c)[1], c != Choice()))
-    pred = model(seed)
-    return seed, pred
+        if u.name not in fixed:
+            seed[i] = min(u.options(model.tier_names()), key=lambda c, u=u: (*split_choice(u, c)[:2], c != Choice()))
+    return seed, model(seed)
 
 
 def _relax(model: _Model, choices, target, fixed):

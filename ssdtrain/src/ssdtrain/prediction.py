@@ -118,6 +118,10 @@ class Prediction:
     stall_s: float
     moved: dict[str, int]  # bytes per tier
     per_unit_stall: list[float]
+    # Where the peak is ("forward of <unit>", "backward of <unit>") and what it is made of (bytes by kind, before the
+    # calibration's correction): what a leaner plan would have to remove.
+    peak_at: str = ""
+    peak_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def host_bytes(self) -> int:
@@ -232,6 +236,7 @@ def simulate(
     stage_free: dict[str, float] = {}
     staged = [0.0] * n
     queued = []  # (sent time, bytes) in link order: sent times never decrease
+    peak_at, composition = "", {}
     head = 0
     backlog = 0
     cumulative = 0
@@ -260,7 +265,11 @@ def simulate(
             head += 1
         end[i] = t
         inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
-        peak = max(peak, resident + held_casts + inflight + fwd_work + held)
+        here = resident + held_casts + inflight + fwd_work + held
+        if here > peak:
+            peak, peak_at = here, f"forward of {u.name}"
+            composition = {"kept": resident, "weight casts": held_casts, "in flight": inflight, "working": fwd_work}
+            composition["gradients"] = held
     if async_copies and queued:
         # The first unpack of backward waits for the copies out still running (and frees their device bytes).
         t = max(t, queued[-1][0])
@@ -307,11 +316,16 @@ def simulate(
         start[i] = ready
         ahead = _prefetch_bound(moved_bytes, i, window, window_units)
         work = working_bytes if i == n - 1 else blk_work
-        peak = max(peak, live + on_device + ahead + transient + max(grads_live, held) + work)
+        here = live + on_device + ahead + transient + max(grads_live, held) + work
+        if here > peak:
+            peak, peak_at = here, f"backward of {units[i].name}"
+            composition = {"kept": live, "brought back": on_device, "prefetched ahead": ahead}
+            composition.update({"recomputed": transient, "working": work, "gradients": max(grads_live, held)})
         t = ready + extra_s + units[i].backward_s
         live -= res
     moved_by_tier: dict[str, int] = {}
     for p, c in zip(parts, choices, strict=True):
         if p[1]:
             moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
-    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall)
+    composition = {k: v for k, v in composition.items() if v}
+    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall, peak_at, composition)

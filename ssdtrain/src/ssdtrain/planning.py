@@ -92,7 +92,8 @@ class Calibrator:
 
     Forward and backward together are timed, and the cache's copies back measured (`late`: a callable giving the
     cumulative (bytes late or missed, moved bytes unpacked[, seconds the device waited for them])). Bytes, not
-    tensors: a model's small tensors shared by every block (rotary tables) do not stand for its 64 MiB inputs.
+    tensors: a few small tensors (position tables, masks) do not stand for a model's 64 MiB block inputs; and late
+    on the host is no stall, as the host runs ahead of the device: the device's own wait decides where measured.
     Where the device's wait is measured (CUDA events), a wait beyond the predicted stalls by more than
     ``STALL_SLACK`` x the predicted time means the copies back do not keep up: the plan is made again with the
     link's rates halved, at most ``LINK_HALVINGS`` times (each said in the log with the rates it leaves). Without

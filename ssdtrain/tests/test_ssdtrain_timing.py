@@ -13,7 +13,17 @@ from test_ssdtrain_offload import batch, make_net
 from torch import nn
 
 import ssdtrain
-from ssdtrain.planner import Bandwidth, Choice, UnitProfile, _lean_seed, _Model, _search, make_plan, make_tiers
+from ssdtrain.planner import (
+    Bandwidth,
+    Choice,
+    UnitProfile,
+    _lean_seed,
+    _Model,
+    _search,
+    make_plan,
+    make_tiers,
+    simulate,
+)
 from ssdtrain.planning import Calibrator
 
 MIB = 1 << 20
@@ -349,3 +359,58 @@ def test_the_plan_says_where_its_peak_is_and_what_it_is_made_of():
     assert f"the peak is at the {lean.prediction.peak_at}: " in str(lean)
     corrected = _plan(4.5 * GIB, correction=100 * MIB)
     assert corrected.prediction.peak == sum(corrected.prediction.peak_parts.values()) + 100 * MIB
+
+
+def test_a_budget_below_every_prefetching_plan_gets_a_head_backward_without_prefetch():
+    """Where the step peaks in the head's backward (the logits' gradients), the blocks prefetched during it are
+    part of the peak. Below every plan that prefetches there, the planner lets the head's backward run with no
+    block prefetched (the first block's copy back then waits for it: a stall, predicted), and names the lower
+    minimum in BudgetError; above, it prefetches as usual."""
+    units = _llama_like(casts=0)
+    work = dict(working_bytes=4 * GIB, forward_working=GIB, block_working=300 * MIB)
+    lean = [Choice()] + [Choice("full", "host")] * 16 + [Choice()]
+    tiers = make_tiers(64 * GIB, 0)
+    usual = simulate(units, lean, LINK, 2, tiers=tiers, **work)
+    held = simulate(units, lean, LINK, 2, tiers=tiers, hold_head=True, **work)
+    assert usual.peak_at == held.peak_at == "backward of <head>"
+    assert usual.peak - held.peak == usual.peak_parts["prefetched ahead"] == 2 * 64 * MIB
+    assert held.stall_s == pytest.approx(64 * MIB / LINK.h2d)  # the last block's input, on demand
+    with pytest.raises(ssdtrain.BudgetError) as err:
+        make_plan("m", units, LINK, GIB, host_limit=64 * GIB, nvme_limit=0, block_container="b", **work)
+    assert err.value.minimum * 0.97 < usual.peak
+    tight = make_plan("m", units, LINK, int((usual.peak - 16 * MIB) / 0.97), host_limit=64 * GIB, nvme_limit=0,
+                      block_container="b", **work)  # fmt: skip
+    assert tight.hold_head and tight.prediction.peak <= tight.budget * 0.97
+    assert "no block prefetched (the budget needs it)" in str(tight)
+    roomy = make_plan("m", units, LINK, int((usual.peak + 64 * MIB) / 0.97), host_limit=64 * GIB, nvme_limit=0,
+                      block_container="b", **work)  # fmt: skip
+    assert not roomy.hold_head
+
+
+def test_with_the_head_held_no_block_is_restored_before_backward_leaves_the_head():
+    """The cache under such a plan: the head's backward restores nothing below it; the last block's bytes come back
+    on demand when backward reaches it (one miss), and the blocks below it are prefetched from there."""
+    model, ids = make_net(layers=6), batch()
+    overrides = {f"blocks.{i}": "host" for i in range(6)}
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, overrides=overrides) as s:
+        model(ids).backward()  # profiled
+        model.zero_grad()
+        model(ids).backward()
+        head = len(s.unit_names) - 1
+        s.plan.hold_head = True
+        s._apply(s.plan)
+        assert s.cache.hold_head == head
+        before = s.stats()["misses"]
+        order = _record_order(s.cache)
+        model.zero_grad()
+        model(ids).backward()
+    assert s.stats()["misses"] - before == 1
+    last_block = head - 1
+    first_use = order.index(("use", last_block))
+    assert all(u >= head for kind, u in order[:first_use])  # nothing below the head restored while it ran
+    assert ("restore", last_block - 1) in order
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(ids).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n])

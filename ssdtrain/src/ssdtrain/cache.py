@@ -46,6 +46,9 @@ class TensorCache(Transfers):
         self.keeps_unit = None  # unit -> True when the plan keeps all it saves (set by the session; None: ask tier_of)
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.window_units = 1 << 30  # units below the one in backward that may be prefetched
+        # The head's unit, where the plan has the head's backward run with no block below it prefetched (its peak
+        # is the step's); None: prefetch as usual.
+        self.hold_head: int | None = None
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
@@ -194,7 +197,7 @@ class TensorCache(Transfers):
             if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
                 with self.lock:
                     self._begin_backward()
-                    self._prefetch_from(max(self._by_unit, default=-1))
+                    self._prefetch_from(max(max(self._by_unit, default=-1), self.hold_head or -1))
             elif self._by_unit and isinstance(saved, torch.Tensor):
                 # A kept activation of a unit: backward has reached it, so the units below it are due (kept
                 # units move the prefetch window like moved ones).
@@ -338,8 +341,11 @@ class TensorCache(Transfers):
         """Restore `unit` and the `window_units` units before it (backward order), whole units, while what is
         prefetched and not yet used plus the next unit stays within the window (one unit at least): the planner's
         bound on the bytes held ahead of backward."""
+        lowest = max(0, unit - self.window_units)
+        if self.hold_head is not None and unit >= self.hold_head:
+            lowest = unit  # the head's backward: nothing below it yet
         u = unit
-        while u >= max(0, unit - self.window_units) and self._prefetched_bytes < self.window_bytes:
+        while u >= lowest and self._prefetched_bytes < self.window_bytes:
             if u not in self._prefetched or u in self._retry:
                 need = self._unit_pending_bytes(u)
                 if need and self._prefetched_bytes and self._prefetched_bytes + need > self.window_bytes:

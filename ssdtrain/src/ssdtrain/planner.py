@@ -32,6 +32,7 @@ from .prediction import (
     split_choice,
     window_bytes,
 )
+from .search import _fit, _lean_seed, _leanest, _relax, _search  # noqa: F401 (_lean_seed, _search: tests)
 from .tiers import TierSpec
 
 __all__ = [
@@ -81,6 +82,7 @@ class _Model:
     async_copies: bool = True
     held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
     move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
+    hold_head: bool = False  # no block prefetched during the head's backward
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -105,6 +107,7 @@ class _Model:
             async_copies=self.async_copies,
             held_grads=held,
             move_overhead_s=self.move_overhead_s,
+            hold_head=self.hold_head,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -149,6 +152,7 @@ class Plan:
     # profiled times overstated.
     times_checked: bool = False
     move_overhead_s: float = 0.0  # seconds charged per moved unit beyond its copies' link time (calibration)
+    hold_head: bool = False  # the head's backward runs with no block prefetched (only where the budget needs it)
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -169,6 +173,7 @@ class Plan:
             self.async_copies,
             h,
             self.move_overhead_s,
+            self.hold_head,
         )
 
     @property
@@ -288,6 +293,11 @@ class Plan:
             " (keep everything: "
             f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; moved per step: {capacity or 'nothing'}"
         )
+        if self.hold_head:
+            lines.append(
+                "  the head's backward runs with no block prefetched (the budget needs it): the blocks' copies back "
+                "start when it is done, the first block's on demand"
+            )
         if p.peak_parts:
             what = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.peak_parts.items())
             lines.append(f"  the peak is at the {p.peak_at}: {what}")
@@ -316,74 +326,6 @@ def format_bytes(n) -> str:
     if n is None:
         return "-"
     return f"{n / _GIB:.2f} GiB" if n >= (1 << 30) else f"{n / _MIB:.1f} MiB"
-
-
-def _search(model: _Model, choices, target, fixed, by_peak=False):
-    """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
-    (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
-    current = model(choices)
-    names = model.tier_names()
-    while current.peak > target:
-        best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
-                continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak >= current.peak or not model.feasible(pred):
-                    continue
-                # Least time per byte; a change that reaches the target outright is judged by its time alone.
-                cost = max(pred.seconds - current.seconds, 0.0) + 1e-9
-                gain = current.peak - pred.peak
-                score = cost if pred.peak <= target else cost / gain * (1 << 30)
-                key = (pred.peak, pred.seconds) if by_peak else (pred.peak > target, score, pred.seconds)
-                if best is None or key < best[0]:
-                    best = (key, i, c, pred)
-        if best is None:
-            return choices, current, False
-        _, i, c, current = best
-        choices = choices[:i] + [c] + choices[i + 1 :]
-    return choices, current, True
-
-
-def _lean_seed(model: _Model, choices, fixed):
-    """Every unit not fixed at its leanest choice: the least bytes left on the device, then the least moved (the
-    cache's window is a multiple of the largest moved unit). The one-change search can stall above it: while one
-    unit moves a whole block, no other unit's change from moving its block to moving its inputs lowers the peak."""
-    seed = list(choices)
-    for i, u in enumerate(model.units):
-        if u.name not in fixed:
-            seed[i] = min(u.options(model.tier_names()), key=lambda c, u=u: (*split_choice(u, c)[:2], c != Choice()))
-    return seed, model(seed)
-
-
-def _relax(model: _Model, choices, target, fixed):
-    """Undo what is no longer needed: any single change that is faster and still fits, best first."""
-    current = model(choices)
-    names = model.tier_names()
-    improved = True
-    while improved:
-        improved = False
-        best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
-                continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and model.feasible(pred):
-                    if best is None or pred.seconds < best[2].seconds:
-                        best = (i, c, pred)
-        if best is not None:
-            i, c, current = best
-            choices = choices[:i] + [c] + choices[i + 1 :]
-            improved = True
-    return choices
 
 
 def make_tiers(host_limit: int = 0, nvme_limit: int = 0) -> dict[str, TierSpec]:
@@ -465,20 +407,16 @@ def make_plan(
         budget * (1 - BUDGET_MARGIN) if budget is not None else (speed_target if speed_target is not None else math.inf)
     )
     fixed = set(overrides)
-    plan_choices, pred, ok = _search(model, choices, target, fixed)
-    if not ok:  # the cheapest-first path got stuck: try the leanest-first one
-        plan_choices, pred, ok = _search(model, choices, target, fixed, by_peak=True)
-    if not ok:  # both stalled: start from every unit's leanest choice (then `_relax` undoes what is not needed)
-        seed, seeded = _lean_seed(model, choices, fixed)
-        if model.feasible(seeded) and seeded.peak <= target:
-            plan_choices, ok = seed, True
+    plan_choices, ok = _fit(model, choices, target, fixed)
+    held = replace(model, hold_head=True)
+    if not ok:  # below every plan that prefetches during the head's backward: one that waits for it may fit
+        plan_choices, ok = _fit(held, choices, target, fixed)
+        model = held if ok else model
     if not ok:
-        # The least memory any plan reaches (the leanest-first search towards 0 bytes, or the leanest choice of
-        # every unit), for the error message.
-        lean, low, _ = _search(model, choices, 0, fixed, by_peak=True)
-        seed, seeded = _lean_seed(model, choices, fixed)
-        if model.feasible(seeded) and seeded.peak < low.peak:
-            lean, low = seed, seeded
+        # The least memory any plan reaches, for the error message (or, with no budget, the plan used).
+        (lean, low), (held_lean, held_low) = _leanest(model, choices, fixed), _leanest(held, choices, fixed)
+        if held_low.peak < low.peak:
+            model, lean, low = held, held_lean, held_low
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
@@ -511,6 +449,7 @@ def make_plan(
         speed_target=speed_target,
         budget_fraction=budget_fraction,
         move_overhead_s=move_overhead_s,
+        hold_head=model.hold_head,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False

@@ -193,6 +193,7 @@ def simulate(
     async_copies: bool = True,
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
+    hold_head: bool = False,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -213,7 +214,9 @@ def simulate(
     gradient held (gradient accumulation after a step that set them to None): they count at every point of the
     step, forward included. `move_overhead_s`: seconds each moved unit costs beyond its copies' time on the link
     (measured by calibration: a step that ran slower than predicted while the device did not wait for copies
-    back), counted as a stall at the unit's backward."""
+    back), counted as a stall at the unit's backward. `hold_head`: the head's backward (the logits' gradients, often
+    the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
+    first block's then on demand."""
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -274,6 +277,7 @@ def simulate(
         # The first unpack of backward waits for the copies out still running (and frees their device bytes).
         t = max(t, queued[-1][0])
     forward_end = t
+    head_done = t
     # Backward, last unit first: unit i's moved bytes come back over H2D (after the disk read for NVMe), starting
     # once the unit `window_units` later has started its backward; data still on the device is used in place.
     start = [0.0] * n
@@ -293,6 +297,8 @@ def simulate(
             # The cache restores a unit when backward unpacks a saved tensor of one of the `window_units` units
             # above it, moved or kept (the farthest of them comes first), or when backward begins.
             trigger = start[i + window_units] if i + window_units < n else forward_end
+            if hold_head and i < n - 1 and i + window_units >= n - 1:
+                trigger = head_done
             if sent[i] > trigger:  # still being copied out when needed: forwarded, never left the device
                 on_device = moved
             else:
@@ -314,7 +320,7 @@ def simulate(
         stall += wait
         per_unit_stall[i] = wait
         start[i] = ready
-        ahead = _prefetch_bound(moved_bytes, i, window, window_units)
+        ahead = 0 if hold_head and i == n - 1 else _prefetch_bound(moved_bytes, i, window, window_units)
         work = working_bytes if i == n - 1 else blk_work
         here = live + on_device + ahead + transient + max(grads_live, held) + work
         if here > peak:
@@ -322,6 +328,8 @@ def simulate(
             composition = {"kept": live, "brought back": on_device, "prefetched ahead": ahead}
             composition.update({"recomputed": transient, "working": work, "gradients": max(grads_live, held)})
         t = ready + extra_s + units[i].backward_s
+        if i == n - 1:
+            head_done = t
         live -= res
     moved_by_tier: dict[str, int] = {}
     for p, c in zip(parts, choices, strict=True):

@@ -538,6 +538,7 @@ class OffloadSession:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
             self.cache.keeps_unit = None
+            self.cache.hold_head = None
             return
         if self.compiled:
             self._order_bounds = list(plan.order_bounds)
@@ -561,6 +562,8 @@ class OffloadSession:
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.
         self.cache.window_bytes = plan.window_bytes
         self.cache.window_units = plan.window_units
+        # Compiled models' units are slices of the pack order: the head is still the last one.
+        self.cache.hold_head = len(plan.units) - 1 if plan.hold_head else None
         self.cache.max_inflight = plan.window_bytes if self.device.type == "cuda" else float("inf")
 
     # ----------------------------------------------------------------------------------------------- facts

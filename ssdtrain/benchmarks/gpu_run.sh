@@ -4,6 +4,9 @@
 # SSDTRAIN_GPU_SECONDS (default 480) seconds; the benchmark steps cut their job lists by that.
 #
 #   tests         GPU tests (pytest -m gpu ssdtrain/tests; at most 150 s)                              ~2 min
+#   prefetch      the GPU tests of the copy-back path alone (recompute+host on a Llama model: every
+#                 input restored ahead, the device's wait for on-demand copies measured; copies out
+#                 released when backward begins); at most 60 s                                          ~30 s
 #   io            I/O engine (io_uring and threads backends) against kvikio (1/4/16 threads) and the
 #                 disk's own rate (O_DIRECT io_uring to pinned host memory) and the engine moving that
 #                 host memory in place (no device copy), GPU tensors, 256M and 1G,
@@ -23,7 +26,8 @@
 #                 Llama-style GQA model (eager, fp32 weights under autocast, accumulation 4) and GPT-2 (eager,
 #                 bf16), Qwen2 compiled at 0.3 / 0.6; budget=None at recompute's largest batch; NVMe with
 #                 host RAM capped                                                                        ~8 min
-# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok, =rok-compiled, =budget;
+# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok (or prefetch,rok),
+# =rok-compiled, =budget;
 # SSDTRAIN_ROK_MODELS=gpt2 runs the ROK steps on GPT-2 instead (or llama,gpt2 with SSDTRAIN_GPU_SECONDS raised).
 #
 # Wheels carried to the machine (no package index there) go in SSDTRAIN_WHEELS (default .whl/): torchtune 0.6.1
@@ -86,6 +90,14 @@ if [[ "$STEPS" == *,tests,* ]]; then
     $TIMEOUT_ARG 2>&1 | tail -n 60 | tee -a "$LOG"
   tests_rc=${PIPESTATUS[0]}
   echo "== GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
+fi
+
+if [[ "$STEPS" == *,prefetch,* ]]; then
+  echo "== GPU tests of the copy-back path ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
+  timeout 60 python3 -m pytest -m gpu ssdtrain/tests/test_ssdtrain_offload_gpu.py -q -rfE -p no:cacheprovider \
+    -k "recompute_plus_host or copies_out_released" $TIMEOUT_ARG 2>&1 | tail -n 30 | tee -a "$LOG"
+  tests_rc=${PIPESTATUS[0]}
+  echo "== copy-back GPU tests exit code: $tests_rc (124: timed out)" | tee -a "$LOG"
 fi
 
 if [[ "$STEPS" == *,io,* ]]; then

@@ -234,6 +234,8 @@ def run_job(job: dict, llm) -> dict:
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()
                     before = session.stats() if session is not None else None
+                    if before is not None:  # a plan still calibrating would be timed with its checks (syncs)
+                        before["plan"] = session.plan
                 t0 = llm._mark(cuda)
                 total = step()
                 t1 = llm._mark(cuda)
@@ -338,10 +340,18 @@ def _ssdtrain_details(row, session, before) -> None:
     moved = {k: v - before["bytes_offloaded"][k] for k, v in stats["bytes_offloaded"].items()}
     steps = max(1, stats["steps"] - before["steps"])
     row["host_gib_per_micro_batch"] = round(moved.get("host", 0) / steps / GIB, 3)
+    # The device's own wait for copies back (CUDA events) per micro-batch: late on the host alone is no stall.
+    wait_ms = (stats["prefetch_wait_seconds"] - before["prefetch_wait_seconds"]) * 1e3 / steps
+    late_mib = (stats["late_bytes"] + stats["missed_bytes"] - before["late_bytes"] - before["missed_bytes"]) / 2**20
+    row["device_wait_ms_per_micro_batch"] = round(wait_ms, 2)
     row["detail"] = (
         f"timed: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses {d['misses']}, late "
-        f"{d['late_prefetches']}, throttle waits {stats['throttle_waits'] - before['throttle_waits']}; "
-        f"calibrated {len(plan.calibrations)}x; fallbacks {stats['fallbacks']}"
+        f"{d['late_prefetches']} ({late_mib:.0f} MiB; the device waited {wait_ms:.2f} ms per micro-batch), "
+        f"throttle waits {stats['throttle_waits'] - before['throttle_waits']} "
+        f"({(stats['throttle_seconds'] - before['throttle_seconds']) * 1e3 / steps:.2f} ms per micro-batch); "
+        f"calibrated {len(plan.calibrations)}x"
+        + ("" if plan is before.get("plan") else " (the plan changed during the timed steps)")
+        + f"; fallbacks {stats['fallbacks']}"
     )
     row["plan_text"] = str(plan)
 
@@ -441,6 +451,7 @@ COLUMNS = [
     "predicted_x_keep_time",
     "tokens_per_s",
     "host_gib_per_micro_batch",
+    "device_wait_ms_per_micro_batch",
     "calibrations",
     "plan",
     "batch",

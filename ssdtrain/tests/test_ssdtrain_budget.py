@@ -505,9 +505,9 @@ def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_
     forward = sum(u.forward_s for u in units)
 
     def check(p, seconds, step, late=(0, 100)):
-        """One checked step of `p`: its peak as predicted, forward+backward taking `seconds`, `late` = (moved
-        tensors late or missed, moved tensors unpacked) during it."""
-        counts = [(7, 50), (7 + late[0], 50 + late[1])]
+        """One checked step of `p`: its peak as predicted, forward+backward taking `seconds`, `late` = (MiB of
+        moved tensors late or missed, MiB of moved tensors unpacked) during it."""
+        counts = [(7 * MIB, 50 * MIB), (7 * MIB + late[0] * MIB, 50 * MIB + late[1] * MIB)]
         cal = Calibrator(
             _Memory(peaks=[p.predict(False).peak]), clock=_Clock([0.0, forward, seconds]), late=lambda: counts.pop(0)
         )
@@ -532,14 +532,16 @@ def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_
                         block_container="b")  # fmt: skip
     assert check(on_time, on_time.prediction.seconds, 4) is None
     assert check(on_time, 1.1 * on_time.prediction.seconds, 5) is None and on_time._verified
-    # On time, but more than a tenth of the moved tensors late or missed in backward: halved as well.
+    # On time, but more than a tenth of the moved bytes late or missed in backward (no measure of the device's
+    # own wait): halved as well.
     late_plan = make_plan("m", units, Bandwidth(d2h=4e9, h2d=4e9), int(1.1 * GIB), host_limit=64 * GIB, nvme_limit=0,
                           block_container="b")  # fmt: skip
     assert check(late_plan, late_plan.prediction.seconds, 4, late=(50, 100)) is None  # first step: not judged
     assert check(late_plan, late_plan.prediction.seconds, 5, late=(10, 100)) is None  # a tenth: tolerated
     late_plan._passes, late_plan._verified = 1, False
     behind = check(late_plan, late_plan.prediction.seconds, 6, late=(11, 100))
-    assert behind is not None and behind.link_scale == 0.5 and "11 of 100 moved tensors late" in behind.calibrations[-1]
+    assert behind is not None and behind.link_scale == 0.5
+    assert "11.0 MiB of 100.0 MiB moved late" in behind.calibrations[-1]
     # Nothing moved: a slow step is not the link's doing.
     roomy = make_plan("m", units, Bandwidth(d2h=4e9, h2d=4e9), 64 * GIB, host_limit=64 * GIB, nvme_limit=0,
                       block_container="b")  # fmt: skip

@@ -132,6 +132,49 @@ def test_bf16_sdpa_gpt2_with_budget_close_to_keep():
     assert any(str(c) != "keep" for c in s.plan.choices)
 
 
+def test_recompute_plus_host_restores_every_input_ahead_and_the_device_wait_is_measured():
+    """Every block of a Llama model under autocast checkpointed with its inputs (and the rotary tables every block
+    is given) in host memory, as plans below full recompute's peak do: in a steady step nothing is restored on
+    demand (the shared tables come back with the last block's prefetch) and gradients match keeping everything.
+    With the prefetch switched off every input is restored on demand, on the compute stream: the device's wait for
+    those copies, read from CUDA events, grows."""
+    model, container = _hf("llama", layers=6, hidden=512, dropout=0.0)
+    ids = torch.randint(0, 1000, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref = copy.deepcopy(model)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    step(ref)
+    want = _grads(ref)
+    overrides = {f"{container}.{i}": "recompute+host" for i in range(6)}
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False, profile_steps=1) as s:
+        for _ in range(3):
+            step(model)
+        torch.cuda.synchronize()
+        before = s.stats()
+        step(model)
+        torch.cuda.synchronize()
+        after = s.stats()
+        assert after["misses"] == before["misses"], after["miss_reasons"]
+        assert after["prefetch_hits"] - before["prefetch_hits"] >= 6
+        assert after["prefetch_wait_seconds"] >= before["prefetch_wait_seconds"] >= 0
+        for k, g in want.items():
+            torch.testing.assert_close(_grads(model)[k], g, rtol=2e-2, atol=2e-3)
+        s.cache._prefetch_from = lambda unit: None
+        step(model)
+        torch.cuda.synchronize()
+        end = s.stats()
+    assert end["misses"] - after["misses"] >= 6
+    assert end["missed_bytes"] - after["missed_bytes"] >= 6 * 4 * 512 * 512 * 4
+    assert end["prefetch_wait_seconds"] > after["prefetch_wait_seconds"]
+    for k, g in want.items():
+        torch.testing.assert_close(_grads(model)[k], g, rtol=2e-2, atol=2e-3)
+
+
 def test_device_memory_really_freed_and_pinned_memory_returned():
     """With every block in host memory, what stays on the device once the copies out are done, and backward's peak
     (the prefetch window), are well below keep's peak. Forward's own peak is not asserted: with budget=None nothing

@@ -46,17 +46,25 @@ class TensorCache(Transfers):
         self.keeps_unit = None  # unit -> True when the plan keeps all it saves (set by the session; None: ask tier_of)
         self.window_bytes = 1 << 30  # prefetched-but-unused bytes allowed on the device
         self.window_units = 1 << 30  # units below the one in backward that may be prefetched
+        # The head's unit, where the plan has the head's backward run with no block below it prefetched (its peak
+        # is the step's); None: prefetch as usual.
+        self.hold_head: int | None = None
         self.param_storages: set[int] = set()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
-        self._kept_unit: dict[int, int] = {}  # storage address -> unit of a kept activation (drives prefetch)
+        # id() of a kept saved tensor -> its unit: its unpack tells where backward is, which drives the prefetch.
+        # Ids, not storage addresses: one dict store per kept tensor, cheap enough for the fast path below (a kept
+        # tensor is alive, so its id is its own, until autograd has unpacked it).
+        self._kept_unit: dict[int, int] = {}
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
         self._prefetched_bytes = 0
+        self._shared: set[tuple[int, int]] = set()  # (unit, id(entry)): an entry of an earlier unit saved here too
+        self._waits: list[tuple] = []  # (compute reached the unpack, copy back done) CUDA events not yet read
         self._backward_started = False
         self._entries = 0  # entries not yet released
         self.closed = False
@@ -74,8 +82,10 @@ class TensorCache(Transfers):
             self._kept_unit.clear()
             self._prefetched.clear()
             self._retry.clear()
+            self._shared.clear()
             self._prefetched_bytes = 0
             self._backward_started = False
+        self.read_waits()
 
     def _seen_kept(self, key, storage, version) -> bool:
         """True if this storage (span) was kept or counted already this step: saved by a second op."""
@@ -95,8 +105,11 @@ class TensorCache(Transfers):
             return t
         if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
             # A unit the plan keeps whole: nothing to decide (this is most saved tensors of a plan that moves only
-            # a few units; autograd calls pack for every one of them, so the host's time per call counts).
+            # a few units; autograd calls pack for every one of them, so the host's time per call counts). Its
+            # unpack still moves the prefetch window: a moved unit under kept ones is restored before backward
+            # reaches it, not on demand there (the device would wait for the whole copy).
             self.counters["kept_tensors"] += 1
+            self._kept_unit[id(t)] = self.unit
             return t
         with self.lock:
             self.poll()
@@ -131,6 +144,12 @@ class TensorCache(Transfers):
                 self.counters["dedup_views"] += 1
                 if self.observer is not None:
                     self.observer(unit, key, 0, "view")
+                if entry.unit != unit and (unit, id(entry)) not in self._shared:
+                    # One tensor saved by several units (a model's rotary cos/sin, passed to every block): backward
+                    # reaches the last of them first, so that unit's prefetch brings it back, not a miss there.
+                    self._shared.add((unit, id(entry)))
+                    entry.shared = True
+                    self._by_unit[unit].append(weakref.ref(entry))
                 return _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
             if self._seen_kept(key, storage, t._version):
                 # Kept already (a second op saving the same tensor): the same bytes, counted once.
@@ -143,7 +162,7 @@ class TensorCache(Transfers):
                 self.observer(unit, key, length, "small" if small else "saved")
             tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
             if tier is None or tier.resident:
-                self._kept_unit[sptr] = unit
+                self._kept_unit[id(t)] = unit
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
                 return t
@@ -178,11 +197,11 @@ class TensorCache(Transfers):
             if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
                 with self.lock:
                     self._begin_backward()
-                    self._prefetch_from(max(self._by_unit, default=-1))
+                    self._prefetch_from(max(max(self._by_unit, default=-1), self.hold_head or -1))
             elif self._by_unit and isinstance(saved, torch.Tensor):
                 # A kept activation of a unit: backward has reached it, so the units below it are due (kept
                 # units move the prefetch window like moved ones).
-                unit = self._kept_unit.get(saved.untyped_storage().data_ptr())
+                unit = self._kept_unit.get(id(saved))
                 if unit is not None:
                     with self.lock:
                         self._prefetch_from(unit)
@@ -196,7 +215,10 @@ class TensorCache(Transfers):
                 self.poll()
             else:
                 self._begin_backward()
-            self._prefetch_from(entry.unit)
+            if not entry.shared:
+                # A shared entry's own unit is the earliest that saved it, not where backward is: prefetching from
+                # there would hold that unit's bytes on the device through the rest of backward.
+                self._prefetch_from(entry.unit)
         return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
             data.untyped_storage(),
             data.storage_offset() // saved.dtype.itemsize + saved.offset,
@@ -223,6 +245,8 @@ class TensorCache(Transfers):
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         first = not entry.unpacked
         entry.unpacked = True
+        if first:
+            self.counters["unpacked_moved_bytes"] += entry.nbytes
         if first and entry.restored is not None:
             self._prefetched_bytes -= entry.nbytes
         if entry.src is not None:
@@ -244,13 +268,17 @@ class TensorCache(Transfers):
                 f"ssdtrain: an activation was lost: its NVMe write failed ({entry.lost}) after the "
                 "device copy was released; gradients cannot be computed for this step"
             ) from entry.lost
+        reached = None
         if entry.restored is None:
             self.counters["misses"] += first
             if first:
                 # Why it was not prefetched: its unit was never reached, or it was still being copied out (or its
                 # original was still alive) when the unit was prefetched, and no longer is now.
                 self.counters[f"miss_{entry.skipped or 'not_reached'}"] += 1
+                self.counters["missed_bytes"] += entry.nbytes
             stream = torch.cuda.current_stream(entry.device) if entry.device.type == "cuda" else None
+            if first and stream is not None:
+                reached = self._device_mark(stream)  # the copy runs on the compute stream: all of it is waited for
             self._restore(entry, stream)
         else:
             self.counters["prefetch_hits"] += first
@@ -273,18 +301,51 @@ class TensorCache(Transfers):
         if entry.device.type == "cuda":
             stream = torch.cuda.current_stream(entry.device)
             if entry.h2d is not None:
-                if first and not entry.h2d.query():
+                if first and reached is None and not entry.h2d.query():
+                    # Not done when the host got here. The host runs ahead of the device, so this alone is no
+                    # stall: the device's own wait is read from the two events once both are done (read_waits).
                     self.counters["late_prefetch"] += 1
+                    self.counters["late_bytes"] += entry.nbytes
+                    reached = self._device_mark(stream)
+                if reached is not None:
+                    self._waits.append((reached, entry.h2d))
                 stream.wait_event(entry.h2d)  # on the device: the host does not wait
             entry.restored.record_stream(stream)
         return entry.restored
+
+    @staticmethod
+    def _device_mark(stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def read_waits(self) -> float:
+        """Seconds the device's compute waited, in total so far, for copies back that were late or missed (from
+        the CUDA events of each: compute reaching the unpack, the copy done); pairs not yet done are read later."""
+        if self._waits:
+            with self.lock:
+                still = []
+                for reached, done in self._waits:
+                    try:
+                        if not (reached.query() and done.query()):
+                            still.append((reached, done))
+                            continue
+                        waited = reached.elapsed_time(done)
+                    except RuntimeError:  # an event not recorded or not timed (NVMe reads): nothing to read
+                        continue
+                    self.counters["prefetch_wait_ns"] += max(0, int(waited * 1e6))
+                self._waits = still[-4096:]
+        return self.counters["prefetch_wait_ns"] / 1e9
 
     def _prefetch_from(self, unit: int) -> None:
         """Restore `unit` and the `window_units` units before it (backward order), whole units, while what is
         prefetched and not yet used plus the next unit stays within the window (one unit at least): the planner's
         bound on the bytes held ahead of backward."""
+        lowest = max(0, unit - self.window_units)
+        if self.hold_head is not None and unit >= self.hold_head:
+            lowest = unit  # the head's backward: nothing below it yet
         u = unit
-        while u >= max(0, unit - self.window_units) and self._prefetched_bytes < self.window_bytes:
+        while u >= lowest and self._prefetched_bytes < self.window_bytes:
             if u not in self._prefetched or u in self._retry:
                 need = self._unit_pending_bytes(u)
                 if need and self._prefetched_bytes and self._prefetched_bytes + need > self.window_bytes:

@@ -86,6 +86,7 @@ class _Entry:
         "lost",
         "skipped",
         "released",
+        "shared",
         "__weakref__",
     )
 
@@ -111,6 +112,7 @@ class _Entry:
         self.lost = None  # the error that destroyed the only copy
         self.skipped = None  # why prefetching its unit left it alone ("in_flight", "alive"), for miss counters
         self.released = False
+        self.shared = False  # saved by later units too (their prefetch restores it; its unpack drives no window)
 
     def storage_alive(self) -> bool:
         """The stored storage still exists (so equal data pointers mean the same memory, not a reused address)."""

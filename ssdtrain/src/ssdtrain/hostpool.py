@@ -11,6 +11,7 @@ its size; activation sizes repeat every step, so after the first step every requ
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -38,6 +39,7 @@ class HostPool:
         self.reserved = 0  # bytes of chunks
         self._in_use = 0  # bytes handed out (deferred releases included until their event is done)
         self.peak_in_use = 0
+        self.grow_seconds = 0.0  # host time spent pinning new chunks (the host waits; the device may idle)
         self.closed = False
 
     def allocate(self, nbytes: int) -> torch.Tensor | None:
@@ -118,10 +120,13 @@ class HostPool:
             chunk_size = size  # the last bytes under the limit: exactly what is asked
             if self.reserved + chunk_size > self.limit:
                 return None
+        t0 = time.perf_counter()
         try:
             chunk = huge_empty((chunk_size,), torch.uint8, pin_memory=self.pinned)
         except (RuntimeError, MemoryError):
             return None  # the OS or the driver refused: the caller falls back to another tier
+        finally:
+            self.grow_seconds += time.perf_counter() - t0
         self._chunks.append(chunk)
         self.reserved += chunk_size
         self._tail = (chunk, size)

@@ -32,6 +32,7 @@ from .prediction import (
     split_choice,
     window_bytes,
 )
+from .search import _fit, _lean_seed, _leanest, _relax, _search  # noqa: F401 (_lean_seed, _search: tests)
 from .tiers import TierSpec
 
 __all__ = [
@@ -80,13 +81,15 @@ class _Model:
     correction: int = 0
     async_copies: bool = True
     held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
+    move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
+    hold_head: bool = False  # no block prefetched during the head's backward
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
         if self.held_grads:
             held = self._run(choices, False, True)
             if held.peak > pred.peak:
-                pred = replace(pred, peak=held.peak)
+                pred = replace(pred, peak=held.peak, peak_at=held.peak_at, peak_parts=held.peak_parts)
         return pred
 
     def _run(self, choices, grads: bool, held: bool) -> Prediction:
@@ -103,6 +106,8 @@ class _Model:
             correction=self.correction,
             async_copies=self.async_copies,
             held_grads=held,
+            move_overhead_s=self.move_overhead_s,
+            hold_head=self.hold_head,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -142,6 +147,12 @@ class Plan:
     time_scale: float = 1.0  # the units' times were scaled by this (a measured forward faster than profiled)
     link_scale: float = 1.0  # the link rates were scaled by this (measured steps slower than their moves predicted)
     timing_calibrations: int = 0  # lines of `calibrations` that rescaled times or link rates (not peaks)
+    # The unit times were checked against a measured forward (rescaled, or found right): until then a step's late
+    # copies or its time say nothing about the link, as the plan may have hidden copies behind compute that its
+    # profiled times overstated.
+    times_checked: bool = False
+    move_overhead_s: float = 0.0  # seconds charged per moved unit beyond its copies' link time (calibration)
+    hold_head: bool = False  # the head's backward runs with no block prefetched (only where the budget needs it)
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -161,6 +172,8 @@ class Plan:
             self.correction,
             self.async_copies,
             h,
+            self.move_overhead_s,
+            self.hold_head,
         )
 
     @property
@@ -255,6 +268,8 @@ class Plan:
                 else ""
             )
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
+            + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
+            + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
             + (f"; {'; '.join(stages)}" if stages else ""),
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'select ms/MiB':>14}"
             f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
@@ -278,6 +293,14 @@ class Plan:
             " (keep everything: "
             f"{format_bytes(k.peak)}), stalls {p.stall_s * 1e3:.1f} ms; moved per step: {capacity or 'nothing'}"
         )
+        if self.hold_head:
+            lines.append(
+                "  the head's backward runs with no block prefetched (the budget needs it): the blocks' copies back "
+                "start when it is done, the first block's on demand"
+            )
+        if p.peak_parts:
+            what = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.peak_parts.items())
+            lines.append(f"  the peak is at the {p.peak_at}: {what}")
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         legend = []
         if cheap:
@@ -303,63 +326,6 @@ def format_bytes(n) -> str:
     if n is None:
         return "-"
     return f"{n / _GIB:.2f} GiB" if n >= (1 << 30) else f"{n / _MIB:.1f} MiB"
-
-
-def _search(model: _Model, choices, target, fixed, by_peak=False):
-    """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
-    (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
-    current = model(choices)
-    names = model.tier_names()
-    while current.peak > target:
-        best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
-                continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak >= current.peak or not model.feasible(pred):
-                    continue
-                # Least time per byte; a change that reaches the target outright is judged by its time alone.
-                cost = max(pred.seconds - current.seconds, 0.0) + 1e-9
-                gain = current.peak - pred.peak
-                score = cost if pred.peak <= target else cost / gain * (1 << 30)
-                key = (pred.peak, pred.seconds) if by_peak else (pred.peak > target, score, pred.seconds)
-                if best is None or key < best[0]:
-                    best = (key, i, c, pred)
-        if best is None:
-            return choices, current, False
-        _, i, c, current = best
-        choices = choices[:i] + [c] + choices[i + 1 :]
-    return choices, current, True
-
-
-def _relax(model: _Model, choices, target, fixed):
-    """Undo what is no longer needed: any single change that is faster and still fits, best first."""
-    current = model(choices)
-    names = model.tier_names()
-    improved = True
-    while improved:
-        improved = False
-        best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
-                continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and model.feasible(pred):
-                    if best is None or pred.seconds < best[2].seconds:
-                        best = (i, c, pred)
-        if best is not None:
-            i, c, current = best
-            choices = choices[:i] + [c] + choices[i + 1 :]
-            improved = True
-    return choices
 
 
 def make_tiers(host_limit: int = 0, nvme_limit: int = 0) -> dict[str, TierSpec]:
@@ -391,6 +357,7 @@ def make_plan(
     correction: int = 0,
     async_copies: bool = True,
     held_grads: bool = False,
+    move_overhead_s: float = 0.0,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -399,7 +366,8 @@ def make_plan(
     (never-saved temporaries): `working_bytes` during the head's backward, `forward_working` in forward,
     `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak.
     `grads`: steps start without gradients (backward allocates them); `held_grads`: other steps start with them
-    all (gradient accumulation), so they count at every point of those steps."""
+    all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
+    moved unit costs beyond its copies' link time (set by calibration)."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -429,6 +397,7 @@ def make_plan(
         correction,
         async_copies,
         held_grads,
+        move_overhead_s,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -438,12 +407,16 @@ def make_plan(
         budget * (1 - BUDGET_MARGIN) if budget is not None else (speed_target if speed_target is not None else math.inf)
     )
     fixed = set(overrides)
-    plan_choices, pred, ok = _search(model, choices, target, fixed)
-    if not ok:  # the cheapest-first path got stuck: try the leanest-first one
-        plan_choices, pred, ok = _search(model, choices, target, fixed, by_peak=True)
+    plan_choices, ok = _fit(model, choices, target, fixed)
+    held = replace(model, hold_head=True)
+    if not ok:  # below every plan that prefetches during the head's backward: one that waits for it may fit
+        plan_choices, ok = _fit(held, choices, target, fixed)
+        model = held if ok else model
     if not ok:
-        # The least memory any plan reaches (the leanest-first search towards 0 bytes), for the error message.
-        lean, low, _ = _search(model, choices, 0, fixed, by_peak=True)
+        # The least memory any plan reaches, for the error message (or, with no budget, the plan used).
+        (lean, low), (held_lean, held_low) = _leanest(model, choices, fixed), _leanest(held, choices, fixed)
+        if held_low.peak < low.peak:
+            model, lean, low = held, held_lean, held_low
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
             raise BudgetError(
@@ -475,6 +448,8 @@ def make_plan(
         overridden=set(overrides),
         speed_target=speed_target,
         budget_fraction=budget_fraction,
+        move_overhead_s=move_overhead_s,
+        hold_head=model.hold_head,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -502,7 +477,8 @@ def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
 def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
     working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=), or with
-    rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=)."""
+    rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=;
+    move_overhead_s=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -538,11 +514,13 @@ def replan(plan: Plan, **changes) -> Plan:
         grads=fields["grads"],
         held_grads=fields["held_grads"],
         budget_fraction=fields["budget_fraction"],
+        move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)
     new.link_scale = changes.get("link_scale", plan.link_scale)
     new.timing_calibrations = plan.timing_calibrations
+    new.times_checked = changes.get("time_scale") is not None or plan.times_checked
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     return new

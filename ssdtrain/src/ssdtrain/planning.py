@@ -13,9 +13,11 @@ import logging
 import sys
 import warnings
 import weakref
+from math import log2 as math_log2
 
 from .entries import OffloadWarning
 from .planner import Bandwidth, BudgetError, Plan, format_bytes, replan, scaled_units
+from .prediction import split_choice
 
 _GIB = float(1 << 30)
 
@@ -74,29 +76,58 @@ class Calibrator:
     them (``plan.held_grads``), the measurement starts below them, as the budget counts them.
 
     The checked step's forward is timed too (`clock`). The profiled step runs slower than the steps after it
-    (first calls, the profiler's own hooks), which makes copies to the host look hidden behind compute when they
-    are not. A forward measured below ``TIME_SLACK`` x the profiled one scales every unit's measured time by the
-    ratio, once per plan, and plans again: the moved bytes then compete with the real compute time. Only
-    downwards: a forward slowed by the plan's own copies (the host waiting on the link) is no measure of compute.
+    (first calls, the profiler's own hooks, its own copies to the host), which makes copies to the host look hidden
+    behind compute when they are not. The forward's compute time is the measured forward less the host's waits for
+    the link in it (`waits`: a callable giving the cumulative seconds the host waited for copies out and for pinning
+    new host memory): the device idles at most that long for the plan's own copies, so a forward that the copies
+    slowed is still a measure of compute. A compute time below ``TIME_SLACK`` x the profiled forward scales every
+    unit's time by the ratio, once per plan lineage, and plans again: the moved bytes then compete with the real
+    compute time. Either way the plan's times are then *checked* (``plan.times_checked``).
 
-    Forward and backward together are timed as well, and the cache's late copies counted (`late`: a callable
-    giving the cumulative (late or missed, all) unpacks of moved tensors). A plan that moves bytes and, from its
-    second checked step on (the first is not steady), runs above ``SPEED_SLACK`` x its predicted time, or finds
-    more than ``LATE_SLACK`` of its moved tensors late or not prefetched in backward, is planned again with the
-    link's rates halved, at most twice: copies that arrive late cost more than the link's measured rate says (on
-    an H100 a plan predicted at 1.22x keep's time with no stall ran at 1.47x, half its prefetches late), and the
-    planner then prefers recompute where it fits the budget."""
+    The order is explicit: the time and link feedback below judges only a plan whose times are checked, from its
+    second checked step on (the first is not steady), and never the step that rescaled them (that step ran under
+    the plan built on the unscaled times, which had hidden copies behind compute that was not there; its late
+    copies say nothing about the link). A step under a plan with unchecked times (no usable forward timing) is
+    not judged on its time; the log says so.
+
+    Forward and backward together are timed, and the cache's copies back measured (`late`: a callable giving the
+    cumulative (bytes late or missed, moved bytes unpacked[, seconds the device waited for them])). Bytes, not
+    tensors: a few small tensors (position tables, masks) do not stand for a model's 64 MiB block inputs; and late
+    on the host is no stall, as the host runs ahead of the device: the device's own wait decides where measured.
+    Where the device's wait is measured (CUDA events), a wait beyond the predicted stalls by more than
+    ``STALL_SLACK`` x the predicted time means the copies back do not keep up: the plan is made again with the
+    link's rates halved, at most ``LINK_HALVINGS`` times (each said in the log with the rates it leaves). Without
+    that measure, more than ``LATE_SLACK`` of the moved bytes late, or a step above ``SPEED_SLACK`` x its predicted
+    time, does the same. A step above ``OVERHEAD_SLACK`` x its prediction while the device did not wait for copies
+    back is a cost of the moves that the link does not explain (host work in the hooks, copies that slow compute):
+    the excess is charged to each moved unit (``plan.move_overhead_s``, once per plan lineage) and the plan made
+    again, so moves that do not pay give way to recompute."""
 
     TIME_SLACK = 0.8
     SPEED_SLACK = 1.15
     LATE_SLACK = 0.1
+    STALL_SLACK = 0.02
+    OVERHEAD_SLACK = 1.05
     LINK_HALVINGS = 2
 
-    def __init__(self, memory, *, clock=None, late=None, limit: int = 2, verbose: bool = False, passes: int = 2):
+    def __init__(
+        self,
+        memory,
+        *,
+        clock=None,
+        late=None,
+        waits=None,
+        limit: int = 2,
+        verbose: bool = False,
+        passes: int = 2,
+    ):
         self.memory = memory
         self.clock = clock
         self.late = late
-        self._late_base: tuple[int, int] | None = None
+        self.waits = waits
+        self._late_base: tuple | None = None
+        self._waits_base: float | None = None
+        self._forward_waits: float | None = None
         self._forward: list | None = None  # [start, forward's end, backward's end] marks of the checked step
         self.limit = limit
         self.passes = passes
@@ -120,11 +151,15 @@ class Calibrator:
         if self.clock is not None:
             self._forward = [self.clock.mark(), None, None]
         self._late_base = self.late() if self.late is not None else None
+        self._waits_base = self.waits() if self.waits is not None else None
+        self._forward_waits = None
 
     def forward_done(self) -> None:
         """The checked step's forward ended."""
         if self._check is not None and self._forward is not None and self._forward[1] is None:
             self._forward[1] = self.clock.mark()
+            if self._waits_base is not None:
+                self._forward_waits = max(0.0, self.waits() - self._waits_base)
 
     def cancel(self) -> None:
         self._check = None
@@ -154,16 +189,19 @@ class Calibrator:
         peak = (self._peak if self._peak is not None else self.memory.max_allocated()) - base
         self._peak = None
         marks, self._forward = self._forward, None
+        # First the unit times (from this step's forward), then the peak, then, only where the times were not
+        # rescaled now, the link (`_steady`): a step run under times found wrong says nothing about the link.
+        ran = plan
         rescale = self._time_scale(plan, marks)
         if rescale is not None:
             plan = self._rescaled(plan, rescale, step)
-        predicted = plan.predict(grads, held).peak
+        predicted = ran.predict(grads, held).peak  # the choices this step ran (not the rescaled plan's)
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
         # the prediction was far too high.
         if peak <= predicted and (peak > 0.8 * predicted or plan.calibrations or getattr(plan, "_passes", 0)):
             return plan if rescale is not None else self._steady(plan, grads, held, marks, step)
-        correction = max(-plan.working_bytes, plan.correction + peak - predicted)
+        correction = max(-plan.working_bytes, ran.correction + peak - predicted)
         if correction == plan.correction:
             return plan if rescale is not None else self._steady(plan, grads, held, marks, step)
         line = (
@@ -199,68 +237,143 @@ class Calibrator:
             )
         return self._replanned(plan, new, line)
 
-    def _time_scale(self, plan: Plan, marks) -> float | None:
-        """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them."""
-        if marks is None or marks[1] is None or plan.time_scale != 1.0:
+    def _forward_seconds(self, marks) -> tuple[float, float] | None:
+        """(measured forward, host's waits for the link in it) of the checked step, or None."""
+        if marks is None or marks[1] is None:
             return None
-        profiled = sum(u.forward_s for u in plan.units)
         try:
             measured = self.clock.seconds(marks[0], marks[1])
         except RuntimeError:  # an event not recorded (a step interrupted between the marks)
             return None
-        if profiled <= 0 or measured <= 0 or measured >= self.TIME_SLACK * profiled:
+        return measured, min(self._forward_waits or 0.0, measured)
+
+    def _time_scale(self, plan: Plan, marks) -> float | None:
+        """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them (and
+        the plan's times are then checked, where the forward was measured)."""
+        if plan.time_scale != 1.0 or plan.times_checked:
             return None
-        return measured / profiled
+        forward = self._forward_seconds(marks)
+        profiled = sum(u.forward_s for u in plan.units)
+        if forward is None or profiled <= 0:
+            return None
+        measured, waited = forward
+        compute = measured - waited
+        if compute <= 0:
+            return None  # the host waited the whole forward: no measure of compute
+        if compute >= self.TIME_SLACK * profiled:
+            plan.times_checked = True
+            return None
+        return compute / profiled
 
     def _rescaled(self, plan: Plan, scale: float, step: int) -> Plan:
         """`plan` planned again with every unit's time scaled by `scale` (same budget, same correction)."""
         profiled = sum(u.forward_s for u in plan.units)
+        waited = self._forward_waits or 0.0
         line = (
-            f"step {step - 1}: measured forward {profiled * scale * 1e3:.1f} ms, profiled {profiled * 1e3:.1f} ms: "
-            f"unit times scaled by {scale:.2f}"
-        )
+            f"step {step - 1}: forward compute {profiled * scale * 1e3:.1f} ms"
+            + (f" (measured {(profiled * scale + waited) * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited "
+               "for copies out)" if waited else "")
+            + f", profiled {profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
+        )  # fmt: skip
         try:
             new = replan(plan, units=scaled_units(plan.units, scale), time_scale=scale)
         except BudgetError:
             # The same bytes with less time to move them: no plan fits any more. Keep the plan; the peak check that
             # follows guards the budget.
             plan.time_scale = scale
+            plan.times_checked = True
             plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
             plan.timing_calibrations += 1
             return plan
         return self._replanned(plan, new, line, timing=True)
 
     def _steady(self, plan: Plan, grads: bool, held: bool, marks, step: int) -> Plan | None:
-        """The checked step's peak is within the prediction: a slower plan than predicted that moves bytes is
-        planned again with the link's rates halved; else the step counts as a pass."""
+        """The checked step's peak is within the prediction. From the second checked step of a plan that moves
+        bytes and whose times are checked: copies back that kept the device waiting (or, unmeasured, late or a
+        slow step) halve the link's rates for planning; a slow step without such waits charges its excess to the
+        moved units. Else the step counts as a pass."""
         prediction = plan.predict(grads, held)
         steady = bool(prediction.moved) and getattr(plan, "_passes", 0) >= 1
+        if not steady:
+            return self._passed(plan)
+        if not plan.times_checked:
+            self._say(
+                f"step {step - 1}: not judged by its time or its late copies: the plan's unit times are not yet "
+                "checked against a measured forward"
+            )
+            return self._passed(plan)
         measured = None
-        if steady and marks is not None and marks[2] is not None:
+        if marks is not None and marks[2] is not None:
             try:
                 measured = self.clock.seconds(marks[0], marks[2])
             except RuntimeError:
                 measured = None
-        late = None
-        if steady and self._late_base is not None:
+        late_bytes = unpacked = 0
+        device_wait = None
+        if self._late_base is not None:
             now = self.late()
-            late = (now[0] - self._late_base[0], now[1] - self._late_base[1])
+            late_bytes, unpacked = now[0] - self._late_base[0], now[1] - self._late_base[1]
+            if len(now) > 2 and now[2] is not None and len(self._late_base) > 2 and self._late_base[2] is not None:
+                device_wait = max(0.0, now[2] - self._late_base[2])
         slow = measured is not None and measured > self.SPEED_SLACK * prediction.seconds
-        behind = late is not None and late[1] > 0 and late[0] > self.LATE_SLACK * late[1]
-        if not (slow or behind) or plan.link_scale <= 0.5**self.LINK_HALVINGS:
-            return self._passed(plan)
-        bw = plan.bandwidth
+        over = measured is not None and measured > self.OVERHEAD_SLACK * prediction.seconds
+        if device_wait is not None:
+            behind = device_wait > prediction.stall_s + self.STALL_SLACK * prediction.seconds
+            link = behind
+        else:
+            behind = unpacked > 0 and late_bytes > self.LATE_SLACK * unpacked
+            link = behind or slow
         why = []
-        if slow:
+        if measured is not None and (slow or over):
             why.append(f"forward+backward {measured * 1e3:.1f} ms against {prediction.seconds * 1e3:.1f} predicted")
-        if behind:
-            why.append(f"{late[0]} of {late[1]} moved tensors late or not prefetched")
-        line = f"step {step - 1}: {'; '.join(why)}: link rates halved for planning"
-        try:
-            new = replan(plan, bandwidth=Bandwidth(bw.d2h / 2, bw.h2d / 2), link_scale=plan.link_scale / 2)
-        except BudgetError:
-            return self._passed(plan)  # the budget needs the moves: keep them
-        return self._replanned(plan, new, line, timing=True)
+        if device_wait is not None and behind:
+            why.append(
+                f"the device waited {device_wait * 1e3:.1f} ms for copies back (predicted stalls "
+                f"{prediction.stall_s * 1e3:.1f} ms; {format_bytes(late_bytes)} of {format_bytes(unpacked)} late)"
+            )
+        elif behind:
+            why.append(f"{format_bytes(late_bytes)} of {format_bytes(unpacked)} moved late or not prefetched")
+        if link:
+            if plan.link_scale <= 0.5**self.LINK_HALVINGS:
+                if not getattr(plan, "_said_bound", False):
+                    plan._said_bound = True
+                    self._say(
+                        f"step {step - 1}: {'; '.join(why)}: link rates not halved again (already "
+                        f"{plan.link_scale:g}x the measured rates, {self.LINK_HALVINGS} halvings at most)"
+                    )
+                return self._passed(plan)
+            bw = plan.bandwidth
+            scale = plan.link_scale / 2
+            halving = round(math_log2(1 / scale))
+            line = (
+                f"step {step - 1}: {'; '.join(why)}: link rates halved for planning, to {scale:g}x the measured "
+                f"rates ({bw.h2d / 2e9:.1f} GB/s H2D; halving {halving} of {self.LINK_HALVINGS})"
+            )
+            try:
+                new = replan(plan, bandwidth=Bandwidth(bw.d2h / 2, bw.h2d / 2), link_scale=scale)
+            except BudgetError:
+                return self._passed(plan)  # the budget needs the moves: keep them
+            return self._replanned(plan, new, line, timing=True)
+        if over and device_wait is not None and not plan.move_overhead_s:
+            moved_units = sum(1 for u, c in zip(plan.units, plan.choices, strict=True) if split_choice(u, c)[1])
+            excess = measured - prediction.seconds
+            per_unit = excess / max(1, moved_units)
+            line = (
+                f"step {step - 1}: {'; '.join(why)}, while the device waited {device_wait * 1e3:.1f} ms for copies "
+                f"back: the {excess * 1e3:.1f} ms excess charged to the {moved_units} moved units "
+                f"({per_unit * 1e3:.2f} ms each)"
+            )
+            try:
+                new = replan(plan, move_overhead_s=per_unit)
+            except BudgetError:
+                return self._passed(plan)
+            return self._replanned(plan, new, line, timing=True)
+        return self._passed(plan)
+
+    def _say(self, message: str) -> None:
+        log.info(f"ssdtrain: {message}")
+        if self.verbose:
+            print(f"ssdtrain: {message}", file=sys.stderr)
 
     def _replanned(self, plan: Plan, new: Plan, line: str, timing: bool = False) -> Plan:
         """`new`, planned again from `plan` by a check (`line` says why; `timing`: a check of times, not of the

@@ -118,6 +118,10 @@ class Prediction:
     stall_s: float
     moved: dict[str, int]  # bytes per tier
     per_unit_stall: list[float]
+    # Where the peak is ("forward of <unit>", "backward of <unit>") and what it is made of (bytes by kind, before the
+    # calibration's correction): what a leaner plan would have to remove.
+    peak_at: str = ""
+    peak_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def host_bytes(self) -> int:
@@ -188,6 +192,8 @@ def simulate(
     correction: int = 0,
     async_copies: bool = True,
     held_grads: bool = False,
+    move_overhead_s: float = 0.0,
+    hold_head: bool = False,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -206,7 +212,11 @@ def simulate(
     when every copy out is done (the cache waits for them at the first unpack and frees their device bytes), so a
     moved unit is always brought back over the link, the head first. `held_grads`: the step starts with every
     gradient held (gradient accumulation after a step that set them to None): they count at every point of the
-    step, forward included."""
+    step, forward included. `move_overhead_s`: seconds each moved unit costs beyond its copies' time on the link
+    (measured by calibration: a step that ran slower than predicted while the device did not wait for copies
+    back), counted as a stall at the unit's backward. `hold_head`: the head's backward (the logits' gradients, often
+    the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
+    first block's then on demand."""
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -229,6 +239,7 @@ def simulate(
     stage_free: dict[str, float] = {}
     staged = [0.0] * n
     queued = []  # (sent time, bytes) in link order: sent times never decrease
+    peak_at, composition = "", {}
     head = 0
     backlog = 0
     cumulative = 0
@@ -257,11 +268,16 @@ def simulate(
             head += 1
         end[i] = t
         inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
-        peak = max(peak, resident + held_casts + inflight + fwd_work + held)
+        here = resident + held_casts + inflight + fwd_work + held
+        if here > peak:
+            peak, peak_at = here, f"forward of {u.name}"
+            composition = {"kept": resident, "weight casts": held_casts, "in flight": inflight, "working": fwd_work}
+            composition["gradients"] = held
     if async_copies and queued:
         # The first unpack of backward waits for the copies out still running (and frees their device bytes).
         t = max(t, queued[-1][0])
     forward_end = t
+    head_done = t
     # Backward, last unit first: unit i's moved bytes come back over H2D (after the disk read for NVMe), starting
     # once the unit `window_units` later has started its backward; data still on the device is used in place.
     start = [0.0] * n
@@ -278,7 +294,11 @@ def simulate(
         if grads and not held_grads:
             grads_live += units[i].grad_bytes
         if moved:
+            # The cache restores a unit when backward unpacks a saved tensor of one of the `window_units` units
+            # above it, moved or kept (the farthest of them comes first), or when backward begins.
             trigger = start[i + window_units] if i + window_units < n else forward_end
+            if hold_head and i < n - 1 and i + window_units >= n - 1:
+                trigger = head_done
             if sent[i] > trigger:  # still being copied out when needed: forwarded, never left the device
                 on_device = moved
             else:
@@ -292,19 +312,28 @@ def simulate(
                 h2d_free = max(h2d_free, source_ready) + moved / bw.h2d
                 ready = max(t, h2d_free)
                 on_device = moved
+        if moved:
+            ready += move_overhead_s
         wait = ready - t
         if i == n - 1:
             wait += forward_end - end[-1] if n else 0.0  # the wait for the copies out at backward's start
         stall += wait
         per_unit_stall[i] = wait
         start[i] = ready
-        ahead = _prefetch_bound(moved_bytes, i, window, window_units)
+        ahead = 0 if hold_head and i == n - 1 else _prefetch_bound(moved_bytes, i, window, window_units)
         work = working_bytes if i == n - 1 else blk_work
-        peak = max(peak, live + on_device + ahead + transient + max(grads_live, held) + work)
+        here = live + on_device + ahead + transient + max(grads_live, held) + work
+        if here > peak:
+            peak, peak_at = here, f"backward of {units[i].name}"
+            composition = {"kept": live, "brought back": on_device, "prefetched ahead": ahead}
+            composition.update({"recomputed": transient, "working": work, "gradients": max(grads_live, held)})
         t = ready + extra_s + units[i].backward_s
+        if i == n - 1:
+            head_done = t
         live -= res
     moved_by_tier: dict[str, int] = {}
     for p, c in zip(parts, choices, strict=True):
         if p[1]:
             moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
-    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall)
+    composition = {k: v for k, v in composition.items() if v}
+    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall, peak_at, composition)

@@ -65,9 +65,11 @@ class OffloadSession:
 
     @property
     def settling_steps(self) -> int:
-        """The most steps before a plan settles: profiling, peak calibrations and passes, and the link-rate checks
-        (each halving is a new plan, checked over two steps). Benchmarks time the steps after these."""
-        return self.profile_steps + self.CALIBRATIONS + self.CALIBRATION_PASSES + 2 * Calibrator.LINK_HALVINGS
+        """The most steps before a plan settles: profiling, peak calibrations and passes, and the timing checks
+        (the time rescale, each link halving and the charge for moves: each a new plan, checked over two steps).
+        Benchmarks time the steps after these."""
+        timing = 1 + Calibrator.LINK_HALVINGS + 1
+        return self.profile_steps + self.CALIBRATIONS + self.CALIBRATION_PASSES + 2 * timing
 
     def __init__(
         self,
@@ -156,6 +158,7 @@ class OffloadSession:
             self.memory,
             clock=clock,
             late=self._late_unpacks,
+            waits=self._link_waits,
             limit=self.CALIBRATIONS,
             verbose=verbose,
             passes=self.CALIBRATION_PASSES,
@@ -428,11 +431,17 @@ class OffloadSession:
             return self.profiler.tier(nbytes) if self.profiler.active else "keep"
         return self.plan.choices[min(unit, len(self.plan.choices) - 1)].tier
 
-    def _late_unpacks(self) -> tuple[int, int]:
-        """(moved tensors late or not prefetched, moved tensors unpacked) so far: the calibrator's measure of
-        copies that did not keep up."""
+    def _late_unpacks(self) -> tuple[int, int, float | None]:
+        """(moved bytes late or not prefetched, moved bytes unpacked, seconds the device waited for them) so far:
+        the calibrator's measure of copies back that did not keep up (the wait on CUDA only: read from events,
+        after the step's end synchronised the device)."""
         c = self.cache.counters
-        return c["late_prefetch"] + c["misses"], c["prefetch_hits"] + c["misses"] + c["forwarded"]
+        wait = self.cache.read_waits() if self.device.type == "cuda" else None
+        return c["late_bytes"] + c["missed_bytes"], c["unpacked_moved_bytes"], wait
+
+    def _link_waits(self) -> float:
+        """Seconds the host waited so far for copies out (the cache's window) and for pinning new host memory."""
+        return self.cache.counters["throttle_ns"] / 1e9 + self.pool.grow_seconds
 
     def _backward_began(self) -> None:
         """A step's backward began (its first unpack): the step's peaks are read when backward ends, through the
@@ -529,6 +538,7 @@ class OffloadSession:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
             self.cache.keeps_unit = None
+            self.cache.hold_head = None
             return
         if self.compiled:
             self._order_bounds = list(plan.order_bounds)
@@ -552,6 +562,8 @@ class OffloadSession:
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.
         self.cache.window_bytes = plan.window_bytes
         self.cache.window_units = plan.window_units
+        # Compiled models' units are slices of the pack order: the head is still the last one.
+        self.cache.hold_head = len(plan.units) - 1 if plan.hold_head else None
         self.cache.max_inflight = plan.window_bytes if self.device.type == "cuda" else float("inf")
 
     # ----------------------------------------------------------------------------------------------- facts

@@ -30,6 +30,11 @@ def session_stats(session) -> dict:
         # (its original tensor was still alive then).
         "miss_reasons": {k.removeprefix("miss_"): v for k, v in c.items() if k.startswith("miss_")},
         "late_prefetches": c["late_prefetch"],
+        "late_bytes": c["late_bytes"],
+        "missed_bytes": c["missed_bytes"],
+        # Seconds the device's compute waited for copies back that were late or missed (CUDA events).
+        "prefetch_wait_seconds": session.cache.read_waits(),
+        "host_pin_seconds": session.pool.grow_seconds,
         "stalls": c["stalls"],
         "stall_seconds": c["stall_ns"] / 1e9,
         "throttle_waits": c["throttle_waits"],

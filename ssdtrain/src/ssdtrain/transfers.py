@@ -224,7 +224,7 @@ class Transfers:
             out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
             if entry.host is not None:
                 out.copy_(entry.host[: entry.nbytes], non_blocking=True)
-                entry.h2d = torch.cuda.Event()
+                entry.h2d = torch.cuda.Event(enable_timing=True)  # a late one's wait is timed (read_waits)
                 entry.h2d.record(stream)
                 if entry.write is None:  # the host copy is no longer needed once this copy is done
                     self.pool.release(entry.host, after=entry.h2d)

@@ -146,7 +146,9 @@ class _KernelTemplate:
     outputs: tuple = ()
     nargs: int = 0
     env_args: tuple[tuple[int, str], ...] = ()
-    graph_args: tuple[tuple[int, tuple], ...] = ()
+    graph_args: tuple[tuple[int, tuple], ...] = ()  # (argument position, binding: a key of DeviceGraph.bound)
+    grid: tuple[int, int] | None = None  # a launch's grid where it is the same on every graph, else None ...
+    grid_key: tuple = ()  # ... and this its key in DeviceGraph.bound
     inputs: tuple[str, ...] = ()
     equation: str = ""
     dtype: Any = None
@@ -376,7 +378,9 @@ class CudaBackend:
         (output shapes, grids, graph bindings, which values to drop): made once per (plan, graph, keep) and kept
         on the device graph, so a call only allocates, binds its values and launches. Keyed with the UNIQUE
         domain so that a padded layout's plans are rebuilt when it settles. The graph-independent part comes
-        from :meth:`_template`, made once per (plan, keep): a mini-batch loop builds one launch plan per batch."""
+        from :meth:`_template`, made once per (plan, keep); each graph binding and grid is computed once per
+        graph and shared by every program run on it (:meth:`DeviceGraph.bound`): a mini-batch loop builds one
+        launch plan per program and batch, each a few dictionary lookups per kernel."""
         keep_key = None if keep is None else tuple(keep)
         key = ("launch", Domain.UNIQUE, id(plan), keep_key)
         hit = dg._cache.get(key)
@@ -384,37 +388,45 @@ class CudaBackend:
             return hit[1]
         template = self._template(lowered, plan, keep_key)
         sms = self.executor.properties(dg.device)["multiprocessors"]
-        rows: dict[Domain | None, int] = {}
+        bound = dg.bound(sms)
+        rows = {None: 0, Domain.NODE: dg.num_nodes, Domain.EDGE: dg.num_edges, Domain.UNIQUE: dg.num_unique}
         steps = _Steps(template.keep)
+        append = steps.append
         for t in template.kernels:
-            step = _Step(drop=t.drop, kind=t.kind)
-            if t.kind == _EINSUM:
+            kind = t.kind
+            step = _Step(drop=t.drop, kind=kind)
+            if kind == _EINSUM:
                 step.dtype, step.equation, step.inputs, step.outputs = t.dtype, t.equation, t.inputs, t.outputs
-                steps.append(step)
+                append(step)
                 continue
             outputs = []
             for name, domain, feature, dtype, zero, poolable in t.outputs:
-                if domain not in rows:
-                    rows[domain] = dg.rows(domain) if domain is not None else 0
                 shape = feature if domain is None else (rows[domain],) + feature
                 outputs.append((name, shape, dtype, self._pack(steps, name, shape, dtype) if poolable else zero))
             step.outputs = tuple(outputs)
-            if t.kind == _RNG:
+            if kind == _RNG:
                 step.p = t.p
-                steps.append(step)
+                append(step)
                 continue
-            kc = t.kc
-            step.grid = self._grid(kc, dg, sms)
-            if step.grid[0] == 0:
+            grid = t.grid
+            if grid is None:  # depends on the graph
+                grid = bound.get(t.grid_key)
+                if grid is None:
+                    grid = bound[t.grid_key] = self._grid(t.kc, dg, sms)
+            step.grid = grid
+            if grid[0] == 0:
                 step.kind = _EMPTY_GRID
-                steps.append(step)
+                append(step)
                 continue
-            step.kernel, step.block, step.smem = t.kernel, kc.launch.block, kc.launch.smem
+            step.kernel, step.block, step.smem = t.kernel, t.kc.launch.block, t.kc.launch.smem
             args: list[Any] = [None] * t.nargs
             for j, bind in t.graph_args:
-                args[j] = self._bind(bind, dg, sms)
+                value = bound.get(bind)
+                if value is None:
+                    value = bound[bind] = self._bind(bind, dg, sms)
+                args[j] = value
             step.args, step.env_args = args, t.env_args
-            steps.append(step)
+            append(step)
         dg._cache[key] = (plan, steps)
         return steps
 
@@ -476,7 +488,13 @@ class CudaBackend:
                 continue
             t.nargs = len(kc.args)
             t.env_args = tuple((j, a.bind[1]) for j, a in enumerate(kc.args) if a.bind[0] in ("value", "out"))
-            t.graph_args = tuple((j, a.bind) for j, a in enumerate(kc.args) if a.bind[0] not in ("value", "out"))
+            t.graph_args = tuple((j, _frozen(a.bind)) for j, a in enumerate(kc.args)
+                                 if a.bind[0] not in ("value", "out"))
+            launch = kc.launch
+            if launch.kind in ("groups", "tiles"):
+                t.grid_key = ("grid", launch.kind, _frozen(launch.work), launch.block, launch.group, launch.grid_y)
+            else:  # one thread per element of a fixed count: the same grid on every graph
+                t.grid = (-(-launch.work[0] // launch.block), 1)
             kernels.append(t)
         template = _Template(keep_all, tuple(kernels))
         self._templates[key] = (plan, template)
@@ -550,6 +568,13 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists turned into tuples, recursively: a binding or launch as a dictionary key."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def cname_file(name: str) -> str:

@@ -35,15 +35,19 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     return t.long()
 
 
-def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None) -> bool:
+def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None) -> tuple[bool, int | None]:
     """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them, which also
-    says whether ``dst`` (if given) is in non-decreasing order (returned; False without ``dst``)."""
+    says whether ``dst`` (if given) is in non-decreasing order (False without ``dst``) and brings the one-element
+    tensor ``count`` (if given) to the host: returns (destinations sorted, count or None)."""
     checks = [c for c in checks if c[1].numel()]
     values = [v for _, t, _, _ in checks for v in torch.aminmax(t)]  # one pass per tensor
     if dst is not None and dst.numel() > 1:
         values.append((dst[1:] - dst[:-1]).amin())  # the smallest step: negative where an edge goes back
+    if count is not None:
+        values.append(count.reshape(()).to(values[0].dtype if values else count.dtype))
     if not values:
-        return dst is not None
+        return dst is not None, None
     bounds = torch.stack(values).tolist()
     ranges = bounds[:2 * len(checks)]
     for (name, _, upper, what), lo, hi in zip(checks, ranges[0::2], ranges[1::2], strict=True):
@@ -51,9 +55,11 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.T
             bad = lo if lo < 0 else hi
             raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
                                   f"check {what} ids against the declared count ({upper})")
+    counted = int(bounds[-1]) if count is not None else None
     if dst is None:
-        return False
-    return dst.numel() <= 1 or bounds[-1] >= 0
+        return False, counted
+    steps = bounds[2 * len(checks):]
+    return dst.numel() <= 1 or steps[0] >= 0, counted
 
 
 def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
@@ -164,9 +170,16 @@ class Graph:
                                     "hector: sorted_by_destination=True but edge_index's destinations (row 1) are "
                                     "not in non-decreasing order; sort the edges or leave the hint out")
             self.dst_sorted = bool(sorted_by_destination)
+            pairs = None
         else:
-            # the order is read with the ids' ranges (no wait of its own) unless the caller said it is unsorted
-            self.dst_sorted = _check_ranges(checks, None if sorted_by_destination is False else dst)
+            # the unique (source, relation) pairs, which size the compacted rows, computed on the device now so
+            # that their count comes to the host in the same read as the ids' ranges and the order (unless the
+            # caller said it is unsorted): one wait per graph (a sync-free graph on the CPU, where reading costs no
+            # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU)
+            pairs = None if self.sync_free else unique_pairs(edge_index[0], edge_type, self.num_nodes,
+                                                             self.num_relations)
+            self.dst_sorted, count = _check_ranges(checks, None if sorted_by_destination is False else dst,
+                                                   None if pairs is None else pairs[3])
             if sorted_by_destination and not self.dst_sorted:
                 raise GraphInputError("sorted_by_destination=True but edge_index's destinations (row 1) are not in "
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
@@ -176,6 +189,9 @@ class Graph:
         self.ntype = node_type.contiguous()
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
+        if pairs is not None:
+            self._cache["unique"] = (pairs[0][:count], pairs[1][:count], pairs[2])
+            self._record_unique_count(count)
 
     @classmethod
     def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph,
@@ -497,6 +513,25 @@ def sort_keys(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor
         key = key.to(torch.int32)
     values, order = torch.sort(key, stable=True)
     return values, order
+
+
+def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
+                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
+    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
+    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
+    one-element device tensor. One sort, one scan, two scatters."""
+    edges = src.numel()
+    if edges == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=src.device)
+        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
+    key, order = sort_keys(etype * num_nodes + src, num_nodes * num_relations)
+    first = torch.ones(edges, dtype=torch.long, device=src.device)
+    first[1:] = key[1:] != key[:-1]
+    row = torch.cumsum(first, 0) - 1  # pair row of each edge in key order
+    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
+    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
+    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
 
 
 def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:

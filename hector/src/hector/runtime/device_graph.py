@@ -33,8 +33,14 @@ class DeviceGraph:
         else:
             order = sort_keys(graph.dst, graph.num_nodes)[1]
             self.order = order  # sorted position -> original edge id
-            g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph,
-                                            dst_sorted=True)
+            # the edges' columns (and their pair rows, where known) reordered in one gather, not one per column
+            columns = [graph.src, graph.dst, graph.etype]
+            if "unique" in graph._cache:
+                columns.append(graph.edge_to_unique)
+            columns = torch.stack(columns).index_select(1, order)
+            g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
+            # and their int32 copies, the kernels' gather indices, in one cast
+            narrow = columns.to(torch.int32)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = "unique" not in graph._cache
@@ -46,7 +52,7 @@ class DeviceGraph:
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
-            inverse = graph.edge_to_unique if self.order is None else graph.edge_to_unique[self.order]
+            inverse = graph.edge_to_unique if self.order is None else columns[3]
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
             self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
         # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
@@ -57,6 +63,10 @@ class DeviceGraph:
         self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
         self._cache: dict[Any, Any] = {}
         self._bound: dict[int, dict[tuple, Any]] = {}
+        if self.order is not None:
+            for i, via in enumerate(("src", "dst", "", "unique")[:narrow.size(0)]):
+                if via:
+                    self._cache[("gather", via)] = narrow[i]
 
     def settle(self, count: int) -> None:
         """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows

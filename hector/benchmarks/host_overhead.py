@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hector_bench_common import LAYERS, hector_layer  # noqa: E402
+from hector_bench_common import GNN2, LAYERS, hector_layer  # noqa: E402
 
 import hector  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
@@ -148,29 +148,6 @@ def null_backend():
         yield executor
     finally:
         compiled_mod.select, _ops.select = select, op_select
-
-
-class GNN2(torch.nn.Module):
-    """The GNN benchmark's model: two RGAT layers (attention shared by the relations), each with a linear root
-    term and ELU, and a linear classifier."""
-
-    def __init__(self, in_dim: int, hidden: int, heads: int, num_relations: int, classes: int) -> None:
-        super().__init__()
-        import hector.nn as hn
-
-        width = hidden * heads
-        self.conv1 = hn.RGATConv(in_dim, hidden, num_relations, heads=heads, attention="shared")
-        self.root1 = torch.nn.Linear(in_dim, width)
-        self.conv2 = hn.RGATConv(width, hidden, num_relations, heads=heads, attention="shared")
-        self.root2 = torch.nn.Linear(width, width)
-        self.head = torch.nn.Linear(width, classes)
-        self.num_node_types = None
-        self.in_channels = in_dim
-
-    def forward(self, x, edge_index, edge_type, node_type=None):
-        x = torch.nn.functional.elu(self.conv1(x, edge_index, edge_type) + self.root1(x))
-        x = torch.nn.functional.elu(self.conv2(x, edge_index, edge_type) + self.root2(x))
-        return self.head(x)
 
 
 def _model(model: str, dim: int, spec: DatasetSpec, heads: int) -> torch.nn.Module:

@@ -30,12 +30,16 @@ import csv
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hector
 import hector.nn as hn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hector_bench_common import GNN2  # noqa: E402
 
 # operations that copy a tensor's elements into another (``.contiguous()``, ``.clone()``, ``.to()`` and in-place
 # copies dispatch to these)
@@ -68,6 +72,8 @@ class CountOps(TorchDispatchMode):
 
 
 def make_layer(kind: str, dim: int, relations: int, node_types: int) -> torch.nn.Module:
+    if kind == "gnn2":  # the GNN benchmark's model: two RGAT layers (16 x 4 heads) and a classifier
+        return GNN2(dim, 16, 4, relations, 16)
     if kind == "rgcn":
         return hn.RGCNConv(dim, dim, relations)
     if kind == "rgat":
@@ -193,7 +199,9 @@ def split_host(batches_: list, step, plain, with_layer, device: str) -> dict[str
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="rgcn,rgat,hgt", help='comma-separated layers: rgcn, rgat, hgt')
+    ap.add_argument("--models", default="rgcn,rgat,hgt",
+                    help="comma-separated layers: rgcn, rgat, hgt; or gnn2, the GNN benchmark's two-layer RGAT model "
+                         "(input width --dim)")
     ap.add_argument("--relations", default="16,1000,10000", help='comma-separated relation counts of the model')
     ap.add_argument("--nodes", type=int, default=4000, help='nodes per mini-batch graph')
     ap.add_argument("--edges", type=int, default=8000, help='edges per mini-batch graph')

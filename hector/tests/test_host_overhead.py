@@ -2,6 +2,7 @@
 the launches a step makes must not grow back. Counts, never times: a small graph's GPU step is bound by them."""
 
 import importlib.util
+import struct
 import sys
 from pathlib import Path
 
@@ -151,3 +152,32 @@ def test_split_cli_smoke(tmp_path, capsys):
     assert float(row["persistent_ms"]) > 0 and int(row["host_reads"]) == 1
     with pytest.raises(SystemExit):
         host_overhead.main(["--graphs", "tiny", "--models", "gnn2"])  # the two-layer model is --split's only
+
+
+def test_jit_launch_packs_what_the_checked_call_packs(monkeypatch):
+    """The GPU executor's lean launch gives the driver exactly what shared-cuda's checked kernel call gives it:
+    the same argument bytes (tensors as device pointers, integers and floats by the signature), grid, block,
+    shared memory and stream."""
+    from hector import _shared_cuda
+    from hector.runtime.cuda import JitExecutor
+
+    class Recorder:
+        name = "k"
+
+        def __init__(self):
+            self.calls = []
+
+        def launch(self, grid, block, smem, stream, packed):
+            self.calls.append((list(grid), list(block), smem, stream, list(packed)))
+
+    monkeypatch.setattr(_shared_cuda, "_on_cuda", lambda value: True)  # CPU tensors stand in for the GPU's
+    recorder = Recorder()
+    kernel = _shared_cuda.Kernel(recorder, "ptr, i64, ptr, i32, f32, u64, ptr, f64")
+    a, b, c = torch.arange(4.0), torch.zeros(3, dtype=torch.int32), torch.ones(2)
+    args = [a, 2**40 + 3, b, -7, 0.5, 2**63 + 1, c, -1.25]
+    kernel((9, 2), 128, *args, shared_memory=4096, stream=1234)
+    JitExecutor().launch(kernel, (9, 2), 128, args, 4096, 1234)
+    assert len(recorder.calls) == 2 and recorder.calls[0] == recorder.calls[1]
+    assert recorder.calls[1][4][0] == struct.pack("Q", a.data_ptr())
+    with pytest.raises(ValueError):  # one argument per parameter: a plan that lost one fails, never shifts
+        JitExecutor().launch(kernel, (9, 2), 128, args[:-1], 4096, 1234)

@@ -114,10 +114,11 @@ class Graph:
             kernels at the count on the device, and the cost model estimates the count from graphs of the same
             size class until this graph's own count has arrived (copied to the host without waiting). False
             (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
-            naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.
-            Layers given new tensors use False: on an H100 the padded rows cost more GPU time than the two waits
-            save (a new ``edge_index`` per call: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms
-            against 16.7 ms), and a small graph's step stays bound by its launches either way.
+            naming the bad id), the unique pairs computed on the device and their count read in the same
+            transfer: one wait for the GPU per graph. Layers given new tensors use False: on an H100 the padded
+            rows cost more GPU time than the waits save (a new ``edge_index`` per call, when a checked graph
+            still waited twice: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms against 16.7 ms),
+            and a small graph's step stays bound by its launches either way.
         sorted_by_destination: whether the edges are already in destination order (CSC order, as neighbour
             samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
             with the id check's read on the host (no wait of its own; unknown, so sorted again, on a

@@ -168,8 +168,8 @@ class RelationalLayer(nn.Module):
         dtypes.update((k, cast(v) if dtype is not None else v.dtype) for k, v in tensors.items())
         dtypes = {k: v for k, v in dtypes.items() if k in used}
         trained = frozenset(k for k, v in tensors.items() if v.requires_grad and k in used)
-        if input_grad is None:
-            input_grad = self._input_grad_seen
+        if input_grad is None:  # a layer pickled before it kept the attribute has seen no call
+            input_grad = getattr(self, "_input_grad_seen", None)
         variants = (False, True) if input_grad is None else (bool(input_grad),)
         grads = [trained | {self.input_name} if with_input else trained for with_input in variants]
         prepare_apply(compiled, graph, dtypes, self.training, grads)

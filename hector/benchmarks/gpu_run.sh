@@ -2,7 +2,8 @@
 # GPU run for hector, from the repo root with the package installed (~8 minutes on one H100/H200). Steps
 # (HECTOR_STEPS, default tests,sanitize,bench):
 #   tests      the GPU tests (generated kernels vs the float64 reference, autocast bf16/fp16 on CUDA, no host
-#              synchronisation in a step on new edge_index tensors nor in a prepared graph's, torch.compile, CUDA
+#              synchronisation in a step on new edge_index tensors nor in a prepared graph's, one wait per new graph
+#              in prepare_graph (ids, order and unique-pair count in one read), torch.compile, CUDA
 #              graphs, 10,000 relations, edge cases, sums by source/pair sorted (target-centric) and atomic)
 #   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics), the
 #              target-centric (sorted scatter) kernels included (HGT's: sums into pairs and into source nodes)

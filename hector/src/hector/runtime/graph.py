@@ -535,7 +535,7 @@ def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
         return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
     key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
     row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
-    torch.cumsum(key[1:] != key[:-1], 0, out=row[1:])
+    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
     inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
     pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
     return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1

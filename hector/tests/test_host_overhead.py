@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import hector
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -181,3 +183,25 @@ def test_jit_launch_packs_what_the_checked_call_packs(monkeypatch):
     assert recorder.calls[1][4][0] == struct.pack("Q", a.data_ptr())
     with pytest.raises(ValueError):  # one argument per parameter: a plan that lost one fails, never shifts
         JitExecutor().launch(kernel, (9, 2), 128, args[:-1], 4096, 1234)
+
+
+def test_model_prepared_after_its_first_step_builds_what_its_step_uses():
+    """``prepare_graph(..., layers=model)`` for the GNN benchmark's model: before its first training step, every
+    layer's forward and both backwards (x with and without a gradient); after it, the backward each layer used
+    (none for x of the first layer, on fixed features; x's for the second): four plans, and the step builds none."""
+    from hector.runtime.cuda import device_graph
+
+    def plans(graph):
+        return sum(1 for key in device_graph(graph)._cache if isinstance(key, tuple) and key[0] == "launch")
+
+    torch.manual_seed(0)
+    net = host_overhead.GNN2(16, 4, 2, 8, 3).train()
+    x = torch.randn(60, 16)
+    g = torch.Generator().manual_seed(0)
+    with host_overhead.null_backend():
+        for expected in (6, 4, 4):
+            ei, et = torch.randint(0, 60, (2, 200), generator=g), torch.randint(0, 8, (200,), generator=g)
+            graph = hector.prepare_graph(ei, et, 60, 8, layers=net)
+            assert plans(graph) == expected
+            net(x, graph, None).sum().backward()
+            assert plans(graph) == expected, "the step built a plan of its own"

@@ -2,7 +2,8 @@
 # GPU run for hector, from the repo root with the package installed (~8 minutes on one H100/H200). Steps
 # (HECTOR_STEPS, default tests,sanitize,bench):
 #   tests      the GPU tests (generated kernels vs the float64 reference, autocast bf16/fp16 on CUDA, no host
-#              synchronisation in a step on new edge_index tensors nor in a prepared graph's, torch.compile, CUDA
+#              synchronisation in a step on new edge_index tensors nor in a prepared graph's, one wait per new graph
+#              in prepare_graph (ids, order and unique-pair count in one read), torch.compile, CUDA
 #              graphs, 10,000 relations, edge cases, sums by source/pair sorted (target-centric) and atomic)
 #   sanitize   compute-sanitizer memcheck over the small-graph GPU tests (out-of-bounds reads/writes, atomics), the
 #              target-centric (sorted scatter) kernels included (HGT's: sums into pairs and into source nodes)
@@ -19,14 +20,22 @@
 #              MB of the per-relation weights and the MB tensor copies wrote per step (copy_mb: the batch's, never
 #              the weights'); then RGAT as the GNN benchmark's second layer (64 -> 16 x 4 heads, attention shared by
 #              the relations) on a batch of its size (165K edges) with nearly every relation present (skew 1), at 16
-#              and 10,000 relations (hector_relations_gnn.csv): the weight-sized passes a step keeps at 10,000
+#              and 10,000 relations, and the GNN benchmark's whole model (gnn2: two such RGAT layers with root
+#              terms and a classifier; input width 64 here) on the same batches (hector_relations_gnn.csv): the
+#              weight-sized passes a step keeps at 10,000. Every row also has the host time per new graph split as a
+#              mini-batch pays it (split_prepare_ms: prepare_graph with its one host read; split_plans_ms: the
+#              layers' launch plans; split_step_host_ms: the step's launches; split_host_ms: their sum) and the
+#              persistent-graph step ratios (new_vs_persistent, split_vs_persistent); a table of them ends the step
 #   host       (not by default; CPU only, ~1 minute) host_overhead.py: launches and host ms per training step with a
-#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
+#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's),
+#              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
+#              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 # Writes into "${OUT:-./out}" (at most 8 files): hector_gpu.log (everything printed, the final tables),
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv,
 # hector_relations_gnn.csv (and
-# hector_memory.csv for `memory`, hector_host.csv for `host`). Every step runs even if an earlier one failed; the script exits non-zero if any
+# hector_memory.csv for `memory`, hector_host.csv and hector_host_split.csv for `host`). Every step runs even if an
+# earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
 # relations memory host" sets each step's time limit in seconds (default "190 60 250 100 200 120": the default steps
 # end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit each). For the mini-batch
@@ -80,9 +89,25 @@ if has relations; then
   timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --nodes 200000 --edges 400000 \
       --dim 64 --batches 5 --csv "$OUT/hector_relations.csv" 2>&1 | grep -v USDT | tee -a "$LOG" \
       || { note "relations: exit $?"; STATUS=1; }
-  timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --models rgat --relations 16,10000 \
+  timeout "$T_RELATIONS" python3 hector/benchmarks/relations.py --device cuda --models rgat,gnn2 --relations 16,10000 \
       --nodes 170000 --edges 165000 --dim 64 --skew 1 --batches 5 --csv "$OUT/hector_relations_gnn.csv" 2>&1 \
       | grep -v USDT | tee -a "$LOG" || { note "relations (GNN layer): exit $?"; STATUS=1; }
+  note "--- host ms per new graph (prepare / plans / step launches = total), and steps against the persistent graph's"
+  python3 - "$OUT/hector_relations.csv" "$OUT/hector_relations_gnn.csv" <<'PY' 2>&1 | tee -a "$LOG"
+import csv, sys
+print(f"{'file':>14} {'model':>5} {'R':>6} {'prepare':>8} {'plans':>6} {'step':>6} {'total':>6} | {'new x':>6} "
+      f"{'split x':>7} {'prepared x':>10}")
+for path in sys.argv[1:]:
+    try:
+        rows = list(csv.DictReader(open(path)))
+    except OSError:
+        continue
+    for r in rows:
+        f = {k: float(v) for k, v in r.items() if k.startswith(("split", "new_", "prepared_vs"))}
+        print(f"{path.rsplit('/', 1)[-1][:14]:>14} {r['model']:>5} {r['relations']:>6} {f['split_prepare_ms']:8.2f} "
+              f"{f['split_plans_ms']:6.2f} {f['split_step_host_ms']:6.2f} {f['split_host_ms']:6.2f} | "
+              f"{f['new_vs_persistent']:6.2f} {f['split_vs_persistent']:7.2f} {f['prepared_vs_persistent']:10.2f}")
+PY
 fi
 
 if has memory; then
@@ -97,6 +122,9 @@ if has host; then
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --graphs tiny,small,batch1000 --models rgcn,rgat,hgt \
       --modes persistent,new,prepared --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
       || { note "host_overhead: exit $?"; STATUS=1; }
+  timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --split --graphs minibatch --models gnn2,rgat \
+      --steps 20 --csv "$OUT/hector_host_split.csv" 2>&1 | tee -a "$LOG" \
+      || { note "host_overhead --split: exit $?"; STATUS=1; }
 fi
 
 note "=== hector GPU run done, status $STATUS ($(date -u +%T))"

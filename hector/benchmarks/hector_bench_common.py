@@ -23,6 +23,27 @@ def hector_layer(kind: str, dim: int, num_relations: int, num_node_types: int, h
     return hn.HGTConv(dim, dim, num_node_types, num_relations, heads=heads)
 
 
+class GNN2(torch.nn.Module):
+    """The GNN benchmark's model: two RGAT layers (attention shared by the relations), each with a linear root
+    term and ELU, and a linear classifier."""
+
+    def __init__(self, in_dim: int, hidden: int, heads: int, num_relations: int, classes: int) -> None:
+        super().__init__()
+        width = hidden * heads
+        self.conv1 = hn.RGATConv(in_dim, hidden, num_relations, heads=heads, attention="shared")
+        self.root1 = torch.nn.Linear(in_dim, width)
+        self.conv2 = hn.RGATConv(width, hidden, num_relations, heads=heads, attention="shared")
+        self.root2 = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, classes)
+        self.num_node_types = None
+        self.in_channels = in_dim
+
+    def forward(self, x, edge_index, edge_type, node_type=None):
+        x = torch.nn.functional.elu(self.conv1(x, edge_index, edge_type) + self.root1(x))
+        x = torch.nn.functional.elu(self.conv2(x, edge_index, edge_type) + self.root2(x))
+        return self.head(x)
+
+
 def pyg_layer(kind: str, dim: int, num_relations: int, num_node_types: int, heads: int, node_types=None,
               edge_types=None) -> torch.nn.Module | None:
     try:

@@ -26,14 +26,29 @@ one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s 
 host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph
 pays in full. Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
 
+``--split`` measures instead the host work per new graph of the GNN benchmark's model (``gnn2``: two RGAT layers,
+128 -> 16 x 4 heads -> 16 x 4 heads, attention shared by the relations, each with a linear root term, then a
+linear classifier, as ``integration-tests/gnn_train.py`` trains), split as a mini-batch pays it: ``prepare_ms``
+(``hector.prepare_graph`` without layers: the id check, the unique pairs, the device layout), ``plans_ms``
+(``prepare_graph(..., layers=model)`` on that graph: the layers' launch plans, their graph bindings and tile
+schedules), ``step_ms`` (the training step on the prepared graph), ``total_ms`` (their sum: what one new graph
+costs the host, whichever thread pays it), ``persistent_ms`` (the step on one graph reused every step) and
+``new_vs_persistent`` (total over persistent), with the launches (``*_launches``: torch ops that launch on a GPU
+and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function calls
+(``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
+can be split (``--models gnn2,rgat``).
+
     python hector/benchmarks/host_overhead.py --graphs small,batch1000 --modes persistent,new,prepared --csv host.csv
+    python hector/benchmarks/host_overhead.py --split --graphs minibatch --models gnn2 --csv split.csv
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import csv
+import pstats
 import sys
 import time
 from collections import Counter
@@ -45,19 +60,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hector_bench_common import LAYERS, hector_layer  # noqa: E402
+from hector_bench_common import GNN2, LAYERS, hector_layer  # noqa: E402
 
 import hector  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
 from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
-from hector.runtime.cuda import CudaBackend  # noqa: E402
+from hector.runtime.cuda import CudaBackend, device_graph  # noqa: E402
 
 # graphs: a small full graph (aifb's size and relation count) and a mini-batch with 1,000 relations
 GRAPHS = {
     "small": DatasetSpec("small", 7_262, 48_810, 104, 7, 2.5),
     "batch1000": DatasetSpec("batch1000", 20_000, 50_000, 1_000, 4, 1.3),
     "tiny": DatasetSpec("tiny", 200, 800, 20, 3, 2.0),  # the smoke test's
+    # a mini-batch of the GNN benchmark's kind (16 relations, 4 node types) small enough that the CPU's execution of
+    # the torch ops stays below their dispatch: the host time is what a GPU step pays
+    "minibatch": DatasetSpec("minibatch", 400, 1_600, 16, 4, 2.0),
 }
 
 MODES = ("persistent", "new", "prepared", "compiled")
@@ -130,6 +148,185 @@ def null_backend():
         yield executor
     finally:
         compiled_mod.select, _ops.select = select, op_select
+
+
+def _model(model: str, dim: int, spec: DatasetSpec, heads: int) -> torch.nn.Module:
+    if model == "gnn2":
+        return GNN2(128, 16, 4, spec.num_relations, 16)
+    return hector_layer(model, dim, spec.num_relations, spec.num_node_types, heads)
+
+
+# aten ops that read a size on the host before they return on a GPU (a wait for every kernel queued before them)
+SYNC_OPS = frozenset({"_unique2", "unique_dim", "unique_consecutive", "_unique", "nonzero", "masked_select",
+                      "_local_scalar_dense", "bincount", "repeat_interleave"})
+
+
+class HostReads:
+    """Counts the device -> host reads (``tolist``, ``item`` and the conversions to Python numbers) while active:
+    on a GPU each one waits for every kernel queued before it."""
+
+    NAMES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> HostReads:
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+            self._saved[name] = real
+
+            def counting(t, *a, _real=real, **k):
+                self.count += 1
+                return _real(t, *a, **k)
+
+            setattr(torch.Tensor, name, counting)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
+
+
+def measure_split(graph: str | DatasetSpec, model: str, dim: int = 64, heads: int = 4, steps: int = 20,
+                  warmup: int = 3) -> dict[str, Any]:
+    """One row of ``--split``: the host time per new graph of ``model`` on ``graph`` (a name in ``GRAPHS`` or a
+    spec), split into preparing the graph, building the layers' plans and the step (see the module docstring)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_split(graph, model, dim, heads, steps, warmup)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, steps: int,
+                   warmup: int) -> dict[str, Any]:
+    spec = GRAPHS[graph] if isinstance(graph, str) else graph
+    torch.manual_seed(0)
+    net = _model(model, dim, spec, heads).train()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.num_nodes, net.in_channels, generator=gen)
+    if model != "gnn2":
+        x.requires_grad_()
+    typed = net.num_node_types is not None
+    nt = torch.randint(0, spec.num_node_types, (spec.num_nodes,), generator=gen) if typed else None
+    count = spec.num_node_types if typed else None
+
+    def batch():
+        """A new random graph of the spec's sizes, its relation ids drawn with a power-law skew (``u ** 3 * R``):
+        a few relations frequent, most of a large R absent from any one batch, as in a sampled knowledge graph."""
+        ei = torch.randint(0, spec.num_nodes, (2, spec.num_edges), generator=gen)
+        et = (torch.rand(spec.num_edges, generator=gen) ** 3 * spec.num_relations).long()
+        return ei, et
+
+    def step(graph_):
+        net.zero_grad(set_to_none=True)
+        x.grad = None
+        out = net(x, graph_, None, nt)
+        out.float().sum().backward()
+
+    def prepare(ei, et):
+        """``prepare_graph`` without layers, with the device layout it builds for a GPU's graph (a CPU graph's
+        is built on first use)."""
+        graph_ = hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count)
+        device_graph(graph_)
+        return graph_
+
+    # the thread's CPU time, not the wall clock: nothing here waits (the null executor launches nothing), and on a
+    # shared machine the wall clock would add the time other processes held the core
+    clock = time.thread_time
+
+    def one(ei, et):
+        start = clock()
+        prepared = prepare(ei, et)
+        planned = clock()
+        hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count, layers=net)
+        stepping = clock()
+        step(prepared)
+        done = clock()
+        return planned - start, stepping - planned, done - stepping
+
+    with null_backend() as executor:
+        for _ in range(warmup):
+            one(*batch())
+        # launches and host reads of each phase, on one new graph
+        ei, et = batch()
+        counts = {}
+        phases = (("prepare", lambda: prepare(ei, et)),
+                  ("plans", lambda: hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count,
+                                                         layers=net)),
+                  ("step", lambda: step(hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt,
+                                                             count))))
+        for phase, run_phase in phases:  # the lambdas read ei, et when called: the graph of the loop's pass
+            counter, reads, kernels = OpCounter(), HostReads(), executor.launches
+            with counter, reads:
+                run_phase()
+            syncs = sum(counter.ops[name] for name in SYNC_OPS)
+            counts[phase] = [counter.device_ops + executor.launches - kernels, reads.count + syncs]
+        # Python function calls of each phase on another new graph, without the counters above (their own calls)
+        ei, et = batch()
+        for phase, run_phase in phases:
+            profile = cProfile.Profile()
+            profile.enable()
+            run_phase()
+            profile.disable()
+            counts[phase].append(pstats.Stats(profile).total_calls)
+        if steps <= 0:  # counts only
+            return _split_row(spec, model, counts, None)
+        batches = [batch() for _ in range(5 * steps)]
+        best = [float("inf")] * 3
+        for k in range(5):  # each phase's best of five batches of new graphs: the machine may be shared
+            sums = [0.0, 0.0, 0.0]
+            for ei, et in batches[k * steps:(k + 1) * steps]:
+                for i, t in enumerate(one(ei, et)):
+                    sums[i] += t
+            best = [min(b, t) for b, t in zip(best, sums, strict=True)]
+        persistent = hector.prepare_graph(*batches[0], spec.num_nodes, spec.num_relations, nt, count, layers=net)
+        step(persistent)
+        times = []
+        for _ in range(5):
+            start = clock()
+            for _ in range(steps):
+                step(persistent)
+            times.append((clock() - start) / steps)
+    return _split_row(spec, model, counts, [t / steps * 1e3 for t in best] + [min(times) * 1e3])
+
+
+def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
+               times: list[float] | None) -> dict[str, Any]:
+    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) as "-" when not measured."""
+    row: dict[str, Any] = {"graph": spec.name, "model": model, "edges": spec.num_edges,
+                           "relations": spec.num_relations}
+    if times is None:
+        row.update(dict.fromkeys(("prepare_ms", "plans_ms", "step_ms", "total_ms", "persistent_ms",
+                                  "new_vs_persistent"), "-"))
+    else:
+        prepare_ms, plans_ms, step_ms, persistent_ms = times
+        total = prepare_ms + plans_ms + step_ms
+        row.update(prepare_ms=round(prepare_ms, 3), plans_ms=round(plans_ms, 3), step_ms=round(step_ms, 3),
+                   total_ms=round(total, 3), persistent_ms=round(persistent_ms, 3),
+                   new_vs_persistent=round(total / persistent_ms, 2))
+    row.update(prepare_launches=counts["prepare"][0], plans_launches=counts["plans"][0],
+               step_launches=counts["step"][0], host_reads=sum(c[1] for c in counts.values()),
+               prepare_calls=counts["prepare"][2], plans_calls=counts["plans"][2], step_calls=counts["step"][2])
+    return row
+
+
+def run_split(graphs: list[str], models: list[str], steps: int, csv_path: str | None,
+              verbose: bool = True) -> list[dict[str, Any]]:
+    rows = [measure_split(graph, model, steps=steps) for graph in graphs for model in models]
+    if verbose:
+        cols = list(rows[0])
+        print(" | ".join(f"{c:>10}" for c in cols))
+        for r in rows:
+            print(" | ".join(f"{r[c]!s:>10}" for c in cols))
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return rows
 
 
 def _inputs(spec: DatasetSpec, dim: int, seed: int = 0):
@@ -245,19 +442,30 @@ def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--graphs", default="small,batch1000", help=f"comma list of {sorted(GRAPHS)}")
-    p.add_argument("--models", default=",".join(LAYERS), help="comma list of rgcn, rgat, hgt")
+    p.add_argument("--models", default=None,
+                   help="comma list of rgcn, rgat, hgt (and gnn2 with --split); default: rgcn,rgat,hgt, with --split "
+                        "gnn2")
     p.add_argument("--modes", default="persistent,new,prepared",
                    help="comma list of persistent, new, prepared, compiled")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--csv", default=None, help="write the rows here")
+    p.add_argument("--split", action="store_true",
+                   help="host ms per new graph split into prepare / plans / step (and the persistent step)")
     a = p.parse_args(argv)
+    models = (a.models or ("gnn2" if a.split else ",".join(LAYERS))).split(",")
+    for model in models:
+        if model not in (*LAYERS, "gnn2") or (model == "gnn2" and not a.split):
+            p.error(f"unknown model {model!r}; known: {', '.join(LAYERS)} (and gnn2 with --split)")
     for name in a.graphs.split(","):
         if name not in GRAPHS:
             p.error(f"unknown graph {name!r}; known: {sorted(GRAPHS)}")
     for mode in a.modes.split(","):
         if mode not in MODES:
             p.error(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
-    run(a.graphs.split(","), a.models.split(","), a.modes.split(","), a.steps, a.csv)
+    if a.split:
+        run_split(a.graphs.split(","), models, a.steps, a.csv)
+        return
+    run(a.graphs.split(","), models, a.modes.split(","), a.steps, a.csv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ scale with the batch, never be as large as the weights). Then the same on graphs
 (``prepared_host_ms``, against ``host_ms`` for a graph the step prepares itself: what a loader thread takes off the
 training thread) and its torch operations (``ops_prepared``). Last, the step on one graph's tensors reused for every
 step (``persistent_step_ms``) and each mini-batch step against it (``new_vs_persistent``: a graph the step prepares
-itself; ``prepared_vs_persistent``: one prepared ahead with the layer).
+itself; ``prepared_vs_persistent``: one prepared ahead with the layer). Then the host time per new graph split
+as a mini-batch pays it (medians, no wait between the parts): ``split_prepare_ms`` (``prepare_graph`` without
+layers, its one wait for the device included), ``split_plans_ms`` (the layer's launch plans on that graph),
+``split_step_host_ms`` (the step until its launches have returned) and their sum ``split_host_ms``, with the step
+until the GPU is done (``split_step_ms``, against the persistent step in ``split_vs_persistent``).
 
     python hector/benchmarks/relations.py                       # CPU, reference backend
     python hector/benchmarks/relations.py --device cuda --edges 200000 --csv rel.csv
@@ -26,12 +30,16 @@ import csv
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hector
 import hector.nn as hn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hector_bench_common import GNN2  # noqa: E402
 
 # operations that copy a tensor's elements into another (``.contiguous()``, ``.clone()``, ``.to()`` and in-place
 # copies dispatch to these)
@@ -64,6 +72,8 @@ class CountOps(TorchDispatchMode):
 
 
 def make_layer(kind: str, dim: int, relations: int, node_types: int) -> torch.nn.Module:
+    if kind == "gnn2":  # the GNN benchmark's model: two RGAT layers (16 x 4 heads) and a classifier
+        return GNN2(dim, 16, 4, relations, 16)
     if kind == "rgcn":
         return hn.RGCNConv(dim, dim, relations)
     if kind == "rgat":
@@ -135,6 +145,8 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
     _, _, prepare_ms = timed(batches(a.batches, a.nodes, a.edges, relations, a.skew, 2, a.device), plain)
     prepared = batches(a.batches + 1, a.nodes, a.edges, relations, a.skew, 3, a.device)
     prepared_step_ms, prepared_host_ms, prepare_layers_ms = timed(prepared[1:], with_layer)
+    split = split_host(batches(a.batches, a.nodes, a.edges, relations, a.skew, 5, a.device), step, plain, with_layer,
+                       a.device)
     fresh = batches(1, a.nodes, a.edges, relations, a.skew, 4, a.device)
     ei, et = fresh[0]
     with CountOps() as counter:
@@ -152,12 +164,44 @@ def run(kind: str, relations: int, a: argparse.Namespace) -> dict:
             "prepared_step_ms": prepared_step_ms, "prepared_host_ms": prepared_host_ms,
             "prepare_layers_ms": prepare_layers_ms, "ops_prepared": counted_prepared.count,
             "persistent_step_ms": persistent_step_ms, "new_vs_persistent": step_ms / persistent_step_ms,
-            "prepared_vs_persistent": prepared_step_ms / persistent_step_ms}
+            "prepared_vs_persistent": prepared_step_ms / persistent_step_ms, **split,
+            "split_vs_persistent": split["split_step_ms"] / persistent_step_ms}
+
+
+def split_host(batches_: list, step, plain, with_layer, device: str) -> dict[str, float]:
+    """The host time per new graph, split as a mini-batch pays it (medians over ``batches_``, ms): preparing the
+    graph (``plain``: ``hector.prepare_graph`` without layers, its one wait for the device included), building the
+    layer's launch plans on it (``with_layer``: ``prepare_graph(..., layers=layer)``), and the step until its
+    launches have returned; nothing waits between them, as in a training loop. ``split_host_ms`` is their sum, the
+    host work one new graph costs whichever thread pays it; ``split_step_ms`` the step until the GPU is done."""
+    prep, plans, hosts, steps = [], [], [], []
+    for ei, et in batches_:
+        _sync(device)
+        start = time.perf_counter()
+        plain(ei, et)
+        prepared = time.perf_counter()
+        with_layer(ei, et)
+        planned = time.perf_counter()
+        step(ei, et)
+        launched = time.perf_counter()
+        _sync(device)
+        done = time.perf_counter()
+        prep.append(prepared - start)
+        plans.append(planned - prepared)
+        hosts.append(launched - planned)
+        steps.append(done - planned)
+    med = {name: statistics.median(v) * 1e3 for name, v in (("split_prepare_ms", prep), ("split_plans_ms", plans),
+                                                              ("split_step_host_ms", hosts),
+                                                              ("split_step_ms", steps))}
+    med["split_host_ms"] = med["split_prepare_ms"] + med["split_plans_ms"] + med["split_step_host_ms"]
+    return med
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="rgcn,rgat,hgt", help='comma-separated layers: rgcn, rgat, hgt')
+    ap.add_argument("--models", default="rgcn,rgat,hgt",
+                    help="comma-separated layers: rgcn, rgat, hgt; or gnn2, the GNN benchmark's two-layer RGAT model "
+                         "(input width --dim)")
     ap.add_argument("--relations", default="16,1000,10000", help='comma-separated relation counts of the model')
     ap.add_argument("--nodes", type=int, default=4000, help='nodes per mini-batch graph')
     ap.add_argument("--edges", type=int, default=8000, help='edges per mini-batch graph')
@@ -171,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
           f"{'ops/step':>8s} {'weights MB':>10s} {'copied MB':>9s} | prepared with the layer: {'step ms':>8s} "
           f"{'host ms':>8s} {'prepare ms':>10s} {'ops/step':>8s} | persistent graph: {'step ms':>8s} "
-          f"{'new x':>6s} {'prepared x':>10s}", flush=True)
+          f"{'new x':>6s} {'prepared x':>10s} | host per new graph: {'prepare':>7s} {'plans':>6s} {'step':>6s} "
+          f"{'total':>6s}", flush=True)
     for kind in a.models.split(","):
         for r in (int(v) for v in a.relations.split(",")):
             row = run(kind, r, a)
@@ -181,7 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{row['copy_mb']:9.2f} | {'':24s} {row['prepared_step_ms']:8.2f} "
                   f"{row['prepared_host_ms']:8.2f} {row['prepare_layers_ms']:10.2f} {row['ops_prepared']:8d} | "
                   f"{'':17s} {row['persistent_step_ms']:8.2f} {row['new_vs_persistent']:6.2f} "
-                  f"{row['prepared_vs_persistent']:10.2f}", flush=True)
+                  f"{row['prepared_vs_persistent']:10.2f} | {'':20s} {row['split_prepare_ms']:7.2f} "
+                  f"{row['split_plans_ms']:6.2f} {row['split_step_host_ms']:6.2f} {row['split_host_ms']:6.2f}",
+                  flush=True)
             if a.csv:  # after every row: a run stopped by a time limit keeps what it measured
                 with open(a.csv, "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))

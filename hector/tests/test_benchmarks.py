@@ -92,6 +92,14 @@ def test_relations_smoke(tmp_path):
     assert all(r["new_vs_persistent"] == pytest.approx(r["step_ms"] / r["persistent_step_ms"]) for r in rows)
     # the copies a step makes are the batch's, smaller than the weights at 400 relations
     assert all(r["largest_copy_mb"] < r["per_relation_mb"] for r in rows if r["relations"] == 400), rows
+    # the host time per new graph, split into preparing it, its launch plans and the step
+    for r in rows:
+        parts = [r[f"split_{part}_ms"] for part in ("prepare", "plans", "step_host")]
+        assert all(v > 0 for v in parts) and r["split_host_ms"] == pytest.approx(sum(parts)), r
+        assert r["split_step_ms"] >= r["split_step_host_ms"] and r["split_vs_persistent"] > 0
+    gnn = relations.main(["--models", "gnn2", "--relations", "8", "--nodes", "200", "--edges", "400", "--batches",
+                          "1", "--dim", "8"])
+    assert gnn[0]["model"] == "gnn2" and gnn[0]["split_host_ms"] > 0
 
 
 @pytest.mark.parametrize("kind", ["rgcn", "rgat", "hgt"])

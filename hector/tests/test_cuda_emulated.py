@@ -375,27 +375,69 @@ def _launch_plans(graph: Graph) -> int:
 
 @pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgcn-sorted", "hgt-in-ne-out"])
 def test_prepared_graph_builds_every_plan_ahead(emulated, name):
-    """``hector.prepare_graph(..., layers=...)`` builds the launch plans a training step on the graph needs (forward
-    that keeps values, backward with and without x's gradient): the step builds none, and its forward and
-    gradients equal the reference's."""
+    """``hector.prepare_graph(..., layers=...)`` builds the launch plans a training step on the graph needs: before
+    the layer's first training call, the forward that keeps values and the backward with and without x's
+    gradient; after it, the backward that call used (the first layer of a model never needs x's gradient, the
+    others always do). Where x's need changed, the step builds the one plan missing; forward and gradients equal
+    the reference's every time."""
     import hector
 
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=7)
     ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
-    for x_grad in (True, False):
+    # (x needs a gradient, launch plans prepared at least, plans the step adds)
+    for x_grad, prepared, added in ((True, 3, 0), (False, 2, 1), (False, 2, 0), (True, 2, 1)):
         graph = hector.prepare_graph(ei.clone(), et.clone(), 17, 3, *typed, layers=[layer])
         plans = _launch_plans(graph)
-        assert plans >= 3, "a forward and two backwards (x with and without a gradient)"
+        assert plans >= prepared
         xb = x.float().requires_grad_(x_grad)
         b = layer(xb, graph)
         assert rel_err(b.double(), a) < 1e-5
         inputs = ([xb] if x_grad else []) + list(layer.parameters())
         gb = _grads(b, inputs)
-        assert _launch_plans(graph) == plans, "the step built a launch plan of its own"
+        assert _launch_plans(graph) == plans + added, (x_grad, plans, _launch_plans(graph))
         for u, v in zip(gb, ga if x_grad else ga[1:], strict=True):
             assert (u is None) == (v is None)
             if v is not None:
                 assert rel_err(u.double(), v) < 1e-5
+    graph = hector.prepare_graph(ei.clone(), et.clone(), 17, 3, *typed, layers=[layer], input_grad=None)
+    assert _launch_plans(graph) == plans, "input_grad=None follows the last training call"
+
+
+def test_consecutive_graphs_with_other_relations_are_exact(monkeypatch):
+    """Mini-batches one after another, each a new graph with other relations present (and other sizes), prepared
+    with the layers of a two-layer model: every step's output and gradients equal the float64 reference backend's
+    (nothing bound to one graph's plans, grids or tile schedules reaches the next)."""
+    import hector
+
+    torch.manual_seed(0)
+    make = [lambda: hn.RGATConv(6, 3, 40, heads=2, attention="shared"), lambda: hn.RGATConv(6, 3, 40, heads=2,
+                                                                                             attention="shared")]
+    ref, model = [m().double() for m in make], [m() for m in make]
+    for r, m in zip(ref, model, strict=True):
+        m.load_state_dict(r.state_dict())
+
+    def forward(layers, x, edges, et):
+        h = torch.nn.functional.elu(layers[0](x, edges, et))
+        return layers[1](h, edges, et)
+
+    for seed, (n, e, present) in enumerate([(17, 60, [0, 1, 2]), (23, 40, [39]), (11, 90, [5, 6, 7, 8, 30]),
+                                            (17, 60, [0, 1, 2, 3, 4, 5])]):
+        g = torch.Generator().manual_seed(100 + seed)
+        ei = torch.randint(0, n, (2, e), generator=g)
+        et = torch.tensor(present)[torch.randint(0, len(present), (e,), generator=g)]
+        x = torch.randn(n, 6, dtype=torch.float64, generator=g)
+        xa = x.clone().requires_grad_()
+        a = forward(ref, xa, ei, et)  # the reference backend: no CUDA tensors here
+        ga = _grads(a, [xa] + [p for r in ref for p in r.parameters()])
+        with monkeypatch.context() as m:
+            m.setattr(compiled_mod, "select", lambda device, dtype: EMULATED)
+            graph = hector.prepare_graph(ei, et, n, 40, layers=model)
+            xb = x.float().requires_grad_()
+            b = forward(model, xb, graph, et)
+            gb = _grads(b, [xb] + [p for layer in model for p in layer.parameters()])
+        assert rel_err(b.double(), a) < 1e-5, seed
+        for u, v in zip(gb, ga, strict=True):
+            assert rel_err(u.double(), v) < 1e-4, seed
 
 
 def test_prepared_graph_under_autocast(emulated):

@@ -442,3 +442,41 @@ def test_graphs_prepared_with_layers_in_a_loader_thread(model):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(g).all() for g in got)
+
+
+def test_new_graph_waits_for_the_gpu_once():
+    """Preparing a new mini-batch graph on the GPU (``prepare_graph`` with the layers of a two-layer model) waits
+    for the device once: the ids' check, the destinations' order and the unique-pair count come in one transfer;
+    the layout and the launch plans wait for nothing, and the step on the graph gives the reference's output for
+    graph after graph with other relations present."""
+    import warnings
+
+    import hector
+
+    torch.manual_seed(0)
+    make = [lambda: hn.RGATConv(32, 8, 500, heads=4, attention="shared") for _ in range(2)]
+    model = torch.nn.ModuleList([m() for m in make]).cuda()
+    ref = torch.nn.ModuleList([m() for m in make]).double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        n, e = 3000 + 500 * step, 12000 - 1000 * step
+        ei = torch.randint(0, n, (2, e), generator=g)
+        et = (torch.rand(e, generator=g) ** (1 + step) * 500).long()
+        x = torch.randn(n, 32, generator=g)
+        eic, etc, xc = ei.cuda(), et.cuda(), x.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                graph = hector.prepare_graph(eic, etc, n, 500, layers=model)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        # the one read; torch.unique, which the pair count came from before, waited a second time
+        assert len(syncs) == 1, [str(w.message) for w in caught]
+        out = model[1](torch.relu(model[0](xc, graph)), graph)
+        with torch.no_grad():
+            expect = ref[1](torch.relu(ref[0](x.double(), ei, et)), ei, et)
+        assert rel_err(out.double().cpu(), expect) < 1e-4, step

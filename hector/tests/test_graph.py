@@ -34,19 +34,43 @@ def test_csr_csc_and_relation_segments(small_graph):
     assert g.relation_ptr()[-1] == g.num_edges
 
 
-def test_preprocessing_is_computed_once(small_graph, monkeypatch):
-    g = small_graph
+def test_preprocessing_is_computed_once(small, monkeypatch):
+    """The unique (source, relation) pairs are computed once per graph, when it is made (their count comes to the
+    host in the same read as the id check), never again on use."""
+    from hector.runtime import graph as graph_mod
+
     calls = []
-    real = torch.unique
+    real = graph_mod.unique_pairs
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(torch, "unique", counting)
+    monkeypatch.setattr(graph_mod, "unique_pairs", counting)
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: pytest.fail("torch.unique reads its size on the host"))
+    g = Graph(*small, 14, 3)
     for _ in range(3):
-        _ = g.edge_to_unique, g.unique_src
+        _ = g.edge_to_unique, g.unique_src, g.num_unique, g.size_stats()
     assert len(calls) == 1
+
+
+def test_one_host_read_per_new_graph(small, monkeypatch):
+    """A graph made from new tensors reads the device once: the ids' ranges, the destinations' order and the pair
+    count come in one transfer (each read waits for the GPU)."""
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        reads.append(self.numel())
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a second host read"))
+    ei, et = small
+    g = Graph(ei, et, 14, 3, torch.arange(14) % 2, 2)
+    assert g.num_unique == torch.unique(et * 14 + ei[0]).numel()
+    g.size_stats()
+    assert len(reads) == 1 and reads[0] == 2 * 3 + 2  # three (min, max), the smallest step, the pair count
 
 
 def test_degree_normalisers(small_graph):

@@ -43,7 +43,8 @@ def prepare_graph(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: 
     build (the cost model's choice, and on the CUDA backend the graph's layout and the launch plans of the
     forward and backward), so a training step on a prepared graph launches about what a step on a graph reused
     for every step launches. ``dtype`` and ``input_grad`` are passed on to it (the dtype the layers run in, e.g.
-    ``torch.bfloat16`` under autocast; whether their ``x`` needs a gradient: None prepares both).
+    ``torch.bfloat16`` under autocast; whether their ``x`` needs a gradient: None prepares what each layer's last
+    training call needed, both before its first).
     ``sorted_by_destination``: see :class:`Graph` (None: found out with the id check, without a wait of its own;
     edges already in destination order skip the CUDA backend's sort).
 

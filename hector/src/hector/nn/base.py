@@ -54,6 +54,9 @@ class RelationalLayer(nn.Module):
         self._compiled: dict[Any, CompiledLayer] = {}
         self._choices: dict[Any, Any] = {}  # the cost model's Options per graph size class (hector.cost)
         self._option_keys: dict[int, tuple[Options, tuple]] = {}  # id(Options) -> (it, its part of the cache key)
+        # whether x needed a gradient at the last training call (None: no such call yet): what prepare() builds the
+        # backward for when not told (the first layer of a model on fixed features never needs it, later ones do)
+        self._input_grad_seen: bool | None = None
         self._layer_id = _ops.register(self)
 
     # to implement
@@ -136,8 +139,9 @@ class RelationalLayer(nn.Module):
         ``graph``: a :class:`~hector.Graph` (what :func:`hector.prepare_graph` returns). ``dtype``: the dtype the
         layer will run in (default: its parameters'; ``torch.bfloat16`` for a step under ``torch.autocast`` with
         bfloat16). ``input_grad``: whether ``x`` will need a gradient (True: a layer after another trainable
-        one; False: the first layer on fixed features; None, the default: prepare both). The layer's current
-        mode (``train()`` / ``eval()``) decides between the training forward and backward and the inference
+        one; False: the first layer on fixed features; None, the default: as at the layer's last training call,
+        or both before its first; a wrong guess costs only the plan the step then builds itself). The layer's
+        current mode (``train()`` / ``eval()``) decides between the training forward and backward and the inference
         forward. Returns ``graph``. Without effect on the reference backend beyond the cost model's choice and
         the compiled program (it builds its per-graph data on the call)."""
         if not isinstance(graph, Graph):
@@ -164,6 +168,8 @@ class RelationalLayer(nn.Module):
         dtypes.update((k, cast(v) if dtype is not None else v.dtype) for k, v in tensors.items())
         dtypes = {k: v for k, v in dtypes.items() if k in used}
         trained = frozenset(k for k, v in tensors.items() if v.requires_grad and k in used)
+        if input_grad is None:  # a layer pickled before it kept the attribute has seen no call
+            input_grad = getattr(self, "_input_grad_seen", None)
         variants = (False, True) if input_grad is None else (bool(input_grad),)
         grads = [trained | {self.input_name} if with_input else trained for with_input in variants]
         prepare_apply(compiled, graph, dtypes, self.training, grads)
@@ -264,6 +270,8 @@ class RelationalLayer(nn.Module):
         if graph.num_nodes != x.size(0):
             raise GraphInputError(f"x has {x.size(0)} rows but the graph has {graph.num_nodes} nodes")
         compiled = self.compiled(graph)
+        if self.training and torch.is_grad_enabled():
+            self._input_grad_seen = x.requires_grad
         leaves = {self.input_name: x, **tensors}
         used = {name for _, name in compiled.leaf_names}
         return apply(compiled, graph, {k: v for k, v in leaves.items() if k in used})

@@ -95,7 +95,7 @@ def prepare(graph: Graph) -> Graph:
     """Does now the preprocessing of ``graph`` that waits for the GPU: the unique (source, relation) pairs that
     size the layers' rows and, where the CUDA backend will run, its destination-sorted layout. The layers then
     only launch kernels (see :func:`hector.prepare_graph`). Returns ``graph``."""
-    graph.num_unique  # noqa: B018 - the exact pair count (a host read), so the rows are sized exactly
+    graph.num_unique  # noqa: B018 - the exact pair count (read with the ids when the graph was made)
     graph.size_stats()
     if graph.device.type == "cuda" and config.backend() != "reference":
         from .cuda import device_graph

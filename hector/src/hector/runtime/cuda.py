@@ -38,6 +38,8 @@ TORCH_DTYPE = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat1
 DTYPE_KEY = {v: k for k, v in TORCH_DTYPE.items()}
 _LEAF_OPS = (Op.INPUT, Op.PARAM, Op.SAVED)
 _DOMAIN = {d.value: d for d in Domain}  # a dict lookup, 10x cheaper than Domain(value); ~100 per layer call
+# an output's rows as a position in a launch plan's row counts (a tuple index: an enum's hash is a Python call)
+_ROWS_SLOT = {Domain.NODE: 0, Domain.EDGE: 1, Domain.UNIQUE: 2}
 
 log = logging.getLogger("hector")
 
@@ -70,7 +72,14 @@ class JitExecutor:
         return k
 
     def launch(self, kernel: Any, grid: tuple[int, int], block: int, args: list, smem: int, stream: int) -> None:
-        kernel(grid, block, *args, shared_memory=smem, stream=stream)
+        """``kernel(grid, block, *args, ...)`` without the checks a hand-written call needs: the launch plan made
+        the arguments from the kernel's own signature (one per parameter; pointers are tensors on the graph's
+        GPU, the rest Python numbers) and the grid (two positive ints, empty grids skipped). A layer launches
+        dozens of kernels per step from the host thread that bounds a small graph's step, and the checks took
+        two thirds of a launch's Python time."""
+        packed = [pack(value.data_ptr() if pointer and not isinstance(value, int) else value)
+                  for (pointer, pack), value in zip(kernel._packers, args, strict=True)]
+        kernel._kernel.launch([grid[0], grid[1], 1], [block, 1, 1], smem, stream, packed)
 
     def stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -141,12 +150,14 @@ class _KernelTemplate:
     kernel: Any
     drop: tuple[str, ...]
     kind: int = _LAUNCH
-    # (name, domain or None for PARAM rows, feature shape, dtype, zero-filled, may live in the pool); einsum:
-    # (name, None, None, False)
+    # (name, rows slot (_ROWS_SLOT) or None for PARAM rows, feature shape, dtype, zero-filled, may live in the pool);
+    # einsum: (name, None, None, False)
     outputs: tuple = ()
     nargs: int = 0
     env_args: tuple[tuple[int, str], ...] = ()
-    graph_args: tuple[tuple[int, tuple], ...] = ()
+    graph_args: tuple[tuple[int, tuple], ...] = ()  # (argument position, binding: a key of DeviceGraph.bound)
+    grid: tuple[int, int] | None = None  # a launch's grid where it is the same on every graph, else None ...
+    grid_key: tuple = ()  # ... and this its key in DeviceGraph.bound
     inputs: tuple[str, ...] = ()
     equation: str = ""
     dtype: Any = None
@@ -181,6 +192,7 @@ class CudaBackend:
     def __init__(self, executor: Any = None):
         self.executor = JitExecutor() if executor is None else executor
         self._plans: dict[tuple, tuple[Any, _Plan]] = {}
+        self._fast_plans: dict[tuple, tuple[Any, _Plan]] = {}
         self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
         self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
         self._schedule: Any = None
@@ -223,6 +235,21 @@ class CudaBackend:
         return CodegenOptions(tf32=config.tf32(), arch=arch)
 
     def plan(self, lowered, dtypes: Mapping[str, str], model: str, device: torch.device) -> _Plan:
+        """The compiled module of ``lowered`` for values of these ``dtypes`` (value name -> dtype key). Asked on
+        every run: found by the dtypes as given (the backend lists a program's values in one order), and only on
+        a miss by the full key (sorted, with the codegen options, which read the GPU's properties)."""
+        fast = (id(lowered), tuple(dtypes.items()), model, device, config.tf32())
+        hit = self._fast_plans.get(fast)
+        if hit is not None and hit[0] is lowered:
+            return hit[1]
+        plan = self._plan(lowered, dtypes, model, device)
+        with self._lock:
+            if len(self._fast_plans) > 4096:  # programs of layers since deleted: forgotten, rebuilt if seen again
+                self._fast_plans.clear()
+            self._fast_plans[fast] = (lowered, plan)
+        return plan
+
+    def _plan(self, lowered, dtypes: Mapping[str, str], model: str, device: torch.device) -> _Plan:
         options = self.options(device)
         key = (id(lowered), tuple(sorted(dtypes.items())), model, options)
         hit = self._plans.get(key)
@@ -376,7 +403,9 @@ class CudaBackend:
         (output shapes, grids, graph bindings, which values to drop): made once per (plan, graph, keep) and kept
         on the device graph, so a call only allocates, binds its values and launches. Keyed with the UNIQUE
         domain so that a padded layout's plans are rebuilt when it settles. The graph-independent part comes
-        from :meth:`_template`, made once per (plan, keep): a mini-batch loop builds one launch plan per batch."""
+        from :meth:`_template`, made once per (plan, keep); each graph binding and grid is computed once per
+        graph and shared by every program run on it (:meth:`DeviceGraph.bound`): a mini-batch loop builds one
+        launch plan per program and batch, each a few dictionary lookups per kernel."""
         keep_key = None if keep is None else tuple(keep)
         key = ("launch", Domain.UNIQUE, id(plan), keep_key)
         hit = dg._cache.get(key)
@@ -384,37 +413,45 @@ class CudaBackend:
             return hit[1]
         template = self._template(lowered, plan, keep_key)
         sms = self.executor.properties(dg.device)["multiprocessors"]
-        rows: dict[Domain | None, int] = {}
+        bound = dg.bound(sms)
+        rows = (dg.num_nodes, dg.num_edges, dg.num_unique)
         steps = _Steps(template.keep)
+        append = steps.append
         for t in template.kernels:
-            step = _Step(drop=t.drop, kind=t.kind)
-            if t.kind == _EINSUM:
+            kind = t.kind
+            step = _Step(drop=t.drop, kind=kind)
+            if kind == _EINSUM:
                 step.dtype, step.equation, step.inputs, step.outputs = t.dtype, t.equation, t.inputs, t.outputs
-                steps.append(step)
+                append(step)
                 continue
             outputs = []
-            for name, domain, feature, dtype, zero, poolable in t.outputs:
-                if domain not in rows:
-                    rows[domain] = dg.rows(domain) if domain is not None else 0
-                shape = feature if domain is None else (rows[domain],) + feature
+            for name, slot, feature, dtype, zero, poolable in t.outputs:
+                shape = feature if slot is None else (rows[slot],) + feature
                 outputs.append((name, shape, dtype, self._pack(steps, name, shape, dtype) if poolable else zero))
             step.outputs = tuple(outputs)
-            if t.kind == _RNG:
+            if kind == _RNG:
                 step.p = t.p
-                steps.append(step)
+                append(step)
                 continue
-            kc = t.kc
-            step.grid = self._grid(kc, dg, sms)
-            if step.grid[0] == 0:
+            grid = t.grid
+            if grid is None:  # depends on the graph
+                grid = bound.get(t.grid_key)
+                if grid is None:
+                    grid = bound[t.grid_key] = self._grid(t.kc, dg, sms)
+            step.grid = grid
+            if grid[0] == 0:
                 step.kind = _EMPTY_GRID
-                steps.append(step)
+                append(step)
                 continue
-            step.kernel, step.block, step.smem = t.kernel, kc.launch.block, kc.launch.smem
+            step.kernel, step.block, step.smem = t.kernel, t.kc.launch.block, t.kc.launch.smem
             args: list[Any] = [None] * t.nargs
             for j, bind in t.graph_args:
-                args[j] = self._bind(bind, dg, sms)
+                value = bound.get(bind)
+                if value is None:
+                    value = bound[bind] = self._bind(bind, dg, sms)
+                args[j] = value
             step.args, step.env_args = args, t.env_args
-            steps.append(step)
+            append(step)
         dg._cache[key] = (plan, steps)
         return steps
 
@@ -465,9 +502,9 @@ class CudaBackend:
             specs = []
             for out in kc.outputs:
                 ty = program.type_of(out.name)
-                domain = None if ty.domain is Domain.PARAM else ty.domain
+                slot = None if ty.domain is Domain.PARAM else _ROWS_SLOT[ty.domain]
                 zero = _Alias(out.init) if out.init else out.zero
-                specs.append((out.name, domain, tuple(ty.shape), TORCH_DTYPE[out.dtype], zero,
+                specs.append((out.name, slot, tuple(ty.shape), TORCH_DTYPE[out.dtype], zero,
                               out.zero and (out.name not in outputs or gradients)))
             t.outputs = tuple(specs)
             if kc.torch_op == "rng":
@@ -476,7 +513,13 @@ class CudaBackend:
                 continue
             t.nargs = len(kc.args)
             t.env_args = tuple((j, a.bind[1]) for j, a in enumerate(kc.args) if a.bind[0] in ("value", "out"))
-            t.graph_args = tuple((j, a.bind) for j, a in enumerate(kc.args) if a.bind[0] not in ("value", "out"))
+            t.graph_args = tuple((j, _frozen(a.bind)) for j, a in enumerate(kc.args)
+                                 if a.bind[0] not in ("value", "out"))
+            launch = kc.launch
+            if launch.kind in ("groups", "tiles"):
+                t.grid_key = ("grid", launch.kind, _frozen(launch.work), launch.block, launch.group, launch.grid_y)
+            else:  # one thread per element of a fixed count: the same grid on every graph
+                t.grid = (-(-launch.work[0] // launch.block), 1)
             kernels.append(t)
         template = _Template(keep_all, tuple(kernels))
         self._templates[key] = (plan, template)
@@ -550,6 +593,13 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists turned into tuples, recursively: a binding or launch as a dictionary key."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def cname_file(name: str) -> str:

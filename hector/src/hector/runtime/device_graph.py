@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..ir.core import GATHER_VIA, Domain
-from .graph import Graph, record_stream_of, sort_keys
+from .graph import Graph, record_stream_of, sort_keys, unique_pairs
 
 
 class DeviceGraph:
@@ -33,8 +33,14 @@ class DeviceGraph:
         else:
             order = sort_keys(graph.dst, graph.num_nodes)[1]
             self.order = order  # sorted position -> original edge id
-            g = self.graph = Graph._derived(graph.src[order], graph.dst[order], graph.etype[order], like=graph,
-                                            dst_sorted=True)
+            # the edges' columns (and their pair rows, where known) reordered in one gather, not one per column
+            columns = [graph.src, graph.dst, graph.etype]
+            if "unique" in graph._cache:
+                columns.append(graph.edge_to_unique)
+            columns = torch.stack(columns).index_select(1, order)
+            g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
+            # and their int32 copies, the kernels' gather indices, in one cast
+            narrow = columns.to(torch.int32)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = "unique" not in graph._cache
@@ -46,7 +52,7 @@ class DeviceGraph:
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
-            inverse = graph.edge_to_unique if self.order is None else graph.edge_to_unique[self.order]
+            inverse = graph.edge_to_unique if self.order is None else columns[3]
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
             self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
         # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
@@ -56,6 +62,11 @@ class DeviceGraph:
         # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
         self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
         self._cache: dict[Any, Any] = {}
+        self._bound: dict[int, dict[tuple, Any]] = {}
+        if self.order is not None:
+            for i, via in enumerate(("src", "dst", "", "unique")[:narrow.size(0)]):
+                if via:
+                    self._cache[("gather", via)] = narrow[i]
 
     def settle(self, count: int) -> None:
         """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows
@@ -66,10 +77,11 @@ class DeviceGraph:
         g = self.graph
         src, etype, inverse = g._cache["unique"]
         # the padded layout's tensors stay alive: a CUDA graph captured with them may still be replayed
-        self._retired = [g._cache, self._cache, self._valid]
+        self._retired = [g._cache, self._cache, self._bound, self._valid]
         g._cache = {k: v for k, v in g._cache.items() if not _mentions_unique(k)}
         g._cache["unique"] = (src[:count], etype[:count], inverse)
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
+        self._bound = {}
         self.padded = False
         del self._valid
 
@@ -81,7 +93,17 @@ class DeviceGraph:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """See :meth:`Graph.record_stream`."""
         self.graph.record_stream(stream)
-        record_stream_of((self.order, self.csc_ptr, self.dst_order, self.unique_count, self._cache), stream)
+        record_stream_of((self.order, self.csc_ptr, self.dst_order, self.unique_count, self._cache, self._bound),
+                         stream)
+
+    def bound(self, multiprocessors: int) -> dict[tuple, Any]:
+        """The kernel arguments and grids that depend on this graph (and the GPU's multiprocessor count) only, by
+        binding or launch (the CUDA backend's keys): filled as launch plans are made, shared by every program
+        run on the graph, so each is computed once per graph (emptied when a padded layout settles)."""
+        table = self._bound.get(multiprocessors)
+        if table is None:
+            table = self._bound[multiprocessors] = {}
+        return table
 
     def rows(self, domain: Domain) -> int:
         return self.graph.num_rows(domain)
@@ -195,25 +217,6 @@ def device_graph(graph: Graph) -> DeviceGraph:
     if dg.padded and "unique_count" in graph._cache:
         dg.settle(graph._cache["unique_count"])
     return dg
-
-
-def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
-                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
-    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
-    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
-    one-element device tensor. One sort, one scan, two scatters."""
-    edges = src.numel()
-    if edges == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=src.device)
-        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
-    key, order = sort_keys(etype * num_nodes + src, num_nodes * num_relations)
-    first = torch.ones(edges, dtype=torch.long, device=src.device)
-    first[1:] = key[1:] != key[:-1]
-    row = torch.cumsum(first, 0) - 1  # pair row of each edge in key order
-    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
-    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
-    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
 
 
 def _mentions_unique(key: Any) -> bool:

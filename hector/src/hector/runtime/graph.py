@@ -35,15 +35,19 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     return t.long()
 
 
-def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None) -> bool:
+def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None) -> tuple[bool, int | None]:
     """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them, which also
-    says whether ``dst`` (if given) is in non-decreasing order (returned; False without ``dst``)."""
+    says whether ``dst`` (if given) is in non-decreasing order (False without ``dst``) and brings the one-element
+    tensor ``count`` (if given) to the host: returns (destinations sorted, count or None)."""
     checks = [c for c in checks if c[1].numel()]
     values = [v for _, t, _, _ in checks for v in torch.aminmax(t)]  # one pass per tensor
     if dst is not None and dst.numel() > 1:
         values.append((dst[1:] - dst[:-1]).amin())  # the smallest step: negative where an edge goes back
+    if count is not None:
+        values.append(count.reshape(()).to(values[0].dtype if values else count.dtype))
     if not values:
-        return dst is not None
+        return dst is not None, None
     bounds = torch.stack(values).tolist()
     ranges = bounds[:2 * len(checks)]
     for (name, _, upper, what), lo, hi in zip(checks, ranges[0::2], ranges[1::2], strict=True):
@@ -51,9 +55,11 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.T
             bad = lo if lo < 0 else hi
             raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
                                   f"check {what} ids against the declared count ({upper})")
+    counted = int(bounds[-1]) if count is not None else None
     if dst is None:
-        return False
-    return dst.numel() <= 1 or bounds[-1] >= 0
+        return False, counted
+    steps = bounds[2 * len(checks):]
+    return dst.numel() <= 1 or steps[0] >= 0, counted
 
 
 def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
@@ -108,10 +114,11 @@ class Graph:
             kernels at the count on the device, and the cost model estimates the count from graphs of the same
             size class until this graph's own count has arrived (copied to the host without waiting). False
             (default): the ids are checked on the host now (a clear :class:`~hector.errors.GraphInputError`
-            naming the bad id) and the pair count is read when first needed: two waits for the GPU per graph.
-            Layers given new tensors use False: on an H100 the padded rows cost more GPU time than the two waits
-            save (a new ``edge_index`` per call: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms
-            against 16.7 ms), and a small graph's step stays bound by its launches either way.
+            naming the bad id), the unique pairs computed on the device and their count read in the same
+            transfer: one wait for the GPU per graph. Layers given new tensors use False: on an H100 the padded
+            rows cost more GPU time than the waits save (a new ``edge_index`` per call, when a checked graph
+            still waited twice: 7 of 9 graph/model cells slower with True, e.g. am RGCN 18.1 ms against 16.7 ms),
+            and a small graph's step stays bound by its launches either way.
         sorted_by_destination: whether the edges are already in destination order (CSC order, as neighbour
             samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
             with the id check's read on the host (no wait of its own; unknown, so sorted again, on a
@@ -145,7 +152,6 @@ class Graph:
                 raise GraphInputError(f"num_node_types={num_node_types} but node_type is None: give node_type, one "
                                       "node-type id per node (a [num_nodes] integer tensor)")
             self.num_node_types = 1
-            node_type = torch.zeros(self.num_nodes, dtype=torch.long, device=edge_index.device)
         else:
             node_type = _check_int_tensor("node_type", node_type, 1)
             if node_type.numel() != self.num_nodes:
@@ -164,18 +170,28 @@ class Graph:
                                     "hector: sorted_by_destination=True but edge_index's destinations (row 1) are "
                                     "not in non-decreasing order; sort the edges or leave the hint out")
             self.dst_sorted = bool(sorted_by_destination)
+            pairs = None
         else:
-            # the order is read with the ids' ranges (no wait of its own) unless the caller said it is unsorted
-            self.dst_sorted = _check_ranges(checks, None if sorted_by_destination is False else dst)
+            # the unique (source, relation) pairs, which size the compacted rows, computed on the device now so
+            # that their count comes to the host in the same read as the ids' ranges and the order (unless the
+            # caller said it is unsorted): one wait per graph (a sync-free graph on the CPU, where reading costs no
+            # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU)
+            pairs = None if self.sync_free else unique_pairs(edge_index[0], edge_type, self.num_nodes,
+                                                             self.num_relations)
+            self.dst_sorted, count = _check_ranges(checks, None if sorted_by_destination is False else dst,
+                                                   None if pairs is None else pairs[3])
             if sorted_by_destination and not self.dst_sorted:
                 raise GraphInputError("sorted_by_destination=True but edge_index's destinations (row 1) are not in "
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()
         self.etype = edge_type.contiguous()
-        self.ntype = node_type.contiguous()
+        self._ntype = None if node_type is None else node_type.contiguous()
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
+        if pairs is not None:
+            self._cache["unique"] = (pairs[0][:count], pairs[1][:count], pairs[2])
+            self._record_unique_count(count)
 
     @classmethod
     def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph,
@@ -184,12 +200,20 @@ class Graph:
         nothing to validate again (validation reads the ids on the host, a synchronisation)."""
         g = cls.__new__(cls)
         g.num_nodes, g.num_relations, g.num_node_types = like.num_nodes, like.num_relations, like.num_node_types
-        g.src, g.dst, g.etype, g.ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like.ntype
+        g.src, g.dst, g.etype, g._ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like._ntype
         g.device = like.device
         g.sync_free = like.sync_free
         g.dst_sorted = dst_sorted
         g._cache = {}
         return g
+
+    @property
+    def ntype(self) -> torch.Tensor:
+        """The node-type id of every node; for a graph made without node types all zeros, made on first use (a
+        launch per new graph that a layer without node types never reads)."""
+        if self._ntype is None:
+            self._ntype = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
+        return self._ntype
 
     @property
     def num_edges(self) -> int:
@@ -483,7 +507,7 @@ class Graph:
         CUDA backend's layout included). Call it when the graph was made (e.g. by :func:`hector.prepare_graph`) on
         one CUDA stream and the layers run on another: the caching allocator then does not hand its memory to the
         first stream's next allocations while the second may still read it."""
-        record_stream_of((self.src, self.dst, self.etype, self.ntype, self._cache), stream)
+        record_stream_of((self.src, self.dst, self.etype, self._ntype, self._cache), stream)
 
     def __repr__(self) -> str:
         return (f"Graph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, num_relations={self.num_relations}, "
@@ -497,6 +521,24 @@ def sort_keys(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor
         key = key.to(torch.int32)
     values, order = torch.sort(key, stable=True)
     return values, order
+
+
+def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
+                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
+    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
+    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
+    one-element device tensor. One sort, one scan, two scatters: 13 launches, no host read."""
+    edges = src.numel()
+    if edges == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=src.device)
+        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
+    key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
+    row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
+    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
+    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
+    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
+    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
 
 
 def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:

@@ -19,6 +19,9 @@ layers, its one wait for the device included), ``split_plans_ms`` (the layer's l
 ``split_step_host_ms`` (the step until its launches have returned) and their sum ``split_host_ms``, with the step
 until the GPU is done (``split_step_ms``, against the persistent step in ``split_vs_persistent``).
 
+``--profile N``: instead, N training steps of each model on graphs prepared ahead with it, under cProfile: the
+Python functions taking the step's host time (a step bound by the host is explained here, not by the device).
+
     python hector/benchmarks/relations.py                       # CPU, reference backend
     python hector/benchmarks/relations.py --device cuda --edges 200000 --csv rel.csv
 """
@@ -197,6 +200,48 @@ def split_host(batches_: list, step, plain, with_layer, device: str) -> dict[str
     return med
 
 
+def profile_steps(kind: str, relations: int, a: argparse.Namespace, top: int = 25) -> None:
+    """Prints the Python functions by own time over ``a.profile`` training steps of ``kind`` on graphs prepared
+    ahead with it (the host work a training thread does per step once a loader has prepared the batch)."""
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    layer = make_layer(kind, a.dim, relations, 4).to(a.device).train()
+    x = torch.randn(a.nodes, a.dim, device=a.device)
+    nt = torch.randint(0, 4, (a.nodes,), device=a.device)
+    graphs = []
+    for ei, et in batches(a.profile + 2, a.nodes, a.edges, relations, a.skew, 6, a.device):
+        graphs.append((hector.prepare_graph(ei, et, a.nodes, relations, *((nt, 4) if kind == "hgt" else ()),
+                                            layers=layer), et))
+
+    def step(graph, et):
+        layer.zero_grad(set_to_none=True)
+        layer(x, graph, et, nt).float().sum().backward()
+
+    for graph, et in graphs[:2]:
+        step(graph, et)
+    _sync(a.device)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    # (backward on this thread, not on autograd's device thread, so that the profile sees it)
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for graph, et in graphs[2:]:
+            step(graph, et)
+        prof.disable()
+    host = (time.perf_counter() - start) / a.profile * 1e3
+    _sync(a.device)
+    print(f"\n{kind}, {relations} relations: {a.profile} prepared steps under cProfile, {host:.2f} ms of host time "
+          f"per step (profiled); functions by own time, ms per step:", flush=True)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{path.rsplit('/', 1)[-1]}:{line}"
+        print(f"  {own / a.profile * 1e3:7.3f} own {cumulative / a.profile * 1e3:7.3f} cum "
+              f"{calls / a.profile:7.1f} calls  {name} ({where})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="rgcn,rgat,hgt",
@@ -210,8 +255,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batches", type=int, default=5, help='mini-batches timed per configuration')
     ap.add_argument("--device", default="cpu", help='where to run')
     ap.add_argument("--csv", help='also write every row to this CSV file (after each row)')
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="instead of the table: N prepared training steps per model under cProfile (the first "
+                         "relation count of --relations)")
     a = ap.parse_args(argv)
     rows = []
+    if a.profile:
+        for kind in a.models.split(","):
+            profile_steps(kind, int(a.relations.split(",")[0]), a)
+        return rows
     print(f"{'model':5s} {'R':>6s} {'present':>7s} {'step ms':>8s} {'host ms':>8s} {'prepare ms':>10s} "
           f"{'ops/step':>8s} {'weights MB':>10s} {'copied MB':>9s} | prepared with the layer: {'step ms':>8s} "
           f"{'host ms':>8s} {'prepare ms':>10s} {'ops/step':>8s} | persistent graph: {'step ms':>8s} "

@@ -102,6 +102,14 @@ def test_relations_smoke(tmp_path):
     assert gnn[0]["model"] == "gnn2" and gnn[0]["split_host_ms"] > 0
 
 
+def test_relations_profile_names_the_steps_python(capsys):
+    relations = load("relations")
+    assert relations.main(["--models", "rgat", "--relations", "8", "--nodes", "200", "--edges", "400", "--dim", "8",
+                           "--profile", "2"]) == []
+    out = capsys.readouterr().out
+    assert "rgat, 8 relations: 2 prepared steps under cProfile" in out and "run_backward" in out
+
+
 @pytest.mark.parametrize("kind", ["rgcn", "rgat", "hgt"])
 def test_user_baselines_compute_hectors_formulas(kind):
     """The plain-PyTorch baselines bench_cuda times (per-relation fp32 path) give hector's outputs and input

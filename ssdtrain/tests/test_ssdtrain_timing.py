@@ -138,6 +138,23 @@ def test_a_link_bound_forward_rescales_the_times_before_any_link_feedback(caplog
             assert "not halved again" in caplog.text and "2 halvings at most" in caplog.text
 
 
+def test_a_step_well_below_its_prediction_rescales_the_times_when_the_forward_cannot():
+    """The plan's copies slowed its forward on the device (not on the host): the forward looks as slow as profiled,
+    but forward and backward together took half the predicted time, which only times too slow explain. The step's
+    time rescales the unit times, and the rescaled plan moves no more than the one built on the slow times."""
+    units = _llama_like(forward_s=0.006)  # profiled 2x slower than the steps run
+    plan = _plan(10 * GIB, units)
+    profiled = sum(u.forward_s for u in units)
+    predicted = plan.prediction.seconds
+    new = _step(_calibrator(_Counters()), _Counters(), plan, profiled, 0.5 * predicted)
+    assert new is not None and new.time_scale == pytest.approx(0.5) and new.times_checked
+    assert "forward+backward" in new.calibrations[-1] and "unit times scaled by 0.50" in new.calibrations[-1]
+    assert new.prediction.host_bytes <= plan.prediction.host_bytes
+    # a step as long as predicted: the times stand
+    again = _plan(10 * GIB, units)
+    assert _step(_calibrator(_Counters()), _Counters(), again, profiled, predicted) is None and again.times_checked
+
+
 def test_a_plan_whose_times_were_never_checked_is_not_judged_by_its_copies(caplog):
     """No usable forward timing (an event not recorded): the plan's times stay unchecked, and its late copies or
     slow steps do not halve the link's rates; the log says why."""

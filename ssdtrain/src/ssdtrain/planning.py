@@ -192,9 +192,9 @@ class Calibrator:
         # First the unit times (from this step's forward), then the peak, then, only where the times were not
         # rescaled now, the link (`_steady`): a step run under times found wrong says nothing about the link.
         ran = plan
-        rescale = self._time_scale(plan, marks)
+        rescale = self._time_scale(plan, marks, grads, held)
         if rescale is not None:
-            plan = self._rescaled(plan, rescale, step)
+            plan = self._rescaled(plan, *rescale, step)
         predicted = ran.predict(grads, held).peak  # the choices this step ran (not the rescaled plan's)
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
@@ -247,9 +247,14 @@ class Calibrator:
             return None
         return measured, min(self._forward_waits or 0.0, measured)
 
-    def _time_scale(self, plan: Plan, marks) -> float | None:
-        """The factor to scale the plan's unit times by, from the checked step's forward; None to keep them (and
-        the plan's times are then checked, where the forward was measured)."""
+    def _time_scale(self, plan: Plan, marks, grads: bool, held: bool) -> tuple[float, str] | None:
+        """(the factor to scale the plan's unit times by, why) from the checked step; None to keep them (and the
+        plan's times are then checked, where the forward was measured).
+
+        Two witnesses: the forward's compute (the measured forward less the host's waits for copies out), and the
+        whole step against its prediction. A plan's copies can slow its forward beyond the host's waits (the device
+        waits for them too), so a forward as slow as profiled does not prove the times right; but a forward and
+        backward well below the predicted time can only mean unit times too slow (copies only add time)."""
         if plan.time_scale != 1.0 or plan.times_checked:
             return None
         forward = self._forward_seconds(marks)
@@ -260,21 +265,37 @@ class Calibrator:
         compute = measured - waited
         if compute <= 0:
             return None  # the host waited the whole forward: no measure of compute
-        if compute >= self.TIME_SLACK * profiled:
-            plan.times_checked = True
-            return None
-        return compute / profiled
+        if compute < self.TIME_SLACK * profiled:
+            scale = compute / profiled
+            return scale, (
+                f"forward compute {compute * 1e3:.1f} ms"
+                + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out)"
+                   if waited else "")
+                + f", profiled {profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
+            )  # fmt: skip
+        total = self._step_seconds(marks)
+        predicted = plan.predict(grads, held).seconds
+        if total is not None and predicted > 0 and total < self.TIME_SLACK * predicted:
+            scale = total / predicted
+            return scale, (
+                f"forward+backward {total * 1e3:.1f} ms against {predicted * 1e3:.1f} ms predicted (the forward, "
+                f"{measured * 1e3:.1f} ms, slowed by the plan's copies): unit times scaled by {scale:.2f}"
+            )
+        plan.times_checked = True
+        return None
 
-    def _rescaled(self, plan: Plan, scale: float, step: int) -> Plan:
+    def _step_seconds(self, marks) -> float | None:
+        """The checked step's forward and backward, measured, or None."""
+        if marks is None or marks[2] is None:
+            return None
+        try:
+            return self.clock.seconds(marks[0], marks[2])
+        except RuntimeError:
+            return None
+
+    def _rescaled(self, plan: Plan, scale: float, why: str, step: int) -> Plan:
         """`plan` planned again with every unit's time scaled by `scale` (same budget, same correction)."""
-        profiled = sum(u.forward_s for u in plan.units)
-        waited = self._forward_waits or 0.0
-        line = (
-            f"step {step - 1}: forward compute {profiled * scale * 1e3:.1f} ms"
-            + (f" (measured {(profiled * scale + waited) * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited "
-               "for copies out)" if waited else "")
-            + f", profiled {profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
-        )  # fmt: skip
+        line = f"step {step - 1}: {why}"
         try:
             new = replan(plan, units=scaled_units(plan.units, scale), time_scale=scale)
         except BudgetError:

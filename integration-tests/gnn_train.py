@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import secrets
 import shutil
 import sys
@@ -673,6 +674,12 @@ def main(argv: list[str] | None = None) -> dict:
     failed = []
     for name, impl, way, cache in runs:
         report["impls"][name] = {}
+        # each run starts from an emptied device cache: what the run before left (the baseline's 9 GiB of cached
+        # blocks) does not shape the next run's allocations
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         try:
             run_impl(impl, copy.deepcopy(models[impl]), cfg, graph, table, topology, proc, args,
                      report["impls"][name], save, way=way, name=name, cache=cache)

@@ -316,17 +316,25 @@ def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
 def run_split(graphs: list[str], models: list[str], steps: int, csv_path: str | None,
               verbose: bool = True) -> list[dict[str, Any]]:
     rows = [measure_split(graph, model, steps=steps) for graph in graphs for model in models]
+    _report(rows, list(rows[0]), csv_path, verbose)
+    return rows
+
+
+def _report(rows: list[dict[str, Any]], cols: list[str], csv_path: str | None, verbose: bool,
+            extra: str | None = None) -> None:
+    """Prints `cols` of `rows` as a table (each row followed by its `extra` column, if named) and writes every
+    column to `csv_path`."""
     if verbose:
-        cols = list(rows[0])
         print(" | ".join(f"{c:>10}" for c in cols))
         for r in rows:
             print(" | ".join(f"{r[c]!s:>10}" for c in cols))
+            if extra:
+                print(f"{'':>10}   {extra}: {r[extra]}")
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    return rows
 
 
 def _inputs(spec: DatasetSpec, dim: int, seed: int = 0):
@@ -425,17 +433,8 @@ def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_
         for model in models:
             for mode in modes:
                 rows.append(measure(graph, model, mode, steps=steps))
-    if verbose:
-        cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms"]
-        print(" | ".join(f"{c:>10}" for c in cols))
-        for r in rows:
-            print(" | ".join(f"{r[c]!s:>10}" for c in cols))
-            print(f"{'':>10}   top ops: {r['top_ops']}")
-    if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms"]
+    _report(rows, cols, csv_path, verbose, extra="top_ops")
     return rows
 
 

@@ -7,30 +7,33 @@ from __future__ import annotations
 from .prediction import Choice, split_choice
 
 
+def _single_changes(model, choices, fixed):
+    """Every plan one change away from `choices` (units not in `fixed`): (unit index, its new choice, prediction)."""
+    names = model.tier_names()
+    for i, u in enumerate(model.units):
+        if u.name in fixed:
+            continue
+        for c in u.options(names):
+            if c != choices[i]:
+                yield i, c, model(choices[:i] + [c] + choices[i + 1 :])
+
+
 def _search(model, choices, target, fixed, by_peak=False):
     """Greedy: the change with the least added time per byte of peak removed, until the peak fits `target`
     (`by_peak`: the change that lowers the peak most, for the leanest plan)."""
     current = model(choices)
-    names = model.tier_names()
     while current.peak > target:
         best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
+        for i, c, pred in _single_changes(model, choices, fixed):
+            if pred.peak >= current.peak or not model.feasible(pred):
                 continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak >= current.peak or not model.feasible(pred):
-                    continue
-                # Least time per byte; a change that reaches the target outright is judged by its time alone.
-                cost = max(pred.seconds - current.seconds, 0.0) + 1e-9
-                gain = current.peak - pred.peak
-                score = cost if pred.peak <= target else cost / gain * (1 << 30)
-                key = (pred.peak, pred.seconds) if by_peak else (pred.peak > target, score, pred.seconds)
-                if best is None or key < best[0]:
-                    best = (key, i, c, pred)
+            # Least time per byte; a change that reaches the target outright is judged by its time alone.
+            cost = max(pred.seconds - current.seconds, 0.0) + 1e-9
+            gain = current.peak - pred.peak
+            score = cost if pred.peak <= target else cost / gain * (1 << 30)
+            key = (pred.peak, pred.seconds) if by_peak else (pred.peak > target, score, pred.seconds)
+            if best is None or key < best[0]:
+                best = (key, i, c, pred)
         if best is None:
             return choices, current, False
         _, i, c, current = best
@@ -72,22 +75,14 @@ def _leanest(model, choices, fixed):
 def _relax(model, choices, target, fixed):
     """Undo what is no longer needed: any single change that is faster and still fits, best first."""
     current = model(choices)
-    names = model.tier_names()
     improved = True
     while improved:
         improved = False
         best = None
-        for i, u in enumerate(model.units):
-            if u.name in fixed:
-                continue
-            for c in u.options(names):
-                if c == choices[i]:
-                    continue
-                trial = choices[:i] + [c] + choices[i + 1 :]
-                pred = model(trial)
-                if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and model.feasible(pred):
-                    if best is None or pred.seconds < best[2].seconds:
-                        best = (i, c, pred)
+        for i, c, pred in _single_changes(model, choices, fixed):
+            if pred.peak <= target and pred.seconds < current.seconds - 1e-7 and model.feasible(pred):
+                if best is None or pred.seconds < best[2].seconds:
+                    best = (i, c, pred)
         if best is not None:
             i, c, current = best
             choices = choices[:i] + [c] + choices[i + 1 :]

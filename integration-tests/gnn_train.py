@@ -221,7 +221,8 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
             # features are gathered on the loader's other stream (its host reads then wait for the sampling only)
             return {"hector_graph": hector.prepare_graph(sub.edge_index, sub.edge_type, sub.num_nodes,
                                                          num_relations,
-                                                         layers=model if plans == "loader" and model else ())}
+                                                         layers=model if plans == "loader" and model is not None
+                                                         else ())}
 
         if plans == "ahead" and model is not None:
             # The layers' launch plans cost the host a few ms per batch wherever they are built. In the loader
@@ -346,7 +347,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         stats = train_loader.stats()
         phases = {"wait": stats["wait_s"], "compute": max(0.0, elapsed - stats["wait_s"]),
                   "sample": stats["sample_s"], "gather": stats["gather_s"]}
-        ahead = stats.get("ahead_batches", 0)  # batches whose launch plans the loader built (--layer-plans ahead)
+        ahead = stats["ahead_batches"]  # batches whose launch plans the loader built (--layer-plans ahead)
         batch_losses = [v / proc.world_size for v in proc.sum(torch.stack(losses).tolist())]
         seeds_total, edges_total = proc.sum([len(losses) * cfg.batch_size, edges])
         elapsed, wait = proc.max([elapsed, stats["wait_s"]])

@@ -46,15 +46,18 @@ class _Maker:
     def make_one(self):
         """The next batch and the events that mark it made (None without a stream)."""
         positions = self.positions()
-        if self.stream is None:
-            batch = self.loader.make(positions)
+        return self._made_on(self.stream, lambda: self.loader.make(positions))
+
+    def _made_on(self, stream, make):
+        """(``make()``'s batch, with ``prepare_when_ahead`` run on it, made on ``stream`` if any; the events that
+        mark it made, or None without a stream)."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            batch = make()
             self.when_ahead(batch)
+        if stream is None:
             return batch, None
-        with torch.cuda.stream(self.stream):
-            batch = self.loader.make(positions)
-            self.when_ahead(batch)
         record_stream(batch, self.consumer)
-        return batch, self.loader._ready_events(self.stream)
+        return batch, self.loader._ready_events(stream)
 
     def sample_one(self):
         """(the next batch's subgraph and input ids, the event marking them sampled or None): the sampler thread."""
@@ -71,21 +74,14 @@ class _Maker:
         """The batch of a subgraph from :meth:`sample_one` and the events that mark it made: the loader thread,
         on the loader's assembling stream, after the sampling."""
         stream = self.loader._assemble_stream
-        if stream is None:
-            batch = self.loader.finish(*sampled)
-            self.when_ahead(batch)
-            return batch, None
-        stream.wait_event(event)
-        sub, input_id = sampled
-        # made on the sampling stream, read on this one: not reused by the sampling stream before they are read
-        for t in [input_id, *vars(sub).values()]:
-            if isinstance(t, Tensor) and t.is_cuda:
-                t.record_stream(stream)
-        with torch.cuda.stream(stream):
-            batch = self.loader.finish(sub, input_id)
-            self.when_ahead(batch)
-        record_stream(batch, self.consumer)
-        return batch, self.loader._ready_events(stream)
+        if stream is not None:
+            stream.wait_event(event)
+            sub, input_id = sampled
+            # made on the sampling stream, read on this one: not reused by the sampling stream before they are read
+            for t in [input_id, *vars(sub).values()]:
+                if isinstance(t, Tensor) and t.is_cuda:
+                    t.record_stream(stream)
+        return self._made_on(stream, lambda: self.loader.finish(*sampled))
 
     def when_ahead(self, batch) -> None:
         """The loader's ``prepare_when_ahead`` on ``batch`` if this is a loader thread whose previous batch has not

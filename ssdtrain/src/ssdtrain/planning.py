@@ -192,10 +192,11 @@ class Calibrator:
         # First the unit times (from this step's forward), then the peak, then, only where the times were not
         # rescaled now, the link (`_steady`): a step run under times found wrong says nothing about the link.
         ran = plan
-        rescale = self._time_scale(plan, marks, grads, held)
+        ran_prediction = ran.predict(grads, held)  # the choices this step ran (not the rescaled plan's)
+        rescale = self._time_scale(plan, marks, ran_prediction.seconds)
         if rescale is not None:
             plan = self._rescaled(plan, *rescale, step)
-        predicted = ran.predict(grads, held).peak  # the choices this step ran (not the rescaled plan's)
+        predicted = ran_prediction.peak
         limit = plan.budget if plan.budget is not None else plan.speed_target
         # Upward always (the budget is at stake); downward (a faster plan) only on the first check and only when
         # the prediction was far too high.
@@ -247,9 +248,10 @@ class Calibrator:
             return None
         return measured, min(self._forward_waits or 0.0, measured)
 
-    def _time_scale(self, plan: Plan, marks, grads: bool, held: bool) -> tuple[float, str] | None:
-        """(the factor to scale the plan's unit times by, why) from the checked step; None to keep them (and the
-        plan's times are then checked, where the forward was measured).
+    def _time_scale(self, plan: Plan, marks, predicted: float) -> tuple[float, str] | None:
+        """(the factor to scale the plan's unit times by, why) from the checked step, whose predicted time is
+        ``predicted`` seconds; None to keep them (and the plan's times are then checked, where the forward was
+        measured).
 
         Two witnesses: the forward's compute (the measured forward less the host's waits for copies out), and the
         whole step against its prediction. A plan's copies can slow its forward beyond the host's waits (the device
@@ -274,7 +276,6 @@ class Calibrator:
                 + f", profiled {profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
             )  # fmt: skip
         total = self._step_seconds(marks)
-        predicted = plan.predict(grads, held).seconds
         if total is not None and predicted > 0 and total < self.TIME_SLACK * predicted:
             scale = total / predicted
             return scale, (

@@ -224,7 +224,7 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
                                                          layers=model if plans == "loader" and model is not None
                                                          else ())}
 
-        if plans == "ahead" and model is not None:
+        if plans == "ahead" and model is not None and options.get("thread"):  # (only a loader thread is ahead)
             # The layers' launch plans cost the host a few ms per batch wherever they are built. In the loader
             # thread they help where the step is the slower side (many relations) and hurt where the loader is
             # (an H100, large preset: 1.20 s per epoch, 19% waiting, against 1.16 s with the plans in the step):

@@ -543,8 +543,10 @@ def test_prepare_when_ahead_runs_only_while_the_loader_is_ahead_of_training():
                             prepare=lambda sub: (time.sleep(0.05), {})[1])
     assert not any(getattr(b, "ahead", False) for b in loader) and not marked
     assert loader.stats()["ahead_batches"] == 0
-    # without a loader thread there is no "ahead": never called
-    list(NeighborLoader(data, [4, 2], batch_size=40, prefetch=0, prepare_when_ahead=when_ahead))
+    # without a loader thread there is no "ahead": never called, and the loader says so
+    with pytest.warns(UserWarning, match="prepare_when_ahead=.... is never called without a loader thread"):
+        unused = NeighborLoader(data, [4, 2], batch_size=40, prefetch=0, prepare_when_ahead=when_ahead)
+    list(unused)
     assert not marked
 
 

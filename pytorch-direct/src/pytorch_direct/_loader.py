@@ -143,6 +143,9 @@ class NeighborLoader:
         self.thread = self.prefetch > 0 if thread is None else bool(thread)
         if self.thread and not self.prefetch:
             raise ValueError("thread=True needs prefetch >= 1: a loader thread makes batches ahead of training")
+        if prepare_when_ahead is not None and not self.thread:
+            warnings.warn("NeighborLoader(prepare_when_ahead=...) is never called without a loader thread: use "
+                          "thread=True (and prefetch >= 1), or do that work in the training step", stacklevel=2)
         if not cuda and self.prefetch and not self.thread:
             warnings.warn("NeighborLoader(prefetch>0, thread=False) on the CPU: batches made ahead by the training "
                           "thread overlap nothing without CUDA streams (use thread=True, or prefetch=0)", stacklevel=2)

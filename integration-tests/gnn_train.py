@@ -48,11 +48,13 @@ IMPLS = ("toolkit", "baseline")
 # that runs without the GIL: what the GIL costs a loader thread. "thread-normal-priority": the loader's CUDA streams
 # at the default priority instead of high; "thread-plans-step" / "thread-plans-loader": hector's launch plans built
 # always in the training step / always in the loader thread (instead of --layer-plans); "thread-serial": one loader
-# thread samples and gathers in turn (not pipelined through a sampler thread of its own).
+# thread samples and gathers in turn (not pipelined through a sampler thread of its own); "preloaded": the epoch's
+# batches all made by the loader thread before the clock starts (launch plans included), so the epoch times the
+# training steps alone, without loader threads beside them: what sharing the host with the loader costs.
 WAYS = {"thread": dict(thread=True), "ahead": dict(thread=False), "inturn": dict(prefetch=0, thread=False),
         "thread-python": dict(thread=True), "thread-normal-priority": dict(thread=True, high_priority=False),
         "thread-plans-step": dict(thread=True, plans="step"), "thread-plans-loader": dict(thread=True, plans="loader"),
-        "thread-serial": dict(thread=True, pipeline=False)}
+        "thread-serial": dict(thread=True, pipeline=False), "preloaded": dict(thread=True, plans="loader")}
 # where the toolkit builds hector's launch plans for each batch (--layer-plans)
 PLANS = ("ahead", "loader", "step")
 LOADING = ("thread", "ahead", "inturn")  # the three ways of --compare-loading
@@ -333,8 +335,12 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         edges = 0
         bar = harness.progress(len(train_loader), f"{name} epoch {epoch + 1}/{cfg.epochs}",
                                proc.main and not args.no_progress)
+        batches = train_loader
+        if way == "preloaded":
+            batches = list(train_loader)
+            harness.synchronize(device)
         begin = harness.now(device)
-        for batch in train_loader:
+        for batch in batches:
             edges += batch.num_edges
             loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
             optimizer.zero_grad(set_to_none=True)
@@ -342,9 +348,12 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
             optimizer.step()
             losses.append(loss.detach())
             bar.update(1)
+        issued = time.perf_counter() - begin  # the host's share: the steps' work queued, not yet done
         elapsed = harness.now(device) - begin
         bar.close()
         stats = train_loader.stats()
+        if way == "preloaded":  # (its waits fell before the clock started)
+            stats["wait_s"] = 0.0
         phases = {"wait": stats["wait_s"], "compute": max(0.0, elapsed - stats["wait_s"]),
                   "sample": stats["sample_s"], "gather": stats["gather_s"]}
         ahead = stats["ahead_batches"]  # batches whose launch plans the loader built (--layer-plans ahead)
@@ -356,7 +365,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
             "epoch": epoch + 1, "time_s": elapsed, "seeds_per_s": seeds_total / elapsed,
             "edges_per_s": edges_total / elapsed, "loss": sum(batch_losses) / len(batch_losses),
             "val_acc": val_acc, **{f"{k}_s": v for k, v in phases.items()}, "wait_fraction": wait / elapsed,
-            "batch_losses": batch_losses, "plans_in_loader": ahead,
+            "batch_losses": batch_losses, "plans_in_loader": ahead, "issued_s": issued,
         }
         auto = _gather_status(impl, device)
         if auto is not None:
@@ -368,7 +377,8 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         proc.print(f"  {name:16s} epoch {epoch + 1}: {elapsed:7.2f} s  {record['seeds_per_s']:10,.0f} seeds/s  "
                    f"loss {record['loss']:.4f}  val acc {val_acc:.3f}  (waited for batches {wait:.2f} s = "
                    f"{wait / elapsed:.1%}; loader: sample {phases['sample']:.2f} s, gather {phases['gather']:.2f} s"
-                   + (f", plans of {ahead} of {len(losses)} batches" if ahead else "") + ")"
+                   + (f", plans of {ahead} of {len(losses)} batches" if ahead else "")
+                   + f"; steps queued in {issued:.2f} s)"
                    + (f" [gather: {_status_text(auto)}]" if auto else "")
                    + (f" [cache: {cached['rows']:,} rows = {cached['share']:.0%}, {harness.gib(cached['bytes'])}, "
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))

@@ -161,11 +161,11 @@ def test_rerun_trains_each_implementation_again_last():
     results."""
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun",
                              "--layer-plans", "loader",
-                             "--toolkit-ways", "thread-plans-step,thread-normal-priority,thread-serial"])
+                             "--toolkit-ways", "thread-plans-step,thread-normal-priority,thread-serial,preloaded"])
     assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
     first = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     for name in ("toolkit-rerun", "toolkit-thread-plans-step", "toolkit-thread-normal-priority",
-                 "toolkit-thread-serial"):
+                 "toolkit-thread-serial", "toolkit-preloaded"):
         assert report["impls"][name]["epochs"][0]["batch_losses"] == pytest.approx(first, abs=1e-6), name
 
 

@@ -160,7 +160,7 @@ def test_rerun_trains_each_implementation_again_last():
     hector's launch plans are built (--layer-plans, and the ways that force a place) changes nothing in the
     results."""
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1", "--rerun",
-                             "--layer-plans", "loader",
+                             "--layer-plans", "loader", "--switch-interval-ms", "1",
                              "--toolkit-ways", "thread-plans-step,thread-normal-priority,thread-serial,preloaded"])
     assert list(report["impls"])[-2:] == ["toolkit-rerun", "baseline-rerun"]
     first = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]

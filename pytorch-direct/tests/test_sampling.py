@@ -569,6 +569,7 @@ def test_every_way_of_loading_gives_the_same_batches(prefetch, thread, pipeline)
     assert samplers == ({"pytorch-direct-sampler"} if thread and pipeline else names)
     stats = loader.stats()
     assert stats["batches"] == len(ref) and stats["wait_s"] >= 0 and stats["sample_s"] > 0
+    assert stats["sample_cpu_s"] > 0 and stats["gather_cpu_s"] > 0
     # a second epoch: another order, the same seeds
     again = [b.n_id[: b.batch_size] for b in loader]
     assert not all(torch.equal(a[: 64], b[: 64]) for a, b in zip(got, again, strict=True))

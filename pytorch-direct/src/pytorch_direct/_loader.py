@@ -54,14 +54,18 @@ class LoaderStats:
     """Per epoch: ``batches`` handed to training; ``wait_s``: how long training waited for them (on a GPU, the
     time the training stream stalled for a batch, CUDA events; on the CPU, wall time); ``host_wait_s``: wall time
     the training thread spent in ``next()``; ``sample_s`` / ``gather_s``: host time spent sampling the batches and
-    then gathering their features and preparing them (in the loader's threads when it has them);
-    ``ahead_batches`` / ``ahead_s``: batches that ``prepare_when_ahead`` ran on, and its host time."""
+    then gathering their features and preparing them (in the loader's threads when it has them), and
+    ``sample_cpu_s`` / ``gather_cpu_s`` the CPU time of the threads doing it (what that work asks of the host, where
+    the wall times also hold waits); ``ahead_batches`` / ``ahead_s``: batches that ``prepare_when_ahead`` ran on,
+    and its host time."""
 
     batches: int = 0
     wait_s: float = 0.0
     host_wait_s: float = 0.0
     sample_s: float = 0.0
     gather_s: float = 0.0
+    sample_cpu_s: float = 0.0
+    gather_cpu_s: float = 0.0
     ahead_batches: int = 0
     ahead_s: float = 0.0
 
@@ -292,16 +296,17 @@ class NeighborLoader:
 
     def sample(self, positions: Tensor) -> tuple[SampledSubgraph, Tensor]:
         """The sampled subgraph around the seeds at ``positions``, and their input ids (current stream)."""
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         sub = self.sampler.sample(self._seeds_global[positions], check=False)
         input_id = self._input_id_dev[positions] if self._input_id_dev is not None else positions
         self._stats.sample_s += time.perf_counter() - start
+        self._stats.sample_cpu_s += time.thread_time() - start_cpu
         return sub, input_id
 
     def finish(self, sub: SampledSubgraph, input_id: Tensor) -> Any:
         """The batch of a sampled subgraph: its features gathered (on the gather stream when the current stream is
         one of the loader's), ``prepare`` and ``transform`` run, on the current stream and thread."""
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         current = torch.cuda.current_stream(self.device) if self._gather_stream is not None else None
         on_stream = current is not None and current in (self._stream, self._assemble_stream)
         self._gathering = self._gather_stream if on_stream else None
@@ -321,6 +326,7 @@ class NeighborLoader:
                 current.wait_stream(self._gather_stream)
             batch = self.transform(batch)
         self._stats.gather_s += time.perf_counter() - start
+        self._stats.gather_cpu_s += time.thread_time() - start_cpu
         return batch
 
     def _ready_events(self, made_on: torch.cuda.Stream) -> list:

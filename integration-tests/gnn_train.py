@@ -394,8 +394,57 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
     if args.profile and name in IMPLS:  # (each implementation's default way)
         result["profile"], result["profile_threads"] = profile_batches(train_loader, forward, optimizer,
                                                                        args.profile, device, name, proc)
+    if args.profile_host and name in IMPLS:
+        result["host_profile"] = profile_host(
+            lambda: make_loader(impl, topology, table, labels, cfg, seeds, device, "inturn", 1, args.seed + 41,
+                                True, model, "loader"),
+            forward, optimizer, args.profile_host, device, name, proc)
     result["peak_gpu_bytes"] = proc.max([peak])[0] if peak is not None else None
     save()
+
+
+def profile_host(make_loader_in_turn, forward, optimizer, count: int, device: torch.device, name: str,
+                 proc: harness.Process, top: int = 20) -> dict:
+    """The host work of a batch, each side alone under cProfile in this thread: making ``count`` batches (the
+    loader in turn: sampling, gathering, preparation and launch plans) and ``count`` training steps on them
+    (backward on this thread too, so that the profile sees it). Prints the functions by own time per side;
+    returns each side's host ms per batch. What each side asks of the interpreter lock, with no thread beside it."""
+    import cProfile
+    import pstats
+
+    loader = iter(make_loader_in_turn())
+    next(loader)  # (warm: first-call work)
+    made = []
+    sides = {}
+    for side in ("making a batch", "a training step"):
+        prof = cProfile.Profile()
+        harness.synchronize(device)
+        start = time.perf_counter()
+        with torch.autograd.set_multithreading_enabled(False):
+            for i in range(count):
+                if side == "making a batch":
+                    prof.enable()
+                    made.append(next(loader))
+                    prof.disable()
+                else:
+                    batch = made[i]
+                    prof.enable()
+                    loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    prof.disable()
+        harness.synchronize(device)
+        ms = (time.perf_counter() - start) / count * 1e3
+        sides[side] = ms
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        proc.print(f"  {name}: {side}, {count} under cProfile: {ms:.2f} ms of host time each; functions by own time "
+                   f"(ms per batch):")
+        for (path, line, func), (_, calls, own, cumulative, _) in rows:
+            proc.print(f"    {own / count * 1e3:7.3f} own {cumulative / count * 1e3:7.3f} cum {calls / count:7.1f} "
+                       f"calls  {func} ({path.rsplit('/', 1)[-1]}:{line})")
+    optimizer.zero_grad(set_to_none=True)
+    return sides
 
 
 def profile_batches(train_loader, forward, optimizer, count: int, device: torch.device, name: str,
@@ -600,6 +649,10 @@ def parse_args(argv):
                         help="Python's thread switch interval during training (sys.setswitchinterval; default: "
                              "Python's, 5 ms): how long the training thread may wait for the interpreter lock "
                              "while a loader thread holds it")
+    parser.add_argument("--profile-host", type=int, default=0, metavar="BATCHES",
+                        help="after the measured epochs, make this many batches and then train on them in the main "
+                             "thread under cProfile, each side alone, and print the Python functions taking each "
+                             "side's host time (the toolkit's and the baseline's default way; default 0: none)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help='random seed for the graph, weights and batches')
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -130,7 +130,7 @@ def test_every_way_of_loading_trains_the_same(tiny):
 
 def test_relation_flags_train_many_relations():
     report = gnn_train.main(["--size", "tiny", "--device", "cpu", "--no-progress", "--epochs", "1",
-                             "--relations", "200", "--relation-skew", "1.0", "--profile", "2"])
+                             "--relations", "200", "--relation-skew", "1.0", "--profile", "2", "--profile-host", "2"])
     assert report["config"]["graph"]["num_relations"] == 200 and report["config"]["graph"]["relation_skew"] == 1.0
     for impl in ("toolkit", "baseline"):  # the profiled steps: the costliest operations, each step's matmuls among them
         rows = report["impls"][impl]["profile"]
@@ -139,6 +139,8 @@ def test_relation_flags_train_many_relations():
         threads = {t["thread"]: t for t in report["impls"][impl]["profile_threads"]}
         assert {"training", "loader"} <= set(threads), threads  # (the loader's thread makes the batches)
         assert threads["training"]["host_ms_per_step"] > 0
+        sides = report["impls"][impl]["host_profile"]  # each side's host time alone
+        assert set(sides) == {"making a batch", "a training step"} and min(sides.values()) > 0, sides
     ours = report["impls"]["toolkit"]["epochs"][0]["batch_losses"]
     theirs = report["impls"]["baseline"]["epochs"][0]["batch_losses"]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3

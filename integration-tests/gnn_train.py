@@ -395,6 +395,7 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
         result["profile"], result["profile_threads"] = profile_batches(train_loader, forward, optimizer,
                                                                        args.profile, device, name, proc)
     if args.profile_host and name in IMPLS:
+        model.train()  # (the last evaluation left it in eval mode: its batches would get inference plans)
         result["host_profile"] = profile_host(
             lambda: make_loader(impl, topology, table, labels, cfg, seeds, device, "inturn", 1, args.seed + 41,
                                 True, model, "loader"),

@@ -2,6 +2,8 @@
 thread a fiber; barriers, warp shuffles, shared memory and atomics as on a GPU), checked against the reference
 backend: forward and gradients of every model, random programs, awkward graphs, dtypes."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import half_storage_reference, make_graph, rel_err
@@ -22,13 +24,28 @@ if compiler() is None:
     pytest.skip("no C++ compiler for the kernel emulator", allow_module_level=True)
 
 EMULATED = CudaBackend(EmulatedExecutor())
+_SELECT = compiled_mod.select  # the backend a CPU tensor really gets: the reference
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """Route every layer call through the CUDA backend on the emulator."""
+    """Route every layer call through the CUDA backend on the emulator (see :func:`_on_reference` for the
+    reference side of a comparison)."""
     monkeypatch.setattr(compiled_mod, "select", lambda device, dtype: EMULATED)
     return EMULATED
+
+
+@contextlib.contextmanager
+def _on_reference():
+    """The reference backend for the calls and backward passes inside, under the ``emulated`` fixture: it routes
+    float64 calls through the emulated kernels too, and a reference computed by the kernels under test would
+    share their bugs (a weight gradient left at zero passed every layer comparison that way)."""
+    emulated = compiled_mod.select
+    compiled_mod.select = _SELECT
+    try:
+        yield
+    finally:
+        compiled_mod.select = emulated
 
 
 def _grads(out, inputs, weight=None):
@@ -47,8 +64,9 @@ def _reference_and_layer(name: str, ei, et, nt):
     typed = (nt, 2) if layer.num_node_types else (None, None)
     x = torch.randn(17, ref.in_channels, dtype=torch.float64)
     xa = x.clone().requires_grad_()
-    a = ref(xa, ei, et, typed[0])
-    ga = _grads(a, [xa] + list(ref.parameters()))
+    with _on_reference():
+        a = ref(xa, ei, et, typed[0])
+        ga = _grads(a, [xa] + list(ref.parameters()))
     return ref, layer, typed, x, xa, a, ga
 
 
@@ -84,10 +102,11 @@ def _compare(make, ei, et, nt, n, dtype, tol):
     layer.load_state_dict(ref.state_dict())
     x = torch.randn(n, ref.in_channels, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(), x.to(dtype).requires_grad_()
-    a = ref(xa, ei, et, nt)
+    with _on_reference():
+        a = ref(xa, ei, et, nt)
+        ga = _grads(a, [xa] + list(ref.parameters()))
     b = layer(xb, ei, et, nt)
     assert b.dtype == dtype and rel_err(b.double(), a) < tol
-    ga = _grads(a, [xa] + list(ref.parameters()))
     gb = _grads(b, [xb] + list(layer.parameters()))
     for (name, _), u, v in zip([("x", None)] + list(ref.named_parameters()), gb, ga, strict=True):
         if v is None:  # unused parameter (e.g. HGT's skip gate when in != out)
@@ -473,6 +492,9 @@ def test_prepare_graph_in_a_loader_thread(emulated):
     ref = LAYERS["rgat"]().double()
     ref.load_state_dict(layer.state_dict())
     graphs = [make_graph(num_nodes=17, num_edges=60 + 5 * i, seed=20 + i) for i in range(6)]
+    xs = [torch.randn(17, 6, dtype=torch.float64) for _ in graphs]
+    with _on_reference():  # (before the loader thread starts: the backend choice is process-wide)
+        expected = [ref(x, ei, et) for x, (ei, et, _) in zip(xs, graphs, strict=True)]
     ready: queue.Queue = queue.Queue(maxsize=2)
     failures = []
 
@@ -489,10 +511,9 @@ def test_prepare_graph_in_a_loader_thread(emulated):
     steps = 0
     while (item := ready.get()) is not None:
         ei, et, graph = item
-        x = torch.randn(17, 6, dtype=torch.float64)
-        out = layer(x.float(), graph)
+        out = layer(xs[steps].float(), graph)
         out.sum().backward()
-        assert rel_err(out.double(), ref(x, ei, et)) < 1e-5
+        assert rel_err(out.double(), expected[steps]) < 1e-5
         steps += 1
     thread.join()
     assert not failures and steps == len(graphs)

@@ -276,6 +276,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_traversal(const float* __re
   #pragma unroll
   for (int s = 0; s < 1; ++s) { sm_v9_m[s] = HECTOR_NEG_INF; sm_v9_z[s] = 0; }
   // walk 1 of 2 over the in-edges of d
+  #pragma unroll 4
   for (int e = e_begin; e < e_end; ++e) {
     // %v_2 = linear(%v3, %w_1) {transpose=False} : edge[2]
     const i64 row2 = (i64)(e) * 2;
@@ -305,6 +306,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_traversal(const float* __re
   #pragma unroll
   for (int s = 0; s < 1; ++s) acc_v12[s] = 0;
   // walk 2 of 2 over the in-edges of d
+  #pragma unroll 4
   for (int e = e_begin; e < e_end; ++e) {
     // %v_2 = linear(%v3, %w_1) {transpose=False} : edge[2]
     const i64 row8 = (i64)(e) * 2;

@@ -12,6 +12,9 @@ from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_
 from .templates import BROADCASTING, ELEMENTWISE
 
 
+EDGE_UNROLL = 4  # row walks (a destination's in-edges, a target's sorted rows) unrolled this many times
+
+
 class _Traversal(_Emitter):
     """Emits one traversal kernel (see the module docstring for the execution model)."""
 
@@ -398,7 +401,10 @@ class _Traversal(_Emitter):
             for loop in range(nloops):
                 body += self.sections[loop]
                 body.append(f"  // walk {loop + 1} of {nloops} over the in-edges of d")
-                body.append("  for (int e = e_begin; e < e_end; ++e) {")
+                # unrolled: the loads of several in-edges in flight at once. The walk is serial per destination,
+                # so a destination with a thousand in-edges bounds the kernel with one dependent load chain per
+                # edge (fb15k: max in-degree 1,006, each walk kernel ~0.7 ms of an RGAT step)
+                body.append(f"  #pragma unroll {EDGE_UNROLL}\n  for (int e = e_begin; e < e_end; ++e) {{")
                 body += ["  " + sub for ln in self.loops[loop] for sub in ln.split("\n")]
                 body.append("  }")
             body += self.sections[nloops]
@@ -432,7 +438,7 @@ class _Traversal(_Emitter):
             body.append(f"  acc_t acc_{cname(m)}[{S}];  // %{m}, summed over the rows of t")
             body.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) acc_{cname(m)}[s] = 0;")
         body.append(f"  const int k_begin = {ptr}[t], k_end = {ptr}[t + 1];")
-        body.append("  for (int k = k_begin; k < k_end; ++k) {")
+        body.append(f"  #pragma unroll {EDGE_UNROLL}\n  for (int k = k_begin; k < k_end; ++k) {{")
         body.append(f"  const i64 r = {rows}[k];  // {self.k.space} row, sorted by {via}")
         body += ["  " + sub for ln in self.loops[0] for sub in ln.split("\n")]
         body.append("  }")

@@ -83,6 +83,7 @@ class _Model:
     held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
     move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
     hold_head: bool = False  # no block prefetched during the head's backward
+    clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -108,6 +109,7 @@ class _Model:
             held_grads=held,
             move_overhead_s=self.move_overhead_s,
             hold_head=self.hold_head,
+            clear_casts=self.clear_casts,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -153,6 +155,9 @@ class Plan:
     times_checked: bool = False
     move_overhead_s: float = 0.0  # seconds charged per moved unit beyond its copies' link time (calibration)
     hold_head: bool = False  # the head's backward runs with no block prefetched (only where the budget needs it)
+    # Autocast's weight casts of a recomputed block are freed when it returns (the session clears the cache there,
+    # unless a parameter of a block is used elsewhere too): False counts them until the forward ends.
+    clear_casts: bool = True
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -174,6 +179,7 @@ class Plan:
             h,
             self.move_overhead_s,
             self.hold_head,
+            self.clear_casts,
         )
 
     @property
@@ -358,6 +364,7 @@ def make_plan(
     async_copies: bool = True,
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
+    clear_casts: bool = True,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -367,7 +374,9 @@ def make_plan(
     `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak.
     `grads`: steps start without gradients (backward allocates them); `held_grads`: other steps start with them
     all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
-    moved unit costs beyond its copies' link time (set by calibration)."""
+    moved unit costs beyond its copies' link time (set by calibration). `clear_casts`: autocast's weight casts of a
+    recomputed block are freed when its forward returns (the session clears the cache there), else held until the
+    forward ends."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -398,6 +407,7 @@ def make_plan(
         async_copies,
         held_grads,
         move_overhead_s,
+        clear_casts=clear_casts,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -450,6 +460,7 @@ def make_plan(
         budget_fraction=budget_fraction,
         move_overhead_s=move_overhead_s,
         hold_head=model.hold_head,
+        clear_casts=clear_casts,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -515,6 +526,7 @@ def replan(plan: Plan, **changes) -> Plan:
         held_grads=fields["held_grads"],
         budget_fraction=fields["budget_fraction"],
         move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
+        clear_casts=plan.clear_casts,
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)

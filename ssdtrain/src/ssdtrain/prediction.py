@@ -6,8 +6,8 @@ forward+backward time and the activation peak of a set of choices.
 behind forward compute (then on the tier's own stage) and hold GPU memory until copied; backward prefetches a window
 of units ahead over the tier's stage and the host-to-device link, and a unit whose data is late stalls. The peak
 also holds what never moves: small tensors, the parameters' casts saved by autocast (unless the block is
-recomputed), the gradients backward allocates when a step starts without them, and the measured working memory
-(temporaries never saved).
+recomputed: then only while it runs, as the session clears autocast's cache after it), the gradients backward
+allocates when a step starts without them, and the measured working memory (temporaries never saved).
 """
 
 from __future__ import annotations
@@ -194,15 +194,17 @@ def simulate(
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
     hold_head: bool = False,
+    clear_casts: bool = True,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
     The peak is the largest of what the allocator holds at the end of each unit's forward and during each unit's
-    backward. Forward: what the units so far keep (and autocast's weight casts of the recomputed ones, cached
-    until the forward ends), plus the moved bytes still waiting for their copy out (at most
-    the cache's window: the host runs ahead of the device, so the allocator sees a copy as done only when the
-    cache polls it; past the window the cache makes the host wait, which delays compute here), plus
-    `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
+    backward. Forward: what the units so far keep (and autocast's weight casts of the recomputed ones: with
+    `clear_casts` those of the unit running only, as the session clears autocast's cache when a recomputed block's
+    forward returns; without, all of them, cached until the forward ends), plus the moved bytes still waiting for
+    their copy out (at most the cache's window: the host runs ahead of the device, so the allocator sees a copy as
+    done only when the cache polls it; past the window the cache makes the host wait, which delays compute here),
+    plus `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
     Backward of unit i: what is still kept, its moved bytes (back), the units below it prefetched within the
     window, what its recompute re-creates, the gradients allocated so far (with `grads`: the step starts without
     them), and the working memory of that backward: `working_bytes` for the head (the logits' gradients), else
@@ -226,7 +228,9 @@ def simulate(
     window = window_bytes(units, choices, window_units)
     held = sum(u.grad_bytes for u in units) if held_grads else 0
     # Autocast caches its weight casts until the autocast region ends (after the forward, where backward runs
-    # outside it): a recomputed block saves none of its casts, yet they are held through the rest of the forward.
+    # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
+    # forward unless it is cleared when the block returns (`clear_casts`: the session does, where no parameter of a
+    # block is used elsewhere).
     casts = [u.pinned_bytes if c.recompute in ("full", "selective") else 0 for u, c in zip(units, choices, strict=True)]
     held_casts = 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
@@ -247,7 +251,7 @@ def simulate(
         t += u.forward_s
         end[i] = t
         resident += res
-        held_casts += casts[i]
+        held_casts = casts[i] if clear_casts else held_casts + casts[i]
         if moved:
             link = max(link, t - u.forward_s) + moved / bw.d2h
             sent[i] = link

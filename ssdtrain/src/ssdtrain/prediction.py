@@ -23,7 +23,7 @@ _MIB = float(1 << 20)
 # streams, and its release (events, a pinned buffer from the pool). On an H100 host the profiled step of a plan
 # moving 64 block inputs spent 0.18 ms per moved tensor in these (pack, copy_out, _restore, _release) under the
 # profiler, which slows Python by about 2x. A move that hides behind compute still costs this: where recompute
-# alone fits the budget at the same predicted device time, it wins.
+# alone fits the budget at the same predicted device time, it wins. Charged where copies run behind compute.
 MOVE_HOST_S = 1e-4
 
 
@@ -263,8 +263,10 @@ def simulate(
     cumulative = 0
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
         t += u.forward_s
-        if moved:
-            t += MOVE_HOST_S * moved_tensors(u, choices[i])  # the host's work for the moves, in this forward
+        if moved and async_copies:
+            # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is
+            # the link's, counted below).
+            t += MOVE_HOST_S * moved_tensors(u, choices[i])
         end[i] = t
         resident += res
         held_casts = casts[i] if clear_casts else held_casts + casts[i]

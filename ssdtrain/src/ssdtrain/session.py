@@ -55,6 +55,12 @@ def _not_compiled(fn):
     return disable(fn) if disable is not None else fn
 
 
+@_not_compiled
+def _clear_casts() -> None:
+    """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
+    torch.clear_autocast_cache()
+
+
 class OffloadSession:
     """The object ``offload()`` returns; use it as a context manager. See the module docstring."""
 
@@ -429,10 +435,12 @@ class OffloadSession:
     def block_done(self, unit: int) -> None:
         if self.plan is None:
             self.profiler.block_done(unit)
+            if self.clear_casts and unit in self.profiler.checkpointed:
+                _clear_casts()  # as under a plan: the measured working memory holds no stale casts
         elif unit in self._cast_units:
             # A recomputed block's weight casts are used by nothing after it (its backward casts again): the plan
             # counts them only while it runs (see __init__).
-            torch.clear_autocast_cache()
+            _clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
         self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
 

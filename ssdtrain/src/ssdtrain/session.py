@@ -30,9 +30,8 @@ from .model import (
     Checkpointer,
     cheap_modules,
     find_blocks,
-    held_grad_bytes,
+    grad_bytes,
     is_compiled,
-    missing_grad_bytes,
     param_bytes,
     param_storage_ptrs,
 )
@@ -349,8 +348,8 @@ class OffloadSession:
         self._packs = 0
         self.cache.unit = 0
         self.cache.reset_step()
-        grads = missing_grad_bytes(self.model)
-        held = 0 if grads else held_grad_bytes(self.model)
+        grads, held = grad_bytes(self.model)
+        held = 0 if grads else held
         if grads:
             self.state.grads_missing = True
         elif held:

@@ -16,6 +16,7 @@ from torch import nn
 import ssdtrain
 from ssdtrain import prediction as prediction_module
 from ssdtrain.planner import (
+    AHEAD_UNITS,
     BUDGET_MARGIN,
     Bandwidth,
     Choice,
@@ -28,7 +29,7 @@ from ssdtrain.planner import (
     simulate,
 )
 from ssdtrain.planning import Calibrator
-from ssdtrain.prediction import MOVE_HOST_S, moved_tensors
+from ssdtrain.prediction import MOVE_HOST_S, moved_tensors, split_choice
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -248,6 +249,26 @@ def test_a_block_input_moves_only_where_recompute_alone_does_not_fit(monkeypatch
             m.setattr(prediction_module, "MOVE_HOST_S", 0.0)
             assert charged == pytest.approx(plan.prediction.seconds + moves * MOVE_HOST_S, rel=1e-9)
     assert _count(_plan(6 * GIB), "recompute+host") < 13
+
+
+def test_copies_out_run_further_ahead_where_the_peak_has_room():
+    """The cache bounds the copies out in flight in forward (the host waits beyond): the window by default, more
+    (up to AHEAD_UNITS x the largest moved unit) where the step peaks elsewhere, so a pause of the host's does not
+    leave the device idle. The peak stays where it was; where the forward holds the peak, only the window."""
+    for budget in (6 * GIB, 7 * GIB, 9 * GIB):
+        plan = _plan(budget)
+        moved = max(split_choice(u, c)[1] for u, c in zip(plan.units, plan.choices, strict=True))
+        assert plan.prediction.peak_at.startswith("backward of ")
+        assert plan.window_bytes < plan.inflight_bytes <= AHEAD_UNITS * moved
+        assert plan.inflight_bytes % moved == 0
+        assert plan.prediction.peak == replace(plan, inflight_bytes=0).prediction.peak
+        more = replace(plan, inflight_bytes=plan.inflight_bytes + moved).prediction
+        assert more.peak > plan.prediction.peak or plan.inflight_bytes == AHEAD_UNITS * moved
+    # A forward whose working memory is the step's largest: no room, the window alone.
+    work = {**WORK, "forward_working": 3 * GIB, "working_bytes": GIB}
+    tight = make_plan("m", _llama_like(), LINK, 9 * GIB, host_limit=64 * GIB, nvme_limit=0, block_container="b", **work)
+    assert tight.prediction.peak_at.startswith("forward of ") and tight.inflight_bytes == 0
+    assert _plan(40 * GIB).inflight_bytes == 0  # nothing moved
 
 
 def test_a_slow_step_without_device_waits_charges_its_excess_to_the_moved_units_once():

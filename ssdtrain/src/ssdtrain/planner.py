@@ -84,6 +84,7 @@ class _Model:
     move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
     hold_head: bool = False  # no block prefetched during the head's backward
     clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
+    inflight_bytes: int = 0  # copies out in flight in forward before the host waits, when above the window
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -110,6 +111,7 @@ class _Model:
             move_overhead_s=self.move_overhead_s,
             hold_head=self.hold_head,
             clear_casts=self.clear_casts,
+            inflight_bytes=self.inflight_bytes,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -158,6 +160,9 @@ class Plan:
     # Autocast's weight casts of a recomputed block are freed when it returns (the session clears the cache there,
     # unless a parameter of a block is used elsewhere too): False counts them until the forward ends.
     clear_casts: bool = True
+    # Copies out the cache lets the host leave in flight in forward before it waits (0: the window): more where the
+    # step's peak is elsewhere (see ``ahead_bytes``).
+    inflight_bytes: int = 0
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -180,6 +185,7 @@ class Plan:
             self.move_overhead_s,
             self.hold_head,
             self.clear_casts,
+            self.inflight_bytes,
         )
 
     @property
@@ -232,6 +238,8 @@ class Plan:
             raise ValueError(f"{name} is not a repeated block: only blocks can be recomputed (keep, host or nvme)")
         self.choices[i] = c
         self.overridden.add(name)
+        self.inflight_bytes = 0
+        self.inflight_bytes = ahead_bytes(self._model(), self.choices, self.window_units)
         return self
 
     def _index(self, name: str) -> int:
@@ -340,6 +348,27 @@ def make_tiers(host_limit: int = 0, nvme_limit: int = 0) -> dict[str, TierSpec]:
         "host": TierSpec("host", int(host_limit)),
         "nvme": TierSpec("nvme", int(nvme_limit), ASSUMED_DISK_RATE, ASSUMED_DISK_RATE, measured=False),
     }
+
+
+# Units of copies out the host may leave in flight in forward, where the peak has room (see ``ahead_bytes``).
+AHEAD_UNITS = 8
+
+
+def ahead_bytes(model: _Model, choices: list[Choice], window_units: int) -> int:
+    """The most bytes of copies out in flight in forward (up to ``AHEAD_UNITS`` x the largest moved unit) that leave
+    the predicted peak where it is: 0 where only the window fits. The cache makes the host wait for copies out
+    beyond its bound; with the window alone (two block inputs of 64 MiB on a Llama model) that held the host within
+    two blocks of the device, so any pause of the host's (a collection, a hook's work) left the device idle. Where
+    the step peaks elsewhere (the head's backward, as it usually does), more copies in flight in forward cost
+    nothing."""
+    biggest = max((split_choice(u, c)[1] for u, c in zip(model.units, choices, strict=True)), default=0)
+    if not biggest or not model.async_copies:
+        return 0
+    base = model(choices).peak
+    for k in range(AHEAD_UNITS, window_units, -1):
+        if replace(model, inflight_bytes=k * biggest)(choices).peak <= base:
+            return k * biggest
+    return 0
 
 
 def make_plan(
@@ -461,6 +490,7 @@ def make_plan(
         move_overhead_s=move_overhead_s,
         hold_head=model.hold_head,
         clear_casts=clear_casts,
+        inflight_bytes=ahead_bytes(model, plan_choices, window_units),
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False

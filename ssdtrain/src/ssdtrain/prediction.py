@@ -209,6 +209,7 @@ def simulate(
     move_overhead_s: float = 0.0,
     hold_head: bool = False,
     clear_casts: bool = True,
+    inflight_bytes: int = 0,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -232,7 +233,9 @@ def simulate(
     (measured by calibration: a step that ran slower than predicted while the device did not wait for copies
     back), counted as a stall at the unit's backward. `hold_head`: the head's backward (the logits' gradients, often
     the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
-    first block's then on demand."""
+    first block's then on demand. `inflight_bytes`: the cache's bound on copies out in flight in forward when larger
+    than the window (the host may then run further ahead of the device; the plan gives it where the peak has room).
+    """
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -240,6 +243,7 @@ def simulate(
     parts = [split_choice(u, c) for u, c in zip(units, choices, strict=True)]
     moved_bytes = [p[1] for p in parts]
     window = window_bytes(units, choices, window_units)
+    ahead_limit = max(window, inflight_bytes)  # copies out in flight in forward before the host waits
     held = sum(u.grad_bytes for u in units) if held_grads else 0
     # Autocast caches its weight casts until the autocast region ends (after the forward, where backward runs
     # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
@@ -284,12 +288,12 @@ def simulate(
             backlog -= queued[head][1]
             head += 1
         # More than the window in flight: the host waits for copies out, and the device's compute with it.
-        while backlog > window and head < len(queued):
+        while backlog > ahead_limit and head < len(queued):
             t = max(t, queued[head][0])
             backlog -= queued[head][1]
             head += 1
         end[i] = t
-        inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
+        inflight = max(backlog, min(ahead_limit, cumulative)) if async_copies else backlog
         here = resident + held_casts + inflight + fwd_work + held
         if here > peak:
             peak, peak_at = here, f"forward of {u.name}"

@@ -599,7 +599,9 @@ class OffloadSession:
         self.cache.window_units = plan.window_units
         # Compiled models' units are slices of the pack order: the head is still the last one.
         self.cache.hold_head = len(plan.units) - 1 if plan.hold_head else None
-        self.cache.max_inflight = plan.window_bytes if self.device.type == "cuda" else float("inf")
+        # Copies out in flight in forward before the host waits: the window, or more where the peak has room.
+        inflight = max(plan.window_bytes, plan.inflight_bytes)
+        self.cache.max_inflight = inflight if self.device.type == "cuda" else float("inf")
 
     # ----------------------------------------------------------------------------------------------- facts
     def stats(self) -> dict:

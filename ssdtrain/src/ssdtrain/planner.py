@@ -315,6 +315,11 @@ class Plan:
         if p.peak_parts:
             what = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.peak_parts.items())
             lines.append(f"  the peak is at the {p.peak_at}: {what}")
+        if self.inflight_bytes > self.window_bytes:
+            lines.append(
+                f"  copies out in flight in forward: up to {format_bytes(self.inflight_bytes)} before the host waits "
+                f"(the window is {format_bytes(self.window_bytes)}; the peak is elsewhere)"
+            )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         legend = []
         if cheap:

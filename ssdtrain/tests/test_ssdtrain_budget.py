@@ -549,20 +549,28 @@ def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_
     assert check(roomy, 10.0, 4) is None and check(roomy, 10.0, 5) is None
 
 
-def test_weight_casts_of_recomputed_blocks_count_until_the_forward_ends():
+def test_weight_casts_of_recomputed_blocks_count_while_they_are_cached():
     """Autocast caches its bf16 weight casts until the autocast region ends: a recomputed block saves none of
-    them, but they are held through the rest of the forward (measured on an H100: a checkpointed Llama block
-    leaves its casts allocated after its forward). Kept blocks hold theirs as saved bytes; both count."""
+    them, but the cache holds them through the rest of the forward (measured on an H100: a checkpointed Llama block
+    leaves its casts allocated after its forward) unless the session clears it when the block returns
+    (`clear_casts`, its default): then only the running block's count. Kept blocks hold theirs as saved bytes."""
     casts = 90 * MIB
     units = _units(n=4, head_saved=MIB)
     for u in units[1:-1]:
         u.pinned_bytes = casts
     fwd_work = 2 * GIB
     recompute = [Choice()] + [Choice("full", "keep")] * 4 + [Choice()]
-    p = simulate(units, recompute, FAST, forward_working=fwd_work, working_bytes=0, block_working=0)
     inputs = 4 * 32 * MIB
+    kw = dict(forward_working=fwd_work, working_bytes=0, block_working=0)
+    held = simulate(units, recompute, FAST, clear_casts=False, **kw)
     # At the head's forward: the stem and head keep theirs, the blocks keep their inputs and all four blocks' casts
-    assert p.peak >= MIB + MIB + inputs + 4 * casts + fwd_work
+    assert held.peak == MIB + MIB + inputs + 4 * casts + fwd_work
+    assert held.peak_at == "forward of <head>" and held.peak_parts["weight casts"] == 4 * casts
+    cleared = simulate(units, recompute, FAST, **kw)
+    # The last block's forward: its own casts are still cached, the others' are gone.
+    assert cleared.peak == MIB + inputs + casts + fwd_work
+    assert cleared.peak_parts["weight casts"] == casts
     kept = [Choice()] * 6
-    k = simulate(units, kept, FAST, forward_working=fwd_work, working_bytes=0, block_working=0)
-    assert k.peak == MIB + MIB + 4 * (400 * MIB + casts) + fwd_work
+    for clear in (True, False):
+        k = simulate(units, kept, FAST, clear_casts=clear, **kw)
+        assert k.peak == MIB + MIB + 4 * (400 * MIB + casts) + fwd_work

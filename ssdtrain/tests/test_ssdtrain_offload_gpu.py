@@ -421,3 +421,19 @@ def test_per_step_sessions_and_a_caught_exception_on_gpu(tmp_path):
     assert sum(x["profiled_steps"] for x in stats) == 1
     assert stats[-1]["bytes_offloaded"]["host"] > 0 and stats[-1]["prefetch_hits"] + stats[-1]["forwarded"] > 0
     assert stats[3]["steps"] == 2 and stats[3]["bytes_offloaded"]["host"] > 0
+
+
+def test_recomputed_blocks_weight_casts_are_freed_on_the_device():
+    """Under CUDA autocast, a recomputed block's bf16 weight casts leave autocast's cache when it returns (the plan
+    counts them only while it runs); a kept block's stay, saved for its backward."""
+    from test_ssdtrain_offload import batch, make_net
+    from test_ssdtrain_reliability import alive_block_casts
+
+    ids = batch().cuda()
+    alive, s = alive_block_casts(
+        make_net(layers=3, width=64).cuda(), ids, {f"blocks.{i}": "recompute" for i in range(3)}
+    )
+    assert alive == 0 and s.plan.clear_casts
+    kept = {"blocks.0": "recompute+host", "blocks.1": "keep", "blocks.2": "recompute"}
+    alive, _ = alive_block_casts(make_net(layers=3, width=64).cuda(), ids, kept)
+    assert alive > 0

@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -290,6 +291,83 @@ def test_parameter_casts_and_gradients_are_in_the_peak():
     assert plan.grads and sum(u.grad_bytes for u in plan.units) == sum(p.numel() * 4 for p in model.parameters())
     without = plan.predict(grads=False).peak
     assert plan.prediction.peak > without  # the gradients count where a step starts without them
+
+
+class _CastWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Weak references to the casts of `params` made while active (autocast's bf16 weight copies)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = {id(p) for p in params}
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(r() is not None for r in self.casts)
+
+
+def alive_block_casts(model, ids, overrides):
+    """Casts of the blocks' weights still allocated when a planned step's forward returns, inside autocast (on the
+    model's device)."""
+    device = next(model.parameters()).device.type
+    with ssdtrain.offload(model, min_bytes="4K", overrides=overrides) as s:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                model(ids).backward()
+        model.zero_grad(set_to_none=True)
+        watch = _CastWatch([p for b in model.blocks for p in b.parameters() if p.dim() == 2])
+        with torch.autocast(device, dtype=torch.bfloat16):
+            with watch:
+                loss = model(ids)
+            alive = watch.alive()
+        loss.backward()
+    assert watch.casts, "autocast made no weight casts: the test measures nothing"
+    return alive, s
+
+
+def test_recomputed_blocks_weight_casts_leave_autocast_cache_when_they_return():
+    """Autocast keeps its weight casts cached until its region ends; a recomputed block saves none of them, so the
+    session clears the cache when it returns and the plan counts them only while it runs. Where a block's weight
+    is shared, a later user would cast it again unseen: the cache is left alone and the plan counts them all."""
+    ids = batch()
+    recompute = {f"blocks.{i}": "recompute" for i in range(3)}
+    alive, s = alive_block_casts(make_net(layers=3, width=64), ids, recompute)
+    assert alive == 0 and s.plan.clear_casts
+    kept = {"blocks.0": "recompute", "blocks.1": "keep", "blocks.2": "recompute"}
+    alive, s = alive_block_casts(make_net(layers=3, width=64), ids, kept)
+    assert alive > 0  # the kept block's casts are saved for its backward
+    tied = make_net(layers=3, width=64)
+    tied.blocks[1].up.weight = tied.blocks[0].up.weight
+    alive, s = alive_block_casts(tied, ids, recompute)
+    assert alive > 0 and not s.plan.clear_casts  # shared: nothing cleared, every cast counted
+
+
+def test_blocks_checkpointed_while_profiling_leave_no_casts_cached(monkeypatch):
+    """Profiling checkpoints the blocks beyond its allowance; their weight casts leave autocast's cache when each
+    returns, as under a plan, so the measured forward's working memory holds no casts of blocks that saved none."""
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_cpu_profile_allowance", 1 << 20)
+    model, ids = make_net(layers=5, width=64), batch()
+    weights = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
+    with ssdtrain.offload(model, min_bytes="4K") as s:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids).backward()  # the warm-up
+        watch = _CastWatch(weights)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with watch:
+                loss = model(ids)  # the measured step
+            alive = watch.alive()
+        loss.backward()
+        checkpointed = set(s.profiler.checkpointed)
+    assert len(checkpointed) >= 2
+    per_block = len(watch.casts) // len(model.blocks)
+    assert alive == per_block * (len(model.blocks) - len(checkpointed))  # the blocks it kept hold theirs
 
 
 # ------------------------------------------------------------------------------------------------ NVMe tier

@@ -187,20 +187,19 @@ def param_bytes(modules) -> int:
     return total
 
 
-def missing_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients backward will allocate: trainable parameters whose ``.grad`` is None now."""
-    return sum(
-        local_tensor(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
-    )
-
-
-def held_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients held now (a step of gradient accumulation starts with them)."""
-    return sum(
-        local_tensor(p.grad).numel() * p.grad.element_size()
-        for p in model.parameters()
-        if p.requires_grad and p.grad is not None
-    )
+def grad_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the gradients backward will allocate: trainable parameters whose ``.grad`` is None now, bytes of
+    the gradients held now), in one pass over the parameters: a step starts with this (host time per micro-batch)."""
+    missing = held = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad
+        if g is None:
+            missing += local_tensor(p).numel() * p.element_size()
+        else:
+            held += local_tensor(g).numel() * g.element_size()
+    return missing, held
 
 
 class Checkpointer:

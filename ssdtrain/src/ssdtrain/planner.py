@@ -83,6 +83,8 @@ class _Model:
     held_grads: bool = False  # some steps start with every gradient held (accumulation): the peak covers both
     move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
     hold_head: bool = False  # no block prefetched during the head's backward
+    clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
+    inflight_bytes: int = 0  # copies out in flight in forward before the host waits, when above the window
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -108,6 +110,8 @@ class _Model:
             held_grads=held,
             move_overhead_s=self.move_overhead_s,
             hold_head=self.hold_head,
+            clear_casts=self.clear_casts,
+            inflight_bytes=self.inflight_bytes,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -153,6 +157,12 @@ class Plan:
     times_checked: bool = False
     move_overhead_s: float = 0.0  # seconds charged per moved unit beyond its copies' link time (calibration)
     hold_head: bool = False  # the head's backward runs with no block prefetched (only where the budget needs it)
+    # Autocast's weight casts of a recomputed block are freed when it returns (the session clears the cache there,
+    # unless a parameter of a block is used elsewhere too): False counts them until the forward ends.
+    clear_casts: bool = True
+    # Copies out the cache lets the host leave in flight in forward before it waits (0: the window): more where the
+    # step's peak is elsewhere (see ``ahead_bytes``).
+    inflight_bytes: int = 0
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -174,6 +184,8 @@ class Plan:
             h,
             self.move_overhead_s,
             self.hold_head,
+            self.clear_casts,
+            self.inflight_bytes,
         )
 
     @property
@@ -226,6 +238,8 @@ class Plan:
             raise ValueError(f"{name} is not a repeated block: only blocks can be recomputed (keep, host or nvme)")
         self.choices[i] = c
         self.overridden.add(name)
+        self.inflight_bytes = 0
+        self.inflight_bytes = ahead_bytes(self._model(), self.choices, self.window_units)
         return self
 
     def _index(self, name: str) -> int:
@@ -301,6 +315,11 @@ class Plan:
         if p.peak_parts:
             what = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.peak_parts.items())
             lines.append(f"  the peak is at the {p.peak_at}: {what}")
+        if self.inflight_bytes > self.window_bytes:
+            lines.append(
+                f"  copies out in flight in forward: up to {format_bytes(self.inflight_bytes)} before the host waits "
+                f"(the window is {format_bytes(self.window_bytes)}; the peak is elsewhere)"
+            )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
         legend = []
         if cheap:
@@ -336,6 +355,27 @@ def make_tiers(host_limit: int = 0, nvme_limit: int = 0) -> dict[str, TierSpec]:
     }
 
 
+# Units of copies out the host may leave in flight in forward, where the peak has room (see ``ahead_bytes``).
+AHEAD_UNITS = 8
+
+
+def ahead_bytes(model: _Model, choices: list[Choice], window_units: int) -> int:
+    """The most bytes of copies out in flight in forward (up to ``AHEAD_UNITS`` x the largest moved unit) that leave
+    the predicted peak where it is: 0 where only the window fits. The cache makes the host wait for copies out
+    beyond its bound; with the window alone (two block inputs of 64 MiB on a Llama model) that held the host within
+    two blocks of the device, so any pause of the host's (a collection, a hook's work) left the device idle. Where
+    the step peaks elsewhere (the head's backward, as it usually does), more copies in flight in forward cost
+    nothing."""
+    biggest = max((split_choice(u, c)[1] for u, c in zip(model.units, choices, strict=True)), default=0)
+    if not biggest or not model.async_copies:
+        return 0
+    base = model(choices).peak
+    for k in range(AHEAD_UNITS, window_units, -1):
+        if replace(model, inflight_bytes=k * biggest)(choices).peak <= base:
+            return k * biggest
+    return 0
+
+
 def make_plan(
     model_name: str,
     units: list[UnitProfile],
@@ -358,6 +398,7 @@ def make_plan(
     async_copies: bool = True,
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
+    clear_casts: bool = True,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -367,7 +408,9 @@ def make_plan(
     `block_working` during a block's backward (None: `working_bytes`); `correction` is added to every peak.
     `grads`: steps start without gradients (backward allocates them); `held_grads`: other steps start with them
     all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
-    moved unit costs beyond its copies' link time (set by calibration)."""
+    moved unit costs beyond its copies' link time (set by calibration). `clear_casts`: autocast's weight casts of a
+    recomputed block are freed when its forward returns (the session clears the cache there), else held until the
+    forward ends."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -398,6 +441,7 @@ def make_plan(
         async_copies,
         held_grads,
         move_overhead_s,
+        clear_casts=clear_casts,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -450,6 +494,8 @@ def make_plan(
         budget_fraction=budget_fraction,
         move_overhead_s=move_overhead_s,
         hold_head=model.hold_head,
+        clear_casts=clear_casts,
+        inflight_bytes=ahead_bytes(model, plan_choices, window_units),
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -515,6 +561,7 @@ def replan(plan: Plan, **changes) -> Plan:
         held_grads=fields["held_grads"],
         budget_fraction=fields["budget_fraction"],
         move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
+        clear_casts=plan.clear_casts,
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)

@@ -6,8 +6,8 @@ forward+backward time and the activation peak of a set of choices.
 behind forward compute (then on the tier's own stage) and hold GPU memory until copied; backward prefetches a window
 of units ahead over the tier's stage and the host-to-device link, and a unit whose data is late stalls. The peak
 also holds what never moves: small tensors, the parameters' casts saved by autocast (unless the block is
-recomputed), the gradients backward allocates when a step starts without them, and the measured working memory
-(temporaries never saved).
+recomputed: then only while it runs, as the session clears autocast's cache after it), the gradients backward
+allocates when a step starts without them, and the measured working memory (temporaries never saved).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from .tiers import TierSpec
 
 RECOMPUTE = ("none", "cheap", "selective", "full")
 _MIB = float(1 << 20)
+# Host time of one moved tensor: the pack's bookkeeping, issuing its copy out and its copy back on the side
+# streams, and its release (events, a pinned buffer from the pool). On an H100 host the profiled step of a plan
+# moving 64 block inputs spent 0.18 ms per moved tensor in these (pack, copy_out, _restore, _release) under the
+# profiler, which slows Python by about 2x. A move that hides behind compute still costs this: where recompute
+# alone fits the budget at the same predicted device time, it wins. Charged where copies run behind compute.
+MOVE_HOST_S = 1e-4
 
 
 @dataclass
@@ -155,6 +161,14 @@ def split_choice(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
     return small, movable, extra_s, transient
 
 
+def moved_tensors(u: UnitProfile, c: Choice) -> int:
+    """Tensors a unit's choice sends through a tier: its inputs under full or selective recompute (the
+    block's hidden states; counted as one), else what it saves (small ones included: an upper bound)."""
+    if c.tier == "keep":
+        return 0
+    return 1 if c.recompute in ("full", "selective") else max(1, u.tensors)
+
+
 def window_bytes(units: list[UnitProfile], choices: list[Choice], window_units: int) -> int:
     """Device bytes the cache may hold for moved activations in either direction: prefetched but not yet used in
     backward, and waiting for their copy out in forward (``window_units`` x the largest unit's moved bytes)."""
@@ -194,15 +208,18 @@ def simulate(
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
     hold_head: bool = False,
+    clear_casts: bool = True,
+    inflight_bytes: int = 0,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
     The peak is the largest of what the allocator holds at the end of each unit's forward and during each unit's
-    backward. Forward: what the units so far keep (and autocast's weight casts of the recomputed ones, cached
-    until the forward ends), plus the moved bytes still waiting for their copy out (at most
-    the cache's window: the host runs ahead of the device, so the allocator sees a copy as done only when the
-    cache polls it; past the window the cache makes the host wait, which delays compute here), plus
-    `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
+    backward. Forward: what the units so far keep (and autocast's weight casts of the recomputed ones: with
+    `clear_casts` those of the unit running only, as the session clears autocast's cache when a recomputed block's
+    forward returns; without, all of them, cached until the forward ends), plus the moved bytes still waiting for
+    their copy out (at most the cache's window: the host runs ahead of the device, so the allocator sees a copy as
+    done only when the cache polls it; past the window the cache makes the host wait, which delays compute here),
+    plus `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
     Backward of unit i: what is still kept, its moved bytes (back), the units below it prefetched within the
     window, what its recompute re-creates, the gradients allocated so far (with `grads`: the step starts without
     them), and the working memory of that backward: `working_bytes` for the head (the logits' gradients), else
@@ -216,7 +233,9 @@ def simulate(
     (measured by calibration: a step that ran slower than predicted while the device did not wait for copies
     back), counted as a stall at the unit's backward. `hold_head`: the head's backward (the logits' gradients, often
     the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
-    first block's then on demand."""
+    first block's then on demand. `inflight_bytes`: the cache's bound on copies out in flight in forward when larger
+    than the window (the host may then run further ahead of the device; the plan gives it where the peak has room).
+    """
     tiers = tiers or {}
     n = len(units)
     fwd_work = working_bytes if forward_working is None else forward_working
@@ -224,9 +243,12 @@ def simulate(
     parts = [split_choice(u, c) for u, c in zip(units, choices, strict=True)]
     moved_bytes = [p[1] for p in parts]
     window = window_bytes(units, choices, window_units)
+    ahead_limit = max(window, inflight_bytes)  # copies out in flight in forward before the host waits
     held = sum(u.grad_bytes for u in units) if held_grads else 0
     # Autocast caches its weight casts until the autocast region ends (after the forward, where backward runs
-    # outside it): a recomputed block saves none of its casts, yet they are held through the rest of the forward.
+    # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
+    # forward unless it is cleared when the block returns (`clear_casts`: the session does, where no parameter of a
+    # block is used elsewhere).
     casts = [u.pinned_bytes if c.recompute in ("full", "selective") else 0 for u, c in zip(units, choices, strict=True)]
     held_casts = 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
@@ -245,9 +267,13 @@ def simulate(
     cumulative = 0
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
         t += u.forward_s
+        if moved and async_copies:
+            # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is
+            # the link's, counted below).
+            t += MOVE_HOST_S * moved_tensors(u, choices[i])
         end[i] = t
         resident += res
-        held_casts += casts[i]
+        held_casts = casts[i] if clear_casts else held_casts + casts[i]
         if moved:
             link = max(link, t - u.forward_s) + moved / bw.d2h
             sent[i] = link
@@ -262,12 +288,12 @@ def simulate(
             backlog -= queued[head][1]
             head += 1
         # More than the window in flight: the host waits for copies out, and the device's compute with it.
-        while backlog > window and head < len(queued):
+        while backlog > ahead_limit and head < len(queued):
             t = max(t, queued[head][0])
             backlog -= queued[head][1]
             head += 1
         end[i] = t
-        inflight = max(backlog, min(window, cumulative)) if async_copies else backlog
+        inflight = max(backlog, min(ahead_limit, cumulative)) if async_copies else backlog
         here = resident + held_casts + inflight + fwd_work + held
         if here > peak:
             peak, peak_at = here, f"forward of {u.name}"

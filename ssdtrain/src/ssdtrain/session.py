@@ -30,9 +30,8 @@ from .model import (
     Checkpointer,
     cheap_modules,
     find_blocks,
-    held_grad_bytes,
+    grad_bytes,
     is_compiled,
-    missing_grad_bytes,
     param_bytes,
     param_storage_ptrs,
 )
@@ -53,6 +52,12 @@ __all__ = ["OffloadSession"]
 def _not_compiled(fn):
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
+
+
+@_not_compiled
+def _clear_casts() -> None:
+    """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
+    torch.clear_autocast_cache()
 
 
 class OffloadSession:
@@ -181,6 +186,13 @@ class OffloadSession:
         self._warm = None  # (device base, kept) of a warm-up step, for the profiled step's allowance
         self._warm_excess = 0
         self._unit_grads = self._unit_grad_bytes(inner)
+        # Autocast caches the casts of the weights (bf16 copies of fp32 parameters) until its region ends: a
+        # recomputed block saves none of them, yet the cache would hold them through the rest of the forward (on a
+        # Llama-style model under full recompute, 1.3 GiB at the head). The cache is cleared when a recomputed
+        # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
+        # user of the weight would cast it again, a copy no profile saw.
+        self.clear_casts = not self._blocks_share_params(inner)
+        self._cast_units: frozenset[int] = frozenset()
         self._released = False
         self._quiet = False  # plan(): its steps only profile
 
@@ -210,6 +222,15 @@ class OffloadSession:
         blocks = [param_bytes([m]) for _, m in self.blocks]
         rest = max(0, param_bytes([inner]) - sum(blocks))
         return [0] + blocks + [rest]
+
+    def _blocks_share_params(self, inner: nn.Module) -> bool:
+        uses: dict[int, int] = {}
+        for _, p in inner.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        for _, block in self.blocks:
+            if any(uses.get(id(p), 0) > 1 for p in block.parameters()):
+                return True
+        return False
 
     def _plan_key(self, signature):
         return (signature, self._key_options)
@@ -327,8 +348,8 @@ class OffloadSession:
         self._packs = 0
         self.cache.unit = 0
         self.cache.reset_step()
-        grads = missing_grad_bytes(self.model)
-        held = 0 if grads else held_grad_bytes(self.model)
+        grads, held = grad_bytes(self.model)
+        held = 0 if grads else held
         if grads:
             self.state.grads_missing = True
         elif held:
@@ -413,6 +434,12 @@ class OffloadSession:
     def block_done(self, unit: int) -> None:
         if self.plan is None:
             self.profiler.block_done(unit)
+            if self.clear_casts and unit in self.profiler.checkpointed:
+                _clear_casts()  # as under a plan: the measured working memory holds no stale casts
+        elif unit in self._cast_units:
+            # A recomputed block's weight casts are used by nothing after it (its backward casts again): the plan
+            # counts them only while it runs (see __init__).
+            _clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
         self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
 
@@ -521,6 +548,7 @@ class OffloadSession:
             grads=self.state.grads_missing,
             held_grads=self.state.grads_missing and self.state.grads_held,
             budget_fraction=self.budget_fraction,
+            clear_casts=self.clear_casts,
         )
         if self.compiled:
             plan.order_bounds = list(self.profiler.order_bounds)
@@ -534,6 +562,7 @@ class OffloadSession:
         self.checkpoints.unwrap_all()
         self._recomputed = 0
         self.plan = plan
+        self._cast_units = frozenset()
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
@@ -558,13 +587,21 @@ class OffloadSession:
         kept = [c.tier == "keep" for c in plan.choices]
         self.cache.keeps_unit = None if self.compiled else (lambda unit: kept[min(unit, len(kept) - 1)])
         self._recomputed = len(self.checkpoints)
+        if plan.clear_casts and self.clear_casts and not self.compiled:
+            self._cast_units = frozenset(
+                i
+                for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True))
+                if u.kind == "block" and c.recompute in ("full", "selective")
+            )
         self._recomputed_any = self._recomputed_any or self._recomputed > 0
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.
         self.cache.window_bytes = plan.window_bytes
         self.cache.window_units = plan.window_units
         # Compiled models' units are slices of the pack order: the head is still the last one.
         self.cache.hold_head = len(plan.units) - 1 if plan.hold_head else None
-        self.cache.max_inflight = plan.window_bytes if self.device.type == "cuda" else float("inf")
+        # Copies out in flight in forward before the host waits: the window, or more where the peak has room.
+        inflight = max(plan.window_bytes, plan.inflight_bytes)
+        self.cache.max_inflight = inflight if self.device.type == "cuda" else float("inf")
 
     # ----------------------------------------------------------------------------------------------- facts
     def stats(self) -> dict:

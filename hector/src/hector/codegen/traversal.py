@@ -11,7 +11,6 @@ from ..lower.kernels import Kernel
 from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_least, _Ref, cname
 from .templates import BROADCASTING, ELEMENTWISE
 
-
 EDGE_UNROLL = 4  # row walks (a destination's in-edges, a target's sorted rows) unrolled this many times
 
 

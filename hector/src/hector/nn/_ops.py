@@ -6,9 +6,12 @@ Eager calls do not use these ops (they go straight through :class:`hector.runtim
 
 * ``hector::relational_layer(x, edge_index, edge_type, node_type, weights, layer_id) -> (out, token)`` runs the
   layer's forward program on its backend. In training mode the values the backward program reads are stashed under
-  the address of ``token``, a one-byte tensor of this call that autograd keeps for the backward op (so two calls
-  on the same inputs never share an entry); at most ``STASH_LIMIT`` calls are kept, an evicted call is recomputed
-  in backward. In eval mode the token is empty and nothing is kept.
+  the address of ``token``, a one-byte tensor of this call that autograd keeps for the backward op (found with one
+  lookup, whatever the number of weights; two live calls never share an entry); at most ``STASH_LIMIT`` calls are
+  kept, an evicted call is recomputed in backward, and a call whose backward never comes (its autograd graph freed)
+  drops its entry with its token. In eval mode the token is empty and nothing is kept. (AOTAutograd
+  merges identical calls in one graph: a layer with dropout applied twice to the very same tensors gets one mask
+  for both under torch.compile, where eager draws two.)
 * ``hector::relational_layer_backward(grad, token, x, ..., needs) -> [grad_x, grad_weights...]`` runs the
   generated backward for the inputs that need a gradient (``needs``, as autograd says: the first layer's ``x``
   usually does not), like the eager path; the others get an empty placeholder, which autograd receives as None.
@@ -72,7 +75,11 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
     token = torch.empty(1 if training else 0, dtype=torch.uint8, device=x.device)
     if training:
         # everything the backward op needs besides its arguments, so that it resolves nothing again
-        _STASH[token.data_ptr()] = (compiled, graph, names, backend, {s: env[s] for s in saved})
+        key = token.data_ptr()
+        # a call whose backward never comes (its graph dropped) gives its values back when its token dies; the
+        # entry holds the weak reference, so an entry popped by the backward op takes its callback with it
+        drop = weakref.ref(token, lambda _, key=key: _STASH.pop(key, None))
+        _STASH[key] = (compiled, graph, names, backend, {s: env[s] for s in saved}, drop)
         while len(_STASH) > STASH_LIMIT:
             _STASH.popitem(last=False)
     return out, token
@@ -89,7 +96,7 @@ def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_
                  needs: list[bool]) -> list[torch.Tensor]:
     hit = _STASH.pop(token.data_ptr(), None) if token.numel() else None
     if hit is not None:
-        compiled, graph, names, backend, saved = hit
+        compiled, graph, names, backend, saved, _ = hit
     else:  # evicted or never stashed: recompute the forward (like activation checkpointing)
         layer = _layer(layer_id)
         graph, compiled, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)

@@ -186,3 +186,24 @@ def test_each_call_backward_uses_its_own_forward_values():
     for a, b in zip(got, ref, strict=True):
         assert rel_err(a, b) < 1e-6
     assert not _ops._STASH, "a compiled training call's forward values outlived its backward"
+
+
+def test_eval_mode_with_gradients_after_training_compiles():
+    """A model compiled in training mode, then switched to eval mode with gradients still on (saliency, input
+    gradients): the compiled graph (not specialised on the mode; inductor checks each op's output shapes against
+    its fake kernel's) runs the eval program, and backward, finding no kept forward values, recomputes them:
+    eager's gradients."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor needs a C++ compiler")
+    torch.manual_seed(0)
+    ei, et, nt = make_graph(node_types=2)
+    net = Net()
+    x = torch.randn(14, 6, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, fullgraph=True, backend="inductor")
+    compiled(x, ei, et, nt).sum().backward()
+    net.eval()
+    got = torch.autograd.grad(compiled(x, ei, et, nt).pow(2).sum(), x)[0]
+    ref = torch.autograd.grad(net(x, ei, et, nt).pow(2).sum(), x)[0]
+    assert rel_err(got, ref) < 1e-6
+    assert not _ops._STASH

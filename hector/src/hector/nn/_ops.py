@@ -9,7 +9,7 @@ Eager calls do not use these ops (they go straight through :class:`hector.runtim
   the address of ``token``, a one-byte tensor of this call that autograd keeps for the backward op (found with one
   lookup, whatever the number of weights; two live calls never share an entry); at most ``STASH_LIMIT`` calls are
   kept, an evicted call is recomputed in backward, and a call whose backward never comes (its autograd graph freed)
-  drops its entry with its token. In eval mode the token is empty and nothing is kept. (AOTAutograd
+  drops its entry with its token. In eval mode nothing is kept (a backward, if any, recomputes the forward). (AOTAutograd
   merges identical calls in one graph: a layer with dropout applied twice to the very same tensors gets one mask
   for both under torch.compile, where eager draws two.)
 * ``hector::relational_layer_backward(grad, token, x, ..., needs) -> [grad_x, grad_weights...]`` runs the
@@ -72,7 +72,7 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
     backend = select(x.device, x.dtype)
     env = backend.run(plan, graph, leaves, keep=saved)
     out = env[compiled.forward.outputs[0]]
-    token = torch.empty(1 if training else 0, dtype=torch.uint8, device=x.device)
+    token = torch.empty(1, dtype=torch.uint8, device=x.device)
     if training:
         # everything the backward op needs besides its arguments, so that it resolves nothing again
         key = token.data_ptr()
@@ -86,15 +86,14 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
 
 
 def _forward_fake(x, edge_index, edge_type, node_type, weights, layer_id):
-    layer = _layer(layer_id)
-    return (x.new_empty((x.shape[0],) + layer.output_feature_shape()),
-            x.new_empty(1 if layer.training else 0, dtype=torch.uint8))
+    # the same shapes in training and eval mode: a compiled graph is not specialised on the layer's mode
+    return x.new_empty((x.shape[0],) + _layer(layer_id).output_feature_shape()), x.new_empty(1, dtype=torch.uint8)
 
 
 def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_index: torch.Tensor,
                  edge_type: torch.Tensor, node_type: torch.Tensor | None, weights: list[torch.Tensor], layer_id: int,
                  needs: list[bool]) -> list[torch.Tensor]:
-    hit = _STASH.pop(token.data_ptr(), None) if token.numel() else None
+    hit = _STASH.pop(token.data_ptr(), None)
     if hit is not None:
         compiled, graph, names, backend, saved, _ = hit
     else:  # evicted or never stashed: recompute the forward (like activation checkpointing)

@@ -9,9 +9,9 @@ Eager calls do not use these ops (they go straight through :class:`hector.runtim
   the address of ``token``, a one-byte tensor of this call that autograd keeps for the backward op (found with one
   lookup, whatever the number of weights; two live calls never share an entry); at most ``STASH_LIMIT`` calls are
   kept, an evicted call is recomputed in backward, and a call whose backward never comes (its autograd graph freed)
-  drops its entry with its token. In eval mode nothing is kept (a backward, if any, recomputes the forward). (AOTAutograd
-  merges identical calls in one graph: a layer with dropout applied twice to the very same tensors gets one mask
-  for both under torch.compile, where eager draws two.)
+  drops its entry with its token. In eval mode nothing is kept (a backward, if any, recomputes the forward).
+  (AOTAutograd merges identical calls in one graph: a layer with dropout applied twice to the very same tensors
+  gets one mask for both under torch.compile, where eager draws two.)
 * ``hector::relational_layer_backward(grad, token, x, ..., needs) -> [grad_x, grad_weights...]`` runs the
   generated backward for the inputs that need a gradient (``needs``, as autograd says: the first layer's ``x``
   usually does not), like the eager path; the others get an empty placeholder, which autograd receives as None.

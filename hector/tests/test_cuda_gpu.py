@@ -392,8 +392,10 @@ def test_torch_compile_inductor_step_does_what_an_eager_step_does(model, monkeyp
         assert rel_err(a, b) < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="fails on an H100: a host-to-device copy of a pageable tensor during capture, "
-                   "and tensors left in the cudagraph pool; CUDA-graph replay of hector layers is not supported yet")
+@pytest.mark.xfail(strict=True, reason="CUDA-graph replay of hector layers is not supported yet: the forward values "
+                   "kept for backward are not outputs of the compiled graph (cudagraph trees require every live tensor "
+                   "of their pool to be one), and the edge tensors copied into static buffers make a new graph "
+                   "prepared during capture (a host-to-device copy from pageable memory, seen on an H100)")
 @pytest.mark.parametrize("model", ["rgcn", "hgt"])
 def test_torch_compile_cudagraphs_training_step(model):
     """A compiled training step replayed as CUDA graphs (dynamo's ``cudagraphs`` backend: the cudagraph trees of

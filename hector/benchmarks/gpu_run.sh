@@ -27,7 +27,8 @@
 #              layers' launch plans; split_step_host_ms: the step's launches; split_host_ms: their sum) and the
 #              persistent-graph step ratios (new_vs_persistent, split_vs_persistent); a table of them ends the step
 #   host       (not by default; CPU only, ~1 minute) host_overhead.py: launches and host ms per training step with a
-#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's),
+#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
+#              and the persistent step under torch.compile (vs_eager: eager host ms over compiled),
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
@@ -129,7 +130,7 @@ fi
 if has host; then
   note "=== host_overhead ($(date -u +%T))"
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --graphs tiny,small,batch1000 --models rgcn,rgat,hgt \
-      --modes persistent,new,prepared --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
+      --modes persistent,new,prepared,compiled --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
       || { note "host_overhead: exit $?"; STATUS=1; }
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --split --graphs minibatch --models gnn2,rgat \
       --steps 20 --csv "$OUT/hector_host_split.csv" 2>&1 | tee -a "$LOG" \

@@ -98,6 +98,24 @@ def guarded(fn, device, cap_s, slow_first_s=None):
             torch.cuda.empty_cache()
 
 
+def host_ms(fn, device, n=10):
+    """Host CPU time of one call (ms): the calling thread's CPU time over ``n`` calls issued back to back, without
+    waiting for the GPU in between (a few steps' launches fit the GPU's queue, so none blocks). On a small graph
+    the step's wall time is this (the GPU idles between launches); a host synchronisation inside the step shows
+    up here as the GPU time it waits for. A failure is recorded as its text."""
+    try:
+        fn()
+        _sync(device)
+        start = time.thread_time()
+        for _ in range(n):
+            fn()
+        spent = time.thread_time() - start
+        _sync(device)
+        return spent / n * 1e3
+    except Exception as e:  # noqa: BLE001 - recorded in the row like the timings' failures
+        return f"error: {type(e).__name__} {(str(e).splitlines() or [''])[0][:60]}"
+
+
 # ------------------------------------------------------------------------------------------------- models
 
 
@@ -171,11 +189,12 @@ def steps(model, x, needs_grad):
 
 
 def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s, reference=True, shallow=None,
-               deep_limit_s=5.0, compile_baselines=True, extras=True):
+               deep_limit_s=5.0, compile_baselines=True, extras=True, hector_only=False):
     """One row. ``shallow``: the row of the same model with one layer; a PyG layer that ran out of memory there or
     took longer than ``deep_limit_s`` per training step is not run again with more layers (recorded as skipped).
     One-layer rows (``extras``) also time hector with a new edge_index per call, under torch.compile and under
-    autocast bf16, the plain-PyTorch baselines (:mod:`baselines`), and compiled PyG (``compile_baselines``)."""
+    autocast bf16, the plain-PyTorch baselines (:mod:`baselines`), and compiled PyG (``compile_baselines``).
+    ``hector_only``: hector eager and under torch.compile only (host time, GPU operations), no baseline."""
     ei, et, nt = graph_tensors
     row = {"dataset": twin.name, "model": kind, "hidden": dim, "layers": layers, "edges": twin.num_edges,
            "relations": twin.num_relations}
@@ -190,15 +209,20 @@ def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s
         _sync(device)
     row["hector_train_ms"], row["hector_runs"], row["hector_peak"] = guarded(train, device, cap_s)
     row["hector_infer_ms"], _, _ = guarded(infer, device, cap_s)
+    if isinstance(row["hector_train_ms"], float):
+        row["hector_host_ms"] = host_ms(train, device)
     graph = m.layers[0].graph(x, ei, et, nt)
     opts = m.layers[0].options_for(graph)
     row["hector_opts"] = f"c{int(opts.compact)}r{int(opts.reorder)}s{int(opts.sorted_scatter)}"
-    scatter_variants(row, opts, train, device, cap_s)
+    if not hector_only:
+        scatter_variants(row, opts, train, device, cap_s)
     row["hbm_floor_ms"] = hbm_floor_ms(m, graph, device)
     if isinstance(row["hector_train_ms"], float) and _num(row["hbm_floor_ms"]):
         row["roofline_train"] = row["hbm_floor_ms"] / row["hector_train_ms"]
     if extras:
-        hector_variants(row, m, x, graph_tensors, device, cap_s, compile_baselines)
+        hector_variants(row, m, x, graph_tensors, device, cap_s, compile_baselines, compiled_only=hector_only)
+    if hector_only:
+        return row
     if reference:
         config.set_backend("reference")
         try:
@@ -291,25 +315,32 @@ def device_work(fn, device):
     return len(work), sum(e.time_range.elapsed_us() for e in work) / 1e3
 
 
-def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
+def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True, compiled_only=False):
     """hector's training step with a new edge_index/edge_type each call (what a mini-batch loop does), under
-    torch.compile, and under autocast bf16."""
+    torch.compile, and under autocast bf16 (``compiled_only``: under torch.compile only). Under torch.compile also
+    the host time per step against eager's (``compiled_host_ratio``: eager / compiled, >= 1 when compiling adds no
+    host time) and the GPU operations and busy time of a compiled step (the same as eager's when it launches the
+    same kernels and recomputes nothing)."""
     ei, et, nt = graph_tensors
 
     def fresh(layer, h):
         return layer(h, ei.clone(), et.clone(), nt.clone())
 
-    fresh_model = Stack(list(m.layers), fresh)
-    train_new, _ = steps(fresh_model, x.clone(), True)
-    row["hector_newgraph_train_ms"], _, _ = guarded(train_new, device, cap_s)
-    if isinstance(row["hector_newgraph_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
-        row["newgraph_ratio"] = row["hector_newgraph_train_ms"] / row["hector_train_ms"]
-        train, _ = steps(m, x.clone(), True)
-        try:
+    train, _ = steps(m, x.clone(), True)
+    if not compiled_only:
+        fresh_model = Stack(list(m.layers), fresh)
+        train_new, _ = steps(fresh_model, x.clone(), True)
+        row["hector_newgraph_train_ms"], _, _ = guarded(train_new, device, cap_s)
+        if isinstance(row["hector_newgraph_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
+            row["newgraph_ratio"] = row["hector_newgraph_train_ms"] / row["hector_train_ms"]
+            try:
+                row["hector_launches"], row["hector_gpu_ms"] = device_work(train, device)
+                row["hector_newgraph_launches"], row["hector_newgraph_gpu_ms"] = device_work(train_new, device)
+            except Exception as e:  # noqa: BLE001 - a profiler that cannot start leaves the columns empty
+                row["hector_launches"] = f"error ({type(e).__name__})"
+    elif isinstance(row.get("hector_train_ms"), float):
+        with contextlib.suppress(Exception):  # a profiler that cannot start leaves the columns empty
             row["hector_launches"], row["hector_gpu_ms"] = device_work(train, device)
-            row["hector_newgraph_launches"], row["hector_newgraph_gpu_ms"] = device_work(train_new, device)
-        except Exception as e:  # noqa: BLE001 - a profiler that cannot start leaves the columns empty, not the row
-            row["hector_launches"] = f"error ({type(e).__name__})"
     if compiled_too:
         torch._dynamo.reset()
         compiled = torch.compile(m, fullgraph=True, backend=COMPILE["backend"])
@@ -318,6 +349,11 @@ def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
         row["hector_compiled_infer_ms"], _, _ = guarded(infer_c, device, cap_s)
         if isinstance(row["hector_compiled_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
             row["compiled_vs_eager"] = row["hector_train_ms"] / row["hector_compiled_train_ms"]
+            row["hector_compiled_host_ms"] = host_ms(train_c, device)
+            if _num(row["hector_compiled_host_ms"]) and _num(row.get("hector_host_ms")):
+                row["compiled_host_ratio"] = row["hector_host_ms"] / row["hector_compiled_host_ms"]
+            with contextlib.suppress(Exception):  # a profiler that cannot start leaves the columns empty
+                row["hector_compiled_launches"], row["hector_compiled_gpu_ms"] = device_work(train_c, device)
         eager_ms = row.get("hector_train_ms")
         if device == "cuda" and isinstance(eager_ms, float) and eager_ms < 5.0:
             # torch.compile(mode="reduce-overhead"): the compiled step replayed as CUDA graphs (hector's kernels
@@ -332,6 +368,8 @@ def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True):
             if isinstance(row["hector_cudagraph_train_ms"], float) and isinstance(row.get("hector_train_ms"), float):
                 row["cudagraph_vs_eager"] = row["hector_train_ms"] / row["hector_cudagraph_train_ms"]
             torch._dynamo.reset()
+    if compiled_only:
+        return
     train_a, _ = steps(m, x.clone(), True)
 
     def autocast_train():
@@ -414,6 +452,12 @@ def print_row(row):
             ratio = f" ({row['newgraph_ratio']:.2f}x)" if key == "hector_newgraph_train_ms" and \
                 _num(row.get("newgraph_ratio")) else ""
             parts.append(f"{label} {fmt_ms(row[key])}{ratio}")
+    if _num(row.get("hector_compiled_host_ms")) and _num(row.get("hector_host_ms")):
+        parts.append(f"host ms/step eager {row['hector_host_ms']:.2f} compiled {row['hector_compiled_host_ms']:.2f} "
+                     f"({row['compiled_host_ratio']:.2f}x)")
+    if _num(row.get("hector_compiled_launches")):
+        parts.append(f"compiled GPU ops/step {row['hector_compiled_launches']} "
+                     f"({row['hector_compiled_gpu_ms']:.2f} ms busy)")
     if _num(row.get("roofline_train")):
         parts.append(f"roofline {row['roofline_train']:.0%}")
     if "sorted_train_ms" in row:
@@ -423,8 +467,9 @@ def print_row(row):
     if _num(row.get("hector_launches")):
         parts.append(f"GPU ops/step {row['hector_launches']} ({row['hector_gpu_ms']:.2f} ms busy), new edge_index "
                      f"{row['hector_newgraph_launches']} ({row['hector_newgraph_gpu_ms']:.2f} ms busy)")
-    parts.append(f"x best {row.get('speedup_train', float('nan')):.2f}/{row.get('speedup_infer', float('nan')):.2f} "
-                 f"({row.get('best_baseline_train', '-')})")
+    if "speedup_train" in row or "speedup_infer" in row:
+        parts.append(f"x best {row.get('speedup_train', float('nan')):.2f}/"
+                     f"{row.get('speedup_infer', float('nan')):.2f} ({row.get('best_baseline_train', '-')})")
     print(" | ".join(parts), flush=True)
 
 
@@ -447,6 +492,8 @@ def summary(rows):
             ok = [x for x in sp if _num(x)]
             low = min(ok) if ok else float("nan")
             none_ran = sum(1 for r in sel if best_pyg(r, what)[0] is None)
+            if none_ran == len(sel):  # no baseline timed (--hector-only), or no row of this model
+                continue
             met = "met" if ok and low >= 3 else "MISSED"
             lines.append(f"  {kind:4s} {what:5s}: geomean x{geomean(sp):.2f} over the best baseline (min x{low:.2f}, "
                          f"{len(ok)} graphs; no baseline ran on {none_ran}) [target >=3x on every graph: {met}]")
@@ -462,8 +509,20 @@ def summary(rows):
             lines.append(f"  {kind:4s} new edge_index per call: worst {max(new):.2f}x the persistent-graph step "
                          f"[target <=1.1x: {'met' if max(new) <= 1.1 else 'MISSED'}]")
         if comp:
-            lines.append(f"  {kind:4s} torch.compile vs eager: worst {min(comp):.2f}x [target >=1.0x: "
+            each = ", ".join(f"{r['dataset']} {r['compiled_vs_eager']:.2f}x" for r in sel
+                             if _num(r.get("compiled_vs_eager")))
+            lines.append(f"  {kind:4s} torch.compile vs eager: worst {min(comp):.2f}x ({each}) [target >=1.0x: "
                          f"{'met' if min(comp) >= 1.0 else 'MISSED'}]")
+        host = [f"{r['dataset']} {r['hector_host_ms']:.2f}/{r['hector_compiled_host_ms']:.2f} ms "
+                f"({r['compiled_host_ratio']:.2f}x)" for r in sel if _num(r.get("compiled_host_ratio"))]
+        if host:
+            lines.append(f"  {kind:4s} host ms per train step, eager/compiled (eager over compiled; >=1 when "
+                         "compiling adds no host time): " + ", ".join(host))
+        ops_c = [f"{r['dataset']} {r['hector_launches']}/{r['hector_compiled_launches']} "
+                 f"({r['hector_gpu_ms']:.2f}/{r['hector_compiled_gpu_ms']:.2f} ms busy)" for r in sel
+                 if _num(r.get("hector_compiled_launches")) and _num(r.get("hector_launches"))]
+        if ops_c:
+            lines.append(f"  {kind:4s} GPU ops per train step eager/compiled: " + ", ".join(ops_c))
         graphed = [f"{r['dataset']} {r['cudagraph_vs_eager']:.2f}x" for r in sel if _num(r.get("cudagraph_vs_eager"))]
         if graphed:
             lines.append(f"  {kind:4s} torch.compile(mode='reduce-overhead') vs eager: " + ", ".join(graphed))
@@ -714,6 +773,9 @@ def main(argv=None):
                     "Python (PyG's RGCNConv and HGTConv, the per-relation PyTorch model) are compiled only up to this "
                     "many relations (the loop unrolls: compile time grows with it)")
     ap.add_argument("--no-extras", action="store_true", help="skip the ablation, mini-batch and bandwidth extras")
+    ap.add_argument("--hector-only", action="store_true", help="hector eager and under torch.compile only (wall "
+                    "and host time per step, GPU operations, reduce-overhead where the step is short): no PyG, "
+                    "plain-PyTorch or reference rows, no new-edge_index, scatter or autocast variants")
     ap.add_argument("--csv", help='also write every row to this CSV file')
     ap.add_argument("--png", help='also plot the speedups to this PNG file')
     a = ap.parse_args(argv)
@@ -764,12 +826,12 @@ def main(argv=None):
             row = add_ratios(run_config(twin, gt, pyg_inputs, kind, dim, layers, device, a.cap_s,
                                         reference=not a.no_reference and layers == 1, shallow=shallow,
                                         compile_baselines=compile_on is None or name in compile_on,
-                                        extras=layers == 1))
+                                        extras=layers == 1, hector_only=a.hector_only))
             print_row(row)
             rows.append(row)
             if a.csv:
                 write_csv(a.csv, rows)
-        if name == a.extras_dataset and not a.no_extras:
+        if name == a.extras_dataset and not a.no_extras and not a.hector_only:
             extras += [dict(kind="ablation", **r) for r in ablation(twin, gt, device, a.cap_s)]
             extras += [dict(kind="minibatch", **r) for r in minibatch(twin, device, a.cap_s)]
             if device == "cuda":

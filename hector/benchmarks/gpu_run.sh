@@ -27,17 +27,25 @@
 #              layers' launch plans; split_step_host_ms: the step's launches; split_host_ms: their sum) and the
 #              persistent-graph step ratios (new_vs_persistent, split_vs_persistent); a table of them ends the step
 #   host       (not by default; CPU only, ~1 minute) host_overhead.py: launches and host ms per training step with a
-#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's),
+#              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
+#              and the persistent step under torch.compile (vs_eager: eager host ms over compiled),
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
+#   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
+#              hector eager against torch.compile (inductor) and torch.compile(mode="reduce-overhead"): wall ms
+#              per train step, host CPU ms per step (compiled_host_ratio: eager / compiled), GPU operations and busy
+#              time of an eager and of a compiled step (equal when compiling recomputes nothing); no baseline
+#              (hector_compile.csv). Alone: HECTOR_STEPS=compile
 # Writes into "${OUT:-./out}" (at most 8 files): hector_gpu.log (everything printed, the final tables),
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv,
 # hector_relations_gnn.csv (and
-# hector_memory.csv for `memory`, hector_host.csv and hector_host_split.csv for `host`). Every step runs even if an
+# hector_memory.csv for `memory`, hector_host.csv and hector_host_split.csv for `host`, hector_compile.csv for
+# `compile`). Every step runs even if an
 # earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory host" sets each step's time limit in seconds (default "190 60 250 100 200 120": the default steps
+# relations memory host compile" sets each step's time limit in seconds (default "190 60 250 100 200 120 240": the
+# default steps
 # end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit each). For the mini-batch
 # preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
@@ -47,8 +55,10 @@ mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY T_HOST <<< "${HECTOR_LIMITS:-190 60 250 100 200 120}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY T_HOST T_COMPILE \
+    <<< "${HECTOR_LIMITS:-190 60 250 100 200 120 240}"
 T_HOST="${T_HOST:-120}"
+T_COMPILE="${T_COMPILE:-240}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -120,11 +130,20 @@ fi
 if has host; then
   note "=== host_overhead ($(date -u +%T))"
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --graphs tiny,small,batch1000 --models rgcn,rgat,hgt \
-      --modes persistent,new,prepared --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
+      --modes persistent,new,prepared,compiled --steps 5 --csv "$OUT/hector_host.csv" 2>&1 | grep -v "top ops" | tee -a "$LOG" \
       || { note "host_overhead: exit $?"; STATUS=1; }
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --split --graphs minibatch --models gnn2,rgat \
       --steps 20 --csv "$OUT/hector_host_split.csv" 2>&1 | tee -a "$LOG" \
       || { note "host_overhead --split: exit $?"; STATUS=1; }
+fi
+
+if has compile; then
+  note "=== compile: hector eager vs torch.compile ($(date -u +%T))"
+  # each compile (inductor, then reduce-overhead where the eager step is under 5 ms) takes seconds; no new graph
+  # after 150 s, so the step ends inside its limit
+  timeout "$T_COMPILE" python3 hector/benchmarks/bench_cuda.py --csv "$OUT/hector_compile.csv" --hector-only \
+      --datasets aifb,fb15k --configs rgcn:64:1,rgat:64:1,hgt:64:1 --no-reference --compile-datasets aifb,fb15k \
+      --budget-s 150 2>&1 | grep -v USDT | tee -a "$LOG" || { note "compile: exit $?"; STATUS=1; }
 fi
 
 note "=== hector GPU run done, status $STATUS ($(date -u +%T))"

@@ -24,7 +24,8 @@ the preparation just ran on the same core and left its caches cold). A fourth,
 ``compiled``, runs the persistent step under ``torch.compile(fullgraph=True, backend="aot_eager")`` (the layer as
 one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s is what compiling adds to a step's
 host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph
-pays in full. Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
+pays in full (``vs_eager``: the persistent step's ``host_ms`` over the compiled one's, >= 1 when compiling adds
+no host time). Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
 
 ``--split`` measures instead the host work per new graph of the GNN benchmark's model (``gnn2``: two RGAT layers,
 128 -> 16 x 4 heads -> 16 x 4 heads, attention shared by the relations, each with a linear root term, then a
@@ -433,7 +434,12 @@ def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_
         for model in models:
             for mode in modes:
                 rows.append(measure(graph, model, mode, steps=steps))
-    cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms"]
+    for r in rows:  # what compiling costs the host: the persistent step's host time over the compiled one's
+        eager = next((e for e in rows if e["mode"] == "persistent" and e["graph"] == r["graph"]
+                      and e["model"] == r["model"]), None)
+        r["vs_eager"] = round(eager["host_ms"] / r["host_ms"], 2) if r["mode"] == "compiled" and eager else "-"
+    cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms",
+            "vs_eager"]
     _report(rows, cols, csv_path, verbose, extra="top_ops")
     return rows
 

@@ -78,6 +78,25 @@ def test_bench_cuda_smoke(tmp_path):
     assert {e["variant"] for e in extras if e["kind"] == "ablation"} >= {"compaction off", "fusion off"}
 
 
+def test_bench_cuda_hector_only_reports_compiled_host_time(tmp_path, capsys):
+    """``--hector-only`` (the GPU run's compile step): hector eager and compiled, their host time per step and its
+    ratio, in the rows and the summary; no baseline timed."""
+    bench = load("bench_cuda")
+    out = tmp_path / "c.csv"
+    rows, extras = bench.main(["--scale", "0.002", "--datasets", "aifb", "--device", "cpu", "--hector-only",
+                               "--no-reference", "--compile-datasets", "aifb", "--compile-backend", "aot_eager",
+                               "--configs", "rgcn:64:1,hgt:64:1", "--csv", str(out)])
+    assert out.exists() and len(rows) == 2 and extras == []
+    for r in rows:
+        assert all(isinstance(r[k], float) and r[k] > 0 for k in
+                   ("hector_train_ms", "hector_compiled_train_ms", "hector_host_ms", "hector_compiled_host_ms")), r
+        assert r["compiled_host_ratio"] == pytest.approx(r["hector_host_ms"] / r["hector_compiled_host_ms"])
+        assert not [k for k in r if k.startswith(("user_", "RGCNConv", "HGTConv", "ref_", "hector_newgraph"))], r
+    text = capsys.readouterr().out
+    assert "host ms per train step, eager/compiled" in text and "torch.compile vs eager" in text
+    assert "over the best baseline" not in text
+
+
 def test_relations_smoke(tmp_path):
     relations = load("relations")
     out = tmp_path / "r.csv"

@@ -1,6 +1,7 @@
 """Host work per training step of the CUDA backend (``benchmarks/host_overhead.py``, a null executor on the CPU):
 the launches a step makes must not grow back. Counts, never times: a small graph's GPU step is bound by them."""
 
+import csv
 import importlib.util
 import struct
 import sys
@@ -96,12 +97,19 @@ def test_compiled_mode_runs_the_same_kernels():
 
 def test_cli_smoke(tmp_path, capsys):
     out = tmp_path / "host.csv"
-    host_overhead.main(["--graphs", "tiny", "--models", "rgcn,hgt", "--modes", "persistent,new", "--steps", "1",
-                        "--csv", str(out)])
+    host_overhead.main(["--graphs", "tiny", "--models", "rgcn,hgt", "--modes", "persistent,new,compiled", "--steps",
+                        "1", "--csv", str(out)])
     text = capsys.readouterr().out
-    assert "launches" in text and "hgt" in text
+    assert "launches" in text and "hgt" in text and "vs_eager" in text
     lines = out.read_text().splitlines()
-    assert len(lines) == 5 and lines[0].startswith("graph,model,mode")
+    assert len(lines) == 7 and lines[0].startswith("graph,model,mode")
+    rows = list(csv.DictReader(lines))
+    for r in rows:  # the compiled rows give the eager step's host time over theirs, the others nothing
+        if r["mode"] == "compiled":
+            eager = next(e for e in rows if e["mode"] == "persistent" and e["model"] == r["model"])
+            assert float(r["vs_eager"]) == pytest.approx(float(eager["host_ms"]) / float(r["host_ms"]), abs=0.01)
+        else:
+            assert r["vs_eager"] == "-"
 
 
 # Python function calls (cProfile's count: the same on every machine) to build the launch plans of the GNN

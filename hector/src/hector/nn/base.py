@@ -263,7 +263,7 @@ class RelationalLayer(nn.Module):
                                       "tensors (not a hector.Graph)")
             self._check_node_type(node_type)
             return torch.ops.hector.relational_layer(x, edge_index, edge_type, node_type, list(tensors.values()),
-                                                     self._layer_id)
+                                                     self._layer_id)[0]
         if isinstance(edge_index, torch.Tensor) and edge_index.device != x.device:
             raise GraphInputError(f"edge_index is on {edge_index.device} but x on {x.device}")
         graph = self.graph(x, edge_index, edge_type, node_type)

@@ -39,6 +39,11 @@ class CompiledLayer:
         return tuple((n.op, n.attr("name")) for n in self.forward.nodes if n.op in (Op.INPUT, Op.PARAM))
 
     @functools.cached_property
+    def leaf_name_set(self) -> frozenset[str]:
+        """The names of :attr:`leaf_names` (what a call binds: inputs and params the program reads)."""
+        return frozenset(name for _, name in self.leaf_names)
+
+    @functools.cached_property
     def saved(self) -> tuple[str, ...]:
         # read on every training call; the backward program never changes
         return self.full_backward.saved

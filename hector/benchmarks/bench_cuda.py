@@ -465,8 +465,9 @@ def print_row(row):
         parts.append(f"scatter atomic {fmt_ms(row['atomic_train_ms'])} / sorted {fmt_ms(row['sorted_train_ms'])}"
                      f"{ratio}")
     if _num(row.get("hector_launches")):
-        parts.append(f"GPU ops/step {row['hector_launches']} ({row['hector_gpu_ms']:.2f} ms busy), new edge_index "
-                     f"{row['hector_newgraph_launches']} ({row['hector_newgraph_gpu_ms']:.2f} ms busy)")
+        new = (f", new edge_index {row['hector_newgraph_launches']} ({row['hector_newgraph_gpu_ms']:.2f} ms busy)"
+               if _num(row.get("hector_newgraph_launches")) else "")  # (not measured with --hector-only)
+        parts.append(f"GPU ops/step {row['hector_launches']} ({row['hector_gpu_ms']:.2f} ms busy){new}")
     if "speedup_train" in row or "speedup_infer" in row:
         parts.append(f"x best {row.get('speedup_train', float('nan')):.2f}/"
                      f"{row.get('speedup_infer', float('nan')):.2f} ({row.get('best_baseline_train', '-')})")
@@ -531,7 +532,8 @@ def summary(rows):
                          f"{max(roof):.0%})")
         ops = [f"{r['dataset']} {r['hector_launches']}/{r['hector_newgraph_launches']} "
                f"({r['hector_gpu_ms']:.2f}/{r['hector_train_ms']:.2f} ms)" for r in sel
-               if _num(r.get("hector_launches")) and _num(r.get("hector_train_ms"))]
+               if _num(r.get("hector_launches")) and _num(r.get("hector_newgraph_launches"))
+               and _num(r.get("hector_train_ms"))]
         if ops:
             lines.append(f"  {kind:4s} GPU ops per train step, persistent/new edge_index (GPU busy/step wall): "
                          + ", ".join(ops))

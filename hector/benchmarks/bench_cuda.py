@@ -406,10 +406,14 @@ def user_baselines(row, twin, kind, dim, graph_tensors, x, device, cap_s, compil
             row[f"{name}_infer_ms"], _, _ = guarded(infer, device, cap_s, slow_first_s=60 * cap_s)
 
 
+# timing columns of hector itself (its variants, its reference backend): never a baseline
+HECTOR_COLUMNS = ("hector", "ref", "atomic", "sorted")
+
+
 def best_pyg(row, what):
     """(ms, name) of the fastest baseline of the row (PyG eager or compiled, the plain-PyTorch user models)."""
     vals = [(v, k[: -len(f"_{what}_ms")]) for k, v in row.items()
-            if k.endswith(f"_{what}_ms") and not k.startswith(("hector", "ref")) and isinstance(v, float)]
+            if k.endswith(f"_{what}_ms") and not k.startswith(HECTOR_COLUMNS) and isinstance(v, float)]
     return min(vals) if vals else (None, None)
 
 

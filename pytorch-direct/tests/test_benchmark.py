@@ -207,6 +207,9 @@ def test_first_use_benchmark_runs(tmp_path):
     assert float(rows["pd.empty"]["seconds"]) > 0 and rows["import pytorch_direct"]["memory"] == "cuda=0 nvrtc=0"
     assert float(rows["pd.empty"]["free_s"]) >= 0 and "pd.zeros" in rows and "parallel memset, again" in rows
     assert float(rows["pd.empty, again"]["seconds"]) > 0  # (each of the pair measured twice, interleaved)
+    # the package's own share, timed after import torch in the same interpreter
+    own = float(rows["import pytorch_direct after torch"]["seconds"])
+    assert 0 < own < float(rows["import pytorch_direct"]["seconds"])
     # The table rows come first, each printed as measured; pd.zeros is left out when the budget is spent.
     assert r.stdout.index("pd.empty: 0.0 GiB in") < r.stdout.index("# import torch")
     r = subprocess.run(cmd + ["--budget-s", "0.001"], capture_output=True, text=True, timeout=300)

@@ -145,7 +145,9 @@ void bind_shared(nb::module_& m) {
              std::vector<std::string> raw;
              raw.reserve(args.size());
              for (const auto& a : args) raw.emplace_back(a.c_str(), a.size());
-             nb::gil_scoped_release release;
+             // The interpreter lock stays held: a launch takes microseconds, and releasing the lock around it
+             // lets another Python thread (a loader making batches) take it, so the launching thread then waits
+             // for that thread's Python to give it back, once per kernel of a training step.
              k.launch({grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory,
                       stream_view::from_address(stream), raw);
            })

@@ -416,25 +416,26 @@ def profile_host(make_loader_in_turn, forward, optimizer, count: int, device: to
     loader = iter(make_loader_in_turn())
     next(loader)  # (warm: first-call work)
     made = []
+
+    def make(_: int) -> None:
+        made.append(next(loader))
+
+    def train(i: int) -> None:
+        loss = F.cross_entropy(forward(made[i]), made[i].y[: made[i].batch_size])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
     sides = {}
-    for side in ("making a batch", "a training step"):
+    for side, work in (("making a batch", make), ("a training step", train)):
         prof = cProfile.Profile()
         harness.synchronize(device)
         start = time.perf_counter()
         with torch.autograd.set_multithreading_enabled(False):
             for i in range(count):
-                if side == "making a batch":
-                    prof.enable()
-                    made.append(next(loader))
-                    prof.disable()
-                else:
-                    batch = made[i]
-                    prof.enable()
-                    loss = F.cross_entropy(forward(batch), batch.y[: batch.batch_size])
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    prof.disable()
+                prof.enable()
+                work(i)
+                prof.disable()
         harness.synchronize(device)
         ms = (time.perf_counter() - start) / count * 1e3
         sides[side] = ms

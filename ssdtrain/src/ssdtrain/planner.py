@@ -238,7 +238,6 @@ class Plan:
             raise ValueError(f"{name} is not a repeated block: only blocks can be recomputed (keep, host or nvme)")
         self.choices[i] = c
         self.overridden.add(name)
-        self.inflight_bytes = 0
         self.inflight_bytes = ahead_bytes(self._model(), self.choices, self.window_units)
         return self
 
@@ -369,7 +368,7 @@ def ahead_bytes(model: _Model, choices: list[Choice], window_units: int) -> int:
     biggest = max((split_choice(u, c)[1] for u, c in zip(model.units, choices, strict=True)), default=0)
     if not biggest or not model.async_copies:
         return 0
-    base = model(choices).peak
+    base = replace(model, inflight_bytes=0)(choices).peak  # (the window alone, whatever the plan had before)
     for k in range(AHEAD_UNITS, window_units, -1):
         if replace(model, inflight_bytes=k * biggest)(choices).peak <= base:
             return k * biggest

@@ -147,7 +147,9 @@ void bind_shared(nb::module_& m) {
              for (const auto& a : args) raw.emplace_back(a.c_str(), a.size());
              // The interpreter lock stays held: a launch takes microseconds, and releasing the lock around it
              // lets another Python thread (a loader making batches) take it, so the launching thread then waits
-             // for that thread's Python to give it back, once per kernel of a training step.
+             // for that thread's Python to give it back, once per kernel of a training step. (A launch that
+             // blocks on a full launch queue now blocks the other Python threads too: the GPU is then the
+             // bottleneck, and they are ahead of it.)
              k.launch({grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory,
                       stream_view::from_address(stream), raw);
            })

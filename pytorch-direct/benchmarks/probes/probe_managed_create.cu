@@ -10,8 +10,14 @@
 //   touch-advise    the same with accessed-by set after the pages are in (one bulk mapping instead of per fault)
 //   advise-populate preferred + accessed-by, then madvise(MADV_POPULATE_WRITE) per 64 MiB chunk by 16 threads
 //   touch-populate  preferred location, MADV_POPULATE_WRITE, then accessed-by
+//   advise-prefetch preferred + accessed-by, then one cudaMemPrefetchAsync of the whole range to the host (the
+//                   driver populates the pages in bulk instead of one CPU fault per page)
+//   prefetch-chunks the same in 64 MiB prefetches on 16 streams
+//   advise-touch-N  advise-touch with N threads (the faults are spent in the driver: more threads than cores may
+//                   hide their waits)
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 probe_managed_create.cu -o probe_managed_create && ./probe_managed_create 64
+//   ./probe_managed_create 64 memset,advise-prefetch,memset   # chosen kinds, in order
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 
@@ -56,22 +62,41 @@ static double now() {
 constexpr int kThreads = 16;
 constexpr std::size_t kChunk = std::size_t(64) << 20;
 
-// body(begin, end) over [0, bytes) in 64 MiB chunks claimed by kThreads threads
+// body(begin, end) over [0, bytes) in 64 MiB chunks claimed by `count` threads
 template <class F>
-static void parallel_chunks(std::size_t bytes, F body) {
+static void parallel_chunks(std::size_t bytes, F body, int count = kThreads) {
   std::atomic<std::size_t> next{0};
   std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t)
+  for (int t = 0; t < count; ++t)
     threads.emplace_back([&] {
       for (std::size_t a; (a = next.fetch_add(kChunk)) < bytes;) body(a, std::min(bytes, a + kChunk));
     });
   for (auto& th : threads) th.join();
 }
 
-static void touch(char* p, std::size_t bytes) {
-  parallel_chunks(bytes, [p = static_cast<volatile char*>(p)](std::size_t a, std::size_t b) {
-    for (std::size_t at = a; at < b; at += 4096) p[at] = 0;
-  });
+static void touch(char* p, std::size_t bytes, int threads = kThreads) {
+  parallel_chunks(
+      bytes,
+      [p = static_cast<volatile char*>(p)](std::size_t a, std::size_t b) {
+        for (std::size_t at = a; at < b; at += 4096) p[at] = 0;
+      },
+      threads);
+}
+
+static bool prefetch_to_host(char* p, std::size_t bytes, int streams) {
+  cudaMemLocation host{};
+  host.type = cudaMemLocationTypeHost;
+  std::vector<cudaStream_t> s(streams);
+  for (auto& x : s) CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  const std::size_t step = streams == 1 ? bytes : kChunk;
+  int i = 0;
+  for (std::size_t a = 0; a < bytes; a += step, ++i)
+    CHECK(cudaMemPrefetchAsync(p + a, std::min(step, bytes - a), host, 0, s[i % streams]));
+  for (auto& x : s) {
+    CHECK(cudaStreamSynchronize(x));
+    CHECK(cudaStreamDestroy(x));
+  }
+  return true;
 }
 
 static bool populate(char* p, std::size_t bytes) {
@@ -141,6 +166,13 @@ static bool run(const std::string& kind, std::size_t bytes) {
       if (!advise(p, bytes, true, false)) return false;
       touch(p, bytes);
       if (!advise(p, bytes, false, true)) return false;
+    } else if (kind.rfind("advise-touch-", 0) == 0) {  // advise-touch-N: N threads
+      if (!advise(p, bytes, true, true)) return false;
+      touch(p, bytes, std::atoi(kind.c_str() + std::strlen("advise-touch-")));
+    } else if (kind == "advise-prefetch") {
+      if (!advise(p, bytes, true, true) || !prefetch_to_host(p, bytes, 1)) return false;
+    } else if (kind == "prefetch-chunks") {
+      if (!advise(p, bytes, true, true) || !prefetch_to_host(p, bytes, 16)) return false;
     } else if (kind == "advise-populate") {
       if (!advise(p, bytes, true, true) || !populate(p, bytes)) return false;
     } else if (kind == "touch-populate") {
@@ -171,9 +203,20 @@ int main(int argc, char** argv) {
   const double gib = argc > 1 ? std::atof(argv[1]) : 16;
   const std::size_t bytes = static_cast<std::size_t>(gib * (1 << 30)) / (2 << 20) * (2 << 20);
   cudaFree(nullptr);  // the context, before any timing
-  const char* kinds[] = {"memset",         "advise-touch", "touch-advise", "advise-populate",
-                         "touch-populate", "memset",       "advise-touch"};
+  // argv[2]: a comma-separated list of kinds, in order (default: all, the memset first and again at the end)
+  std::vector<std::string> kinds;
+  if (argc > 2) {
+    std::string list = argv[2];
+    for (std::size_t at = 0; at <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', at), list.size());
+      kinds.push_back(list.substr(at, comma - at));
+      at = comma + 1;
+    }
+  } else {
+    kinds = {"memset",          "advise-touch", "advise-prefetch", "prefetch-chunks", "advise-touch-32",
+             "advise-populate", "memset",       "advise-touch",    "advise-prefetch"};
+  }
   bool ok = true;
-  for (const char* k : kinds) ok = run(k, bytes) && ok;
+  for (const auto& k : kinds) ok = run(k, bytes) && ok;
   return ok ? 0 : 1;
 }

@@ -32,10 +32,10 @@
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
-#   split      (not by default; ~2 minutes) hub destinations split over a block or not: bench_cuda.py --profile
-#              rgat,hgt,rgcn on fb15k and am with HECTOR_SPLIT_DEGREE=0 (one group per destination) and the default
-#              (each generated kernel's ms and the step's wall ms, both ways), then a table of the step and of the
-#              traversal kernels' summed ms per setting. Alone: HECTOR_STEPS=split
+#   split      (not by default; ~2-3 minutes) hub destinations split over a block or not: bench_cuda.py --profile
+#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32) and
+#              am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a table of the
+#              step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
 #   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
 #              hector eager against torch.compile (inductor) and torch.compile(mode="reduce-overhead"): wall ms
 #              per train step, host CPU ms per step (compiled_host_ratio: eager / compiled), GPU operations and busy
@@ -50,7 +50,7 @@
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
 # relations memory host compile split" sets each step's time limit in seconds (default "190 60 250 100 200 120 240
 # 90": the default steps end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit
-# each, split four). For the mini-batch
+# each, split five). For the mini-batch
 # preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
 OUT="${OUT:-./out}"
@@ -143,18 +143,17 @@ if has host; then
 fi
 
 if has split; then
-  note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 vs default) ($(date -u +%T))"
+  note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 = off, vs 32 and the default 128) ($(date -u +%T))"
   : > "$OUT/hector_split.log"
-  for ds in fb15k am; do
-    for deg in 0 128; do
-      echo "--- $ds HECTOR_SPLIT_DEGREE=$deg" >> "$OUT/hector_split.log"
-      HECTOR_SPLIT_DEGREE=$deg timeout "$T_SPLIT" python3 hector/benchmarks/bench_cuda.py --profile rgat,hgt,rgcn \
-          --extras-dataset "$ds" --no-reference >> "$OUT/hector_split.log" 2>&1 || { note "split $ds $deg: exit $?"; STATUS=1; }
-    done
+  for run in "fb15k 0" "fb15k 128" "fb15k 32" "am 0" "am 128"; do
+    read -r ds deg <<< "$run"
+    echo "--- $ds HECTOR_SPLIT_DEGREE=$deg" >> "$OUT/hector_split.log"
+    HECTOR_SPLIT_DEGREE=$deg timeout "$T_SPLIT" python3 hector/benchmarks/bench_cuda.py --profile rgat,hgt,rgcn \
+        --extras-dataset "$ds" --no-reference >> "$OUT/hector_split.log" 2>&1 || { note "split $run: exit $?"; STATUS=1; }
   done
   python3 - "$OUT/hector_split.log" <<'PY' 2>&1 | tee -a "$LOG"
 import re, sys
-runs, cur = {}, None
+runs, cur, ds, deg = {}, None, "", ""
 for line in open(sys.argv[1]):
     m = re.match(r"--- (\S+) HECTOR_SPLIT_DEGREE=(\d+)", line)
     if m:
@@ -167,13 +166,14 @@ for line in open(sys.argv[1]):
     m = re.match(r"\s+([\d.]+) ms\s+(\S+)", line)
     if m and cur is not None and "traversal" in m.group(2):
         cur["trav"] += float(m.group(1))
-print(f"{'dataset':>8} {'model':>5} | {'step ms off':>11} {'step ms on':>10} {'x':>5} | {'trav ms off':>11} "
-      f"{'trav ms on':>10} {'x':>5}")
+print("train step and summed traversal-kernel ms per split degree; x = degree 0 (no split) over this degree")
+print(f"{'dataset':>8} {'model':>5} {'degree':>6} | {'step ms':>8} {'x':>5} | {'trav ms':>8} {'x':>5}")
 for (ds, model), by in runs.items():
-    off, on = by.get("0"), by.get("128")
-    if off and on:
-        print(f"{ds:>8} {model:>5} | {off['wall']:11.2f} {on['wall']:10.2f} {off['wall'] / on['wall']:5.2f} | "
-              f"{off['trav']:11.2f} {on['trav']:10.2f} {off['trav'] / max(on['trav'], 1e-9):5.2f}")
+    off = by.get("0")
+    for deg, r in by.items():
+        sx = off["wall"] / r["wall"] if off else float("nan")
+        tx = off["trav"] / max(r["trav"], 1e-9) if off else float("nan")
+        print(f"{ds:>8} {model:>5} {deg:>6} | {r['wall']:8.2f} {sx:5.2f} | {r['trav']:8.2f} {tx:5.2f}")
 PY
 fi
 

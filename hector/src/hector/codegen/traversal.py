@@ -42,6 +42,9 @@ class _Traversal(_Emitter):
         self._phase: dict[str, int] = {}
         self._inv: dict[str, bool] = {}
         self.current_loop = -1
+        self.split = 0  # in-degree above which a destination is split over the block (0: never)
+        self.split_slots = 0  # partial-state slots per thread a split walk combines (the largest walk's)
+        self.effects_list: list[tuple[int, str, str]] = []
 
     def slots(self, name_or_n: Any) -> int:
         n = name_or_n if isinstance(name_or_n, int) else self.g.numel(name_or_n)
@@ -367,18 +370,17 @@ class _Traversal(_Emitter):
         return self.assemble(nloops)
 
     # -- heavy destinations split over a block ---------------------------------------------------------------
-    def walk_states(self, effects: list[tuple[int, str, str]], loop: int) -> list[tuple[str, int]]:
-        """Register arrays a walk reduces over the in-edges (sums, softmax maximum and sum of exponentials), as
-        (name, slots), in the order a split walk combines them."""
+    def walk_states(self, loop: int) -> list[tuple[str, list[str], int]]:
+        """What walk ``loop`` reduces over the in-edges, in the order a split walk combines it: (kind, register
+        arrays, slots) with kind "reduce" (a sum: ``acc_*``) or "softmax" (its running maximum and sum of
+        exponentials: ``sm_*_m``, ``sm_*_z``)."""
         out = []
-        for eloop, kind, name in effects:
+        for eloop, kind, name in self.effects_list:
             if eloop != loop or kind not in ("softmax", "reduce"):
                 continue
             S = self.slots(self.p.node(name).args[0])
-            if kind == "softmax":
-                out += [(f"sm_{cname(name)}_m", S), (f"sm_{cname(name)}_z", S)]
-            else:
-                out.append((f"acc_{cname(name)}", S))
+            arrays = [f"sm_{cname(name)}_m", f"sm_{cname(name)}_z"] if kind == "softmax" else [f"acc_{cname(name)}"]
+            out.append((kind, arrays, S))
         return out
 
     def split_degree(self, effects: list[tuple[int, str, str]], nloops: int) -> int:
@@ -389,7 +391,7 @@ class _Traversal(_Emitter):
         if not self.edge or degree <= 0:
             return 0
         self.effects_list = effects
-        slots = max(sum(S for _, S in self.walk_states(effects, loop)) for loop in range(nloops))
+        slots = max(sum(len(a) * S for _, a, S in self.walk_states(loop)) for loop in range(nloops))
         itemsize = 8 if self.g.acc == "f64" else 4
         scratch = (BLOCK // self.G) * (2 * self.maxw if self.G > 1 else 1)
         total = (BLOCK * slots + scratch + sum(self.smem_params.values())) * itemsize
@@ -402,41 +404,38 @@ class _Traversal(_Emitter):
         """After walk ``loop`` of a split destination: every group's partial state through shared memory, and
         every group left holding the whole destination's (partial sums added, softmax statistics merged by their
         maxima). All groups read the parts in one order, so they hold the same values bit for bit."""
-        states = self.walk_states(self.effects_list, loop)
+        states = self.walk_states(loop)
         if not states:
             return []
         lines = ["  __syncthreads();  // the previous combine's reads are done",
                  f"  // walk {loop + 1}: each group's partial state into the block's buffer"]
         offset = 0
-        for arr, S in states:
-            lines.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) "
-                         f"split_buf[({offset} + s) * {BLOCK} + threadIdx.x] = {arr}[s];")
-            offset += S
+        for _, arrays, S in states:
+            for arr in arrays:
+                lines.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) "
+                             f"split_buf[({offset} + s) * {BLOCK} + threadIdx.x] = {arr}[s];")
+                offset += S
         lines.append("  __syncthreads();")
         parts = BLOCK // self.G
+
+        def part(off: int) -> str:  # element s of group p's array at offset ``off``
+            return f"split_buf[({off} + s) * {BLOCK} + p * G + lane]"
+
         offset = 0
-        for arr, S in states:
-            if arr.endswith("_z"):  # merged with its maximum, below
-                offset += S
-                continue
-            if arr.endswith("_m") and arr.startswith("sm_"):
-                z = arr[:-2] + "_z"
-                zoff = offset + S
+        for kind, arrays, S in states:
+            if kind == "softmax":
+                m, z = arrays
                 lines.append(
                     f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ acc_t mx = HECTOR_NEG_INF, z = 0;\n"
-                    f"    for (int p = 0; p < {parts}; ++p) mx = hmax(mx, split_buf[({offset} + s) * {BLOCK} + "
-                    f"p * G + lane]);\n"
-                    f"    for (int p = 0; p < {parts}; ++p) {{ const acc_t m = split_buf[({offset} + s) * {BLOCK} + "
-                    f"p * G + lane]; if (m != HECTOR_NEG_INF) z += split_buf[({zoff} + s) * {BLOCK} + p * G + lane]"
-                    f" * hexp(m - mx); }}\n"
-                    f"    {arr}[s] = mx; {z}[s] = z; }}")
+                    f"    for (int p = 0; p < {parts}; ++p) mx = hmax(mx, {part(offset)});\n"
+                    f"    for (int p = 0; p < {parts}; ++p) {{ const acc_t m = {part(offset)}; "
+                    f"if (m != HECTOR_NEG_INF) z += {part(offset + S)} * hexp(m - mx); }}\n"
+                    f"    {m}[s] = mx; {z}[s] = z; }}")
             else:
-                lines.append(
-                    f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ acc_t t = 0; for (int p = 0; p < {parts}; "
-                    f"++p) t += split_buf[({offset} + s) * {BLOCK} + p * G + lane]; {arr}[s] = t; }}")
-            offset += S
+                lines.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ acc_t t = 0; "
+                             f"for (int p = 0; p < {parts}; ++p) t += {part(offset)}; {arrays[0]}[s] = t; }}")
+            offset += len(arrays) * S
         return lines
-
 
     def assemble(self, nloops: int) -> tuple[str, KernelCode]:
         G = self.G

@@ -32,7 +32,8 @@
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
-#   split      (not by default; ~2-3 minutes) hub destinations split over a block or not: bench_cuda.py --profile
+#   split      (not by default; ~3-5 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
+#              destinations split over a block or not: bench_cuda.py --profile
 #              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32) and
 #              am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a table of the
 #              step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
@@ -145,6 +146,11 @@ fi
 if has split; then
   note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 = off, vs 32 and the default 128) ($(date -u +%T))"
   : > "$OUT/hector_split.log"
+  # shared-memory races of the split walks' combine (racecheck: every kernel of one small test)
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 python3 -m pytest \
+      hector/tests/test_cuda_gpu.py -q -p no:cacheprovider -k "split and deg16-fp32 and rgat" \
+      >> "$OUT/hector_split.log" 2>&1 || { note "split racecheck: exit $?"; STATUS=1; }
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed|hazard" "$OUT/hector_split.log" | head -n 10 | tee -a "$LOG"
   for run in "fb15k 0" "fb15k 128" "fb15k 32" "am 0" "am 128"; do
     read -r ds deg <<< "$run"
     echo "--- $ds HECTOR_SPLIT_DEGREE=$deg" >> "$OUT/hector_split.log"

@@ -199,6 +199,14 @@ def test_split_degree_zero_keeps_one_group_per_destination():
     for degree, expect in ((0, False), (8, True)):
         mods = layer_modules(compiled, "f32", CodegenOptions(split_degree=degree))
         assert any("split_buf" in m.source for m in mods.values()) is expect, degree
+    # 300-wide sums: the float32 partial states fit in shared memory beside the scratch, float64 ones do not (that
+    # kernel keeps one group per destination, and says nothing of splitting)
+    wide = hn.RGCNConv(8, 300, 6).train().compiled(Graph(ei, et, n, 6))
+    for dtype, expect in (("f32", True), ("f64", False)):
+        forward = layer_modules(wide, dtype, CodegenOptions(split_degree=8))["forward"]
+        walks = [forward.source.split(f" {k.name}(")[1].split("extern")[0] for k in forward.kernels
+                 if k.spec.kind == "traversal" and k.spec.space == "edge"]
+        assert walks and all(("split_buf" in w and "e += parts" in w) is expect for w in walks), dtype
 
 
 @pytest.mark.parametrize("case", ["single-edge", "no-edges", "self-loops", "isolated"])

@@ -32,11 +32,11 @@
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
-#   split      (not by default; ~3-5 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
+#   split      (not by default; ~4-6 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
 #              destinations split over a block or not: bench_cuda.py --profile
-#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32) and
-#              am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a table of the
-#              step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
+#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32),
+#              bgs (0, 32) and am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a
+#              table of the step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
 #   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
 #              hector eager against torch.compile (inductor) and torch.compile(mode="reduce-overhead"): wall ms
 #              per train step, host CPU ms per step (compiled_host_ratio: eager / compiled), GPU operations and busy
@@ -51,7 +51,7 @@
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
 # relations memory host compile split" sets each step's time limit in seconds (default "190 60 250 100 200 120 240
 # 90": the default steps end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit
-# each, split five). For the mini-batch
+# each, split seven). For the mini-batch
 # preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
 OUT="${OUT:-./out}"
@@ -151,7 +151,7 @@ if has split; then
       hector/tests/test_cuda_gpu.py -q -p no:cacheprovider -k "split and deg16-fp32 and rgat" \
       >> "$OUT/hector_split.log" 2>&1 || { note "split racecheck: exit $?"; STATUS=1; }
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed|hazard" "$OUT/hector_split.log" | head -n 10 | tee -a "$LOG"
-  for run in "fb15k 0" "fb15k 128" "fb15k 32" "am 0" "am 128"; do
+  for run in "fb15k 0" "fb15k 128" "fb15k 32" "bgs 0" "bgs 32" "am 0" "am 128"; do
     read -r ds deg <<< "$run"
     echo "--- $ds HECTOR_SPLIT_DEGREE=$deg" >> "$OUT/hector_split.log"
     HECTOR_SPLIT_DEGREE=$deg timeout "$T_SPLIT" python3 hector/benchmarks/bench_cuda.py --profile rgat,hgt,rgcn \

@@ -617,8 +617,8 @@ def bandwidth(twin, graph_tensors, device):
 
 def profile_train(twin, graph_tensors, kind, dim=64):
     """Where one training step of hector's ``kind`` layer goes: each generated kernel's time (CUDA events around
-    its launch, forward and backward), their sum, and the step's wall time (the rest: torch ops such as zero
-    fills and the host)."""
+    its launch, forward and backward), their sum, and the step's wall time (median of 7; the rest: torch ops such
+    as zero fills and the host)."""
     ei, et, nt = graph_tensors
     (layer,) = hector_model(kind, dim, twin, 1)
     layer = layer.cuda().train()
@@ -630,11 +630,14 @@ def profile_train(twin, graph_tensors, kind, dim=64):
 
     step()
     step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) * 1e3
+    walls = []
+    for _ in range(7):  # the median of several steps: one step's wall time varies by a few percent
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+    wall = sorted(walls)[len(walls) // 2]
     with timed_launches() as records:
         step()
     torch.cuda.synchronize()

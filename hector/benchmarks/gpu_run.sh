@@ -32,6 +32,11 @@
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
 #              split into prepare / plans / step (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
+#   split      (not by default; ~4-6 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
+#              destinations split over a block or not: bench_cuda.py --profile
+#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32),
+#              bgs (0, 32) and am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a
+#              table of the step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
 #   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
 #              hector eager against torch.compile (inductor) and torch.compile(mode="reduce-overhead"): wall ms
 #              per train step, host CPU ms per step (compiled_host_ratio: eager / compiled), GPU operations and busy
@@ -41,12 +46,12 @@
 # hector_tests.log, hector_sanitize.log, hector_bench.csv, hector_bench_extras.csv, hector_relations.csv,
 # hector_relations_gnn.csv (and
 # hector_memory.csv for `memory`, hector_host.csv and hector_host_split.csv for `host`, hector_compile.csv for
-# `compile`). Every step runs even if an
+# `compile`, hector_split.log for `split`). Every step runs even if an
 # earlier one failed; the script exits non-zero if any
 # step failed. HECTOR_BENCH_ARGS replaces bench_cuda's arguments below; HECTOR_LIMITS="tests sanitize bench
-# relations memory host compile" sets each step's time limit in seconds (default "190 60 250 100 200 120 240": the
-# default steps
-# end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit each). For the mini-batch
+# relations memory host compile split" sets each step's time limit in seconds (default "190 60 250 100 200 120 240
+# 90": the default steps end inside 8 minutes and 20 seconds; relations runs two invocations of up to its limit
+# each, split seven). For the mini-batch
 # preparation alone: HECTOR_STEPS=tests,relations,host.
 set -uo pipefail
 OUT="${OUT:-./out}"
@@ -55,10 +60,11 @@ mkdir -p "$OUT"
 LOG="$OUT/hector_gpu.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY T_HOST T_COMPILE \
-    <<< "${HECTOR_LIMITS:-190 60 250 100 200 120 240}"
+read -r T_TESTS T_SANITIZE T_BENCH T_RELATIONS T_MEMORY T_HOST T_COMPILE T_SPLIT \
+    <<< "${HECTOR_LIMITS:-190 60 250 100 200 120 240 90}"
 T_HOST="${T_HOST:-120}"
 T_COMPILE="${T_COMPILE:-240}"
+T_SPLIT="${T_SPLIT:-90}"
 STATUS=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$@" | tee -a "$LOG"; }
@@ -78,7 +84,7 @@ if has sanitize; then
   # Small graphs only: memcheck slows every kernel (ours and torch's) by 10-100x.
   timeout "$T_SANITIZE" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
       python3 -m pytest hector/tests/test_cuda_gpu.py -q -p no:cacheprovider \
-      -k "edge_case or gradcheck or (sorted_scatter and centric-fp32 and hgt)" \
+      -k "edge_case or gradcheck or (sorted_scatter and centric-fp32 and hgt) or (split and deg16-fp32)" \
       > "$OUT/hector_sanitize.log" 2>&1 || { note "sanitize: exit $?"; STATUS=1; }
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/hector_sanitize.log" | head -n 20 | tee -a "$LOG"
 fi
@@ -135,6 +141,46 @@ if has host; then
   timeout "$T_HOST" python3 hector/benchmarks/host_overhead.py --split --graphs minibatch --models gnn2,rgat \
       --steps 20 --csv "$OUT/hector_host_split.csv" 2>&1 | tee -a "$LOG" \
       || { note "host_overhead --split: exit $?"; STATUS=1; }
+fi
+
+if has split; then
+  note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 = off, vs 32 and the default 128) ($(date -u +%T))"
+  : > "$OUT/hector_split.log"
+  # shared-memory races of the split walks' combine (racecheck: every kernel of one small test)
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 python3 -m pytest \
+      hector/tests/test_cuda_gpu.py -q -p no:cacheprovider -k "split and deg16-fp32 and rgat" \
+      >> "$OUT/hector_split.log" 2>&1 || { note "split racecheck: exit $?"; STATUS=1; }
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed|hazard" "$OUT/hector_split.log" | head -n 10 | tee -a "$LOG"
+  for run in "fb15k 0" "fb15k 128" "fb15k 32" "bgs 0" "bgs 32" "am 0" "am 128"; do
+    read -r ds deg <<< "$run"
+    echo "--- $ds HECTOR_SPLIT_DEGREE=$deg" >> "$OUT/hector_split.log"
+    HECTOR_SPLIT_DEGREE=$deg timeout "$T_SPLIT" python3 hector/benchmarks/bench_cuda.py --profile rgat,hgt,rgcn \
+        --extras-dataset "$ds" --no-reference >> "$OUT/hector_split.log" 2>&1 || { note "split $run: exit $?"; STATUS=1; }
+  done
+  python3 - "$OUT/hector_split.log" <<'PY' 2>&1 | tee -a "$LOG"
+import re, sys
+runs, cur, ds, deg = {}, None, "", ""
+for line in open(sys.argv[1]):
+    m = re.match(r"--- (\S+) HECTOR_SPLIT_DEGREE=(\d+)", line)
+    if m:
+        ds, deg = m.groups()
+        continue
+    m = re.match(r"profile \S+ (\S+) d=\d+ training step: ([\d.]+) ms wall", line)
+    if m:
+        cur = runs.setdefault((ds, m.group(1)), {}).setdefault(deg, {"wall": float(m.group(2)), "trav": 0.0})
+        continue
+    m = re.match(r"\s+([\d.]+) ms\s+(\S+)", line)
+    if m and cur is not None and "traversal" in m.group(2):
+        cur["trav"] += float(m.group(1))
+print("train step and summed traversal-kernel ms per split degree; x = degree 0 (no split) over this degree")
+print(f"{'dataset':>8} {'model':>5} {'degree':>6} | {'step ms':>8} {'x':>5} | {'trav ms':>8} {'x':>5}")
+for (ds, model), by in runs.items():
+    off = by.get("0")
+    for deg, r in by.items():
+        sx = off["wall"] / r["wall"] if off else float("nan")
+        tx = off["trav"] / max(r["trav"], 1e-9) if off else float("nan")
+        print(f"{ds:>8} {model:>5} {deg:>6} | {r['wall']:8.2f} {sx:5.2f} | {r['trav']:8.2f} {tx:5.2f}")
+PY
 fi
 
 if has compile; then

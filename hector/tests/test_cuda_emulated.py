@@ -142,6 +142,73 @@ def test_wide_features_skewed_degrees(emulated):
     _compare(lambda: hn.HGTConv(70, 70, 3, 6, heads=2), ei, et, nt, n, torch.float32, 1e-5)
 
 
+def _hub_graph(seed: int = 8):
+    """300 nodes: one destination with 400 in-edges, 40 with 10-60, the rest 0-5; relations 1, 3, 5 empty."""
+    g = torch.Generator().manual_seed(seed)
+    n = 300
+    degrees = torch.randint(0, 6, (n,), generator=g)
+    degrees[torch.randperm(n, generator=g)[:40]] = torch.randint(10, 61, (40,), generator=g)
+    degrees[123] = 400
+    dst = torch.repeat_interleave(torch.arange(n), degrees)
+    dst = dst[torch.randperm(dst.numel(), generator=g)]
+    src = torch.randint(0, n, (dst.numel(),), generator=g)
+    et = torch.randint(0, 3, (dst.numel(),), generator=g) * 2
+    nt = torch.randint(0, 3, (n,), generator=g)
+    return torch.stack([src, dst]), et, nt, n
+
+
+SPLIT_LAYERS = {
+    "rgat": lambda: hn.RGATConv(16, 8, 6, heads=3),  # 24-wide rows: groups of 32, eight to a block
+    "rgat-narrow": lambda: hn.RGATConv(8, 2, 6, heads=2),  # 4-wide rows: groups of 4, 64 to a block
+    "rgat-sorted": lambda: hn.RGATConv(16, 8, 6, heads=3, optimize=Options(sorted_scatter=True)),
+    "hgt": lambda: hn.HGTConv(16, 16, 3, 6, heads=2),
+    "rgcn": lambda: hn.RGCNConv(16, 16, 6),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_LAYERS))
+# bf16: the issue's bound; a 400-edge hub's bf16 rows alone give 3.5e-2 on q's gradient, split or not
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_split_heavy_destinations(monkeypatch, name, dtype, tol):
+    """Destinations with more in-edges than the split degree are walked by a whole block (partial sums and softmax
+    statistics combined in shared memory): hubs, chunks of the heaviest-first order that are all heavy, one that
+    turns light half way, grid-stride rounds after the heavy ones (one emulated multiprocessor: fewer blocks than
+    chunks), empty relations, several heads; forward and gradients match the float64 reference."""
+    from hector import config
+
+    backend = CudaBackend(EmulatedExecutor(multiprocessors=1))
+    monkeypatch.setattr(compiled_mod, "select", lambda device, dtype: backend)
+    config.set_split_degree(8)
+    try:
+        ei, et, nt, n = _hub_graph()
+        _compare(SPLIT_LAYERS[name], ei, et, nt, n, dtype, tol)
+        split = [k.name for _, plan in backend._plans.values() for k in plan.module.kernels
+                 if not k.torch_op and "split_buf" in plan.module.source.split(f" {k.name}(")[1].split("extern")[0]]
+        assert split, "a destination walk split its heavy destinations"
+        assert set(split) & set(backend.executor.launches)
+    finally:
+        config.set_split_degree(None)
+
+
+def test_split_degree_zero_keeps_one_group_per_destination():
+    """The split degree is a codegen option: 0 emits no split walk."""
+    from hector.codegen import CodegenOptions, layer_modules
+
+    ei, et, nt, n = _hub_graph()
+    compiled = SPLIT_LAYERS["rgat"]().train().compiled(Graph(ei, et, n, 6))
+    for degree, expect in ((0, False), (8, True)):
+        mods = layer_modules(compiled, "f32", CodegenOptions(split_degree=degree))
+        assert any("split_buf" in m.source for m in mods.values()) is expect, degree
+    # 300-wide sums: the float32 partial states fit in shared memory beside the scratch, float64 ones do not (that
+    # kernel keeps one group per destination, and says nothing of splitting)
+    wide = hn.RGCNConv(8, 300, 6).train().compiled(Graph(ei, et, n, 6))
+    for dtype, expect in (("f32", True), ("f64", False)):
+        forward = layer_modules(wide, dtype, CodegenOptions(split_degree=8))["forward"]
+        walks = [forward.source.split(f" {k.name}(")[1].split("extern")[0] for k in forward.kernels
+                 if k.spec.kind == "traversal" and k.spec.space == "edge"]
+        assert walks and all(("split_buf" in w and "e += parts" in w) is expect for w in walks), dtype
+
+
 @pytest.mark.parametrize("case", ["single-edge", "no-edges", "self-loops", "isolated"])
 def test_awkward_graphs(emulated, case):
     n = 6

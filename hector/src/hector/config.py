@@ -43,6 +43,12 @@ settings = Settings({
         "fb15k), where the cost model predicted them faster. Applies to layers with "
         "`optimize=\"auto\"`/`\"memory\"`",
         "hector.config.set_sorted_scatter"),
+    "split_degree": Setting(
+        "HECTOR_SPLIT_DEGREE", 128, integer(0),
+        "destination walks: a destination with more in-edges than this is walked by all the groups of a block at "
+        "once, which combine their sums and softmax statistics in shared memory, so a few hub destinations do not "
+        "bound the kernel; `0` walks every destination with one group",
+        "hector.config.set_split_degree"),
 })
 
 _DEFAULT_TILE_BYTES = {"cuda": 64 << 20, "cpu": 1 << 20}
@@ -111,3 +117,14 @@ def set_sorted_scatter(mode: bool | str | None) -> None:
     """True/False force sorted (atomic-free) sums by source and pair on/off; "auto" lets the cost model choose per
     graph; None follows HECTOR_SORTED_SCATTER."""
     settings.set("sorted_scatter", mode)
+
+
+def split_degree() -> int:
+    """In-degree above which a destination walk splits a destination over all the groups of a block (0: never)."""
+    return settings.split_degree
+
+
+def set_split_degree(degree: int | None) -> None:
+    """Split destinations with more in-edges than ``degree`` over a block's groups (0: never; None: follow
+    HECTOR_SPLIT_DEGREE)."""
+    settings.set("split_degree", degree)

@@ -269,7 +269,135 @@ extern "C" __global__ void __launch_bounds__(256) k4_traversal(const float* __re
   acc_t* scr = scratch[threadIdx.x / G];
   (void)scr;
   const i64 groups = (i64)gridDim.x * 32;
-  for (i64 w = (i64)blockIdx.x * 32 + threadIdx.x / G; w < n_work; w += groups) {
+  constexpr int parts = 32;  // groups that share a split destination
+  const int part = threadIdx.x / G;  // this group's share
+  __shared__ acc_t split_buf[512];  // every group's partial state
+  i64 c = blockIdx.x;  // chunk: destinations c * parts .. c * parts + parts - 1 of the order
+  int walked = 0;  // destinations of chunk c already walked by the whole block
+  while (c * parts < n_work) {
+  const i64 w0 = c * parts;
+  for (walked = 0; walked < parts && w0 + walked < n_work; ++walked) {
+  const int d = dst_order[w0 + walked];  // destination node (heaviest first)
+  const int e_begin = csc_ptr[d], e_end = csc_ptr[d + 1];
+  if (e_end - e_begin <= 128) break;  // light: one group walks it
+  const bool lead = part == 0;  // the group that writes the destination's node-wise outputs
+  (void)lead;
+    acc_t sm_v9_m[1], sm_v9_z[1];  // statistics of %v9
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) { sm_v9_m[s] = HECTOR_NEG_INF; sm_v9_z[s] = 0; }
+    // walk 1 of 2 over the in-edges of d, every group of the block on its share
+    #pragma unroll 4
+    for (int e = e_begin + part; e < e_end; e += parts) {
+      // %v_2 = linear(%v3, %w_1) {transpose=False} : edge[2]
+      const i64 row2 = (i64)(e) * 2;
+      acc_t r_v_2_1[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v_2_1[s] = j < 2 ? ld(p_v_2 + row2 + j) : (acc_t)0; }
+      // %v_5 = gather(%v_4) {via='unique'} : edge[2]
+      const i64 row4 = (i64)(g_unique[e]) * 2;
+      acc_t r_v_5_3[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v_5_3[s] = j < 2 ? ld(p_v_4 + row4 + j) : (acc_t)0; }
+      // %v7 = add(%v_2, %v_5) : edge[2]
+      acc_t r_v7_5[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v7_5[s] = r_v_2_1[s] + r_v_5_3[s];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; (void)j; if (j < 2) st(o_v7 + (i64)(e) * 2 + j, r_v7_5[s]); }
+      // %v8 = act(%v7) {fn='leaky_relu', slope=0.2} : edge[2]
+      acc_t r_v8_6[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v8_6[s] = (r_v7_5[s] > (acc_t)0 ? r_v7_5[s] : r_v7_5[s] * (acc_t)0.2);
+      // online max and sum of exponentials for %v9
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const acc_t v = r_v8_6[s]; const acc_t mx = hmax(sm_v9_m[s], v); sm_v9_z[s] = sm_v9_z[s] * hexp(sm_v9_m[s] - mx) + hexp(v - mx); sm_v9_m[s] = mx; }
+    }
+    __syncthreads();  // the previous combine's reads are done
+    // walk 1: each group's partial state into the block's buffer
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) split_buf[(0 + s) * 256 + threadIdx.x] = sm_v9_m[s];
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) split_buf[(1 + s) * 256 + threadIdx.x] = sm_v9_z[s];
+    __syncthreads();
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) { acc_t mx = HECTOR_NEG_INF, z = 0;
+      for (int p = 0; p < 32; ++p) mx = hmax(mx, split_buf[(0 + s) * 256 + p * G + lane]);
+      for (int p = 0; p < 32; ++p) { const acc_t m = split_buf[(0 + s) * 256 + p * G + lane]; if (m != HECTOR_NEG_INF) z += split_buf[(1 + s) * 256 + p * G + lane] * hexp(m - mx); }
+      sm_v9_m[s] = mx; sm_v9_z[s] = z; }
+    acc_t acc_v12[1];  // %v12, summed over the in-edges
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) acc_v12[s] = 0;
+    // walk 2 of 2 over the in-edges of d, every group of the block on its share
+    #pragma unroll 4
+    for (int e = e_begin + part; e < e_end; e += parts) {
+      // %v_2 = linear(%v3, %w_1) {transpose=False} : edge[2]
+      const i64 row8 = (i64)(e) * 2;
+      acc_t r_v_2_7[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v_2_7[s] = j < 2 ? ld(p_v_2 + row8 + j) : (acc_t)0; }
+      // %v_5 = gather(%v_4) {via='unique'} : edge[2]
+      const i64 row10 = (i64)(g_unique[e]) * 2;
+      acc_t r_v_5_9[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v_5_9[s] = j < 2 ? ld(p_v_4 + row10 + j) : (acc_t)0; }
+      // %v7 = add(%v_2, %v_5) : edge[2]
+      acc_t r_v7_11[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v7_11[s] = r_v_2_7[s] + r_v_5_9[s];
+      // %v8 = act(%v7) {fn='leaky_relu', slope=0.2} : edge[2]
+      acc_t r_v8_12[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v8_12[s] = (r_v7_11[s] > (acc_t)0 ? r_v7_11[s] : r_v7_11[s] * (acc_t)0.2);
+      // %v9 = edge_softmax(%v8) : edge[2]
+      acc_t r_v9_13[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v9_13[s] = hexp(r_v8_12[s] - sm_v9_m[s]) / sm_v9_z[s];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; (void)j; if (j < 2) st(o_v9 + (i64)(e) * 2 + j, r_v9_13[s]); }
+      // %v_7 = gather(%v_6) {via='unique'} : edge[2,4]
+      //   reading %v_6 = reshape(%v_3) {shape=(2, 4)} : unique[2,4]
+      const i64 row15 = (i64)(g_unique[e]) * 8;
+      acc_t r_v_7_14[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v_7_14[s] = j < 8 ? ld(p_v_3 + row15 + j) : (acc_t)0; }
+      acc_t bc16[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) bc16[s] = __shfl_sync(gmask, r_v9_13[0], min((s * G + lane) / 4, 1), G);
+      // %v_8 = mul(%v9, %v_7) : edge[2,4]
+      acc_t r_v_8_17[1];
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) r_v_8_17[s] = bc16[s] * r_v_7_14[s];
+      // sum into the destination: %v12 = scatter_add(%v_8) {via='dst'} : node[2,4]
+      #pragma unroll
+      for (int s = 0; s < 1; ++s) acc_v12[s] += r_v_8_17[s];
+    }
+    __syncthreads();  // the previous combine's reads are done
+    // walk 2: each group's partial state into the block's buffer
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) split_buf[(0 + s) * 256 + threadIdx.x] = acc_v12[s];
+    __syncthreads();
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) { acc_t t = 0; for (int p = 0; p < 32; ++p) t += split_buf[(0 + s) * 256 + p * G + lane]; acc_v12[s] = t; }
+    // %v13 = reshape(%v12) {shape=(8,)} : node[8]  (same registers as %v12)
+    // %v14 = select(%bias) {domain='node'} : node[8]
+    const i64 row19 = (i64)(0) * 8;
+    acc_t r_v14_18[1];
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) { const int j = s * G + lane; r_v14_18[s] = j < 8 ? ld(p_bias + row19 + j) : (acc_t)0; }
+    // %v15 = add(%v13, %v14) : node[8]
+    acc_t r_v15_20[1];
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) r_v15_20[s] = acc_v12[s] + r_v14_18[s];
+    #pragma unroll
+    for (int s = 0; s < 1; ++s) { const int j = s * G + lane; (void)j; if (j < 8 && lead) st(o_v15 + (i64)d * 8 + j, r_v15_20[s]); }
+  }
+  if (walked < parts && w0 + walked < n_work) break;  // the rest of the order: one group each
+  c += gridDim.x;
+  walked = 0;
+  }
+  for (i64 w = c * 32 + part + (part < walked ? groups : 0); w < n_work; w += groups) {
+  const bool lead = true;
+  (void)lead;
   const int d = dst_order[w];  // destination node (heaviest first)
   const int e_begin = csc_ptr[d], e_end = csc_ptr[d + 1];
   acc_t sm_v9_m[1], sm_v9_z[1];  // statistics of %v9
@@ -360,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_traversal(const float* __re
   #pragma unroll
   for (int s = 0; s < 1; ++s) r_v15_20[s] = acc_v12[s] + r_v14_18[s];
   #pragma unroll
-  for (int s = 0; s < 1; ++s) { const int j = s * G + lane; (void)j; if (j < 8) st(o_v15 + (i64)d * 8 + j, r_v15_20[s]); }
+  for (int s = 0; s < 1; ++s) { const int j = s * G + lane; (void)j; if (j < 8 && lead) st(o_v15 + (i64)d * 8 + j, r_v15_20[s]); }
   }
 }
 #ifdef HECTOR_EMULATE  // entry points for the CPU emulator used by the tests

@@ -97,11 +97,14 @@ class ModuleCode:
 
 @dataclass(frozen=True)
 class CodegenOptions:
-    """``tf32``: fp32 GEMMs on tensor cores in TF32 (else exact fp32 on CUDA cores)."""
+    """``tf32``: fp32 GEMMs on tensor cores in TF32 (else exact fp32 on CUDA cores). ``split_degree``: destination
+    walks give a destination with more in-edges than this to every group of the block, which walk its in-edges in
+    parallel and combine their sums and softmax statistics in shared memory (0: one group per destination always)."""
 
     tf32: bool = False
     tensor_cores: bool = True  # bf16/f16 GEMMs on tensor cores (sm_80+)
     arch: int = 80
+    split_degree: int = 128
 
 
 def cname(name: str) -> str:

@@ -13,6 +13,8 @@ Kernel families (the lowering's, see :mod:`hector.lower.kernels`):
   are register reductions over the walk; a value needed after such a reduction is recomputed in a later walk over
   the same edges (no per-edge temporary is written unless the plan materialises it). Reductions by another key
   (source, unique pair, type) are atomics; sums into small params are pre-reduced in shared memory per block.
+  A destination with more in-edges than ``CodegenOptions.split_degree`` is walked by every group of a block at
+  once, their partial sums and softmax statistics combined in shared memory (a hub no longer bounds the kernel).
 * **traversal** over nodes / unique pairs: one group per row.
 * **gemm** ``linear``: a segment GEMM over a device-side tile schedule (tiles never cross a type boundary, so a tile
   has one weight), A rows read through the gather index, an optional row-scale and an atomic scatter epilogue.

@@ -12,6 +12,9 @@ from .common import BLOCK, KernelCode, Launch, Output, _Emitter, _Gen, _pow2_at_
 from .templates import BROADCASTING, ELEMENTWISE
 
 EDGE_UNROLL = 4  # row walks (a destination's in-edges, a target's sorted rows) unrolled this many times
+# static shared memory a splitting destination walk may use in all (the partial states, the groups' scratch, the
+# pre-reduced param sums): under the 48 KiB a kernel may declare statically, with room for the compiler's own
+SPLIT_SMEM_BYTES = 40 << 10
 
 
 class _Traversal(_Emitter):
@@ -39,6 +42,9 @@ class _Traversal(_Emitter):
         self._phase: dict[str, int] = {}
         self._inv: dict[str, bool] = {}
         self.current_loop = -1
+        self.split = 0  # in-degree above which a destination is split over the block (0: never)
+        self.split_slots = 0  # partial-state slots per thread a split walk combines (the largest walk's)
+        self.effects_list: list[tuple[int, str, str]] = []
 
     def slots(self, name_or_n: Any) -> int:
         n = name_or_n if isinstance(name_or_n, int) else self.g.numel(name_or_n)
@@ -327,6 +333,7 @@ class _Traversal(_Emitter):
                 self.smem_params[name] = math.prod(n.attr("shape"))
         effects = self.effects()
         nloops = 1 + max([e[0] for e in effects] + [0])
+        self.split = self.split_degree(effects, nloops)
         self.sections = [[] for _ in range(nloops + 1)]
         self.loops = [[] for _ in range(nloops)]
         if self.edge:
@@ -357,9 +364,78 @@ class _Traversal(_Emitter):
                 if name in self.k.outputs and n.type.domain is Domain.NODE and not self.is_atomic(name):
                     reg = self.value(name)
                     N = n.type.numel
-                    self.loop(self.slots(N), f"if (j < {N}) st({self.ptr(name, out=True)} + (i64)d * {N} + j, "
+                    lead = " && lead" if self.split else ""  # a split destination: one group stores its row
+                    self.loop(self.slots(N), f"if (j < {N}{lead}) st({self.ptr(name, out=True)} + (i64)d * {N} + j, "
                                              f"{reg}[s]);")
         return self.assemble(nloops)
+
+    # -- heavy destinations split over a block ---------------------------------------------------------------
+    def walk_states(self, loop: int) -> list[tuple[str, list[str], int]]:
+        """What walk ``loop`` reduces over the in-edges, in the order a split walk combines it: (kind, register
+        arrays, slots) with kind "reduce" (a sum: ``acc_*``) or "softmax" (its running maximum and sum of
+        exponentials: ``sm_*_m``, ``sm_*_z``)."""
+        out = []
+        for eloop, kind, name in self.effects_list:
+            if eloop != loop or kind not in ("softmax", "reduce"):
+                continue
+            S = self.slots(self.p.node(name).args[0])
+            arrays = [f"sm_{cname(name)}_m", f"sm_{cname(name)}_z"] if kind == "softmax" else [f"acc_{cname(name)}"]
+            out.append((kind, arrays, S))
+        return out
+
+    def split_degree(self, effects: list[tuple[int, str, str]], nloops: int) -> int:
+        """The in-degree above which this kernel splits a destination over its block (0: never). Splitting needs
+        a shared buffer holding every group's partial state of one walk; where that does not fit beside the
+        scratch, the kernel keeps one group per destination."""
+        degree = self.g.options.split_degree
+        if not self.edge or degree <= 0:
+            return 0
+        self.effects_list = effects
+        slots = max(sum(len(a) * S for _, a, S in self.walk_states(loop)) for loop in range(nloops))
+        itemsize = 8 if self.g.acc == "f64" else 4
+        scratch = (BLOCK // self.G) * (2 * self.maxw if self.G > 1 else 1)
+        total = (BLOCK * slots + scratch + sum(self.smem_params.values())) * itemsize
+        if total > SPLIT_SMEM_BYTES:
+            return 0
+        self.split_slots = slots
+        return degree
+
+    def combine(self, loop: int) -> list[str]:
+        """After walk ``loop`` of a split destination: every group's partial state through shared memory, and
+        every group left holding the whole destination's (partial sums added, softmax statistics merged by their
+        maxima). All groups read the parts in one order, so they hold the same values bit for bit."""
+        states = self.walk_states(loop)
+        if not states:
+            return []
+        lines = ["  __syncthreads();  // the previous combine's reads are done",
+                 f"  // walk {loop + 1}: each group's partial state into the block's buffer"]
+        offset = 0
+        for _, arrays, S in states:
+            for arr in arrays:
+                lines.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) "
+                             f"split_buf[({offset} + s) * {BLOCK} + threadIdx.x] = {arr}[s];")
+                offset += S
+        lines.append("  __syncthreads();")
+        parts = BLOCK // self.G
+
+        def part(off: int) -> str:  # element s of group p's array at offset ``off``
+            return f"split_buf[({off} + s) * {BLOCK} + p * G + lane]"
+
+        offset = 0
+        for kind, arrays, S in states:
+            if kind == "softmax":
+                m, z = arrays
+                lines.append(
+                    f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ acc_t mx = HECTOR_NEG_INF, z = 0;\n"
+                    f"    for (int p = 0; p < {parts}; ++p) mx = hmax(mx, {part(offset)});\n"
+                    f"    for (int p = 0; p < {parts}; ++p) {{ const acc_t m = {part(offset)}; "
+                    f"if (m != HECTOR_NEG_INF) z += {part(offset + S)} * hexp(m - mx); }}\n"
+                    f"    {m}[s] = mx; {z}[s] = z; }}")
+            else:
+                lines.append(f"  #pragma unroll\n  for (int s = 0; s < {S}; ++s) {{ acc_t t = 0; "
+                             f"for (int p = 0; p < {parts}; ++p) t += {part(offset)}; {arrays[0]}[s] = t; }}")
+            offset += len(arrays) * S
+        return lines
 
     def assemble(self, nloops: int) -> tuple[str, KernelCode]:
         G = self.G
@@ -395,23 +471,72 @@ class _Traversal(_Emitter):
         body.append(f"  for (i64 w = (i64)blockIdx.x * {groups_per_block} + threadIdx.x / G; w < {n_work}; "
                     "w += groups) {")
         if self.edge:
+            if self.split:
+                body = body[:-1] + self.split_phase(order, ptr, n_work, nloops)
+                # the grid-stride loop from chunk c on, past the destinations the block walked together
+                body.append(f"  for (i64 w = c * {groups_per_block} + part + (part < walked ? groups : 0); "
+                            f"w < {n_work}; w += groups) {{")
+                body.append("  const bool lead = true;")
+                body.append("  (void)lead;")
             body.append(f"  const int d = {order}[w];  // destination node (heaviest first)")
             body.append(f"  const int e_begin = {ptr}[d], e_end = {ptr}[d + 1];")
-            for loop in range(nloops):
-                body += self.sections[loop]
-                body.append(f"  // walk {loop + 1} of {nloops} over the in-edges of d")
-                # unrolled: the loads of several in-edges in flight at once. The walk is serial per destination,
-                # so a destination with a thousand in-edges bounds the kernel with one dependent load chain per
-                # edge (fb15k: max in-degree 1,006, each walk kernel ~0.7 ms of an RGAT step)
-                body.append(f"  #pragma unroll {EDGE_UNROLL}\n  for (int e = e_begin; e < e_end; ++e) {{")
-                body += ["  " + sub for ln in self.loops[loop] for sub in ln.split("\n")]
-                body.append("  }")
-            body += self.sections[nloops]
+            body += self.destination_walks(nloops, split=False)
         else:
             body.append(f"  const i64 r = w;  // {self.k.space} row")
             body += self.loops[0]
         body.append("  }")
         return self.finish(body, ("dst",) if self.edge else ("rows", self.space_domain.value))
+
+    def destination_walks(self, nloops: int, split: bool) -> list[str]:
+        """The walks over the in-edges of destination ``d`` (``e_begin .. e_end``) and the node-wise work after
+        them: by this group alone, or (``split``) by every group of the block, each taking every ``parts``-th
+        in-edge, with the walk's reductions combined before the next walk reads them."""
+        body = []
+        for loop in range(nloops):
+            body += self.sections[loop]
+            body.append(f"  // walk {loop + 1} of {nloops} over the in-edges of d"
+                        + (", every group of the block on its share" if split else ""))
+            # unrolled: the loads of several in-edges in flight at once
+            first, step = ("e_begin + part", "e += parts") if split else ("e_begin", "++e")
+            body.append(f"  #pragma unroll {EDGE_UNROLL}\n  for (int e = {first}; e < e_end; {step}) {{")
+            body += ["  " + sub for ln in self.loops[loop] for sub in ln.split("\n")]
+            body.append("  }")
+            if split:
+                body += self.combine(loop)
+        body += self.sections[nloops]
+        return body
+
+    def split_phase(self, order: str, ptr: str, n_work: str, nloops: int) -> list[str]:
+        """The start of a splitting destination walk. A walk is serial per destination, so a destination with a
+        thousand in-edges bounds the kernel with a thousand dependent steps while the other groups idle. Blocks
+        take chunks of consecutive destinations in the heaviest-first order; while a chunk starts with a heavy
+        destination (more in-edges than the split degree), the whole block walks each of its heavy destinations
+        together. At the first light one the block goes on as usual (one group per destination, grid-stride),
+        skipping the chunk's destinations it already walked. The decision reads the same memory in every thread,
+        so it is the same in the whole block (its barriers stay uniform); the order only makes it fast, not
+        correct."""
+        per_block = BLOCK // self.G
+        body = [f"  constexpr int parts = {per_block};  // groups that share a split destination",
+                "  const int part = threadIdx.x / G;  // this group's share"]
+        if self.split_slots:  # a walk without reductions has nothing to combine
+            body.append(f"  __shared__ acc_t split_buf[{self.split_slots * BLOCK}];  // every group's partial state")
+        body += ["  i64 c = blockIdx.x;  // chunk: destinations c * parts .. c * parts + parts - 1 of the order",
+                 "  int walked = 0;  // destinations of chunk c already walked by the whole block",
+                 f"  while (c * parts < {n_work}) {{",
+                 "  const i64 w0 = c * parts;",
+                 f"  for (walked = 0; walked < parts && w0 + walked < {n_work}; ++walked) {{",
+                 f"  const int d = {order}[w0 + walked];  // destination node (heaviest first)",
+                 f"  const int e_begin = {ptr}[d], e_end = {ptr}[d + 1];",
+                 f"  if (e_end - e_begin <= {self.split}) break;  // light: one group walks it",
+                 "  const bool lead = part == 0;  // the group that writes the destination's node-wise outputs",
+                 "  (void)lead;"]
+        body += ["  " + sub for ln in self.destination_walks(nloops, split=True) for sub in ln.split("\n")]
+        body += ["  }",
+                 f"  if (walked < parts && w0 + walked < {n_work}) break;  // the rest of the order: one group each",
+                 "  c += gridDim.x;",
+                 "  walked = 0;",
+                 "  }"]
+        return body
 
     def centric_walk(self) -> list[str]:
         """The grid-stride loop of a target-centric kernel: per target row t, its rows in the sorted layout

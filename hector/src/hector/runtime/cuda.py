@@ -232,13 +232,13 @@ class CudaBackend:
     # -- compilation -----------------------------------------------------------------------------------------
     def options(self, device: torch.device) -> CodegenOptions:
         arch = self.executor.properties(device)["arch"]
-        return CodegenOptions(tf32=config.tf32(), arch=arch)
+        return CodegenOptions(tf32=config.tf32(), arch=arch, split_degree=config.split_degree())
 
     def plan(self, lowered, dtypes: Mapping[str, str], model: str, device: torch.device) -> _Plan:
         """The compiled module of ``lowered`` for values of these ``dtypes`` (value name -> dtype key). Asked on
         every run: found by the dtypes as given (the backend lists a program's values in one order), and only on
         a miss by the full key (sorted, with the codegen options, which read the GPU's properties)."""
-        fast = (id(lowered), tuple(dtypes.items()), model, device, config.tf32())
+        fast = (id(lowered), tuple(dtypes.items()), model, device, config.tf32(), config.split_degree())
         hit = self._fast_plans.get(fast)
         if hit is not None and hit[0] is lowered:
             return hit[1]

@@ -34,7 +34,7 @@
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 #   split      (not by default; ~4-6 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
 #              destinations split over a block or not: bench_cuda.py --profile
-#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128, the default; 32),
+#              rgat,hgt,rgcn on fb15k (HECTOR_SPLIT_DEGREE=0: one group per destination; 128; 32, the default),
 #              bgs (0, 32) and am (0, 128): each generated kernel's ms and the step's wall ms (median of 7), then a
 #              table of the step and of the traversal kernels' summed ms per degree. Alone: HECTOR_STEPS=split
 #   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
@@ -144,7 +144,7 @@ if has host; then
 fi
 
 if has split; then
-  note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 = off, vs 32 and the default 128) ($(date -u +%T))"
+  note "=== split: hub destinations over a block (HECTOR_SPLIT_DEGREE 0 = off, vs 128 and the default 32) ($(date -u +%T))"
   : > "$OUT/hector_split.log"
   # shared-memory races of the split walks' combine (racecheck: every kernel of one small test)
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 python3 -m pytest \

@@ -44,7 +44,7 @@ settings = Settings({
         "`optimize=\"auto\"`/`\"memory\"`",
         "hector.config.set_sorted_scatter"),
     "split_degree": Setting(
-        "HECTOR_SPLIT_DEGREE", 128, integer(0),
+        "HECTOR_SPLIT_DEGREE", 32, integer(0),
         "destination walks: a destination with more in-edges than this is walked by all the groups of a block at "
         "once, which combine their sums and softmax statistics in shared memory, so a few hub destinations do not "
         "bound the kernel; `0` walks every destination with one group",

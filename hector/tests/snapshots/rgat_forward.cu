@@ -279,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_traversal(const float* __re
   for (walked = 0; walked < parts && w0 + walked < n_work; ++walked) {
   const int d = dst_order[w0 + walked];  // destination node (heaviest first)
   const int e_begin = csc_ptr[d], e_end = csc_ptr[d + 1];
-  if (e_end - e_begin <= 128) break;  // light: one group walks it
+  if (e_end - e_begin <= 32) break;  // light: one group walks it
   const bool lead = part == 0;  // the group that writes the destination's node-wise outputs
   (void)lead;
     acc_t sm_v9_m[1], sm_v9_z[1];  // statistics of %v9

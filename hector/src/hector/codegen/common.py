@@ -104,7 +104,7 @@ class CodegenOptions:
     tf32: bool = False
     tensor_cores: bool = True  # bf16/f16 GEMMs on tensor cores (sm_80+)
     arch: int = 80
-    split_degree: int = 128
+    split_degree: int = 32
 
 
 def cname(name: str) -> str:

@@ -284,7 +284,8 @@ class Plan:
             + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
             + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
             + (f"; {'; '.join(stages)}" if stages else ""),
-            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'select ms/MiB':>14}"
+            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'derive ms/MiB':>14}"
+            f" {'select ms/MiB':>14}"
             f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
         ]
         for u, c, s in zip(self.units, self.choices, p.per_unit_stall, strict=True):
@@ -292,9 +293,11 @@ class Plan:
             mark = " *" if u.name in self.overridden else ""
             cheap = f"{u.cheap_s * 1e3:.2f}/{u.cheap_bytes / _MIB:.0f}" if u.cheap_bytes else "-"
             sel = f"{u.selective_s * 1e3:.2f}/{u.selective_bytes / _MIB:.0f}" if u.selective_s else "-"
+            der = f"{u.derive_s * 1e3:.2f}/{u.derive_bytes / _MIB:.0f}" if u.derive_bytes else "-"
             lines.append(
                 f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
-                f" {cheap:>13} {sel:>14} {str(c) + mark:>16} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
+                f" {cheap:>13} {der:>14} {sel:>14} {str(c) + mark:>16} {res / _MIB:11.1f} {moved / _MIB:10.1f}"
+                f" {s * 1e3:9.2f}"
             )
         capacity = ", ".join(
             f"{name} {format_bytes(p.moved.get(name, 0))} of {format_bytes(spec.capacity)}"
@@ -324,6 +327,11 @@ class Plan:
         if cheap:
             more = " ..." if len(cheap) > 4 else ""
             legend.append(f"cheap = recompute the elementwise submodules {', '.join(cheap[:4])}{more}")
+        if any(u.derive_bytes for u in self.units):
+            legend.append(
+                "derive = make the saved results of norms, activations and casts again in backward from the block's "
+                "other saved tensors (ms and MiB in 'derive')"
+            )
         if any(u.selective_s for u in self.units):
             legend.append(
                 "selective = keep what matrix products and attention output (MiB in 'select'), recompute the rest "
@@ -512,6 +520,7 @@ def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
             u,
             forward_s=u.forward_s * scale,
             cheap_s=u.cheap_s * scale,
+            derive_s=u.derive_s * scale,
             selective_s=u.selective_s * scale,
             cheap_modules=list(u.cheap_modules),
         )

@@ -144,8 +144,8 @@ def test_llm_budget_suite_quick(tmp_path):
 
 
 ROK_QUICK = (
-    "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,save_on_cpu,torchtune,trl,compile,compile_budget_0.5,"
-    "ssdtrain+compile@compile_budget_0.5*1.0"
+    "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,ssdtrain-derive,save_on_cpu,torchtune,trl,compile,"
+    "compile_budget_0.5,ssdtrain+compile@compile_budget_0.5*1.0"
 )
 
 
@@ -170,6 +170,7 @@ def test_llm_rok_suite_quick(tmp_path):
     for name in ("keep", "recompute", "sac", "save_on_cpu", "compile", "compile_budget_0.5"):
         assert rows[name]["status"] == "ok", rows[name]
     assert rows["ssdtrain@keep*0.7"]["status"] == "ok" and rows["ssdtrain@sac*1.0"]["status"] == "ok"
+    assert rows["ssdtrain-derive"]["status"] == "ok" and "derive" in rows["ssdtrain-derive"]["plan"]
     assert rows["ssdtrain+compile@compile_budget_0.5*1.0"]["status"] in ("ok", "budget")
     assert rows["torchtune"]["status"] == rows["trl"]["status"] == "unavailable"
     assert rows["sac"]["group"] == "eager" and rows["compile_budget_0.5"]["group"] == "compiled"

@@ -142,6 +142,20 @@ class _Meta:
         return self._size
 
 
+def _broadcast(a: tuple, b: tuple) -> tuple | None:
+    """The broadcast shape of `a` and `b`, or None (torch's own helper costs the host ~50 us a call)."""
+    if a == b:
+        return a
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for x, y in zip(a, b, strict=True):
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
 def _node_key(node, nr: int) -> tuple[int, int]:
     return (id(node), nr)
 
@@ -201,6 +215,8 @@ class Deriver:
 
     def _make(self, node, depth: int, dtype):
         name = type(node).__name__
+        if name not in _BINARY and name not in _UNARY and (name != _CAST or dtype is None):
+            return None  # (most saved tensors: decided before looking at the inputs, the host's time counts)
         inputs = []
         for edge in node.next_functions:
             n, k = edge
@@ -223,9 +239,8 @@ class Deriver:
             return None
         (device,) = devices
         if name in _BINARY and len(values) == 2:
-            try:
-                shape = tuple(torch.broadcast_shapes(*shapes))
-            except RuntimeError:
+            shape = _broadcast(shapes[0], shapes[1])
+            if shape is None:
                 return None
             return _Op(
                 _BINARY[name], values, versions, shape, torch.promote_types(values[0].dtype, values[1].dtype), device
@@ -251,8 +266,7 @@ class Deriver:
         """A recipe for saved tensor `t`, or None (then `t` counts as saved for later recipes)."""
         base = t._base if t._base is not None else t
         node = base.grad_fn
-        if node is None or _param_derived(t):
-            # A parameter's cast (autocast's bf16 weight) is held by autocast's cache through the forward anyway.
+        if node is None:
             return None
         nr = base.output_nr
         key = _node_key(node, nr)
@@ -265,6 +279,8 @@ class Deriver:
             op = self._build(node, nr, self.depth, dtype=base.dtype)
             if (
                 op is None
+                # A parameter's cast (autocast's bf16 weight) is held by autocast's cache through the forward anyway.
+                or _param_derived(t)
                 or op.shape != tuple(base.shape)
                 or op.dtype != base.dtype
                 or op.device != base.device

@@ -7,7 +7,9 @@ storage, parameters excluded), which of them are too small to move, the bytes of
 keeps) and its *cheap* submodules: elementwise ones (activation functions written as several elementwise ops, e.g.
 GPT-2's tanh GELU; normalisation layers) whose saved tensors can be recomputed for a fraction of the block's time.
 
-Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``selective``
+Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``derive`` (saved
+results of elementwise ops made again in backward from the block's other saved tensors: ``ssdtrain.derive``) /
+``selective``
 (checkpoint the block keeping the outputs of its matrix products and attention: only norms, activations, elementwise
 code and casts run again) / ``full`` (checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``:
 ``keep`` on the GPU, ``host`` pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the

@@ -141,8 +141,10 @@ def test_derived_input_changed_in_place_raises():
         out.backward()
 
 
-def test_session_derive_override_equal_gradients():
-    """Blocks planned `derive` in a session: recipes are stored, gradients equal keeping everything."""
+@pytest.mark.parametrize("mixed", [False, True])
+def test_session_derive_override_equal_gradients(mixed):
+    """Blocks planned `derive` in a session (alone, or beside moved and recomputed blocks): recipes are stored,
+    gradients equal keeping everything."""
     model, _ = _llama(layers=3)
     ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
     ref = copy.deepcopy(model)
@@ -150,6 +152,8 @@ def test_session_derive_override_equal_gradients():
         want_loss = ref(input_ids=ids, labels=ids).loss
     want_loss.backward()
     overrides = {f"model.layers.{k}": "derive" for k in range(3)}
+    if mixed:
+        overrides.update({"model.layers.0": "recompute+host", "model.layers.2": "host"})
     with ssdtrain.offload(model, min_bytes="2K", overrides=overrides, profile_steps=1, verbose=False) as s:
         for _ in range(2):
             model.zero_grad()
@@ -159,9 +163,12 @@ def test_session_derive_override_equal_gradients():
     assert torch.equal(loss, want_loss)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
-    assert s.stats()["tensors_derived"] == 3 * 9
-    assert all(str(c) == "derive" for c in s.plan.choices[1:-1])
+    derived = 1 if mixed else 3
+    assert s.stats()["tensors_derived"] == derived * 9  # one planned step
+    assert [str(c) for c in s.plan.choices[1:-1]].count("derive") == derived
     assert "derive =" in str(s.plan)
+    if mixed:
+        assert s.stats()["bytes_offloaded"]["host"] > 0
 
 
 def test_profile_measures_derivable_bytes():
@@ -186,6 +193,10 @@ def test_profile_measures_derivable_bytes():
 
 
 def test_derive_choice_parsing():
+    units = _units(n=2, derive=0)
+    with pytest.warns(UserWarning, match="found no saved tensor there"):
+        plan = make_plan("m", units, Bandwidth(1e9, 1e9), None, block_container="b", overrides={"b.0": "derive"})
+    assert plan.prediction.peak == plan.keep_prediction.peak
     assert str(Choice.parse("derive")) == "derive"
     assert Choice.parse("derive") == Choice("derive", "keep")
     with pytest.raises(ValueError, match="derive"):

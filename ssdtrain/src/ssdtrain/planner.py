@@ -22,6 +22,7 @@ that are no longer needed.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 from .prediction import (
@@ -437,6 +438,14 @@ def make_plan(
     for u, c in zip(units, choices, strict=True):
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
+    nothing = [u.name for u, c in zip(units, choices, strict=True) if c.recompute == "derive" and not u.derive_bytes]
+    if nothing:
+        warnings.warn(
+            f"ssdtrain: overrides plan {', '.join(nothing)} 'derive', but the profile found no saved tensor there "
+            "that elementwise ops make from the block's other saved tensors: those blocks keep everything (use "
+            "'recompute' or a tier to save memory there)",
+            stacklevel=3,
+        )
     model = _Model(
         units,
         bw,

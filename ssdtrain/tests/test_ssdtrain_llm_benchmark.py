@@ -242,3 +242,12 @@ def test_block_memory_probe_quick():
     assert "mean kept:" in proc.stdout and "mean checkpointed:" in proc.stdout
     kinds = [line.split()[1] for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert kinds == ["kept", "checkpointed", "kept"]
+    proc = subprocess.run(
+        [sys.executable, str(probe), "--quick", "--device", "cpu", "--policies"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ratio = {line.split()[0]: float(line.split()[-2]) for line in proc.stdout.splitlines()[2:]}
+    assert ratio["keep"] == 1.0 and 0.3 < ratio["derive"] < 0.6 and ratio["recompute"] < ratio["derive"]

@@ -118,6 +118,38 @@ def test_llama_block_derived_bytes_and_exact_gradients(shape):
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_each_op_made_once_and_nothing_held_after_backward():
+    """A result several saved tensors need (a norm's output cast for three projections) is made once in backward,
+    and no result is held once backward is done."""
+    model, _ = _llama()
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    deriver, made, ops = Deriver(), [], {}
+
+    def pack(t):
+        d = deriver.derive(t) if not isinstance(t, torch.nn.Parameter) else None
+        if d is None:
+            return t
+        for op in d.op.ops():
+            if id(op) not in ops:
+                ops[id(op)] = op
+                op.fn = (lambda f, k: lambda *a: (made.append(k), f(*a))[1])(op.fn, id(op))
+        return d
+
+    def unpack(x):
+        return x.materialize() if isinstance(x, Derived) else x
+
+    pre = [b.register_forward_pre_hook(lambda *_: deriver.reset()) for b in model.model.layers]
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    for h in pre:
+        h.remove()
+    assert len(ops) >= 8 * len(model.model.layers)
+    assert sorted(made) == sorted(ops)  # each op once
+    assert all(op.value is None and op.refs == 0 for op in ops.values())
+
+
 def test_derived_input_changed_in_place_raises():
     deriver = Deriver()
     x = torch.randn(8, 16, requires_grad=True)

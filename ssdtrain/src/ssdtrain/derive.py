@@ -39,15 +39,33 @@ OP_HOST_S = 1e-5
 
 class _Op:
     """One recomputed op: its function, its inputs (tensors or other ``_Op``s) and what its result looks like. The
-    result is held while saved tensors that need it have not been unpacked yet (`pending`)."""
+    result is held while something still needs it (`refs`: saved tensors not unpacked yet whose recipe ends here,
+    and ops using it not made yet), so a result several need is made once and none is held longer."""
 
-    __slots__ = ("fn", "inputs", "versions", "shape", "dtype", "device", "pending", "value")
+    __slots__ = ("fn", "inputs", "versions", "shape", "dtype", "device", "refs", "linked", "value")
 
     def __init__(self, fn, inputs, versions, shape, dtype, device):
         self.fn, self.inputs, self.versions = fn, inputs, versions
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.pending = 0
+        self.refs = 0
+        self.linked = False  # its inputs count it among their users (once a saved tensor's recipe reaches it)
         self.value = None
+
+    def link(self) -> None:
+        """A saved tensor's recipe reaches this op: count it as a user of its input ops (once)."""
+        if self.linked:
+            return
+        self.linked = True
+        for x in self.inputs:
+            if isinstance(x, _Op):
+                x.refs += 1
+                x.link()
+
+    def drop(self) -> None:
+        """One user of this op's result is done with it."""
+        self.refs = max(0, self.refs - 1)
+        if self.refs == 0:
+            self.value = None
 
     @property
     def nbytes(self) -> int:
@@ -95,16 +113,12 @@ class _Op:
                 f"expected {self.shape} {self.dtype} on {self.device}; plan the block 'keep' or 'recompute' "
                 "(overrides=) and report this model"
             )
-        if self.pending > 0:
+        for x in self.inputs:
+            if isinstance(x, _Op):
+                x.drop()  # made: this op needs its inputs no more
+        if self.refs > 0:
             self.value = value
         return value
-
-    def release(self) -> None:
-        """One saved tensor needing this op was unpacked."""
-        for op in self.ops():
-            op.pending = max(0, op.pending - 1)
-            if op.pending == 0:
-                op.value = None
 
 
 class Derived:
@@ -117,12 +131,12 @@ class Derived:
         self.size, self.stride = t.size(), t.stride()
         self.offset = t.storage_offset() - base.storage_offset()
         self.unit = unit
-        for o in op.ops():
-            o.pending += 1
+        op.refs += 1
+        op.link()
 
     def materialize(self) -> torch.Tensor:
         value = self.op.compute()
-        self.op.release()
+        self.op.drop()
         if tuple(self.size) == tuple(value.shape) and tuple(self.stride) == value.stride() and self.offset == 0:
             return value
         return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
@@ -196,8 +210,9 @@ class Deriver:
                 return None
             return t, version
         if type(node).__name__ == "AccumulateGrad":
-            p = node.variable
-            return p, p._version
+            # A parameter: its version is not checked, since a sharded model's parameter is gathered again (written
+            # in place) before the block's backward, where the recipe uses it.
+            return node.variable, None
         return None
 
     def _build(self, node, nr: int, depth: int, dtype=None):

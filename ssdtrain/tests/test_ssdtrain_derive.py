@@ -196,7 +196,8 @@ def test_session_derive_override_equal_gradients(mixed):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     derived = 1 if mixed else 3
-    assert s.stats()["tensors_derived"] == derived * 9  # one planned step
+    # One planned step: per block the 9 activations and the casts of its 7 weight matrices.
+    assert s.stats()["tensors_derived"] == derived * (9 + 7)
     assert [str(c) for c in s.plan.choices[1:-1]].count("derive") == derived
     assert "derive =" in str(s.plan)
     if mixed:
@@ -224,8 +225,22 @@ def test_profile_measures_derivable_bytes():
     assert plain.units[1].derive_bytes == ids.numel() * (2 * 4 * h + 2 * 4 * h + 2 * 4 * i)
 
 
+def test_derived_blocks_weight_casts_leave_autocast_cache():
+    """A `derive` block's weight casts are recipes: autocast's cache is cleared when it returns, so none is held
+    after forward; the plan counts them only while the block runs (as a recomputed block's)."""
+    from test_ssdtrain_offload import batch, make_net
+    from test_ssdtrain_reliability import alive_block_casts
+
+    overrides = {f"blocks.{i}": "derive" for i in range(3)}
+    alive, s = alive_block_casts(make_net(layers=3, width=64), batch(), overrides)
+    assert alive == 0 and s.plan.clear_casts
+    assert all(c.recompute == "derive" for c in s.plan.choices[1:-1])
+    kept = make_plan("m", s.plan.units, s.plan.bandwidth, None, block_container="blocks")
+    assert s.plan.prediction.peak < kept.keep_prediction.peak
+
+
 def test_derive_choice_parsing():
-    units = _units(n=2, derive=0)
+    units = _units(n=2, derive=0, derive_s=0.0)
     with pytest.warns(UserWarning, match="found no saved tensor there"):
         plan = make_plan("m", units, Bandwidth(1e9, 1e9), None, block_container="b", overrides={"b.0": "derive"})
     assert plan.prediction.peak == plan.keep_prediction.peak
@@ -258,7 +273,7 @@ def test_planner_prefers_derive_over_full_recompute():
     """Where deriving frees the bytes the budget needs at a tenth of a block's forward, the planner derives rather
     than recompute whole blocks, and its plan is faster than the best plan without deriving."""
     units = _units()
-    without = _units(derive=0)
+    without = _units(derive=0, derive_s=0.0)
     slow = Bandwidth(d2h=1e9, h2d=1e9)  # a slow link: moving is no way out here
     keep_peak = simulate(units, [Choice()] * len(units), slow).peak
     options = dict(host_limit=1 << 40, nvme_limit=0, block_container="b", async_copies=False)

@@ -211,7 +211,9 @@ class TensorCache(Transfers):
         if storage.nbytes() < self.min_bytes or self._seen_kept(("derived",) + key, storage, t._version):
             return
         traffic, ops = self.deriver.cost(derived)
-        self.observer(self.unit, key, storage.nbytes(), "derivable", traffic=traffic, ops=ops)
+        # A parameter's cast: its bytes are counted as the unit's casts ("param_copy"), only its cost here.
+        nbytes = 0 if derived.cast else storage.nbytes()
+        self.observer(self.unit, key, nbytes, "derivable", traffic=traffic, ops=ops)
 
     # ----------------------------------------------------------------------------------------------- unpack
     def unpack(self, saved):

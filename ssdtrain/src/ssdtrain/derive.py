@@ -5,7 +5,9 @@ Under autocast with fp32 weights a transformer block saves many tensors that ele
 saves anyway: an RMSNorm saves its input, the normalised input (input x rsqrt) and the inverse root; each matrix
 product after it saves its own bf16 cast of the norm's output (weight x normalised input); a gated MLP saves the
 activation's output and the product fed to the down projection, both made from the two projections' outputs it saves
-anyway. On a Llama-style block these are about half of what the block saves.
+anyway. On a Llama-style block these are about half of what the block saves. Where the session clears autocast's
+cache when the block returns, the casts of its weights (autocast's bf16 copies, saved by each projection) are recipes
+too, made again from the parameters in backward.
 
 ``Deriver.derive(tensor)`` is called for each tensor a block saves (in pack order). It follows the tensor's autograd
 node back through a few elementwise ops (multiply, SiLU, a dtype cast at the top, a view of the result) to tensors
@@ -124,10 +126,11 @@ class _Op:
 class Derived:
     """What autograd holds for a derived saved tensor: the op making its storage's tensor, and its view of it."""
 
-    __slots__ = ("op", "size", "stride", "offset", "unit", "__weakref__")
+    __slots__ = ("op", "size", "stride", "offset", "unit", "cast", "__weakref__")
 
-    def __init__(self, op: _Op, t: torch.Tensor, base: torch.Tensor, unit: int):
+    def __init__(self, op: _Op, t: torch.Tensor, base: torch.Tensor, unit: int, cast: bool = False):
         self.op = op
+        self.cast = cast  # a cast of a parameter (autocast's bf16 weight)
         self.size, self.stride = t.size(), t.stride()
         self.offset = t.storage_offset() - base.storage_offset()
         self.unit = unit
@@ -183,6 +186,9 @@ class Deriver:
         self.depth = depth
         # Only measuring (a profiled step): recipes hold no tensors, as they are never made.
         self.observe = False
+        # Parameters' casts (autocast's bf16 weights) as recipes too: only where the session clears autocast's cache
+        # when the block returns (the cache would hold them otherwise); made again in backward from the parameter.
+        self.derive_casts = False
         self._counted: set[int] = set()  # ids of ops whose cost ``cost`` reported already (this block)
         # (id(node), output) -> (node, what it is: weakref to a saved tensor or an _Op, its version when saved).
         # The node is held so that its id is not reused while the entry lives; entries live for one block.
@@ -295,8 +301,6 @@ class Deriver:
             op = self._build(node, nr, self.depth, dtype=base.dtype)
             if (
                 op is None
-                # A parameter's cast (autocast's bf16 weight) is held by autocast's cache through the forward anyway.
-                or _param_derived(t)
                 or op.shape != tuple(base.shape)
                 or op.dtype != base.dtype
                 or op.device != base.device
@@ -305,7 +309,10 @@ class Deriver:
                 self._seen[key] = (node, weakref.ref(base), base._version)
                 return None
             self._seen[key] = (node, op, None)
-        return Derived(op, t, base, unit)
+        cast = _param_derived(t)
+        if cast and not self.derive_casts:
+            return None  # held by autocast's cache through the forward anyway
+        return Derived(op, t, base, unit, cast)
 
     def cost(self, d: Derived) -> tuple[int, int]:
         """(bytes read and written, ops) of the ops `d` needs that no earlier call this block reported."""

@@ -438,7 +438,11 @@ def make_plan(
     for u, c in zip(units, choices, strict=True):
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
-    nothing = [u.name for u, c in zip(units, choices, strict=True) if c.recompute == "derive" and not u.derive_bytes]
+    nothing = [
+        u.name
+        for u, c in zip(units, choices, strict=True)
+        if c.recompute == "derive" and not u.derive_bytes and not u.derive_s
+    ]
     if nothing:
         warnings.warn(
             f"ssdtrain: overrides plan {', '.join(nothing)} 'derive', but the profile found no saved tensor there "

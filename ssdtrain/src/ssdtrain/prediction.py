@@ -59,7 +59,7 @@ class UnitProfile:
         if self.kind == "block":
             if self.cheap_bytes > 0:
                 recomputes.append("cheap")
-            if self.derive_bytes > 0:
+            if self.derive_bytes > 0 or self.derive_s > 0:  # activations or weight casts to derive
                 recomputes.append("derive")
             # Selective recompute is not chosen by the planner, only by an override: torch's selective
             # checkpointing sends every op of the block through a Python policy, in forward and again in the
@@ -169,8 +169,10 @@ def split_choice(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
         # uses it; results shared by several (a norm's output and its cast) are held until the last is unpacked. On
         # a Llama-style block at most about a third of the derived bytes are made at once: half is a safe bound.
         movable, extra_s = max(0, u.saved_bytes - u.derive_bytes), u.derive_s
-        transient = u.derive_bytes // 2
-        small = u.small_bytes + u.pinned_bytes
+        # Its weight casts too are recipes, made again from the parameters in backward (counted as a recomputed
+        # block's: held while it runs in forward, see `simulate`).
+        transient = u.derive_bytes // 2 + u.pinned_bytes
+        small = u.small_bytes
     elif c.recompute == "selective":
         # Only the block's inputs pass through the tiers; the kept outputs of its matrix products and attention stay
         # on the device (torch's selective checkpointing holds them); casts of its weights are made again.
@@ -272,7 +274,10 @@ def simulate(
     # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
     # forward unless it is cleared when the block returns (`clear_casts`: the session does, where no parameter of a
     # block is used elsewhere).
-    casts = [u.pinned_bytes if c.recompute in ("full", "selective") else 0 for u, c in zip(units, choices, strict=True)]
+    casts = [
+        u.pinned_bytes if c.recompute in ("full", "selective", "derive") else 0
+        for u, c in zip(units, choices, strict=True)
+    ]
     held_casts = 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
     # a tier with a stage of its own (the disk) then queues them there.

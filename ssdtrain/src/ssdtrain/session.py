@@ -193,6 +193,7 @@ class OffloadSession:
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
         self.clear_casts = not self._blocks_share_params(inner)
+        self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
         self._released = False
         self._quiet = False  # plan(): its steps only profile
@@ -610,7 +611,7 @@ class OffloadSession:
             self._cast_units = frozenset(
                 i
                 for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True))
-                if u.kind == "block" and c.recompute in ("full", "selective")
+                if u.kind == "block" and c.recompute in ("full", "selective", "derive")
             )
         self._recomputed_any = self._recomputed_any or self._recomputed > 0 or any(derive)
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.

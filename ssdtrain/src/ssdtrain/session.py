@@ -502,7 +502,7 @@ class OffloadSession:
         self.cache.derive_unit = None
         if profile is None:
             return
-        if any(profile.derivable):
+        if any(profile.derive_traffic):
             self.profiler.derive_rate = elementwise_rate(self.device)
         units = self.profiler.units(profile, self._unit_grads)
         working = (0, 0, 0)

@@ -140,6 +140,8 @@ class Derived:
     def materialize(self) -> torch.Tensor:
         value = self.op.compute()
         self.op.drop()
+        if not value.is_contiguous():  # the saved tensor's base was contiguous (its view is rebuilt on that layout)
+            value = value.contiguous()
         if tuple(self.size) == tuple(value.shape) and tuple(self.stride) == value.stride() and self.offset == 0:
             return value
         return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
@@ -196,8 +198,6 @@ class Deriver:
         # (id(node), output, dtype) -> (node, its op): an op built once per node, so that results shared by several
         # saved tensors (one cast feeding three projections) are made once.
         self._built: dict[tuple, tuple] = {}
-        self.derived = 0  # tensors derived since the session started
-        self.derived_bytes = 0
 
     def reset(self) -> None:
         self._seen.clear()
@@ -262,8 +262,8 @@ class Deriver:
         (device,) = devices
         if name in _BINARY and len(values) == 2:
             shape = _broadcast(shapes[0], shapes[1])
-            if shape is None:
-                return None
+            if shape is None or min(len(shapes[0]), len(shapes[1])) == 0:
+                return None  # (a 0-dim operand takes no part in type promotion: its result's dtype is not known)
             return _Op(
                 _BINARY[name], values, versions, shape, torch.promote_types(values[0].dtype, values[1].dtype), device
             )

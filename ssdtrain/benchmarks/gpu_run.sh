@@ -15,7 +15,8 @@
 #   rok           the ROK curve, eager: Llama-style GQA 16 x 2048, batch 4 x 2048, fp32 weights under
 #                 autocast bf16, gradient accumulation 4: keep, full recompute (HF checkpointing),
 #                 torch SAC, save_on_cpu, torchtune and TRL offloading, ssdtrain at budgets from their
-#                 peaks; the eager targets                                                              ~5-6 min
+#                 peaks and with every block 'derive' (what deriving alone saves and costs); the eager
+#                 targets                                                                               ~6 min
 #   rok-compiled  the same model, each block torch.compile'd: keep, activation_memory_budget 0.5 /
 #                 0.2 / 0.8, ssdtrain + compile at their peaks (inductor compiles cost ~1 min a job
 #                 on a cold cache: the deadline cuts the last ones)                                     ~8 min

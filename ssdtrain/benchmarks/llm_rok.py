@@ -46,6 +46,8 @@ EAGER = [
     ("recompute", None),
     ("ssdtrain", "keep*0.5"),
     ("ssdtrain", "recompute*1.2"),
+    # Every block planned `derive` (no budget): what deriving alone saves and costs, against keep.
+    ("ssdtrain-derive", None),
     ("sac", None),
     ("ssdtrain", "sac*1.0"),
     ("ssdtrain", "keep*0.3"),
@@ -204,7 +206,10 @@ def run_job(job: dict, llm) -> dict:
     elif policy.startswith("ssdtrain"):
         import ssdtrain
 
-        session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, verbose=False)
+        overrides = None
+        if policy == "ssdtrain-derive":
+            overrides = {name: "derive" for name, _ in ssdtrain.find_blocks(model)[1]}
+        session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, overrides=overrides, verbose=False)
         if not isinstance(budget, int):
             row["budget_gib"] = ""
 

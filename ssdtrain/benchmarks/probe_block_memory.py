@@ -10,6 +10,11 @@ for the blocks kept and for the blocks checkpointed (non-reentrant, as ssdtrain 
 
     python3 ssdtrain/benchmarks/probe_block_memory.py            # the ROK suite's Llama model (CUDA)
     python3 ssdtrain/benchmarks/probe_block_memory.py --quick    # tiny, any device (smoke)
+    python3 ssdtrain/benchmarks/probe_block_memory.py --policies # saved bytes per recompute choice (CPU is fine)
+
+``--policies`` profiles one step of a 2-block model of the ROK suite's width (few tokens, under autocast bf16) with
+the planner's own profiler and prints, per token and scaled to the suite's micro-batch (4 x 2048 tokens), what one
+block saves under each recompute choice: keep, cheap, derive, torch's selective checkpointing, full recompute.
 """
 
 from __future__ import annotations
@@ -113,17 +118,60 @@ def checkpoint_block(block) -> None:
     block.forward = forward
 
 
+def policies(a, llm, llm_budget) -> int:
+    """Saved bytes of one block per recompute choice, from the planner's profile of one step (any device)."""
+    import ssdtrain
+
+    device = torch.device(a.device)
+    size = dict(layers=2, hidden=64 if a.quick else 2048, heads=4 if a.quick else 16, batch=1, seq=a.tokens)
+    args = argparse.Namespace(**size, vocab=50257, llama_vocab=512)
+    model, _ = llm_budget.build(llm, "llama", args, device, torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, 512, (1, a.tokens), device=device, generator=gen)
+    dtype = torch.bfloat16
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    plan = ssdtrain.plan(model, step, min_bytes="1K")
+    u = plan.units[1]
+    scale = 4 * 2048 / a.tokens
+    saved = u.saved_bytes + u.small_bytes
+    rows = [
+        ("keep", saved, 0.0),
+        (f"cheap ({', '.join(u.cheap_modules) or 'none'})", saved - u.cheap_bytes, u.cheap_s),
+        ("derive", saved - u.derive_bytes, u.derive_s),
+        ("selective (torch SAC)", u.selective_bytes + u.input_bytes, u.selective_s),
+        ("recompute", u.input_bytes, u.forward_s),
+    ]
+    casts = u.pinned_bytes / MIB
+    print(f"# one block of llama {size} under autocast {dtype} on {device}; weight casts {casts:.1f} MiB")
+    print(f"{'choice':<48} {'B/token':>9} {'MiB/micro-batch':>16} {'x keep':>7} {'recompute ms (here)':>20}")
+    for name, nbytes, seconds in rows:
+        print(
+            f"{name:<48} {nbytes / a.tokens:9.0f} {nbytes * scale / MIB:16.1f} {nbytes / saved:7.2f} "
+            f"{seconds * 1e3:20.2f}"
+        )
+    return 0
+
+
 def main(argv=None) -> int:
     import llm
     import llm_budget
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test; CPU is fine)")
+    p.add_argument("--policies", action="store_true", help="saved bytes of one block per recompute choice")
+    p.add_argument("--tokens", type=int, default=64, help="tokens of the --policies step (bytes scale with them)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--checkpointed", default="4-11", help="blocks to checkpoint, e.g. 4-11 (the rest are kept)")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.policies:
+        return policies(a, llm, llm_budget)
     device = torch.device(a.device)
     size = (
         dict(layers=3, hidden=64, heads=4, batch=2, seq=64)

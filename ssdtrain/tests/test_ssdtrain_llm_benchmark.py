@@ -144,8 +144,8 @@ def test_llm_budget_suite_quick(tmp_path):
 
 
 ROK_QUICK = (
-    "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,save_on_cpu,torchtune,trl,compile,compile_budget_0.5,"
-    "ssdtrain+compile@compile_budget_0.5*1.0"
+    "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,ssdtrain-derive,save_on_cpu,torchtune,trl,compile,"
+    "compile_budget_0.5,ssdtrain+compile@compile_budget_0.5*1.0"
 )
 
 
@@ -170,6 +170,7 @@ def test_llm_rok_suite_quick(tmp_path):
     for name in ("keep", "recompute", "sac", "save_on_cpu", "compile", "compile_budget_0.5"):
         assert rows[name]["status"] == "ok", rows[name]
     assert rows["ssdtrain@keep*0.7"]["status"] == "ok" and rows["ssdtrain@sac*1.0"]["status"] == "ok"
+    assert rows["ssdtrain-derive"]["status"] == "ok" and "derive" in rows["ssdtrain-derive"]["plan"]
     assert rows["ssdtrain+compile@compile_budget_0.5*1.0"]["status"] in ("ok", "budget")
     assert rows["torchtune"]["status"] == rows["trl"]["status"] == "unavailable"
     assert rows["sac"]["group"] == "eager" and rows["compile_budget_0.5"]["group"] == "compiled"
@@ -241,3 +242,12 @@ def test_block_memory_probe_quick():
     assert "mean kept:" in proc.stdout and "mean checkpointed:" in proc.stdout
     kinds = [line.split()[1] for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert kinds == ["kept", "checkpointed", "kept"]
+    proc = subprocess.run(
+        [sys.executable, str(probe), "--quick", "--device", "cpu", "--policies"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ratio = {line.split()[0]: float(line.split()[-2]) for line in proc.stdout.splitlines()[2:]}
+    assert ratio["keep"] == 1.0 and 0.3 < ratio["derive"] < 0.6 and ratio["recompute"] < ratio["derive"]

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from .derive import Derived, Deriver
 from .entries import OffloadError, OffloadWarning, _Entry, _param_derived, _Saved, _storage_ref
 from .transfers import Transfers
 
@@ -50,6 +51,10 @@ class TensorCache(Transfers):
         # is the step's); None: prefetch as usual.
         self.hold_head: int | None = None
         self.param_storages: set[int] = set()
+        # Units whose saved elementwise results are stored as recipes (unit -> True; set by the session, None: none),
+        # and the units a profiled step measures recipes for (the same; None: none).
+        self.derive_unit = None
+        self.deriver = Deriver()
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
@@ -103,6 +108,14 @@ class TensorCache(Transfers):
             return t
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
             return t
+        if self.derive_unit is not None and self.derive_unit(self.unit):
+            derived = self.deriver.derive(t, self.unit)
+            if derived is not None:
+                if not self.deriver.observe:
+                    self.counters["derived_tensors"] += 1
+                    return derived
+                if self.observer is not None:
+                    self._observe_derived(t, derived)
         if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
             # A unit the plan keeps whole: nothing to decide (this is most saved tensors of a plan that moves only
             # a few units; autograd calls pack for every one of them, so the host's time per call counts). Its
@@ -191,8 +204,28 @@ class TensorCache(Transfers):
             self._throttle()
             return saved
 
+    def _observe_derived(self, t: torch.Tensor, derived: Derived) -> None:
+        """A profiled step: record that `t`'s storage has a recipe (once per storage) and what it costs."""
+        storage = t.untyped_storage()
+        key = (t.device.type, t.device.index, storage.data_ptr(), 0, storage.nbytes())
+        if storage.nbytes() < self.min_bytes or self._seen_kept(("derived",) + key, storage, t._version):
+            return
+        traffic, ops = self.deriver.cost(derived)
+        # A parameter's cast: its bytes are counted as the unit's casts ("param_copy"), only its cost here.
+        nbytes = 0 if derived.cast else storage.nbytes()
+        self.observer(self.unit, key, nbytes, "derivable", traffic=traffic, ops=ops)
+
     # ----------------------------------------------------------------------------------------------- unpack
     def unpack(self, saved):
+        if isinstance(saved, Derived):
+            if not self._backward_started:
+                with self.lock:
+                    self._begin_backward()
+                    self._prefetch_from(max(max(self._by_unit, default=-1), self.hold_head or -1))
+            elif self._by_unit:
+                with self.lock:
+                    self._prefetch_from(saved.unit)
+            return saved.materialize()
         if not isinstance(saved, _Saved):
             if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
                 with self.lock:

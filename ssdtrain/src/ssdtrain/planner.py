@@ -7,7 +7,9 @@ storage, parameters excluded), which of them are too small to move, the bytes of
 keeps) and its *cheap* submodules: elementwise ones (activation functions written as several elementwise ops, e.g.
 GPT-2's tanh GELU; normalisation layers) whose saved tensors can be recomputed for a fraction of the block's time.
 
-Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``selective``
+Each unit gets a ``Choice``: recompute ``none`` / ``cheap`` (checkpoint the cheap submodules) / ``derive`` (saved
+results of elementwise ops made again in backward from the block's other saved tensors: ``ssdtrain.derive``) /
+``selective``
 (checkpoint the block keeping the outputs of its matrix products and attention: only norms, activations, elementwise
 code and casts run again) / ``full`` (checkpoint the block) and a tier for what it still saves (``ssdtrain.tiers``:
 ``keep`` on the GPU, ``host`` pinned RAM, ``nvme``). The planner sees a tier as a ``TierSpec``: its capacity and the
@@ -20,6 +22,7 @@ that are no longer needed.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 from .prediction import (
@@ -284,7 +287,8 @@ class Plan:
             + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
             + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
             + (f"; {'; '.join(stages)}" if stages else ""),
-            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'select ms/MiB':>14}"
+            f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'derive ms/MiB':>14}"
+            f" {'select ms/MiB':>14}"
             f" {'choice':>16} {'on GPU MiB':>11} {'moved MiB':>10} {'stall ms':>9}",
         ]
         for u, c, s in zip(self.units, self.choices, p.per_unit_stall, strict=True):
@@ -292,9 +296,11 @@ class Plan:
             mark = " *" if u.name in self.overridden else ""
             cheap = f"{u.cheap_s * 1e3:.2f}/{u.cheap_bytes / _MIB:.0f}" if u.cheap_bytes else "-"
             sel = f"{u.selective_s * 1e3:.2f}/{u.selective_bytes / _MIB:.0f}" if u.selective_s else "-"
+            der = f"{u.derive_s * 1e3:.2f}/{u.derive_bytes / _MIB:.0f}" if u.derive_bytes else "-"
             lines.append(
                 f"  {u.name:<28} {u.forward_s * 1e3:7.2f} {(u.saved_bytes + u.small_bytes) / _MIB:10.1f}"
-                f" {cheap:>13} {sel:>14} {str(c) + mark:>16} {res / _MIB:11.1f} {moved / _MIB:10.1f} {s * 1e3:9.2f}"
+                f" {cheap:>13} {der:>14} {sel:>14} {str(c) + mark:>16} {res / _MIB:11.1f} {moved / _MIB:10.1f}"
+                f" {s * 1e3:9.2f}"
             )
         capacity = ", ".join(
             f"{name} {format_bytes(p.moved.get(name, 0))} of {format_bytes(spec.capacity)}"
@@ -324,6 +330,11 @@ class Plan:
         if cheap:
             more = " ..." if len(cheap) > 4 else ""
             legend.append(f"cheap = recompute the elementwise submodules {', '.join(cheap[:4])}{more}")
+        if any(u.derive_bytes for u in self.units):
+            legend.append(
+                "derive = make the saved results of norms, activations and casts again in backward from the block's "
+                "other saved tensors (ms and MiB in 'derive')"
+            )
         if any(u.selective_s for u in self.units):
             legend.append(
                 "selective = keep what matrix products and attention output (MiB in 'select'), recompute the rest "
@@ -427,6 +438,18 @@ def make_plan(
     for u, c in zip(units, choices, strict=True):
         if c.recompute != "none" and u.kind != "block":
             raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
+    nothing = [
+        u.name
+        for u, c in zip(units, choices, strict=True)
+        if c.recompute == "derive" and not u.derive_bytes and not u.derive_s
+    ]
+    if nothing:
+        warnings.warn(
+            f"ssdtrain: overrides plan {', '.join(nothing)} 'derive', but the profile found no saved tensor there "
+            "that elementwise ops make from the block's other saved tensors: those blocks keep everything (use "
+            "'recompute' or a tier to save memory there)",
+            stacklevel=3,
+        )
     model = _Model(
         units,
         bw,
@@ -506,7 +529,9 @@ def make_plan(
 
 
 def scaled_units(units: list[UnitProfile], scale: float) -> list[UnitProfile]:
-    """Copies of `units` with every measured time multiplied by `scale` (bytes unchanged)."""
+    """Copies of `units` with every measured time multiplied by `scale` (bytes unchanged). Not ``derive_s``: it is
+    no time measured in the profiled step (whose hooks slow it down) but the recipes' traffic at a rate measured
+    alone."""
     return [
         replace(
             u,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from .tiers import TIER_NAMES as TIERS
 from .tiers import TierSpec
 
-RECOMPUTE = ("none", "cheap", "selective", "full")
+RECOMPUTE = ("none", "cheap", "derive", "selective", "full")
 _MIB = float(1 << 20)
 # Host time of one moved tensor: the pack's bookkeeping, issuing its copy out and its copy back on the side
 # streams, and its release (events, a pinned buffer from the pool). On an H100 host the profiled step of a plan
@@ -40,6 +40,10 @@ class UnitProfile:
     cheap_bytes: int = 0  # saved bytes that checkpointing the cheap submodules removes
     cheap_s: float = 0.0  # their forward time (the recompute cost)
     cheap_modules: list[str] = field(default_factory=list)
+    # Saved bytes made again in backward by elementwise ops from what the block saves anyway (``ssdtrain.derive``),
+    # and the time that costs (their memory traffic at the device's elementwise rate, plus the host's time per op).
+    derive_bytes: int = 0
+    derive_s: float = 0.0
     tensors: int = 0
     selective_bytes: int = 0  # what its matrix products and attention output (kept by selective recompute)
     selective_s: float = 0.0  # the forward time of everything else (run again by selective recompute)
@@ -55,6 +59,8 @@ class UnitProfile:
         if self.kind == "block":
             if self.cheap_bytes > 0:
                 recomputes.append("cheap")
+            if self.derive_bytes > 0 or self.derive_s > 0:  # activations or weight casts to derive
+                recomputes.append("derive")
             # Selective recompute is not chosen by the planner, only by an override: torch's selective
             # checkpointing sends every op of the block through a Python policy, in forward and again in the
             # recompute, which its measured recompute time does not show. On an H100 (Llama-style 16 x 2048, fp32
@@ -64,7 +70,8 @@ class UnitProfile:
         # Cheap recompute is combined with keep only (an override may still move the rest): on an H100 (the same
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
         # same plan with that block `host` or `cheap`, none of which its prediction showed.
-        return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
+        # Derived tensors are made from tensors kept on the device: combined with keep only (see Choice).
+        return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,13 @@ class Choice:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.recompute == "derive" and self.tier != "keep":
+            # A derived tensor's recipe holds the saved tensors it is made from: moving those would keep their device
+            # bytes anyway (held by the recipe) and add the copies.
+            raise ValueError(
+                f"'derive' keeps the block's other saved tensors on the device: use 'derive' alone, not "
+                f"'derive+{self.tier}' (or 'recompute+{self.tier}' to move a recomputed block's inputs)"
+            )
 
     def __str__(self) -> str:
         if self.recompute == "none":
@@ -86,8 +100,8 @@ class Choice:
 
     @staticmethod
     def parse(text) -> Choice:
-        """'keep', 'host', 'nvme', 'recompute', 'cheap', 'selective', 'recompute+host', 'selective+host', ... (or a
-        Choice)."""
+        """'keep', 'host', 'nvme', 'recompute', 'cheap', 'derive', 'selective', 'recompute+host', 'selective+host',
+        ... (or a Choice)."""
         if isinstance(text, Choice):
             return text
         parts = [p.strip().lower() for p in str(text).split("+") if p.strip()]
@@ -97,13 +111,15 @@ class Choice:
                 recompute = "full"
             elif p == "cheap":
                 recompute = "cheap"
+            elif p == "derive":
+                recompute = "derive"
             elif p in ("selective", "sac"):
                 recompute = "selective"
             elif p in TIERS:
                 tier = p
             else:
                 raise ValueError(
-                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute, selective or cheap, "
+                    f"cannot read {text!r} as a choice: use keep, host, nvme, recompute, selective, derive or cheap, "
                     "optionally joined with '+' (e.g. 'recompute+host')"
                 )
         return Choice(recompute, tier)
@@ -148,6 +164,15 @@ def split_choice(u: UnitProfile, c: Choice) -> tuple[int, int, float, int]:
         movable, extra_s = max(0, u.saved_bytes - u.cheap_bytes), u.cheap_s
         transient = u.cheap_bytes
         small = u.small_bytes + u.pinned_bytes
+    elif c.recompute == "derive":
+        # The derived tensors come back one recipe at a time in the block's backward, each freed after the op that
+        # uses it; results shared by several (a norm's output and its cast) are held until the last is unpacked. On
+        # a Llama-style block at most about a third of the derived bytes are made at once: half is a safe bound.
+        movable, extra_s = max(0, u.saved_bytes - u.derive_bytes), u.derive_s
+        # Its weight casts too are recipes, made again from the parameters in backward (counted as a recomputed
+        # block's: held while it runs in forward, see `simulate`).
+        transient = u.derive_bytes // 2 + u.pinned_bytes
+        small = u.small_bytes
     elif c.recompute == "selective":
         # Only the block's inputs pass through the tiers; the kept outputs of its matrix products and attention stay
         # on the device (torch's selective checkpointing holds them); casts of its weights are made again.
@@ -249,7 +274,10 @@ def simulate(
     # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
     # forward unless it is cleared when the block returns (`clear_casts`: the session does, where no parameter of a
     # block is used elsewhere).
-    casts = [u.pinned_bytes if c.recompute in ("full", "selective") else 0 for u, c in zip(units, choices, strict=True)]
+    casts = [
+        u.pinned_bytes if c.recompute in ("full", "selective", "derive") else 0
+        for u, c in zip(units, choices, strict=True)
+    ]
     held_casts = 0
     # Forward: compute back to back; each unit's moved bytes queue on the D2H link and hold GPU memory until sent;
     # a tier with a stage of its own (the disk) then queues them there.

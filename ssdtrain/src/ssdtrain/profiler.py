@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .derive import OP_HOST_S
 from .io import huge_empty
 from .model import is_compute_op, tensor_storages
 from .prediction import Bandwidth, UnitProfile
@@ -196,6 +197,11 @@ class Profile:
         self.pinned = [0] * n_units  # casts of parameters (never moved)
         self.tensors = [0] * n_units
         self.inputs = [dict() for _ in range(n_units)]
+        # Per unit: saved bytes a recipe could make again (``ssdtrain.derive``), and those recipes' memory traffic
+        # and ops.
+        self.derivable = [0] * n_units
+        self.derive_traffic = [0] * n_units
+        self.derive_ops = [0] * n_units
         self.marks = [[] for _ in range(n_units)]  # (start, end) pairs
         self.cheap_inside: dict[str, dict[int, int]] = {}
         self.cheap_inputs: dict[str, dict[int, int]] = {}
@@ -208,8 +214,13 @@ class Profile:
         self.start = None
         self.end = None
 
-    def record(self, unit: int, key, nbytes: int, kind: str) -> None:
+    def record(self, unit: int, key, nbytes: int, kind: str, traffic: int = 0, ops: int = 0) -> None:
         sptr = key[2]
+        if kind == "derivable":  # besides its "saved" record: this storage has a recipe
+            self.derivable[unit] += nbytes
+            self.derive_traffic[unit] += traffic
+            self.derive_ops[unit] += ops
+            return
         if kind == "view":
             return
         if kind == "param_copy":
@@ -262,6 +273,9 @@ class Profiler:
             and not any(hasattr(m.forward, "_torchdynamo_orig_callable") for _, m in blocks)
         )
         self._recorder: OpRecorder | None = None
+        # Bytes per second of the device's elementwise kernels (set by the session before ``units``): what a
+        # derived tensor's recipe costs in backward.
+        self.derive_rate = 1e12
 
     # --------------------------------------------------------------------------------------------- one step
     def begin(self, signature, allowance: float) -> None:
@@ -418,6 +432,8 @@ class Profiler:
             )
             if kind == "block":
                 u.forward_s = block_time[i]
+                u.derive_bytes = profile.derivable[i]
+                u.derive_s = profile.derive_traffic[i] / self.derive_rate + profile.derive_ops[i] * OP_HOST_S
                 u.input_bytes = sum(profile.inputs[i].values())
                 if self.container:
                     self._cheap_of(u, i, profile)
@@ -438,6 +454,7 @@ class Profiler:
             u.saved_bytes, u.small_bytes, u.tensors = first.saved_bytes, first.small_bytes, first.tensors
             u.pinned_bytes = max(u.pinned_bytes, first.pinned_bytes)
             u.cheap_bytes, u.cheap_modules = first.cheap_bytes, list(first.cheap_modules)
+            u.derive_bytes, u.derive_s = first.derive_bytes, first.derive_s
             names = {f"{u.name}.{m}" for m in first.cheap_modules}
             u.cheap_s = (
                 sum(clock.seconds(a, b) for m in names for a, b in profile.cheap_marks.get(m, []) if b is not None)

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import stats as _stats
 from .cache import TensorCache
+from .derive import elementwise_rate
 from .entries import OffloadWarning
 from .hooks import ModuleHooks
 from .hostpool import HostPool
@@ -192,6 +193,7 @@ class OffloadSession:
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
         self.clear_casts = not self._blocks_share_params(inner)
+        self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
         self._released = False
         self._quiet = False  # plan(): its steps only profile
@@ -291,6 +293,7 @@ class OffloadSession:
         finally:
             self.profiler.stop()
             self.cache.observer = None
+            self.cache.derive_unit = None
             self.cache.on_idle = self._release_tiers
             if abort:
                 # An exception left the session: everything goes at once (the next session makes new tiers).
@@ -408,6 +411,11 @@ class OffloadSession:
         self.profiled += 1
         profile = self.profiler.measure()
         self.cache.observer = profile.record
+        if self.container and not self.compiled:
+            # Which saved tensors of each block a recipe could make again (measured, none made).
+            n_blocks = len(self.blocks)
+            self.cache.deriver.observe = True
+            self.cache.derive_unit = lambda unit: 1 <= unit <= n_blocks
         self._grads_at_profile = grads
         if self.memory.can_measure():
             # Working memory (temporaries never saved) = this step's peaks (forward, the head's backward, the
@@ -424,14 +432,17 @@ class OffloadSession:
         self.profiler.forward_done(failed)
         self.calibrator.forward_done()
         self.cache.unit = len(self.unit_names) - 1
+        self.cache.deriver.reset()
         self.cache.poll()
 
     def block_started(self, unit: int, args: tuple) -> None:
         self.cache.unit = unit
+        self.cache.deriver.reset()  # recipes reach back to tensors saved by this block only
         if self.plan is None:
             self.profiler.block_started(unit, args)
 
     def block_done(self, unit: int) -> None:
+        self.cache.deriver.reset()
         if self.plan is None:
             self.profiler.block_done(unit)
             if self.clear_casts and unit in self.profiler.checkpointed:
@@ -488,8 +499,11 @@ class OffloadSession:
     def _finish_profile(self) -> None:
         profile = self.profiler.take()
         self.cache.observer = None
+        self.cache.derive_unit = None
         if profile is None:
             return
+        if any(profile.derive_traffic):
+            self.profiler.derive_rate = elementwise_rate(self.device)
         units = self.profiler.units(profile, self._unit_grads)
         working = (0, 0, 0)
         if self.memory.can_measure():
@@ -563,6 +577,9 @@ class OffloadSession:
         self._recomputed = 0
         self.plan = plan
         self._cast_units = frozenset()
+        self.cache.derive_unit = None
+        self.cache.deriver.observe = False
+        self.cache.deriver.reset()
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
@@ -578,7 +595,7 @@ class OffloadSession:
                     self.checkpoints.wrap(block)
                 elif c.recompute == "selective":
                     self.checkpoints.wrap(block, selective=True)
-                else:
+                elif c.recompute == "cheap":
                     for name, module in self.cheap[i - 1]:
                         if name.removeprefix(u.name + ".") in u.cheap_modules:
                             self.checkpoints.wrap(module)
@@ -586,14 +603,17 @@ class OffloadSession:
         # counted in pack order, every pack included).
         kept = [c.tier == "keep" for c in plan.choices]
         self.cache.keeps_unit = None if self.compiled else (lambda unit: kept[min(unit, len(kept) - 1)])
+        derive = [c.recompute == "derive" and u.kind == "block" for u, c in zip(plan.units, plan.choices, strict=True)]
+        if any(derive) and not self.compiled:
+            self.cache.derive_unit = lambda unit: derive[min(unit, len(derive) - 1)]
         self._recomputed = len(self.checkpoints)
         if plan.clear_casts and self.clear_casts and not self.compiled:
             self._cast_units = frozenset(
                 i
                 for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True))
-                if u.kind == "block" and c.recompute in ("full", "selective")
+                if u.kind == "block" and c.recompute in ("full", "selective", "derive")
             )
-        self._recomputed_any = self._recomputed_any or self._recomputed > 0
+        self._recomputed_any = self._recomputed_any or self._recomputed > 0 or any(derive)
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.
         self.cache.window_bytes = plan.window_bytes
         self.cache.window_units = plan.window_units

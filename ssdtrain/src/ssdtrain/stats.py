@@ -18,6 +18,7 @@ def session_stats(session) -> dict:
         "bytes_kept": c["kept_bytes"],
         "tensors_offloaded": c["packed_tensors"],
         "tensors_kept": c["kept_tensors"],
+        "tensors_derived": c["derived_tensors"],  # stored as recipes, made again in backward
         "param_tensors_kept": c["kept_param_tensors"],
         "views_deduplicated": c["dedup_views"],
         "bytes_restored": c["bytes_restored"],

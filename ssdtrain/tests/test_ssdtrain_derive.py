@@ -1,0 +1,287 @@
+"""The `derive` choice: saved results of norms, activations and casts stored as recipes and made again in backward.
+
+Counts of saved bytes need no GPU: a Llama-style block under CPU autocast saves the same tensors as under CUDA
+autocast (fp32 RMSNorm, bf16 casts for the projections, a gated SiLU MLP), so the bytes per token checked here are
+those of the benchmark's block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain.derive import Derived, Deriver
+from ssdtrain.entries import _param_derived
+from ssdtrain.planner import Choice, make_plan
+from ssdtrain.prediction import Bandwidth, UnitProfile, simulate
+
+MIB = 1 << 20
+
+
+def _llama(layers=2, hidden=64, heads=4, kv_heads=2, seq=64):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3 + 255) // 256 * 256 if hidden >= 256 else 176,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=211,
+        max_position_embeddings=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg), cfg
+
+
+def _block_bytes(model, block, ids):
+    """(bytes of the block's saved activations kept, bytes derived, derived tensors) with a Deriver in the hooks,
+    and the loss and gradients of that step."""
+    deriver = Deriver()
+    inside = [False]
+    kept, derived = {}, []
+
+    def pre(*_):
+        inside[0] = True
+        deriver.reset()
+
+    def post(*_):
+        inside[0] = False
+        deriver.reset()
+
+    def pack(t):
+        if not inside[0] or isinstance(t, torch.nn.Parameter):
+            return t
+        d = deriver.derive(t)
+        storage = t.untyped_storage()
+        if d is not None:
+            derived.append(storage.nbytes())
+            return d
+        if not _param_derived(t):
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def unpack(x):
+        return x.materialize() if isinstance(x, Derived) else x
+
+    handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(kept.values()), sum(derived), len(derived), loss
+
+
+def _expected_derived_per_token(hidden, inter):
+    # Two RMSNorms: the normalised input (fp32); five bf16 casts of the norms' outputs (query, key, value; gate, up);
+    # the SiLU's output and the product fed to the down projection (bf16).
+    return 2 * 4 * hidden + 5 * 2 * hidden + 2 * 2 * inter
+
+
+@pytest.mark.parametrize("shape", ["tiny", "benchmark"])
+def test_llama_block_derived_bytes_and_exact_gradients(shape):
+    """Per token, exactly what the recipes remove, and gradients bit for bit those of keeping everything."""
+    if shape == "tiny":
+        model, cfg = _llama()
+        ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    else:  # the ROK benchmark's block (16 heads, 4 key/value heads, 2048 hidden), few tokens
+        model, cfg = _llama(layers=1, hidden=2048, heads=16, kv_heads=4, seq=32)
+        ids = torch.randint(0, 211, (1, 32), generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model)
+    block = model.model.layers[-1]
+    kept, derived, count, loss = _block_bytes(model, block, ids)
+    tokens = ids.numel()
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert count == 9
+    assert derived == tokens * _expected_derived_per_token(h, i)
+    # What stays: the block's input and the residual after attention (fp32), query/key/value after the rotary
+    # embedding, attention's output (bf16), the gate and up projections' outputs (bf16), small tensors.
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    big_kept = tokens * (2 * 4 * h + 2 * (h + 2 * kv) + 2 * h + 2 * 2 * i)
+    assert big_kept <= kept < big_kept * 1.1
+    assert derived / (derived + kept) > (0.5 if shape == "benchmark" else 0.45)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_each_op_made_once_and_nothing_held_after_backward():
+    """A result several saved tensors need (a norm's output cast for three projections) is made once in backward,
+    and no result is held once backward is done."""
+    model, _ = _llama()
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    deriver, made, ops = Deriver(), [], {}
+
+    def pack(t):
+        d = deriver.derive(t) if not isinstance(t, torch.nn.Parameter) else None
+        if d is None:
+            return t
+        for op in d.op.ops():
+            if id(op) not in ops:
+                ops[id(op)] = op
+                op.fn = (lambda f, k: lambda *a: (made.append(k), f(*a))[1])(op.fn, id(op))
+        return d
+
+    def unpack(x):
+        return x.materialize() if isinstance(x, Derived) else x
+
+    pre = [b.register_forward_pre_hook(lambda *_: deriver.reset()) for b in model.model.layers]
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    for h in pre:
+        h.remove()
+    assert len(ops) >= 8 * len(model.model.layers)
+    assert sorted(made) == sorted(ops)  # each op once
+    assert all(op.value is None and op.refs == 0 for op in ops.values())
+
+
+def test_derived_input_changed_in_place_raises():
+    deriver = Deriver()
+    x = torch.randn(8, 16, requires_grad=True)
+    a = x * 2  # saved below (by mul), then changed in place
+    b = torch.randn(8, 16, requires_grad=True)
+
+    def pack(t):
+        d = deriver.derive(t)
+        return d if d is not None else t
+
+    def unpack(v):
+        return v.materialize() if isinstance(v, Derived) else v
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        c = a * b  # saves a (real: mul by a constant is no recipe) and b
+        d = torch.nn.functional.silu(c)  # saves c: derivable from a and b
+        out = (d * b).sum()  # saves d (silu of c) and b
+    with torch.no_grad():
+        a.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_session_derive_override_equal_gradients(mixed):
+    """Blocks planned `derive` in a session (alone, or beside moved and recomputed blocks): recipes are stored,
+    gradients equal keeping everything."""
+    model, _ = _llama(layers=3)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss = ref(input_ids=ids, labels=ids).loss
+    want_loss.backward()
+    overrides = {f"model.layers.{k}": "derive" for k in range(3)}
+    if mixed:
+        overrides.update({"model.layers.0": "recompute+host", "model.layers.2": "host"})
+    with ssdtrain.offload(model, min_bytes="2K", overrides=overrides, profile_steps=1, verbose=False) as s:
+        for _ in range(2):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    assert torch.equal(loss, want_loss)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    derived = 1 if mixed else 3
+    # One planned step: per block the 9 activations and the casts of its 7 weight matrices.
+    assert s.stats()["tensors_derived"] == derived * (9 + 7)
+    assert [str(c) for c in s.plan.choices[1:-1]].count("derive") == derived
+    assert "derive =" in str(s.plan)
+    if mixed:
+        assert s.stats()["bytes_offloaded"]["host"] > 0
+
+
+def test_profile_measures_derivable_bytes():
+    model, cfg = _llama(layers=3)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    plan = ssdtrain.plan(model, step, min_bytes="2K")
+    per_token = _expected_derived_per_token(cfg.hidden_size, cfg.intermediate_size)
+    for u in plan.units[1:-1]:
+        assert u.derive_bytes == ids.numel() * per_token
+        assert u.derive_s > 0
+        assert Choice("derive") in u.options()
+    # Without autocast the projections save the norms' fp32 outputs (made from the normalised input): derived too.
+    plain = ssdtrain.plan(model, lambda: model(input_ids=ids, labels=ids).loss.backward(), min_bytes="2K")
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert plain.units[1].derive_bytes == ids.numel() * (2 * 4 * h + 2 * 4 * h + 2 * 4 * i)
+
+
+def test_derived_blocks_weight_casts_leave_autocast_cache():
+    """A `derive` block's weight casts are recipes: autocast's cache is cleared when it returns, so none is held
+    after forward; the plan counts them only while the block runs (as a recomputed block's)."""
+    from test_ssdtrain_offload import batch, make_net
+    from test_ssdtrain_reliability import alive_block_casts
+
+    overrides = {f"blocks.{i}": "derive" for i in range(3)}
+    alive, s = alive_block_casts(make_net(layers=3, width=64), batch(), overrides)
+    assert alive == 0 and s.plan.clear_casts
+    assert all(c.recompute == "derive" for c in s.plan.choices[1:-1])
+    kept = make_plan("m", s.plan.units, s.plan.bandwidth, None, block_container="blocks")
+    assert s.plan.prediction.peak < kept.keep_prediction.peak
+
+
+def test_derive_choice_parsing():
+    units = _units(n=2, derive=0, derive_s=0.0)
+    with pytest.warns(UserWarning, match="found no saved tensor there"):
+        plan = make_plan("m", units, Bandwidth(1e9, 1e9), None, block_container="b", overrides={"b.0": "derive"})
+    assert plan.prediction.peak == plan.keep_prediction.peak
+    assert str(Choice.parse("derive")) == "derive"
+    assert Choice.parse("derive") == Choice("derive", "keep")
+    with pytest.raises(ValueError, match="derive"):
+        Choice.parse("derive+host")
+
+
+def _units(n=8, fwd=0.004, saved=800 * MIB, derive=440 * MIB, derive_s=0.0004):
+    units = [UnitProfile("<stem>", "stem", forward_s=fwd / 10, saved_bytes=MIB)]
+    for k in range(n):
+        units.append(
+            UnitProfile(
+                f"b.{k}",
+                "block",
+                forward_s=fwd,
+                saved_bytes=saved,
+                input_bytes=64 * MIB,
+                derive_bytes=derive,
+                derive_s=derive_s,
+                tensors=30,
+            )
+        )
+    units.append(UnitProfile("<head>", "head", forward_s=fwd, saved_bytes=200 * MIB))
+    return units
+
+
+def test_planner_prefers_derive_over_full_recompute():
+    """Where deriving frees the bytes the budget needs at a tenth of a block's forward, the planner derives rather
+    than recompute whole blocks, and its plan is faster than the best plan without deriving."""
+    units = _units()
+    without = _units(derive=0, derive_s=0.0)
+    slow = Bandwidth(d2h=1e9, h2d=1e9)  # a slow link: moving is no way out here
+    keep_peak = simulate(units, [Choice()] * len(units), slow).peak
+    options = dict(host_limit=1 << 40, nvme_limit=0, block_container="b", async_copies=False)
+    for removed in (4 * 440 * MIB, 6 * 440 * MIB, 8 * 440 * MIB):
+        plan = make_plan("m", units, slow, keep_peak - removed, **options)
+        assert plan.prediction.peak <= keep_peak - removed
+        kinds = [c.recompute for c in plan.choices[1:-1]]
+        assert kinds.count("derive") >= removed // (440 * MIB) - 1 and kinds.count("full") <= 1
+        assert all(c.tier == "keep" for c in plan.choices if c.recompute == "derive")
+        other = make_plan("m", without, slow, keep_peak - removed, **options)
+        assert plan.prediction.seconds < other.prediction.seconds

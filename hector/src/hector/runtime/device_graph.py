@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..ir.core import GATHER_VIA, Domain
+from . import prep
 from .graph import Graph, record_stream_of, sort_keys, unique_pairs
 
 
@@ -27,46 +28,38 @@ class DeviceGraph:
     def __init__(self, graph: Graph):
         if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
             raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
-        if graph.dst_sorted:  # already in destination order (a sampler's CSC order): nothing to sort or gather
-            self.order = None
-            g = self.graph = Graph._derived(graph.src, graph.dst, graph.etype, like=graph, dst_sorted=True)
-        else:
-            order = sort_keys(graph.dst, graph.num_nodes)[1]
-            self.order = order  # sorted position -> original edge id
-            # the edges' columns (and their pair rows, where known) reordered in one gather, not one per column
-            columns = [graph.src, graph.dst, graph.etype]
-            if "unique" in graph._cache:
-                columns.append(graph.edge_to_unique)
-            columns = torch.stack(columns).index_select(1, order)
-            g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
-            # and their int32 copies, the kernels' gather indices, in one cast
-            narrow = columns.to(torch.int32)
+        exact = "unique" in graph._cache
+        # the whole layout in one TorchScript call (see hector.runtime.prep): a loader thread preparing a
+        # mini-batch holds the GIL for none of its operations
+        (order, columns, inverse, narrow, self.csc_ptr, self.dst_order, p_src, p_etype, count, self.unique_count,
+         valid, edge_counts, edge_perm, pair_counts) = prep.run(
+            prep.destination_layout, graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
+            graph.unique_src if exact else None, graph.unique_etype if exact else None, graph.num_nodes,
+            graph.num_relations, graph.dst_sorted)
+        self.order = order  # sorted position -> original edge id; None where the edges came in that order
+        g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
-        self.padded = "unique" not in graph._cache
+        self.padded = not exact
+        self._cache: dict[Any, Any] = {
+            ("gather", "src"): narrow[0], ("gather", "dst"): narrow[1], ("gather", "unique"): narrow[3],
+            ("index", Domain.EDGE, ("etype",)): narrow[2], ("perm", Domain.EDGE, ("etype",)): edge_perm}
+        g._cache[("type_counts", Domain.EDGE, ("etype",))] = edge_counts
         if self.padded:
-            src, etype, inverse, count = unique_pairs(g.src, g.etype, g.num_nodes, g.num_relations)
-            g._cache["unique"] = (src, etype, inverse)
-            self.unique_count = count.to(torch.int32)
-            self._valid = torch.arange(g.num_edges, device=g.device) < count
+            # the same (source, relation) pairs computed on the device, padded; the count is on its way to the host
+            g._cache["unique"] = (p_src, p_etype, inverse)
+            self._valid = valid
+            self._cache[("gather", "unique_src")] = narrow[4]
+            self._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
+            self._cache[("type_counts", Domain.UNIQUE, ())] = count
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
-            inverse = graph.edge_to_unique if self.order is None else columns[3]
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
-            self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
-        # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
-        nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
-        self.csc_ptr = torch.searchsorted(g.dst, nodes, out_int32=True)
-        deg = self.csc_ptr[1:] - self.csc_ptr[:-1]
-        # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
-        self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
-        self._cache: dict[Any, Any] = {}
+            self._cache[("gather", "unique_src")] = narrow[4][:graph.num_unique]
+            g._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
+            self._cache[("type_counts", Domain.UNIQUE, ())] = count
         self._bound: dict[int, dict[tuple, Any]] = {}
-        if self.order is not None:
-            for i, via in enumerate(("src", "dst", "", "unique")[:narrow.size(0)]):
-                if via:
-                    self._cache[("gather", via)] = narrow[i]
 
     def settle(self, count: int) -> None:
         """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows

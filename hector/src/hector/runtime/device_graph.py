@@ -31,8 +31,8 @@ class DeviceGraph:
         exact = "unique" in graph._cache
         # the whole layout in one TorchScript call (see hector.runtime.prep): a loader thread preparing a
         # mini-batch holds the GIL for none of its operations
-        (order, columns, inverse, narrow, self.csc_ptr, self.dst_order, p_src, p_etype, count, self.unique_count,
-         valid, edge_counts, edge_perm, pair_counts) = prep.run(
+        (order, columns, inverse, narrow, unique_src, self.csc_ptr, self.dst_order, p_src, p_etype, count,
+         self.unique_count, valid, pair_counts) = prep.run(
             prep.destination_layout, graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
             graph.unique_src if exact else None, graph.unique_etype if exact else None, graph.num_nodes,
             graph.num_relations, graph.dst_sorted)
@@ -43,22 +43,18 @@ class DeviceGraph:
         self.padded = not exact
         self._cache: dict[Any, Any] = {
             ("gather", "src"): narrow[0], ("gather", "dst"): narrow[1], ("gather", "unique"): narrow[3],
-            ("index", Domain.EDGE, ("etype",)): narrow[2], ("perm", Domain.EDGE, ("etype",)): edge_perm}
-        g._cache[("type_counts", Domain.EDGE, ("etype",))] = edge_counts
+            ("gather", "unique_src"): unique_src, ("index", Domain.EDGE, ("etype",)): narrow[2]}
         if self.padded:
-            # the same (source, relation) pairs computed on the device, padded; the count is on its way to the host
+            # the (source, relation) pairs computed on the device, padded; their count is on its way to the host
             g._cache["unique"] = (p_src, p_etype, inverse)
             self._valid = valid
-            self._cache[("gather", "unique_src")] = narrow[4]
             self._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
             self._cache[("type_counts", Domain.UNIQUE, ())] = count
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
-            self._cache[("gather", "unique_src")] = narrow[4][:graph.num_unique]
             g._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
-            self._cache[("type_counts", Domain.UNIQUE, ())] = count
         self._bound: dict[int, dict[tuple, Any]] = {}
 
     def settle(self, count: int) -> None:
@@ -156,6 +152,8 @@ class DeviceGraph:
 
             return self._cached(("type_counts", domain, by), compute)
         if by:
+            if domain is not Domain.UNIQUE:
+                return self._type_layout(domain, by)[0]
             return self.graph.type_counts(domain, by)
         return self._cached(("type_counts", domain, by),
                             lambda: torch.full((1,), self.rows(domain), dtype=torch.long, device=self.device))
@@ -168,9 +166,18 @@ class DeviceGraph:
             if domain is Domain.UNIQUE and self.padded:
                 index, types = self._padded_types(by)
                 return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
+            if domain is not Domain.UNIQUE:
+                return self._type_layout(domain, by)[1]
             return self.graph.type_order(domain, by).to(torch.int32).contiguous()
 
         return self._cached(("perm", domain, by), compute)
+
+    def _type_layout(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of each type, rows sorted by type as int32) of node or edge rows typed by ``by``: both in one
+        TorchScript call (no GIL held for their operations), on first use of either."""
+        # typed by the int32 index the kernels read too (one cast shared, and a sort in half the radix passes)
+        return self._cached(("type_layout", domain, by), lambda: prep.run(
+            prep.type_layout, self.index(domain, by), self.graph.num_combined_types(by)))
 
     def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
         """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles

@@ -38,8 +38,9 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
 
 
 def _check_bounds(checks: list[tuple[str, torch.Tensor, int, str]], bounds: list[int]) -> None:
-    """(name, ids, upper, what): every id in [0, upper), from the (smallest, largest) id of each tensor in
-    ``bounds`` (those of :func:`~hector.runtime.prep.check_and_pair`, read on the host in one transfer)."""
+    """(name, ids, upper, what): every id in [0, upper), from the (smallest, largest) id of each tensor in the
+    first entries of ``bounds`` (those of :func:`~hector.runtime.prep.check_and_pair`, read on the host in one
+    transfer)."""
     for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=False):
         if lo < 0 or hi >= upper:
             bad = lo if lo < 0 else hi
@@ -167,12 +168,14 @@ class Graph:
             bounds, psrc, petype, pinverse = prep.run(prep.check_and_pair, edge_index, edge_type, node_type,
                                                       self.num_nodes, self.num_relations, order, want_pairs)
             bounds = bounds.tolist()
-            _check_bounds(checks, bounds)
-            self.dst_sorted = order and bounds[6] >= 0
+            checked = [c for c in checks if c[1].numel()]
+            _check_bounds(checked, bounds)
+            steps = bounds[2 * len(checked):]
+            self.dst_sorted = order and (dst.numel() <= 1 or steps[0] >= 0)
             if sorted_by_destination and not self.dst_sorted:
                 raise GraphInputError("sorted_by_destination=True but edge_index's destinations (row 1) are not in "
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
-            count = bounds[7]
+            count = int(steps[-1]) if want_pairs else None
             pairs = (psrc, petype, pinverse) if want_pairs else None
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()

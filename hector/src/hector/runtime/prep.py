@@ -22,11 +22,6 @@ from torch import Tensor
 
 log = logging.getLogger("hector")
 
-# the fields of check_and_pair's bounds, in order
-BOUNDS = ("edge_index_min", "edge_index_max", "edge_type_min", "edge_type_max", "node_type_min",
-          "node_type_max", "smallest_destination_step", "pair_count")
-
-
 def sort_keys(key: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     """(sorted keys, stable order) of non-negative integer keys below ``bound``. Keys that fit sort as int32: a
     GPU radix sort makes one pass per key byte, so half the passes of int64."""
@@ -48,109 +43,99 @@ def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
         return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
     key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
     row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
-    row[1:] = torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long)
+    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
     inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
     pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
     return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
-
-
-def _min_max(t: Tensor) -> list[Tensor]:
-    if t.numel() == 0:  # nothing to check: bounds that pass any check
-        zero = torch.zeros((), dtype=torch.long, device=t.device)
-        return [zero, zero]
-    lo, hi = torch.aminmax(t)
-    return [lo.long(), hi.long()]
 
 
 def check_and_pair(edge_index: Tensor, edge_type: Tensor, node_type: Tensor | None, num_nodes: int,
                    num_relations: int, order: bool,
                    pairs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A new graph's checks and pairs in one pass: ``(bounds, pair sources, pair relations, edge -> pair row)``.
-    ``bounds`` is one int64 tensor of the :data:`BOUNDS` fields: each id tensor's smallest and largest id (0, 0
-    for an empty one or a missing ``node_type``), the smallest step between consecutive destinations (0 unless
-    ``order`` and there are two edges or more: negative where an edge goes back) and the pair count (0 unless
-    ``pairs``). The pairs are :func:`unique_pairs`' (padded to the edge count), or empty tensors without
-    ``pairs``. Reading ``bounds`` on the host is the one wait for the device."""
-    values = _min_max(edge_index) + _min_max(edge_type)
-    if node_type is None:
-        zero = torch.zeros((), dtype=torch.long, device=edge_index.device)
-        values += [zero, zero]
-    else:
-        values += _min_max(node_type)
+    ``bounds`` is one int64 tensor: the smallest and largest id of each non-empty id tensor (``edge_index``,
+    ``edge_type``, ``node_type`` if given), then, if ``order`` and there are two edges or more, the smallest step
+    between consecutive destinations (negative where an edge goes back), then, if ``pairs``, the pair count. The
+    pairs are :func:`unique_pairs`' (padded to the edge count), or empty tensors without ``pairs``. Reading
+    ``bounds`` on the host is the one wait for the device."""
+    values: list[Tensor] = []
+    for t in [edge_index, edge_type] if node_type is None else [edge_index, edge_type, node_type]:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            values += [lo, hi]
     dst = edge_index[1]
     if order and dst.numel() > 1:
-        values.append((dst[1:] - dst[:-1]).amin().long())
-    else:
-        values.append(torch.zeros((), dtype=torch.long, device=edge_index.device))
-    empty = torch.zeros(0, dtype=torch.long, device=edge_index.device)
+        values.append((dst[1:] - dst[:-1]).amin())
     if pairs:
         src, etype, inverse, count = unique_pairs(edge_index[0], edge_type, num_nodes, num_relations)
         values.append(count.reshape(()))
-    else:
-        src, etype, inverse = empty, empty, empty
-        values.append(torch.zeros((), dtype=torch.long, device=edge_index.device))
-    return torch.stack(values), src, etype, inverse
+        return torch.stack(values), src, etype, inverse
+    empty = torch.zeros(0, dtype=torch.long, device=edge_index.device)
+    return torch.stack(values) if len(values) else empty, empty, empty, empty
 
 
 def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor | None,
                        unique_src: Tensor | None, unique_etype: Tensor | None, num_nodes: int,
                        num_relations: int, dst_sorted: bool) -> list[Tensor | None]:
     """The CUDA backend's layout of a checked graph (see :class:`~hector.runtime.device_graph.DeviceGraph`), as
-    the list ``[order, columns, inverse, narrow, csc_ptr, dst_order, pair sources, pair relations, pair count,
-    pair count as int32, valid, edge counts, edge order, pair counts]``.
+    the list ``[order, columns, inverse, narrow, unique_src32, csc_ptr, dst_order, pair sources, pair relations,
+    pair count, pair count as int32, valid, pair counts per relation]``.
 
     ``order``: sorted position -> original edge (None where ``dst_sorted``); ``columns``: [3, E] int64 (source,
-    destination, relation in destination order); ``inverse``: each sorted edge's pair row; ``narrow``: [5, E]
-    int32 gather indices (source, destination, relation, pair row, then the pair sources padded to E with 0);
+    destination, relation in destination order); ``inverse``: each sorted edge's pair row; ``narrow``: [4, E]
+    int32 gather indices (source, destination, relation, pair row); ``unique_src32``: the pairs' sources as int32;
     ``csc_ptr``: the int32 offsets of each destination's in-edges; ``dst_order``: the destinations heaviest first
     (int32). The pairs: the graph's own where it has them (``inverse``, ``unique_src``, ``unique_etype``: exact;
-    None is returned for them, and ``valid`` is empty), else computed here (padded to the edge count with
-    ``valid`` marking the real rows); the pair count is a one-element tensor (int64, and int32) either way. The
-    edge counts (int64, per relation), the edge order (int32, stable by relation) and the pair counts per
-    relation (int64, real pairs only): what every relational model's segment GEMMs read."""
+    None is returned for the pairs, their int64 count and ``valid``), else computed here (padded to the edge
+    count with ``valid`` marking the real rows); the pair count is a one-element tensor (int64 where computed
+    here, and int32 either way). The pairs per
+    relation (int64, real pairs only) size every relational model's segment GEMMs over pairs."""
     device = src.device
     edges = src.numel()
     order: Tensor | None = None
-    if dst_sorted:
-        columns = torch.stack([src, dst, etype])
-        inv = inverse
-    else:
+    # the columns (and each edge's pair row, where known) gathered in one op, not one per column
+    both = torch.stack([src, dst, etype] if inverse is None else [src, dst, etype, inverse])
+    if not dst_sorted:
         o = sort_keys(dst, num_nodes)[1]
         order = o
-        if inverse is None:
-            columns = torch.stack([src, dst, etype]).index_select(1, o)
-            inv = inverse
-        else:
-            both = torch.stack([src, dst, etype, inverse]).index_select(1, o)
-            columns = both[:3]
-            inv = both[3]
+        both = both.index_select(1, o)
+    columns = both[:3]
+    inv: Tensor | None = None if inverse is None else both[3]
     out_src: Tensor | None = None
     out_etype: Tensor | None = None
+    valid: Tensor | None = None
     if inv is None or unique_src is None or unique_etype is None:
         p_src, p_etype, p_inv, count = unique_pairs(columns[0], columns[2], num_nodes, num_relations)
         inv = p_inv
         out_src, out_etype = p_src, p_etype
         valid = torch.arange(edges, device=device) < count
         pair_type = torch.where(valid, p_etype, num_relations)  # padding rows: the type past the last
-        padded_src = p_src
+        count32 = count.to(torch.int32)
+        out_count: Tensor | None = count
+        pair_src = p_src
+        narrow = torch.cat([columns, inv.unsqueeze(0)]).to(torch.int32)
     else:
-        count = torch.full((1,), unique_src.numel(), dtype=torch.long, device=device)
-        valid = torch.zeros(0, dtype=torch.bool, device=device)
+        out_count = None
+        count32 = torch.full((1,), unique_src.numel(), dtype=torch.int32, device=device)
         pair_type = unique_etype
-        padded_src = torch.cat([unique_src, torch.zeros(edges - unique_src.numel(), dtype=torch.long,
-                                                        device=device)])
-    narrow = torch.cat([columns, inv.unsqueeze(0), padded_src.unsqueeze(0)]).to(torch.int32)
+        pair_src = unique_src
+        narrow = both.to(torch.int32)
     nodes = torch.arange(num_nodes + 1, dtype=columns.dtype, device=device)
     csc_ptr = torch.searchsorted(columns[1], nodes, out_int32=True)
     deg = csc_ptr[1:] - csc_ptr[:-1]
     dst_order = torch.sort(deg, descending=True, stable=True)[1].to(torch.int32)
-    edge_counts = torch.zeros(num_relations, dtype=torch.long, device=device)
-    edge_counts = edge_counts.index_add_(0, columns[2], torch.ones_like(columns[2]))
-    edge_perm = sort_keys(columns[2], num_relations)[1].to(torch.int32)
     pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
     pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
-    return [order, columns, inv, narrow, csc_ptr, dst_order, out_src, out_etype, count, count.to(torch.int32),
-            valid, edge_counts, edge_perm, pair_counts]
+    return [order, columns, inv, narrow, pair_src.to(torch.int32), csc_ptr, dst_order, out_src, out_etype,
+            out_count, count32, valid, pair_counts]
+
+
+def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
+    """(rows of each type (int64), the rows sorted by type, stably (int32)) of rows typed ``index`` (each in
+    [0, types)): a segment GEMM's layout, in one call."""
+    counts = torch.zeros(types, dtype=torch.long, device=index.device)
+    counts = counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.long, device=index.device))
+    return counts, sort_keys(index, types)[1].to(torch.int32)
 
 
 _lock = threading.Lock()
@@ -185,4 +170,5 @@ def run(fn: Any, *args: Any) -> Any:
         return scripted(fn)(*args)
 
 
-__all__ = ["BOUNDS", "check_and_pair", "destination_layout", "run", "scripted", "sort_keys", "unique_pairs"]
+__all__ = ["check_and_pair", "destination_layout", "run", "scripted", "sort_keys", "type_layout",
+           "unique_pairs"]

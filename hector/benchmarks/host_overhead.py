@@ -34,7 +34,10 @@ linear classifier, as ``integration-tests/gnn_train.py`` trains), split as a min
 (``prepare_graph(..., layers=model)`` on that graph: the layers' launch plans, their graph bindings and tile
 schedules), ``step_ms`` (the training step on the prepared graph), ``total_ms`` (their sum: what one new graph
 costs the host, whichever thread pays it), ``persistent_ms`` (the step on one graph reused every step) and
-``new_vs_persistent`` (total over persistent), with the launches (``*_launches``: torch ops that launch on a GPU
+``new_vs_persistent`` (total over persistent), ``prepare_gil_ms`` / ``plans_gil_ms`` (the interpreter lock held
+per new graph by the thread that prepares it and builds its plans, from a Python thread spinning beside it: what a
+loader thread takes from the training thread; the TorchScript parts and the torch ops' execution release it; it
+needs a free core for the spinning thread), with the launches (``*_launches``: torch ops that launch on a GPU
 and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function calls
 (``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
 can be split (``--models gnn2,rgat``).
@@ -51,6 +54,7 @@ import cProfile
 import csv
 import pstats
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -189,6 +193,43 @@ class HostReads:
             setattr(torch.Tensor, name, real)
 
 
+def gil_held(work: Any, make_items: Any, repeats: int = 3) -> float:
+    """Seconds per item that ``work(item)`` holds the interpreter lock (the best of ``repeats`` passes, each over
+    new items from ``make_items()``, made outside the measurement), measured from a Python thread spinning beside
+    it: every
+    moment the spinner does not run, the working thread held the lock (or handed it over). What a loader thread
+    holds comes straight off a training thread beside it, while what it runs with the lock released (TorchScript
+    functions, the torch ops' own execution) does not."""
+    def spin(stop: list, out: list) -> None:
+        n = 0
+        while not stop[0]:
+            n += 1
+        out.append(n)
+
+    def spun(seconds: float | None, items: list) -> tuple[int, float]:
+        stop, out = [False], []
+        thread = threading.Thread(target=spin, args=(stop, out), daemon=True)
+        start = time.perf_counter()
+        thread.start()
+        if seconds is None:
+            for item in items:
+                work(item)
+        else:
+            time.sleep(seconds)  # the spinner alone: its rate with the lock to itself
+        stop[0] = True
+        thread.join()
+        return out[0], time.perf_counter() - start
+
+    best = float("inf")
+    for _ in range(repeats):
+        items = make_items()
+        alone, wall = spun(0.05, [])
+        rate = alone / wall
+        beside, wall = spun(None, items)
+        best = min(best, max(0.0, wall - beside / rate) / len(items))
+    return best
+
+
 def measure_split(graph: str | DatasetSpec, model: str, dim: int = 64, heads: int = 4, steps: int = 20,
                   warmup: int = 3) -> dict[str, Any]:
     """One row of ``--split``: the host time per new graph of ``model`` on ``graph`` (a name in ``GRAPHS`` or a
@@ -283,6 +324,17 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
                 for i, t in enumerate(one(ei, et)):
                     sums[i] += t
             best = [min(b, t) for b, t in zip(best, sums, strict=True)]
+        # the interpreter lock held per new graph by the thread that prepares it (see gil_held), on graphs made
+        # afresh for each pass (a graph is found again by its tensors' identity); the plans' graphs prepared before
+        def fresh():
+            return [(ei.clone(), et.clone()) for ei, et in batches[:steps]]
+
+        def prepared():
+            return [(*b, prepare(*b)) for b in fresh()]
+
+        gil = [gil_held(lambda b: prepare(*b), fresh) * 1e3,
+               gil_held(lambda b: hector.prepare_graph(b[0], b[1], spec.num_nodes, spec.num_relations, nt, count,
+                                                       layers=net), prepared) * 1e3]
         persistent = hector.prepare_graph(*batches[0], spec.num_nodes, spec.num_relations, nt, count, layers=net)
         step(persistent)
         times = []
@@ -291,12 +343,13 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
             for _ in range(steps):
                 step(persistent)
             times.append((clock() - start) / steps)
-    return _split_row(spec, model, counts, [t / steps * 1e3 for t in best] + [min(times) * 1e3])
+    return _split_row(spec, model, counts, [t / steps * 1e3 for t in best] + [min(times) * 1e3], gil)
 
 
-def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
-               times: list[float] | None) -> dict[str, Any]:
-    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) as "-" when not measured."""
+def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]], times: list[float] | None,
+               gil: list[float] | None = None) -> dict[str, Any]:
+    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) and the interpreter lock held while
+    preparing and planning (ms) as "-" when not measured."""
     row: dict[str, Any] = {"graph": spec.name, "model": model, "edges": spec.num_edges,
                            "relations": spec.num_relations}
     if times is None:
@@ -308,6 +361,8 @@ def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
         row.update(prepare_ms=round(prepare_ms, 3), plans_ms=round(plans_ms, 3), step_ms=round(step_ms, 3),
                    total_ms=round(total, 3), persistent_ms=round(persistent_ms, 3),
                    new_vs_persistent=round(total / persistent_ms, 2))
+    row.update(prepare_gil_ms="-" if gil is None else round(gil[0], 3),
+               plans_gil_ms="-" if gil is None else round(gil[1], 3))
     row.update(prepare_launches=counts["prepare"][0], plans_launches=counts["plans"][0],
                step_launches=counts["step"][0], host_reads=sum(c[1] for c in counts.values()),
                prepare_calls=counts["prepare"][2], plans_calls=counts["plans"][2], step_calls=counts["step"][2])

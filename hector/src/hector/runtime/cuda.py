@@ -168,6 +168,7 @@ class _KernelTemplate:
 class _Template:
     keep: frozenset[str]
     kernels: tuple[_KernelTemplate, ...]
+    value_dtypes: dict = field(default_factory=dict)  # model dtype -> what CudaBackend._value_dtypes returns
 
 
 @dataclass(frozen=True)
@@ -313,15 +314,29 @@ class CudaBackend:
             env[name] = acc
         plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
                          dg.device)
-        for step in self._launch_plan(lowered, plan, dg, keep):
-            if step.kind == _EINSUM:
-                env[step.outputs[0][0]] = step.dtype
-            elif step.kind == _RNG:
-                env[step.outputs[0][0]] = model_dtype
-            else:
-                env.update((name, dtype) for name, _, dtype, _ in step.outputs)
-        env.update((name, model_dtype) for name in info.outputs)
+        self._launch_plan(lowered, plan, dg, keep)
+        env.update(self._value_dtypes(lowered, plan, None if keep is None else tuple(keep), model_dtype))
         return env
+
+    def _value_dtypes(self, lowered, plan: _Plan, keep: tuple[str, ...] | None,
+                      model_dtype: torch.dtype) -> tuple[tuple[str, torch.dtype], ...]:
+        """(value, dtype) of every value a run of ``plan`` makes, in the order it makes them, then the program's
+        outputs (in the model's dtype): the same for every graph, so worked out once per (plan, keep, dtype)."""
+        template = self._template(lowered, plan, keep)
+        hit = template.value_dtypes.get(model_dtype)
+        if hit is not None:
+            return hit
+        pairs: list[tuple[str, torch.dtype]] = []
+        for t in template.kernels:
+            if t.kind == _EINSUM:
+                pairs.append((t.outputs[0][0], t.dtype))
+            elif t.kind == _RNG:
+                pairs.append((t.outputs[0][0], model_dtype))
+            else:
+                pairs.extend((out[0], out[3]) for out in t.outputs)
+        pairs.extend((name, model_dtype) for name in self._program_info(lowered).outputs)
+        template.value_dtypes[model_dtype] = hit = tuple(pairs)
+        return hit
 
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)

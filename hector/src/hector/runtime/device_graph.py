@@ -98,9 +98,10 @@ class DeviceGraph:
         return self.graph.num_rows(domain)
 
     def _cached(self, key, compute):
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
+        value = self._cache.get(key)  # one lookup on a hit: the keys hold a Domain, whose hash is a Python call
+        if value is None:
+            value = self._cache[key] = compute()
+        return value
 
     def gather(self, via: str) -> torch.Tensor:
         return self._cached(("gather", via), lambda: self.graph.gather_index(via).to(torch.int32).contiguous())

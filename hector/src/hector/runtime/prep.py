@@ -163,11 +163,27 @@ def scripted(fn: Any) -> Any:
         return _compiled[fn.__name__]
 
 
+# the switch behind torch.jit.optimized_execution, read and set directly: a context manager is a dozen Python
+# calls, and a new graph makes two or three of these calls
+_get_optimize = getattr(torch._C, "_get_graph_executor_optimize", None)
+_set_optimize = getattr(torch._C, "_set_graph_executor_optimize", None)
+
+
 def run(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` through its TorchScript function, with TorchScript's plain interpreter (no profiling or
     fusion: graphs differ in every size, and optimising for one would be wasted on the next)."""
-    with torch.jit.optimized_execution(False):
-        return scripted(fn)(*args)
+    script = _compiled.get(fn.__name__)
+    if script is None:
+        script = scripted(fn)
+    if _get_optimize is None or _set_optimize is None:
+        with torch.jit.optimized_execution(False):
+            return script(*args)
+    previous = _get_optimize()
+    _set_optimize(False)
+    try:
+        return script(*args)
+    finally:
+        _set_optimize(previous)
 
 
 __all__ = ["check_and_pair", "destination_layout", "run", "scripted", "sort_keys", "type_layout",

@@ -34,12 +34,12 @@ linear classifier, as ``integration-tests/gnn_train.py`` trains), split as a min
 (``prepare_graph(..., layers=model)`` on that graph: the layers' launch plans, their graph bindings and tile
 schedules), ``step_ms`` (the training step on the prepared graph), ``total_ms`` (their sum: what one new graph
 costs the host, whichever thread pays it), ``persistent_ms`` (the step on one graph reused every step) and
-``new_vs_persistent`` (total over persistent), ``prepare_gil_ms`` / ``plans_gil_ms`` (the interpreter lock held
-per new graph by the thread that prepares it and builds its plans, from a Python thread spinning beside it: what a
-loader thread takes from the training thread; the TorchScript parts and the torch ops' execution release it; it
-needs a free core for the spinning thread), with the launches (``*_launches``: torch ops that launch on a GPU
-and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function calls
-(``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
+``new_vs_persistent`` (total over persistent), ``prepare_gil_ms`` / ``plans_gil_ms`` (the part of
+``prepare_ms`` / ``plans_ms`` spent outside hector's TorchScript calls, which release the interpreter lock: the
+host time that holds it, which a loader thread takes from the training thread beside it; a torch op called from
+Python counts as holding it, as its launch does on a GPU), with the launches (``*_launches``: torch ops that
+launch on a GPU and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function
+calls (``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
 can be split (``--models gnn2,rgat``).
 
     python hector/benchmarks/host_overhead.py --graphs small,batch1000 --modes persistent,new,prepared --csv host.csv
@@ -54,7 +54,6 @@ import cProfile
 import csv
 import pstats
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -71,6 +70,7 @@ import hector  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
 from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
+from hector.runtime import prep as prep_mod  # noqa: E402
 from hector.runtime.cuda import CudaBackend, device_graph  # noqa: E402
 
 # graphs: a small full graph (aifb's size and relation count) and a mini-batch with 1,000 relations
@@ -193,41 +193,25 @@ class HostReads:
             setattr(torch.Tensor, name, real)
 
 
-def gil_held(work: Any, make_items: Any, repeats: int = 3) -> float:
-    """Seconds per item that ``work(item)`` holds the interpreter lock (the best of ``repeats`` passes, each over
-    new items from ``make_items()``, made outside the measurement), measured from a Python thread spinning beside
-    it: every
-    moment the spinner does not run, the working thread held the lock (or handed it over). What a loader thread
-    holds comes straight off a training thread beside it, while what it runs with the lock released (TorchScript
-    functions, the torch ops' own execution) does not."""
-    def spin(stop: list, out: list) -> None:
-        n = 0
-        while not stop[0]:
-            n += 1
-        out.append(n)
+@contextlib.contextmanager
+def scripted_time(clock: Any):
+    """Yields a one-element list that accumulates the ``clock`` time spent inside hector's TorchScript calls
+    (:func:`hector.runtime.prep.run`) while the block runs: time a thread spends without the interpreter lock."""
+    spent = [0.0]
+    real = prep_mod.run
 
-    def spun(seconds: float | None, items: list) -> tuple[int, float]:
-        stop, out = [False], []
-        thread = threading.Thread(target=spin, args=(stop, out), daemon=True)
-        start = time.perf_counter()
-        thread.start()
-        if seconds is None:
-            for item in items:
-                work(item)
-        else:
-            time.sleep(seconds)  # the spinner alone: its rate with the lock to itself
-        stop[0] = True
-        thread.join()
-        return out[0], time.perf_counter() - start
+    def timed(fn, *args):
+        start = clock()
+        try:
+            return real(fn, *args)
+        finally:
+            spent[0] += clock() - start
 
-    best = float("inf")
-    for _ in range(repeats):
-        items = make_items()
-        alone, wall = spun(0.05, [])
-        rate = alone / wall
-        beside, wall = spun(None, items)
-        best = min(best, max(0.0, wall - beside / rate) / len(items))
-    return best
+    prep_mod.run = timed
+    try:
+        yield spent
+    finally:
+        prep_mod.run = real
 
 
 def measure_split(graph: str | DatasetSpec, model: str, dim: int = 64, heads: int = 4, steps: int = 20,
@@ -280,14 +264,18 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
     clock = time.thread_time
 
     def one(ei, et):
-        start = clock()
-        prepared = prepare(ei, et)
-        planned = clock()
-        hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count, layers=net)
-        stepping = clock()
+        with scripted_time(clock) as scripted:
+            start = clock()
+            prepared = prepare(ei, et)
+            planned = clock()
+            prepare_free = scripted[0]
+            hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count, layers=net)
+            stepping = clock()
+            plans_free = scripted[0] - prepare_free
         step(prepared)
         done = clock()
-        return planned - start, stepping - planned, done - stepping
+        return (planned - start, stepping - planned, done - stepping, planned - start - prepare_free,
+                stepping - planned - plans_free)
 
     with null_backend() as executor:
         for _ in range(warmup):
@@ -317,24 +305,13 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
         if steps <= 0:  # counts only
             return _split_row(spec, model, counts, None)
         batches = [batch() for _ in range(5 * steps)]
-        best = [float("inf")] * 3
+        best = [float("inf")] * 5
         for k in range(5):  # each phase's best of five batches of new graphs: the machine may be shared
-            sums = [0.0, 0.0, 0.0]
+            sums = [0.0] * 5
             for ei, et in batches[k * steps:(k + 1) * steps]:
                 for i, t in enumerate(one(ei, et)):
                     sums[i] += t
             best = [min(b, t) for b, t in zip(best, sums, strict=True)]
-        # the interpreter lock held per new graph by the thread that prepares it (see gil_held), on graphs made
-        # afresh for each pass (a graph is found again by its tensors' identity); the plans' graphs prepared before
-        def fresh():
-            return [(ei.clone(), et.clone()) for ei, et in batches[:steps]]
-
-        def prepared():
-            return [(*b, prepare(*b)) for b in fresh()]
-
-        gil = [gil_held(lambda b: prepare(*b), fresh) * 1e3,
-               gil_held(lambda b: hector.prepare_graph(b[0], b[1], spec.num_nodes, spec.num_relations, nt, count,
-                                                       layers=net), prepared) * 1e3]
         persistent = hector.prepare_graph(*batches[0], spec.num_nodes, spec.num_relations, nt, count, layers=net)
         step(persistent)
         times = []
@@ -343,13 +320,14 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
             for _ in range(steps):
                 step(persistent)
             times.append((clock() - start) / steps)
-    return _split_row(spec, model, counts, [t / steps * 1e3 for t in best] + [min(times) * 1e3], gil)
+    best = [t / steps * 1e3 for t in best]
+    return _split_row(spec, model, counts, best[:3] + [min(times) * 1e3], best[3:])
 
 
 def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]], times: list[float] | None,
                gil: list[float] | None = None) -> dict[str, Any]:
-    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) and the interpreter lock held while
-    preparing and planning (ms) as "-" when not measured."""
+    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) and the host time with the interpreter
+    lock of preparing and planning (ms), as "-" when not measured."""
     row: dict[str, Any] = {"graph": spec.name, "model": model, "edges": spec.num_edges,
                            "relations": spec.num_relations}
     if times is None:

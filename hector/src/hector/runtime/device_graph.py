@@ -31,19 +31,19 @@ class DeviceGraph:
         exact = "unique" in graph._cache
         # the whole layout in one TorchScript call (see hector.runtime.prep): a loader thread preparing a
         # mini-batch holds the GIL for none of its operations
-        (order, columns, inverse, narrow, unique_src, self.csc_ptr, self.dst_order, p_src, p_etype, count,
-         self.unique_count, valid, pair_counts) = prep.run(
+        (order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src, self.csc_ptr,
+         self.dst_order, p_src, p_etype, count, self.unique_count, valid, pair_counts) = prep.run(
             prep.destination_layout, graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
             graph.unique_src if exact else None, graph.unique_etype if exact else None, graph.num_nodes,
             graph.num_relations, graph.dst_sorted)
         self.order = order  # sorted position -> original edge id; None where the edges came in that order
-        g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
+        g = self.graph = Graph._derived(src, dst, etype, like=graph, dst_sorted=True)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = not exact
         self._cache: dict[Any, Any] = {
-            ("gather", "src"): narrow[0], ("gather", "dst"): narrow[1], ("gather", "unique"): narrow[3],
-            ("gather", "unique_src"): unique_src, ("index", Domain.EDGE, ("etype",)): narrow[2]}
+            ("gather", "src"): src32, ("gather", "dst"): dst32, ("gather", "unique"): inverse32,
+            ("gather", "unique_src"): unique_src, ("index", Domain.EDGE, ("etype",)): etype32}
         if self.padded:
             # the (source, relation) pairs computed on the device, padded; their count is on its way to the host
             g._cache["unique"] = (p_src, p_etype, inverse)

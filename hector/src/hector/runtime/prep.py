@@ -78,18 +78,17 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
                        unique_src: Tensor | None, unique_etype: Tensor | None, num_nodes: int,
                        num_relations: int, dst_sorted: bool) -> list[Tensor | None]:
     """The CUDA backend's layout of a checked graph (see :class:`~hector.runtime.device_graph.DeviceGraph`), as
-    the list ``[order, columns, inverse, narrow, unique_src32, csc_ptr, dst_order, pair sources, pair relations,
-    pair count, pair count as int32, valid, pair counts per relation]``.
+    the list ``[order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src32, csc_ptr,
+    dst_order, pair sources, pair relations, pair count, pair count as int32, valid, pairs per relation]``.
 
-    ``order``: sorted position -> original edge (None where ``dst_sorted``); ``columns``: [3, E] int64 (source,
-    destination, relation in destination order); ``inverse``: each sorted edge's pair row; ``narrow``: [4, E]
-    int32 gather indices (source, destination, relation, pair row); ``unique_src32``: the pairs' sources as int32;
-    ``csc_ptr``: the int32 offsets of each destination's in-edges; ``dst_order``: the destinations heaviest first
-    (int32). The pairs: the graph's own where it has them (``inverse``, ``unique_src``, ``unique_etype``: exact;
-    None is returned for the pairs, their int64 count and ``valid``), else computed here (padded to the edge
-    count with ``valid`` marking the real rows); the pair count is a one-element tensor (int64 where computed
-    here, and int32 either way). The pairs per
-    relation (int64, real pairs only) size every relational model's segment GEMMs over pairs."""
+    ``order``: sorted position -> original edge (None where ``dst_sorted``); ``src``, ``dst``, ``etype``: the
+    edges' int64 columns in destination order; ``inverse``: each sorted edge's pair row; the ``*32`` tensors: the
+    same as int32 (the kernels' gather indices), and the pairs' sources; ``csc_ptr``: the int32 offsets of each
+    destination's in-edges; ``dst_order``: the destinations heaviest first (int32). The pairs: the graph's own
+    where it has them (``inverse``, ``unique_src``, ``unique_etype``: exact; None is returned for the pairs, their
+    int64 count and ``valid``), else computed here (padded to the edge count with ``valid`` marking the real
+    rows); the pair count is a one-element tensor (int64 where computed here, and int32 either way). The pairs
+    per relation (int64, real pairs only) size every relational model's segment GEMMs over pairs."""
     device = src.device
     edges = src.numel()
     order: Tensor | None = None
@@ -126,8 +125,9 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
     dst_order = torch.sort(deg, descending=True, stable=True)[1].to(torch.int32)
     pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
     pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
-    return [order, columns, inv, narrow, pair_src.to(torch.int32), csc_ptr, dst_order, out_src, out_etype,
-            out_count, count32, valid, pair_counts]
+    # the rows one by one (their views made here, not by the caller's Python)
+    return [order, columns[0], columns[1], columns[2], inv, narrow[0], narrow[1], narrow[2], narrow[3],
+            pair_src.to(torch.int32), csc_ptr, dst_order, out_src, out_etype, out_count, count32, valid, pair_counts]
 
 
 def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:

@@ -30,7 +30,8 @@
 #              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
 #              and the persistent step under torch.compile (vs_eager: eager host ms over compiled),
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
-#              split into prepare / plans / step (hector_host_split.csv)
+#              split into prepare / plans / step, and the part of prepare / plans that holds the GIL (outside the
+#              TorchScript calls: prepare_gil_ms, plans_gil_ms) (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 #   compile    (not by default; ~3-4 minutes) bench_cuda.py --hector-only on aifb and fb15k, RGCN/RGAT/HGT hidden 64:
 #              hector eager against torch.compile (inductor) and torch.compile(mode="reduce-overhead"): wall ms

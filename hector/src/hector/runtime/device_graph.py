@@ -41,6 +41,7 @@ class DeviceGraph:
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = not exact
+        self._unique_rows = g.num_edges if self.padded else graph.num_unique  # what g.num_unique says, kept
         self._cache: dict[Any, Any] = {
             ("gather", "src"): src32, ("gather", "dst"): dst32, ("gather", "unique"): inverse32,
             ("gather", "unique_src"): unique_src, ("index", Domain.EDGE, ("etype",)): etype32}
@@ -72,12 +73,13 @@ class DeviceGraph:
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
         self._bound = {}
         self.padded = False
+        self._unique_rows = count
         del self._valid
 
     @property
     def num_unique(self) -> int:
         """UNIQUE rows of the buffers: the pair count, or the edge count while padded."""
-        return self.graph.num_unique
+        return self._unique_rows
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """See :meth:`Graph.record_stream`."""
@@ -95,7 +97,14 @@ class DeviceGraph:
         return table
 
     def rows(self, domain: Domain) -> int:
-        return self.graph.num_rows(domain)
+        # by identity, not a dictionary: a Domain's hash is a Python call, and launch plans ask this often
+        if domain is Domain.EDGE:
+            return self.num_edges
+        if domain is Domain.NODE:
+            return self.num_nodes
+        if domain is Domain.UNIQUE:
+            return self._unique_rows
+        return self.graph.num_rows(domain)  # its error
 
     def _cached(self, key, compute):
         value = self._cache.get(key)  # one lookup on a hit: the keys hold a Domain, whose hash is a Python call

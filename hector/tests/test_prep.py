@@ -125,3 +125,24 @@ def test_bad_ids_are_named_after_the_scripted_check():
         Graph(ei, torch.where(et == 0, -1, et), 10, 3)
     with pytest.raises(GraphInputError, match="node_type holds node type id 2"):
         Graph(ei, et, 10, 3, torch.arange(10) % 3, 2)
+
+
+def test_without_torchscript_the_same_functions_run_as_python(monkeypatch, caplog):
+    """Where TorchScript cannot compile a function, it runs as Python (holding the GIL for each operation), with a
+    warning that says so, and the graph and its layout come out the same."""
+    ei, et = _graph(500, 120, 7, 9)
+    scripted = DeviceGraph(Graph(ei, et, 120, 7))
+
+    def fail(fn):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(prep, "_compiled", {})
+    monkeypatch.setattr(torch.jit, "script", fail)
+    with caplog.at_level("WARNING", logger="hector"):
+        plain = DeviceGraph(Graph(ei, et, 120, 7))
+    assert "did not compile" in caplog.text and "runs as Python" in caplog.text
+    assert prep.scripted(prep.check_and_pair) is prep.check_and_pair
+    assert torch.equal(plain.graph.src, scripted.graph.src) and torch.equal(plain.csc_ptr, scripted.csc_ptr)
+    assert torch.equal(plain.dst_order, scripted.dst_order)
+    assert torch.equal(plain.graph.edge_to_unique, scripted.graph.edge_to_unique)
+    assert torch.equal(plain.perm(Domain.EDGE, ("etype",)), scripted.perm(Domain.EDGE, ("etype",)))

@@ -146,3 +146,30 @@ def test_without_torchscript_the_same_functions_run_as_python(monkeypatch, caplo
     assert torch.equal(plain.dst_order, scripted.dst_order)
     assert torch.equal(plain.graph.edge_to_unique, scripted.graph.edge_to_unique)
     assert torch.equal(plain.perm(Domain.EDGE, ("etype",)), scripted.perm(Domain.EDGE, ("etype",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dst_sorted", [False, True])
+def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted):
+    """The scripted layout on a GPU: the same tensors as on the CPU, built without a host synchronisation (the
+    graph's one read, the id check with the pair count, comes before)."""
+    ei, et = _graph(5000, 700, 30, 10, dst_sorted)
+    cpu = DeviceGraph(Graph(ei, et, 700, 30, sync_free=padded))
+    graph = Graph(ei.cuda(), et.cuda(), 700, 30, sync_free=padded)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = DeviceGraph(graph)
+        perm, counts = gpu.perm(Domain.EDGE, ("etype",)), gpu.type_counts(Domain.EDGE, ("etype",))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gpu.padded == cpu.padded == padded
+    for a, b in ((gpu.graph.src, cpu.graph.src), (gpu.graph.dst, cpu.graph.dst), (gpu.csc_ptr, cpu.csc_ptr),
+                 (gpu.dst_order, cpu.dst_order), (gpu.graph.edge_to_unique, cpu.graph.edge_to_unique),
+                 (gpu.graph.unique_src, cpu.graph.unique_src), (gpu.gather("unique_src"), cpu.gather("unique_src")),
+                 (gpu.unique_count, cpu.unique_count), (perm, cpu.perm(Domain.EDGE, ("etype",))),
+                 (counts, cpu.type_counts(Domain.EDGE, ("etype",))),
+                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",)))):
+        assert torch.equal(a.cpu(), b)

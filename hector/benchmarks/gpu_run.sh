@@ -30,7 +30,8 @@
 #              null executor, persistent / new / prepared graphs (a prepared step should launch a persistent one's)
 #              and the persistent step under torch.compile (vs_eager: eager host ms over compiled),
 #              then --split: the host CPU ms, launches and Python calls per new graph of the GNN benchmark's model,
-#              split into prepare / plans / step (hector_host_split.csv)
+#              split into prepare / plans / step, and the part of prepare / plans that holds the GIL (outside the
+#              TorchScript calls: prepare_gil_ms, plans_gil_ms) (hector_host_split.csv)
 #   memory     (not by default) memory_table.py: materialised bytes vs PyG (cost model + measured peak)
 #   split      (not by default; ~4-6 minutes) compute-sanitizer racecheck over the split walks' GPU test, then hub
 #              destinations split over a block or not: bench_cuda.py --profile

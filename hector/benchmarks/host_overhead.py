@@ -34,9 +34,12 @@ linear classifier, as ``integration-tests/gnn_train.py`` trains), split as a min
 (``prepare_graph(..., layers=model)`` on that graph: the layers' launch plans, their graph bindings and tile
 schedules), ``step_ms`` (the training step on the prepared graph), ``total_ms`` (their sum: what one new graph
 costs the host, whichever thread pays it), ``persistent_ms`` (the step on one graph reused every step) and
-``new_vs_persistent`` (total over persistent), with the launches (``*_launches``: torch ops that launch on a GPU
-and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function calls
-(``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
+``new_vs_persistent`` (total over persistent), ``prepare_gil_ms`` / ``plans_gil_ms`` (the part of
+``prepare_ms`` / ``plans_ms`` spent outside hector's TorchScript calls, which release the interpreter lock: the
+host time that holds it, which a loader thread takes from the training thread beside it; a torch op called from
+Python counts as holding it, as its launch does on a GPU), with the launches (``*_launches``: torch ops that
+launch on a GPU and generated kernels), host reads (``host_reads``: each waits for the GPU) and Python function
+calls (``*_calls``, from cProfile: a count, free of the machine's noise) of a new graph. Any of the models
 can be split (``--models gnn2,rgat``).
 
     python hector/benchmarks/host_overhead.py --graphs small,batch1000 --modes persistent,new,prepared --csv host.csv
@@ -67,6 +70,7 @@ import hector  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
 from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
+from hector.runtime import prep as prep_mod  # noqa: E402
 from hector.runtime.cuda import CudaBackend, device_graph  # noqa: E402
 
 # graphs: a small full graph (aifb's size and relation count) and a mini-batch with 1,000 relations
@@ -189,6 +193,27 @@ class HostReads:
             setattr(torch.Tensor, name, real)
 
 
+@contextlib.contextmanager
+def scripted_time(clock: Any):
+    """Yields a one-element list that accumulates the ``clock`` time spent inside hector's TorchScript calls
+    (:func:`hector.runtime.prep.run`) while the block runs: time a thread spends without the interpreter lock."""
+    spent = [0.0]
+    real = prep_mod.run
+
+    def timed(fn, *args):
+        start = clock()
+        try:
+            return real(fn, *args)
+        finally:
+            spent[0] += clock() - start
+
+    prep_mod.run = timed
+    try:
+        yield spent
+    finally:
+        prep_mod.run = real
+
+
 def measure_split(graph: str | DatasetSpec, model: str, dim: int = 64, heads: int = 4, steps: int = 20,
                   warmup: int = 3) -> dict[str, Any]:
     """One row of ``--split``: the host time per new graph of ``model`` on ``graph`` (a name in ``GRAPHS`` or a
@@ -239,14 +264,18 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
     clock = time.thread_time
 
     def one(ei, et):
-        start = clock()
-        prepared = prepare(ei, et)
-        planned = clock()
-        hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count, layers=net)
-        stepping = clock()
+        with scripted_time(clock) as scripted:
+            start = clock()
+            prepared = prepare(ei, et)
+            planned = clock()
+            prepare_free = scripted[0]
+            hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, nt, count, layers=net)
+            stepping = clock()
+            plans_free = scripted[0] - prepare_free
         step(prepared)
         done = clock()
-        return planned - start, stepping - planned, done - stepping
+        return (planned - start, stepping - planned, done - stepping, planned - start - prepare_free,
+                stepping - planned - plans_free)
 
     with null_backend() as executor:
         for _ in range(warmup):
@@ -276,9 +305,9 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
         if steps <= 0:  # counts only
             return _split_row(spec, model, counts, None)
         batches = [batch() for _ in range(5 * steps)]
-        best = [float("inf")] * 3
+        best = [float("inf")] * 5
         for k in range(5):  # each phase's best of five batches of new graphs: the machine may be shared
-            sums = [0.0, 0.0, 0.0]
+            sums = [0.0] * 5
             for ei, et in batches[k * steps:(k + 1) * steps]:
                 for i, t in enumerate(one(ei, et)):
                     sums[i] += t
@@ -291,12 +320,14 @@ def _measure_split(graph: str | DatasetSpec, model: str, dim: int, heads: int, s
             for _ in range(steps):
                 step(persistent)
             times.append((clock() - start) / steps)
-    return _split_row(spec, model, counts, [t / steps * 1e3 for t in best] + [min(times) * 1e3])
+    best = [t / steps * 1e3 for t in best]
+    return _split_row(spec, model, counts, best[:3] + [min(times) * 1e3], best[3:])
 
 
-def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
-               times: list[float] | None) -> dict[str, Any]:
-    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) as "-" when not measured."""
+def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]], times: list[float] | None,
+               gil: list[float] | None = None) -> dict[str, Any]:
+    """A ``--split`` row: times (prepare, plans, step, persistent step; ms) and the host time with the interpreter
+    lock of preparing and planning (ms), as "-" when not measured."""
     row: dict[str, Any] = {"graph": spec.name, "model": model, "edges": spec.num_edges,
                            "relations": spec.num_relations}
     if times is None:
@@ -308,6 +339,8 @@ def _split_row(spec: DatasetSpec, model: str, counts: dict[str, list[int]],
         row.update(prepare_ms=round(prepare_ms, 3), plans_ms=round(plans_ms, 3), step_ms=round(step_ms, 3),
                    total_ms=round(total, 3), persistent_ms=round(persistent_ms, 3),
                    new_vs_persistent=round(total / persistent_ms, 2))
+    row.update(prepare_gil_ms="-" if gil is None else round(gil[0], 3),
+               plans_gil_ms="-" if gil is None else round(gil[1], 3))
     row.update(prepare_launches=counts["prepare"][0], plans_launches=counts["plans"][0],
                step_launches=counts["step"][0], host_reads=sum(c[1] for c in counts.values()),
                prepare_calls=counts["prepare"][2], plans_calls=counts["plans"][2], step_calls=counts["step"][2])

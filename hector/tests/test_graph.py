@@ -37,21 +37,21 @@ def test_csr_csc_and_relation_segments(small_graph):
 def test_preprocessing_is_computed_once(small, monkeypatch):
     """The unique (source, relation) pairs are computed once per graph, when it is made (their count comes to the
     host in the same read as the id check), never again on use."""
-    from hector.runtime import graph as graph_mod
+    from hector.runtime import prep
 
     calls = []
-    real = graph_mod.unique_pairs
+    real = prep.run
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def counting(fn, *a):
+        calls.append(fn.__name__)
+        return real(fn, *a)
 
-    monkeypatch.setattr(graph_mod, "unique_pairs", counting)
+    monkeypatch.setattr(prep, "run", counting)
     monkeypatch.setattr(torch, "unique", lambda *a, **k: pytest.fail("torch.unique reads its size on the host"))
     g = Graph(*small, 14, 3)
     for _ in range(3):
         _ = g.edge_to_unique, g.unique_src, g.num_unique, g.size_stats()
-    assert len(calls) == 1
+    assert calls == ["check_and_pair"]
 
 
 def test_one_host_read_per_new_graph(small, monkeypatch):

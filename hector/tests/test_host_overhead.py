@@ -145,8 +145,11 @@ def test_new_graph_host_work_does_not_grow_with_relations(model):
     many = host_overhead.measure_split(DatasetSpec("r10000", 300, 1200, 10_000, 3, 2.0), model, steps=0, warmup=1)
     assert many["host_reads"] == few["host_reads"] == 1
     for phase in ("prepare", "plans", "step"):
-        assert many[f"{phase}_launches"] <= few[f"{phase}_launches"] + 2, (phase, few, many)
         assert many[f"{phase}_calls"] <= few[f"{phase}_calls"] * 1.1 + 20, (phase, few, many)
+    # launches of a new graph in all: at 10,000 relations the cost model may segment the edges by relation where
+    # at 16 it segments the pairs, whose layout comes with the graph's (5 launches in the plans instead)
+    launches = [sum(row[f"{phase}_launches"] for phase in ("prepare", "plans", "step")) for row in (few, many)]
+    assert launches[1] <= launches[0] + 6, (few, many)
 
 
 def test_split_cli_smoke(tmp_path, capsys):

@@ -162,12 +162,17 @@ class _KernelTemplate:
     equation: str = ""
     dtype: Any = None
     p: float = 0.0
+    # per output of a launch or RNG step, what placing it takes, worked out once: (name, rows slot, feature shape,
+    # dtype, zero-filled, may live in the pool, elements per row, the feature's row-major strides, item bytes)
+    sized: tuple = ()
+    step: Any = None  # an einsum's whole _Step: nothing in it depends on the graph
 
 
 @dataclass(frozen=True)
 class _Template:
     keep: frozenset[str]
     kernels: tuple[_KernelTemplate, ...]
+    value_dtypes: dict = field(default_factory=dict)  # model dtype -> what CudaBackend._value_dtypes returns
 
 
 @dataclass(frozen=True)
@@ -313,15 +318,29 @@ class CudaBackend:
             env[name] = acc
         plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
                          dg.device)
-        for step in self._launch_plan(lowered, plan, dg, keep):
-            if step.kind == _EINSUM:
-                env[step.outputs[0][0]] = step.dtype
-            elif step.kind == _RNG:
-                env[step.outputs[0][0]] = model_dtype
-            else:
-                env.update((name, dtype) for name, _, dtype, _ in step.outputs)
-        env.update((name, model_dtype) for name in info.outputs)
+        self._launch_plan(lowered, plan, dg, keep)
+        env.update(self._value_dtypes(lowered, plan, None if keep is None else tuple(keep), model_dtype))
         return env
+
+    def _value_dtypes(self, lowered, plan: _Plan, keep: tuple[str, ...] | None,
+                      model_dtype: torch.dtype) -> tuple[tuple[str, torch.dtype], ...]:
+        """(value, dtype) of every value a run of ``plan`` makes, in the order it makes them, then the program's
+        outputs (in the model's dtype): the same for every graph, so worked out once per (plan, keep, dtype)."""
+        template = self._template(lowered, plan, keep)
+        hit = template.value_dtypes.get(model_dtype)
+        if hit is not None:
+            return hit
+        pairs: list[tuple[str, torch.dtype]] = []
+        for t in template.kernels:
+            if t.kind == _EINSUM:
+                pairs.append((t.outputs[0][0], t.dtype))
+            elif t.kind == _RNG:
+                pairs.append((t.outputs[0][0], model_dtype))
+            else:
+                pairs.extend((out[0], out[3]) for out in t.outputs)
+        pairs.extend((name, model_dtype) for name in self._program_info(lowered).outputs)
+        template.value_dtypes[model_dtype] = hit = tuple(pairs)
+        return hit
 
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)
@@ -417,41 +436,53 @@ class CudaBackend:
         rows = (dg.num_nodes, dg.num_edges, dg.num_unique)
         steps = _Steps(template.keep)
         append = steps.append
+        packed = steps.packed
         for t in template.kernels:
             kind = t.kind
-            step = _Step(drop=t.drop, kind=kind)
             if kind == _EINSUM:
-                step.dtype, step.equation, step.inputs, step.outputs = t.dtype, t.equation, t.inputs, t.outputs
-                append(step)
+                append(t.step)
                 continue
             outputs = []
-            for name, slot, feature, dtype, zero, poolable in t.outputs:
-                shape = feature if slot is None else (rows[slot],) + feature
-                outputs.append((name, shape, dtype, self._pack(steps, name, shape, dtype) if poolable else zero))
-            step.outputs = tuple(outputs)
+            for name, slot, feature, dtype, zero, poolable, per_row, strides, itemsize in t.sized:
+                if slot is None:
+                    shape, numel, stride = feature, per_row, strides
+                else:
+                    n = rows[slot]
+                    shape, numel, stride = (n, *feature), n * per_row, (per_row, *strides)
+                if poolable:
+                    # a small zero-filled buffer lives in the call's pool: each fill is a launch and a few
+                    # microseconds of host time, which small graphs pay many times per step; a buffer in the pool
+                    # keeps the pool alive as long as it lives, so only small ones go there (a kept value or a
+                    # returned gradient holds at most _POOL_BYTES)
+                    nbytes = numel * itemsize
+                    offset = steps.pool_bytes
+                    if nbytes > _POOL_ITEM_BYTES or offset + nbytes > _POOL_BYTES or numel == 0:
+                        zero = True
+                    else:
+                        packed[name] = (dtype, shape, stride, offset // itemsize)
+                        steps.pool_dtypes.add(dtype)
+                        steps.pool_bytes = -(-(offset + nbytes) // 256) * 256  # 256-byte aligned, as CUDA's
+                        zero = _PACKED
+                outputs.append((name, shape, dtype, zero))
             if kind == _RNG:
-                step.p = t.p
-                append(step)
+                append(_Step(t.drop, kind, tuple(outputs), p=t.p))
                 continue
             grid = t.grid
             if grid is None:  # depends on the graph
                 grid = bound.get(t.grid_key)
                 if grid is None:
                     grid = bound[t.grid_key] = self._grid(t.kc, dg, sms)
-            step.grid = grid
             if grid[0] == 0:
-                step.kind = _EMPTY_GRID
-                append(step)
+                append(_Step(t.drop, _EMPTY_GRID, tuple(outputs), grid=grid))
                 continue
-            step.kernel, step.block, step.smem = t.kernel, t.kc.launch.block, t.kc.launch.smem
             args: list[Any] = [None] * t.nargs
             for j, bind in t.graph_args:
                 value = bound.get(bind)
                 if value is None:
                     value = bound[bind] = self._bind(bind, dg, sms)
                 args[j] = value
-            step.args, step.env_args = args, t.env_args
-            append(step)
+            launch = t.kc.launch
+            append(_Step(t.drop, kind, tuple(outputs), t.kernel, grid, launch.block, launch.smem, args, t.env_args))
         dg._cache[key] = (plan, steps)
         return steps
 
@@ -497,6 +528,7 @@ class CudaBackend:
                 t.kind, t.dtype, t.equation = _EINSUM, TORCH_DTYPE[out.dtype], node.attr("equation")
                 t.inputs = tuple(node.args)
                 t.outputs = ((out.name, None, None, False),)
+                t.step = _Step(t.drop, _EINSUM, t.outputs, inputs=t.inputs, equation=t.equation, dtype=t.dtype)
                 kernels.append(t)
                 continue
             specs = []
@@ -507,6 +539,7 @@ class CudaBackend:
                 specs.append((out.name, slot, tuple(ty.shape), TORCH_DTYPE[out.dtype], zero,
                               out.zero and (out.name not in outputs or gradients)))
             t.outputs = tuple(specs)
+            t.sized = tuple((*spec, *_row_major(spec[2]), spec[3].itemsize) for spec in specs)
             if kc.torch_op == "rng":
                 t.kind, t.p = _RNG, program.node(kc.outputs[0].name).attr("p")
                 kernels.append(t)
@@ -524,30 +557,6 @@ class CudaBackend:
         template = _Template(keep_all, tuple(kernels))
         self._templates[key] = (plan, template)
         return template
-
-    @staticmethod
-    def _pack(steps: _Steps, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-        """Places a zero-filled buffer in the call's pool if it is small (returns ``_PACKED``), else True (its own
-        ``torch.zeros``). Each fill is a launch and a few microseconds of host time, which small graphs pay many
-        times per step; a buffer in the pool keeps the pool alive as long as it lives, so only small ones go
-        there (a kept value or a returned gradient holds at most ``_POOL_BYTES``)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
-        if nbytes > _POOL_ITEM_BYTES or steps.pool_bytes + nbytes > _POOL_BYTES or numel == 0:
-            return True
-        offset = steps.pool_bytes
-        stride = []
-        acc = 1
-        for n in reversed(shape):
-            stride.append(acc)
-            acc *= n
-        steps.packed[name] = (dtype, shape, tuple(reversed(stride)), offset // dtype.itemsize)
-        steps.pool_dtypes.add(dtype)
-        # 256-byte aligned, as a CUDA allocation: the kernels' vector loads stay aligned
-        steps.pool_bytes = -(-(offset + nbytes) // 256) * 256
-        return _PACKED
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool, device: torch.device) -> torch.Tensor:
         """A kernel's output buffer: zero-filled where the kernel accumulates into it with atomics."""
@@ -593,6 +602,17 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+def _row_major(feature: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(elements per row, the row-major strides of ``feature``): a buffer of ``n`` rows of it has shape
+    ``(n, *feature)`` and strides ``(per_row, *strides)``."""
+    strides = []
+    acc = 1
+    for n in reversed(feature):
+        strides.append(acc)
+        acc *= n
+    return acc, tuple(reversed(strides))
 
 
 def _frozen(value: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..ir.core import GATHER_VIA, Domain
+from . import prep
 from .graph import Graph, record_stream_of, sort_keys, unique_pairs
 
 
@@ -27,46 +28,35 @@ class DeviceGraph:
     def __init__(self, graph: Graph):
         if graph.num_edges >= 2**31 or graph.num_nodes >= 2**31:
             raise ValueError(f"the CUDA backend indexes rows with int32: {graph} is too large")
-        if graph.dst_sorted:  # already in destination order (a sampler's CSC order): nothing to sort or gather
-            self.order = None
-            g = self.graph = Graph._derived(graph.src, graph.dst, graph.etype, like=graph, dst_sorted=True)
-        else:
-            order = sort_keys(graph.dst, graph.num_nodes)[1]
-            self.order = order  # sorted position -> original edge id
-            # the edges' columns (and their pair rows, where known) reordered in one gather, not one per column
-            columns = [graph.src, graph.dst, graph.etype]
-            if "unique" in graph._cache:
-                columns.append(graph.edge_to_unique)
-            columns = torch.stack(columns).index_select(1, order)
-            g = self.graph = Graph._derived(columns[0], columns[1], columns[2], like=graph, dst_sorted=True)
-            # and their int32 copies, the kernels' gather indices, in one cast
-            narrow = columns.to(torch.int32)
+        exact = "unique" in graph._cache
+        # the whole layout in one TorchScript call (see hector.runtime.prep): a loader thread preparing a
+        # mini-batch holds the GIL for none of its operations
+        (order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src, self.csc_ptr,
+         self.dst_order, p_src, p_etype, count, self.unique_count, valid, pair_counts) = prep.run(
+            prep.destination_layout, graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
+            graph.unique_src if exact else None, graph.unique_etype if exact else None, graph.num_nodes,
+            graph.num_relations, graph.dst_sorted)
+        self.order = order  # sorted position -> original edge id; None where the edges came in that order
+        g = self.graph = Graph._derived(src, dst, etype, like=graph, dst_sorted=True)
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
-        self.padded = "unique" not in graph._cache
+        self.padded = not exact
+        self._unique_rows = g.num_edges if self.padded else graph.num_unique  # what g.num_unique says, kept
+        self._cache: dict[Any, Any] = {
+            ("gather", "src"): src32, ("gather", "dst"): dst32, ("gather", "unique"): inverse32,
+            ("gather", "unique_src"): unique_src, ("index", Domain.EDGE, ("etype",)): etype32}
         if self.padded:
-            src, etype, inverse, count = unique_pairs(g.src, g.etype, g.num_nodes, g.num_relations)
-            g._cache["unique"] = (src, etype, inverse)
-            self.unique_count = count.to(torch.int32)
-            self._valid = torch.arange(g.num_edges, device=g.device) < count
+            # the (source, relation) pairs computed on the device, padded; their count is on its way to the host
+            g._cache["unique"] = (p_src, p_etype, inverse)
+            self._valid = valid
+            self._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
+            self._cache[("type_counts", Domain.UNIQUE, ())] = count
             graph.expect_unique_count(count)
         else:
             # the same (source, relation) pairs in the same order; each edge keeps its pair
-            inverse = graph.edge_to_unique if self.order is None else columns[3]
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
-            self.unique_count = torch.full((1,), graph.num_unique, dtype=torch.int32, device=g.device)
-        # CSC offsets by binary search in the sorted destinations (bincount would read the largest id on the host)
-        nodes = torch.arange(g.num_nodes + 1, dtype=g.dst.dtype, device=g.device)
-        self.csc_ptr = torch.searchsorted(g.dst, nodes, out_int32=True)
-        deg = self.csc_ptr[1:] - self.csc_ptr[:-1]
-        # heaviest destinations first: their long walks start early instead of trailing at the end of the grid
-        self.dst_order = torch.sort(deg, descending=True, stable=True).indices.to(torch.int32)
-        self._cache: dict[Any, Any] = {}
+            g._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
         self._bound: dict[int, dict[tuple, Any]] = {}
-        if self.order is not None:
-            for i, via in enumerate(("src", "dst", "", "unique")[:narrow.size(0)]):
-                if via:
-                    self._cache[("gather", via)] = narrow[i]
 
     def settle(self, count: int) -> None:
         """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows
@@ -83,12 +73,13 @@ class DeviceGraph:
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
         self._bound = {}
         self.padded = False
+        self._unique_rows = count
         del self._valid
 
     @property
     def num_unique(self) -> int:
         """UNIQUE rows of the buffers: the pair count, or the edge count while padded."""
-        return self.graph.num_unique
+        return self._unique_rows
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """See :meth:`Graph.record_stream`."""
@@ -106,12 +97,20 @@ class DeviceGraph:
         return table
 
     def rows(self, domain: Domain) -> int:
-        return self.graph.num_rows(domain)
+        # by identity, not a dictionary: a Domain's hash is a Python call, and launch plans ask this often
+        if domain is Domain.EDGE:
+            return self.num_edges
+        if domain is Domain.NODE:
+            return self.num_nodes
+        if domain is Domain.UNIQUE:
+            return self._unique_rows
+        return self.graph.num_rows(domain)  # its error
 
     def _cached(self, key, compute):
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
+        value = self._cache.get(key)  # one lookup on a hit: the keys hold a Domain, whose hash is a Python call
+        if value is None:
+            value = self._cache[key] = compute()
+        return value
 
     def gather(self, via: str) -> torch.Tensor:
         return self._cached(("gather", via), lambda: self.graph.gather_index(via).to(torch.int32).contiguous())
@@ -163,6 +162,8 @@ class DeviceGraph:
 
             return self._cached(("type_counts", domain, by), compute)
         if by:
+            if domain is not Domain.UNIQUE:
+                return self._type_layout(domain, by)[0]
             return self.graph.type_counts(domain, by)
         return self._cached(("type_counts", domain, by),
                             lambda: torch.full((1,), self.rows(domain), dtype=torch.long, device=self.device))
@@ -175,9 +176,18 @@ class DeviceGraph:
             if domain is Domain.UNIQUE and self.padded:
                 index, types = self._padded_types(by)
                 return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
+            if domain is not Domain.UNIQUE:
+                return self._type_layout(domain, by)[1]
             return self.graph.type_order(domain, by).to(torch.int32).contiguous()
 
         return self._cached(("perm", domain, by), compute)
+
+    def _type_layout(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of each type, rows sorted by type as int32) of node or edge rows typed by ``by``: both in one
+        TorchScript call (no GIL held for their operations), on first use of either."""
+        # typed by the int32 index the kernels read too (one cast shared, and a sort in half the radix passes)
+        return self._cached(("type_layout", domain, by), lambda: prep.run(
+            prep.type_layout, self.index(domain, by), self.graph.num_combined_types(by)))
 
     def tile_rows(self, domain: Domain, rows: int, multiprocessors: int) -> int:
         """Rows per tile of a schedule: ``rows``, or for 0 the power of two in [256, 4096] nearest below ~8 tiles

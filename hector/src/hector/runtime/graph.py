@@ -20,6 +20,8 @@ import torch
 
 from ..errors import GraphInputError
 from ..ir.core import GATHER_VIA, INDEX_KINDS, Domain
+from . import prep
+from .prep import sort_keys, unique_pairs  # noqa: F401 - unique_pairs: part of this module's interface
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -35,31 +37,15 @@ def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     return t.long()
 
 
-def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str]], dst: torch.Tensor | None = None,
-                  count: torch.Tensor | None = None) -> tuple[bool, int | None]:
-    """(name, ids, upper, what): every id in [0, upper). One device -> host read for all of them, which also
-    says whether ``dst`` (if given) is in non-decreasing order (False without ``dst``) and brings the one-element
-    tensor ``count`` (if given) to the host: returns (destinations sorted, count or None)."""
-    checks = [c for c in checks if c[1].numel()]
-    values = [v for _, t, _, _ in checks for v in torch.aminmax(t)]  # one pass per tensor
-    if dst is not None and dst.numel() > 1:
-        values.append((dst[1:] - dst[:-1]).amin())  # the smallest step: negative where an edge goes back
-    if count is not None:
-        values.append(count.reshape(()).to(values[0].dtype if values else count.dtype))
-    if not values:
-        return dst is not None, None
-    bounds = torch.stack(values).tolist()
-    ranges = bounds[:2 * len(checks)]
-    for (name, _, upper, what), lo, hi in zip(checks, ranges[0::2], ranges[1::2], strict=True):
+def _check_bounds(checks: list[tuple[str, torch.Tensor, int, str]], bounds: list[int]) -> None:
+    """(name, ids, upper, what): every id in [0, upper), from the (smallest, largest) id of each tensor in the
+    first entries of ``bounds`` (those of :func:`~hector.runtime.prep.check_and_pair`, read on the host in one
+    transfer)."""
+    for (name, _, upper, what), lo, hi in zip(checks, bounds[0::2], bounds[1::2], strict=False):
         if lo < 0 or hi >= upper:
             bad = lo if lo < 0 else hi
             raise GraphInputError(f"{name} holds {what} id {bad}, outside [0, {upper}); "
                                   f"check {what} ids against the declared count ({upper})")
-    counted = int(bounds[-1]) if count is not None else None
-    if dst is None:
-        return False, counted
-    steps = bounds[2 * len(checks):]
-    return dst.numel() <= 1 or steps[0] >= 0, counted
 
 
 def _check_ranges_on_device(checks: list[tuple[str, torch.Tensor, int, str]]) -> None:
@@ -175,14 +161,22 @@ class Graph:
             # the unique (source, relation) pairs, which size the compacted rows, computed on the device now so
             # that their count comes to the host in the same read as the ids' ranges and the order (unless the
             # caller said it is unsorted): one wait per graph (a sync-free graph on the CPU, where reading costs no
-            # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU)
-            pairs = None if self.sync_free else unique_pairs(edge_index[0], edge_type, self.num_nodes,
-                                                             self.num_relations)
-            self.dst_sorted, count = _check_ranges(checks, None if sorted_by_destination is False else dst,
-                                                   None if pairs is None else pairs[3])
+            # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU). All of it one
+            # TorchScript call: the loader thread that prepares a mini-batch holds the GIL for none of it
+            order = sorted_by_destination is not False
+            want_pairs = not self.sync_free
+            bounds, psrc, petype, pinverse = prep.run(prep.check_and_pair, edge_index, edge_type, node_type,
+                                                      self.num_nodes, self.num_relations, order, want_pairs)
+            bounds = bounds.tolist()
+            checked = [c for c in checks if c[1].numel()]
+            _check_bounds(checked, bounds)
+            steps = bounds[2 * len(checked):]
+            self.dst_sorted = order and (dst.numel() <= 1 or steps[0] >= 0)
             if sorted_by_destination and not self.dst_sorted:
                 raise GraphInputError("sorted_by_destination=True but edge_index's destinations (row 1) are not in "
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
+            count = int(steps[-1]) if want_pairs else None
+            pairs = (psrc, petype, pinverse) if want_pairs else None
         self.src = edge_index[0].contiguous()
         self.dst = edge_index[1].contiguous()
         self.etype = edge_type.contiguous()
@@ -512,33 +506,6 @@ class Graph:
     def __repr__(self) -> str:
         return (f"Graph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, num_relations={self.num_relations}, "
                 f"num_node_types={self.num_node_types})")
-
-
-def sort_keys(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted keys, stable order) of non-negative integer keys below ``bound``. Keys that fit sort as int32: a
-    GPU radix sort makes one pass per key byte, so half the passes of int64."""
-    if bound <= 2**31 - 1 and key.dtype != torch.int32:
-        key = key.to(torch.int32)
-    values, order = torch.sort(key, stable=True)
-    return values, order
-
-
-def unique_pairs(src: torch.Tensor, etype: torch.Tensor, num_nodes: int,
-                 num_relations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
-    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
-    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
-    one-element device tensor. One sort, one scan, two scatters: 13 launches, no host read."""
-    edges = src.numel()
-    if edges == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=src.device)
-        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
-    key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
-    row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
-    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
-    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
-    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
-    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
 
 
 def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:

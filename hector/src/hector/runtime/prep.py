@@ -1,0 +1,190 @@
+"""A new graph's tensor work (the id checks, the unique (source, relation) pairs, the CUDA backend's
+destination-sorted layout) as TorchScript functions that run without the GIL.
+
+Torch operations called from Python hold the interpreter lock from one to the next. A mini-batch's graph is prepared
+in a loader thread beside the training thread, and the training thread's step is itself bound by its host time: each
+millisecond of Python and dispatch the loader holds comes off the step. The same operations in one TorchScript call
+run in C++ after a single release of the lock. Where TorchScript cannot compile them (a torch without it), the same
+functions run as Python, with the same results.
+
+Each function is one pass over a graph's tensors with nothing read on the host: :func:`check_and_pair` gives the
+values the host checks (the ids' ranges, whether the destinations are in order) and the pair count in one small
+tensor, so that a checked graph waits for the device once; :func:`destination_layout` the CUDA backend's layout.
+"""
+
+import logging
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("hector")
+
+def sort_keys(key: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+    """(sorted keys, stable order) of non-negative integer keys below ``bound``. Keys that fit sort as int32: a
+    GPU radix sort makes one pass per key byte, so half the passes of int64."""
+    if bound <= 2**31 - 1 and key.dtype != torch.int32:
+        key = key.to(torch.int32)
+    values, order = torch.sort(key, stable=True)
+    return values, order
+
+
+def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
+                 num_relations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
+    rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
+    needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
+    one-element device tensor. One sort, one scan, two scatters, no host read."""
+    edges = src.numel()
+    if edges == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=src.device)
+        return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
+    key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
+    row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
+    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
+    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
+    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
+    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
+
+
+def check_and_pair(edge_index: Tensor, edge_type: Tensor, node_type: Tensor | None, num_nodes: int,
+                   num_relations: int, order: bool,
+                   pairs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A new graph's checks and pairs in one pass: ``(bounds, pair sources, pair relations, edge -> pair row)``.
+    ``bounds`` is one int64 tensor: the smallest and largest id of each non-empty id tensor (``edge_index``,
+    ``edge_type``, ``node_type`` if given), then, if ``order`` and there are two edges or more, the smallest step
+    between consecutive destinations (negative where an edge goes back), then, if ``pairs``, the pair count. The
+    pairs are :func:`unique_pairs`' (padded to the edge count), or empty tensors without ``pairs``. Reading
+    ``bounds`` on the host is the one wait for the device."""
+    values: list[Tensor] = []
+    for t in [edge_index, edge_type] if node_type is None else [edge_index, edge_type, node_type]:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            values += [lo, hi]
+    dst = edge_index[1]
+    if order and dst.numel() > 1:
+        values.append((dst[1:] - dst[:-1]).amin())
+    if pairs:
+        src, etype, inverse, count = unique_pairs(edge_index[0], edge_type, num_nodes, num_relations)
+        values.append(count.reshape(()))
+        return torch.stack(values), src, etype, inverse
+    empty = torch.zeros(0, dtype=torch.long, device=edge_index.device)
+    return torch.stack(values) if len(values) else empty, empty, empty, empty
+
+
+def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor | None,
+                       unique_src: Tensor | None, unique_etype: Tensor | None, num_nodes: int,
+                       num_relations: int, dst_sorted: bool) -> list[Tensor | None]:
+    """The CUDA backend's layout of a checked graph (see :class:`~hector.runtime.device_graph.DeviceGraph`), as
+    the list ``[order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src32, csc_ptr,
+    dst_order, pair sources, pair relations, pair count, pair count as int32, valid, pairs per relation]``.
+
+    ``order``: sorted position -> original edge (None where ``dst_sorted``); ``src``, ``dst``, ``etype``: the
+    edges' int64 columns in destination order; ``inverse``: each sorted edge's pair row; the ``*32`` tensors: the
+    same as int32 (the kernels' gather indices), and the pairs' sources; ``csc_ptr``: the int32 offsets of each
+    destination's in-edges; ``dst_order``: the destinations heaviest first (int32). The pairs: the graph's own
+    where it has them (``inverse``, ``unique_src``, ``unique_etype``: exact; None is returned for the pairs, their
+    int64 count and ``valid``), else computed here (padded to the edge count with ``valid`` marking the real
+    rows); the pair count is a one-element tensor (int64 where computed here, and int32 either way). The pairs
+    per relation (int64, real pairs only) size every relational model's segment GEMMs over pairs."""
+    device = src.device
+    edges = src.numel()
+    order: Tensor | None = None
+    # the columns (and each edge's pair row, where known) gathered in one op, not one per column
+    both = torch.stack([src, dst, etype] if inverse is None else [src, dst, etype, inverse])
+    if not dst_sorted:
+        o = sort_keys(dst, num_nodes)[1]
+        order = o
+        both = both.index_select(1, o)
+    columns = both[:3]
+    inv: Tensor | None = None if inverse is None else both[3]
+    out_src: Tensor | None = None
+    out_etype: Tensor | None = None
+    valid: Tensor | None = None
+    if inv is None or unique_src is None or unique_etype is None:
+        p_src, p_etype, p_inv, count = unique_pairs(columns[0], columns[2], num_nodes, num_relations)
+        inv = p_inv
+        out_src, out_etype = p_src, p_etype
+        valid = torch.arange(edges, device=device) < count
+        pair_type = torch.where(valid, p_etype, num_relations)  # padding rows: the type past the last
+        count32 = count.to(torch.int32)
+        out_count: Tensor | None = count
+        pair_src = p_src
+        narrow = torch.cat([columns, inv.unsqueeze(0)]).to(torch.int32)
+    else:
+        out_count = None
+        count32 = torch.full((1,), unique_src.numel(), dtype=torch.int32, device=device)
+        pair_type = unique_etype
+        pair_src = unique_src
+        narrow = both.to(torch.int32)
+    nodes = torch.arange(num_nodes + 1, dtype=columns.dtype, device=device)
+    csc_ptr = torch.searchsorted(columns[1], nodes, out_int32=True)
+    deg = csc_ptr[1:] - csc_ptr[:-1]
+    dst_order = torch.sort(deg, descending=True, stable=True)[1].to(torch.int32)
+    pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
+    pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
+    # the rows one by one (their views made here, not by the caller's Python)
+    return [order, columns[0], columns[1], columns[2], inv, narrow[0], narrow[1], narrow[2], narrow[3],
+            pair_src.to(torch.int32), csc_ptr, dst_order, out_src, out_etype, out_count, count32, valid, pair_counts]
+
+
+def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
+    """(rows of each type (int64), the rows sorted by type, stably (int32)) of rows typed ``index`` (each in
+    [0, types)): a segment GEMM's layout, in one call."""
+    counts = torch.zeros(types, dtype=torch.long, device=index.device)
+    counts = counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.long, device=index.device))
+    return counts, sort_keys(index, types)[1].to(torch.int32)
+
+
+_lock = threading.Lock()
+_compiled: dict[str, Any] = {}  # function name -> its TorchScript function, or the function where none compiled
+
+
+def scripted(fn: Any) -> Any:
+    """``fn`` compiled by TorchScript (once per process), or ``fn`` itself where it cannot be (same results)."""
+    hit = _compiled.get(fn.__name__)
+    if hit is not None:
+        return hit
+    with _lock:
+        if fn.__name__ not in _compiled:
+            try:
+                with warnings.catch_warnings():
+                    # TorchScript is deprecated for models; for a function of plain torch ops it is the one way
+                    # to run them after a single release of the GIL
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    _compiled[fn.__name__] = torch.jit.script(fn)
+            except Exception as exc:  # a torch without TorchScript, or one that no longer compiles this
+                log.warning("hector: the graph preparation's TorchScript function %s did not compile (%s: %s); it "
+                            "runs as Python, holding the GIL for each operation", fn.__name__, type(exc).__name__,
+                            exc)
+                _compiled[fn.__name__] = fn
+        return _compiled[fn.__name__]
+
+
+# the switch behind torch.jit.optimized_execution, read and set directly: a context manager is a dozen Python
+# calls, and a new graph makes two or three of these calls
+_get_optimize = getattr(torch._C, "_get_graph_executor_optimize", None)
+_set_optimize = getattr(torch._C, "_set_graph_executor_optimize", None)
+
+
+def run(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` through its TorchScript function, with TorchScript's plain interpreter (no profiling or
+    fusion: graphs differ in every size, and optimising for one would be wasted on the next)."""
+    script = _compiled.get(fn.__name__)
+    if script is None:
+        script = scripted(fn)
+    if _get_optimize is None or _set_optimize is None:
+        with torch.jit.optimized_execution(False):
+            return script(*args)
+    previous = _get_optimize()
+    _set_optimize(False)
+    try:
+        return script(*args)
+    finally:
+        _set_optimize(previous)
+
+
+__all__ = ["check_and_pair", "destination_layout", "run", "scripted", "sort_keys", "type_layout",
+           "unique_pairs"]

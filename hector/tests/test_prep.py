@@ -1,0 +1,175 @@
+"""A new graph's tensor work in TorchScript (``hector.runtime.prep``): the CUDA backend's layout checked against a
+plain-torch reference on random graphs (empty, one edge, one relation, duplicate edges, many relations, edges
+already in destination order, pairs exact or padded), and the scripted functions against the same functions run
+as Python."""
+
+import pytest
+import torch
+
+from hector.ir import Domain
+from hector.runtime import prep
+from hector.runtime.device_graph import DeviceGraph
+from hector.runtime.graph import Graph
+
+CASES = [  # (edges, nodes, relations, seed)
+    (0, 5, 3, 0), (1, 1, 1, 1), (40, 6, 1, 2), (300, 8, 2, 3),  # few sources: many duplicate pairs
+    (500, 120, 7, 4), (400, 50, 1500, 5), (64, 64, 4, 6),
+]
+
+
+def _graph(edges, nodes, relations, seed, dst_sorted=False):
+    g = torch.Generator().manual_seed(seed)
+    ei = torch.randint(0, nodes, (2, edges), generator=g)
+    et = torch.randint(0, relations, (edges,), generator=g)
+    if dst_sorted:
+        order = torch.argsort(ei[1], stable=True)
+        ei, et = ei[:, order], et[order]
+    return ei, et
+
+
+def _reference(ei, et, nodes, relations):
+    """The layout from plain torch ops: destination order, CSC offsets, heaviest destinations first, the unique
+    (source, relation) pairs relation-major, per-type counts and orders."""
+    order = torch.argsort(ei[1], stable=True)
+    src, dst, etype = ei[0][order], ei[1][order], et[order]
+    deg = torch.bincount(dst, minlength=nodes)
+    ptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(deg, 0)])
+    keys = torch.unique(etype * nodes + src)
+    return {"order": order, "src": src, "dst": dst, "etype": etype, "csc_ptr": ptr,
+            "dst_order": torch.argsort(-deg, stable=True), "pair_src": keys % nodes, "pair_etype": keys // nodes,
+            "edge_counts": torch.bincount(etype, minlength=relations),
+            "edge_perm": torch.argsort(etype, stable=True),
+            "pair_counts": torch.bincount(keys // nodes, minlength=relations)}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dst_sorted", [False, True])
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
+def test_device_layout_matches_a_plain_torch_reference(edges, nodes, relations, seed, dst_sorted, padded):
+    ei, et = _graph(edges, nodes, relations, seed, dst_sorted)
+    graph = Graph(ei, et, nodes, relations, sync_free=padded)
+    assert graph.dst_sorted == (edges <= 1 or bool((ei[1][1:] >= ei[1][:-1]).all()))
+    ref = _reference(ei, et, nodes, relations)
+    dg = DeviceGraph(graph)
+    g = dg.graph
+    count = ref["pair_src"].numel()
+    assert dg.padded == padded
+    if graph.dst_sorted:
+        assert dg.order is None
+        assert torch.equal(g.src, ei[0]) and torch.equal(g.dst, ei[1]) and torch.equal(g.etype, et)
+    else:
+        assert torch.equal(dg.order, ref["order"])
+        assert torch.equal(g.src, ref["src"]) and torch.equal(g.dst, ref["dst"]) and torch.equal(g.etype, ref["etype"])
+    assert dg.csc_ptr.dtype == torch.int32 and torch.equal(dg.csc_ptr.long(), ref["csc_ptr"])
+    assert dg.dst_order.dtype == torch.int32 and torch.equal(dg.dst_order.long(), ref["dst_order"])
+    assert int(dg.unique_count) == count and dg.unique_count.dtype == torch.int32
+    assert dg.num_unique == (edges if padded else count)
+    assert torch.equal(g.unique_src[:count], ref["pair_src"]) and torch.equal(g.unique_etype[:count],
+                                                                             ref["pair_etype"])
+    if padded:
+        assert bool((g.unique_src[count:] == 0).all() and (g.unique_etype[count:] == 0).all())
+        assert torch.equal(dg._valid, torch.arange(edges) < count)
+    inverse = g.edge_to_unique
+    assert bool((inverse < count).all())
+    assert torch.equal(g.unique_src[inverse], g.src) and torch.equal(g.unique_etype[inverse], g.etype)
+    # the kernels' int32 indices
+    for via, expect in (("src", g.src), ("dst", g.dst), ("unique", inverse), ("unique_src", g.unique_src)):
+        got = dg.gather(via)
+        assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got.long(), expect), via
+    assert torch.equal(dg.index(Domain.EDGE, ("etype",)).long(), g.etype)
+    # per-relation counts and orders (edges; real pairs only)
+    assert torch.equal(dg.type_counts(Domain.EDGE, ("etype",)), ref["edge_counts"])
+    assert torch.equal(dg.perm(Domain.EDGE, ("etype",)).long(), ref["edge_perm"])
+    assert torch.equal(dg.type_counts(Domain.UNIQUE, ("etype",)), ref["pair_counts"])
+    assert torch.equal(dg.type_counts(Domain.UNIQUE, ()), torch.tensor([count]))
+
+
+def test_node_type_layout_matches_a_plain_torch_reference():
+    ei, et = _graph(300, 40, 5, 7)
+    ntype = torch.arange(40) % 3
+    dg = DeviceGraph(Graph(ei, et, 40, 5, ntype, 3))
+    counts, perm = dg.type_counts(Domain.NODE, ("ntype",)), dg.perm(Domain.NODE, ("ntype",))
+    assert torch.equal(counts, torch.bincount(ntype, minlength=3))
+    assert perm.dtype == torch.int32 and torch.equal(perm.long(), torch.argsort(ntype, stable=True))
+    by = ("src_ntype", "etype")
+    types = ntype[dg.graph.src] * 5 + dg.graph.etype
+    assert torch.equal(dg.type_counts(Domain.EDGE, by), torch.bincount(types, minlength=15))
+    assert torch.equal(dg.perm(Domain.EDGE, by).long(), torch.argsort(types, stable=True))
+
+
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
+def test_scripted_functions_match_the_same_functions_run_as_python(edges, nodes, relations, seed):
+    """TorchScript (which runs without the GIL) and the Python fallback give identical tensors."""
+    assert isinstance(prep.scripted(prep.check_and_pair), torch.jit.ScriptFunction)
+    ei, et = _graph(edges, nodes, relations, seed)
+    nt = torch.arange(nodes) % 2
+    for args in ((ei, et, None, nodes, relations, True, True), (ei, et, nt, nodes, relations, False, False)):
+        for a, b in zip(prep.run(prep.check_and_pair, *args), prep.check_and_pair(*args), strict=True):
+            assert torch.equal(a, b)
+    graph = Graph(ei, et, nodes, relations)
+    for exact in (False, True):
+        args = (graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
+                graph.unique_src if exact else None, graph.unique_etype if exact else None, nodes, relations, False)
+        for a, b in zip(prep.run(prep.destination_layout, *args), prep.destination_layout(*args), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_bad_ids_are_named_after_the_scripted_check():
+    from hector.errors import GraphInputError
+
+    ei, et = _graph(50, 10, 3, 8)
+    with pytest.raises(GraphInputError, match="edge_index holds node id 10, outside"):
+        Graph(torch.cat([ei, torch.tensor([[10], [0]])], 1), torch.cat([et, torch.zeros(1, dtype=torch.long)]), 10,
+              3)
+    with pytest.raises(GraphInputError, match="edge_type holds relation id -1"):
+        Graph(ei, torch.where(et == 0, -1, et), 10, 3)
+    with pytest.raises(GraphInputError, match="node_type holds node type id 2"):
+        Graph(ei, et, 10, 3, torch.arange(10) % 3, 2)
+
+
+def test_without_torchscript_the_same_functions_run_as_python(monkeypatch, caplog):
+    """Where TorchScript cannot compile a function, it runs as Python (holding the GIL for each operation), with a
+    warning that says so, and the graph and its layout come out the same."""
+    ei, et = _graph(500, 120, 7, 9)
+    scripted = DeviceGraph(Graph(ei, et, 120, 7))
+
+    def fail(fn):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(prep, "_compiled", {})
+    monkeypatch.setattr(torch.jit, "script", fail)
+    with caplog.at_level("WARNING", logger="hector"):
+        plain = DeviceGraph(Graph(ei, et, 120, 7))
+    assert "did not compile" in caplog.text and "runs as Python" in caplog.text
+    assert prep.scripted(prep.check_and_pair) is prep.check_and_pair
+    assert torch.equal(plain.graph.src, scripted.graph.src) and torch.equal(plain.csc_ptr, scripted.csc_ptr)
+    assert torch.equal(plain.dst_order, scripted.dst_order)
+    assert torch.equal(plain.graph.edge_to_unique, scripted.graph.edge_to_unique)
+    assert torch.equal(plain.perm(Domain.EDGE, ("etype",)), scripted.perm(Domain.EDGE, ("etype",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dst_sorted", [False, True])
+def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted):
+    """The scripted layout on a GPU: the same tensors as on the CPU, built without a host synchronisation (the
+    graph's one read, the id check with the pair count, comes before)."""
+    ei, et = _graph(5000, 700, 30, 10, dst_sorted)
+    cpu = DeviceGraph(Graph(ei, et, 700, 30, sync_free=padded))
+    graph = Graph(ei.cuda(), et.cuda(), 700, 30, sync_free=padded)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = DeviceGraph(graph)
+        perm, counts = gpu.perm(Domain.EDGE, ("etype",)), gpu.type_counts(Domain.EDGE, ("etype",))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gpu.padded == cpu.padded == padded
+    for a, b in ((gpu.graph.src, cpu.graph.src), (gpu.graph.dst, cpu.graph.dst), (gpu.csc_ptr, cpu.csc_ptr),
+                 (gpu.dst_order, cpu.dst_order), (gpu.graph.edge_to_unique, cpu.graph.edge_to_unique),
+                 (gpu.graph.unique_src, cpu.graph.unique_src), (gpu.gather("unique_src"), cpu.gather("unique_src")),
+                 (gpu.unique_count, cpu.unique_count), (perm, cpu.perm(Domain.EDGE, ("etype",))),
+                 (counts, cpu.type_counts(Domain.EDGE, ("etype",))),
+                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",)))):
+        assert torch.equal(a.cpu(), b)

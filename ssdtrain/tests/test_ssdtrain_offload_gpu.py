@@ -457,9 +457,16 @@ def test_derive_under_autocast_bit_identical_and_frees_device_memory(determinist
         return loss.detach(), held
 
     ref.zero_grad(set_to_none=True)
-    step(ref)  # gradients allocated: the next forward's allocation counts activations only
-    want_loss, keep_held = step(ref)
+    step(ref)
+    want_loss, _ = step(ref)
     want = _grads(ref)
+    # What keeping everything holds after forward, measured on the model itself with the same tensors alive as at
+    # the measurement under ssdtrain below (the reference's gradients and their copies in `want`, this model's
+    # gradients from a first step): only the activations differ.
+    model.zero_grad(set_to_none=True)
+    step(model)
+    _, keep_held = step(model)
+    model.zero_grad(set_to_none=True)
     overrides = {f"{container}.{i}": "derive" for i in range(4)}
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False, profile_steps=1) as s:
         for _ in range(3):

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import struct
+import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,37 @@ from typing import Any
 
 NVRTC_PATH_ENV = "SHARED_CUDA_NVRTC_PATH"
 JIT_CACHE_DIR_ENV = "SHARED_CUDA_JIT_CACHE_DIR"
+
+
+# ---------------------------------------------------------------------------------------------------- TorchScript
+
+_SCRIPT_LOCK = threading.Lock()
+
+
+def script_once(fn: Callable[..., Any], cache: dict[str, Any], fallback: Any, log: logging.Logger,
+                what: str) -> Any:
+    """``fn`` compiled by TorchScript, once per process and kept in ``cache`` (the caller's, by function name), or
+    ``fallback`` where TorchScript cannot compile it, with a warning on ``log`` that names ``what``. A function of
+    plain torch ops called through TorchScript runs after a single release of the GIL, where the same ops called
+    from Python hold it from one to the next."""
+    hit = cache.get(fn.__name__)
+    if hit is not None:
+        return hit
+    with _SCRIPT_LOCK:
+        if fn.__name__ not in cache:
+            import torch
+
+            try:
+                with warnings.catch_warnings():
+                    # TorchScript is deprecated for models; for a function of plain torch ops it is the one way to
+                    # run them after a single release of the GIL
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    cache[fn.__name__] = torch.jit.script(fn)
+            except Exception as exc:  # a torch without TorchScript, or one that no longer compiles fn
+                log.warning("%s did not compile under TorchScript (%s: %s); it runs as Python, holding the GIL for "
+                            "each operation", what, type(exc).__name__, exc)
+                cache[fn.__name__] = fallback
+        return cache[fn.__name__]
 
 
 # ----------------------------------------------------------------------------------------------------- settings

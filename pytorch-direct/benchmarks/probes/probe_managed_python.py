@@ -35,7 +35,7 @@ def timed(what: str, make, nbytes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=64.0)
+    ap.add_argument("--gib", type=float, default=64.0, help="size of each table and memset, GiB")
     args = ap.parse_args()
     nbytes = int(args.gib * 2**30) >> 21 << 21
     pd.empty(1 << 20, dtype=torch.uint8)

@@ -12,11 +12,11 @@ in ascending id through the id map ``local``, on the device (:func:`number_new`)
 """
 
 import logging
-import threading
-import warnings
 
 import torch
 from torch import Tensor
+
+from ._shared_cuda import script_once
 
 log = logging.getLogger("pytorch_direct")
 
@@ -265,7 +265,6 @@ def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, 
     return n_id, edge_index, e_id, pos, torch.cat(kinds), num_nodes, num_edges
 
 
-_lock = threading.Lock()
 _compiled: dict = {}  # function name -> its TorchScript function, or None where it did not compile
 
 
@@ -273,19 +272,7 @@ def scripted(fn=None):
     """``fn`` (default :func:`sample_homogeneous`) compiled by TorchScript (once per process), or None where it
     cannot be."""
     fn = sample_homogeneous if fn is None else fn
-    with _lock:
-        if fn.__name__ not in _compiled:
-            try:
-                with warnings.catch_warnings():
-                    # TorchScript is deprecated for models; for a function of plain torch ops it is the one way
-                    # to run them after a single release of the GIL
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    _compiled[fn.__name__] = torch.jit.script(fn)
-            except Exception as exc:  # a torch without TorchScript, or one that no longer compiles this
-                log.warning("pytorch-direct: the sampler's TorchScript function did not compile (%s: %s); it runs "
-                            "as Python, holding the GIL for each operation", type(exc).__name__, exc)
-                _compiled[fn.__name__] = None
-        return _compiled[fn.__name__]
+    return script_once(fn, _compiled, None, log, "pytorch-direct's sampler")
 
 
 def run(fn, *args):

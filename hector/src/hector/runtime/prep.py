@@ -13,12 +13,12 @@ tensor, so that a checked graph waits for the device once; :func:`destination_la
 """
 
 import logging
-import threading
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from .._shared_cuda import script_once
 
 log = logging.getLogger("hector")
 
@@ -138,29 +138,12 @@ def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
     return counts, sort_keys(index, types)[1].to(torch.int32)
 
 
-_lock = threading.Lock()
 _compiled: dict[str, Any] = {}  # function name -> its TorchScript function, or the function where none compiled
 
 
 def scripted(fn: Any) -> Any:
     """``fn`` compiled by TorchScript (once per process), or ``fn`` itself where it cannot be (same results)."""
-    hit = _compiled.get(fn.__name__)
-    if hit is not None:
-        return hit
-    with _lock:
-        if fn.__name__ not in _compiled:
-            try:
-                with warnings.catch_warnings():
-                    # TorchScript is deprecated for models; for a function of plain torch ops it is the one way
-                    # to run them after a single release of the GIL
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    _compiled[fn.__name__] = torch.jit.script(fn)
-            except Exception as exc:  # a torch without TorchScript, or one that no longer compiles this
-                log.warning("hector: the graph preparation's TorchScript function %s did not compile (%s: %s); it "
-                            "runs as Python, holding the GIL for each operation", fn.__name__, type(exc).__name__,
-                            exc)
-                _compiled[fn.__name__] = fn
-        return _compiled[fn.__name__]
+    return script_once(fn, _compiled, fn, log, f"hector's graph preparation ({fn.__name__})")
 
 
 # the switch behind torch.jit.optimized_execution, read and set directly: a context manager is a dozen Python

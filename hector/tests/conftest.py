@@ -28,6 +28,24 @@ def make_graph(num_nodes=14, num_edges=80, num_relations=3, seed=0, dup=True, no
     return torch.stack([src, dst]), et, nt
 
 
+def hub_graph(num_nodes: int, light_max: int, heavy: int, heavy_degrees: tuple[int, int], hub: int, hub_degree: int,
+              relations: int, seed: int):
+    """A graph for destination walks that split hub destinations: every node has 0..light_max - 1 in-edges, except
+    ``heavy`` nodes with ``heavy_degrees`` (inclusive range) and node ``hub`` with ``hub_degree``; edges in random
+    order, of even relations only (the odd ones of 0..2 * relations - 1 stay empty); three node types."""
+    g = torch.Generator().manual_seed(seed)
+    degrees = torch.randint(0, light_max, (num_nodes,), generator=g)
+    degrees[torch.randperm(num_nodes, generator=g)[:heavy]] = torch.randint(heavy_degrees[0], heavy_degrees[1] + 1,
+                                                                         (heavy,), generator=g)
+    degrees[hub] = hub_degree
+    dst = torch.repeat_interleave(torch.arange(num_nodes), degrees)
+    dst = dst[torch.randperm(dst.numel(), generator=g)]
+    src = torch.randint(0, num_nodes, (dst.numel(),), generator=g)
+    et = torch.randint(0, relations, (dst.numel(),), generator=g) * 2
+    nt = torch.randint(0, 3, (num_nodes,), generator=g)
+    return torch.stack([src, dst]), et, nt, num_nodes
+
+
 @contextlib.contextmanager
 def half_storage_reference():
     """The reference backend with every value of a bf16/fp16 program stored in that dtype, as the generated

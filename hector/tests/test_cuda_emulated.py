@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import half_storage_reference, make_graph, rel_err
+from conftest import half_storage_reference, hub_graph, make_graph, rel_err
 from emulation import EmulatedExecutor, compiler
 from test_random_programs import F, R, T, bind, random_program
 
@@ -142,19 +142,9 @@ def test_wide_features_skewed_degrees(emulated):
     _compare(lambda: hn.HGTConv(70, 70, 3, 6, heads=2), ei, et, nt, n, torch.float32, 1e-5)
 
 
-def _hub_graph(seed: int = 8):
+def _hub_graph():
     """300 nodes: one destination with 400 in-edges, 40 with 10-60, the rest 0-5; relations 1, 3, 5 empty."""
-    g = torch.Generator().manual_seed(seed)
-    n = 300
-    degrees = torch.randint(0, 6, (n,), generator=g)
-    degrees[torch.randperm(n, generator=g)[:40]] = torch.randint(10, 61, (40,), generator=g)
-    degrees[123] = 400
-    dst = torch.repeat_interleave(torch.arange(n), degrees)
-    dst = dst[torch.randperm(dst.numel(), generator=g)]
-    src = torch.randint(0, n, (dst.numel(),), generator=g)
-    et = torch.randint(0, 3, (dst.numel(),), generator=g) * 2
-    nt = torch.randint(0, 3, (n,), generator=g)
-    return torch.stack([src, dst]), et, nt, n
+    return hub_graph(300, 6, 40, (10, 60), 123, 400, 3, seed=8)
 
 
 SPLIT_LAYERS = {

@@ -3,7 +3,7 @@ models, fp32/TF32/bf16/fp16/fp64), torch.compile, CUDA-graph capture, thousands 
 
 import pytest
 import torch
-from conftest import half_storage_reference, make_graph, rel_err
+from conftest import half_storage_reference, hub_graph, make_graph, rel_err
 
 import hector.nn as hn
 from hector import config, datasets
@@ -540,20 +540,11 @@ def test_new_graph_waits_for_the_gpu_once():
         assert rel_err(out.double().cpu(), expect) < 1e-4, step
 
 
-def _hub_graph(seed: int = 9):
+def _hub_graph():
     """5,000 nodes: one destination with 3,000 in-edges, 60 with 150-600, the rest 0-19 (the heaviest-first order
     then has chunks all heavy, one heavy in part, then light ones); relations 1, 3, 5, 7 empty."""
-    g = torch.Generator().manual_seed(seed)
-    n = 5000
-    degrees = torch.randint(0, 20, (n,), generator=g)
-    degrees[torch.randperm(n, generator=g)[:60]] = torch.randint(150, 601, (60,), generator=g)
-    degrees[4321] = 3000
-    dst = torch.repeat_interleave(torch.arange(n), degrees)
-    dst = dst[torch.randperm(dst.numel(), generator=g)]
-    src = torch.randint(0, n, (dst.numel(),), generator=g)
-    et = torch.randint(0, 4, (dst.numel(),), generator=g) * 2
-    nt = torch.randint(0, 3, (n,), generator=g)
-    return torch.stack([src, dst]).cuda(), et.cuda(), nt.cuda(), n
+    ei, et, nt, n = hub_graph(5000, 20, 60, (150, 600), 4321, 3000, 4, seed=9)
+    return ei.cuda(), et.cuda(), nt.cuda(), n
 
 
 @pytest.mark.parametrize("model", ["rgcn", "rgat", "hgt"])

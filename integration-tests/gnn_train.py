@@ -392,8 +392,9 @@ def _train(impl, model, cfg, graph, table, topology, proc, args, result, save, w
                       f"{cached.get('hit_rate', 0):.1%} of a batch's rows]" if cached else ""))
     peak = harness.peak_memory(device)
     if args.profile and name in IMPLS:  # (each implementation's default way)
+        trace = f"{args.trace_dir}/{name}.json.gz" if args.trace_dir else None
         result["profile"], result["profile_threads"] = profile_batches(train_loader, forward, optimizer,
-                                                                       args.profile, device, name, proc)
+                                                                       args.profile, device, name, proc, trace)
     if args.profile_host and name in IMPLS:
         model.train()  # (the last evaluation left it in eval mode: its batches would get inference plans)
         result["host_profile"] = profile_host(
@@ -450,11 +451,13 @@ def profile_host(make_loader_in_turn, forward, optimizer, count: int, device: to
 
 
 def profile_batches(train_loader, forward, optimizer, count: int, device: torch.device, name: str,
-                    proc: harness.Process) -> tuple[list[dict], list[dict]]:
+                    proc: harness.Process, trace: str | None = None) -> tuple[list[dict], list[dict]]:
     """``count`` more training steps (after the measured epochs, so their times are not inflated) under the torch
     profiler: prints the operations that took the most device time (CPU time without a GPU), all threads
     included (the loader's thread too), then per thread its host time and kernel launches per step (which thread
-    bounds a step bound by the host). Returns (rows of name, calls and milliseconds per step; rows per thread)."""
+    bounds a step bound by the host). ``trace``: also write the profile there as a Chrome trace (``.json.gz``: the
+    timeline of every stream and thread, for what overlaps what). Returns (rows of name, calls and milliseconds per
+    step; rows per thread)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -482,6 +485,8 @@ def profile_batches(train_loader, forward, optimizer, count: int, device: torch.
     finally:
         prof.stop()
     wall = time.perf_counter() - begin
+    if trace:
+        harness.export_trace(prof, trace)
 
     def device_us(e) -> float:  # (named self_cuda_time_total before torch 2.4)
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) or 0
@@ -651,6 +656,9 @@ def parse_args(argv):
                         help="Python's thread switch interval during training (sys.setswitchinterval; default: "
                              "Python's, 5 ms): how long the training thread may wait for the interpreter lock "
                              "while a loader thread holds it")
+    parser.add_argument("--trace-dir", default="", metavar="DIR",
+                        help="with --profile: also write each profile's timeline there as a Chrome trace "
+                             "(<implementation>.json.gz; open in Perfetto or chrome://tracing)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="BATCHES",
                         help="after the measured epochs, make this many batches and then train on them in the main "
                              "thread under cProfile, each side alone, and print the Python functions taking each "

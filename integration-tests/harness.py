@@ -214,6 +214,12 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def export_trace(prof, path: str) -> None:
+    """A finished torch profiler's timeline as a Chrome trace (gzipped where ``path`` ends in ``.gz``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(path)
+
+
 def write_json(path: str | os.PathLike | None, data: dict) -> None:
     if path is None:
         return

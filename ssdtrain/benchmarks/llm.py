@@ -549,6 +549,12 @@ def main(argv=None) -> int:
         help="rok suite: after the timed steps, profile one more step per policy (torch.profiler: GPU busy time by "
         "kind of kernel; cProfile: host time in ssdtrain's own code) and print where the time beyond keep's goes",
     )
+    p.add_argument(
+        "--trace-dir",
+        default="",
+        help="rok suite: after the timed steps, write one more step per policy under torch.profiler alone as a "
+        "Chrome trace there (<model>-<group>-<policy>.json.gz: GPU idle gaps and what the host did in them)",
+    )
     p.add_argument("--cells", type=int, default=0, help="budget suite: only the first N cells")
     p.add_argument("--nvme-dir", default="", help="budget suite: a directory on the NVMe disk (default: temp dir)")
     p.add_argument("--nvme-host", default="256M", help="budget suite: host_memory of the NVMe runs")

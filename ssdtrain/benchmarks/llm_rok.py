@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -249,6 +250,9 @@ def run_job(job: dict, llm) -> dict:
                     times.append(llm._seconds(t0, t1, cuda))
             if getattr(a, "profile", False):
                 row["profile_text"] = profile_step(step, cuda)
+            if getattr(a, "trace_dir", ""):
+                name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{row['model']}-{row['group']}-{row['policy']}")
+                trace_step(step, cuda, f"{a.trace_dir}/{name}.json.gz")
     except torch.cuda.OutOfMemoryError as e:
         return dict(row, status="oom", detail=str(e).split("\n")[0][:160])
     except Exception as e:
@@ -328,6 +332,22 @@ def profile_step(step, cuda: bool) -> str:
         + (": " + ", ".join(f"{k} {t * 1e3:.1f} ms/{c} calls" for k, (c, t) in top) if top else ""),
     ]
     return "\n".join(lines)
+
+
+def trace_step(step, cuda: bool, path: str) -> None:
+    """One more step under torch.profiler alone (no Python tracing, so the host runs at its own pace), written as a
+    Chrome trace: the GPU's idle gaps and what the host threads did during them (launching, waiting, Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
 
 
 def _ssdtrain_details(row, session, before) -> None:

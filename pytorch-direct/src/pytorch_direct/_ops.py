@@ -193,8 +193,20 @@ _index_add_at_graph_break = _at_graph_break(_index_add_eager)
 # ---------------------------------------------------------------------------------------------------- gather
 
 
+def gather_in_range(table: Tensor, index: Tensor) -> Tensor:
+    """table[index] for indices the caller knows lie in the table (a sampler's node ids, read from a table checked
+    once to hold a row per node): without the per-call bounds check of ``bounds_check="sync"``, a reduction over
+    the indices and a wait for it on the host. Through the custom op, checked, where autograd or tracing needs it."""
+    with torch._C.DisableTorchFunctionSubclass():  # (a unified table's attribute reads, as a plain tensor's)
+        dispatch = use_dispatcher(table, index)
+    if dispatch:
+        return gather_op(table, index)
+    return gather_impl(table, index, "auto", 0, in_range=True)
+
+
 @_plain_tensors
-def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
+def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int, in_range: bool = False) -> Tensor:
+    """``in_range``: the caller knows every index lies in the table (no bounds check of CUDA indices)."""
     check_table(table)
     check_index(index)
     name = _strategy_name(strategy)
@@ -224,11 +236,12 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     if n == 0:
         return out
     capturing = _kernels.capturing()
-    checked = settings.bounds_check == "sync" and not capturing
+    checked = settings.bounds_check == "sync" and not capturing and not in_range
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
     cached = cache is not None
-    decision, check_bounds, in_range = _decision(call, name, idx, checked, capturing, cached)
+    decision, check_bounds, checked_now = _decision(call, name, idx, checked, capturing, cached)
+    in_range = in_range or checked_now
     job = RowJob("gather", table, rows, rb, idx, out.view(n, -1), max_sms, cache)
     if cached:
         cache.count(idx)

@@ -983,7 +983,12 @@ def test_an_epochs_seeds_made_at_once_give_the_batches_of_make():
 def test_gather_in_range_is_the_gather():
     table = pd.unified(torch.randn(100, 8), copy=True)
     idx = torch.tensor([5, 0, 99, 5])
-    assert torch.equal(pd._ops.gather_in_range(table, idx), table.plain()[idx])
+    expected = table.plain()[idx]
+    assert torch.equal(pd._ops.gather_in_range(table, idx), expected)
+    assert torch.equal(pd._ops.gather_in_range(table, idx, pd._ops.row_layout(table)), expected)
+    with torch.profiler.profile() as prof:  # (through the custom op, which the profiler sees)
+        assert torch.equal(pd._ops.gather_in_range(table, idx), expected)
+    assert any(e.name == "pytorch_direct::gather" for e in prof.events())
     with pytest.raises(IndexError):  # (CPU indices: the host gather checks each index as it reads it)
         pd._ops.gather_in_range(table, torch.tensor([100]))
 
@@ -992,7 +997,13 @@ def test_gather_in_range_is_the_gather():
 def test_gather_in_range_on_the_gpu():
     table = pd.unified(torch.randn(1000, 8), copy=True)
     idx = torch.randint(0, 1000, (5000,), device="cuda")
-    assert torch.equal(pd._ops.gather_in_range(table, idx).cpu(), table.plain()[idx.cpu()])
-    table.requires_grad_(True)  # through the custom op (autograd records it), checked
-    with pytest.raises(IndexError):
-        pd._ops.gather_in_range(table, torch.tensor([1000], device="cuda"))
+    expected = table.plain()[idx.cpu()]
+    assert torch.equal(pd._ops.gather_in_range(table, idx).cpu(), expected)
+    assert torch.equal(pd._ops.gather_in_range(table, idx, pd._ops.row_layout(table)).cpu(), expected)
+    with torch.profiler.profile():  # through the custom op, still without the bounds check
+        assert torch.equal(pd._ops.gather_in_range(table, idx).cpu(), expected)
+    table.requires_grad_(True)  # through the custom op, with autograd
+    rows = pd._ops.gather_in_range(table, idx)
+    rows.sum().backward()
+    assert torch.equal(rows.detach().cpu(), expected)
+    assert torch.equal(table.grad.plain().sum(1), torch.bincount(idx.cpu(), minlength=1000).float() * 8)

@@ -196,10 +196,11 @@ class Epoch:
             raise StopIteration
         begin = time.perf_counter()
         cuda = self.device.type == "cuda"
-        mark = None
-        if cuda:
+        mark = stream = None
+        if cuda:  # (the training stream, looked up once for the events and waits below)
+            stream = torch.cuda.current_stream(self.device)
             mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
+            mark.record(stream)
         if self._thread is not None:
             item = self._maker.queue.get()
             if isinstance(item, BaseException):
@@ -213,14 +214,13 @@ class Epoch:
                 self._made.append(self._maker.make_one())
             batch, ready = self._made.popleft()
         if ready is not None:
-            stream = torch.cuda.current_stream(self.device)
             for event in ready:
                 stream.wait_event(event)
             if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
                 record_stream(batch, stream)
         if cuda:
             done = torch.cuda.Event(enable_timing=True)
-            done.record()
+            done.record(stream)
             self._events.append((mark, done))
         else:
             self.stats.wait_s += time.perf_counter() - begin

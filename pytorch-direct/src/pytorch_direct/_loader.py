@@ -174,12 +174,15 @@ class NeighborLoader:
         offset = self.source.node_offset(self.input_type)
         self._seeds_global = (self._input_nodes + offset).to(self.device)
         self._input_id_dev = self._input_id.to(self.device) if self._input_id is not None else None
-        # Per attribute table, whether the indices a batch gathers it at are known to lie in it: a node table holding
-        # a row per node of its type is read at sampled node ids, which the sampler keeps below the node count
-        # (checked here once, not at each gather, where a check costs a reduction and a host wait).
-        self._table_in_range = {
-            key: t.dim() > 0 and t.size(0) >= self.source.num_nodes[key[0]]
-            for key, t in self.source.node_tables.items()}
+        # The unified attribute tables whose rows a batch reads at indices known to lie in them, with their row
+        # layout: a node table holding a row per node of its type is read at sampled node ids, which the sampler
+        # keeps below the node count. Checked here once, not at each gather (where a bounds check costs a reduction
+        # and a host wait).
+        self._in_range = {}
+        for key, t in self.source.node_tables.items():
+            if is_unified(t) and t.dim() > 0 and t.size(0) >= self.source.num_nodes[key[0]] and t.is_contiguous():
+                _ops.check_table(t)
+                self._in_range[key] = _ops.row_layout(t)
         priority = -1 if cuda and high_priority else 0  # (lower is higher; 0 is CUDA's default)
         self._stream = torch.cuda.Stream(self.device, priority=priority) if cuda and self.prefetch else None
         self._gather_stream = torch.cuda.Stream(self.device, priority=priority) if self._stream is not None else None
@@ -371,10 +374,10 @@ class NeighborLoader:
         the gathers have read them). One switch of streams for all of a batch's gathers."""
         if not jobs:
             return []
-        known = self._table_in_range
+        known = self._in_range
         gs = self._gathering
         if gs is None:
-            return [self._gather_now(table, index, known.get(key, False)) for key, table, index in jobs]
+            return [self._gather_now(table, index, known.get(key)) for key, table, index in jobs]
         gs.wait_stream(torch.cuda.current_stream(self.device))
         marked = set()
         for _, _, index in jobs:
@@ -382,13 +385,13 @@ class NeighborLoader:
                 index.record_stream(gs)
                 marked.add(id(index))
         with torch.cuda.stream(gs):
-            return [self._gather_now(table, index, known.get(key, False)) for key, table, index in jobs]
+            return [self._gather_now(table, index, known.get(key)) for key, table, index in jobs]
 
-    def _gather_now(self, table: Tensor, index: Tensor, in_range: bool = False) -> Tensor:
-        """``table``'s rows at ``index`` on the loader's device; ``in_range``: every index is known to lie in the
-        table (a unified table is then read without a bounds check)."""
+    def _gather_now(self, table: Tensor, index: Tensor, in_range: tuple[int, int] | None = None) -> Tensor:
+        """``table``'s rows at ``index`` on the loader's device; ``in_range``: the row layout of a unified table
+        checked once, whose rows ``index`` is known to lie in (then read without a bounds check)."""
         if is_unified(table):
-            return _ops.gather_in_range(table, index) if in_range else table[index]
+            return _ops.gather_in_range(table, index, in_range) if in_range is not None else table[index]
         if table.device == index.device:
             rows = table.index_select(0, index)
         elif table.device.type == "cpu" and index.device.type == "cuda":  # CPU gather, pinned, copy

@@ -313,7 +313,7 @@ class NeighborLoader:
         node ids) and input ids on the loader's device (current stream): two gathers for the epoch rather than two
         per batch."""
         sizes = [len(p) for p in order]
-        positions = torch.cat(order).to(self.device, non_blocking=True)
+        positions = torch.cat(order).to(self.device)
         ids = self._input_id_dev[positions] if self._input_id_dev is not None else positions
         return list(self._seeds_global[positions].split(sizes)), list(ids.split(sizes))
 

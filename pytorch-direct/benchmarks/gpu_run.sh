@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# pytorch-direct on the GPU machine: GPU tests, the GPU cache benchmark, first use (import, table creation), then
-# the gather benchmark (with WholeGraph where pylibwholegraph imports). Run from the repo root with the package
-# installed. Writes into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed), pytorch-direct-cache.csv,
-# pytorch-direct-first-use.csv, pytorch-direct-gather.csv and pytorch-direct-gather.png. Exit code: non-zero if a
-# step failed. Sized for ~8 minutes on one H100 (80 GB) with 128 GB of host RAM.
+# pytorch-direct on the GPU machine: GPU tests, the GNN loader's host work per batch, the GPU cache benchmark, first
+# use (import, table creation), then the gather benchmark (with WholeGraph where pylibwholegraph imports). Run from
+# the repo root with the package installed. Writes into ${OUT:-./out}: pytorch-direct-gpu.log (everything printed),
+# pytorch-direct-loader-host.csv, pytorch-direct-cache.csv, pytorch-direct-first-use.csv, pytorch-direct-gather.csv
+# and pytorch-direct-gather.png. Exit code: non-zero if a step failed. Sized for ~8 minutes on one H100 (80 GB) with
+# 128 GB of host RAM.
 #
-# PD_STEPS picks the steps ("tests cache firstuse bench" by default); PD_CACHE_ARGS, PD_FIRST_USE_ARGS and
-# PD_BENCH_ARGS override each benchmark's arguments, e.g.
+# PD_STEPS picks the steps ("tests loader cache firstuse bench" by default); PD_LOADER_ARGS, PD_CACHE_ARGS,
+# PD_FIRST_USE_ARGS and PD_BENCH_ARGS override each benchmark's arguments, e.g.
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
 # PD_PYTEST_K selects GPU tests by a pytest -k expression, passed as one argument (spaces allowed: "dedupe or auto";
 # PD_PYTEST_ARGS is split at spaces, so an expression there must have none: "a|b" is rejected by pytest, and no test
@@ -20,10 +21,12 @@ LOG="$OUT/pytorch-direct-gpu.log"
 : > "$LOG"
 # The measurements cache goes to a scratch directory (the benchmark clears it between cells anyway).
 export PYTORCH_DIRECT_CACHE_DIR="${PYTORCH_DIRECT_CACHE_DIR:-$(mktemp -d)}"
-STEPS=${PD_STEPS:-"tests cache firstuse bench"}
+STEPS=${PD_STEPS:-"tests loader cache firstuse bench"}
 # The gather matrix at the sizes that fit beside WholeGraph's own copies of the table (1 and 16 GiB).
 BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 1 16 --row-bytes 64 256 1024 --patterns uniform sorted zipf1.2 --repeats 3 --fresh-check 0 --budget-s 110"}
 CACHE_ARGS=${PD_CACHE_ARGS:-"--table-gib 32 --row-bytes 256"}
+# the GNN loader at the large training preset's batch shape (1024 seeds, fan-outs 15, 10; a smaller graph)
+LOADER_ARGS=${PD_LOADER_ARGS:-"--device cuda --nodes 2000000 --batches 30 --top 30"}
 # (its own budget stops it before the step's time limit: what it measured is printed and written as it goes)
 FIRST_USE_ARGS=${PD_FIRST_USE_ARGS:-"--table-gib 64 --budget-s 95"}
 TIMEOUT_ARG=""
@@ -68,6 +71,15 @@ if [[ " $STEPS " == *" tests "* ]]; then
   echo "== import test exit code: $import_rc" | tee -a "$LOG"
   [ "$tests_rc" -eq 0 ] && tests_rc=$import_rc
 fi
+loader_rc=0
+if [[ " $STEPS " == *" loader "* ]]; then
+  echo "== pytorch-direct GNN loader host work per batch ($(date -u +%H:%M:%S)): $LOADER_ARGS" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  timeout "${PD_LOADER_TIMEOUT:-90}" python3 pytorch-direct/benchmarks/loader_host.py $LOADER_ARGS \
+    --csv "$OUT/pytorch-direct-loader-host.csv" 2>&1 | tee -a "$LOG"
+  loader_rc=${PIPESTATUS[0]}
+  echo "== loader benchmark exit code: $loader_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
 cache_rc=0
 if [[ " $STEPS " == *" cache "* ]]; then
   echo "== pytorch-direct GPU cache benchmark ($(date -u +%H:%M:%S)): $CACHE_ARGS" | tee -a "$LOG"
@@ -95,10 +107,10 @@ if [[ " $STEPS " == *" bench "* ]]; then
   bench_rc=${PIPESTATUS[0]}
   echo "== benchmark exit code: $bench_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 fi
-echo "== pytorch-direct summary ($(date -u +%H:%M:%S)): tests rc=$tests_rc cache rc=$cache_rc first-use rc=$first_rc" \
-  "gather rc=$bench_rc" | tee -a "$LOG"
+echo "== pytorch-direct summary ($(date -u +%H:%M:%S)): tests rc=$tests_rc loader rc=$loader_rc cache rc=$cache_rc" \
+  "first-use rc=$first_rc gather rc=$bench_rc" | tee -a "$LOG"
 # The lines that state the targets, from every step's report.
 grep -E "^(# \[ *[0-9.]+ s\] |# skewed streams|#   (degree|presample|counts):|#   auto below|# uniform:|# exact in|# pd.empty:|# import torch|# auto:|# ceiling|# wholegraph:)" \
   "$LOG" | tee -a "$LOG.summary" || true
 cat "$LOG.summary" >> "$LOG" 2>/dev/null && rm -f "$LOG.summary"
-[ "$tests_rc" -eq 0 ] && [ "$cache_rc" -eq 0 ] && [ "$first_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$loader_rc" -eq 0 ] && [ "$cache_rc" -eq 0 ] && [ "$first_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -919,3 +919,91 @@ def test_sampling_benchmark_runs_on_the_cpu(tmp_path, capsys):
                                                              ("typed", 50)]
     assert all(r["ms_per_batch"] > 0 and r["edges_per_batch"] > 0 for r in rows)
     assert "edges/batch" in capsys.readouterr().out and len(out.read_text().splitlines()) == 5
+
+
+def test_loader_host_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    pyg()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loader_host.py"
+    spec = importlib.util.spec_from_file_location("pd_bench_loader_host", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "loader_host.csv"
+    row = bench.main(["--nodes", "3000", "--batch-size", "64", "--batches", "3", "--warmup", "1", "--top", "3",
+                      "--csv", str(out)])
+    assert row["batch_ms"] >= row["sampler_ms"] > 0 and row["py_calls"] > 0 and row["python_ms"] > 0
+    # a batch's host work is a fixed, small number of Python calls (it was 138 before the loader's Python was cut)
+    assert row["py_calls"] < 100, row
+    text = capsys.readouterr().out
+    assert "Python functions by own time" in text and "python_ms" in text
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_a_batch_is_the_data_that_setting_its_attributes_makes():
+    # batches are assembled without Data's per-attribute __setattr__: the same Data as setting them one by one
+    from pytorch_direct._loader import _new_data
+
+    Data = pyg().Data
+    topo = skewed_graph(seed=3)
+    x, y = torch.randn(300, 4), torch.randint(0, 5, (300,))
+    loader = NeighborLoader(({"x": x, "y": y}, topo), [4, 3], batch_size=32, device="cpu", seed=2)
+    batch = next(iter(loader))
+    slow = Data()
+    for key, value in batch.to_dict().items():
+        setattr(slow, key, value)
+    assert list(batch.keys()) == list(slow.keys()) and batch.num_nodes == slow.num_nodes == batch.n_id.numel()
+    assert batch.is_node_attr("x") and batch.is_edge_attr("edge_type") and batch.num_edges == slow.num_edges
+    assert torch.equal(batch.x, x[batch.n_id]) and torch.equal(batch.y, y[batch.n_id])
+    assert torch.equal(batch.input_id, torch.arange(32)) and batch.batch_size == 32
+    assert batch.num_sampled_nodes[0] == 32 and sum(batch.num_sampled_edges) == batch.num_edges
+    made = _new_data(Data, {"x": x[:3], "num_nodes": 3})
+    assert made.num_nodes == 3 and made.x.shape == (3, 4) and made.is_node_attr("x")
+
+
+def test_an_epochs_seeds_made_at_once_give_the_batches_of_make():
+    # an epoch gathers its seeds and input ids on the device once, not per batch: the same batches as make(positions)
+    topo = skewed_graph(seed=4)
+    mask = torch.zeros(300, dtype=torch.bool)
+    mask[::3] = True
+    for nodes in (torch.arange(50, 250), mask):
+        epoch = NeighborLoader(({}, topo), [3, 2], input_nodes=nodes, batch_size=24, shuffle=True, device="cpu",
+                               seed=5)
+        turn = NeighborLoader(({}, topo), [3, 2], input_nodes=nodes, batch_size=24, shuffle=True, device="cpu",
+                              seed=5)
+        order = turn._epoch_order()
+        turn._epoch += 1  # (as iterating it would)
+        for batch, positions in zip(epoch, order, strict=True):
+            made = turn.make(positions)
+            assert torch.equal(batch.n_id, made.n_id) and torch.equal(batch.input_id, made.input_id)
+            assert torch.equal(batch.edge_index, made.edge_index)
+
+
+def test_gather_in_range_is_the_gather():
+    table = pd.unified(torch.randn(100, 8), copy=True)
+    idx = torch.tensor([5, 0, 99, 5])
+    expected = table.plain()[idx]
+    assert torch.equal(pd._ops.gather_in_range(table, idx), expected)
+    assert torch.equal(pd._ops.gather_in_range(table, idx, pd._ops.row_layout(table)), expected)
+    with torch.profiler.profile() as prof:  # (through the custom op, which the profiler sees)
+        assert torch.equal(pd._ops.gather_in_range(table, idx), expected)
+    assert any(e.name == "pytorch_direct::gather" for e in prof.events())
+    with pytest.raises(IndexError):  # (CPU indices: the host gather checks each index as it reads it)
+        pd._ops.gather_in_range(table, torch.tensor([100]))
+
+
+@pytest.mark.gpu
+def test_gather_in_range_on_the_gpu():
+    table = pd.unified(torch.randn(1000, 8), copy=True)
+    idx = torch.randint(0, 1000, (5000,), device="cuda")
+    expected = table.plain()[idx.cpu()]
+    assert torch.equal(pd._ops.gather_in_range(table, idx).cpu(), expected)
+    assert torch.equal(pd._ops.gather_in_range(table, idx, pd._ops.row_layout(table)).cpu(), expected)
+    with torch.profiler.profile():  # through the custom op, still without the bounds check
+        assert torch.equal(pd._ops.gather_in_range(table, idx).cpu(), expected)
+    table.requires_grad_(True)  # through the custom op, with autograd
+    rows = pd._ops.gather_in_range(table, idx)
+    rows.sum().backward()
+    assert torch.equal(rows.detach().cpu(), expected)
+    assert torch.equal(table.grad.plain().sum(1), torch.bincount(idx.cpu(), minlength=1000).float() * 8)

@@ -26,6 +26,8 @@ class _Maker:
         # is marked as used by it where they are made, not in the training thread (see Epoch.__next__)
         self.consumer = torch.cuda.current_stream(self.device) if self.stream is not None else None
         self.next = 0  # the next batch to sample
+        self.batch_seeds: list[Tensor] = []  # per batch: its seeds and input ids on the device (made at the first)
+        self.batch_ids: list[Tensor] = []
         self.finished = 0  # batches finished (pipelined)
         self.queue: queue.Queue | None = None
         self.stop = threading.Event()  # set by training: the epoch ends
@@ -34,19 +36,19 @@ class _Maker:
     def done(self) -> bool:
         return self.next >= len(self.order)
 
-    def positions(self) -> Tensor:
-        """The next batch's positions into the input nodes, on the loader's device."""
-        if self.next == 0:  # the epoch's order on the device: one copy, on the stream that uses it
+    def seeds(self) -> tuple[Tensor, Tensor]:
+        """The next batch's seeds (global node ids) and input ids, on the loader's device."""
+        if self.next == 0:  # the epoch's seeds on the device: made at once, on the stream that uses them
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                sizes = [len(p) for p in self.order]
-                self.order = list(torch.cat(self.order).to(self.device).split(sizes))
+                self.batch_seeds, self.batch_ids = self.loader.epoch_seeds(self.order)
         self.next += 1
-        return self.order[self.next - 1]
+        return self.batch_seeds[self.next - 1], self.batch_ids[self.next - 1]
 
     def make_one(self):
         """The next batch and the events that mark it made (None without a stream)."""
-        positions = self.positions()
-        return self._made_on(self.stream, lambda: self.loader.make(positions))
+        seeds, input_id = self.seeds()
+        return self._made_on(self.stream,
+                             lambda: self.loader.finish(*self.loader.sample_seeds(seeds, input_id), self.stream))
 
     def _made_on(self, stream, make):
         """(``make()``'s batch, with ``prepare_when_ahead`` run on it, made on ``stream`` if any; the events that
@@ -61,11 +63,11 @@ class _Maker:
 
     def sample_one(self):
         """(the next batch's subgraph and input ids, the event marking them sampled or None): the sampler thread."""
-        positions = self.positions()
+        seeds, input_id = self.seeds()
         if self.stream is None:
-            return self.loader.sample(positions), None
+            return self.loader.sample_seeds(seeds, input_id), None
         with torch.cuda.stream(self.stream):
-            sampled = self.loader.sample(positions)
+            sampled = self.loader.sample_seeds(seeds, input_id)
         event = torch.cuda.Event()
         event.record(self.stream)
         return sampled, event
@@ -81,7 +83,7 @@ class _Maker:
             for t in [input_id, *vars(sub).values()]:
                 if isinstance(t, Tensor) and t.is_cuda:
                     t.record_stream(stream)
-        return self._made_on(stream, lambda: self.loader.finish(*sampled))
+        return self._made_on(stream, lambda: self.loader.finish(*sampled, stream))
 
     def when_ahead(self, batch) -> None:
         """The loader's ``prepare_when_ahead`` on ``batch`` if this is a loader thread whose previous batch has not
@@ -194,10 +196,11 @@ class Epoch:
             raise StopIteration
         begin = time.perf_counter()
         cuda = self.device.type == "cuda"
-        mark = None
-        if cuda:
+        mark = stream = None
+        if cuda:  # (the training stream, looked up once for the events and waits below)
+            stream = torch.cuda.current_stream(self.device)
             mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
+            mark.record(stream)
         if self._thread is not None:
             item = self._maker.queue.get()
             if isinstance(item, BaseException):
@@ -211,14 +214,13 @@ class Epoch:
                 self._made.append(self._maker.make_one())
             batch, ready = self._made.popleft()
         if ready is not None:
-            stream = torch.cuda.current_stream(self.device)
             for event in ready:
                 stream.wait_event(event)
             if stream != self._maker.consumer:  # (training moved to another stream during the epoch)
                 record_stream(batch, stream)
         if cuda:
             done = torch.cuda.Event(enable_timing=True)
-            done.record()
+            done.record(stream)
             self._events.append((mark, done))
         else:
             self.stats.wait_s += time.perf_counter() - begin

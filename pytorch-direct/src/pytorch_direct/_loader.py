@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _topology
+from . import _ops, _topology
 from ._create import is_unified
 from ._epoch import Epoch
 from ._memory import cuda_usable
@@ -174,6 +174,15 @@ class NeighborLoader:
         offset = self.source.node_offset(self.input_type)
         self._seeds_global = (self._input_nodes + offset).to(self.device)
         self._input_id_dev = self._input_id.to(self.device) if self._input_id is not None else None
+        # The unified attribute tables whose rows a batch reads at indices known to lie in them, with their row
+        # layout: a node table holding a row per node of its type is read at sampled node ids, which the sampler
+        # keeps below the node count. Checked here once, not at each gather (where a bounds check costs a reduction
+        # and a host wait).
+        self._in_range = {}
+        for key, t in self.source.node_tables.items():
+            if is_unified(t) and t.dim() > 0 and t.size(0) >= self.source.num_nodes[key[0]] and t.is_contiguous():
+                _ops.check_table(t)
+                self._in_range[key] = _ops.row_layout(t)
         priority = -1 if cuda and high_priority else 0  # (lower is higher; 0 is CUDA's default)
         self._stream = torch.cuda.Stream(self.device, priority=priority) if cuda and self.prefetch else None
         self._gather_stream = torch.cuda.Stream(self.device, priority=priority) if self._stream is not None else None
@@ -296,19 +305,37 @@ class NeighborLoader:
 
     def sample(self, positions: Tensor) -> tuple[SampledSubgraph, Tensor]:
         """The sampled subgraph around the seeds at ``positions``, and their input ids (current stream)."""
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        sub = self.sampler.sample(self._seeds_global[positions], check=False)
         input_id = self._input_id_dev[positions] if self._input_id_dev is not None else positions
+        return self.sample_seeds(self._seeds_global[positions], input_id)
+
+    def epoch_seeds(self, order: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Per batch of ``order`` (CPU positions into the input nodes, see :meth:`_epoch_order`), its seeds (global
+        node ids) and input ids on the loader's device (current stream): two gathers for the epoch rather than two
+        per batch."""
+        sizes = [len(p) for p in order]
+        positions = torch.cat(order).to(self.device)
+        ids = self._input_id_dev[positions] if self._input_id_dev is not None else positions
+        return list(self._seeds_global[positions].split(sizes)), list(ids.split(sizes))
+
+    def sample_seeds(self, seeds: Tensor, input_id: Tensor) -> tuple[SampledSubgraph, Tensor]:
+        """The sampled subgraph around ``seeds`` (global ids of input nodes, on the loader's device), and their
+        ``input_id`` (current stream)."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        sub = self.sampler.sample(seeds, check=False)
         self._stats.sample_s += time.perf_counter() - start
         self._stats.sample_cpu_s += time.thread_time() - start_cpu
         return sub, input_id
 
-    def finish(self, sub: SampledSubgraph, input_id: Tensor) -> Any:
+    def finish(self, sub: SampledSubgraph, input_id: Tensor, made_on: torch.cuda.Stream | None = None) -> Any:
         """The batch of a sampled subgraph: its features gathered (on the gather stream when the current stream is
-        one of the loader's), ``prepare`` and ``transform`` run, on the current stream and thread."""
+        one of the loader's), ``prepare`` and ``transform`` run, on the current stream and thread. ``made_on``: the
+        loader's stream that is current, where the caller knows it (not looked up again)."""
         start, start_cpu = time.perf_counter(), time.thread_time()
-        current = torch.cuda.current_stream(self.device) if self._gather_stream is not None else None
-        on_stream = current is not None and current in (self._stream, self._assemble_stream)
+        if made_on is not None:
+            current, on_stream = made_on, self._gather_stream is not None
+        else:
+            current = torch.cuda.current_stream(self.device) if self._gather_stream is not None else None
+            on_stream = current is not None and current in (self._stream, self._assemble_stream)
         self._gathering = self._gather_stream if on_stream else None
         try:
             batch = self._assemble(sub, input_id)
@@ -340,27 +367,32 @@ class NeighborLoader:
 
     # ---- batch assembly --------------------------------------------------------------------------------------
 
-    def _gather(self, table: Tensor, index: Tensor) -> Tensor:
-        return self._on_gather_stream(self._gather_now, table, index)
-
-    def _on_gather_stream(self, fn, *args):
-        """``fn(*args)`` on the gather stream while a batch is made on the loader's stream (else where called): the
-        gather stream first waits for the sampling that made the indices, and the indices are marked as used by it
-        (their memory is not reused by the sampling stream before the gather has read them)."""
+    def _gather_rows(self, jobs: list) -> list[Tensor]:
+        """The rows of each ``(table key, table, index)`` of ``jobs``, on the gather stream while a batch is made on
+        the loader's stream (else where called): the gather stream first waits for the sampling that made the
+        indices, and the indices are marked as used by it (their memory is not reused by the sampling stream before
+        the gathers have read them). One switch of streams for all of a batch's gathers."""
+        if not jobs:
+            return []
+        known = self._in_range
         gs = self._gathering
         if gs is None:
-            return fn(*args)
+            return [self._gather_now(table, index, known.get(key)) for key, table, index in jobs]
         gs.wait_stream(torch.cuda.current_stream(self.device))
-        for a in args:
-            if isinstance(a, Tensor) and a.is_cuda:
-                a.record_stream(gs)
+        marked = set()
+        for _, _, index in jobs:
+            if id(index) not in marked and index.is_cuda:
+                index.record_stream(gs)
+                marked.add(id(index))
         with torch.cuda.stream(gs):
-            return fn(*args)
+            return [self._gather_now(table, index, known.get(key)) for key, table, index in jobs]
 
-    def _gather_now(self, table: Tensor, index: Tensor) -> Tensor:
+    def _gather_now(self, table: Tensor, index: Tensor, in_range: tuple[int, int] | None = None) -> Tensor:
+        """``table``'s rows at ``index`` on the loader's device; ``in_range``: the row layout of a unified table
+        checked once, whose rows ``index`` is known to lie in (then read without a bounds check)."""
         if is_unified(table):
-            rows = table[index]
-        elif table.device == index.device:
+            return _ops.gather_in_range(table, index, in_range) if in_range is not None else table[index]
+        if table.device == index.device:
             rows = table.index_select(0, index)
         elif table.device.type == "cpu" and index.device.type == "cuda":  # CPU gather, pinned, copy
             idx = index.cpu()
@@ -405,27 +437,28 @@ class NeighborLoader:
         from torch_geometric.data import Data
 
         src = self.source
-        out = copy.copy(src.template) if src.template is not None else Data()
-        out.edge_index = sub.edge_index
-        for (_, key), table in src.node_tables.items():
-            out[key] = self._gather(table, sub.n_id)
-        for (_, key), table in src.edge_tables.items():
-            out[key] = self._gather(table, sub.e_id)
+        jobs = [(key, table, sub.n_id) for key, table in src.node_tables.items()]
+        jobs += [(key, table, sub.e_id) for key, table in src.edge_tables.items()]
+        fields = {"edge_index": sub.edge_index}
+        fields.update(zip((key for (_, key), _, _ in jobs), self._gather_rows(jobs), strict=True))
         if src.feature_store is not None:
-            for key, value in self._store_features(None, sub.n_id).items():
-                out[key] = value
+            fields.update(self._store_features(None, sub.n_id))
         if src.template is None:
-            out.num_nodes = sub.num_nodes
+            fields["num_nodes"] = sub.num_nodes
             if sub.edge_type is not None:
-                out.edge_type = sub.edge_type
+                fields["edge_type"] = sub.edge_type
             if sub.node_type is not None:
-                out.node_type = sub.node_type
+                fields["node_type"] = sub.node_type
         elif "num_nodes" in src.template:
-            out.num_nodes = sub.num_nodes
-        out.n_id, out.e_id, out.input_id = sub.n_id, sub.e_id, input_id
-        out.batch_size = sub.batch_size
-        out.num_sampled_nodes, out.num_sampled_edges = sub.num_sampled_nodes, sub.num_sampled_edges
-        return out
+            fields["num_nodes"] = sub.num_nodes
+        fields.update(n_id=sub.n_id, e_id=sub.e_id, input_id=input_id, batch_size=sub.batch_size,
+                      num_sampled_nodes=sub.num_sampled_nodes, num_sampled_edges=sub.num_sampled_edges)
+        if src.template is not None:
+            out = copy.copy(src.template)
+            for key, value in fields.items():
+                out[key] = value
+            return out
+        return _new_data(Data, fields)
 
     def _assemble_hetero(self, sub: SampledSubgraph, input_id: Tensor):
         from torch_geometric.data import HeteroData
@@ -433,13 +466,15 @@ class NeighborLoader:
         src, blocks = self.source, self.source.blocks
         parts = _topology.split_hetero(sub, blocks)
         out = copy.copy(src.template) if src.template is not None else HeteroData()
-        for t, node_type in enumerate(src.node_types):
-            ids = parts.n_id[t]
+        node_ids = dict(zip(src.node_types, parts.n_id, strict=True))
+        edge_ids = dict(zip(src.edge_types, parts.e_id, strict=True))
+        jobs = [(key, table, node_ids[key[0]]) for key, table in src.node_tables.items()]
+        jobs += [(key, table, edge_ids[key[0]]) for key, table in src.edge_tables.items()]
+        for ((group, key), _, _), rows in zip(jobs, self._gather_rows(jobs), strict=True):
+            out[group][key] = rows
+        for node_type, ids in node_ids.items():
             store = out[node_type]
             store.n_id = ids
-            for (group, key), table in src.node_tables.items():
-                if group == node_type:
-                    store[key] = self._gather(table, ids)
             if src.feature_store is not None:
                 for key, value in self._store_features(node_type, ids).items():
                     store[key] = value
@@ -449,14 +484,26 @@ class NeighborLoader:
             store = out[edge_type]
             store.edge_index = parts.edge_index[k]
             store.e_id = parts.e_id[k]
-            for (group, key), table in src.edge_tables.items():
-                if group == edge_type:
-                    store[key] = self._gather(table, parts.e_id[k])
         out.set_value_dict("num_sampled_nodes", dict(zip(src.node_types, parts.num_sampled_nodes, strict=True)))
         out.set_value_dict("num_sampled_edges", dict(zip(src.edge_types, parts.num_sampled_edges, strict=True)))
         out[self.input_type].input_id = input_id
         out[self.input_type].batch_size = sub.batch_size
         return out
+
+
+def _new_data(cls, fields: dict):
+    """``cls(**fields)`` (a PyG ``Data``) without its per-attribute ``__setattr__`` path (several Python calls per
+    attribute, each made with the interpreter lock held, in a loader thread beside the training thread): a new
+    ``Data`` has no cached attribute information to invalidate, so its store's mapping takes the fields as they are.
+    Falls back to ``setattr`` where the store is not laid out so (another PyG version)."""
+    out = cls()
+    mapping = getattr(getattr(out, "_store", None), "_mapping", None)
+    if type(mapping) is dict and not mapping:
+        mapping.update(fields)
+        return out
+    for key, value in fields.items():
+        setattr(out, key, value)
+    return out
 
 
 def _choose_device(device, data) -> torch.device:

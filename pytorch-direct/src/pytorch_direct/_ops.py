@@ -193,12 +193,37 @@ _index_add_at_graph_break = _at_graph_break(_index_add_eager)
 # ---------------------------------------------------------------------------------------------------- gather
 
 
+def gather_in_range(table: Tensor, index: Tensor, layout: tuple[int, int] | None = None) -> Tensor:
+    """table[index] for indices the caller knows lie in the table (a sampler's node ids, read from a table checked
+    once to hold a row per node): without the per-call bounds check of ``bounds_check="sync"``, a reduction over
+    the indices and a wait for it on the host. ``layout``: the table's ``row_layout``, where the caller checked the
+    table (``check_table``) and took it once (the table is then not checked again). Through the custom op,
+    where autograd or tracing (the profiler included) needs it."""
+    with torch._C.DisableTorchFunctionSubclass():  # (a unified table's attribute reads, as a plain tensor's)
+        if use_dispatcher(table, index):
+            return gather_op(table, index, "auto", 0, None, True)
+        return _gather(table, index, "auto", 0, True, layout)
+
+
 @_plain_tensors
-def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Tensor:
-    check_table(table)
+def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int, in_range: bool = False) -> Tensor:
+    return _gather(table, index, strategy, max_sms, in_range, None)
+
+
+def _gather(table: Tensor, index: Tensor, strategy: str, max_sms: int, in_range: bool,
+            layout: tuple[int, int] | None) -> Tensor:
+    """:func:`gather_impl` (with tensor subclasses' ``__torch_function__`` off); ``in_range``: the caller knows
+    every index lies in the table (no bounds check of CUDA indices); ``layout``: the table's ``row_layout``, taken
+    by a caller that checked the table."""
+    if layout is None:
+        check_table(table)
+        rows, rb = row_layout(table)
+    else:
+        rows, rb = layout
+        if _memory.forked:
+            _memory.check_readable_here(table)
     check_index(index)
     name = _strategy_name(strategy)
-    rows, rb = row_layout(table)
     out = torch.empty(tuple(index.shape) + tuple(table.shape[1:]), dtype=table.dtype, device=index.device)
     idx = index.contiguous().view(-1)
     n = idx.numel()
@@ -224,11 +249,12 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
     if n == 0:
         return out
     capturing = _kernels.capturing()
-    checked = settings.bounds_check == "sync" and not capturing
+    checked = settings.bounds_check == "sync" and not capturing and not in_range
     max_sms = max_sms if max_sms > 0 else settings.max_sms
     call = Call("gather", table.numel() * table.element_size(), rows, rb, n, memory)
     cached = cache is not None
-    decision, check_bounds, in_range = _decision(call, name, idx, checked, capturing, cached)
+    decision, check_bounds, checked_now = _decision(call, name, idx, checked, capturing, cached)
+    in_range = in_range or checked_now
     job = RowJob("gather", table, rows, rb, idx, out.view(n, -1), max_sms, cache)
     if cached:
         cache.count(idx)
@@ -244,13 +270,14 @@ def gather_impl(table: Tensor, index: Tensor, strategy: str, max_sms: int) -> Te
 
 @torch.library.custom_op("pytorch_direct::gather", mutates_args=())
 def gather_op(table: Tensor, index: Tensor, strategy: str = "auto", max_sms: int = 0,
-              padding_idx: int | None = None) -> Tensor:
-    """out[i, ...] = table[index[i], ...]; out is on index's device. padding_idx only affects the gradient."""
-    return gather_impl(table, index, strategy, max_sms)
+              padding_idx: int | None = None, in_range: bool = False) -> Tensor:
+    """out[i, ...] = table[index[i], ...]; out is on index's device. padding_idx only affects the gradient.
+    ``in_range``: the caller knows every index lies in the table (no bounds check, see :func:`gather_in_range`)."""
+    return gather_impl(table, index, strategy, max_sms, in_range)
 
 
 @gather_op.register_fake
-def _gather_fake(table, index, strategy="auto", max_sms=0, padding_idx=None):
+def _gather_fake(table, index, strategy="auto", max_sms=0, padding_idx=None, in_range=False):
     return table.new_empty(tuple(index.shape) + tuple(table.shape[1:]), device=index.device)
 
 
@@ -267,7 +294,7 @@ def _functionalized(t: Tensor) -> bool:
 
 
 def _gather_setup(ctx, inputs, output):
-    table, index, _strategy, _max_sms, padding_idx = inputs
+    table, index, _strategy, _max_sms, padding_idx, _in_range = inputs
     if table.requires_grad and not table.is_leaf and not _functionalized(table):
         # The gradient goes into table.grad directly (never a dense table-sized tensor through autograd), which
         # only a leaf has. (AOTAutograd traces a compiled graph with functional wrappers, no leaves, of tables that
@@ -285,7 +312,7 @@ def _gather_backward(ctx, grad):
             accumulate_grad_op(ctx.table, index, grad, ctx.padding_idx)
         else:
             _accumulate_grad_of_leaf(ctx.table, index, grad, ctx.padding_idx)
-    return None, None, None, None, None
+    return None, None, None, None, None, None
 
 
 gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)

@@ -215,6 +215,7 @@ class NeighborSampler:
             raise ValueError(f"the sampler's topology has one destination slot per node: colptr has "
                              f"{topology.num_slots + 1} entries for {topology.num_nodes} nodes (num_nodes + 1 needed)")
         self.fanouts = _fanout_table(num_neighbors, blocks)
+        self._hop_fanouts = [f[0] for f in self.fanouts]  # (the homogeneous sampler's argument, made once)
         self.num_hops = len(self.fanouts)
         self.replace = bool(replace)
         self.num_nodes = int(topology.num_nodes)
@@ -264,7 +265,7 @@ class NeighborSampler:
         try:
             n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = _sample_script.run(
                 self._run, topo.colptr, topo.row, self._local, seeds, self._sentinel,
-                [f[0] for f in self.fanouts], self.replace, self.generator, topo.edge_id, topo.edge_type,
+                self._hop_fanouts, self.replace, self.generator, topo.edge_id, topo.edge_type,
                 topo.node_type)
         except BaseException:
             self._local.fill_(-1)  # (which entries the batch set is not known here)

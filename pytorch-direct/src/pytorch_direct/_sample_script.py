@@ -278,5 +278,12 @@ def scripted(fn=None):
 def run(fn, *args):
     """``fn(*args)`` with TorchScript's plain interpreter (no profiling or fusion: batches differ in every size,
     and optimising for one would be wasted on the next)."""
-    with torch.jit.optimized_execution(False):
+    # (torch.jit.optimized_execution(False), without its context manager's Python calls on every batch)
+    optimize = torch._C._get_graph_executor_optimize()
+    if not optimize:
         return fn(*args)
+    torch._C._set_graph_executor_optimize(False)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._set_graph_executor_optimize(True)

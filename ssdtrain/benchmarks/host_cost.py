@@ -1,0 +1,197 @@
+"""The host's time ssdtrain adds to a training step: a CPU proxy for a host-bound GPU step.
+
+    python ssdtrain/benchmarks/host_cost.py                 # Llama-style GQA, 4 blocks x 64, batch 2 x 32
+    python ssdtrain/benchmarks/host_cost.py --quick --csv host_cost.csv
+
+An eager LLM step on a GPU launches thousands of small kernels; where the host thread launching them is late, the
+GPU idles. Every saved tensor passes through ssdtrain's pack hook in forward and its unpack hook in backward, and
+recipes and recomputed blocks add Python work of their own, so ssdtrain's host time per step is on the GPU's
+critical path whenever the step is host-bound. This benchmark measures that host time alone: a tiny Llama-style
+model (transformers config, fp32 weights under autocast bf16, like ``llm.py --suite rok``) on the CPU, where every
+op is so small that the time is the host's Python and dispatch. Forward and backward of one micro-batch are timed
+separately (median over the timed micro-batches, after ssdtrain's profiling and calibration steps) for:
+
+  none        no ssdtrain
+  keep        ssdtrain, every block planned 'keep' (overrides)
+  derive      every block 'derive' (elementwise saved tensors kept as recipes)
+  host        every block offloaded to host memory (on the CPU the copies are synchronous: their memory traffic is
+              in the time too, unlike on a GPU where they run on a side stream)
+  recompute   every block recomputed in backward (its forward runs again there)
+
+Columns: ms per micro-batch forward and backward, ms added against ``none``, packs and unpacks per micro-batch
+(counted in one extra micro-batch, not the timed ones) and the added microseconds per pack. ``min_bytes`` is 0 so
+that every saved tensor takes the path it would take at GPU sizes (none is "small").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+POLICIES = ("none", "keep", "derive", "host", "recompute")
+_CHOICE = {"keep": "keep", "derive": "derive", "host": "host", "recompute": "recompute"}
+
+
+def build_model(a):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=a.layers,
+        hidden_size=a.hidden,
+        intermediate_size=int(a.hidden * 8 / 3 + 7) // 8 * 8,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        vocab_size=a.vocab,
+        max_position_embeddings=a.seq,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    return model
+
+
+def _micro(model, ids, timed: list | None = None) -> None:
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    if timed is not None:
+        timed.append((t1 - t0, t2 - t1))
+
+
+class _Counting:
+    """Counts calls through the session's pack/unpack hooks (one extra, untimed micro-batch)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.fn(x)
+
+
+def _count_plain(model, ids) -> tuple[int, int]:
+    n = [0, 0]
+
+    def pack(t):
+        n[0] += 1
+        return t
+
+    def unpack(t):
+        n[1] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _micro(model, ids)
+    return n[0], n[1]
+
+
+def run_policy(policy: str, a) -> dict:
+    import ssdtrain
+
+    model = build_model(a)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq))
+    timed: list = []
+    if policy == "none":
+        for _ in range(a.warmup):
+            _micro(model, ids)
+            model.zero_grad(set_to_none=True)
+        for _ in range(a.micro):
+            _micro(model, ids, timed)
+            model.zero_grad(set_to_none=True)
+        packs, unpacks = _count_plain(model, ids)
+        plan = ""
+    else:
+        _, blocks = ssdtrain.find_blocks(model)
+        overrides = {name: _CHOICE[policy] for name, _ in blocks}
+        options = dict(overrides=overrides, min_bytes=0, host_memory="1GiB", nvme_memory=0)
+        with ssdtrain.offload(model, **options) as session:
+            for _ in range(session.settling_steps + a.warmup):
+                _micro(model, ids)
+                model.zero_grad(set_to_none=True)
+            for _ in range(a.micro):
+                _micro(model, ids, timed)
+                model.zero_grad(set_to_none=True)
+            plan = str(session.plan.as_dict() if session.plan is not None else "")
+        # One more micro-batch, counted: a new session on the same model reuses its plan.
+        session = ssdtrain.offload(model, **options)
+        session.cache.pack = pack = _Counting(session.cache.pack)
+        session.cache.unpack = unpack = _Counting(session.cache.unpack)
+        with session:
+            _micro(model, ids)
+            model.zero_grad(set_to_none=True)
+        packs, unpacks = pack.calls, unpack.calls
+    fwd = statistics.median(f for f, _ in timed) * 1e3
+    bwd = statistics.median(b for _, b in timed) * 1e3
+    return dict(policy=policy, fwd_ms=fwd, bwd_ms=bwd, packs=packs, unpacks=unpacks, plan=plan)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (fewer than --heads: grouped-query)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=3, help="untimed micro-batches after ssdtrain's settling steps")
+    p.add_argument("--micro", type=int, default=30, help="timed micro-batches per policy")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the host's own time, less noise)")
+    p.add_argument("--quick", action="store_true", help="tiny run (the smoke test)")
+    p.add_argument("--csv", help="write the table as CSV here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.hidden, a.seq, a.micro, a.warmup = 2, 32, 16, 3, 1
+    policies = [x for x in a.policies.split(",") if x]
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    torch.set_num_threads(a.threads)
+    print(
+        f"# ssdtrain host cost (CPU, torch {torch.__version__}, {a.threads} thread(s)): Llama-style {a.layers} x "
+        f"{a.hidden}, {a.heads} heads / {a.kv_heads} kv, batch {a.batch} x {a.seq}, fp32 weights + autocast bf16; "
+        f"median of {a.micro} micro-batches",
+        flush=True,
+    )
+    rows = [run_policy(x, a) for x in policies]
+    base = next((r for r in rows if r["policy"] == "none"), None)
+    for r in rows:
+        added_f = r["fwd_ms"] - base["fwd_ms"] if base else float("nan")
+        added_b = r["bwd_ms"] - base["bwd_ms"] if base else float("nan")
+        r["added_fwd_ms"], r["added_bwd_ms"] = added_f, added_b
+        r["added_us_per_pack"] = (added_f + added_b) * 1e3 / r["packs"] if r["packs"] and r is not base else 0.0
+    header = f"{'policy':<10} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'+bwd ms':>8} {'packs':>6} {'unpacks':>7}"
+    print(header + f" {'+us/pack':>9}")
+    for r in rows:
+        print(
+            f"{r['policy']:<10} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['added_fwd_ms']:8.2f} "
+            f"{r['added_bwd_ms']:8.2f} "
+            f"{r['packs']:6d} {r['unpacks']:7d} {r['added_us_per_pack']:9.1f}"
+        )
+    if any(r["policy"] == "host" for r in rows):
+        print("# host: on the CPU the copies to host memory are synchronous (their traffic is in the time)")
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

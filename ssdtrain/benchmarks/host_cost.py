@@ -9,7 +9,8 @@ recipes and recomputed blocks add Python work of their own, so ssdtrain's host t
 critical path whenever the step is host-bound. This benchmark measures that host time alone: a tiny Llama-style
 model (transformers config, fp32 weights under autocast bf16, like ``llm.py --suite rok``) on the CPU, where every
 op is so small that the time is the host's Python and dispatch. Forward and backward of one micro-batch are timed
-separately (median over the timed micro-batches, after ssdtrain's profiling and calibration steps) for:
+separately in the thread's CPU time (median over the timed micro-batches, after ssdtrain's profiling and calibration
+steps) for:
 
   none        no ssdtrain
   keep        ssdtrain, every block planned 'keep' (overrides)
@@ -61,12 +62,14 @@ def build_model(a):
 
 
 def _micro(model, ids, timed: list | None = None) -> None:
-    t0 = time.perf_counter()
+    # The CPU time of this thread, not wall time: the host's own work, without the time other processes on a
+    # shared machine take the core away (torch runs one thread here, and a CPU backward runs on the caller's).
+    t0 = time.thread_time()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
-    t1 = time.perf_counter()
+    t1 = time.thread_time()
     loss.backward()
-    t2 = time.perf_counter()
+    t2 = time.thread_time()
     if timed is not None:
         timed.append((t1 - t0, t2 - t1))
 
@@ -98,44 +101,77 @@ def _count_plain(model, ids) -> tuple[int, int]:
     return n[0], n[1]
 
 
-def run_policy(policy: str, a) -> dict:
-    import ssdtrain
+class _Policy:
+    """One policy's model and session. The sessions stay open through the run so that the policies' micro-batches
+    can be interleaved (rounds: machine noise then hits every policy alike); only the session whose micro-batch
+    runs has its saved-tensor hooks on autograd's stack (each session's module hooks see only its own model)."""
 
-    model = build_model(a)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq))
-    timed: list = []
-    if policy == "none":
-        for _ in range(a.warmup):
-            _micro(model, ids)
-            model.zero_grad(set_to_none=True)
-        for _ in range(a.micro):
-            _micro(model, ids, timed)
-            model.zero_grad(set_to_none=True)
-        packs, unpacks = _count_plain(model, ids)
-        plan = ""
-    else:
-        _, blocks = ssdtrain.find_blocks(model)
-        overrides = {name: _CHOICE[policy] for name, _ in blocks}
-        options = dict(overrides=overrides, min_bytes=0, host_memory="1GiB", nvme_memory=0)
-        with ssdtrain.offload(model, **options) as session:
-            for _ in range(session.settling_steps + a.warmup):
-                _micro(model, ids)
-                model.zero_grad(set_to_none=True)
-            for _ in range(a.micro):
-                _micro(model, ids, timed)
-                model.zero_grad(set_to_none=True)
-            plan = str(session.plan.as_dict() if session.plan is not None else "")
-        # One more micro-batch, counted: a new session on the same model reuses its plan.
-        session = ssdtrain.offload(model, **options)
-        session.cache.pack = pack = _Counting(session.cache.pack)
-        session.cache.unpack = unpack = _Counting(session.cache.unpack)
-        with session:
-            _micro(model, ids)
-            model.zero_grad(set_to_none=True)
-        packs, unpacks = pack.calls, unpack.calls
-    fwd = statistics.median(f for f, _ in timed) * 1e3
-    bwd = statistics.median(b for _, b in timed) * 1e3
-    return dict(policy=policy, fwd_ms=fwd, bwd_ms=bwd, packs=packs, unpacks=unpacks, plan=plan)
+    def __init__(self, policy: str, a):
+        import ssdtrain
+
+        self.policy = policy
+        self.model = build_model(a)
+        self.ids = torch.randint(0, a.vocab, (a.batch, a.seq))
+        self.timed: list = []
+        self.session = None
+        self.options = None
+        if policy != "none":
+            _, blocks = ssdtrain.find_blocks(self.model)
+            overrides = {name: _CHOICE[policy] for name, _ in blocks}
+            self.options = dict(overrides=overrides, min_bytes=0, host_memory="1GiB", nvme_memory=0)
+            self.session = ssdtrain.offload(self.model, **self.options).__enter__()
+            for _ in range(self.session.settling_steps):
+                self.micro()
+            self._hooks().__exit__(None, None, None)
+
+    def _hooks(self):
+        return self.session._saved_hooks  # the session's saved_tensors_hooks context (re-entered per round)
+
+    def micro(self, timed: list | None = None) -> None:
+        _micro(self.model, self.ids, timed)
+        self.model.zero_grad(set_to_none=True)
+
+    def round(self, warmup: int, n: int) -> None:
+        if self.session is not None:
+            self._hooks().__enter__()
+        try:
+            for _ in range(warmup):
+                self.micro()
+            for _ in range(n):
+                self.micro(self.timed)
+        finally:
+            if self.session is not None:
+                self._hooks().__exit__(None, None, None)
+
+    def finish(self) -> dict:
+        import ssdtrain
+
+        if self.session is None:
+            packs, unpacks = _count_plain(self.model, self.ids)
+            plan = ""
+        else:
+            self._hooks().__enter__()
+            plan = str(self.session.plan.as_dict() if self.session.plan is not None else "")
+            self.session.__exit__(None, None, None)
+            # One more micro-batch, counted: a new session on the same model reuses its plan.
+            session = ssdtrain.offload(self.model, **self.options)
+            session.cache.pack = pack = _Counting(session.cache.pack)
+            session.cache.unpack = unpack = _Counting(session.cache.unpack)
+            with session:
+                self.micro()
+            packs, unpacks = pack.calls, unpack.calls
+        fwd = statistics.median(f for f, _ in self.timed) * 1e3
+        bwd = statistics.median(b for _, b in self.timed) * 1e3
+        return dict(policy=self.policy, fwd_ms=fwd, bwd_ms=bwd, packs=packs, unpacks=unpacks, plan=plan)
+
+
+def run_policies(policies: list[str], a) -> list[dict]:
+    runners = [_Policy(x, a) for x in policies]
+    per_round = max(1, a.micro // a.rounds)
+    for _ in range(a.rounds):
+        for r in runners:
+            r.round(a.warmup, per_round)
+    return [r.finish() for r in runners]
 
 
 def main(argv=None) -> int:
@@ -147,15 +183,16 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=3, help="untimed micro-batches after ssdtrain's settling steps")
-    p.add_argument("--micro", type=int, default=30, help="timed micro-batches per policy")
+    p.add_argument("--warmup", type=int, default=1, help="untimed micro-batches per policy and round")
+    p.add_argument("--micro", type=int, default=60, help="timed micro-batches per policy (over all rounds)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds over the policies, each a share of --micro")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the host's own time, less noise)")
     p.add_argument("--quick", action="store_true", help="tiny run (the smoke test)")
     p.add_argument("--csv", help="write the table as CSV here")
     a = p.parse_args(argv)
     if a.quick:
-        a.layers, a.hidden, a.seq, a.micro, a.warmup = 2, 32, 16, 3, 1
+        a.layers, a.hidden, a.seq, a.micro, a.warmup, a.rounds = 2, 32, 16, 2, 1, 2
     policies = [x for x in a.policies.split(",") if x]
     unknown = [x for x in policies if x not in POLICIES]
     if unknown:
@@ -164,10 +201,10 @@ def main(argv=None) -> int:
     print(
         f"# ssdtrain host cost (CPU, torch {torch.__version__}, {a.threads} thread(s)): Llama-style {a.layers} x "
         f"{a.hidden}, {a.heads} heads / {a.kv_heads} kv, batch {a.batch} x {a.seq}, fp32 weights + autocast bf16; "
-        f"median of {a.micro} micro-batches",
+        f"median of {a.micro} micro-batches per policy, interleaved in {a.rounds} rounds",
         flush=True,
     )
-    rows = [run_policy(x, a) for x in policies]
+    rows = run_policies(policies, a)
     base = next((r for r in rows if r["policy"] == "none"), None)
     for r in rows:
         added_f = r["fwd_ms"] - base["fwd_ms"] if base else float("nan")

@@ -34,6 +34,7 @@ from .entries import _param_derived
 _BINARY = {"MulBackward0": torch.mul}
 _UNARY = {"SiluBackward0": F.silu}
 _CAST = "ToCopyBackward0"
+_TOP = frozenset(_BINARY) | frozenset(_UNARY) | {_CAST}  # what a saved tensor's own node may be, to have a recipe
 # Host time per op made again in backward (the recipe's Python and a kernel launch), on top of its memory traffic:
 # ~10 us measured on CPU with tiny tensors (where the host's time is all there is).
 OP_HOST_S = 1e-5
@@ -292,6 +293,12 @@ class Deriver:
             return None
         nr = base.output_nr
         key = _node_key(node, nr)
+        if type(node).__name__ not in _TOP:
+            # Not made by an op a recipe contains (most saved tensors): a real saved tensor, a leaf for later
+            # recipes, decided without building anything (the host's time per saved tensor counts).
+            if key not in self._seen:
+                self._seen[key] = (node, weakref.ref(base), base._version)
+            return None
         found = self._seen.get(key)
         if found is not None and isinstance(found[1], _Op):
             op = found[1]

@@ -18,6 +18,7 @@ steps) for:
   host        every block offloaded to host memory (on the CPU the copies are synchronous: their memory traffic is
               in the time too, unlike on a GPU where they run on a side stream)
   recompute   every block recomputed in backward (its forward runs again there)
+  checkpoint  no ssdtrain: torch.utils.checkpoint (non-reentrant) around every block, the baseline of ``recompute``
 
 Columns: ms per micro-batch forward and backward, ms added against ``none``, packs and unpacks per micro-batch
 (counted in one extra micro-batch, not the timed ones) and the added microseconds per pack. ``min_bytes`` is 0 so
@@ -32,10 +33,11 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
-POLICIES = ("none", "keep", "derive", "host", "recompute")
+POLICIES = ("none", "keep", "derive", "host", "recompute", "checkpoint")
 _CHOICE = {"keep": "keep", "derive": "derive", "host": "host", "recompute": "recompute"}
 
 
@@ -115,7 +117,11 @@ class _Policy:
         self.timed: list = []
         self.session = None
         self.options = None
-        if policy != "none":
+        if policy == "checkpoint":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it; the old name still works
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif policy != "none":
             _, blocks = ssdtrain.find_blocks(self.model)
             overrides = {name: _CHOICE[policy] for name, _ in blocks}
             self.options = dict(overrides=overrides, min_bytes=0, host_memory="1GiB", nvme_memory=0)
@@ -147,7 +153,7 @@ class _Policy:
         import ssdtrain
 
         if self.session is None:
-            packs, unpacks = _count_plain(self.model, self.ids)
+            packs, unpacks = _count_plain(self.model, self.ids)  # (checkpoint: its own hooks take the blocks')
             plan = ""
         else:
             self._hooks().__enter__()

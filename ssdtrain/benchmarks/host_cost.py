@@ -20,9 +20,12 @@ steps) for:
   recompute   every block recomputed in backward (its forward runs again there)
   checkpoint  no ssdtrain: torch.utils.checkpoint (non-reentrant) around every block, the baseline of ``recompute``
 
-Columns: ms per micro-batch forward and backward, ms added against ``none``, packs and unpacks per micro-batch
-(counted in one extra micro-batch, not the timed ones) and the added microseconds per pack. ``min_bytes`` is 0 so
-that every saved tensor takes the path it would take at GPU sizes (none is "small").
+Columns: ms per micro-batch forward and backward, ms added against ``none`` and that per pack (everything ssdtrain
+adds: module hooks, Python saved-tensor hooks at all, recipes' and recomputed blocks' ops; on a shared machine this
+difference of two medians is noisy), then, from ``--hook-micro`` more micro-batches: packs and unpacks per micro-batch
+and the microseconds per call inside the session's hooks (as autograd calls them: the compiler guard, the recipe
+search, a recipe's ops in unpack, a copy; the slowest 2 % of calls left out), and their total per micro-batch.
+``min_bytes`` is 0 so that every saved tensor takes the path it would take at GPU sizes (none is "small").
 """
 
 from __future__ import annotations
@@ -74,17 +77,6 @@ def _micro(model, ids, timed: list | None = None) -> None:
     t2 = time.thread_time()
     if timed is not None:
         timed.append((t1 - t0, t2 - t1))
-
-
-class _Counting:
-    """Counts calls through the session's pack/unpack hooks (one extra, untimed micro-batch)."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, x):
-        self.calls += 1
-        return self.fn(x)
 
 
 def _count_plain(model, ids) -> tuple[int, int]:
@@ -149,26 +141,61 @@ class _Policy:
             if self.session is not None:
                 self._hooks().__exit__(None, None, None)
 
-    def finish(self) -> dict:
-        import ssdtrain
-
+    def finish(self, hook_micro: int) -> dict:
+        """The row: median times, and for ssdtrain policies `hook_micro` more micro-batches with every call through
+        the session's saved-tensor hooks (as autograd calls them, compiler guard included) counted and timed."""
+        pack_us = unpack_us = float("nan")
         if self.session is None:
             packs, unpacks = _count_plain(self.model, self.ids)  # (checkpoint: its own hooks take the blocks')
             plan = ""
         else:
-            self._hooks().__enter__()
+            hooks = self._hooks()
+            pack_fn, unpack_fn = hooks.pack_hook, hooks.unpack_hook
+            packed, unpacked = [], []
+            clock = time.perf_counter_ns
+
+            def pack(x):
+                t0 = clock()
+                out = pack_fn(x)
+                packed.append(clock() - t0)
+                return out
+
+            def unpack(x):
+                t0 = clock()
+                out = unpack_fn(x)
+                unpacked.append(clock() - t0)
+                return out
+
+            hooks.pack_hook, hooks.unpack_hook = pack, unpack
+            try:
+                self.round(0, hook_micro)
+            finally:
+                hooks.pack_hook, hooks.unpack_hook = pack_fn, unpack_fn
+            packs, unpacks = len(packed) // hook_micro, len(unpacked) // hook_micro
+            pack_us, unpack_us = _per_call_us(packed, packs), _per_call_us(unpacked, unpacks)
+            hooks.__enter__()
             plan = str(self.session.plan.as_dict() if self.session.plan is not None else "")
             self.session.__exit__(None, None, None)
-            # One more micro-batch, counted: a new session on the same model reuses its plan.
-            session = ssdtrain.offload(self.model, **self.options)
-            session.cache.pack = pack = _Counting(session.cache.pack)
-            session.cache.unpack = unpack = _Counting(session.cache.unpack)
-            with session:
-                self.micro()
-            packs, unpacks = pack.calls, unpack.calls
         fwd = statistics.median(f for f, _ in self.timed) * 1e3
         bwd = statistics.median(b for _, b in self.timed) * 1e3
-        return dict(policy=self.policy, fwd_ms=fwd, bwd_ms=bwd, packs=packs, unpacks=unpacks, plan=plan)
+        return dict(
+            policy=self.policy,
+            fwd_ms=fwd,
+            bwd_ms=bwd,
+            packs=packs,
+            unpacks=unpacks,
+            pack_us=pack_us,
+            unpack_us=unpack_us,
+            plan=plan,
+        )
+
+
+def _per_call_us(ns: list[int], per_micro: int) -> float:
+    """Mean microseconds per hook call, without the slowest 2 % (calls during which the core was taken away)."""
+    if not ns or not per_micro:
+        return float("nan")
+    kept = sorted(ns)[: max(1, int(len(ns) * 0.98))]
+    return sum(kept) / len(kept) / 1e3
 
 
 def run_policies(policies: list[str], a) -> list[dict]:
@@ -177,7 +204,7 @@ def run_policies(policies: list[str], a) -> list[dict]:
     for _ in range(a.rounds):
         for r in runners:
             r.round(a.warmup, per_round)
-    return [r.finish() for r in runners]
+    return [r.finish(a.hook_micro) for r in runners]
 
 
 def main(argv=None) -> int:
@@ -191,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1, help="untimed micro-batches per policy and round")
     p.add_argument("--micro", type=int, default=60, help="timed micro-batches per policy (over all rounds)")
+    p.add_argument("--hook-micro", type=int, default=10, help="micro-batches with the hook calls timed (per policy)")
     p.add_argument("--rounds", type=int, default=6, help="rounds over the policies, each a share of --micro")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the host's own time, less noise)")
@@ -198,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--csv", help="write the table as CSV here")
     a = p.parse_args(argv)
     if a.quick:
-        a.layers, a.hidden, a.seq, a.micro, a.warmup, a.rounds = 2, 32, 16, 2, 1, 2
+        a.layers, a.hidden, a.seq, a.micro, a.warmup, a.rounds, a.hook_micro = 2, 32, 16, 2, 1, 2, 1
     policies = [x for x in a.policies.split(",") if x]
     unknown = [x for x in policies if x not in POLICIES]
     if unknown:
@@ -218,12 +246,13 @@ def main(argv=None) -> int:
         r["added_fwd_ms"], r["added_bwd_ms"] = added_f, added_b
         r["added_us_per_pack"] = (added_f + added_b) * 1e3 / r["packs"] if r["packs"] and r is not base else 0.0
     header = f"{'policy':<10} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'+bwd ms':>8} {'packs':>6} {'unpacks':>7}"
-    print(header + f" {'+us/pack':>9}")
+    print(header + f" {'+us/pack':>9} {'pack us':>8} {'unpack us':>9} {'hooks ms':>9}")
     for r in rows:
+        r["hooks_ms"] = (r["pack_us"] * r["packs"] + r["unpack_us"] * r["unpacks"]) / 1e3
         print(
             f"{r['policy']:<10} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['added_fwd_ms']:8.2f} "
-            f"{r['added_bwd_ms']:8.2f} "
-            f"{r['packs']:6d} {r['unpacks']:7d} {r['added_us_per_pack']:9.1f}"
+            f"{r['added_bwd_ms']:8.2f} {r['packs']:6d} {r['unpacks']:7d} {r['added_us_per_pack']:9.1f} "
+            f"{r['pack_us']:8.2f} {r['unpack_us']:9.2f} {r['hooks_ms']:9.3f}"
         )
     if any(r["policy"] == "host" for r in rows):
         print("# host: on the CPU the copies to host memory are synchronous (their traffic is in the time)")

@@ -351,3 +351,72 @@ def test_changing_saved_sequence_keeps_gradients_exact():
                 assert torch.equal(p.grad, q.grad), (step, name)
     stats = s.stats()
     assert stats["tensors_derived"] > 0 and stats["bytes_offloaded"]["host"] > 0
+
+
+def _train_steps(model, ref, steps, seq=12, user_hooks=None):
+    """Run `steps` steps on `model` (in a session, by the caller) and on `ref`; assert equal losses and gradients."""
+    gen = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        ids = torch.randint(0, 37, (2, seq), generator=gen)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if user_hooks is not None and m is model:
+                    with torch.autograd.graph.saved_tensors_hooks(*user_hooks):
+                        loss = m(ids)
+                else:
+                    loss = m(ids)
+            loss.backward()
+            if m is model:
+                got = loss.detach()
+        assert torch.equal(got, loss.detach()), step
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (step, name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "bare"),
+    [
+        ({f"layers.{k}": "keep" for k in range(4)}, 4),  # nothing moved: every block without hooks
+        ({"layers.0": "keep", "layers.1": "keep", "layers.2": "keep", "layers.3": "host"}, 3),  # moved on top
+        ({"layers.0": "host", "layers.1": "keep", "layers.2": "keep", "layers.3": "keep"}, 0),  # moved below
+        ({"layers.0": "keep", "layers.1": "derive", "layers.2": "keep", "layers.3": "recompute+host"}, 2),
+    ],
+)
+def test_kept_blocks_without_hooks(overrides, bare):
+    """Blocks kept whole with no moved unit below them run with ssdtrain's hooks off (each saved tensor's hook
+    costs the host, and a host-bound step the device); a kept block above a moved one keeps them (its unpacks
+    bring the moved blocks below back ahead of backward). Gradients stay exact."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ref = copy.deepcopy(model)
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1, host_memory="64M") as s:
+        _train_steps(model, ref, 4)
+    stats = s.stats()
+    planned = stats["planned_steps"]
+    assert planned >= 2
+    assert stats["bare_block_forwards"] == bare * planned
+    if bare < 4:
+        assert stats["bytes_offloaded"]["host"] > 0 or stats["tensors_derived"] > 0
+    if any(v.endswith("host") for v in overrides.values()):
+        assert stats["misses"] == 0  # the moved blocks were prefetched, not restored on demand
+
+
+def test_kept_blocks_keep_hooks_a_user_pushed_inside_the_session():
+    """Saved-tensor hooks the user pushes inside the session (around the forward) are on top of ssdtrain's: a
+    kept block's forward leaves them alone (ssdtrain's are not on top, so they are not taken off), and the user's
+    hooks see every tensor the model saves."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ref = copy.deepcopy(model)
+    seen = []
+
+    def pack(t):
+        seen.append(1)
+        return t
+
+    overrides = {f"layers.{k}": "keep" for k in range(4)}
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        _train_steps(model, ref, 3, user_hooks=(pack, lambda t: t))
+    assert s.stats()["bare_block_forwards"] == 0
+    assert len(seen) > 3 * 4 * 5  # every block's saved tensors, every step

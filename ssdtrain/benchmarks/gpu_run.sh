@@ -12,6 +12,9 @@
 #                 host memory in place (no device copy), GPU tensors, 256M and 1G,
 #                 1 warm-up + 5 interleaved rounds: every write with fsync, every read cold; median,
 #                 spread and per-round ratios (io.py --compare)                                        ~1.5-3 min
+#   host          the host time ssdtrain adds per micro-batch, on this machine's CPU (host_cost.py: a tiny
+#                 Llama-style model on the CPU, keep / derive / host / recompute blocks against none and torch
+#                 checkpointing; the proxy for a host-bound GPU step, on the host the GPU runs with)    ~30 s
 #   rok           the ROK curve, eager: Llama-style GQA 16 x 2048, batch 4 x 2048, fp32 weights under
 #                 autocast bf16, gradient accumulation 4: keep, full recompute (HF checkpointing),
 #                 torch SAC, save_on_cpu, torchtune and TRL offloading, ssdtrain at budgets from their
@@ -27,7 +30,8 @@
 #                 Llama-style GQA model (eager, fp32 weights under autocast, accumulation 4) and GPT-2 (eager,
 #                 bf16), Qwen2 compiled at 0.3 / 0.6; budget=None at recompute's largest batch; NVMe with
 #                 host RAM capped                                                                        ~8 min
-# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok (or prefetch,rok),
+# Default: tests,rok. Typical calls: SSDTRAIN_GPU_STEPS=tests,io,trainer (~7 min), =rok (or prefetch,rok, or
+# tests,host,rok),
 # =rok-compiled, =budget;
 # SSDTRAIN_ROK_MODELS=gpt2 runs the ROK steps on GPT-2 instead (or llama,gpt2 with SSDTRAIN_GPU_SECONDS raised).
 #
@@ -37,8 +41,8 @@
 # dependencies) and put on PYTHONPATH; a missing one only turns its rows into "unavailable" with the reason.
 #
 # Writes into ${OUT:-./out}: ssdtrain-gpu.log (everything printed), rok.csv + rok.png (rok step),
-# rok-compiled.csv + rok-compiled.png, ssdtrain-io.csv (io step), trainer.csv (trainer step), llm-budget.csv +
-# llm-budget.png (budget step).
+# rok-compiled.csv + rok-compiled.png, ssdtrain-io.csv (io step), host-cost.csv (host step), trainer.csv (trainer
+# step), llm-budget.csv + llm-budget.png (budget step).
 #
 #   SSDTRAIN_BENCH_DIR   a directory on the machine's disk for NVMe files (default: a fresh one under the repo
 #                        root; /tmp may be a tmpfs)
@@ -62,6 +66,7 @@ bench_rc=0
 io_rc=0
 rok_rc=0
 trainer_rc=0
+host_rc=0
 quiet() { grep -v -E '^\[transformers\]|Converting a tensor|Consider using tensor'; }
 
 WHEELS="${SSDTRAIN_WHEELS:-.whl}"
@@ -111,6 +116,12 @@ if [[ "$STEPS" == *,io,* ]]; then
   io_rc=${PIPESTATUS[0]}
 fi
 
+if [[ "$STEPS" == *,host,* ]]; then
+  echo "== host cost per micro-batch, CPU ($(date -u +%H:%M:%S), $(left) s left)" | tee -a "$LOG"
+  timeout 90 python3 ssdtrain/benchmarks/host_cost.py --csv "$OUT/host-cost.csv" 2>&1 | tee -a "$LOG"
+  host_rc=${PIPESTATUS[0]}
+fi
+
 # The Trainer step runs after the ROK steps: they leave it its ~90 s.
 RESERVE=0
 [[ "$STEPS" == *,trainer,* ]] && RESERVE=90
@@ -152,7 +163,8 @@ if [[ "$STEPS" == *,budget,* ]]; then
   bench_rc=${PIPESTATUS[0]}
 fi
 rm -rf "$BENCH_DIR"
-echo "== summary: GPU tests rc=$tests_rc, io rc=$io_rc, rok rc=$rok_rc, trainer rc=$trainer_rc," \
+echo "== summary: GPU tests rc=$tests_rc, io rc=$io_rc, host rc=$host_rc, rok rc=$rok_rc, trainer rc=$trainer_rc," \
   "budget suite rc=$bench_rc" \
   "($(date -u +%H:%M:%S))" | tee -a "$LOG"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ] && [ "$rok_rc" -eq 0 ] && [ "$trainer_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$io_rc" -eq 0 ] && [ "$rok_rc" -eq 0 ] && [ "$trainer_rc" -eq 0 ] \
+  && [ "$host_rc" -eq 0 ]

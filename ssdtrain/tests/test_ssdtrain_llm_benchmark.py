@@ -251,3 +251,27 @@ def test_block_memory_probe_quick():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ratio = {line.split()[0]: float(line.split()[-2]) for line in proc.stdout.splitlines()[2:]}
     assert ratio["keep"] == 1.0 and 0.3 < ratio["derive"] < 0.6 and ratio["recompute"] < ratio["derive"]
+
+
+def test_host_cost_benchmark_quick(tmp_path):
+    """The host-cost benchmark runs every policy at a tiny size and writes a row each, with the pack counts."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "host_cost.csv"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "host_cost.py"), "--quick", "--csv", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["policy"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"none", "keep", "derive", "host", "recompute", "checkpoint"}
+    # Every saved tensor of the model passes ssdtrain's pack hook once (a recomputed block's pass through the
+    # checkpoint's own hooks instead; blocks kept whole with nothing moved below run without ssdtrain's hooks), and
+    # every one is unpacked by backward.
+    assert int(rows["none"]["packs"]) == int(rows["derive"]["packs"]) == int(rows["host"]["packs"]) > 0
+    assert 0 < int(rows["keep"]["packs"]) < int(rows["none"]["packs"])
+    assert int(rows["checkpoint"]["packs"]) <= int(rows["recompute"]["packs"]) < int(rows["none"]["packs"])
+    assert all(int(r["unpacks"]) == int(r["packs"]) for r in rows.values())
+    assert all(float(r["fwd_ms"]) > 0 and float(r["bwd_ms"]) > 0 for r in rows.values())
+    assert "+us/pack" in proc.stdout

@@ -104,6 +104,20 @@ class TensorCache(Transfers):
 
     # ----------------------------------------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
+        unit = self.unit
+        if (
+            self.keeps_unit is not None
+            and self.observer is None
+            and self.keeps_unit(unit)
+            and (self.derive_unit is None or not self.derive_unit(unit))
+        ):
+            # A unit the plan keeps whole: nothing to decide, not even what kind of tensor this is (most saved
+            # tensors of a plan that moves only a few units; autograd calls pack for every one of them, and on a
+            # host-bound step each microsecond here is the device's too). Its unpack still moves the prefetch
+            # window: a moved unit under kept ones is restored before backward reaches it, not on demand there.
+            self.counters["kept_tensors"] += 1
+            self._kept_unit[id(t)] = unit
+            return t
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return t
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
@@ -117,10 +131,7 @@ class TensorCache(Transfers):
                 if self.observer is not None:
                     self._observe_derived(t, derived)
         if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
-            # A unit the plan keeps whole: nothing to decide (this is most saved tensors of a plan that moves only
-            # a few units; autograd calls pack for every one of them, so the host's time per call counts). Its
-            # unpack still moves the prefetch window: a moved unit under kept ones is restored before backward
-            # reaches it, not on demand there (the device would wait for the whole copy).
+            # A kept unit's tensor that no recipe makes (a derive unit's): kept, as above.
             self.counters["kept_tensors"] += 1
             self._kept_unit[id(t)] = self.unit
             return t

@@ -34,6 +34,7 @@ from .entries import _param_derived
 _BINARY = {"MulBackward0": torch.mul}
 _UNARY = {"SiluBackward0": F.silu}
 _CAST = "ToCopyBackward0"
+_TOP = frozenset(_BINARY) | frozenset(_UNARY) | {_CAST}  # what a saved tensor's own node may be, to have a recipe
 # Host time per op made again in backward (the recipe's Python and a kernel launch), on top of its memory traffic:
 # ~10 us measured on CPU with tiny tensors (where the host's time is all there is).
 OP_HOST_S = 1e-5
@@ -206,7 +207,7 @@ class Deriver:
 
     def _leaf(self, node, nr: int):
         """A tensor or op standing for output `nr` of `node`, from what this block saved, or a parameter."""
-        found = self._seen.get(_node_key(node, nr))
+        found = self._seen.get((id(node), nr))
         if found is not None:
             what, version = found[1], found[2]
             if isinstance(what, _Op):
@@ -239,9 +240,9 @@ class Deriver:
         name = type(node).__name__
         if name not in _BINARY and name not in _UNARY and (name != _CAST or dtype is None):
             return None  # (most saved tensors: decided before looking at the inputs, the host's time counts)
-        inputs = []
-        for edge in node.next_functions:
-            n, k = edge
+        # (Written for the host's time: this runs for each candidate saved tensor of a derive block, every step.)
+        values, versions = [], []
+        for n, k in node.next_functions:
             if n is None:
                 return None  # an input without gradient: its value is not reachable from the node
             got = self._leaf(n, k)
@@ -249,26 +250,27 @@ class Deriver:
                 if depth <= 0:
                     return None
                 op = self._build(n, k, depth - 1)
-                got = (op, None) if op is not None else None
-            if got is None:
+                if op is None:
+                    return None
+                values.append(op)
+                versions.append(None)
+            else:
+                values.append(got[0])
+                versions.append(got[1])
+        device = values[0].device
+        for v in values[1:]:
+            if v.device != device:
                 return None
-            inputs.append(got)
-        values = [v for v, _ in inputs]
-        versions = [ver for _, ver in inputs]
-        shapes = [tuple(v.shape) for v in values]
-        devices = {v.device for v in values}
-        if len(devices) != 1:
-            return None
-        (device,) = devices
         if name in _BINARY and len(values) == 2:
-            shape = _broadcast(shapes[0], shapes[1])
-            if shape is None or min(len(shapes[0]), len(shapes[1])) == 0:
+            a, b = values
+            sa, sb = a.shape, b.shape
+            shape = _broadcast(sa, sb)
+            if shape is None or len(sa) == 0 or len(sb) == 0:
                 return None  # (a 0-dim operand takes no part in type promotion: its result's dtype is not known)
-            return _Op(
-                _BINARY[name], values, versions, shape, torch.promote_types(values[0].dtype, values[1].dtype), device
-            )
+            dtype = a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
+            return _Op(_BINARY[name], values, versions, shape, dtype, device)
         if name in _UNARY and len(values) == 1:
-            return _Op(_UNARY[name], values, versions, shapes[0], values[0].dtype, device)
+            return _Op(_UNARY[name], values, versions, values[0].shape, values[0].dtype, device)
         if name == _CAST and len(values) == 1 and dtype is not None:
             # Autocast casts a tensor again for each op using it (query, key and value projections): one op each
             # source and dtype.
@@ -278,7 +280,7 @@ class Deriver:
                 # (Held so that its id stays its own; not while only measuring: a tensor to be moved is freed.)
                 built = (
                     None if self.observe else values[0],
-                    _Op(lambda x, d=dtype: x.to(d), values, versions, shapes[0], dtype, device),
+                    _Op(lambda x, d=dtype: x.to(d), values, versions, values[0].shape, dtype, device),
                 )
                 self._built[key] = built
             return built[1]
@@ -291,7 +293,13 @@ class Deriver:
         if node is None:
             return None
         nr = base.output_nr
-        key = _node_key(node, nr)
+        key = (id(node), nr)
+        if type(node).__name__ not in _TOP:
+            # Not made by an op a recipe contains (most saved tensors): a real saved tensor, a leaf for later
+            # recipes, decided without building anything (the host's time per saved tensor counts).
+            if key not in self._seen:
+                self._seen[key] = (node, weakref.ref(base), base._version)
+            return None
         found = self._seen.get(key)
         if found is not None and isinstance(found[1], _Op):
             op = found[1]
@@ -301,7 +309,7 @@ class Deriver:
             op = self._build(node, nr, self.depth, dtype=base.dtype)
             if (
                 op is None
-                or op.shape != tuple(base.shape)
+                or op.shape != base.shape
                 or op.dtype != base.dtype
                 or op.device != base.device
                 or not base.is_contiguous()

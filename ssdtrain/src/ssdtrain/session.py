@@ -55,6 +55,29 @@ def _not_compiled(fn):
     return disable(fn) if disable is not None else fn
 
 
+def _saved_tensor_hook(fn):
+    """`fn` as a saved-tensor hook that TorchDynamo never traces, at the cost of a plain call where no compiled code
+    runs. ``torch.compiler.disable``'s wrapper switches the frame evaluator off and on again around every call (~5 us
+    of host time each, and autograd calls the hooks ~1,500 times a step on a Llama-style model). Here the hook's own
+    frame is marked for TorchDynamo to skip, and it takes the disabled path only while a compiled region is running
+    (an evaluation callback is installed), where the functions it calls would otherwise be traced."""
+    disabled = _not_compiled(fn)
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # a torch without these: the wrapper everywhere
+        return disabled
+
+    def hook(x):
+        callback = get_eval_frame_callback()
+        if callback is not None and callback is not False:
+            return disabled(x)
+        return fn(x)
+
+    skip_code(hook.__code__)
+    return hook
+
+
 @_not_compiled
 def _clear_casts() -> None:
     """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
@@ -178,6 +201,9 @@ class OffloadSession:
         self._recomputed = 0  # modules the current plan checkpoints
         self._recomputed_any = False
         self._saved_hooks = None
+        # Units the plan runs with ssdtrain's saved-tensor hooks off (see _bare), and whether they are off now.
+        self._bare_units: frozenset[int] = frozenset()
+        self._hooks_paused = False
         self._restore_cache = None  # a Hugging Face config whose use_cache the session turned off
         self._entered = False
         self._closed = False
@@ -262,7 +288,7 @@ class OffloadSession:
         # The hooks are host-side bookkeeping, never code to compile. Called from a torch.compile'd block while a
         # dispatch mode was active, TorchDynamo traced them as frames of their own, guarded on the cache's counters
         # and recompiled them for almost every saved tensor (steps 100x slower on CPU).
-        pack, unpack = _not_compiled(self.cache.pack), _not_compiled(self.cache.unpack)
+        pack, unpack = _saved_tensor_hook(self.cache.pack), _saved_tensor_hook(self.cache.unpack)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
         return self
@@ -279,7 +305,9 @@ class OffloadSession:
         self._closed = True
         try:
             if self._saved_hooks is not None:
-                self._saved_hooks.__exit__(None, None, None)
+                if not self._hooks_paused:  # (paused: off autograd's stack already)
+                    self._saved_hooks.__exit__(None, None, None)
+                self._hooks_paused = False
                 self._saved_hooks = None
             self.hooks.remove()
             self.checkpoints.unwrap_all()
@@ -437,11 +465,15 @@ class OffloadSession:
 
     def block_started(self, unit: int, args: tuple) -> None:
         self.cache.unit = unit
+        if unit in self._bare_units:
+            self._pause_hooks()
         self.cache.deriver.reset()  # recipes reach back to tensors saved by this block only
         if self.plan is None:
             self.profiler.block_started(unit, args)
 
     def block_done(self, unit: int) -> None:
+        if self._hooks_paused:
+            self._resume_hooks()
         self.cache.deriver.reset()
         if self.plan is None:
             self.profiler.block_done(unit)
@@ -453,6 +485,25 @@ class OffloadSession:
             _clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
         self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
+
+    def _pause_hooks(self) -> None:
+        """Take ssdtrain's saved-tensor hooks off autograd's stack while a bare unit runs forward (only where they
+        are on top: hooks a user or a checkpoint pushed inside the session stay as they are)."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        hooks = self._saved_hooks
+        if hooks is None or self._hooks_paused or top is None:
+            return
+        current = top(True)
+        if current is None or current[0] is not hooks.pack_hook:
+            return
+        hooks.__exit__(None, None, None)
+        self._hooks_paused = True
+        self.cache.counters["bare_unit_forwards"] += 1
+
+    def _resume_hooks(self) -> None:
+        self._hooks_paused = False
+        if self._saved_hooks is not None:
+            self._saved_hooks.__enter__()
 
     def _order_unit(self) -> int:
         """Compiled models: no hooks run inside the compiled graph, so units are slices of the pack order."""
@@ -577,6 +628,7 @@ class OffloadSession:
         self._recomputed = 0
         self.plan = plan
         self._cast_units = frozenset()
+        self._bare_units = frozenset()
         self.cache.derive_unit = None
         self.cache.deriver.observe = False
         self.cache.deriver.reset()
@@ -607,6 +659,7 @@ class OffloadSession:
         if any(derive) and not self.compiled:
             self.cache.derive_unit = lambda unit: derive[min(unit, len(derive) - 1)]
         self._recomputed = len(self.checkpoints)
+        self._bare_units = self._bare(plan)
         if plan.clear_casts and self.clear_casts and not self.compiled:
             self._cast_units = frozenset(
                 i
@@ -622,6 +675,24 @@ class OffloadSession:
         # Copies out in flight in forward before the host waits: the window, or more where the peak has room.
         inflight = max(plan.window_bytes, plan.inflight_bytes)
         self.cache.max_inflight = inflight if self.device.type == "cuda" else float("inf")
+
+    def _bare(self, plan: Plan) -> frozenset[int]:
+        """Blocks whose forward runs without ssdtrain's saved-tensor hooks: blocks the plan keeps whole (no recompute,
+        nothing moved) with no moved unit below them. Python hooks cost the host ~1-3 us per saved tensor even where
+        they decide nothing, and a host-bound step pays that on the device. A kept unit's unpacks matter only to
+        move the prefetch window to the units below, so a unit with a moved one below keeps its hooks (its data
+        would be restored on demand, not ahead of backward). Never the stem or head: the head's first unpack
+        starts the step's backward bookkeeping; nor for a compiled model (no block hooks)."""
+        if self.compiled or not self.container:
+            return frozenset()
+        bare = set()
+        moved_below = False
+        for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True)):
+            if u.kind == "block" and c == Choice() and not moved_below:
+                bare.add(i)
+            if c.tier != "keep":
+                moved_below = True
+        return frozenset(bare)
 
     # ----------------------------------------------------------------------------------------------- facts
     def stats(self) -> dict:

@@ -17,7 +17,9 @@ def session_stats(session) -> dict:
         "bytes_written_to_nvme": (nvme or {}).get("bytes_written", 0),
         "bytes_kept": c["kept_bytes"],
         "tensors_offloaded": c["packed_tensors"],
-        "tensors_kept": c["kept_tensors"],
+        "tensors_kept": c["kept_tensors"],  # those of blocks run without the hooks are not counted (next line)
+        # Block forwards run with ssdtrain's saved-tensor hooks off: kept whole, nothing moved below them.
+        "bare_block_forwards": c["bare_unit_forwards"],
         "tensors_derived": c["derived_tensors"],  # stored as recipes, made again in backward
         "param_tensors_kept": c["kept_param_tensors"],
         "views_deduplicated": c["dedup_views"],

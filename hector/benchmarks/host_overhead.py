@@ -114,6 +114,12 @@ class NullExecutor:
     def launch(self, kernel: Any, grid: tuple[int, int], block: int, args: list, smem: int, stream: int) -> None:
         self.launches += 1
 
+    def batch(self, launches: list) -> int:
+        return len(launches)
+
+    def launch_batch(self, batch: int, bases: list[int], stream: int) -> None:
+        self.launches += batch
+
     def stream(self) -> int:
         return 0
 

@@ -100,7 +100,10 @@ def tf32() -> bool:
         return mode == "on"
     import torch
 
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    # torch's own getter: the attribute goes through a Python __getattr__ ten times slower, and every layer call
+    # reads this setting (a part of the key of the kernels it runs)
+    getter = getattr(torch._C, "_get_cublas_allow_tf32", None)
+    return bool(getter() if getter is not None else torch.backends.cuda.matmul.allow_tf32)
 
 
 def set_tf32(mode: bool | str | None) -> None:

@@ -524,7 +524,8 @@ class CudaBackend:
         Python), and runs a flat list of steps. Keyed by the settings the module depends on, so that changing
         them makes a new record (and, where needed, a new module); emptied when a padded layout settles."""
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
-        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), config.split_degree())
+        batches = config.launch_batches()
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), config.split_degree(), batches)
         hit = dg.calls.get(key)
         if hit is not None and hit.lowered is lowered:
             return hit
@@ -534,6 +535,16 @@ class CudaBackend:
         env_dtypes.update((name, DTYPE_KEY[t.dtype]) for name, t in consts)
         plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
         steps = self._launch_plan(lowered, plan, dg, keep)
+        batched = self._batched(lowered, info, steps, consts, keep) \
+            if batches and hasattr(self.executor, "batch") else None
+        if batched is not None:
+            made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
+            made.update(item[4] if kind == _EINSUM else item[0] for kind, item in batched.program if kind != _LAUNCH)
+            release = () if keep is None else tuple(n for n in made if n not in steps.keep)
+            call = _Call(lowered, consts, 0, frozenset(), (), (), release, batched)
+            with self._lock:
+                dg.calls[key] = call
+            return call
         flat = []
         made = set(env_dtypes)
         for step in steps:
@@ -559,9 +570,7 @@ class CudaBackend:
         release = () if keep is None else tuple(n for n in made if n not in steps.keep and n not in info.leaf_names)
         packed = tuple((name, dtype, shape, stride, offset) for name, (dtype, shape, stride, offset)
                        in steps.packed.items())
-        batched = self._batched(lowered, info, steps, consts, keep) if hasattr(self.executor, "batch") else None
-        call = _Call(lowered, consts, steps.pool_bytes, frozenset(steps.pool_dtypes), packed, tuple(flat), release,
-                     batched)
+        call = _Call(lowered, consts, steps.pool_bytes, frozenset(steps.pool_dtypes), packed, tuple(flat), release)
         with self._lock:
             dg.calls[key] = call
         return call
@@ -584,17 +593,17 @@ class CudaBackend:
         for step in steps:
             if step.kind == _EINSUM:
                 readers.update(step.inputs)
-        where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
+        where: dict[str, Any] = {}  # value -> Patch (base, byte offset) | a graph tensor
         bases = 2
         leaves = []
         for name, _ in info.leaves:
-            where[name] = (bases, 0)
+            where[name] = Patch(bases, 0)
             leaves.append((name, bases))
             bases += 1
         for name, t in consts:
             where[name] = t
         for name, (dtype, _, _, offset) in steps.packed.items():
-            where[name] = (_POOL, offset * dtype.itemsize)
+            where[name] = Patch(_POOL, offset * dtype.itemsize)
         arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
@@ -608,12 +617,17 @@ class CudaBackend:
             if step.kind == _EINSUM:
                 flush()
                 (name, *_), a, b = step.outputs[0], *step.inputs
-                where[name] = (bases, 0)
+                where[name] = Patch(bases, 0)
                 late.add(name)
                 program_steps.append((_EINSUM, (step.equation, step.dtype, a, b, name, bases)))
                 bases += 1
                 continue
             for name, shape, dtype, zero in step.outputs:
+                if step.kind == _RNG:  # the mask torch makes replaces whatever buffer the plan gave it
+                    where[name] = Patch(bases, 0)
+                    late.add(name)
+                    bases += 1
+                    continue
                 if zero is _PACKED:
                     if name in visible or name in readers:
                         _, _, stride, offset = steps.packed[name]
@@ -624,7 +638,7 @@ class CudaBackend:
                         return None  # accumulates into a value made by torch during the call: kernel by kernel
                     place = where[name] = where[zero.name]
                     if name in visible or name in readers:
-                        if type(place) is tuple and place[0] in (_ARENA, _POOL):
+                        if type(place) is Patch and place.base in (_ARENA, _POOL):
                             if place[0] == _ARENA and name in visible:
                                 return None  # handed back in the call's temporaries: kernel by kernel
                             views.append((name, place[0], dtype, shape, _row_major(shape)[1],
@@ -632,24 +646,19 @@ class CudaBackend:
                         else:  # a leaf, a graph constant or a buffer of its own: in the environment
                             aliases.append((name, zero.name))
                     continue
-                if step.kind == _RNG:
-                    where[name] = (bases, 0)
-                    late.add(name)
-                    bases += 1
-                    continue
                 numel = 1
                 for n in shape:
                     numel *= n
                 if zero or name in visible:
                     # handed back (its own buffer, as the kernel-by-kernel path gives it) or zero-filled and too
                     # large for the pool
-                    where[name] = (bases, 0)
+                    where[name] = Patch(bases, 0)
                     allocs.append((name, bases, shape, dtype, bool(zero)))
                     bases += 1
                     extra += 0 if name in visible else numel * dtype.itemsize
                     continue
                 offset = -(-arena // 256) * 256  # 256-byte aligned, as CUDA's allocations
-                where[name] = (_ARENA, offset)
+                where[name] = Patch(_ARENA, offset)
                 arena = offset + numel * dtype.itemsize
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
@@ -664,8 +673,7 @@ class CudaBackend:
                 continue
             args = list(step.args)
             for i, name in step.env_args:
-                place = where[name]
-                args[i] = place if type(place) is not tuple else Patch(*place)
+                args[i] = where[name]
             segment.append((step.kernel, step.grid, step.block, step.smem, args))
         flush()
         return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),

@@ -77,11 +77,6 @@ from hector.runtime import compiled as compiled_mod  # noqa: E402
 from hector.runtime import prep as prep_mod  # noqa: E402
 from hector.runtime.cuda import CudaBackend, device_graph  # noqa: E402
 
-try:
-    from hector.runtime.cuda import Patch  # noqa: E402
-except ImportError:  # a version of hector without launch batches (measured for comparison)
-    Patch = None
-
 # graphs: a small full graph (aifb's size and relation count) and a mini-batch with 1,000 relations
 GRAPHS = {
     "small": DatasetSpec("small", 7_262, 48_810, 104, 7, 2.5),
@@ -141,7 +136,7 @@ class NullExecutor:
     def batch(self, launches: list) -> tuple[list, int]:
         packed = []
         for kernel, _, _, _, args in launches:
-            packed.append([pack(0 if type(value) is Patch else value.data_ptr() if pointer and not
+            packed.append([pack(0 if type(value) is tuple else value.data_ptr() if pointer and not
                                 isinstance(value, int) else value)
                            for (pointer, pack), value in zip(kernel._packers, args, strict=True)])
         return packed, len(launches)

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-from hector.runtime.cuda import Patch
-
 SHIM = Path(__file__).resolve().parent / "emulator" / "shim.hpp"
 _CACHE = Path(os.environ.get("HECTOR_EMULATOR_CACHE", Path(tempfile.gettempdir()) / "hector_emulator"))
 
@@ -71,18 +69,18 @@ class EmulatedExecutor:
         self._launch(kernel, grid, block, [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args], smem)
 
     def batch(self, launches):
-        """As the GPU executor's: the launches kept as given, each :class:`~hector.runtime.cuda.Patch` resolved
-        at launch."""
+        """As the GPU executor's: the launches kept as given, each per-call pointer (a ``(base, offset)`` tuple)
+        resolved at launch."""
         for kernel, _, _, _, args in launches:
             for kind, value in zip(kernel[3], args, strict=True):
-                assert kind == "ptr" or not isinstance(value, (torch.Tensor, Patch)), kernel[2]
+                assert kind == "ptr" or not isinstance(value, (torch.Tensor, tuple)), kernel[2]
                 if isinstance(value, torch.Tensor):
                     assert value.device.type == "cpu", kernel[2]
         return list(launches)
 
     def launch_batch(self, batch, bases, stream) -> None:
         for kernel, grid, block, smem, args in batch:
-            raw = [bases[v.base] + v.offset if isinstance(v, Patch) else
+            raw = [bases[v[0]] + v[1] if type(v) is tuple else
                    v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args]
             self._launch(kernel, grid, block, raw, smem)
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -82,9 +82,10 @@ class JitExecutor:
         kernel._kernel.launch([grid[0], grid[1], 1], [block, 1, 1], smem, stream, packed)
 
     def batch(self, launches: list[tuple[Any, tuple[int, int], int, int, list]]) -> Any:
-        """Packs a sequence of launches once (see :class:`Patch`): each (kernel, grid, block, shared memory,
-        arguments), an argument a Python number, a tensor (its address: the tensor is kept alive with the batch)
-        or a :class:`Patch`. The batch lives in shared-cuda's launch list, which launches it in one call."""
+        """Packs a sequence of launches once (see :meth:`CudaBackend._batched`): each (kernel, grid, block, shared
+        memory, arguments), an argument a Python number, a tensor (its address: the tensor is kept alive with the
+        batch) or a ``(base, offset)`` tuple, a pointer patched per launch. The batch lives in shared-cuda's
+        launch list, which launches it in one call."""
         from .. import _core
 
         launch_list = _core.LaunchList()
@@ -92,17 +93,15 @@ class JitExecutor:
         for kernel, grid, block, smem, args in launches:
             packed, patches = [], []
             for j, ((pointer, pack), value) in enumerate(zip(kernel._packers, args, strict=True)):
-                if type(value) is Patch:
-                    patches.append((j, value))
+                if type(value) is tuple:
+                    patches.append((j, *value))
                     packed.append(pack(0))
                 elif pointer and not isinstance(value, int):
                     held.append(value)
                     packed.append(pack(value.data_ptr()))
                 else:
                     packed.append(pack(value))
-            index = launch_list.add(kernel._kernel, [grid[0], grid[1], 1], [block, 1, 1], smem, packed)
-            for j, patch in patches:
-                launch_list.patch(index, j, patch.base, patch.offset)
+            launch_list.add(kernel._kernel, [grid[0], grid[1], 1], [block, 1, 1], smem, packed, patches)
         return (launch_list, len(launches), held)
 
     def launch_batch(self, batch: Any, bases: list[int], stream: int) -> None:
@@ -178,14 +177,6 @@ class _Call:
     steps: tuple
     release: tuple[str, ...]
     batched: _Batched | None = None
-
-
-class Patch(NamedTuple):
-    """A kernel argument of a launch batch (``executor.batch``) that is ``bases[base] + offset`` bytes, with
-    ``bases`` the addresses given to each ``executor.launch_batch`` call: a buffer made per call."""
-
-    base: int
-    offset: int
 
 
 _ARENA, _POOL = 0, 1  # the bases of a batched call's temporaries and of its zero-filled pool
@@ -577,12 +568,13 @@ class CudaBackend:
 
     def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
-        once, with a buffer made per call given as (base, offset) where base indexes the addresses a call passes
-        (its temporaries' allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or
-        dropout result). The call's temporaries then share one allocation, live until the call's end instead of
-        their last reader, and need no Python per kernel: only for calls whose temporaries take at most
-        ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host), None for larger ones, which keep
-        the kernel-by-kernel path and its lower peak memory."""
+        once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
+        bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
+        allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
+        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation,
+        live until the call's end instead of their last reader, and need no Python per kernel: only for calls
+        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host), None
+        for larger ones, which keep the kernel-by-kernel path and its lower peak memory."""
         program = lowered.program
         visible = set(program.outputs) | (set(keep) if keep is not None else set())
         for step in reversed(steps):  # a buffer handed back under another name is handed back
@@ -593,17 +585,17 @@ class CudaBackend:
         for step in steps:
             if step.kind == _EINSUM:
                 readers.update(step.inputs)
-        where: dict[str, Any] = {}  # value -> Patch (base, byte offset) | a graph tensor
+        where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
         bases = 2
         leaves = []
         for name, _ in info.leaves:
-            where[name] = Patch(bases, 0)
+            where[name] = (bases, 0)
             leaves.append((name, bases))
             bases += 1
         for name, t in consts:
             where[name] = t
         for name, (dtype, _, _, offset) in steps.packed.items():
-            where[name] = Patch(_POOL, offset * dtype.itemsize)
+            where[name] = (_POOL, offset * dtype.itemsize)
         arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
@@ -617,14 +609,14 @@ class CudaBackend:
             if step.kind == _EINSUM:
                 flush()
                 (name, *_), a, b = step.outputs[0], *step.inputs
-                where[name] = Patch(bases, 0)
+                where[name] = (bases, 0)
                 late.add(name)
                 program_steps.append((_EINSUM, (step.equation, step.dtype, a, b, name, bases)))
                 bases += 1
                 continue
             for name, shape, dtype, zero in step.outputs:
                 if step.kind == _RNG:  # the mask torch makes replaces whatever buffer the plan gave it
-                    where[name] = Patch(bases, 0)
+                    where[name] = (bases, 0)
                     late.add(name)
                     bases += 1
                     continue
@@ -638,7 +630,7 @@ class CudaBackend:
                         return None  # accumulates into a value made by torch during the call: kernel by kernel
                     place = where[name] = where[zero.name]
                     if name in visible or name in readers:
-                        if type(place) is Patch and place.base in (_ARENA, _POOL):
+                        if type(place) is tuple and place[0] in (_ARENA, _POOL):
                             if place[0] == _ARENA and name in visible:
                                 return None  # handed back in the call's temporaries: kernel by kernel
                             views.append((name, place[0], dtype, shape, _row_major(shape)[1],
@@ -652,13 +644,13 @@ class CudaBackend:
                 if zero or name in visible:
                     # handed back (its own buffer, as the kernel-by-kernel path gives it) or zero-filled and too
                     # large for the pool
-                    where[name] = Patch(bases, 0)
+                    where[name] = (bases, 0)
                     allocs.append((name, bases, shape, dtype, bool(zero)))
                     bases += 1
                     extra += 0 if name in visible else numel * dtype.itemsize
                     continue
                 offset = -(-arena // 256) * 256  # 256-byte aligned, as CUDA's allocations
-                where[name] = Patch(_ARENA, offset)
+                where[name] = (_ARENA, offset)
                 arena = offset + numel * dtype.itemsize
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
@@ -907,4 +899,4 @@ def cname_file(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)
 
 
-__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "Patch", "device_graph", "unique_pairs"]
+__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "device_graph", "unique_pairs"]

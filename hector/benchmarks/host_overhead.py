@@ -3,15 +3,17 @@
 On small graphs and mini-batches a training step is bound by the host: every torch op the backend issues around
 its generated kernels is a launch (and a few microseconds of Python and dispatcher), every generated kernel one
 more. This CLI runs the CUDA backend's whole step (device graph, plans, allocations, bindings, autograd) on CPU
-tensors with a *null executor*: kernels are generated but never compiled or run, a launch only counts. So it needs
-no GPU and no compiler, and what it measures is exactly the host's share of a GPU step:
+tensors with a *null executor*: kernels are generated but never compiled or run, a launch only packs its arguments
+(as the GPU's executor does before its driver call) and counts. So it needs no GPU and no compiler, and what it
+measures is the host's share of a GPU step but for the driver's own time per launch:
 
 * ``torch_ops``: aten ops dispatched per step (forward + backward + autograd's own), counted by a dispatch mode;
 * ``device_ops``: those of them that launch work on a GPU (views, ``empty`` and other metadata-only ops left out);
 * ``kernels``: generated-kernel launches per step;
 * ``launches``: ``device_ops + kernels``, the launches a GPU step makes;
 * ``host_ms``: wall time of a step (the best of five batches of ``--steps``) with the null executor (Python,
-  dispatcher, and the CPU execution of the torch ops above at this graph's size: the ``tiny`` graph keeps that
+  dispatcher, the packing of each launch's arguments, and the CPU execution of the torch ops above at this
+  graph's size: the ``tiny`` graph keeps that
   small, so its ``host_ms`` is close to the host time a GPU step pays; on the larger graphs the CPU fills and
   sorts dominate it).
 
@@ -25,7 +27,8 @@ the preparation just ran on the same core and left its caches cold). A fourth,
 one custom op, AOTAutograd around it): its ``host_ms`` against ``persistent``'s is what compiling adds to a step's
 host time (dynamo's guards, AOTAutograd's wrappers, the custom op's dispatch), which a GPU step on a small graph
 pays in full (``vs_eager``: the persistent step's ``host_ms`` over the compiled one's, >= 1 when compiling adds
-no host time). Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
+no host time; ``graphs`` and ``breaks``: dynamo's compiled graphs and graph breaks over the row's steps, 1 and 0
+when no step recompiles or breaks). Its torch ops are not counted (a dispatch mode cannot run under torch.compile).
 
 ``--split`` measures instead the host work per new graph of the GNN benchmark's model (``gnn2``: two RGAT layers,
 128 -> 16 x 4 heads -> 16 x 4 heads, attention shared by the relations, each with a linear root term, then a
@@ -67,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hector_bench_common import GNN2, LAYERS, hector_layer  # noqa: E402
 
 import hector  # noqa: E402
+from hector import _shared_cuda  # noqa: E402
 from hector.datasets.synthetic import DatasetSpec, generate  # noqa: E402
 from hector.nn import _ops  # noqa: E402
 from hector.runtime import compiled as compiled_mod  # noqa: E402
@@ -96,9 +100,21 @@ NO_LAUNCH = frozenset({
 })
 
 
+class NullKernel:
+    """A kernel of the :class:`NullExecutor`: its parameters' packers, as shared-cuda's ``Kernel`` holds them."""
+
+    def __init__(self, name: str, signature: str) -> None:
+        self.name = name
+        self._packers = [(kind == "ptr", _shared_cuda._PACKERS[kind])
+                         for kind in (part.strip() for part in signature.split(",")) if kind]
+
+
 class NullExecutor:
     """A :class:`~hector.runtime.cuda.CudaBackend` executor that launches nothing: kernels are generated but not
-    compiled, each launch is only counted (outputs keep whatever their allocation held)."""
+    compiled; a launch packs its arguments as the GPU executor's does (its Python part) and is counted, without
+    the driver call (outputs keep whatever their allocation held). A batch of launches is packed once when made
+    and costs one call when launched, as the GPU executor's (whose driver calls, one per kernel, are not made here
+    either way)."""
 
     def __init__(self, multiprocessors: int = 132, arch: int = 90):
         self.multiprocessors = multiprocessors
@@ -109,10 +125,24 @@ class NullExecutor:
         return filename
 
     def kernel(self, handle: Any, name: str, signature: str, smem: int) -> Any:
-        return name
+        return NullKernel(name, signature)
 
     def launch(self, kernel: Any, grid: tuple[int, int], block: int, args: list, smem: int, stream: int) -> None:
+        # what JitExecutor.launch does before its driver call
+        [pack(value.data_ptr() if pointer and not isinstance(value, int) else value)
+         for (pointer, pack), value in zip(kernel._packers, args, strict=True)]
         self.launches += 1
+
+    def batch(self, launches: list) -> tuple[list, int]:
+        packed = []
+        for kernel, _, _, _, args in launches:
+            packed.append([pack(0 if type(value) is tuple else value.data_ptr() if pointer and not
+                                isinstance(value, int) else value)
+                           for (pointer, pack), value in zip(kernel._packers, args, strict=True)])
+        return packed, len(launches)
+
+    def launch_batch(self, batch: tuple[list, int], bases: list[int], stream: int) -> None:
+        self.launches += batch[1]
 
     def stream(self) -> int:
         return 0
@@ -403,6 +433,7 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     if mode == "compiled":
         torch._dynamo.reset()  # each row's lambda is the same code object: no cache of an earlier row's layer
+        torch._dynamo.utils.counters.clear()
     compiled = torch.compile(lambda h: layer(h, ei, et, nt), fullgraph=True, backend="aot_eager") \
         if mode == "compiled" else None
 
@@ -452,11 +483,16 @@ def _measure(graph: str, model: str, mode: str, dim: int, heads: int, steps: int
             batches.append(spent / steps)
             prepares.append(prepared / steps)
         host_ms = min(batches) * 1e3
+    # a compiled step must stay one graph: no recompilation per step, no graph break
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"] if compiled is not None else "-"
+    breaks = sum(counters["graph_break"].values()) if compiled is not None else "-"
     return {"graph": graph, "model": model, "mode": mode, "edges": spec.num_edges,
             "relations": spec.num_relations, "torch_ops": "-" if compiled else counter.total,
             "device_ops": "-" if compiled else counter.device_ops, "kernels": kernels,
             "launches": "-" if compiled else counter.device_ops + kernels, "host_ms": round(host_ms, 3),
             "prepare_ms": round(min(prepares) * 1e3, 3) if mode == "prepared" else "-",
+            "graphs": graphs, "breaks": breaks,
             "top_ops": " ".join(f"{k}:{v}" for k, v in counter.ops.most_common(8))}
 
 
@@ -472,7 +508,7 @@ def run(graphs: list[str], models: list[str], modes: list[str], steps: int, csv_
                       and e["model"] == r["model"]), None)
         r["vs_eager"] = round(eager["host_ms"] / r["host_ms"], 2) if r["mode"] == "compiled" and eager else "-"
     cols = ["graph", "model", "mode", "torch_ops", "device_ops", "kernels", "launches", "host_ms", "prepare_ms",
-            "vs_eager"]
+            "vs_eager", "graphs", "breaks"]
     _report(rows, cols, csv_path, verbose, extra="top_ops")
     return rows
 

@@ -62,13 +62,35 @@ class EmulatedExecutor:
         return (handle, ctypes.cast(stub, ctypes.c_void_p), name, [s.strip() for s in signature.split(",")])
 
     def launch(self, kernel, grid, block, args, smem, stream) -> None:
+        _, _, name, sig = kernel
+        for kind, value in zip(sig, args, strict=True):
+            if kind == "ptr":
+                assert isinstance(value, torch.Tensor) and value.device.type == "cpu", name
+        self._launch(kernel, grid, block, [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args], smem)
+
+    def batch(self, launches):
+        """As the GPU executor's: the launches kept as given, each per-call pointer (a ``(base, offset)`` tuple)
+        resolved at launch."""
+        for kernel, _, _, _, args in launches:
+            for kind, value in zip(kernel[3], args, strict=True):
+                assert kind == "ptr" or not isinstance(value, (torch.Tensor, tuple)), kernel[2]
+                if isinstance(value, torch.Tensor):
+                    assert value.device.type == "cpu", kernel[2]
+        return list(launches)
+
+    def launch_batch(self, batch, bases, stream) -> None:
+        for kernel, grid, block, smem, args in batch:
+            raw = [bases[v[0]] + v[1] if type(v) is tuple else
+                   v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args]
+            self._launch(kernel, grid, block, raw, smem)
+
+    def _launch(self, kernel, grid, block, args, smem) -> None:
         handle, stub, name, sig = kernel
         self.launches.append(name)
         holders = []
         for kind, value in zip(sig, args, strict=True):
             if kind == "ptr":
-                assert isinstance(value, torch.Tensor) and value.device.type == "cpu", name
-                holders.append(ctypes.c_void_p(value.data_ptr()))
+                holders.append(ctypes.c_void_p(int(value)))
             else:
                 holders.append(ctypes.c_longlong(int(value)))
         array = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)

@@ -10,6 +10,7 @@ from conftest import half_storage_reference, hub_graph, make_graph, rel_err
 from emulation import EmulatedExecutor, compiler
 from test_random_programs import F, R, T, bind, random_program
 
+import hector
 import hector.nn as hn
 from hector.ir.core import Domain
 from hector.passes import Options
@@ -606,3 +607,86 @@ def test_destination_sorted_edges_skip_the_sort(emulated, name):
     shuffled = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(1))
     unsorted = Graph(ei[:, shuffled], et[shuffled], 17, 3, *typed)
     assert not unsorted.dst_sorted and device_graph(unsorted).order is not None
+
+
+def _call_records(graph: Graph) -> list:
+    """The CUDA backend's call records on ``graph`` (see CudaBackend._call)."""
+    return list(device_graph(graph).calls.values())
+
+
+@pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgat-shared"])
+def test_call_records_never_stale(emulated, name, monkeypatch):
+    """A step replays what was packed for its graph (kernels, graph arguments, offsets in one allocation) and
+    patches only the addresses of its own buffers: a layer used on two graphs of different sizes in turn, with its
+    weights changed in place and replaced between steps, must match the reference at every step, as must the same
+    steps run kernel by kernel (each buffer of its own: the records' batched form off)."""
+    import hector
+
+    torch.manual_seed(0)
+    ref = LAYERS[name]().double()
+    graphs = []
+    for seed, (n, e) in enumerate(((17, 90), (29, 200))):
+        ei, et, nt = make_graph(num_nodes=n, num_edges=e, node_types=2, seed=11 + seed)
+        typed = (nt, 2) if ref.num_node_types else (None, None)
+        graphs.append((n, hector.prepare_graph(ei, et, n, 3, *typed), (ei, et, typed[0])))
+    outputs = {}
+    for batched in (True, False):
+        if not batched:  # the setting is a part of a record's key: the same graphs get records of the other kind
+            monkeypatch.setattr(hector.config.settings, "launch_batches", False)
+        torch.manual_seed(0)
+        ref = LAYERS[name]().double()  # the same weights in both passes
+        layer = LAYERS[name]().float()
+        layer.load_state_dict(ref.state_dict())
+        for step in range(6):
+            n, graph, (ei, et, nt) = graphs[step % 2]
+            with torch.no_grad():  # new weights each step: in place, and (every third step) new tensors
+                for p in ref.parameters():
+                    p.mul_(-1.1).add_(0.05)
+            if step % 3 == 2:
+                layer.load_state_dict(ref.state_dict())
+            else:
+                with torch.no_grad():
+                    for p, q in zip(layer.parameters(), ref.parameters(), strict=True):
+                        p.copy_(q)
+            x = torch.randn(n, ref.in_channels, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            xa, xb = x.clone().requires_grad_(), x.float().requires_grad_()
+            with _on_reference():
+                a = ref(xa, ei, et, nt)
+                ga = _grads(a, [xa] + list(ref.parameters()))
+            b = layer(xb, graph)
+            assert rel_err(b.double(), a) < 1e-5, (batched, step)
+            gb = _grads(b, [xb] + list(layer.parameters()))
+            for u, v in zip(gb, ga, strict=True):
+                assert (u is None) == (v is None)
+                if v is not None:
+                    assert rel_err(u.double(), v) < 1e-5, (batched, step)
+            outputs.setdefault(step, []).append(b.detach())
+            records = [r for r in _call_records(graph) if (r.batched is not None) == batched]
+            assert len(records) >= 2, (batched, step)  # the forward and the backward of this kind
+    for step, (u, v) in outputs.items():
+        assert torch.equal(u, v), f"step {step}: the batched and kernel-by-kernel paths differ"
+
+
+def test_dropout_masks_in_launch_batches(emulated, monkeypatch):
+    """A dropout mask is a torch op between two launch batches: the kernels after it read the mask torch made,
+    as on the kernel-by-kernel path (the same seed, the same masks: the same output and gradients)."""
+    ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=5)
+    torch.manual_seed(0)
+    layer = hn.HGTConv(6, 6, 2, 3, heads=2, dropout=0.5).train()
+    x = torch.randn(17, 6)
+    results = []
+    for batches in (True, False):
+        monkeypatch.setattr(hector.config.settings, "launch_batches", batches)
+        torch.manual_seed(1)
+        xb = x.clone().requires_grad_()
+        out = layer(xb, ei, et, nt)
+        results.append((out.detach(), *_grads(out, [xb] + list(layer.parameters()))))
+    graph = hector.prepare_graph(ei, et, 17, 3, nt, 2)
+    assert any(r.batched is not None and any(kind == 2 for kind, _ in r.batched.program)
+               for r in _call_records(graph)), "a batched call drew a dropout mask"
+    for u, v in zip(*results, strict=True):
+        assert (u is None) == (v is None)
+        if u is not None:
+            assert rel_err(u.double(), v.double()) < 1e-6
+    layer.eval()
+    assert rel_err(results[0][0].double(), layer(x, ei, et, nt).detach().double()) > 1e-2, "dropout applied"

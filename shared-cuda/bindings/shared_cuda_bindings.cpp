@@ -4,6 +4,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "shared_cuda/device.hpp"
@@ -156,6 +157,31 @@ void bind_shared(nb::module_& m) {
       .def("set_max_dynamic_shared_memory", &jit::kernel::set_max_dynamic_shared_memory)
       .def_prop_ro("max_threads_per_block", &jit::kernel::max_threads_per_block)
       .def_prop_ro("registers_per_thread", &jit::kernel::registers_per_thread);
+
+  nb::class_<jit::launch_list>(m, "LaunchList")
+      .def(nb::init<>())
+      .def("add",
+           // patches: (parameter, base, offset) of this launch, as patch() takes them (one call per launch)
+           [](jit::launch_list& l, const jit::kernel& k, std::vector<unsigned> grid, std::vector<unsigned> block,
+              unsigned shared_memory, const std::vector<nb::bytes>& args,
+              const std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>& patches) {
+             SHARED_CUDA_EXPECT(grid.size() == 3 && block.size() == 3, "grid and block must have 3 entries");
+             std::vector<std::string> raw;
+             raw.reserve(args.size());
+             for (const auto& a : args) raw.emplace_back(a.c_str(), a.size());
+             const std::size_t index =
+                 l.add(k, {grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory, raw);
+             for (const auto& [parameter, base, offset] : patches) l.patch(index, parameter, base, offset);
+             return index;
+           },
+           nb::arg("kernel"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_memory"), nb::arg("args"),
+           nb::arg("patches") = std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>{})
+      .def("patch", &jit::launch_list::patch)
+      // The interpreter lock stays held, as for JitKernel.launch.
+      .def("launch",
+           [](jit::launch_list& l, std::uintptr_t stream, const std::vector<std::uint64_t>& bases, std::size_t first,
+              std::size_t last) { l.launch(stream_view::from_address(stream), bases, first, last); })
+      .def("__len__", &jit::launch_list::size);
 
   nb::class_<jit::module>(m, "JitModule").def("get_kernel", &jit::module::get_kernel);
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -412,10 +413,20 @@ void kernel::launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_
   std::vector<void*> params;
   params.reserve(argument_bytes.size());
   for (const auto& arg : argument_bytes) params.push_back(const_cast<char*>(arg.data()));
+  launch_pointers(grid, block, shared_memory_bytes, stream, params.data());
+#else
+  (void)grid, (void)block, (void)shared_memory_bytes, (void)stream, (void)argument_bytes;
+  require_cuda("JIT kernels");
+#endif
+}
+
+void kernel::launch_pointers(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_view stream,
+                             void** parameters) const {
+#if SHARED_CUDA_HAS_CUDA
   make_primary_context_current();
   const CUresult result =
       driver().launch_kernel(static_cast<CUfunction>(function_), grid.x, grid.y, grid.z, block.x, block.y, block.z,
-                             shared_memory_bytes, static_cast<CUstream>(stream.handle), params.data(), nullptr);
+                             shared_memory_bytes, static_cast<CUstream>(stream.handle), parameters, nullptr);
   if (result != CUDA_SUCCESS) {
     // Name the kernel and its launch shape: most launch failures are a bad shape.
     const std::string what = "cuLaunchKernel(" + name_ + ", grid " + std::to_string(grid.x) + "x" +
@@ -425,8 +436,59 @@ void kernel::launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_
     check_driver(result, what.c_str(), __FILE__, __LINE__);
   }
 #else
-  (void)grid, (void)block, (void)shared_memory_bytes, (void)stream, (void)argument_bytes;
+  (void)grid, (void)block, (void)shared_memory_bytes, (void)stream, (void)parameters;
   require_cuda("JIT kernels");
+#endif
+}
+
+std::size_t launch_list::add(const kernel& k, dim3 grid, dim3 block, unsigned shared_memory_bytes,
+                             const std::vector<std::string>& argument_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t first = parameters_.size();
+  for (std::size_t i = 0; i < argument_bytes.size(); ++i) {
+    const auto& arg = argument_bytes[i];
+    if (arg.empty() || arg.size() > sizeof(std::uint64_t))
+      throw invalid_argument("launch_list: parameter " + std::to_string(i) + " of " + k.name() + " has " +
+                             std::to_string(arg.size()) + " bytes; parameters of 1 to 8 bytes are supported");
+    std::uint64_t slot = 0;
+    std::memcpy(&slot, arg.data(), arg.size());
+    parameters_.push_back(slot);
+  }
+  entries_.push_back(entry{k, grid, block, shared_memory_bytes, first, argument_bytes.size()});
+  return entries_.size() - 1;
+}
+
+void launch_list::patch(std::size_t launch, std::size_t parameter, std::size_t base, std::uint64_t offset) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (launch >= entries_.size() || parameter >= entries_[launch].parameter_count)
+    throw invalid_argument("launch_list::patch: no parameter " + std::to_string(parameter) + " in launch " +
+                           std::to_string(launch) + " of " + std::to_string(entries_.size()));
+  patches_.push_back(patch_entry{entries_[launch].first_parameter + parameter, base, offset});
+  max_base_ = std::max(max_base_, base + 1);
+}
+
+void launch_list::launch(stream_view stream, const std::vector<std::uint64_t>& bases, std::size_t first,
+                         std::size_t last) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bases.size() < max_base_)
+    throw invalid_argument("launch_list::launch: " + std::to_string(bases.size()) + " base addresses given, " +
+                           std::to_string(max_base_) + " needed");
+  if (first > last || last > entries_.size())
+    throw invalid_argument("launch_list::launch: launches [" + std::to_string(first) + ", " + std::to_string(last) +
+                           ") outside [0, " + std::to_string(entries_.size()) + ")");
+  // Every patched pointer is written, also those of launches outside [first, last): a patch is a few bytes, and the
+  // caller launches a list in consecutive ranges with the same bases.
+  for (const auto& p : patches_) parameters_[p.parameter] = bases[p.base] + p.offset;
+#if SHARED_CUDA_HAS_CUDA
+  std::vector<void*> pointers(parameters_.size());
+  for (std::size_t i = 0; i < parameters_.size(); ++i) pointers[i] = &parameters_[i];
+  for (std::size_t i = first; i < last; ++i) {
+    const entry& e = entries_[i];
+    e.k.launch_pointers(e.grid, e.block, e.shared_memory_bytes, stream, pointers.data() + e.first_parameter);
+  }
+#else
+  (void)stream;
+  if (first < last) require_cuda("JIT kernels");
 #endif
 }
 

@@ -140,3 +140,40 @@ TEST(compile_load_launch_on_gpu) {
   for (long long i = 0; i < n; ++i) CHECK(ys[i] == 2.0F * float(i % 97) + 1.0F);
   std::filesystem::remove_all(dir);
 }
+
+TEST(launch_list_patches_pointers_on_gpu) {
+  // Two saxpy launches packed once; y's pointer is patched from the base given to each launch() (with an offset for
+  // the second half), so one list serves buffers it never saw.
+  need_nvrtc();
+  if (!cuda_available()) SKIP("no CUDA device");
+  const std::string dir = temp_dir();
+  jit::loader loader(dir);
+  jit::kernel saxpy = loader.get(saxpy_source, "saxpy.cu", {})->get_kernel("saxpy");
+  const long long n = 1 << 12, half = n / 2;
+  pinned_buffer x(n * sizeof(float)), y1(n * sizeof(float)), y2(n * sizeof(float));
+  auto* xs = static_cast<float*>(x.data());
+  auto* a = static_cast<float*>(y1.data());
+  auto* b = static_cast<float*>(y2.data());
+  for (long long i = 0; i < n; ++i) xs[i] = float(i % 13), a[i] = b[i] = 1.0F;
+  auto pack = [](auto value) { return std::string(reinterpret_cast<const char*>(&value), sizeof(value)); };
+  jit::launch_list list;
+  const unsigned grid = unsigned((half + 255) / 256);
+  for (int part = 0; part < 2; ++part)
+    list.add(saxpy, {grid}, {256}, 0,
+             {pack(3.0F), pack(static_cast<float*>(x.device_pointer()) + part * half), pack(std::uint64_t(0)),
+              pack(half)});
+  list.patch(0, 2, 0, 0);
+  list.patch(1, 2, 0, half * sizeof(float));
+  CHECK_THROWS(std::invalid_argument, list.patch(2, 0, 0, 0));
+  CHECK_THROWS(std::invalid_argument, list.launch(stream_view{}, {}, 0, 2));  // base 0 not given
+  CHECK_THROWS(std::invalid_argument, list.add(saxpy, {1}, {1}, 0, {std::string(9, '\0')}));
+  stream s;
+  list.launch(s.view(), {reinterpret_cast<std::uint64_t>(y1.device_pointer())}, 0, 2);
+  list.launch(s.view(), {reinterpret_cast<std::uint64_t>(y2.device_pointer())}, 0, 1);  // the first half only
+  s.synchronize();
+  for (long long i = 0; i < n; ++i) {
+    CHECK(a[i] == 3.0F * float(i % 13) + 1.0F);
+    CHECK(b[i] == (i < half ? 3.0F * float(i % 13) + 1.0F : 1.0F));
+  }
+  std::filesystem::remove_all(dir);
+}

@@ -49,6 +49,13 @@ settings = Settings({
         "once, which combine their sums and softmax statistics in shared memory, so a few hub destinations do not "
         "bound the kernel; `0` walks every destination with one group",
         "hector.config.set_split_degree"),
+    "launch_batches": Setting(
+        "HECTOR_LAUNCH_BATCHES", True, parse_bool,
+        "the CUDA backend runs a layer call whose temporaries take at most 32 MiB (small graphs, mini-batches) as "
+        "batches of launches packed once per graph (one allocation for the temporaries, one shared-cuda call per "
+        "batch, the call's buffer addresses patched in); `0` launches kernel by kernel from Python, each buffer "
+        "allocated and released on its own (the path of larger calls)",
+        "hector.config.set_launch_batches", "`1`"),
 })
 
 _DEFAULT_TILE_BYTES = {"cuda": 64 << 20, "cpu": 1 << 20}
@@ -100,7 +107,10 @@ def tf32() -> bool:
         return mode == "on"
     import torch
 
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    # torch's own getter: the attribute goes through a Python __getattr__ ten times slower, and every layer call
+    # reads this setting (a part of the key of the kernels it runs)
+    getter = getattr(torch._C, "_get_cublas_allow_tf32", None)
+    return bool(getter() if getter is not None else torch.backends.cuda.matmul.allow_tf32)
 
 
 def set_tf32(mode: bool | str | None) -> None:
@@ -128,3 +138,14 @@ def set_split_degree(degree: int | None) -> None:
     """Split destinations with more in-edges than ``degree`` over a block's groups (0: never; None: follow
     HECTOR_SPLIT_DEGREE)."""
     settings.set("split_degree", degree)
+
+
+def launch_batches() -> bool:
+    """Whether the CUDA backend runs small calls as batches of launches packed once (see the setting)."""
+    return settings.launch_batches
+
+
+def set_launch_batches(on: bool | None) -> None:
+    """True/False: small calls as batches of launches packed once, or kernel by kernel (None: follow
+    HECTOR_LAUNCH_BATCHES)."""
+    settings.set("launch_batches", on)

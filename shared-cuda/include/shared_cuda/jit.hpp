@@ -92,6 +92,9 @@ class kernel {
   // them); the stream may be any stream_view, including PyTorch's current stream.
   void launch(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_view stream,
               const std::vector<std::string>& argument_bytes) const;
+  // The same with the parameters given as cuLaunchKernel takes them: one pointer to each parameter's bytes.
+  void launch_pointers(dim3 grid, dim3 block, unsigned shared_memory_bytes, stream_view stream,
+                       void** parameters) const;
   void set_max_dynamic_shared_memory(int bytes) const;
   int max_threads_per_block() const;
   int registers_per_thread() const;
@@ -103,6 +106,41 @@ class kernel {
   std::shared_ptr<const module> owner_;
   void* function_ = nullptr;  // CUfunction
   std::string name_;
+};
+
+// A fixed sequence of kernel launches whose parameters are packed once, for a caller that launches the same kernels
+// with the same shapes many times and only some pointers changing (a training step on one graph): each launch()
+// writes the changing pointer parameters (a base address given to that call plus a fixed offset) and issues every
+// launch in order, one call instead of one per kernel with its parameters packed again. Parameters are at most 8
+// bytes (pointers and scalars). launch() may be called from several threads (one at a time).
+class launch_list {
+ public:
+  // Appends a launch; `argument_bytes` as for kernel::launch (one entry of 1 to 8 bytes per parameter). Returns its
+  // index.
+  std::size_t add(const kernel& k, dim3 grid, dim3 block, unsigned shared_memory_bytes,
+                  const std::vector<std::string>& argument_bytes);
+  // Parameter `parameter` of launch `launch` (a pointer) becomes bases[base] + offset at every launch().
+  void patch(std::size_t launch, std::size_t parameter, std::size_t base, std::uint64_t offset);
+  // Writes the patched parameters from `bases` and launches launches [first, last) in order on `stream`.
+  void launch(stream_view stream, const std::vector<std::uint64_t>& bases, std::size_t first, std::size_t last);
+  std::size_t size() const noexcept { return entries_.size(); }
+
+ private:
+  struct entry {
+    kernel k;
+    dim3 grid, block;
+    unsigned shared_memory_bytes;
+    std::size_t first_parameter, parameter_count;
+  };
+  struct patch_entry {
+    std::size_t parameter, base;
+    std::uint64_t offset;
+  };
+  std::vector<entry> entries_;
+  std::vector<std::uint64_t> parameters_;  // one 8-byte slot per parameter of every launch, in order
+  std::vector<patch_entry> patches_;
+  std::size_t max_base_ = 0;  // the bases a launch() needs: one more than the largest patched base index
+  std::mutex mutex_;
 };
 
 // A cubin loaded into the current device's primary context.

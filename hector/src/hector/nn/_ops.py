@@ -54,24 +54,25 @@ def _layer(layer_id: int) -> Any:
 
 
 def _setup(layer: Any, x, edge_index, edge_type, node_type, weights):
-    """(graph, compiled layer, leaf names in the op's order, the leaves the program reads) of one call."""
+    """(graph, binding, leaf names in the op's order, the leaves the program reads) of one call."""
     graph = layer.graph(x, edge_index, edge_type, node_type)
-    compiled = layer.compiled(graph)
     names = (layer.input_name, *layer._tensors())
-    used = compiled.leaf_name_set
-    return graph, compiled, names, {k: v for k, v in zip(names, (x, *weights), strict=True) if k in used}
+    by_name = dict(zip(names, (x, *weights), strict=True))
+    bound = layer._binding(graph, by_name)
+    return graph, bound, names, {name: by_name[name] for name in bound.names}
 
 
 def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor, node_type: torch.Tensor | None,
              weights: list[torch.Tensor], layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     layer = _layer(layer_id)
-    graph, compiled, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)
+    graph, bound, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)
+    compiled = bound.compiled
     training = layer.training
     saved = compiled.saved if training else ()
     plan = compiled.forward_lowered if training else compiled.inference_lowered
     backend = select(x.device, x.dtype)
     env = backend.run(plan, graph, leaves, keep=saved)
-    out = env[compiled.forward.outputs[0]]
+    out = env[bound.outputs[0]]
     token = torch.empty(1, dtype=torch.uint8, device=x.device)
     if training:
         # everything the backward op needs besides its arguments, so that it resolves nothing again
@@ -79,7 +80,7 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
         # a call whose backward never comes (its graph dropped) gives its values back when its token dies; the
         # entry holds the weak reference, so an entry popped by the backward op takes its callback with it
         drop = weakref.ref(token, lambda _, key=key: _STASH.pop(key, None))
-        _STASH[key] = (compiled, graph, names, backend, {s: env[s] for s in saved}, drop)
+        _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop)
         while len(_STASH) > STASH_LIMIT:
             _STASH.popitem(last=False)
     return out, token
@@ -95,10 +96,11 @@ def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_
                  needs: list[bool]) -> list[torch.Tensor]:
     hit = _STASH.pop(token.data_ptr(), None)
     if hit is not None:
-        compiled, graph, names, backend, saved, _ = hit
+        bound, graph, names, backend, saved, _ = hit
     else:  # evicted or never stashed: recompute the forward (like activation checkpointing)
         layer = _layer(layer_id)
-        graph, compiled, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)
+        graph, bound, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)
+        compiled = bound.compiled
         if any(n.op is Op.DROPOUT_MASK for n in compiled.forward.nodes):
             raise RuntimeError(f"{type(layer).__name__}: the forward values of this call were evicted (more than "
                                f"{STASH_LIMIT} compiled training calls before their backward) and a dropout mask "
@@ -107,14 +109,14 @@ def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_
         env = backend.run(compiled.forward_lowered, graph, leaves, keep=compiled.saved)
         saved = {s: env[s] for s in compiled.saved}
     wanted = {n for n, need in zip(names, needs, strict=True) if need}
-    wrt = [key for key in compiled.leaf_names if key[1] in wanted]
+    hit = bound.backward(tuple(name in wanted for name in bound.names))
     by_leaf: dict[str, torch.Tensor] = {}
-    if wrt:
-        bw, lowered = compiled.backward_for(wrt)
+    if hit is not None:
+        lowered, places = hit
         bleaves = dict(saved)
-        bleaves[f"grad:{compiled.forward.outputs[0]}"] = grad if grad.is_contiguous() else grad.contiguous()
+        bleaves[f"grad:{bound.outputs[0]}"] = grad if grad.is_contiguous() else grad.contiguous()
         env = backend.run(lowered, graph, bleaves, keep=())
-        by_leaf = {name: env[out] for (_, name), out in zip(bw.grads_of, bw.program.outputs, strict=True)}
+        by_leaf = {bound.names[position]: env[out] for out, position in places}
     grads = []
     for name, t, need in zip(names, (x, *weights), needs, strict=True):
         if not need:

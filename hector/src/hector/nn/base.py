@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import config
 from ..errors import GraphInputError
 from ..ir.builder import Builder, Value
 from ..ir.core import Program
 from ..passes import Options
-from ..runtime.compiled import CompiledLayer, apply, compile_program, prepare_apply
+from ..runtime.compiled import Binding, CompiledLayer, apply_bound, binding, compile_program, prepare_apply
 from ..runtime.graph import Graph, graph_for
 from . import _ops
 
@@ -269,12 +270,35 @@ class RelationalLayer(nn.Module):
         graph = self.graph(x, edge_index, edge_type, node_type)
         if graph.num_nodes != x.size(0):
             raise GraphInputError(f"x has {x.size(0)} rows but the graph has {graph.num_nodes} nodes")
-        compiled = self.compiled(graph)
         if self.training and torch.is_grad_enabled():
             self._input_grad_seen = x.requires_grad
-        leaves = {self.input_name: x, **tensors}
-        used = {name for _, name in compiled.leaf_names}
-        return apply(compiled, graph, {k: v for k, v in leaves.items() if k in used})
+        bound = self._binding(graph, tensors)
+        input_name = self.input_name
+        return apply_bound(bound, graph, [x if name == input_name else tensors[name] for name in bound.names])
+
+    def _binding(self, graph: Graph, tensors: dict[str, torch.Tensor]) -> Binding:
+        """The compiled program for ``graph`` with the order its call binds the tensors (a
+        :class:`~hector.runtime.compiled.Binding`), kept on the graph per (layer, mode, optimisation setting, the
+        setting the cost model reads, which tensors the layer has): a step on a graph it has seen does one lookup
+        instead of asking the cost model's cache and the compiled programs again. Not kept on a ``sync_free``
+        graph, whose statistics (and so the cost model's choice) may still change when its pair count arrives."""
+        optimize = self.optimize
+        key = ("binding", self._layer_id, self.training, optimize if isinstance(optimize, str) else id(optimize),
+               config.sorted_scatter(), tuple(tensors))
+        cache = graph._cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] is optimize:
+            return hit[1]
+        compiled = self.compiled(graph)
+        used = compiled.leaf_name_set
+        names = tuple(name for _, name in compiled.leaf_names if name == self.input_name or name in tensors)
+        if len(names) != len(used):
+            missing = sorted(used - set(names))
+            raise ValueError(f"no tensor bound to {missing}")
+        bound = binding(compiled, names)
+        if not graph.sync_free:
+            cache[key] = (optimize, bound)
+        return bound
 
 
 def glorot_(t: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ class CompiledLayer:
     inference_lowered: Lowered  # the same program planned with nothing kept for a backward pass
     full_backward_lowered: Lowered  # the backward for every leaf, lowered once (the cost model reads it)
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
+    _bindings: dict[tuple[str, ...], Any] = field(default_factory=dict)  # leaf names -> Binding
 
     @functools.cached_property
     def leaf_names(self) -> tuple[tuple[Op, str], ...]:
@@ -73,43 +74,85 @@ def compile_program(program: Program, options: Options | None = None) -> Compile
                          lower(bw.program, **how))
 
 
+class Binding:
+    """How a call of ``compiled`` binds its tensors (leaf names in the order the call passes them): resolved once per
+    (compiled layer, names) instead of on every call and every backward, with the backward program, its lowering and
+    where each of its gradients goes for each set of inputs autograd wants a gradient for."""
+
+    __slots__ = ("compiled", "names", "keys", "outputs", "_backwards")
+
+    def __init__(self, compiled: CompiledLayer, names: tuple[str, ...]):
+        self.compiled = compiled
+        self.names = names
+        leaf_names = compiled.leaf_names
+        self.keys = tuple((Op.INPUT if (Op.INPUT, n) in leaf_names else Op.PARAM, n) for n in names)
+        self.outputs = tuple(compiled.forward.outputs)
+        self._backwards: dict[tuple[bool, ...], tuple[Lowered, tuple[tuple[str, int], ...]] | None] = {}
+
+    def backward(self, needs: tuple[bool, ...]) -> tuple[Lowered, tuple[tuple[str, int], ...]] | None:
+        """The lowered backward for the inputs flagged in ``needs`` (one flag per name) and, per gradient it makes,
+        (its value name, the input's position); None when no input needs one."""
+        hit = self._backwards.get(needs)
+        if hit is not None or needs in self._backwards:
+            return hit
+        wanted = [k for k, need in zip(self.keys, needs, strict=True) if need]
+        if not wanted:
+            self._backwards[needs] = None
+            return None
+        bw, lowered = self.compiled.backward_for(wanted)
+        position = {key: i for i, key in enumerate(self.keys)}
+        places = tuple((name, position[key]) for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)
+                       if key in position)
+        self._backwards[needs] = hit = (lowered, places)
+        return hit
+
+
+def binding(compiled: CompiledLayer, names: tuple[str, ...]) -> Binding:
+    """The :class:`Binding` of ``compiled`` for tensors passed in the order of ``names`` (made once)."""
+    hit = compiled._bindings.get(names)
+    if hit is None:
+        missing = [name for _, name in compiled.leaf_names if name not in names]
+        if missing:
+            raise ValueError(f"no tensor bound to {missing}")
+        with _LOCK:
+            hit = compiled._bindings.setdefault(names, Binding(compiled, names))
+    return hit
+
+
 class _Apply(torch.autograd.Function):
     """Forward: run the lowered forward program. Backward: run the generated backward program."""
 
     @staticmethod
-    def forward(ctx: Any, compiled: CompiledLayer, graph: Graph, names: tuple, training: bool,
-                *tensors: torch.Tensor):
-        leaves = dict(zip(names, tensors, strict=True))
+    def forward(ctx: Any, bound: Binding, graph: Graph, training: bool, *tensors: torch.Tensor):
+        compiled = bound.compiled
         if graph.sync_free:
             graph.known_unique_count()  # a pair count that has reached the host settles the backend's layout
         # without a backward to come (inference), nothing is kept beyond the outputs
         saved = compiled.saved if training else ()
         plan = compiled.forward_lowered if training else compiled.inference_lowered
         backend: Backend = select(tensors[0].device, tensors[0].dtype)
-        env = backend.run(plan, graph, leaves, keep=saved)
-        ctx.backend = backend
-        outs = tuple(env[o] for o in compiled.forward.outputs)
-        ctx.compiled, ctx.graph, ctx.names = compiled, graph, names
-        ctx.saved_names = tuple(saved)
-        ctx.save_for_backward(*[env[s] for s in ctx.saved_names])
-        return outs if len(outs) > 1 else outs[0]
+        env = backend.run(plan, graph, dict(zip(bound.names, tensors, strict=True)), keep=saved)
+        ctx.backend, ctx.bound, ctx.graph = backend, bound, graph
+        ctx.save_for_backward(*[env[s] for s in saved])
+        outs = bound.outputs
+        return env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the generated backward is not itself differentiated
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
-        compiled: CompiledLayer = ctx.compiled
-        leaf_keys = [(Op.INPUT if (Op.INPUT, n) in compiled.leaf_names else Op.PARAM, n) for n in ctx.names]
-        wanted = [k for k, need in zip(leaf_keys, ctx.needs_input_grad[4:], strict=True) if need]
-        if not wanted:
-            return (None, None, None, None) + (None,) * len(ctx.names)
-        bw, lowered = compiled.backward_for(wanted)
-        leaves: dict[str, torch.Tensor] = dict(zip(ctx.saved_names, ctx.saved_tensors, strict=True))
-        for o, g in zip(compiled.forward.outputs, grad_outputs, strict=True):
-            leaves[f"grad:{o}"] = g.contiguous()
+        bound: Binding = ctx.bound
+        grads: list[Any] = [None] * (3 + len(bound.names))
+        hit = bound.backward(tuple(ctx.needs_input_grad[3:]))
+        if hit is None:
+            return tuple(grads)
+        lowered, places = hit
+        leaves: dict[str, torch.Tensor] = dict(zip(bound.compiled.saved, ctx.saved_tensors, strict=True))
+        for o, g in zip(bound.outputs, grad_outputs, strict=True):
+            leaves[f"grad:{o}"] = g if g.is_contiguous() else g.contiguous()
         env = ctx.backend.run(lowered, ctx.graph, leaves, keep=())
-        by_leaf = {key: env[name] for key, name in zip(bw.grads_of, bw.program.outputs, strict=True)}
-        grads = tuple(by_leaf.get(k) for k in leaf_keys)
-        return (None, None, None, None) + grads
+        for name, position in places:
+            grads[3 + position] = env[name]
+        return tuple(grads)
 
 
 def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, torch.dtype], training: bool,
@@ -149,9 +192,10 @@ def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dic
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):
     """Run ``compiled`` on ``graph`` with leaves bound by name (inputs and params); differentiable."""
     names = tuple(name for _, name in compiled.leaf_names if name in leaves)
-    missing = [name for _, name in compiled.leaf_names if name not in leaves]
-    if missing:
-        raise ValueError(f"no tensor bound to {missing}")
-    tensors = [leaves[n] for n in names]
+    return apply_bound(binding(compiled, names), graph, [leaves[n] for n in names])
+
+
+def apply_bound(bound: Binding, graph: Graph, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]):
+    """:func:`apply` with the tensors given in the order of ``bound.names`` (the call the layers make)."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _Apply.apply(compiled, graph, names, training, *tensors)
+    return _Apply.apply(bound, graph, training, *tensors)

@@ -81,6 +81,33 @@ class JitExecutor:
                   for (pointer, pack), value in zip(kernel._packers, args, strict=True)]
         kernel._kernel.launch([grid[0], grid[1], 1], [block, 1, 1], smem, stream, packed)
 
+    def batch(self, launches: list[tuple[Any, tuple[int, int], int, int, list]]) -> Any:
+        """Packs a sequence of launches once (see :meth:`CudaBackend._batched`): each (kernel, grid, block, shared
+        memory, arguments), an argument a Python number, a tensor (its address: the tensor is kept alive with the
+        batch) or a ``(base, offset)`` tuple, a pointer patched per launch. The batch lives in shared-cuda's
+        launch list, which launches it in one call."""
+        from .. import _core
+
+        launch_list = _core.LaunchList()
+        held = []
+        for kernel, grid, block, smem, args in launches:
+            packed, patches = [], []
+            for j, ((pointer, pack), value) in enumerate(zip(kernel._packers, args, strict=True)):
+                if type(value) is tuple:
+                    patches.append((j, *value))
+                    packed.append(pack(0))
+                elif pointer and not isinstance(value, int):
+                    held.append(value)
+                    packed.append(pack(value.data_ptr()))
+                else:
+                    packed.append(pack(value))
+            launch_list.add(kernel._kernel, [grid[0], grid[1], 1], [block, 1, 1], smem, packed, patches)
+        return (launch_list, len(launches), held)
+
+    def launch_batch(self, batch: Any, bases: list[int], stream: int) -> None:
+        """Launches a :meth:`batch` in order on ``stream``, its patched arguments from ``bases``."""
+        batch[0].launch(stream, bases, 0, batch[1])
+
     def stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
@@ -131,6 +158,46 @@ class _Steps(list):
 
 
 _PACKED = "packed"  # an output's zero flag once it lives in the pool
+_EMPTY = object()  # how a call record allocates an output: uninitialised ...
+_ZERO = object()  # ... or zero-filled (else the name of the earlier value whose buffer it accumulates into)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A call record (see :meth:`CudaBackend._call`): the graph's constants, the call's zero-filled pool and the
+    flat steps (kind, values dropped before it, outputs to allocate as (name, shape, dtype, how), kernel, grid,
+    block, shared memory, arguments with the graph's bound, (position, value) of the per-call ones, and the
+    einsum's (equation, dtype, a, b) or the dropout's p), and the values a keeping call releases at its end."""
+
+    lowered: Any
+    consts: tuple[tuple[str, torch.Tensor], ...]
+    pool_bytes: int
+    pool_dtypes: frozenset
+    packed: tuple
+    steps: tuple
+    release: tuple[str, ...]
+    batched: _Batched | None = None
+
+
+_ARENA, _POOL = 0, 1  # the bases of a batched call's temporaries and of its zero-filled pool
+# a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
+_ARENA_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Batched:
+    """A call record's batched form (see :meth:`CudaBackend._batched`)."""
+
+    bases: int  # how many addresses a call passes
+    arena_bytes: int
+    arena_dtypes: frozenset
+    pool_bytes: int
+    pool_dtypes: frozenset
+    leaves: tuple  # (value, base)
+    allocs: tuple  # (value, base, shape, dtype, zero-filled): buffers of their own
+    views: tuple  # (value, _ARENA or _POOL, dtype, shape, stride, offset in elements): what Python reads
+    aliases: tuple  # (value, the value whose buffer it is)
+    program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,12 +380,12 @@ class CudaBackend:
         model_dtype = next((d for d in dtypes.values() if d.is_floating_point), torch.float32)
         acc = torch.float64 if model_dtype == torch.float64 else torch.float32
         env = {name: dtypes[leaf] for name, leaf in info.leaves}
-        for name, kind in info.consts:
-            dg.graph.graph_const(kind, acc)
+        for name, _ in info.consts:
             env[name] = acc
+        # the call record (and through it the module and the launch plan) of the call to come
+        self._call(lowered, info, dg, keep, tuple(dtypes[leaf] for _, leaf in info.leaves), model_dtype)
         plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
                          dg.device)
-        self._launch_plan(lowered, plan, dg, keep)
         env.update(self._value_dtypes(lowered, plan, None if keep is None else tuple(keep), model_dtype))
         return env
 
@@ -345,59 +412,265 @@ class CudaBackend:
     def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)
         info = self._program_info(lowered)
-        model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
-                           torch.float32)
-        model = DTYPE_KEY[model_dtype]
-        acc = torch.float64 if model == "f64" else torch.float32
-        env: dict[str, torch.Tensor] = {}
+        env: dict[str, Any] = {}
+        dtypes = []
         for name, leaf in info.leaves:
             t = leaves[leaf]
             env[name] = t if t.is_contiguous() else t.contiguous()
-        for name, kind in info.consts:
-            env[name] = dg.graph.graph_const(kind, acc)
-        plan = self.plan(lowered, {name: DTYPE_KEY[t.dtype] for name, t in env.items()}, model, dg.device)
-        steps = self._launch_plan(lowered, plan, dg, keep)
-        if steps.packed:  # the small zero-filled buffers of this call: one allocation, one fill
-            pool = torch.zeros(steps.pool_bytes, dtype=torch.uint8, device=dg.device)
-            typed = {dtype: pool.view(dtype) for dtype in steps.pool_dtypes}
-            for name, (dtype, shape, stride, offset) in steps.packed.items():
-                env[name] = typed[dtype].as_strided(shape, stride, offset)
-        stream = self.executor.stream()
-        launch = self.executor.launch
-        for step in steps:
-            for name in step.drop:
-                env.pop(name, None)
-            kind = step.kind
-            if kind == _EINSUM:
-                a, b = (env[arg].to(step.dtype) for arg in step.inputs)
-                env[step.outputs[0][0]] = einsum(step.equation, a, b).contiguous()
-                continue
-            for name, shape, dtype, zero in step.outputs:
-                if zero is _PACKED:
-                    continue
-                if type(zero) is _Alias:  # accumulates into an earlier value's buffer, read by nothing else
-                    env[name] = env[zero.name]
-                else:
-                    env[name] = self._allocate(shape, dtype, zero, dg.device)
-            if kind == _RNG:
-                name = step.outputs[0][0]
-                p = step.p
-                env[name] = (torch.rand(env[name].shape, device=dg.device) >= p).to(model_dtype) / (1 - p)
-                continue
-            if kind == _EMPTY_GRID:
-                continue
-            args = step.args.copy()
-            for i, name in step.env_args:
-                args[i] = env[name]
-            launch(step.kernel, step.grid, step.block, args, step.smem, stream)
-        if keep is not None:
-            keep_all = steps.keep
-            for name in [n for n in env if n not in keep_all and n not in info.leaf_names]:
-                del env[name]
+            dtypes.append(t.dtype)
+        model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
+                           torch.float32)
+        call = self._call(lowered, info, dg, keep, tuple(dtypes), model_dtype)
+        env.update(call.consts)
+        if call.batched is not None:
+            self._run_batched(call.batched, env, dg.device, model_dtype)
+        else:
+            self._run_steps(call, env, dg.device, model_dtype)
+        for name in call.release:
+            env.pop(name, None)
         for name in info.outputs:  # sums accumulated in float32 go back to the model's dtype
             if env[name].dtype != model_dtype:
                 env[name] = env[name].to(model_dtype)
         return env
+
+    def _run_steps(self, call: _Call, env: dict[str, Any], device: torch.device, model_dtype: torch.dtype) -> None:
+        """A call kernel by kernel: each output allocated as its kernel comes and released after its last reader
+        (the path of a call too large for :meth:`_run_batched`)."""
+        if call.pool_bytes:  # the small zero-filled buffers of this call: one allocation, one fill
+            pool = torch.zeros(call.pool_bytes, dtype=torch.uint8, device=device)
+            typed = {dtype: pool.view(dtype) for dtype in call.pool_dtypes}
+            for name, dtype, shape, stride, offset in call.packed:
+                env[name] = typed[dtype].as_strided(shape, stride, offset)
+        stream = self.executor.stream()
+        launch = self.executor.launch
+        for kind, drop, outputs, kernel, grid, block, smem, args, env_args, extra in call.steps:
+            for name in drop:
+                env.pop(name, None)
+            if kind == _EINSUM:
+                equation, dtype, a, b = extra
+                env[outputs] = einsum(equation, env[a].to(dtype), env[b].to(dtype)).contiguous()
+                continue
+            for name, shape, dtype, how in outputs:
+                if how is _EMPTY:
+                    env[name] = torch.empty(shape, dtype=dtype, device=device)
+                elif how is _ZERO:
+                    env[name] = torch.zeros(shape, dtype=dtype, device=device)
+                else:  # accumulates into an earlier value's buffer, read by nothing else
+                    env[name] = env[how]
+            if kind == _LAUNCH:
+                args = args.copy()
+                for i, name in env_args:
+                    args[i] = env[name]
+                launch(kernel, grid, block, args, smem, stream)
+            elif kind == _RNG:
+                name = outputs[0][0]
+                p = extra
+                env[name] = (torch.rand(env[name].shape, device=device) >= p).to(model_dtype) / (1 - p)
+
+    def _run_batched(self, b: _Batched, env: dict[str, Any], device: torch.device, model_dtype: torch.dtype) -> None:
+        """A call as batches of launches packed once (see :meth:`_batched`): one allocation for the call's
+        temporaries, one zero-filled pool, the buffers it hands back, then per batch one executor call with the
+        addresses of this call's buffers."""
+        bases = [0] * b.bases
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        if b.arena_bytes:
+            arena = torch.empty(b.arena_bytes, dtype=torch.uint8, device=device)
+            bases[_ARENA] = arena.data_ptr()
+            for dtype in b.arena_dtypes:
+                typed[_ARENA, dtype] = arena.view(dtype)
+        if b.pool_bytes:
+            pool = torch.zeros(b.pool_bytes, dtype=torch.uint8, device=device)
+            bases[_POOL] = pool.data_ptr()
+            for dtype in b.pool_dtypes:
+                typed[_POOL, dtype] = pool.view(dtype)
+        for name, index in b.leaves:
+            bases[index] = env[name].data_ptr()
+        for name, index, shape, dtype, zero in b.allocs:
+            t = env[name] = torch.zeros(shape, dtype=dtype, device=device) if zero else \
+                torch.empty(shape, dtype=dtype, device=device)
+            bases[index] = t.data_ptr()
+        for name, where, dtype, shape, stride, offset in b.views:
+            env[name] = typed[where, dtype].as_strided(shape, stride, offset)
+        for name, target in b.aliases:
+            env[name] = env[target]
+        stream = self.executor.stream()
+        launch_batch = self.executor.launch_batch
+        for kind, item in b.program:
+            if kind == _LAUNCH:
+                launch_batch(item, bases, stream)
+            elif kind == _EINSUM:
+                equation, dtype, a, x, out, index = item
+                t = env[out] = einsum(equation, env[a].to(dtype), env[x].to(dtype)).contiguous()
+                bases[index] = t.data_ptr()
+            else:  # dropout: a mask made by torch
+                out, index, shape, p = item
+                t = env[out] = (torch.rand(shape, device=device) >= p).to(model_dtype) / (1 - p)
+                bases[index] = t.data_ptr()
+
+    def _call(self, lowered, info: _ProgramInfo, dg: DeviceGraph, keep: Any, dtypes: tuple[torch.dtype, ...],
+              model_dtype: torch.dtype) -> _Call:
+        """Everything :meth:`run` needs of ``lowered`` on this graph for leaves of these ``dtypes`` (in the
+        program's leaf order), made once and kept on the device graph: a call then does one dictionary lookup
+        instead of finding its module, constants and launch plan anew (each a few lookups with keys hashed in
+        Python), and runs a flat list of steps. Keyed by the settings the module depends on, so that changing
+        them makes a new record (and, where needed, a new module); emptied when a padded layout settles."""
+        keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
+        batches = config.launch_batches()
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), config.split_degree(), batches)
+        hit = dg.calls.get(key)
+        if hit is not None and hit.lowered is lowered:
+            return hit
+        acc = torch.float64 if model_dtype == torch.float64 else torch.float32
+        consts = tuple((name, dg.graph.graph_const(kind, acc)) for name, kind in info.consts)
+        env_dtypes = {name: DTYPE_KEY[d] for (name, _), d in zip(info.leaves, dtypes, strict=True)}
+        env_dtypes.update((name, DTYPE_KEY[t.dtype]) for name, t in consts)
+        plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
+        steps = self._launch_plan(lowered, plan, dg, keep)
+        batched = self._batched(lowered, info, steps, consts, keep) \
+            if batches and hasattr(self.executor, "batch") else None
+        if batched is not None:
+            made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
+            made.update(item[4] if kind == _EINSUM else item[0] for kind, item in batched.program if kind != _LAUNCH)
+            release = () if keep is None else tuple(n for n in made if n not in steps.keep)
+            call = _Call(lowered, consts, 0, frozenset(), (), (), release, batched)
+            with self._lock:
+                dg.calls[key] = call
+            return call
+        flat = []
+        made = set(env_dtypes)
+        for step in steps:
+            made.difference_update(step.drop)
+            if step.kind == _EINSUM:
+                name = step.outputs[0][0]
+                made.add(name)
+                flat.append((_EINSUM, step.drop, name, None, None, 0, 0, None, (),
+                             (step.equation, step.dtype, *step.inputs)))
+                continue
+            outputs = []
+            for name, shape, dtype, zero in step.outputs:
+                made.add(name)
+                if zero is _PACKED:
+                    continue
+                how = zero.name if type(zero) is _Alias else _ZERO if zero else _EMPTY
+                outputs.append((name, shape, dtype, how))
+            extra = step.p if step.kind == _RNG else None
+            flat.append((step.kind, step.drop, tuple(outputs), step.kernel, step.grid, step.block, step.smem,
+                         step.args, step.env_args, extra))
+        made.update(steps.packed)
+        # what a call that keeps values (a training forward) gives back beyond them: nothing it made for itself
+        release = () if keep is None else tuple(n for n in made if n not in steps.keep and n not in info.leaf_names)
+        packed = tuple((name, dtype, shape, stride, offset) for name, (dtype, shape, stride, offset)
+                       in steps.packed.items())
+        call = _Call(lowered, consts, steps.pool_bytes, frozenset(steps.pool_dtypes), packed, tuple(flat), release)
+        with self._lock:
+            dg.calls[key] = call
+        return call
+
+    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any) -> _Batched | None:
+        """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
+        once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
+        bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
+        allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
+        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation,
+        live until the call's end instead of their last reader, and need no Python per kernel: only for calls
+        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host), None
+        for larger ones, which keep the kernel-by-kernel path and its lower peak memory."""
+        program = lowered.program
+        visible = set(program.outputs) | (set(keep) if keep is not None else set())
+        for step in reversed(steps):  # a buffer handed back under another name is handed back
+            for name, _, _, zero in () if step.kind == _EINSUM else step.outputs:
+                if type(zero) is _Alias and name in visible:
+                    visible.add(zero.name)
+        readers: set[str] = set()  # values Python reads (einsum operands)
+        for step in steps:
+            if step.kind == _EINSUM:
+                readers.update(step.inputs)
+        where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
+        bases = 2
+        leaves = []
+        for name, _ in info.leaves:
+            where[name] = (bases, 0)
+            leaves.append((name, bases))
+            bases += 1
+        for name, t in consts:
+            where[name] = t
+        for name, (dtype, _, _, offset) in steps.packed.items():
+            where[name] = (_POOL, offset * dtype.itemsize)
+        arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
+        late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
+        allocs, views, aliases, program_steps, segment = [], [], [], [], []
+
+        def flush() -> None:
+            if segment:
+                program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
+                segment.clear()
+
+        for step in steps:
+            if step.kind == _EINSUM:
+                flush()
+                (name, *_), a, b = step.outputs[0], *step.inputs
+                where[name] = (bases, 0)
+                late.add(name)
+                program_steps.append((_EINSUM, (step.equation, step.dtype, a, b, name, bases)))
+                bases += 1
+                continue
+            for name, shape, dtype, zero in step.outputs:
+                if step.kind == _RNG:  # the mask torch makes replaces whatever buffer the plan gave it
+                    where[name] = (bases, 0)
+                    late.add(name)
+                    bases += 1
+                    continue
+                if zero is _PACKED:
+                    if name in visible or name in readers:
+                        _, _, stride, offset = steps.packed[name]
+                        views.append((name, _POOL, dtype, shape, stride, offset))
+                    continue
+                if type(zero) is _Alias:
+                    if zero.name not in where or zero.name in late:
+                        return None  # accumulates into a value made by torch during the call: kernel by kernel
+                    place = where[name] = where[zero.name]
+                    if name in visible or name in readers:
+                        if type(place) is tuple and place[0] in (_ARENA, _POOL):
+                            if place[0] == _ARENA and name in visible:
+                                return None  # handed back in the call's temporaries: kernel by kernel
+                            views.append((name, place[0], dtype, shape, _row_major(shape)[1],
+                                          place[1] // dtype.itemsize))
+                        else:  # a leaf, a graph constant or a buffer of its own: in the environment
+                            aliases.append((name, zero.name))
+                    continue
+                numel = 1
+                for n in shape:
+                    numel *= n
+                if zero or name in visible:
+                    # handed back (its own buffer, as the kernel-by-kernel path gives it) or zero-filled and too
+                    # large for the pool
+                    where[name] = (bases, 0)
+                    allocs.append((name, bases, shape, dtype, bool(zero)))
+                    bases += 1
+                    extra += 0 if name in visible else numel * dtype.itemsize
+                    continue
+                offset = -(-arena // 256) * 256  # 256-byte aligned, as CUDA's allocations
+                where[name] = (_ARENA, offset)
+                arena = offset + numel * dtype.itemsize
+                if name in readers:
+                    views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
+            if arena + extra > _ARENA_BYTES:
+                return None
+            if step.kind == _RNG:
+                flush()
+                name = step.outputs[0][0]
+                program_steps.append((_RNG, (name, where[name][0], step.outputs[0][1], step.p)))
+                continue
+            if step.kind == _EMPTY_GRID:
+                continue
+            args = list(step.args)
+            for i, name in step.env_args:
+                args[i] = where[name]
+            segment.append((step.kernel, step.grid, step.block, step.smem, args))
+        flush()
+        return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
+                        steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
+                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps))
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""

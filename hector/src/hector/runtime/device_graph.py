@@ -57,6 +57,9 @@ class DeviceGraph:
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
             g._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
         self._bound: dict[int, dict[tuple, Any]] = {}
+        # the CUDA backend's call records on this graph (see CudaBackend.run): a plain dict keyed without a
+        # Domain (whose hash is a Python call), emptied with the rest when a padded layout settles
+        self.calls: dict[tuple, Any] = {}
 
     def settle(self, count: int) -> None:
         """The pair count has reached the host: UNIQUE rows from now on sized exactly (the first ``count`` rows
@@ -72,6 +75,7 @@ class DeviceGraph:
         g._cache["unique"] = (src[:count], etype[:count], inverse)
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
         self._bound = {}
+        self.calls = {}
         self.padded = False
         self._unique_rows = count
         del self._valid

@@ -142,12 +142,12 @@ COLUMNS = ("batch_ms", "sampler_ms", "rest_ms", "py_calls", "c_calls", "torch_ca
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=200_000)
-    parser.add_argument("--avg-degree", type=float, default=10.0)
-    parser.add_argument("--relations", type=int, default=16)
-    parser.add_argument("--node-types", type=int, default=4)
-    parser.add_argument("--feature-dim", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--nodes", type=int, default=200_000, help="nodes of the random graph")
+    parser.add_argument("--avg-degree", type=float, default=10.0, help="average in-degree of the random graph")
+    parser.add_argument("--relations", type=int, default=16, help="edge types (relations)")
+    parser.add_argument("--node-types", type=int, default=4, help="node types")
+    parser.add_argument("--feature-dim", type=int, default=128, help="features per node (fp32)")
+    parser.add_argument("--batch-size", type=int, default=1024, help="seed nodes per batch")
     parser.add_argument("--fanout", default="15,10", help="fan-outs per hop, comma-separated")
     parser.add_argument("--batches", type=int, default=20, help="measured batches per pass")
     parser.add_argument("--warmup", type=int, default=2, help="batches made before each pass")

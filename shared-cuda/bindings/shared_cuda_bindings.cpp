@@ -160,22 +160,23 @@ void bind_shared(nb::module_& m) {
 
   nb::class_<jit::launch_list>(m, "LaunchList")
       .def(nb::init<>())
-      .def("add",
-           // patches: (parameter, base, offset) of this launch, as patch() takes them (one call per launch)
-           [](jit::launch_list& l, const jit::kernel& k, std::vector<unsigned> grid, std::vector<unsigned> block,
-              unsigned shared_memory, const std::vector<nb::bytes>& args,
-              const std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>& patches) {
-             SHARED_CUDA_EXPECT(grid.size() == 3 && block.size() == 3, "grid and block must have 3 entries");
-             std::vector<std::string> raw;
-             raw.reserve(args.size());
-             for (const auto& a : args) raw.emplace_back(a.c_str(), a.size());
-             const std::size_t index =
-                 l.add(k, {grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory, raw);
-             for (const auto& [parameter, base, offset] : patches) l.patch(index, parameter, base, offset);
-             return index;
-           },
-           nb::arg("kernel"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_memory"), nb::arg("args"),
-           nb::arg("patches") = std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>{})
+      .def(
+          "add",
+          // patches: (parameter, base, offset) of this launch, as patch() takes them (one call per launch)
+          [](jit::launch_list& l, const jit::kernel& k, std::vector<unsigned> grid, std::vector<unsigned> block,
+             unsigned shared_memory, const std::vector<nb::bytes>& args,
+             const std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>& patches) {
+            SHARED_CUDA_EXPECT(grid.size() == 3 && block.size() == 3, "grid and block must have 3 entries");
+            std::vector<std::string> raw;
+            raw.reserve(args.size());
+            for (const auto& a : args) raw.emplace_back(a.c_str(), a.size());
+            const std::size_t index =
+                l.add(k, {grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory, raw);
+            for (const auto& [parameter, base, offset] : patches) l.patch(index, parameter, base, offset);
+            return index;
+          },
+          nb::arg("kernel"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_memory"), nb::arg("args"),
+          nb::arg("patches") = std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>{})
       .def("patch", &jit::launch_list::patch)
       // The interpreter lock stays held, as for JitKernel.launch.
       .def("launch",

@@ -159,9 +159,9 @@ TEST(launch_list_patches_pointers_on_gpu) {
   jit::launch_list list;
   const unsigned grid = unsigned((half + 255) / 256);
   for (int part = 0; part < 2; ++part)
-    list.add(saxpy, {grid}, {256}, 0,
-             {pack(3.0F), pack(static_cast<float*>(x.device_pointer()) + part * half), pack(std::uint64_t(0)),
-              pack(half)});
+    list.add(
+        saxpy, {grid}, {256}, 0,
+        {pack(3.0F), pack(static_cast<float*>(x.device_pointer()) + part * half), pack(std::uint64_t(0)), pack(half)});
   list.patch(0, 2, 0, 0);
   list.patch(1, 2, 0, half * sizeof(float));
   CHECK_THROWS(std::invalid_argument, list.patch(2, 0, 0, 0));

@@ -101,7 +101,7 @@ class _Op:
         if self.value is not None:
             return self.value
         args = []
-        for x, version in zip(self.inputs, self.versions):  # (same lengths: made together)
+        for x, version in zip(self.inputs, self.versions, strict=False):  # (same lengths: made together)
             if type(x) is _Op:
                 args.append(x.compute())
                 continue

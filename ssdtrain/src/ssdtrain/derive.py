@@ -135,8 +135,11 @@ class Derived:
     def __init__(self, op: _Op, t: torch.Tensor, base: torch.Tensor, unit: int, cast: bool = False):
         self.op = op
         self.cast = cast  # a cast of a parameter (autocast's bf16 weight)
-        self.size, self.stride = t.size(), t.stride()
-        self.offset = t.storage_offset() - base.storage_offset()
+        if t is base:  # the op's own result (contiguous, checked when the recipe was found): no view to rebuild
+            self.size = None
+        else:
+            self.size, self.stride = t.size(), t.stride()
+            self.offset = t.storage_offset() - base.storage_offset()
         self.unit = unit
         op.refs += 1
         op.link()
@@ -146,7 +149,7 @@ class Derived:
         self.op.drop()
         if not value.is_contiguous():  # the saved tensor's base was contiguous (its view is rebuilt on that layout)
             value = value.contiguous()
-        if self.size == value.shape and self.stride == value.stride() and self.offset == 0:
+        if self.size is None or (self.size == value.shape and self.stride == value.stride() and self.offset == 0):
             return value
         return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
 

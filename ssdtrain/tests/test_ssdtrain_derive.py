@@ -506,3 +506,23 @@ def test_template_replay_checks_inputs_not_only_classes():
     assert stats["derive_template_misses"] >= 3 * 3  # each change of `swap` after the first planned step, per block
     assert stats["derive_replayed"] > 0 and stats["derive_searched"] > 0
     assert stats["tensors_derived"] == stats["derive_replayed"] + stats["derive_searched"]
+
+
+def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
+    """A block's weight used by another block too: autocast's cache is left alone, so the weights' casts are kept,
+    not derived, on the general path and in the replay alike (the same count every step), and gradients are exact."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    model.layers[1].down.weight = model.layers[0].down.weight
+    ref = copy.deepcopy(model)
+    overrides = {f"layers.{k}": "derive" for k in range(4)}
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        counts = []
+        for _ in range(4):
+            before = s.stats()["tensors_derived"]
+            _train_steps(model, ref, 1, seq=10)
+            counts.append(s.stats()["tensors_derived"] - before)
+    assert not s.cache.deriver.derive_casts
+    stats = s.stats()
+    assert stats["derive_replayed"] > 0 and stats["derive_template_misses"] == 0
+    assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts

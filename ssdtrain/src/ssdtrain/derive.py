@@ -185,8 +185,9 @@ def _broadcast(a: tuple, b: tuple) -> tuple | None:
 
 class _TOp:
     """One op of a recorded recipe (a template's): its autograd node's class, its function, its inputs (an int: the
-    position of a saved tensor in the block's sequence; a ``_TOp``; a parameter), the shape and dtype each saved
-    input had, its result's shape, dtype and device, and its index in the template's op table (one ``_Op`` a step)."""
+    position of a saved tensor in the block's sequence; a ``_TOp``; a weak reference to a parameter), the shape and
+    dtype each saved input had, its result's shape, dtype and device, and its index in the template's op table (one
+    ``_Op`` a step)."""
 
     __slots__ = ("cls", "fn", "inputs", "metas", "shape", "dtype", "device", "idx", "cast")
 
@@ -385,10 +386,11 @@ class Deriver:
                     return None
                 values.append(op)
                 versions.append(None)
-            else:  # a parameter (its version unchecked, as on the general path)
-                if getattr(n, "variable", None) is not src:
+            else:  # a parameter, held weakly (its version unchecked, as on the general path)
+                param = src()
+                if param is None or getattr(n, "variable", None) is not param:
                     return None
-                values.append(src)
+                values.append(param)
                 versions.append(None)
         if built is not None:
             return built  # a cast of the same source: made once
@@ -433,9 +435,12 @@ class Deriver:
                     return None
                 inputs.append(sub)
                 metas.append(None)
-            else:
+            elif type(src) is int:
                 inputs.append(src)
-                metas.append((x.shape, x.dtype) if type(src) is int else None)
+                metas.append((x.shape, x.dtype))
+            else:  # a parameter: weakly (a template outlives no parameter, e.g. one a sharded model swaps)
+                inputs.append(weakref.ref(src))
+                metas.append(None)
         top = _TOp(op, inputs, metas, self._recording.n_ops)
         self._recording.n_ops += 1
         self._memo[id(op)] = top
@@ -455,7 +460,7 @@ class Deriver:
                 static = False
             elif len(top.inputs) == 1 and type(top.inputs[0]) is _TOp:
                 static = False
-            elif len(top.inputs) == 1 and type(top.inputs[0]) is not int:
+            elif len(top.inputs) == 1 and type(top.inputs[0]) is weakref.ref:
                 static = True  # a parameter's cast
         self._recording.records.append(_Recipe(type(node), view, top, base, cast if static is None else static))
 

@@ -16,6 +16,10 @@ returns a ``Derived``: autograd holds the recipe, and the bytes of the tensor ar
 tensor's value is made again in backward, when autograd unpacks it. Results shared by several saved tensors (one
 cast used by the query, key and value projections) are made once and held until the last of those is unpacked.
 
+What the search decided for a block is recorded as a template (``Deriver`` says how) and replayed at the block's later
+forwards, with each saved tensor checked against it, so that the search's Python runs once per block and plan rather
+than for every saved tensor of every micro-batch.
+
 The ops are recomputed by the same kernels on the same inputs, so the values are bitwise those of forward. A tensor
 found through a node whose input was changed in place since it was saved is not derived; a saved input changed in
 place after the recipe was made raises a clear error at unpack (autograd itself refuses such a graph).
@@ -29,12 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from .entries import _param_derived
+from .templates import CAST, MISS, Recipe, Template, TemplateOp
 
 # Autograd node names of the elementwise ops a recipe may contain, with the forward they stand for.
 _BINARY = {"MulBackward0": torch.mul}
 _UNARY = {"SiluBackward0": F.silu}
-_CAST = "ToCopyBackward0"
-_TOP = frozenset(_BINARY) | frozenset(_UNARY) | {_CAST}  # what a saved tensor's own node may be, to have a recipe
+_TOP = frozenset(_BINARY) | frozenset(_UNARY) | {CAST}  # what a saved tensor's own node may be, to have a recipe
 # Host time per op made again in backward (the recipe's Python and a kernel launch), on top of its memory traffic:
 # ~10 us measured on CPU with tiny tensors (where the host's time is all there is).
 OP_HOST_S = 1e-5
@@ -183,44 +187,6 @@ def _broadcast(a: tuple, b: tuple) -> tuple | None:
     return tuple(out)
 
 
-class _TOp:
-    """One op of a recorded recipe (a template's): its autograd node's class, its function, its inputs (an int: the
-    position of a saved tensor in the block's sequence; a ``_TOp``; a weak reference to a parameter), the shape and
-    dtype each saved input had, its result's shape, dtype and device, and its index in the template's op table (one
-    ``_Op`` a step)."""
-
-    __slots__ = ("cls", "fn", "inputs", "metas", "shape", "dtype", "device", "idx", "cast")
-
-    def __init__(self, op: _Op, inputs: list, metas: list, idx: int):
-        self.cls, self.fn, self.inputs, self.metas = op.cls, op.fn, inputs, metas
-        self.shape, self.dtype, self.device = op.shape, op.dtype, op.device
-        self.idx = idx
-        self.cast = op.cls is not None and op.cls.__name__ == _CAST  # shared by source, not by node
-
-
-class _Template:
-    """What the general path decided for each tensor one block saved, in pack order: ``None`` (no grad_fn), a
-    class (a real saved tensor whose node has that class) or a ``_Recipe``. Replayed by position in later steps."""
-
-    __slots__ = ("records", "n_ops")
-
-    def __init__(self):
-        self.records: list = []
-        self.n_ops = 0
-
-
-class _Recipe:
-    __slots__ = ("cls", "view", "top", "shape", "dtype", "device", "cast")
-
-    def __init__(self, cls, view, top, base, cast):
-        self.cls, self.view, self.top = cls, view, top
-        self.shape, self.dtype, self.device = base.shape, base.dtype, base.device
-        self.cast = cast  # True/False where the recipe's structure decides it; None: ask _param_derived each time
-
-
-_MISS = object()
-
-
 class Deriver:
     """Finds recipes for the tensors one block saves (``reset()`` at each block's start and end). `depth`: the
     most ops followed back from a saved tensor.
@@ -249,13 +215,13 @@ class Deriver:
         # (id(node), output, dtype) -> (node, its op): an op built once per node, so that results shared by several
         # saved tensors (one cast feeding three projections) are made once.
         self._built: dict[tuple, tuple] = {}
-        self.templates: dict = {}  # reset key -> _Template
+        self.templates: dict = {}  # reset key -> Template
         self.counters = {"replayed": 0, "general": 0, "misses": 0}
         self._key = None
         self._pos = 0  # position of the next saved tensor in this segment
-        self._recording: _Template | None = None
-        self._memo: dict[int, _TOp] = {}  # id(_Op) -> its _TOp (while recording)
-        self._tpl: _Template | None = None  # replaying this one
+        self._recording: Template | None = None
+        self._memo: dict[int, TemplateOp] = {}  # id(_Op) -> its TemplateOp (while recording)
+        self._tpl: Template | None = None  # replaying this one
         self._r_nodes: list = []  # per position: its node (or None), output, weakref, version; per op: its _Op
         self._r_nr: list = []
         self._r_ref: list = []
@@ -288,7 +254,7 @@ class Deriver:
             return
         tpl = self.templates.get(key)
         if tpl is None:
-            self._recording = _Template()
+            self._recording = Template()
             return
         self._tpl = tpl
         n = len(tpl.records)
@@ -304,7 +270,7 @@ class Deriver:
             p = self._pos
             if p < len(tpl.records):
                 got = self._replay(t, tpl.records[p], p, unit)
-                if got is not _MISS:
+                if got is not MISS:
                     self._pos = p + 1
                     return got
             self._give_back()
@@ -320,12 +286,12 @@ class Deriver:
         node = base.grad_fn
         if rec is None:
             if node is not None:
-                return _MISS
+                return MISS
             self._r_nodes[p] = None
             return None
-        if type(rec) is not _Recipe:
+        if type(rec) is not Recipe:
             if type(node) is not rec:
-                return _MISS
+                return MISS
             self._r_nodes[p] = node
             self._r_nr[p] = base.output_nr
             self._r_ref[p] = weakref.ref(base)
@@ -341,10 +307,10 @@ class Deriver:
             or base.device != rec.device
             or not base.is_contiguous()
         ):
-            return _MISS
+            return MISS
         op = self._replay_op(rec.top, node)
         if op is None:
-            return _MISS
+            return MISS
         self._r_nodes[p] = node
         self._r_nr[p] = 0
         self._r_pop[p] = op
@@ -358,7 +324,7 @@ class Deriver:
         self.counters["replayed"] += 1
         return Derived(op, t, base, unit, cast)
 
-    def _replay_op(self, top: _TOp, node):
+    def _replay_op(self, top: TemplateOp, node):
         """The op `top` stands for at `node` this step, or None where the graph differs from the template's."""
         if type(node) is not top.cls:
             return None
@@ -378,7 +344,7 @@ class Deriver:
                     return None
                 values.append(x)
                 versions.append(self._r_ver[src])
-            elif type(src) is _TOp:
+            elif type(src) is TemplateOp:
                 if n is None or k != 0:
                     return None
                 op = self._replay_op(src, n)
@@ -421,7 +387,7 @@ class Deriver:
         if self._recording is not None:
             self._recording.records.append(rec)
 
-    def _template_op(self, op: _Op) -> _TOp | None:
+    def _template_op(self, op: _Op) -> TemplateOp | None:
         top = self._memo.get(id(op))
         if top is not None:
             return top
@@ -441,7 +407,7 @@ class Deriver:
             else:  # a parameter: weakly (a template outlives no parameter, e.g. one a sharded model swaps)
                 inputs.append(weakref.ref(src))
                 metas.append(None)
-        top = _TOp(op, inputs, metas, self._recording.n_ops)
+        top = TemplateOp(op, inputs, metas, self._recording.n_ops)
         self._recording.n_ops += 1
         self._memo[id(op)] = top
         return top
@@ -456,13 +422,13 @@ class Deriver:
         # Where the recipe's structure decides whether `t` is a parameter's cast, the replay need not ask again.
         static = None
         if not view:
-            if top.cls.__name__ != _CAST:
+            if top.cls.__name__ != CAST:
                 static = False
-            elif len(top.inputs) == 1 and type(top.inputs[0]) is _TOp:
+            elif len(top.inputs) == 1 and type(top.inputs[0]) is TemplateOp:
                 static = False
             elif len(top.inputs) == 1 and type(top.inputs[0]) is weakref.ref:
                 static = True  # a parameter's cast
-        self._recording.records.append(_Recipe(type(node), view, top, base, cast if static is None else static))
+        self._recording.records.append(Recipe(type(node), view, top, base, cast if static is None else static))
 
     def _leaf(self, node, nr: int):
         """A tensor or op standing for output `nr` of `node`, from what this block saved, or a parameter: (value,
@@ -500,7 +466,7 @@ class Deriver:
     def _make(self, node, depth: int, dtype):
         cls = type(node)
         name = cls.__name__
-        if name not in _BINARY and name not in _UNARY and (name != _CAST or dtype is None):
+        if name not in _BINARY and name not in _UNARY and (name != CAST or dtype is None):
             return None  # (most saved tensors: decided before looking at the inputs, the host's time counts)
         # (Written for the host's time: this runs for each candidate saved tensor of a derive block, every step.)
         values, versions, srcs = [], [], []
@@ -535,7 +501,7 @@ class Deriver:
             return _Op(_BINARY[name], values, versions, shape, dtype, device, cls, srcs)
         if name in _UNARY and len(values) == 1:
             return _Op(_UNARY[name], values, versions, values[0].shape, values[0].dtype, device, cls, srcs)
-        if name == _CAST and len(values) == 1 and dtype is not None:
+        if name == CAST and len(values) == 1 and dtype is not None:
             # Autocast casts a tensor again for each op using it (query, key and value projections): one op each
             # source and dtype.
             key = ("cast", id(values[0]), dtype)

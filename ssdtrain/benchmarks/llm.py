@@ -275,7 +275,19 @@ def run_policy(job: dict) -> dict:
         # Counters of the timed steps alone (profiling and calibration steps left out).
         d = {
             k: stats[k] - before[k]
-            for k in ("prefetch_hits", "prefetch_retried", "forwarded", "misses", "late_prefetches", "throttle_waits")
+            for k in (
+                "prefetch_hits",
+                "prefetch_retried",
+                "forwarded",
+                "misses",
+                "late_prefetches",
+                "throttle_waits",
+                "throttle_seconds",
+                "prefetch_wait_seconds",
+                "derive_replayed",
+                "derive_searched",
+                "derive_template_misses",
+            )
         }
         why = {k: v - before["miss_reasons"].get(k, 0) for k, v in stats["miss_reasons"].items()}
         why = ", ".join(f"{k} {v}" for k, v in sorted(why.items()) if v)
@@ -283,7 +295,10 @@ def run_policy(job: dict) -> dict:
             f"timed steps: prefetch hits {d['prefetch_hits']} (retried {d['prefetch_retried']}), forwarded "
             f"{d['forwarded']}, misses "
             f"{d['misses']}{f' ({why})' if why else ''}, late {d['late_prefetches']}, throttle waits "
-            f"{d['throttle_waits']}; plan calibrated {len(plan.calibrations)}x (working memory "
+            f"{d['throttle_waits']} ({d['throttle_seconds'] * 1e3:.1f} ms), device waits for copies back "
+            f"{d['prefetch_wait_seconds'] * 1e3:.1f} ms; recipes replayed {d['derive_replayed']}, searched "
+            f"{d['derive_searched']}, template misses {d['derive_template_misses']}; plan calibrated "
+            f"{len(plan.calibrations)}x (working memory "
             f"{plan.working_bytes / GIB:.2f} GiB); fallbacks {stats['fallbacks']}"
         )
         row["plan_text"] = str(plan)

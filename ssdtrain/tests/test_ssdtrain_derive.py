@@ -351,6 +351,9 @@ def test_changing_saved_sequence_keeps_gradients_exact():
                 assert torch.equal(p.grad, q.grad), (step, name)
     stats = s.stats()
     assert stats["tensors_derived"] > 0 and stats["bytes_offloaded"]["host"] > 0
+    # The steps that differ from the one before hand their derive blocks back to the general search; the others
+    # replay the blocks' templates.
+    assert stats["derive_template_misses"] > 0 and stats["derive_replayed"] > 0
 
 
 def _train_steps(model, ref, steps, seq=12, user_hooks=None):
@@ -420,3 +423,106 @@ def test_kept_blocks_keep_hooks_a_user_pushed_inside_the_session():
         _train_steps(model, ref, 3, user_hooks=(pack, lambda t: t))
     assert s.stats()["bare_block_forwards"] == 0
     assert len(seen) > 3 * 4 * 5  # every block's saved tensors, every step
+
+
+def test_derive_recipes_replayed_from_templates():
+    """After the first planned step each derive block's recipes are replayed from its template (decided once, checked
+    per saved tensor), not searched again: the counters say so, and gradients stay equal to keeping everything."""
+    model, _ = _llama(layers=3)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model)
+    overrides = {f"model.layers.{k}": "derive" for k in range(3)}
+    with ssdtrain.offload(model, min_bytes="2K", overrides=overrides, profile_steps=1) as s:
+        for step in range(4):
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                if m is model:
+                    got = loss.detach()
+            assert torch.equal(got, loss.detach()), step
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (step, name)
+    stats = s.stats()
+    per_step = 3 * (9 + 7)  # per block: 9 activations and the casts of its 7 weight matrices
+    assert stats["planned_steps"] == 3 and stats["tensors_derived"] == 3 * per_step
+    assert stats["derive_searched"] == per_step  # the first planned step searched and recorded
+    assert stats["derive_replayed"] == 2 * per_step
+    assert stats["derive_template_misses"] == 0
+
+
+class _SwapBlock(torch.nn.Module):
+    """A block whose recipe's input changes between steps while every saved tensor keeps its class and shape: the
+    product fed to SiLU is made from `a` or, when `swap`, from `b` (both projections). A replay checking classes only
+    would make SiLU's input from the wrong projection."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim, bias=False)
+        self.b = torch.nn.Linear(dim, dim, bias=False)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+        self.swap = False
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        t = a * b
+        r = (b if self.swap else a) * self.scale
+        return x + self.out(torch.nn.functional.silu(r) + t)
+
+
+class _SwapModel(_BranchModel):
+    def __init__(self, dim=16, blocks=3):
+        super().__init__(dim, blocks)
+        self.layers = torch.nn.ModuleList(_SwapBlock(dim) for _ in range(blocks))
+
+
+def test_template_replay_checks_inputs_not_only_classes():
+    """Steps alternate which saved tensor a recipe is made from, with the same classes and shapes at every position:
+    the replay notices (the input's node is not the one saved at the template's position), hands the block to the
+    general search, and gradients equal the model's own bit for bit; unchanged steps are replayed."""
+    torch.manual_seed(0)
+    model = _SwapModel()
+    ref = copy.deepcopy(model)
+    overrides = {f"layers.{k}": "derive" for k in range(3)}
+    gen = torch.Generator().manual_seed(7)
+    schedule = [False, False, False, False, True, True, False, True, False, False]
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        for step, swap in enumerate(schedule):
+            ids = torch.randint(0, 37, (2, 12), generator=gen)
+            losses = []
+            for m in (model, ref):
+                for layer in m.layers:
+                    layer.swap = swap
+                m.zero_grad(set_to_none=True)
+                loss = m(ids)
+                loss.backward()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), step
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (step, swap, name)
+    stats = s.stats()
+    assert stats["derive_template_misses"] >= 3 * 3  # each change of `swap` after the first planned step, per block
+    assert stats["derive_replayed"] > 0 and stats["derive_searched"] > 0
+    assert stats["tensors_derived"] == stats["derive_replayed"] + stats["derive_searched"]
+
+
+def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
+    """A block's weight used by another block too: autocast's cache is left alone, so the weights' casts are kept,
+    not derived, on the general path and in the replay alike (the same count every step), and gradients are exact."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    model.layers[1].down.weight = model.layers[0].down.weight
+    ref = copy.deepcopy(model)
+    overrides = {f"layers.{k}": "derive" for k in range(4)}
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        counts = []
+        for _ in range(4):
+            before = s.stats()["tensors_derived"]
+            _train_steps(model, ref, 1, seq=10)
+            counts.append(s.stats()["tensors_derived"] - before)
+    assert not s.cache.deriver.derive_casts
+    stats = s.stats()
+    assert stats["derive_replayed"] > 0 and stats["derive_template_misses"] == 0
+    assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts

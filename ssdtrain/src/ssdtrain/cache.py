@@ -35,6 +35,8 @@ from .transfers import Transfers
 
 __all__ = ["OffloadError", "OffloadWarning", "TensorCache"]
 
+_STRIDED = torch.strided
+
 
 class TensorCache(Transfers):
     """Pack/unpack for saved tensors over tiers (``ssdtrain.tiers``). Driven by the session (units, plan, steps)."""
@@ -55,6 +57,7 @@ class TensorCache(Transfers):
         # and the units a profiled step measures recipes for (the same; None: none).
         self.derive_unit = None
         self.deriver = Deriver()
+        self.derive_kept: frozenset[int] = frozenset()  # units the plan derives and keeps (a shorter path in pack)
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
@@ -105,6 +108,21 @@ class TensorCache(Transfers):
     # ----------------------------------------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
         unit = self.unit
+        if unit in self.derive_kept and self.observer is None:
+            # A unit the plan derives and keeps: a recipe (replayed from the block's template where it has one), or
+            # kept as it is; the checks of the general path below in their cheapest form (a host-bound step pays
+            # each microsecond here on the device too).
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                return t
+            if self.aborted or t.layout is not _STRIDED or not (t.is_cuda or t.is_cpu) or t.numel() == 0:
+                return t
+            derived = self.deriver.derive(t, unit)
+            if derived is not None:
+                self.counters["derived_tensors"] += 1
+                return derived
+            self.counters["kept_tensors"] += 1
+            self._kept_unit[id(t)] = unit
+            return t
         if (
             self.keeps_unit is not None
             and self.observer is None

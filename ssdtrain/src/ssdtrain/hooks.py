@@ -17,10 +17,11 @@ import torch
 
 from .model import signature
 
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)  # (looked up once: the hooks run per block)
+
 
 def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
 def _failed(output) -> bool:

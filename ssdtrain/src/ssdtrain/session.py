@@ -221,6 +221,7 @@ class OffloadSession:
         self.clear_casts = not self._blocks_share_params(inner)
         self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
+        self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
         self._released = False
         self._quiet = False  # plan(): its steps only profile
 
@@ -322,6 +323,7 @@ class OffloadSession:
             self.profiler.stop()
             self.cache.observer = None
             self.cache.derive_unit = None
+            self.cache.derive_kept = frozenset()
             self.cache.on_idle = self._release_tiers
             if abort:
                 # An exception left the session: everything goes at once (the next session makes new tiers).
@@ -467,14 +469,16 @@ class OffloadSession:
         self.cache.unit = unit
         if unit in self._bare_units:
             self._pause_hooks()
-        self.cache.deriver.reset()  # recipes reach back to tensors saved by this block only
+        # Recipes reach back to tensors saved by this block only; its template is replayed where it has one (a
+        # block the plan derives: others need no template).
+        self.cache.deriver.reset(("in", unit) if unit in self._derive_units else None)
         if self.plan is None:
             self.profiler.block_started(unit, args)
 
     def block_done(self, unit: int) -> None:
         if self._hooks_paused:
             self._resume_hooks()
-        self.cache.deriver.reset()
+        self.cache.deriver.reset(("after", unit) if unit in self._derive_units else None)
         if self.plan is None:
             self.profiler.block_done(unit)
             if self.clear_casts and unit in self.profiler.checkpointed:
@@ -630,8 +634,10 @@ class OffloadSession:
         self._cast_units = frozenset()
         self._bare_units = frozenset()
         self.cache.derive_unit = None
+        self.cache.derive_kept = frozenset()
+        self._derive_units = frozenset()
         self.cache.deriver.observe = False
-        self.cache.deriver.reset()
+        self.cache.deriver.clear_templates()  # recorded under the last plan: its blocks' sequences may differ
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30
@@ -658,6 +664,8 @@ class OffloadSession:
         derive = [c.recompute == "derive" and u.kind == "block" for u, c in zip(plan.units, plan.choices, strict=True)]
         if any(derive) and not self.compiled:
             self.cache.derive_unit = lambda unit: derive[min(unit, len(derive) - 1)]
+            self.cache.derive_kept = frozenset(i for i, d in enumerate(derive) if d and kept[i])
+            self._derive_units = frozenset(i for i, d in enumerate(derive) if d)
         self._recomputed = len(self.checkpoints)
         self._bare_units = self._bare(plan)
         if plan.clear_casts and self.clear_casts and not self.compiled:

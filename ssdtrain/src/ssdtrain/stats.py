@@ -21,6 +21,11 @@ def session_stats(session) -> dict:
         # Block forwards run with ssdtrain's saved-tensor hooks off: kept whole, nothing moved below them.
         "bare_block_forwards": c["bare_unit_forwards"],
         "tensors_derived": c["derived_tensors"],  # stored as recipes, made again in backward
+        # Of those, recipes replayed from a block's template (decided once, checked per tensor) and found by the
+        # general search; templates given back to the search where a step's saved tensors differed.
+        "derive_replayed": session.cache.deriver.counters["replayed"],
+        "derive_searched": session.cache.deriver.counters["general"],
+        "derive_template_misses": session.cache.deriver.counters["misses"],
         "param_tensors_kept": c["kept_param_tensors"],
         "views_deduplicated": c["dedup_views"],
         "bytes_restored": c["bytes_restored"],

@@ -1,0 +1,63 @@
+// Neighbour sampling kernels: one hop of a homogeneous graph's sampling in a few launches (see sample_cuda.cu).
+//
+// Pointers are device-readable addresses: GPU memory, or host memory mapped into the GPU (a unified tensor's
+// pointer, under UVA). Integer arrays of the topology come with their element code (int_code below) so that one
+// kernel reads any of torch's integer dtypes. No CUDA types here, so CPU-only builds include this header; there
+// the entry points throw unavailable_error.
+#pragma once
+
+#include <cstdint>
+
+#include "shared_cuda/stream.hpp"
+
+namespace pytorch_direct {
+
+// An integer array's element type: its size in bytes (1, 2, 4, 8: int8, int16, int32, int64), or -1 for uint8.
+using int_code = int;
+
+struct sample_graph {
+  const void* colptr = nullptr;  // [num_nodes + 1] offsets into row
+  int_code colptr_code = 8;
+  const void* row = nullptr;  // [num_edges] source node of each in-edge
+  int_code row_code = 8;
+  std::int64_t num_nodes = 0;
+  std::int64_t num_edges = 0;
+};
+
+// The first and second words of the error pair (int64 [2], device memory, zero when clean) say what a kernel found
+// wrong: kind (below) and the offending node or CSC position. The first error wins; later ones are dropped.
+enum class sample_error : std::int64_t {
+  none = 0,
+  node_out_of_range = 1,  // a frontier node outside [0, num_nodes) (the value)
+  bad_colptr = 2,         // colptr[v] > colptr[v + 1], or outside [0, num_edges] (the node v)
+  row_out_of_range = 3,   // row[p] outside [0, num_nodes) (the position p)
+};
+
+// Per frontier slot i < slots: take[i] = the in-edges it draws (0 for slots at or past *valid when valid is set,
+// which hold no node). fanout < 0: all; replace: fanout from each node with in-edges; else min(degree, fanout).
+// With seed_local set (the seeds' hop), also local[frontier[i]] = i.
+void sample_take_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots,
+                      const std::int64_t* valid, int fanout, bool replace, std::int32_t* seed_local, std::int64_t* take,
+                      std::int64_t* error, shared_cuda::stream_view stream);
+
+// Draws the edges: slot i writes its take[i] edges at [cum[i] - take[i], cum[i]) (cum: the inclusive sum of take):
+// CSC position, source node id and destination local id (first_local + i). Without replacement a node's draws are
+// distinct (uniform among its in-edges); random numbers are a counter-based hash of (*seed, hop, slot, draw). Each
+// source whose local[src] < 0 (not in the batch yet) sets its bit in `unseen` ([ceil(num_nodes / 32)] words).
+void sample_edges_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
+                       int fanout, bool replace, const std::int64_t* seed, int hop, const std::int32_t* local,
+                       std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos, std::int64_t* src,
+                       std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream);
+
+// counts[w] = popcount(unseen[w]) for the `words` words.
+void sample_popcount_cuda(const std::uint32_t* unseen, std::int64_t words, std::int32_t* counts,
+                          shared_cuda::stream_view stream);
+
+// Numbers the new sources in ascending id: a source s with its bit set in `unseen` gets local id first_new + rank
+// (rank: the set bits below s, from `prefix`, the inclusive sum of counts) in local[s], new_nodes[rank] = s; every
+// edge's src_local[e] is its source's local id (-1 for a source out of range). `edges` edges.
+void sample_number_cuda(const std::int64_t* src, std::int64_t edges, const std::uint32_t* unseen,
+                        const std::int64_t* prefix, std::int32_t* local, std::int64_t first_new,
+                        std::int64_t* new_nodes, std::int64_t* src_local, shared_cuda::stream_view stream);
+
+}  // namespace pytorch_direct

@@ -1,0 +1,73 @@
+// Neighbour sampling kernels (sample.hpp): per hop, take counts, edge draws, and the new sources numbered in
+// ascending id through a bitmap over node ids, instead of a chain of ~35 small tensor operations. The kernels are in
+// sample_kernels.cuh; this file checks arguments and launches them.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "pytorch_direct/sample.hpp"
+#include "sample_kernels.cuh"
+#include "shared_cuda/error.hpp"
+
+namespace pytorch_direct {
+namespace {
+
+using namespace sample_kernels;
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+cudaStream_t native(shared_cuda::stream_view s) { return static_cast<cudaStream_t>(s.handle); }
+
+void check_graph(const sample_graph& g) {
+  for (int_code code : {g.colptr_code, g.row_code})
+    SHARED_CUDA_EXPECT(code == 8 || code == 4 || code == 2 || code == 1 || code == -1,
+                       "sampler kernels read int8/16/32/64 or uint8 topology arrays");
+  SHARED_CUDA_EXPECT(g.colptr != nullptr && (g.row != nullptr || g.num_edges == 0), "null topology array");
+  SHARED_CUDA_EXPECT(g.num_nodes >= 0 && g.num_nodes < (std::int64_t{1} << 31),
+                     "sampler kernels number nodes with int32 local ids: at most 2^31 - 1 nodes");
+}
+
+void check_launch() { SHARED_CUDA_TRY(cudaGetLastError()); }
+
+}  // namespace
+
+void sample_take_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots,
+                      const std::int64_t* valid, int fanout, bool replace, std::int32_t* seed_local, std::int64_t* take,
+                      std::int64_t* error, shared_cuda::stream_view stream) {
+  check_graph(g);
+  if (slots <= 0) return;
+  take_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(g, frontier, slots, valid, fanout, replace,
+                                                                  seed_local, take, error);
+  check_launch();
+}
+
+void sample_edges_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
+                       int fanout, bool replace, const std::int64_t* seed, int hop, const std::int32_t* local,
+                       std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos, std::int64_t* src,
+                       std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream) {
+  check_graph(g);
+  if (slots <= 0) return;
+  edges_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(g, frontier, slots, cum, fanout, replace, seed, hop,
+                                                                   local, unseen, first_local, pos, src, dst, error);
+  check_launch();
+}
+
+void sample_popcount_cuda(const std::uint32_t* unseen, std::int64_t words, std::int32_t* counts,
+                          shared_cuda::stream_view stream) {
+  if (words <= 0) return;
+  popcount_kernel<<<blocks_for(words), kThreads, 0, native(stream)>>>(unseen, words, counts);
+  check_launch();
+}
+
+void sample_number_cuda(const std::int64_t* src, std::int64_t edges, const std::uint32_t* unseen,
+                        const std::int64_t* prefix, std::int32_t* local, std::int64_t first_new,
+                        std::int64_t* new_nodes, std::int64_t* src_local, shared_cuda::stream_view stream) {
+  if (edges <= 0) return;
+  number_kernel<<<blocks_for(edges), kThreads, 0, native(stream)>>>(src, edges, unseen, prefix, local, first_new,
+                                                                    new_nodes, src_local);
+  check_launch();
+}
+
+}  // namespace pytorch_direct

@@ -1,0 +1,190 @@
+"""A homogeneous graph's batch of neighbour sampling on a GPU with the package's own kernels (``sample_cuda.cu``):
+per hop four kernels, two sums and one host round trip, instead of the ~35 small tensor operations per hop of the
+TorchScript path (``_sample_script.sample_homogeneous``, the reference, whose results this path matches in every
+guarantee but the random draws themselves).
+
+A hop: (1) each frontier node's take count, min(degree, fan-out) (all with -1, the fan-out with ``replace``), and a
+sum over them; (2) the one host round trip: the hop's edge count, the last hop's new-node count and the kernels'
+error pair; (3) per frontier node one thread draws its in-edges (distinct without replacement: Floyd's algorithm,
+or reservoir sampling where that reads less) with a counter-based hash seeded once per batch from the torch
+generator, writing each edge's CSC position, source and destination local id, and setting a bit per source not in
+the batch yet; (4) a popcount per 32 nodes and its sum give every new source its rank in ascending id, which
+numbers it through the id map ``local`` (no sort). A hop's new nodes are its next frontier, in a buffer of the
+hop's edge count whose valid length the kernels read on the device, so the host learns it in the next round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _core
+
+# element codes of the kernels' integer arrays (sample.hpp's int_code)
+_INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: -1}
+# sample.hpp's sample_error kinds
+_NODE_OUT_OF_RANGE, _BAD_COLPTR, _ROW_OUT_OF_RANGE = 1, 2, 3
+
+
+def unsupported(topology, device: torch.device, blocks) -> str | None:
+    """Why the kernels cannot sample this graph on ``device`` (None: they can)."""
+    if device.type != "cuda":
+        return f"sampling runs on {device}, and the kernels run on a CUDA device"
+    if not _core.kernels_compiled():
+        return "pytorch_direct was built without CUDA kernels (reinstall with nvcc available)"
+    if blocks is not None:
+        return "a heterogeneous graph (edge-type blocks with a fan-out per edge type) is sampled by the torch path"
+    for name in ("colptr", "row"):
+        t = getattr(topology, name)
+        if t.dtype not in _INT_CODES:
+            return f"topology.{name} has dtype {t.dtype}; the kernels read int8/16/32/64 or uint8"
+        if not t.is_contiguous():
+            return f"topology.{name} is not contiguous"
+    if topology.num_nodes >= 2**31:
+        return f"the graph has {topology.num_nodes} nodes; local ids are int32 (at most 2^31 - 1 nodes)"
+    return None
+
+
+class KernelSampler:
+    """The kernels' state for one sampler (one batch at a time, as the sampler's id map): the bitmap of new sources
+    (one bit per node, zero between hops), its popcounts, and the kernels' error pair. Called with the arguments of
+    ``_sample_script.sample_homogeneous`` (whose ``colptr`` and ``row`` must be this sampler's topology's), it
+    returns the same tuple."""
+
+    def __init__(self, topology, device: torch.device) -> None:
+        self.device = device
+        self.colptr = topology.colptr
+        self.row = topology.row
+        self.num_nodes = int(topology.num_nodes)
+        self.num_edges = int(topology.row.numel())
+        # (a unified tensor's pointer is its host address, which the GPU reads under unified addressing)
+        self.graph = (self.colptr.data_ptr(), _INT_CODES[self.colptr.dtype], self.row.data_ptr(),
+                      _INT_CODES[self.row.dtype], self.num_nodes, self.num_edges)
+        self.words = (self.num_nodes + 31) // 32
+        self.unseen = torch.zeros(max(self.words, 1), dtype=torch.int32, device=device)
+        self.counts = torch.empty(max(self.words, 1), dtype=torch.int32, device=device)
+        self.error = torch.zeros(2, dtype=torch.long, device=device)
+        # the kernels' entry points: the compiled module (tests put the kernels run on the CPU in its place)
+        self.core = _core
+
+    def __call__(self, colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor, sentinel: Tensor,
+                 fanouts: list[int], replace: bool, generator: torch.Generator | None, edge_id: Tensor | None,
+                 edge_type: Tensor | None, node_type: Tensor | None):
+        if colptr is not self.colptr or row is not self.row:
+            raise ValueError("the kernel sampler was made for another topology: make a NeighborSampler per topology")
+        try:
+            return self._sample(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
+        except BaseException:
+            # (which id-map entries and bits the batch set is not known here)
+            self.unseen.zero_()
+            self.error.zero_()
+            local.fill_(-1)
+            raise
+
+    def _check(self, kind: int, value: int) -> None:
+        if kind == _NODE_OUT_OF_RANGE:
+            raise IndexError(f"node id {value} is outside [0, {self.num_nodes}): a seed, or a source in "
+                             f"topology.row, is out of range")
+        if kind == _BAD_COLPTR:
+            raise ValueError(f"topology.colptr is not a CSC offset array at node {value}: colptr[{value}] and "
+                             f"colptr[{value} + 1] must satisfy 0 <= colptr[v] <= colptr[v + 1] <= "
+                             f"{self.num_edges} (the number of edges)")
+        if kind == _ROW_OUT_OF_RANGE:
+            raise ValueError(f"topology.row[{value}] holds a node id outside [0, {self.num_nodes}): every source "
+                             f"must be a node of the graph")
+        if kind != 0:
+            raise RuntimeError(f"the sampler kernels reported an unknown error {kind} ({value})")
+
+    def _sample(self, local: Tensor, seeds: Tensor, fanouts: list[int], replace: bool,
+                generator: torch.Generator | None, edge_id: Tensor | None, edge_type: Tensor | None,
+                node_type: Tensor | None):
+        device = self.device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        core = self.core
+        graph = self.graph
+        # the batch's random stream, from the torch generator (stays on the device: no host round trip)
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.long, device=device, generator=generator)
+        seeds = seeds.contiguous()
+        batch = seeds.numel()
+        local_ptr = local.data_ptr()
+        unseen_ptr = self.unseen.data_ptr()
+        error_ptr = self.error.data_ptr()
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        num_nodes = [batch]
+        num_edges: list[int] = []
+        found: list[Tensor] = []  # per hop: its new nodes, then unused slots
+        srcs: list[Tensor] = []
+        dsts: list[Tensor] = []
+        poss: list[Tensor] = []
+        frontier = seeds
+        slots = batch  # the frontier buffer's length
+        pending: Tensor | None = None  # the last hop's new-node count on the device (None: it drew no edge)
+        start = 0  # the local id of the frontier's first node
+        for hop, fanout in enumerate(fanouts):
+            if hop > 0 and pending is None:  # the last hop drew no edge, so found no node
+                num_nodes.append(0)
+                num_edges.append(0)
+                found.append(empty)
+                srcs.append(empty)
+                dsts.append(empty)
+                poss.append(empty)
+                continue
+            take = torch.empty(slots, dtype=torch.long, device=device)
+            valid = 0 if pending is None else pending.data_ptr()
+            core.sample_take_cuda(*graph, frontier.data_ptr(), slots, valid, fanout, replace,
+                                   local_ptr if hop == 0 else 0, take.data_ptr(), error_ptr, stream)
+            cum = torch.cumsum(take, 0)
+            # the hop's one host round trip: its edge count, the kernels' errors, the last hop's new-node count
+            parts = [cum[-1:], self.error] if pending is None else [cum[-1:], self.error, pending]
+            sizes: list[int] = torch.cat(parts).tolist()
+            self._check(sizes[1], sizes[2])
+            taken = sizes[0]
+            if hop > 0:
+                num_nodes.append(sizes[3])
+                start += num_nodes[-2]
+            first_new = start + num_nodes[-1]  # the local id of this hop's first new node
+            if taken == 0:
+                pending = None
+                num_edges.append(0)
+                found.append(empty)
+                srcs.append(empty)
+                dsts.append(empty)
+                poss.append(empty)
+                continue
+            pos = torch.empty(taken, dtype=torch.long, device=device)
+            src = torch.empty(taken, dtype=torch.long, device=device)
+            dst = torch.empty(taken, dtype=torch.long, device=device)
+            core.sample_edges_cuda(*graph, frontier.data_ptr(), slots, cum.data_ptr(), fanout, replace,
+                                    seed.data_ptr(), hop, local_ptr, unseen_ptr, start, pos.data_ptr(),
+                                    src.data_ptr(), dst.data_ptr(), error_ptr, stream)
+            core.sample_popcount_cuda(unseen_ptr, self.words, self.counts.data_ptr(), stream)
+            prefix = torch.cumsum(self.counts, 0, dtype=torch.long)
+            new = torch.empty(taken, dtype=torch.long, device=device)
+            src_local = torch.empty(taken, dtype=torch.long, device=device)
+            core.sample_number_cuda(src.data_ptr(), taken, unseen_ptr, prefix.data_ptr(), local_ptr, first_new,
+                                     new.data_ptr(), src_local.data_ptr(), stream)
+            self.unseen.zero_()
+            pending = prefix[-1:]
+            num_edges.append(taken)
+            found.append(new)
+            srcs.append(src_local)
+            dsts.append(dst)
+            poss.append(pos)
+            frontier = new
+            slots = taken
+        if fanouts:  # the last hop's new-node count (and the last kernels' errors): one more host round trip
+            if pending is None:
+                num_nodes.append(0)
+            else:
+                ends: list[int] = torch.cat([pending, self.error]).tolist()
+                self._check(ends[1], ends[2])
+                num_nodes.append(ends[0])
+        nodes = [seeds] + [found[hop][: num_nodes[hop + 1]] for hop in range(len(found))]
+        n_id = torch.cat(nodes)
+        local.index_fill_(0, n_id, -1)
+        pos = torch.cat(poss) if poss else empty
+        edge_index = torch.stack([torch.cat(srcs), torch.cat(dsts)]) if srcs else empty.view(2, 0)
+        e_id = pos if edge_id is None else edge_id[pos].long()
+        types = None if edge_type is None else edge_type[pos].long()
+        kinds = None if node_type is None else node_type[n_id].long()
+        return n_id, edge_index, e_id, pos, types, kinds, num_nodes, num_edges

@@ -1,0 +1,282 @@
+"""The sampler's CUDA kernels (``cpp/src/sample_kernels.cuh``) against the torch path (the reference): on the CPU,
+the kernels compiled for it (``tests/cpp/emulate_sample.cpp``, every thread run in turn) drive the package's kernel
+sampler (``_sample_cuda.KernelSampler``), so its bookkeeping and the kernels' index math are checked here; on a GPU,
+the real kernels. Both paths must give the same guarantees (every sampled edge exists, exact per-node counts per
+hop, no edge twice without replacement, seeds first then each hop's new nodes in ascending id, ``e_id``, edge and
+node types), not the same random draws; the kernel path must repeat itself under a seeded generator."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_sampling import check_subgraph, csc_from_edges, skewed_edges, skewed_graph
+
+from pytorch_direct import _sample_cuda
+from pytorch_direct.sampling import NeighborSampler, Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+class Emulated:
+    """``_core``'s sample_*_cuda entry points, run by the kernels compiled for the CPU (the stream is ignored)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, i32, flag = ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_bool
+        graph = [ptr, i32, ptr, i32, i64, i64]
+        lib.emulated_take.argtypes = graph + [ptr, i64, ptr, i32, flag, ptr, ptr, ptr]
+        lib.emulated_edges.argtypes = graph + [ptr, i64, ptr, i32, flag, ptr, i32, ptr, ptr, i64, ptr, ptr, ptr,
+                                               ptr]
+        lib.emulated_popcount.argtypes = [ptr, i64, ptr]
+        lib.emulated_number.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
+        self.lib = lib
+        self.launches = 0
+
+    def sample_take_cuda(self, *args):
+        self.launches += 1
+        self.lib.emulated_take(*args[:-1])
+
+    def sample_edges_cuda(self, *args):
+        self.launches += 1
+        self.lib.emulated_edges(*args[:-1])
+
+    def sample_popcount_cuda(self, *args):
+        self.launches += 1
+        self.lib.emulated_popcount(*args[:-1])
+
+    def sample_number_cuda(self, *args):
+        self.launches += 1
+        self.lib.emulated_number(*args[:-1])
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> Emulated:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    lib = tmp_path_factory.mktemp("emulate") / "libemulate_sample.so"
+    build = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-Wall", "-shared", "-fPIC", "-I", str(ROOT / "cpp" / "include"),
+         "-I", str(ROOT / "shared-cuda" / "include"), str(ROOT / "tests" / "cpp" / "emulate_sample.cpp"),
+         "-o", str(lib)],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    return Emulated(ctypes.CDLL(str(lib)))
+
+
+def kernel_sampler(topo: Topology, fanouts, emulated: Emulated | None, **kw) -> NeighborSampler:
+    """A sampler on the kernel path: the real kernels on a GPU (``emulated`` None), else on the CPU through the
+    emulated ones."""
+    if emulated is None:
+        sampler = NeighborSampler(topo, fanouts, kernels=True, **kw)
+        assert sampler.kernels
+        return sampler
+    sampler = NeighborSampler(topo, fanouts, kernels=False, **kw)
+    run = _sample_cuda.KernelSampler(topo, sampler.device)
+    run.core = emulated
+    sampler._kernel_run, sampler._use_kernels, sampler._run = run, True, run
+    return sampler
+
+
+def graphs():
+    """(name, topology): skewed degrees (a hub, nodes without in-edges, multi-edges, self-loops), with typed edges,
+    edge ids and node types; narrow index dtypes; an empty graph part; a chain (every frontier one node)."""
+    src, dst = skewed_edges(300, 2, 4000)
+    skewed = csc_from_edges(src, dst, 300, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    with_ids = Topology(skewed.colptr, skewed.row, edge_type=skewed.edge_type,
+                        edge_id=torch.randperm(skewed.num_edges, generator=gen),
+                        node_type=torch.randint(3, (300,), generator=gen).to(torch.int8))
+    narrow = Topology(skewed.colptr.to(torch.int32), skewed.row.to(torch.int32),
+                      edge_type=skewed.edge_type.to(torch.uint8))
+    # nodes 0..59 have in-edges, 60..299 none; 64 nodes make two bitmap words and a partial third
+    few = csc_from_edges(torch.randint(300, (500,), generator=gen), torch.randint(60, (500,), generator=gen), 300)
+    chain = csc_from_edges(torch.arange(1, 40), torch.arange(0, 39), 40)
+    return [("skewed", skewed), ("ids", with_ids), ("narrow", narrow), ("few", few), ("chain", chain)]
+
+
+SEED_SETS = [torch.tensor([0, 5, 3, 299]), torch.arange(0, 300, 3).flip(0), torch.tensor([3]), torch.tensor([62])]
+
+
+def check_against_reference(topo: Topology, fanout, replace: bool, emulated: Emulated | None, device):
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    ours = kernel_sampler(placed, fanout, emulated, replace=replace, device=device,
+                          generator=torch.Generator(device).manual_seed(1))
+    reference = NeighborSampler(placed, fanout, replace=replace, device=device, kernels=False,
+                                generator=torch.Generator(device).manual_seed(1))
+    for seeds in SEED_SETS:
+        seeds = seeds[seeds < topo.num_nodes]
+        if seeds.numel() == 0:
+            continue
+        sub = ours.sample(seeds.to(device))
+        ref = reference.sample(seeds.to(device))
+        try:  # (check_subgraph reads e_id as CSC positions)
+            check_subgraph(dataclasses.replace(sub, e_id=sub.pos), seeds, topo, fanout, replace)
+        except AssertionError as e:
+            raise AssertionError(f"kernel path, seeds {seeds.tolist()[:8]}...: {e}") from e
+        assert len(sub.num_sampled_nodes) == len(ref.num_sampled_nodes), "hops counted"
+        assert sub.num_sampled_nodes[0] == ref.num_sampled_nodes[0]
+        assert sub.num_sampled_edges[0] == ref.num_sampled_edges[0], "the first hop's counts are not random"
+        if topo.edge_id is not None:
+            assert torch.equal(sub.e_id.cpu(), topo.edge_id[sub.pos.cpu()].long()), "e_id: the edge ids of pos"
+        else:
+            assert torch.equal(sub.e_id, sub.pos), "e_id: the CSC positions"
+        if topo.node_type is not None:
+            assert torch.equal(sub.node_type.cpu(), topo.node_type[sub.n_id.cpu()].long()), "node_type"
+        for name in ("n_id", "edge_index", "e_id", "pos"):
+            assert getattr(sub, name).dtype == getattr(ref, name).dtype == torch.long, name
+        assert bool((ours._local == -1).all()), "the id map is reset after the batch"
+        run = ours._kernel_run
+        assert int(run.unseen.count_nonzero()) == 0 and int(run.error.count_nonzero()) == 0, "the bitmap is reset"
+    if fanout[0] < 0 or all(k < 0 for k in fanout):
+        return
+    # the same generator seed gives the same batch
+    again = kernel_sampler(placed, fanout, emulated, replace=replace, device=device,
+                           generator=torch.Generator(device).manual_seed(1))
+    first = kernel_sampler(placed, fanout, emulated, replace=replace, device=device,
+                           generator=torch.Generator(device).manual_seed(1))
+    seeds = SEED_SETS[1][SEED_SETS[1] < topo.num_nodes].to(device)
+    a, b = first.sample(seeds), again.sample(seeds)
+    for x, y, name in zip(a.tensors(), b.tensors(), ("n_id", "edge_index", "e_id", "types", "kinds", "pos"),
+                          strict=False):
+        assert torch.equal(x, y), f"{name} differs between two samplers seeded alike"
+
+
+FANOUTS = [[4, 3], [1], [-1, 2], [50, 50, 50], [2, -1], [3, 3, 3, 3]]
+
+
+@pytest.mark.parametrize("fanout", FANOUTS)
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("graph", [name for name, _ in graphs()])
+def test_emulated_kernels_keep_the_samplers_guarantees(emulated, graph, fanout, replace):
+    topo = dict(graphs())[graph]
+    check_against_reference(topo, fanout, replace, emulated, CPU)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_emulated_kernels_sample_uniformly(emulated, replace):
+    # one destination with 10 in-edges, 3 drawn (Floyd's algorithm: 9 <= 2 * 10) and one with 40 in-edges, 12
+    # drawn (reservoir sampling: 144 > 80): each edge with probability 0.3, never twice without replacement
+    src = torch.cat([torch.arange(2, 12), torch.arange(12, 52)])
+    dst = torch.cat([torch.zeros(10, dtype=torch.long), torch.ones(40, dtype=torch.long)])
+    topo = csc_from_edges(src, dst, 52)
+    for node, fan, degree in ((0, 3, 10), (1, 12, 40)):
+        sampler = kernel_sampler(topo, [fan], emulated, replace=replace, device=CPU,
+                                 generator=torch.Generator().manual_seed(0))
+        counts = torch.zeros(degree)
+        trials, repeated = 3000, 0
+        base = int(topo.colptr[node])
+        for _ in range(trials):
+            e = sampler.sample(torch.tensor([node])).e_id - base
+            assert e.numel() == fan and bool(((e >= 0) & (e < degree)).all())
+            repeated += e.unique().numel() < fan
+            counts.index_add_(0, e, torch.ones(fan))
+        freq = counts / trials
+        assert bool(((freq - fan / degree).abs() < 0.05).all()), (node, freq)
+        assert (repeated > 0) if replace else (repeated == 0)
+
+
+def test_emulated_kernels_launch_four_kernels_per_hop(emulated):
+    sampler = kernel_sampler(skewed_graph(), [4, 3, 2], emulated, device=CPU)
+    emulated.launches = 0
+    sub = sampler.sample(torch.arange(0, 300, 10))
+    assert all(n > 0 for n in sub.num_sampled_edges)
+    assert emulated.launches == 4 * 3
+
+
+def test_emulated_kernels_name_a_bad_topology(emulated):
+    topo = skewed_graph()
+    bad_row = Topology(topo.colptr, topo.row.clone())
+    bad_row.row[int(topo.colptr[5])] = 300  # node 5's first in-edge comes from no node
+    sampler = kernel_sampler(bad_row, [-1], emulated, device=CPU)
+    with pytest.raises(ValueError, match=r"topology.row\[\d+\] holds a node id outside \[0, 300\)"):
+        sampler.sample(torch.tensor([5]))
+    assert bool((sampler._local == -1).all())
+    assert int(sampler._kernel_run.error.count_nonzero()) == 0, "the error pair is cleared for the next batch"
+    check_subgraph(sampler.sample(torch.tensor([6])), torch.tensor([6]), bad_row, [-1])
+    bad_colptr = Topology(topo.colptr.clone(), topo.row)
+    bad_colptr.colptr[8] = topo.num_edges + 5
+    sampler = kernel_sampler(bad_colptr, [2], emulated, device=CPU)
+    with pytest.raises(ValueError, match="colptr is not a CSC offset array at node 7"):
+        sampler.sample(torch.tensor([7]))
+
+
+def test_the_kernel_path_is_chosen_and_refused_by_name():
+    topo = skewed_graph()
+    assert not NeighborSampler(topo, [2]).kernels  # the CPU: the torch path, silently
+    with pytest.raises(ValueError, match="kernels cannot be used: sampling runs on cpu"):
+        NeighborSampler(topo, [2], kernels=True)
+    assert _sample_cuda.unsupported(topo, torch.device("cuda", 0), None) in (
+        None, "pytorch_direct was built without CUDA kernels (reinstall with nvcc available)")
+    blocks_reason = _sample_cuda.unsupported(topo, torch.device("cuda", 0), object())
+    assert blocks_reason is not None
+
+
+# ---- the real kernels ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fanout", FANOUTS)
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("graph", [name for name, _ in graphs()])
+def test_gpu_kernels_keep_the_samplers_guarantees(graph, fanout, replace):
+    topo = dict(graphs())[graph]
+    check_against_reference(topo, fanout, replace, None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_read_a_unified_topology_zero_copy():
+    gpu = torch.device("cuda")
+    topo = skewed_graph(seed=9)
+    host = topo.placed("host", gpu)
+    sampler = NeighborSampler(host, [5, 3], device=gpu, generator=torch.Generator(gpu).manual_seed(0))
+    assert sampler.kernels
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # as the loader samples: on a side stream
+        subs = [sampler.sample(s.to(gpu)) for s in SEED_SETS]
+    stream.synchronize()
+    for seeds, sub in zip(SEED_SETS, subs, strict=True):
+        check_subgraph(sub, seeds, topo, [5, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replace", [False, True])
+def test_gpu_kernels_sample_uniformly(replace):
+    gpu = torch.device("cuda")
+    src = torch.cat([torch.arange(2, 12), torch.arange(12, 52)])
+    dst = torch.cat([torch.zeros(10, dtype=torch.long), torch.ones(40, dtype=torch.long)])
+    topo = csc_from_edges(src, dst, 52).placed("device", gpu)
+    samplers = {node: NeighborSampler(topo, [fan], replace=replace, device=gpu, kernels=True,
+                                      generator=torch.Generator(gpu).manual_seed(node))
+                for node, fan in ((0, 3), (1, 12))}
+    trials = 3000
+    counts = {0: torch.zeros(10, device=gpu), 1: torch.zeros(40, device=gpu)}
+    for _ in range(trials):
+        for node, fan in ((0, 3), (1, 12)):
+            e = samplers[node].sample(torch.tensor([node], device=gpu)).e_id - int(topo.colptr[node])
+            assert e.numel() == fan
+            if not replace:
+                assert e.unique().numel() == fan, "an edge drawn twice without replacement"
+            counts[node].index_add_(0, e, torch.ones(fan, device=gpu))
+    for node, fan, degree in ((0, 3, 10), (1, 12, 40)):
+        freq = counts[node].cpu() / trials
+        assert bool(((freq - fan / degree).abs() < 0.05).all()), (node, freq)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_name_a_bad_topology():
+    gpu = torch.device("cuda")
+    topo = skewed_graph()
+    row = topo.row.clone()
+    row[int(topo.colptr[5])] = 300
+    sampler = NeighborSampler(Topology(topo.colptr, row).placed("device", gpu), [-1], device=gpu, kernels=True)
+    with pytest.raises(ValueError, match=r"topology.row\[\d+\] holds a node id outside \[0, 300\)"):
+        sampler.sample(torch.tensor([5], device=gpu))
+    assert bool((sampler._local == -1).all())
+    sub = sampler.sample(torch.tensor([6], device=gpu))
+    check_subgraph(sub, torch.tensor([6]), Topology(topo.colptr, row), [-1])

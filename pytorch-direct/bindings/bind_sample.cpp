@@ -1,6 +1,7 @@
 // Bindings for the sampler kernels (sample.hpp). Pointers arrive as ints (tensor.data_ptr(), 0 for none) and the
 // stream as torch.cuda.current_stream().cuda_stream; sizes and dtypes are checked by the Python layer
-// (pytorch_direct._sample_cuda).
+// (pytorch_direct._sample_cuda). Each releases the GIL while it launches (a loader thread's launches then leave the
+// interpreter to the training thread).
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
@@ -33,40 +34,49 @@ sample_graph graph(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, i
 }  // namespace
 
 void bind_sample(nb::module_& m) {
-  m.def("sample_take_cuda",
-        [](std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code, std::int64_t num_nodes,
-           std::int64_t num_edges, std::uintptr_t frontier, std::int64_t slots, std::uintptr_t valid, int fanout,
-           bool replace, std::uintptr_t seed_local, std::uintptr_t take, std::uintptr_t error, std::uintptr_t stream) {
-          sample_take_cuda(graph(colptr, colptr_code, row, row_code, num_nodes, num_edges),
-                           ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(valid), fanout, replace,
-                           ptr<std::int32_t>(seed_local), ptr<std::int64_t>(take), ptr<std::int64_t>(error),
-                           shared_cuda::stream_view::from_address(stream));
-        });
-  m.def("sample_edges_cuda", [](std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code,
-                                std::int64_t num_nodes, std::int64_t num_edges, std::uintptr_t frontier,
-                                std::int64_t slots, std::uintptr_t cum, int fanout, bool replace, std::uintptr_t seed,
-                                int hop, std::uintptr_t local, std::uintptr_t unseen, std::int64_t first_local,
-                                std::uintptr_t pos, std::uintptr_t src, std::uintptr_t dst, std::uintptr_t error,
-                                std::uintptr_t stream) {
-    sample_edges_cuda(graph(colptr, colptr_code, row, row_code, num_nodes, num_edges),
-                      ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(cum), fanout, replace,
-                      ptr<const std::int64_t>(seed), hop, ptr<const std::int32_t>(local), ptr<std::uint32_t>(unseen),
-                      first_local, ptr<std::int64_t>(pos), ptr<std::int64_t>(src), ptr<std::int64_t>(dst),
-                      ptr<std::int64_t>(error), shared_cuda::stream_view::from_address(stream));
-  });
-  m.def("sample_popcount_cuda",
-        [](std::uintptr_t unseen, std::int64_t words, std::uintptr_t counts, std::uintptr_t stream) {
-          sample_popcount_cuda(ptr<const std::uint32_t>(unseen), words, ptr<std::int32_t>(counts),
-                               shared_cuda::stream_view::from_address(stream));
-        });
-  m.def("sample_number_cuda",
-        [](std::uintptr_t src, std::int64_t edges, std::uintptr_t unseen, std::uintptr_t prefix, std::uintptr_t local,
-           std::int64_t first_new, std::uintptr_t new_nodes, std::uintptr_t src_local, std::uintptr_t stream) {
-          sample_number_cuda(ptr<const std::int64_t>(src), edges, ptr<const std::uint32_t>(unseen),
-                             ptr<const std::int64_t>(prefix), ptr<std::int32_t>(local), first_new,
-                             ptr<std::int64_t>(new_nodes), ptr<std::int64_t>(src_local),
+  m.def(
+      "sample_take_cuda",
+      [](std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code, std::int64_t num_nodes,
+         std::int64_t num_edges, std::uintptr_t frontier, std::int64_t slots, std::uintptr_t valid, int fanout,
+         bool replace, std::uintptr_t seed_local, std::uintptr_t take, std::uintptr_t error, std::uintptr_t stream) {
+        sample_take_cuda(graph(colptr, colptr_code, row, row_code, num_nodes, num_edges),
+                         ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(valid), fanout, replace,
+                         ptr<std::int32_t>(seed_local), ptr<std::int64_t>(take), ptr<std::int64_t>(error),
+                         shared_cuda::stream_view::from_address(stream));
+      },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "sample_edges_cuda",
+      [](std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code, std::int64_t num_nodes,
+         std::int64_t num_edges, std::uintptr_t frontier, std::int64_t slots, std::uintptr_t cum, int fanout,
+         bool replace, std::uintptr_t seed, int hop, std::uintptr_t local, std::uintptr_t unseen,
+         std::int64_t first_local, std::uintptr_t pos, std::uintptr_t src, std::uintptr_t dst, std::uintptr_t error,
+         std::uintptr_t stream) {
+        sample_edges_cuda(graph(colptr, colptr_code, row, row_code, num_nodes, num_edges),
+                          ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(cum), fanout, replace,
+                          ptr<const std::int64_t>(seed), hop, ptr<const std::int32_t>(local),
+                          ptr<std::uint32_t>(unseen), first_local, ptr<std::int64_t>(pos), ptr<std::int64_t>(src),
+                          ptr<std::int64_t>(dst), ptr<std::int64_t>(error),
+                          shared_cuda::stream_view::from_address(stream));
+      },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "sample_popcount_cuda",
+      [](std::uintptr_t unseen, std::int64_t words, std::uintptr_t counts, std::uintptr_t stream) {
+        sample_popcount_cuda(ptr<const std::uint32_t>(unseen), words, ptr<std::int32_t>(counts),
                              shared_cuda::stream_view::from_address(stream));
-        });
+      },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "sample_number_cuda",
+      [](std::uintptr_t src, std::int64_t edges, std::uintptr_t unseen, std::uintptr_t prefix, std::uintptr_t local,
+         std::int64_t first_new, std::uintptr_t new_nodes, std::uintptr_t src_local, std::uintptr_t stream) {
+        sample_number_cuda(ptr<const std::int64_t>(src), edges, ptr<const std::uint32_t>(unseen),
+                           ptr<const std::int64_t>(prefix), ptr<std::int32_t>(local), first_new,
+                           ptr<std::int64_t>(new_nodes), ptr<std::int64_t>(src_local),
+                           shared_cuda::stream_view::from_address(stream));
+      },
+      nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace pytorch_direct::bindings

@@ -199,6 +199,8 @@ def test_emulated_kernels_name_a_bad_topology(emulated):
         sampler.sample(torch.tensor([5]))
     assert bool((sampler._local == -1).all())
     assert int(sampler._kernel_run.error.count_nonzero()) == 0, "the error pair is cleared for the next batch"
+    with pytest.raises(ValueError, match="distinct"):  # duplicate seeds: refused before any kernel runs
+        sampler.sample(torch.tensor([1, 2, 1, 2]))
     check_subgraph(sampler.sample(torch.tensor([6])), torch.tensor([6]), bad_row, [-1])
     bad_colptr = Topology(topo.colptr.clone(), topo.row)
     bad_colptr.colptr[8] = topo.num_edges + 5
@@ -254,7 +256,7 @@ def test_gpu_kernels_sample_uniformly(replace):
     samplers = {node: NeighborSampler(topo, [fan], replace=replace, device=gpu, kernels=True,
                                       generator=torch.Generator(gpu).manual_seed(node))
                 for node, fan in ((0, 3), (1, 12))}
-    trials = 3000
+    trials = 2000
     counts = {0: torch.zeros(10, device=gpu), 1: torch.zeros(40, device=gpu)}
     for _ in range(trials):
         for node, fan in ((0, 3), (1, 12)):
@@ -278,5 +280,7 @@ def test_gpu_kernels_name_a_bad_topology():
     with pytest.raises(ValueError, match=r"topology.row\[\d+\] holds a node id outside \[0, 300\)"):
         sampler.sample(torch.tensor([5], device=gpu))
     assert bool((sampler._local == -1).all())
+    with pytest.raises(ValueError, match="distinct"):  # duplicate seeds: refused before any kernel runs
+        sampler.sample(torch.tensor([1, 2, 1, 2], device=gpu))
     sub = sampler.sample(torch.tensor([6], device=gpu))
     check_subgraph(sub, torch.tensor([6]), Topology(topo.colptr, row), [-1])

@@ -1,6 +1,6 @@
 // Neighbour sampling kernels (sample.hpp): per hop, take counts, edge draws, and the new sources numbered in
-// ascending id through a bitmap over node ids, instead of a chain of ~35 small tensor operations. The kernels are in
-// sample_kernels.cuh; this file checks arguments and launches them.
+// ascending id through a bitmap over node ids, instead of a chain of dozens of small tensor operations. The kernels are
+// in sample_kernels.cuh; this file checks arguments and launches them.
 #include <cuda_runtime.h>
 
 #include <cstdint>

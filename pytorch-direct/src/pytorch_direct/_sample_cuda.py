@@ -1,5 +1,5 @@
-"""A homogeneous graph's batch of neighbour sampling on a GPU with the package's own kernels (``sample_cuda.cu``):
-per hop four kernels, two sums and one host round trip, instead of the ~35 small tensor operations per hop of the
+"""A homogeneous graph's batch of neighbour sampling on a GPU with the package's own kernels (``sample_cuda.cu``): per
+hop four kernels, two sums and one host round trip, instead of the dozens of small tensor operations per hop of the
 TorchScript path (``_sample_script.sample_homogeneous``, the reference, whose results this path matches in every
 guarantee but the random draws themselves).
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_sampling import check_subgraph, csc_from_edges, skewed_edges, skewed_graph
 
+import pytorch_direct as pd
 from pytorch_direct import _sample_cuda
 from pytorch_direct.sampling import NeighborSampler, Topology
 
@@ -157,6 +158,20 @@ FANOUTS = [[4, 3], [1], [-1, 2], [50, 50, 50], [2, -1], [3, 3, 3, 3]]
 def test_emulated_kernels_keep_the_samplers_guarantees(emulated, graph, fanout, replace):
     topo = dict(graphs())[graph]
     check_against_reference(topo, fanout, replace, emulated, CPU)
+
+
+def test_emulated_kernels_read_a_unified_topology(emulated):
+    # the kernels take a unified tensor's pointer (its host address); e_id and types are read from unified tensors
+    topo = dict(graphs())["ids"]
+    host = topo.placed("host", CPU)
+    assert all(pd.is_unified(t) for t in host.tensors().values())
+    sampler = kernel_sampler(host, [5, 3], emulated, device=CPU, generator=torch.Generator().manual_seed(2))
+    plain = kernel_sampler(topo, [5, 3], emulated, device=CPU, generator=torch.Generator().manual_seed(2))
+    for seeds in SEED_SETS:
+        sub, ref = sampler.sample(seeds), plain.sample(seeds)
+        check_subgraph(dataclasses.replace(sub, e_id=sub.pos), seeds, topo, [5, 3])
+        for name in ("n_id", "edge_index", "e_id", "edge_type", "node_type"):
+            assert torch.equal(getattr(sub, name), getattr(ref, name)), name
 
 
 @pytest.mark.parametrize("replace", [False, True])

@@ -19,6 +19,7 @@ from test_sampling import check_subgraph, csc_from_edges, skewed_edges, skewed_g
 
 import pytorch_direct as pd
 from pytorch_direct import _sample_cuda
+from pytorch_direct._sample import Blocks
 from pytorch_direct.sampling import NeighborSampler, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +31,10 @@ class Emulated:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32, flag = ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_bool
-        graph = [ptr, i32, ptr, i32, i64, i64]
-        lib.emulated_take.argtypes = graph + [ptr, i64, ptr, i32, flag, ptr, ptr, ptr]
-        lib.emulated_edges.argtypes = graph + [ptr, i64, ptr, i32, flag, ptr, i32, ptr, ptr, i64, ptr, ptr, ptr,
-                                               ptr]
+        graph = [ptr, i32, ptr, i32, i64, i64, ptr, i32, i64]
+        lib.emulated_take.argtypes = graph + [ptr, i64, ptr, i32, ptr, flag, ptr, ptr, ptr]
+        lib.emulated_edges.argtypes = graph + [ptr, i64, ptr, i32, ptr, flag, ptr, i32, ptr, ptr, i64, ptr, ptr,
+                                               ptr, ptr]
         lib.emulated_popcount.argtypes = [ptr, i64, ptr]
         lib.emulated_number.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
         self.lib = lib
@@ -79,7 +80,8 @@ def kernel_sampler(topo: Topology, fanouts, emulated: Emulated | None, **kw) -> 
         assert sampler.kernels
         return sampler
     sampler = NeighborSampler(topo, fanouts, kernels=False, **kw)
-    run = _sample_cuda.KernelSampler(topo, sampler.device)
+    table = sampler._fanout_table if sampler.blocks is not None else None
+    run = _sample_cuda.KernelSampler(topo, sampler.device, table)
     run.core = emulated
     sampler._kernel_run, sampler._use_kernels, sampler._run = run, True, run
     return sampler
@@ -224,15 +226,100 @@ def test_emulated_kernels_name_a_bad_topology(emulated):
         sampler.sample(torch.tensor([7]))
 
 
+def typed_graph(num_nodes=200, edges=3000, types=3, seed=0):
+    """(topology, blocks): one node type, ``types`` edge types; a hub, nodes without in-edges, each node's in-edges
+    grouped by type (the layout of a heterogeneous graph's CSC)."""
+    gen = torch.Generator().manual_seed(seed)
+    src, dst = skewed_edges(num_nodes, seed, edges)
+    etype = torch.randint(types, (edges,), generator=gen)
+    order = torch.argsort(dst * types + etype)
+    colptr = torch.zeros(num_nodes + 1, dtype=torch.long)
+    colptr[1:] = torch.bincount(dst, minlength=num_nodes).cumsum(0)
+    topo = Topology(colptr, src[order].to(torch.int32), edge_type=etype[order].to(torch.int32))
+    return topo, Blocks(node_offset=(0, num_nodes), src_type=(0,) * types, dst_type=(0,) * types)
+
+
+def check_typed(sub, seeds, topo: Topology, table: list[list[int]], replace: bool) -> None:
+    """Every sampled edge exists; per hop, per frontier node and edge type, the fan-out's count of its in-edges of
+    that type; no edge twice without replacement; seeds first, then each hop's new nodes in ascending id."""
+    colptr, row, etype = topo.colptr, topo.row.long(), topo.edge_type.long()
+    sub = sub.to("cpu")
+    n_id, (src_l, dst_l) = sub.n_id, sub.edge_index
+    assert torch.equal(n_id[: sub.batch_size], seeds), "the seeds come first, in order"
+    assert n_id.unique().numel() == n_id.numel(), "every node appears once"
+    assert torch.equal(n_id[src_l], row[sub.pos]), "sources are the sampled edges' sources"
+    assert torch.equal(n_id[dst_l], torch.searchsorted(colptr, sub.pos, right=True) - 1), "destinations"
+    assert torch.equal(sub.edge_type, etype[sub.pos]), "edge types"
+    node_lo, edge_lo = 0, 0
+    for hop, fans in enumerate(table):
+        n_nodes, n_edges = sub.num_sampled_nodes[hop], sub.num_sampled_edges[hop]
+        pos, dsts = sub.pos[edge_lo: edge_lo + n_edges], dst_l[edge_lo: edge_lo + n_edges]
+        for local in range(node_lo, node_lo + n_nodes):
+            v = int(n_id[local])
+            types = etype[colptr[v]: colptr[v + 1]]
+            mine = pos[dsts == local]
+            for t, fan in enumerate(fans):
+                degree = int((types == t).sum())
+                expected = degree if fan < 0 else (fan if degree > 0 else 0) if replace else min(degree, fan)
+                got = int((etype[mine] == t).sum())
+                assert got == expected, f"hop {hop}, node {v}, edge type {t}: {got} edges, expected {expected}"
+        if not replace:
+            assert pos.unique().numel() == pos.numel(), f"hop {hop}: an edge drawn twice"
+        new = n_id[node_lo + n_nodes: node_lo + n_nodes + sub.num_sampled_nodes[hop + 1]]
+        assert torch.equal(new, new.sort().values), f"hop {hop}: new nodes not in ascending id"
+        node_lo, edge_lo = node_lo + n_nodes, edge_lo + n_edges
+
+
+TYPED_FANOUTS = [[[2, -1, 0], [1, 3, 2]], [[5, 5, 5]], [[-1, -1, -1], [0, 1, 0]], [[40, 1, 3], [2, 2, 2], [1, 1, 1]]]
+
+
+def check_typed_against_reference(table, replace: bool, emulated: Emulated | None, device):
+    topo, blocks = typed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    ours = kernel_sampler(placed, table, emulated, replace=replace, device=device, blocks=blocks,
+                          generator=torch.Generator(device).manual_seed(1))
+    reference = NeighborSampler(placed, table, replace=replace, device=device, blocks=blocks, kernels=False,
+                                generator=torch.Generator(device).manual_seed(1))
+    for seeds in (torch.tensor([0, 5, 3, 199]), torch.arange(0, 200, 3).flip(0), torch.tensor([3])):
+        sub, ref = ours.sample(seeds.to(device)), reference.sample(seeds.to(device))
+        check_typed(sub, seeds, topo, table, replace)
+        check_typed(ref, seeds, topo, table, replace)  # (the check itself, on the reference)
+        assert sub.num_sampled_edges[0] == ref.num_sampled_edges[0], "the first hop's counts are not random"
+        assert bool((sub.node_type == 0).all()) and sub.node_type.numel() == sub.n_id.numel(), "node types"
+        assert bool((ours._local == -1).all()), "the id map is reset after the batch"
+
+
+@pytest.mark.parametrize("table", TYPED_FANOUTS)
+@pytest.mark.parametrize("replace", [False, True])
+def test_emulated_typed_kernels_keep_the_samplers_guarantees(emulated, table, replace):
+    check_typed_against_reference(table, replace, emulated, CPU)
+
+
+def test_emulated_typed_kernels_name_a_bad_edge_type(emulated):
+    topo, blocks = typed_graph()
+    types = topo.edge_type.clone()
+    types[int(topo.colptr[0])] = 7
+    bad = Topology(topo.colptr, topo.row, edge_type=types)
+    sampler = kernel_sampler(bad, [[2, 2, 2]], emulated, device=CPU, blocks=blocks)
+    with pytest.raises(ValueError, match=r"topology.edge_type\[\d+\] is outside \[0, 3\)"):
+        sampler.sample(torch.tensor([0]))
+    assert bool((sampler._local == -1).all())
+
+
 def test_the_kernel_path_is_chosen_and_refused_by_name():
     topo = skewed_graph()
     assert not NeighborSampler(topo, [2]).kernels  # the CPU: the torch path, silently
     with pytest.raises(ValueError, match="kernels cannot be used: sampling runs on cpu"):
         NeighborSampler(topo, [2], kernels=True)
-    assert _sample_cuda.unsupported(topo, torch.device("cuda", 0), None) in (
-        None, "pytorch_direct was built without CUDA kernels (reinstall with nvcc available)")
-    blocks_reason = _sample_cuda.unsupported(topo, torch.device("cuda", 0), object())
-    assert blocks_reason is not None
+    compiled = pd._core.kernels_compiled()
+    for blocks in (None, typed_graph()[1]):
+        reason = _sample_cuda.unsupported(topo, torch.device("cuda", 0), blocks)
+        assert reason is None if compiled else "built without CUDA kernels" in reason
+    floats = Topology(topo.colptr, topo.row, edge_type=topo.edge_type)
+    floats.edge_type = floats.edge_type.float()  # (past Topology's own check)
+    if compiled:
+        assert "edge_type has dtype torch.float32" in _sample_cuda.unsupported(floats, torch.device("cuda", 0),
+                                                                               typed_graph()[1])
 
 
 # ---- the real kernels ------------------------------------------------------------------------------------------
@@ -244,6 +331,13 @@ def test_the_kernel_path_is_chosen_and_refused_by_name():
 def test_gpu_kernels_keep_the_samplers_guarantees(graph, fanout, replace):
     topo = dict(graphs())[graph]
     check_against_reference(topo, fanout, replace, None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", TYPED_FANOUTS)
+@pytest.mark.parametrize("replace", [False, True])
+def test_gpu_typed_kernels_keep_the_samplers_guarantees(table, replace):
+    check_typed_against_reference(table, replace, None, torch.device("cuda"))
 
 
 @pytest.mark.gpu

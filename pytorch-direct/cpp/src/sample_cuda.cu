@@ -24,6 +24,9 @@ void check_graph(const sample_graph& g) {
   for (int_code code : {g.colptr_code, g.row_code})
     SHARED_CUDA_EXPECT(code == 8 || code == 4 || code == 2 || code == 1 || code == -1,
                        "sampler kernels read int8/16/32/64 or uint8 topology arrays");
+  SHARED_CUDA_EXPECT(g.edge_type == nullptr || g.edge_type_code == 8 || g.edge_type_code == 4 ||
+                         g.edge_type_code == 2 || g.edge_type_code == 1 || g.edge_type_code == -1,
+                     "sampler kernels read int8/16/32/64 or uint8 edge types");
   SHARED_CUDA_EXPECT(g.colptr != nullptr && (g.row != nullptr || g.num_edges == 0), "null topology array");
   SHARED_CUDA_EXPECT(g.num_nodes >= 0 && g.num_nodes < (std::int64_t{1} << 31),
                      "sampler kernels number nodes with int32 local ids: at most 2^31 - 1 nodes");
@@ -34,23 +37,24 @@ void check_launch() { SHARED_CUDA_TRY(cudaGetLastError()); }
 }  // namespace
 
 void sample_take_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots,
-                      const std::int64_t* valid, int fanout, bool replace, std::int32_t* seed_local, std::int64_t* take,
-                      std::int64_t* error, shared_cuda::stream_view stream) {
+                      const std::int64_t* valid, int fanout, const std::int64_t* fan_row, bool replace,
+                      std::int32_t* seed_local, std::int64_t* take, std::int64_t* error,
+                      shared_cuda::stream_view stream) {
   check_graph(g);
   if (slots <= 0) return;
-  take_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(g, frontier, slots, valid, fanout, replace,
+  take_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(g, frontier, slots, valid, fanout, fan_row, replace,
                                                                   seed_local, take, error);
   check_launch();
 }
 
 void sample_edges_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
-                       int fanout, bool replace, const std::int64_t* seed, int hop, const std::int32_t* local,
-                       std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos, std::int64_t* src,
-                       std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream) {
+                       int fanout, const std::int64_t* fan_row, bool replace, const std::int64_t* seed, int hop,
+                       const std::int32_t* local, std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos,
+                       std::int64_t* src, std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream) {
   check_graph(g);
   if (slots <= 0) return;
-  edges_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(g, frontier, slots, cum, fanout, replace, seed, hop,
-                                                                   local, unseen, first_local, pos, src, dst, error);
+  edges_kernel<<<blocks_for(slots), kThreads, 0, native(stream)>>>(
+      g, frontier, slots, cum, fanout, fan_row, replace, seed, hop, local, unseen, first_local, pos, src, dst, error);
   check_launch();
 }
 

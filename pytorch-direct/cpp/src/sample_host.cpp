@@ -11,13 +11,15 @@ namespace {
 }
 }  // namespace
 
-void sample_take_cuda(const sample_graph&, const std::int64_t*, std::int64_t, const std::int64_t*, int, bool,
-                      std::int32_t*, std::int64_t*, std::int64_t*, shared_cuda::stream_view) {
+void sample_take_cuda(const sample_graph&, const std::int64_t*, std::int64_t, const std::int64_t*, int,
+                      const std::int64_t*, bool, std::int32_t*, std::int64_t*, std::int64_t*,
+                      shared_cuda::stream_view) {
   unavailable();
 }
-void sample_edges_cuda(const sample_graph&, const std::int64_t*, std::int64_t, const std::int64_t*, int, bool,
-                       const std::int64_t*, int, const std::int32_t*, std::uint32_t*, std::int64_t, std::int64_t*,
-                       std::int64_t*, std::int64_t*, std::int64_t*, shared_cuda::stream_view) {
+void sample_edges_cuda(const sample_graph&, const std::int64_t*, std::int64_t, const std::int64_t*, int,
+                       const std::int64_t*, bool, const std::int64_t*, int, const std::int32_t*, std::uint32_t*,
+                       std::int64_t, std::int64_t*, std::int64_t*, std::int64_t*, std::int64_t*,
+                       shared_cuda::stream_view) {
   unavailable();
 }
 void sample_popcount_cuda(const std::uint32_t*, std::int64_t, std::int32_t*, shared_cuda::stream_view) {

@@ -66,47 +66,30 @@ __device__ __forceinline__ bool in_edges(const sample_graph& g, std::int64_t v, 
   return true;
 }
 
-__device__ __forceinline__ std::int64_t take_of(std::int64_t degree, int fanout, bool replace) {
+__device__ __forceinline__ std::int64_t take_of(std::int64_t degree, std::int64_t fanout, bool replace) {
   if (fanout < 0) return degree;
   if (replace) return degree > 0 ? fanout : 0;
   return degree < fanout ? degree : fanout;
 }
 
-__global__ void take_kernel(sample_graph g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* valid,
-                            int fanout, bool replace, std::int32_t* seed_local, std::int64_t* take,
-                            std::int64_t* error) {
-  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= slots) return;
-  std::int64_t n = 0;
-  if (valid == nullptr || i < *valid) {
-    const std::int64_t v = frontier[i];
-    std::int64_t begin = 0;
-    std::int64_t end = 0;
-    if (in_edges(g, v, error, begin, end)) {
-      n = take_of(end - begin, fanout, replace);
-      if (seed_local != nullptr) seed_local[v] = static_cast<std::int32_t>(i);
-    }
+// The end of the run of one edge type that starts at p (< end); its type in `type`, false (and the error recorded)
+// for a type outside [0, num_types).
+__device__ __forceinline__ bool type_run(const sample_graph& g, std::int64_t p, std::int64_t end, std::int64_t* error,
+                                         std::int64_t& type, std::int64_t& stop) {
+  type = load_int(g.edge_type, g.edge_type_code, p);
+  if (type < 0 || type >= g.num_types) {
+    record(error, sample_error::bad_edge_type, p);
+    return false;
   }
-  take[i] = n;
+  stop = p + 1;
+  while (stop < end && load_int(g.edge_type, g.edge_type_code, stop) == type) ++stop;
+  return true;
 }
 
-__global__ void edges_kernel(sample_graph g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
-                             int fanout, bool replace, const std::int64_t* seed, int hop, const std::int32_t* local,
-                             std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos, std::int64_t* src,
-                             std::int64_t* dst, std::int64_t* error) {
-  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= slots) return;
-  const std::int64_t stop = cum[i];
-  const std::int64_t off = i > 0 ? cum[i - 1] : 0;
-  const std::int64_t k = stop - off;
-  if (k <= 0) return;  // (slots with no node, or a node whose range was invalid, take nothing)
-  const std::int64_t v = frontier[i];
-  const std::int64_t begin = load_int(g.colptr, g.colptr_code, v);
-  const std::int64_t degree = load_int(g.colptr, g.colptr_code, v + 1) - begin;
-  // this node's draws: a stream of its own per (batch seed, hop, slot)
-  const std::uint64_t stream = mix(static_cast<std::uint64_t>(*seed) ^
-                                   mix((static_cast<std::uint64_t>(hop) << 48) ^ static_cast<std::uint64_t>(i)));
-  std::int64_t* out = pos + off;  // relative positions in [0, degree) first, made absolute below
+// The draws of k in-edges among `degree` (k = take_of(degree, fanout, replace)) as positions in [0, degree), written
+// to out[0, k): all in order (fan-out -1, or no more in-edges than the fan-out), with replacement, or distinct.
+__device__ __forceinline__ void draw(std::int64_t* out, std::int64_t k, std::int64_t degree, std::int64_t fanout,
+                                     bool replace, std::uint64_t stream) {
   if (fanout < 0 || (!replace && degree <= fanout)) {
     for (std::int64_t j = 0; j < k; ++j) out[j] = j;
   } else if (replace) {
@@ -126,6 +109,76 @@ __global__ void edges_kernel(sample_graph g, const std::int64_t* frontier, std::
     for (std::int64_t j = k; j < degree; ++j) {
       const std::int64_t t = below(stream, j, j + 1);
       if (t < k) out[t] = j;
+    }
+  }
+}
+
+// With typed fan-outs (fan_row: this hop's fan-out per edge type), a node's in-edges fall into runs of one edge type,
+// each drawn from with its type's fan-out; else the node's in-edges are one run with `fanout`.
+__global__ void take_kernel(sample_graph g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* valid,
+                            int fanout, const std::int64_t* fan_row, bool replace, std::int32_t* seed_local,
+                            std::int64_t* take, std::int64_t* error) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= slots) return;
+  std::int64_t n = 0;
+  if (valid == nullptr || i < *valid) {
+    const std::int64_t v = frontier[i];
+    std::int64_t begin = 0;
+    std::int64_t end = 0;
+    if (in_edges(g, v, error, begin, end)) {
+      if (fan_row == nullptr) {
+        n = take_of(end - begin, fanout, replace);
+      } else {
+        for (std::int64_t p = begin; p < end;) {
+          std::int64_t type = 0;
+          std::int64_t stop = 0;
+          if (!type_run(g, p, end, error, type, stop)) {
+            n = 0;
+            break;
+          }
+          n += take_of(stop - p, fan_row[type], replace);
+          p = stop;
+        }
+      }
+      if (seed_local != nullptr) seed_local[v] = static_cast<std::int32_t>(i);
+    }
+  }
+  take[i] = n;
+}
+
+__global__ void edges_kernel(sample_graph g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
+                             int fanout, const std::int64_t* fan_row, bool replace, const std::int64_t* seed, int hop,
+                             const std::int32_t* local, std::uint32_t* unseen, std::int64_t first_local,
+                             std::int64_t* pos, std::int64_t* src, std::int64_t* dst, std::int64_t* error) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= slots) return;
+  const std::int64_t stop = cum[i];
+  const std::int64_t off = i > 0 ? cum[i - 1] : 0;
+  const std::int64_t k = stop - off;
+  if (k <= 0) return;  // (slots with no node, or a node whose range was invalid, take nothing)
+  const std::int64_t v = frontier[i];
+  const std::int64_t begin = load_int(g.colptr, g.colptr_code, v);
+  const std::int64_t end = load_int(g.colptr, g.colptr_code, v + 1);
+  // this node's draws: a stream of its own per (batch seed, hop, slot)
+  const std::uint64_t stream = mix(static_cast<std::uint64_t>(*seed) ^
+                                   mix((static_cast<std::uint64_t>(hop) << 48) ^ static_cast<std::uint64_t>(i)));
+  std::int64_t* out = pos + off;  // positions relative to begin first, made absolute below
+  if (fan_row == nullptr) {
+    draw(out, k, end - begin, fanout, replace, stream);
+  } else {
+    std::int64_t m = 0;  // draws written
+    std::uint64_t run = 0;
+    for (std::int64_t p = begin; p < end && m < k; ++run) {
+      std::int64_t type = 0;
+      std::int64_t run_end = 0;
+      if (!type_run(g, p, end, error, type, run_end)) return;  // (the take kernel saw it too: k is 0 then)
+      const std::int64_t length = run_end - p;
+      std::int64_t kr = take_of(length, fan_row[type], replace);
+      if (kr > k - m) kr = k - m;  // (never: the take kernel counted the same runs)
+      draw(out + m, kr, length, fan_row[type], replace, mix(stream ^ mix(run)));
+      for (std::int64_t j = m; j < m + kr; ++j) out[j] += p - begin;
+      m += kr;
+      p = run_end;
     }
   }
   for (std::int64_t j = 0; j < k; ++j) {

@@ -44,9 +44,9 @@ settings = Settings({
         "SMs a gather/scatter kernel may occupy, so it can overlap training kernels; 0: no cap", "pd.set_max_sms"),
     "sampler": Setting(
         "PYTORCH_DIRECT_SAMPLER", "kernels", choice(*SAMPLERS),
-        "how `NeighborSampler` samples a homogeneous graph (typed edges included) on a GPU: `kernels`, the "
-        "package's CUDA kernels (a few launches and one host round trip per hop); `torch`, a chain of torch "
-        "operations in TorchScript (the path of heterogeneous graphs and of the CPU)", "pd.set_sampler"),
+        "how `NeighborSampler` samples on a GPU: `kernels`, the package's CUDA kernels (a few launches and one "
+        "host round trip per hop); `torch`, a chain of torch operations in TorchScript (the CPU's path)",
+        "pd.set_sampler"),
     "cache_dir": Setting(
         "PYTORCH_DIRECT_CACHE_DIR", lambda: cache_home() / "pytorch_direct", parse_path,
         "where `auto`'s per-machine measurements are stored", "pd.set_cache_dir",

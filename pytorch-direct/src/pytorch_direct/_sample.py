@@ -204,9 +204,9 @@ class NeighborSampler:
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
 
-    On a GPU, a homogeneous graph (typed edges included) is sampled by the package's own CUDA kernels: per hop a
-    few launches and one host round trip (``kernels=True``, the default there, set by ``PYTORCH_DIRECT_SAMPLER``).
-    Otherwise (``kernels=False``, on the CPU, or for a heterogeneous graph) a graph held in GPU or CPU memory is
+    On a GPU, a graph is sampled by the package's own CUDA kernels: per hop a few launches and one host round trip
+    (``kernels=True``, the default there, set by ``PYTORCH_DIRECT_SAMPLER``). Otherwise (``kernels=False``, or on
+    the CPU) a graph held in GPU or CPU memory is
     sampled by one TorchScript function per batch, which runs without holding the GIL (a loader thread then leaves
     the interpreter to the training thread); unified tensors are sampled by the same operations called from Python
     (their reads dispatch through Python; so is everything with ``script=False``, for comparison). The two paths
@@ -305,7 +305,8 @@ class NeighborSampler:
                 raise ValueError(f"the sampler's CUDA kernels cannot be used: {reason} (pass kernels=False, or "
                                  f"set PYTORCH_DIRECT_SAMPLER=torch)")
             if self._kernel_run is None:
-                self._kernel_run = _sample_cuda.KernelSampler(self.topology, self.device)
+                table = self._fanout_table if self.blocks is not None else None
+                self._kernel_run = _sample_cuda.KernelSampler(self.topology, self.device, table)
         self._use_kernels = bool(value)
         self._run = self._kernel_run if self._use_kernels else self._torch_run
 
@@ -327,8 +328,9 @@ class NeighborSampler:
         """With edge-type blocks (see ``_sample_script.sample_typed``)."""
         topo = self.topology
         try:
-            n_id, edge_index, e_id, pos, edge_type, num_nodes, num_edges = _sample_script.run(
-                self._run, topo.colptr, topo.row, topo.edge_type, self._local, seeds, self._sentinel,
+            run = self._run if self._use_kernels else functools.partial(_sample_script.run, self._run)
+            n_id, edge_index, e_id, pos, edge_type, num_nodes, num_edges = run(
+                topo.colptr, topo.row, topo.edge_type, self._local, seeds, self._sentinel,
                 self._fanout_table, self.replace, self.generator, topo.edge_id)
         except BaseException:
             self._local.fill_(-1)  # (which entries the batch set is not known here)

@@ -1,6 +1,6 @@
-"""A homogeneous graph's batch of neighbour sampling on a GPU with the package's own kernels (``sample_cuda.cu``): per
-hop four kernels, two sums and one host round trip, instead of the dozens of small tensor operations per hop of the
-TorchScript path (``_sample_script.sample_homogeneous``, the reference, whose results this path matches in every
+"""A batch of neighbour sampling on a GPU with the package's own kernels (``sample_cuda.cu``): per hop four kernels, two
+sums and one host round trip, instead of the dozens of small tensor operations per hop of the TorchScript path
+(``_sample_script.sample_homogeneous`` and ``sample_typed``, the reference, whose results this path matches in every
 guarantee but the random draws themselves).
 
 A hop: (1) each frontier node's take count, min(degree, fan-out) (all with -1, the fan-out with ``replace``), and a
@@ -11,6 +11,8 @@ generator, writing each edge's CSC position, source and destination local id, an
 the batch yet; (4) a popcount per 32 nodes and its sum give every new source its rank in ascending id, which
 numbers it through the id map ``local`` (no sort). A hop's new nodes are its next frontier, in a buffer of the
 hop's edge count whose valid length the kernels read on the device, so the host learns it in the next round trip.
+With a fan-out per edge type (a heterogeneous graph, each node's in-edges grouped by type), a node's thread counts and
+draws per run of one edge type, with that type's fan-out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from . import _core
 # element codes of the kernels' integer arrays (sample.hpp's int_code)
 _INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: -1}
 # sample.hpp's sample_error kinds
-_NODE_OUT_OF_RANGE, _BAD_COLPTR, _ROW_OUT_OF_RANGE = 1, 2, 3
+_NODE_OUT_OF_RANGE, _BAD_COLPTR, _ROW_OUT_OF_RANGE, _BAD_EDGE_TYPE = 1, 2, 3, 4
 
 
 def unsupported(topology, device: torch.device, blocks) -> str | None:
@@ -32,9 +34,7 @@ def unsupported(topology, device: torch.device, blocks) -> str | None:
         return f"sampling runs on {device}, and the kernels run on a CUDA device"
     if not _core.kernels_compiled():
         return "pytorch_direct was built without CUDA kernels (reinstall with nvcc available)"
-    if blocks is not None:
-        return "a heterogeneous graph (edge-type blocks with a fan-out per edge type) is sampled by the torch path"
-    for name in ("colptr", "row"):
+    for name in ("colptr", "row") + (("edge_type",) if blocks is not None else ()):
         t = getattr(topology, name)
         if t.dtype not in _INT_CODES:
             return f"topology.{name} has dtype {t.dtype}; the kernels read int8/16/32/64 or uint8"
@@ -49,17 +49,25 @@ class KernelSampler:
     """The kernels' state for one sampler (one batch at a time, as the sampler's id map): the bitmap of new sources
     (one bit per node, zero between hops), its popcounts, and the kernels' error pair. Called with the arguments of
     ``_sample_script.sample_homogeneous`` (whose ``colptr`` and ``row`` must be this sampler's topology's), it
-    returns the same tuple."""
+    returns the same tuple; with ``fanout_table`` ([hops, edge types] on the device: a heterogeneous graph's fan-outs
+    per edge type, the topology's in-edges of a node grouped by ``edge_type``), those of
+    ``_sample_script.sample_typed``."""
 
-    def __init__(self, topology, device: torch.device) -> None:
+    def __init__(self, topology, device: torch.device, fanout_table: Tensor | None = None) -> None:
         self.device = device
         self.colptr = topology.colptr
         self.row = topology.row
         self.num_nodes = int(topology.num_nodes)
         self.num_edges = int(topology.row.numel())
+        self.fanout_table = fanout_table
+        typed = fanout_table is not None
+        self.num_types = int(fanout_table.size(1)) if typed else 0
+        edge_type = topology.edge_type if typed else None
         # (a unified tensor's pointer is its host address, which the GPU reads under unified addressing)
         self.graph = (self.colptr.data_ptr(), _INT_CODES[self.colptr.dtype], self.row.data_ptr(),
-                      _INT_CODES[self.row.dtype], self.num_nodes, self.num_edges)
+                      _INT_CODES[self.row.dtype], self.num_nodes, self.num_edges,
+                      edge_type.data_ptr() if typed else 0, _INT_CODES[edge_type.dtype] if typed else 8,
+                      self.num_types)
         self.words = (self.num_nodes + 31) // 32
         self.unseen = torch.zeros(max(self.words, 1), dtype=torch.int32, device=device)
         self.counts = torch.empty(max(self.words, 1), dtype=torch.int32, device=device)
@@ -67,13 +75,18 @@ class KernelSampler:
         # the kernels' entry points: the compiled module (tests put the kernels run on the CPU in its place)
         self.core = _core
 
-    def __call__(self, colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor, sentinel: Tensor,
-                 fanouts: list[int], replace: bool, generator: torch.Generator | None, edge_id: Tensor | None,
-                 edge_type: Tensor | None, node_type: Tensor | None):
+    def __call__(self, colptr: Tensor, row: Tensor, *args):
         if colptr is not self.colptr or row is not self.row:
             raise ValueError("the kernel sampler was made for another topology: make a NeighborSampler per topology")
         try:
-            return self._sample(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
+            if self.fanout_table is None:
+                local, seeds, _, fanouts, replace, generator, edge_id, edge_type, node_type = args
+                return self._sample(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
+            # (sample_typed's arguments: the fan-out table is this sampler's)
+            edge_type, local, seeds, _, _, replace, generator, edge_id = args
+            n_id, edge_index, e_id, pos, types, _, num_nodes, num_edges = self._sample(
+                local, seeds, [0] * self.fanout_table.size(0), replace, generator, edge_id, edge_type, None)
+            return n_id, edge_index, e_id, pos, types, num_nodes, num_edges
         except BaseException:
             # (which id-map entries and bits the batch set is not known here)
             self.unseen.zero_()
@@ -89,6 +102,9 @@ class KernelSampler:
             raise ValueError(f"topology.colptr is not a CSC offset array at node {value}: colptr[{value}] and "
                              f"colptr[{value} + 1] must satisfy 0 <= colptr[v] <= colptr[v + 1] <= "
                              f"{self.num_edges} (the number of edges)")
+        if kind == _BAD_EDGE_TYPE:
+            raise ValueError(f"topology.edge_type[{value}] is outside [0, {self.num_types}): every edge's type must "
+                             f"index the fan-out table's edge types")
         if kind == _ROW_OUT_OF_RANGE:
             raise ValueError(f"topology.row[{value}] holds a node id outside [0, {self.num_nodes}): every source "
                              f"must be a node of the graph")
@@ -102,6 +118,7 @@ class KernelSampler:
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         core = self.core
         graph = self.graph
+        table = self.fanout_table
         # the batch's random stream, from the torch generator (stays on the device: no host round trip)
         seed = torch.randint(0, 2**62, (1,), dtype=torch.long, device=device, generator=generator)
         seeds = seeds.contiguous()
@@ -131,7 +148,9 @@ class KernelSampler:
                 continue
             take = torch.empty(slots, dtype=torch.long, device=device)
             valid = 0 if pending is None else pending.data_ptr()
-            core.sample_take_cuda(*graph, frontier.data_ptr(), slots, valid, fanout, replace,
+            # typed: this hop's row of the fan-out table ([hops, edge types] int64, contiguous)
+            fan_row = 0 if table is None else table.data_ptr() + hop * self.num_types * 8
+            core.sample_take_cuda(*graph, frontier.data_ptr(), slots, valid, fanout, fan_row, replace,
                                    local_ptr if hop == 0 else 0, take.data_ptr(), error_ptr, stream)
             cum = torch.cumsum(take, 0)
             # the hop's one host round trip: its edge count, the kernels' errors, the last hop's new-node count
@@ -154,7 +173,7 @@ class KernelSampler:
             pos = torch.empty(taken, dtype=torch.long, device=device)
             src = torch.empty(taken, dtype=torch.long, device=device)
             dst = torch.empty(taken, dtype=torch.long, device=device)
-            core.sample_edges_cuda(*graph, frontier.data_ptr(), slots, cum.data_ptr(), fanout, replace,
+            core.sample_edges_cuda(*graph, frontier.data_ptr(), slots, cum.data_ptr(), fanout, fan_row, replace,
                                     seed.data_ptr(), hop, local_ptr, unseen_ptr, start, pos.data_ptr(),
                                     src.data_ptr(), dst.data_ptr(), error_ptr, stream)
             core.sample_popcount_cuda(unseen_ptr, self.words, self.counts.data_ptr(), stream)

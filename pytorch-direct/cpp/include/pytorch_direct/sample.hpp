@@ -1,4 +1,4 @@
-// Neighbour sampling kernels: one hop of a homogeneous graph's sampling in a few launches (see sample_cuda.cu).
+// Neighbour sampling kernels: one hop of a graph's sampling in a few launches (see sample_cuda.cu).
 //
 // Pointers are device-readable addresses: GPU memory, or host memory mapped into the GPU (a unified tensor's
 // pointer, under UVA). Integer arrays of the topology come with their element code (int_code below) so that one
@@ -22,6 +22,11 @@ struct sample_graph {
   int_code row_code = 8;
   std::int64_t num_nodes = 0;
   std::int64_t num_edges = 0;
+  // Typed fan-outs only (a heterogeneous graph): each in-edge's type in [0, num_types); a node's in-edges are
+  // grouped by type.
+  const void* edge_type = nullptr;
+  int_code edge_type_code = 8;
+  std::int64_t num_types = 0;
 };
 
 // The first and second words of the error pair (int64 [2], device memory, zero when clean) say what a kernel found
@@ -31,23 +36,27 @@ enum class sample_error : std::int64_t {
   node_out_of_range = 1,  // a frontier node outside [0, num_nodes) (the value)
   bad_colptr = 2,         // colptr[v] > colptr[v + 1], or outside [0, num_edges] (the node v)
   row_out_of_range = 3,   // row[p] outside [0, num_nodes) (the position p)
+  bad_edge_type = 4,      // edge_type[p] outside [0, num_types) (the position p)
 };
 
 // Per frontier slot i < slots: take[i] = the in-edges it draws (0 for slots at or past *valid when valid is set,
 // which hold no node). fanout < 0: all; replace: fanout from each node with in-edges; else min(degree, fanout).
-// With seed_local set (the seeds' hop), also local[frontier[i]] = i.
+// With fan_row set (typed fan-outs: this hop's fan-out per edge type, g.num_types of them), the same per run of one
+// edge type among a node's in-edges, with its type's fan-out. With seed_local set (the seeds' hop), also
+// local[frontier[i]] = i.
 void sample_take_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots,
-                      const std::int64_t* valid, int fanout, bool replace, std::int32_t* seed_local, std::int64_t* take,
-                      std::int64_t* error, shared_cuda::stream_view stream);
+                      const std::int64_t* valid, int fanout, const std::int64_t* fan_row, bool replace,
+                      std::int32_t* seed_local, std::int64_t* take, std::int64_t* error,
+                      shared_cuda::stream_view stream);
 
 // Draws the edges: slot i writes its take[i] edges at [cum[i] - take[i], cum[i]) (cum: the inclusive sum of take):
 // CSC position, source node id and destination local id (first_local + i). Without replacement a node's draws are
 // distinct (uniform among its in-edges); random numbers are a counter-based hash of (*seed, hop, slot, draw). Each
 // source whose local[src] < 0 (not in the batch yet) sets its bit in `unseen` ([ceil(num_nodes / 32)] words).
 void sample_edges_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
-                       int fanout, bool replace, const std::int64_t* seed, int hop, const std::int32_t* local,
-                       std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos, std::int64_t* src,
-                       std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream);
+                       int fanout, const std::int64_t* fan_row, bool replace, const std::int64_t* seed, int hop,
+                       const std::int32_t* local, std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos,
+                       std::int64_t* src, std::int64_t* dst, std::int64_t* error, shared_cuda::stream_view stream);
 
 // counts[w] = popcount(unseen[w]) for the `words` words.
 void sample_popcount_cuda(const std::uint32_t* unseen, std::int64_t words, std::int32_t* counts,

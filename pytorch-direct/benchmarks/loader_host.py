@@ -178,8 +178,8 @@ def sampler_work(sampler, batches: list[torch.Tensor], device: torch.device) -> 
 
 
 # (file, function) of the Python functions whose own time is a call of native code that runs without the lock: the
-# sampler's TorchScript function, the CPU gather's copy
-NATIVE = {("_sample_script.py", "run"), ("_kernels.py", "gather_host")}
+# sampler's TorchScript function, the sampler kernels' batch call, the CPU gather's copy
+NATIVE = {("_sample_script.py", "run"), ("_sample_cuda.py", "_native_batch"), ("_kernels.py", "gather_host")}
 COLUMNS = ("batch_ms", "sampler_ms", "rest_ms", "py_calls", "c_calls", "torch_calls", "python_ms", "sample_ms",
            "aten_ops", "launches", "copies")
 

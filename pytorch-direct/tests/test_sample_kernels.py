@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,8 +38,30 @@ class Emulated:
                                                ptr, ptr]
         lib.emulated_popcount.argtypes = [ptr, i64, ptr]
         lib.emulated_number.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
+        lib.emulated_batch_workspace_bytes.argtypes = [i64, i64, i64]
+        lib.emulated_batch_workspace_bytes.restype = i64
+        lib.emulated_batch.argtypes = graph + [ptr, i64, ptr, i32, ptr, flag, ptr, ptr, ptr, i64, ptr, ptr, i64, i64,
+                                               i64, ptr, ptr, i64, ptr]
+        lib.emulated_last_error.restype = ctypes.c_char_p
         self.lib = lib
         self.launches = 0
+        self.batch_calls = 0
+
+    def sample_batch_workspace_bytes(self, slot_cap, edge_cap, words):
+        return self.lib.emulated_batch_workspace_bytes(slot_cap, edge_cap, words)
+
+    def sample_batch_cuda(self, *args):
+        graph, (seeds, batch, fanouts), rest = args[:9], args[9:12], args[12:-1]
+        hops = len(fanouts)
+        fans = (ctypes.c_int * max(hops, 1))(*fanouts)
+        result = (ctypes.c_int64 * (4 + 2 * hops + 1))()
+        launches = self.lib.emulated_batch(*graph, seeds, batch, ctypes.addressof(fans), hops, *rest,
+                                           ctypes.addressof(result))
+        if launches < 0:  # (as the compiled module raises the library's invalid_argument)
+            raise ValueError(self.lib.emulated_last_error().decode())
+        self.launches += launches
+        self.batch_calls += 1
+        return list(result)
 
     def sample_take_cuda(self, *args):
         self.launches += 1
@@ -201,10 +224,116 @@ def test_emulated_kernels_sample_uniformly(emulated, replace):
 
 def test_emulated_kernels_launch_four_kernels_per_hop(emulated):
     sampler = kernel_sampler(skewed_graph(), [4, 3, 2], emulated, device=CPU)
-    emulated.launches = 0
+    emulated.launches = emulated.batch_calls = 0
     sub = sampler.sample(torch.arange(0, 300, 10))
     assert all(n > 0 for n in sub.num_sampled_edges)
-    assert emulated.launches == 4 * 3
+    # one call into the core for the batch: four kernels per hop, then the id map's reset
+    assert emulated.batch_calls == 1 and emulated.launches == 4 * 3 + 1
+    sampler._kernel_run.one_call = False
+    emulated.launches = emulated.batch_calls = 0
+    sampler.sample(torch.arange(0, 300, 10))
+    assert emulated.batch_calls == 0 and emulated.launches == 4 * 3, "per hop from Python"
+
+
+def aten_ops(fn) -> int:
+    """The torch operations ``fn`` dispatches (outermost ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = 0
+    for event in prof.events():
+        if event.name.startswith("aten::"):
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            ops += parent is None
+    return ops
+
+
+def test_emulated_batch_dispatches_few_torch_operations(emulated):
+    counts = {}
+    for name, topo in graphs()[:2]:  # (without, then with edge ids and node types: gathers after the call)
+        sampler = kernel_sampler(topo, [4, 3, 2], emulated, device=CPU)
+        run = sampler._kernel_run
+        seeds = torch.arange(0, 300, 10)
+        sampler.sample(seeds)  # (the workspace made)
+        for one_call in (True, False):
+            run.one_call = one_call
+            args = (topo.colptr, topo.row, sampler._local, seeds, sampler._sentinel, sampler._hop_fanouts, False,
+                    None, topo.edge_id, topo.edge_type, topo.node_type)
+            counts[name, one_call] = aten_ops(functools.partial(run, *args))
+    # the random seed, the output buffer and its three views (5); then per id or type array a gather, and a
+    # conversion to int64 where it is narrower (skewed: int32 edge types; ids: int64 edge ids, int8 node types too)
+    assert counts["skewed", True] <= 7 and counts["ids", True] <= 10, counts
+    assert counts["skewed", False] > 20, counts
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_emulated_one_call_and_per_hop_draw_the_same_batch(emulated, typed):
+    if typed:
+        topo, blocks = typed_graph()
+        fanout, kw = [[3, 1, 2], [2, -1, 1]], {"blocks": blocks}
+    else:
+        topo, fanout, kw = graphs()[1][1], [4, 3, 2], {}
+    one = kernel_sampler(topo, fanout, emulated, device=CPU, generator=torch.Generator().manual_seed(3), **kw)
+    hops = kernel_sampler(topo, fanout, emulated, device=CPU, generator=torch.Generator().manual_seed(3), **kw)
+    hops._kernel_run.one_call = False
+    for seeds in (torch.arange(0, 200, 7), torch.tensor([3])):
+        a, b = one.sample(seeds), hops.sample(seeds)
+        assert a.num_sampled_nodes == b.num_sampled_nodes and a.num_sampled_edges == b.num_sampled_edges
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert (x is None and y is None) or torch.equal(x, y)
+        assert a.edge_index.is_contiguous()
+
+
+@pytest.mark.parametrize("fanout", [[-1], [-1, -1], [2, -1], [50, 50]])
+def test_emulated_batch_grows_its_capacity_and_runs_again(emulated, fanout):
+    """A hub and fan-out -1: the bound is the capacity, smaller than the batch; the batch stops before drawing past
+    it, and runs again with the same draws on a grown capacity."""
+    topo = skewed_graph()  # (node 0 is a hub)
+    small = kernel_sampler(topo, fanout, emulated, device=CPU, generator=torch.Generator().manual_seed(5))
+    large = kernel_sampler(topo, fanout, emulated, device=CPU, generator=torch.Generator().manual_seed(5))
+    small._kernel_run.edge_capacity = 3
+    seeds = torch.tensor([0, 7, 11])
+    emulated.batch_calls = 0
+    a = small.sample(seeds)
+    assert emulated.batch_calls > 1, "the batch ran again"
+    assert small._kernel_run.edge_capacity >= a.edge_index.size(1) > 3
+    b = large.sample(seeds)
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+    check_subgraph(a, seeds, topo, fanout)
+    assert bool((small._local == -1).all()), "the id map is reset after the batch (and after each stop)"
+    emulated.batch_calls = 0
+    small.sample(seeds)
+    assert emulated.batch_calls == 1, "the grown capacity is kept"
+
+
+def test_emulated_batch_bounds_its_buffers_without_a_round_trip(emulated):
+    topo = skewed_graph()
+    run = kernel_sampler(topo, [4, 3], emulated, device=CPU)._kernel_run
+    assert run._edge_bound(10, [4, 3], False) == 10 * 4 + 10 * 4 * 3
+    assert run._edge_bound(10, [-1], False) == topo.num_edges
+    # (with replacement past the graph's edges; a frontier is at most every node)
+    assert run._edge_bound(10, [100, 100], True) == 10 * 100 + topo.num_nodes * 100
+    assert run._edge_bound(10, [100, 100], False) == 1000 + topo.num_edges
+    run.edge_capacity = 50
+    assert run._edge_bound(10, [4, 3], False) == 50
+    typed, blocks = typed_graph()
+    sampler = kernel_sampler(typed, [[3, 1, 2], [2, -1, 0]], emulated, device=CPU, blocks=blocks)
+    assert sampler._kernel_run._edge_bound(5, [0, 0], False) == 5 * 6 + typed.num_edges
+
+
+def test_emulated_batch_names_bad_buffers(emulated):
+    sampler = kernel_sampler(skewed_graph(), [4, 3], emulated, device=CPU)
+    run = sampler._kernel_run
+    seeds = torch.arange(0, 300, 10)
+    sampler.sample(seeds)
+    run.workspace_bytes //= 2
+    with pytest.raises(ValueError, match="workspace is smaller than sample_batch_workspace_bytes"):
+        sampler.sample(seeds)
+    assert bool((sampler._local == -1).all()) and int(run.unseen.count_nonzero()) == 0
 
 
 def test_emulated_kernels_name_a_bad_topology(emulated):
@@ -377,6 +506,51 @@ def test_gpu_kernels_sample_uniformly(replace):
     for node, fan, degree in ((0, 3, 10), (1, 12, 40)):
         freq = counts[node].cpu() / trials
         assert bool(((freq - fan / degree).abs() < 0.05).all()), (node, freq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("typed", [False, True])
+def test_gpu_one_call_and_per_hop_draw_the_same_batch(typed):
+    gpu = torch.device("cuda")
+    if typed:
+        topo, blocks = typed_graph()
+        fanout, kw = [[3, 1, 2], [2, -1, 1]], {"blocks": blocks}
+    else:
+        topo, fanout, kw = graphs()[1][1], [4, 3, 2], {}
+    placed = topo.placed("device", gpu)
+    one = NeighborSampler(placed, fanout, device=gpu, kernels=True, generator=torch.Generator(gpu).manual_seed(3),
+                          **kw)
+    hops = NeighborSampler(placed, fanout, device=gpu, kernels=True, generator=torch.Generator(gpu).manual_seed(3),
+                           **kw)
+    hops._kernel_run.one_call = False
+    for seeds in (torch.arange(0, 200, 7), torch.tensor([3])):
+        a, b = one.sample(seeds.to(gpu)), hops.sample(seeds.to(gpu))
+        assert a.num_sampled_nodes == b.num_sampled_nodes and a.num_sampled_edges == b.num_sampled_edges
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fanout", [[-1, -1], [50, 50]])
+def test_gpu_batch_grows_its_capacity_and_runs_again(fanout):
+    gpu = torch.device("cuda")
+    topo = skewed_graph()
+    placed = topo.placed("device", gpu)
+    small = NeighborSampler(placed, fanout, device=gpu, kernels=True, generator=torch.Generator(gpu).manual_seed(5))
+    large = NeighborSampler(placed, fanout, device=gpu, kernels=True, generator=torch.Generator(gpu).manual_seed(5))
+    small._kernel_run.edge_capacity = 3
+    seeds = torch.tensor([0, 7, 11], device=gpu)
+    a, b = small.sample(seeds), large.sample(seeds)
+    assert small._kernel_run.edge_capacity >= a.edge_index.size(1) > 3
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+    check_subgraph(a, seeds.cpu(), topo, fanout)
+    assert bool((small._local == -1).all())
+    run = small._kernel_run
+    run.workspace_bytes //= 2
+    with pytest.raises(ValueError, match="workspace is smaller than sample_batch_workspace_bytes"):
+        small.sample(seeds)
+    assert bool((small._local == -1).all()) and int(run.unseen.count_nonzero()) == 0
 
 
 @pytest.mark.gpu

@@ -3,9 +3,12 @@
 // in sample_kernels.cuh; this file checks arguments and launches them.
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cub/device/device_scan.cuh>
 
 #include "pytorch_direct/sample.hpp"
+#include "sample_batch.hpp"
 #include "sample_kernels.cuh"
 #include "shared_cuda/error.hpp"
 
@@ -72,6 +75,76 @@ void sample_number_cuda(const std::int64_t* src, std::int64_t edges, const std::
   number_kernel<<<blocks_for(edges), kThreads, 0, native(stream)>>>(src, edges, unseen, prefix, local, first_new,
                                                                     new_nodes, src_local);
   check_launch();
+}
+
+namespace {
+
+// sample_batch.hpp's Ops on a CUDA stream: the launches above, CUB's device sums, async copies.
+struct cuda_ops {
+  cudaStream_t stream;
+  shared_cuda::stream_view view;
+
+  static std::size_t scan_bytes(std::int64_t slot_cap, std::int64_t words) {
+    std::size_t take_bytes = 0;
+    std::size_t count_bytes = 0;
+    SHARED_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, take_bytes, static_cast<const std::int64_t*>(nullptr),
+                                                  static_cast<std::int64_t*>(nullptr), slot_cap > 0 ? slot_cap : 1));
+    SHARED_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, count_bytes, static_cast<const std::int32_t*>(nullptr),
+                                                  static_cast<std::int64_t*>(nullptr), words > 0 ? words : 1));
+    return take_bytes > count_bytes ? take_bytes : count_bytes;
+  }
+  void take(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* valid,
+            int fanout, const std::int64_t* fan_row, bool replace, std::int32_t* seed_local, std::int64_t* take,
+            std::int64_t* error) {
+    sample_take_cuda(g, frontier, slots, valid, fanout, fan_row, replace, seed_local, take, error, view);
+  }
+  void edges(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots, const std::int64_t* cum,
+             int fanout, const std::int64_t* fan_row, bool replace, const std::int64_t* seed, int hop,
+             const std::int32_t* local, std::uint32_t* unseen, std::int64_t first_local, std::int64_t* pos,
+             std::int64_t* src, std::int64_t* dst, std::int64_t* error) {
+    sample_edges_cuda(g, frontier, slots, cum, fanout, fan_row, replace, seed, hop, local, unseen, first_local, pos,
+                      src, dst, error, view);
+  }
+  void popcount(const std::uint32_t* unseen, std::int64_t words, std::int32_t* counts) {
+    sample_popcount_cuda(unseen, words, counts, view);
+  }
+  void number(const std::int64_t* src, std::int64_t edges, const std::uint32_t* unseen, const std::int64_t* prefix,
+              std::int32_t* local, std::int64_t first_new, std::int64_t* new_nodes, std::int64_t* src_local) {
+    sample_number_cuda(src, edges, unseen, prefix, local, first_new, new_nodes, src_local, view);
+  }
+  void forget(const std::int64_t* n_id, std::int64_t n, std::int32_t* local) {
+    forget_kernel<<<blocks_for(n), kThreads, 0, stream>>>(n_id, n, local);
+    check_launch();
+  }
+  void scan_take(void* scratch, std::size_t bytes, const std::int64_t* in, std::int64_t* out, std::int64_t n) {
+    SHARED_CUDA_TRY(cub::DeviceScan::InclusiveSum(scratch, bytes, in, out, n, stream));
+  }
+  void scan_counts(void* scratch, std::size_t bytes, const std::int32_t* in, std::int64_t* out, std::int64_t n) {
+    SHARED_CUDA_TRY(cub::DeviceScan::InclusiveSum(scratch, bytes, in, out, n, stream));
+  }
+  void copy(void* dst, const void* src, std::int64_t bytes) {
+    SHARED_CUDA_TRY(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
+  }
+  void zero(void* dst, std::int64_t bytes) {
+    SHARED_CUDA_TRY(cudaMemsetAsync(dst, 0, static_cast<std::size_t>(bytes), stream));
+  }
+  void read(void* host, const void* device, std::int64_t bytes) {
+    SHARED_CUDA_TRY(cudaMemcpyAsync(host, device, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToHost, stream));
+  }
+  void wait() { SHARED_CUDA_TRY(cudaStreamSynchronize(stream)); }
+};
+
+}  // namespace
+
+std::size_t sample_batch_workspace_bytes(std::int64_t slot_cap, std::int64_t edge_cap, std::int64_t words) {
+  return sample_batch::workspace_bytes<cuda_ops>(slot_cap, edge_cap, words);
+}
+
+sample_batch_result sample_batch_cuda(const sample_graph& g, const sample_batch_args& a,
+                                      shared_cuda::stream_view stream) {
+  check_graph(g);
+  cuda_ops ops{native(stream), stream};
+  return sample_batch::run(ops, g, a);
 }
 
 }  // namespace pytorch_direct

@@ -29,5 +29,9 @@ void sample_number_cuda(const std::int64_t*, std::int64_t, const std::uint32_t*,
                         std::int64_t, std::int64_t*, std::int64_t*, shared_cuda::stream_view) {
   unavailable();
 }
+std::size_t sample_batch_workspace_bytes(std::int64_t, std::int64_t, std::int64_t) { unavailable(); }
+sample_batch_result sample_batch_cuda(const sample_graph&, const sample_batch_args&, shared_cuda::stream_view) {
+  unavailable();
+}
 }  // namespace pytorch_direct
 #endif

@@ -225,4 +225,10 @@ __global__ void number_kernel(const std::int64_t* src, std::int64_t edges, const
   }
 }
 
+// The id map's reset after a batch: local[n_id[i]] = -1 for its n nodes.
+__global__ void forget_kernel(const std::int64_t* n_id, std::int64_t n, std::int32_t* local) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) local[n_id[i]] = -1;
+}
+
 }  // namespace pytorch_direct::sample_kernels

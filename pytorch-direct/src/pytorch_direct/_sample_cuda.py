@@ -13,6 +13,13 @@ numbers it through the id map ``local`` (no sort). A hop's new nodes are its nex
 hop's edge count whose valid length the kernels read on the device, so the host learns it in the next round trip.
 With a fan-out per edge type (a heterogeneous graph, each node's in-edges grouped by type), a node's thread counts and
 draws per run of one edge type, with that type's fan-out.
+
+A batch is one call into the compiled core (``sample_batch_cuda``), which runs every hop's launches, sums and host
+reads without the Python interpreter lock, so a loader thread leaves the interpreter to the training thread while it
+samples. Its buffers are sized by bounds known without a host round trip (a hop's edges: at most its frontier times
+the fan-out, and at most the graph's edges); where a bound is unknown (fan-out -1) or larger than the sampler's edge
+capacity, the capacity is used, and a batch that needs more stops before drawing past it and runs again, with the
+same random seed, on a capacity grown to twice what it needed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,23 @@ from . import _core
 _INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: -1}
 # sample.hpp's sample_error kinds
 _NODE_OUT_OF_RANGE, _BAD_COLPTR, _ROW_OUT_OF_RANGE, _BAD_EDGE_TYPE = 1, 2, 3, 4
+# sample.hpp's sample_batch_status
+_DONE, _ERROR, _OVERFLOW = 0, 1, 2
+# the edges (over all hops) a sampler's buffers hold at first where a batch's bound is larger or unknown: 4M edges
+# (its workspace and a batch's outputs about 200 MB); grown where a batch needs more
+EDGE_CAPACITY = 1 << 22
+
+
+def _gather(values: Tensor, index: Tensor) -> Tensor:
+    """values[index] as int64 (one torch operation where values are int64 already)."""
+    out = values[index]
+    return out if out.dtype == torch.long else out.long()
+
+
+def _native_batch(core, *args) -> list[int]:
+    """The one call of a batch (its own function so that profiles tell its time, spent without the interpreter
+    lock, from the Python around it)."""
+    return core.sample_batch_cuda(*args)
 
 
 def unsupported(topology, device: torch.device, blocks) -> str | None:
@@ -74,6 +98,18 @@ class KernelSampler:
         self.error = torch.zeros(2, dtype=torch.long, device=device)
         # the kernels' entry points: the compiled module (tests put the kernels run on the CPU in its place)
         self.core = _core
+        # a batch in one call (False: per hop from Python, the launches and sums one by one)
+        self.one_call = True
+        # the per-node draws of each hop at most (None: unbounded, a fan-out of -1), for the buffers' bounds
+        rows = fanout_table.tolist() if typed else None
+        self.typed_fanouts = [0] * len(rows) if typed else []  # (the per-hop fan-out argument: the table's instead)
+        self.hop_bounds = None if rows is None else [None if min(row, default=0) < 0 else sum(row) for row in rows]
+        self.edge_capacity = EDGE_CAPACITY
+        self.workspace = torch.empty(0, dtype=torch.uint8, device=device)
+        self.workspace_caps = (-1, -1)  # (slots, edges) it was sized for
+        self.workspace_bytes = 0
+        # the counts read per hop (pinned, so that the copies into it are asynchronous)
+        self.host = torch.zeros(4, dtype=torch.long, pin_memory=device.type == "cuda")
 
     def __call__(self, colptr: Tensor, row: Tensor, *args):
         if colptr is not self.colptr or row is not self.row:
@@ -85,7 +121,7 @@ class KernelSampler:
             # (sample_typed's arguments: the fan-out table is this sampler's)
             edge_type, local, seeds, _, _, replace, generator, edge_id = args
             n_id, edge_index, e_id, pos, types, _, num_nodes, num_edges = self._sample(
-                local, seeds, [0] * self.fanout_table.size(0), replace, generator, edge_id, edge_type, None)
+                local, seeds, self.typed_fanouts, replace, generator, edge_id, edge_type, None)
             return n_id, edge_index, e_id, pos, types, num_nodes, num_edges
         except BaseException:
             # (which id-map entries and bits the batch set is not known here)
@@ -111,9 +147,76 @@ class KernelSampler:
         if kind != 0:
             raise RuntimeError(f"the sampler kernels reported an unknown error {kind} ({value})")
 
+    def _edge_bound(self, batch: int, fanouts: list[int], replace: bool) -> int:
+        """The batch's edges over all hops at most (from its size and the fan-outs; no host round trip), capped by
+        the sampler's edge capacity."""
+        total = 0
+        frontier = batch
+        for hop, fanout in enumerate(fanouts):
+            per_node = fanout if self.hop_bounds is None else self.hop_bounds[hop]
+            if per_node is not None and per_node < 0:
+                per_node = None
+            # (a frontier past the seeds holds distinct nodes: without replacement at most every edge once)
+            edges = self.num_edges if per_node is None else frontier * per_node
+            if not replace or per_node is None:
+                edges = min(edges, self.num_edges)
+            total += edges
+            if total >= self.edge_capacity:
+                return self.edge_capacity
+            frontier = min(edges, self.num_nodes)
+        return total
+
     def _sample(self, local: Tensor, seeds: Tensor, fanouts: list[int], replace: bool,
                 generator: torch.Generator | None, edge_id: Tensor | None, edge_type: Tensor | None,
                 node_type: Tensor | None):
+        if not self.one_call:
+            return self._sample_per_hop(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
+        device = self.device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        # the batch's random stream, from the torch generator (stays on the device: no host round trip)
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.long, device=device, generator=generator)
+        seeds = seeds.contiguous()
+        batch = seeds.numel()
+        hops = len(fanouts)
+        table = 0 if self.fanout_table is None else self.fanout_table.data_ptr()
+        while True:
+            cap = self._edge_bound(batch, fanouts, replace)
+            slots = max(batch, cap)
+            if slots > self.workspace_caps[0] or cap > self.workspace_caps[1]:
+                caps = (max(slots, self.workspace_caps[0]), max(cap, self.workspace_caps[1]))
+                self.workspace = torch.empty(self.core.sample_batch_workspace_bytes(caps[0], caps[1], self.words),
+                                             dtype=torch.uint8, device=device)
+                self.workspace_caps = caps
+                self.workspace_bytes = self.workspace.numel()
+            node_cap = batch + cap
+            out = torch.empty(node_cap + 3 * cap, dtype=torch.long, device=device)
+            res = _native_batch(
+                self.core, *self.graph, seeds.data_ptr(), batch, fanouts, table, replace, seed.data_ptr(),
+                local.data_ptr(), self.unseen.data_ptr(), self.words, self.error.data_ptr(),
+                self.workspace.data_ptr(), self.workspace_bytes, self.workspace_caps[0], cap,
+                self.host.data_ptr(), out.data_ptr(), node_cap, stream)
+            if res[0] != _OVERFLOW:
+                break
+            # (the call reset the id map; the run again draws the same edges, from the same seed)
+            self.edge_capacity = max(self.edge_capacity, 2 * res[3])
+        if res[0] != _DONE:
+            self._check(res[1], res[2])
+            raise RuntimeError(f"the sampler's batch call ended with status {res[0]}")
+        num_nodes = res[4: 5 + hops]
+        num_edges = res[5 + hops:]
+        nodes = sum(num_nodes)
+        edges = sum(num_edges)
+        # (views of the batch's own buffer: the next batch writes into a new one)
+        n_id = out.narrow(0, 0, nodes)
+        pos = out.narrow(0, node_cap, edges)
+        edge_index = out.as_strided((2, edges), (edges, 1), node_cap + cap)
+        return (n_id, edge_index, pos if edge_id is None else _gather(edge_id, pos), pos,
+                None if edge_type is None else _gather(edge_type, pos),
+                None if node_type is None else _gather(node_type, n_id), num_nodes, num_edges)
+
+    def _sample_per_hop(self, local: Tensor, seeds: Tensor, fanouts: list[int], replace: bool,
+                        generator: torch.Generator | None, edge_id: Tensor | None, edge_type: Tensor | None,
+                        node_type: Tensor | None):
         device = self.device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         core = self.core

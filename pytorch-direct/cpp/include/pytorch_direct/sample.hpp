@@ -6,7 +6,9 @@
 // the entry points throw unavailable_error.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "shared_cuda/stream.hpp"
 
@@ -68,5 +70,52 @@ void sample_popcount_cuda(const std::uint32_t* unseen, std::int64_t words, std::
 void sample_number_cuda(const std::int64_t* src, std::int64_t edges, const std::uint32_t* unseen,
                         const std::int64_t* prefix, std::int32_t* local, std::int64_t first_new,
                         std::int64_t* new_nodes, std::int64_t* src_local, shared_cuda::stream_view stream);
+
+// A whole batch (all hops) in one call: the per-hop kernels above, the two sums per hop, and one host read per hop
+// of the counts (into pinned memory, then a wait on the stream), so the caller does no per-hop work. Buffers come
+// from the caller, sized by upper bounds known without a host round trip; a batch that needs more edges than
+// edge_cap stops before drawing past it (status overflow, the id map reset) so that the caller can grow the
+// buffers and run it again with the same random seed.
+struct sample_batch_args {
+  const std::int64_t* seeds = nullptr;  // [batch] device
+  std::int64_t batch = 0;
+  std::vector<int> fanouts;                 // per hop (ignored where fan_table is set)
+  const std::int64_t* fan_table = nullptr;  // typed fan-outs: [hops, g.num_types] device, int64
+  bool replace = false;
+  const std::int64_t* seed = nullptr;  // the batch's random seed (device, one int64)
+  std::int32_t* local = nullptr;       // the id map: [num_nodes] -1 between batches
+  std::uint32_t* unseen = nullptr;     // [words] bitmap, zero between batches
+  std::int64_t words = 0;
+  std::int64_t* error = nullptr;  // the error pair, zero between batches
+  void* workspace = nullptr;      // sample_batch_workspace_bytes(slot_cap, edge_cap, words) bytes, device
+  std::size_t workspace_bytes = 0;
+  std::int64_t slot_cap = 0;     // >= max(batch, edge_cap)
+  std::int64_t edge_cap = 0;     // the batch's edges over all hops, at most
+  std::int64_t* host = nullptr;  // pinned host memory, 4 int64
+  // The outputs (device, int64, node_cap + 3 * edge_cap): n_id at [0, node_cap) (node_cap >= batch + edge_cap),
+  // the CSC positions at [node_cap, node_cap + edge_cap), then edge_index's rows, [2, E], from node_cap + edge_cap.
+  std::int64_t* out = nullptr;
+  std::int64_t node_cap = 0;
+};
+
+enum class sample_batch_status : std::int64_t { done = 0, error = 1, overflow = 2 };
+
+struct sample_batch_result {
+  sample_batch_status status = sample_batch_status::done;
+  std::int64_t error_kind = 0;  // status error: a sample_error and its value
+  std::int64_t error_value = 0;
+  std::int64_t needed_edges = 0;        // status overflow: the edges through the hop that did not fit, at least
+  std::vector<std::int64_t> num_nodes;  // hops + 1: the seeds, then each hop's new nodes
+  std::vector<std::int64_t> num_edges;  // hops
+};
+
+// The workspace a batch needs (take counts and their sum per frontier slot, the sources and destinations of the
+// edges, popcounts and their sum, the device sums' scratch).
+std::size_t sample_batch_workspace_bytes(std::int64_t slot_cap, std::int64_t edge_cap, std::int64_t words);
+
+// Samples the batch on `stream`, which it waits on once per hop; the outputs are ready on the stream when it returns.
+// On status error the id map, bitmap and error pair hold the batch's partial state (the caller resets them).
+sample_batch_result sample_batch_cuda(const sample_graph& g, const sample_batch_args& a,
+                                      shared_cuda::stream_view stream);
 
 }  // namespace pytorch_direct

@@ -22,7 +22,8 @@ loader's streams, their stream and event work included). Per batch (the mean ove
 ``--top N`` also prints the Python functions by own time per batch.
 
 ``--sampler`` picks the sampler's path (on a GPU: ``both``, the package's CUDA kernels and the torch path, one row
-each; the CPU has the torch path only). Per path, the sampler alone on the same batches (``sampler.sample``):
+each; ``all`` adds the kernels launched hop by hop from Python, as before a batch was one call; the CPU has the
+torch path only). Per path, the sampler alone on the same batches (``sampler.sample``):
 
 - ``sample_ms``: wall time per batch, the GPU's work included (synchronised after the batches);
 - ``aten_ops``: the torch operations it dispatches per batch (outermost ones, from the torch profiler);
@@ -197,9 +198,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="batches made before each pass")
     parser.add_argument("--device", default="cpu", help="where sampling runs and batches arrive: cpu or cuda")
     parser.add_argument("--top", type=int, default=0, help="also print the N Python functions with most own time")
-    parser.add_argument("--sampler", choices=("both", "kernels", "torch"), default="both",
-                        help="the sampler's path: the package's CUDA kernels, the torch path, or both (a row each; "
-                             "the CPU has the torch path only)")
+    parser.add_argument("--sampler", choices=("both", "kernels", "torch", "kernels-per-hop", "all"), default="both",
+                        help="the sampler's path: the package's CUDA kernels (a batch in one call), the torch path, "
+                             "or both (a row each); kernels-per-hop: the kernels launched hop by hop from Python; "
+                             "all: the three (the CPU has the torch path only)")
     parser.add_argument("--csv", default=None, help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -219,16 +221,19 @@ def main(argv: list[str] | None = None) -> dict:
     ahead = device.type == "cuda"
     loader = NeighborLoader(({"x": x, "y": y}, topo), fanout, input_nodes=seeds, batch_size=args.batch_size,
                             shuffle=True, drop_last=True, device=device, prefetch=int(ahead), thread=False, seed=0)
-    paths = ["kernels", "torch"] if args.sampler == "both" else [args.sampler]
+    paths = {"both": ["kernels", "torch"], "all": ["kernels", "kernels-per-hop", "torch"]}.get(args.sampler,
+                                                                                              [args.sampler])
     if device.type != "cuda":
-        if "kernels" in paths and args.sampler == "kernels":
+        if args.sampler.startswith("kernels"):
             raise SystemExit("--sampler kernels needs --device cuda: the sampler's kernels run on a GPU")
         paths = ["torch"]
     batches = [seeds[k: k + args.batch_size].to(device) for k in range(0, args.batches * args.batch_size,
                                                                           args.batch_size)]
     rows = []
     for path in paths:
-        loader.sampler.kernels = path == "kernels"
+        loader.sampler.kernels = path.startswith("kernels")
+        if loader.sampler.kernels:
+            loader.sampler._kernel_run.one_call = path == "kernels"
         row = {"device": str(device), "sampler": path, "batch_size": args.batch_size, "fanout": args.fanout,
                **measure(loader, args.batches, args.warmup, device, args.top),
                **sampler_work(loader.sampler, batches, device)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _core
+from . import _core, _kernels
 
 # element codes of the kernels' integer arrays (sample.hpp's int_code)
 _INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: -1}
@@ -35,9 +35,9 @@ _INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, tor
 _NODE_OUT_OF_RANGE, _BAD_COLPTR, _ROW_OUT_OF_RANGE, _BAD_EDGE_TYPE = 1, 2, 3, 4
 # sample.hpp's sample_batch_status
 _DONE, _ERROR, _OVERFLOW = 0, 1, 2
-# the edges (over all hops) a sampler's buffers hold at first where a batch's bound is larger or unknown: 4M edges
-# (its workspace and a batch's outputs about 200 MB); grown where a batch needs more
-EDGE_CAPACITY = 1 << 22
+# the edges (over all hops) a sampler's buffers hold at first where a batch's bound is larger or unknown: 1M edges
+# (its workspace and a batch's outputs about 32 MB each); grown where a batch needs more
+EDGE_CAPACITY = 1 << 20
 
 
 def _gather(values: Tensor, index: Tensor) -> Tensor:
@@ -108,6 +108,7 @@ class KernelSampler:
         self.workspace = torch.empty(0, dtype=torch.uint8, device=device)
         self.workspace_caps = (-1, -1)  # (slots, edges) it was sized for
         self.workspace_bytes = 0
+        self.last_stream: int | None = None  # the stream of the last batch (its reset of the id map may be pending)
         # the counts read per hop (pinned, so that the copies into it are asynchronous)
         self.host = torch.zeros(4, dtype=torch.long, pin_memory=device.type == "cuda")
 
@@ -172,7 +173,11 @@ class KernelSampler:
         if not self.one_call:
             return self._sample_per_hop(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
         device = self.device
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = _kernels.raw_stream(device) if device.type == "cuda" else 0
+        if stream != self.last_stream and self.last_stream is not None and device.type == "cuda":
+            # (the last batch's id map reset may still run on its stream, and this batch's work would race it)
+            torch.cuda.ExternalStream(self.last_stream, device=device).synchronize()
+        self.last_stream = stream
         # the batch's random stream, from the torch generator (stays on the device: no host round trip)
         seed = torch.randint(0, 2**62, (1,), dtype=torch.long, device=device, generator=generator)
         seeds = seeds.contiguous()

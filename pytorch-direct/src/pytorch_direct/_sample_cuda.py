@@ -24,6 +24,8 @@ same random seed, on a capacity grown to twice what it needed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -195,11 +197,12 @@ class KernelSampler:
                 self.workspace_bytes = self.workspace.numel()
             node_cap = batch + cap
             out = torch.empty(node_cap + 3 * cap, dtype=torch.long, device=device)
-            res = _native_batch(
-                self.core, *self.graph, seeds.data_ptr(), batch, fanouts, table, replace, seed.data_ptr(),
-                local.data_ptr(), self.unseen.data_ptr(), self.words, self.error.data_ptr(),
-                self.workspace.data_ptr(), self.workspace_bytes, self.workspace_caps[0], cap,
-                self.host.data_ptr(), out.data_ptr(), node_cap, stream)
+            with _kernels.on_device(device) if device.type == "cuda" else contextlib.nullcontext():
+                res = _native_batch(
+                    self.core, *self.graph, seeds.data_ptr(), batch, fanouts, table, replace, seed.data_ptr(),
+                    local.data_ptr(), self.unseen.data_ptr(), self.words, self.error.data_ptr(),
+                    self.workspace.data_ptr(), self.workspace_bytes, self.workspace_caps[0], cap,
+                    self.host.data_ptr(), out.data_ptr(), node_cap, stream)
             if res[0] != _OVERFLOW:
                 break
             # (the call reset the id map; the run again draws the same edges, from the same seed)

@@ -95,7 +95,7 @@ void bind_sample(nb::module_& m) {
          std::uintptr_t seeds, std::int64_t batch, std::vector<int> fanouts, std::uintptr_t fan_table, bool replace,
          std::uintptr_t seed, std::uintptr_t local, std::uintptr_t unseen, std::int64_t words, std::uintptr_t error,
          std::uintptr_t workspace, std::size_t workspace_bytes, std::int64_t slot_cap, std::int64_t edge_cap,
-         std::uintptr_t host, std::uintptr_t out, std::int64_t node_cap, std::uintptr_t stream) {
+         std::uintptr_t host, std::uintptr_t out, std::int64_t node_cap, int device, std::uintptr_t stream) {
         sample_batch_args a;
         a.seeds = ptr<const std::int64_t>(seeds);
         a.batch = batch;
@@ -114,6 +114,7 @@ void bind_sample(nb::module_& m) {
         a.host = ptr<std::int64_t>(host);
         a.out = ptr<std::int64_t>(out);
         a.node_cap = node_cap;
+        a.device = device;
         const std::size_t hops = a.fanouts.size();
         const sample_batch_result r = sample_batch_cuda(
             graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types), a,

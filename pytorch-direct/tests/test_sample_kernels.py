@@ -51,7 +51,7 @@ class Emulated:
         return self.lib.emulated_batch_workspace_bytes(slot_cap, edge_cap, words)
 
     def sample_batch_cuda(self, *args):
-        graph, (seeds, batch, fanouts), rest = args[:9], args[9:12], args[12:-1]
+        graph, (seeds, batch, fanouts), rest = args[:9], args[9:12], args[12:-2]  # (no device, no stream)
         hops = len(fanouts)
         fans = (ctypes.c_int * max(hops, 1))(*fanouts)
         result = (ctypes.c_int64 * (4 + 2 * hops + 1))()
@@ -323,6 +323,29 @@ def test_emulated_batch_bounds_its_buffers_without_a_round_trip(emulated):
     typed, blocks = typed_graph()
     sampler = kernel_sampler(typed, [[3, 1, 2], [2, -1, 0]], emulated, device=CPU, blocks=blocks)
     assert sampler._kernel_run._edge_bound(5, [0, 0], False) == 5 * 6 + typed.num_edges
+
+
+def test_the_compiled_batch_call_takes_the_samplers_arguments(emulated):
+    """The compiled module's sample_batch_cuda with the very arguments the sampler passes (only a null workspace):
+    refused for that by its first check, before any CUDA call, so the argument list is checked without a GPU."""
+    sampler = kernel_sampler(skewed_graph(), [4, 3], emulated, device=CPU)
+    run = sampler._kernel_run
+    calls = []
+
+    class Capture:
+        def sample_batch_workspace_bytes(self, *args):
+            return emulated.sample_batch_workspace_bytes(*args)
+
+        def sample_batch_cuda(self, *args):
+            calls.append(args)
+            return emulated.sample_batch_cuda(*args)
+
+    run.core = Capture()
+    sampler.sample(torch.arange(0, 300, 10))
+    args = list(calls[0])
+    args[19] = 0  # (the workspace)
+    with pytest.raises((ValueError, pd.UnavailableError), match="null sampler buffer|without CUDA"):
+        pd._core.sample_batch_cuda(*args)
 
 
 def test_emulated_batch_names_bad_buffers(emulated):

@@ -54,18 +54,18 @@ std::size_t workspace_bytes(std::int64_t slot_cap, std::int64_t edge_cap, std::i
 
 template <class Ops>
 sample_batch_result run(Ops& ops, const sample_graph& g, const sample_batch_args& a) {
-  const std::size_t scan_bytes = Ops::scan_bytes(a.slot_cap, a.words);
-  const layout parts(a.slot_cap, a.edge_cap, a.words, scan_bytes);
-  SHARED_CUDA_EXPECT(a.workspace != nullptr && a.workspace_bytes >= parts.total,
-                     "the sampler's workspace is smaller than sample_batch_workspace_bytes");
   SHARED_CUDA_EXPECT(a.batch >= 0 && a.slot_cap >= a.batch && a.slot_cap >= a.edge_cap && a.edge_cap >= 0,
                      "the sampler's workspace needs a slot per seed and per edge (slot_cap >= batch, edge_cap)");
   SHARED_CUDA_EXPECT(a.node_cap >= a.batch + a.edge_cap, "the batch's n_id needs node_cap >= batch + edge_cap");
-  SHARED_CUDA_EXPECT(a.out != nullptr && a.host != nullptr && a.local != nullptr && a.unseen != nullptr &&
-                         a.error != nullptr && a.seed != nullptr && a.words >= 1,
-                     "null sampler buffer");
+  SHARED_CUDA_EXPECT(a.workspace != nullptr && a.out != nullptr && a.host != nullptr && a.local != nullptr &&
+                         a.unseen != nullptr && a.error != nullptr && a.seed != nullptr && a.words >= 1,
+                     "null sampler buffer (workspace, outputs, host counts, id map, bitmap, error pair or seed)");
   SHARED_CUDA_EXPECT(a.fan_table != nullptr || g.edge_type == nullptr,
                      "a graph with edge types is sampled with a fan-out table");
+  const std::size_t scan_bytes = Ops::scan_bytes(a.slot_cap, a.words);
+  const layout parts(a.slot_cap, a.edge_cap, a.words, scan_bytes);
+  SHARED_CUDA_EXPECT(a.workspace_bytes >= parts.total,
+                     "the sampler's workspace is smaller than sample_batch_workspace_bytes");
   auto* take = at<std::int64_t>(a.workspace, parts.take);
   auto* cum = at<std::int64_t>(a.workspace, parts.cum);
   auto* src = at<std::int64_t>(a.workspace, parts.src);

@@ -140,9 +140,35 @@ std::size_t sample_batch_workspace_bytes(std::int64_t slot_cap, std::int64_t edg
   return sample_batch::workspace_bytes<cuda_ops>(slot_cap, edge_cap, words);
 }
 
+namespace {
+
+// Makes `device` current for a scope (nothing when it is already, or for -1), and restores the previous one.
+class device_scope {
+ public:
+  explicit device_scope(int device) {
+    if (device < 0) return;
+    SHARED_CUDA_TRY(cudaGetDevice(&previous_));
+    if (previous_ == device) return;
+    SHARED_CUDA_TRY(cudaSetDevice(device));
+    switched_ = true;
+  }
+  ~device_scope() {
+    if (switched_) cudaSetDevice(previous_);  // (a destructor does not throw: a failure here leaves it current)
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+};
+
+}  // namespace
+
 sample_batch_result sample_batch_cuda(const sample_graph& g, const sample_batch_args& a,
                                       shared_cuda::stream_view stream) {
   check_graph(g);
+  const device_scope scope(a.device);
   cuda_ops ops{native(stream), stream};
   return sample_batch::run(ops, g, a);
 }

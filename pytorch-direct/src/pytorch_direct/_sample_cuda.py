@@ -24,12 +24,10 @@ same random seed, on a capacity grown to twice what it needed.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
-from . import _core, _kernels
+from . import _core
 
 # element codes of the kernels' integer arrays (sample.hpp's int_code)
 _INT_CODES = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: -1}
@@ -80,7 +78,10 @@ class KernelSampler:
     ``_sample_script.sample_typed``."""
 
     def __init__(self, topology, device: torch.device, fanout_table: Tensor | None = None) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self.device_index = device.index if device.type == "cuda" else -1
         self.colptr = topology.colptr
         self.row = topology.row
         self.num_nodes = int(topology.num_nodes)
@@ -107,6 +108,7 @@ class KernelSampler:
         self.typed_fanouts = [0] * len(rows) if typed else []  # (the per-hop fan-out argument: the table's instead)
         self.hop_bounds = None if rows is None else [None if min(row, default=0) < 0 else sum(row) for row in rows]
         self.edge_capacity = EDGE_CAPACITY
+        self.bounds: dict[tuple, int] = {}  # (batch size, replace, fan-outs): _edge_bound's, as batches repeat them
         self.workspace = torch.empty(0, dtype=torch.uint8, device=device)
         self.workspace_caps = (-1, -1)  # (slots, edges) it was sized for
         self.workspace_bytes = 0
@@ -175,7 +177,8 @@ class KernelSampler:
         if not self.one_call:
             return self._sample_per_hop(local, seeds, fanouts, replace, generator, edge_id, edge_type, node_type)
         device = self.device
-        stream = _kernels.raw_stream(device) if device.type == "cuda" else 0
+        # (torch's raw getter: the sampler's device has its index, made at the sampler's start)
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
         if stream != self.last_stream and self.last_stream is not None and device.type == "cuda":
             # (the last batch's id map reset may still run on its stream, and this batch's work would race it)
             torch.cuda.ExternalStream(self.last_stream, device=device).synchronize()
@@ -187,7 +190,10 @@ class KernelSampler:
         hops = len(fanouts)
         table = 0 if self.fanout_table is None else self.fanout_table.data_ptr()
         while True:
-            cap = self._edge_bound(batch, fanouts, replace)
+            key = (batch, replace, *fanouts)
+            cap = self.bounds.get(key)
+            if cap is None:
+                cap = self.bounds[key] = self._edge_bound(batch, fanouts, replace)
             slots = max(batch, cap)
             if slots > self.workspace_caps[0] or cap > self.workspace_caps[1]:
                 caps = (max(slots, self.workspace_caps[0]), max(cap, self.workspace_caps[1]))
@@ -197,16 +203,16 @@ class KernelSampler:
                 self.workspace_bytes = self.workspace.numel()
             node_cap = batch + cap
             out = torch.empty(node_cap + 3 * cap, dtype=torch.long, device=device)
-            with _kernels.on_device(device) if device.type == "cuda" else contextlib.nullcontext():
-                res = _native_batch(
-                    self.core, *self.graph, seeds.data_ptr(), batch, fanouts, table, replace, seed.data_ptr(),
-                    local.data_ptr(), self.unseen.data_ptr(), self.words, self.error.data_ptr(),
-                    self.workspace.data_ptr(), self.workspace_bytes, self.workspace_caps[0], cap,
-                    self.host.data_ptr(), out.data_ptr(), node_cap, stream)
+            res = _native_batch(
+                self.core, *self.graph, seeds.data_ptr(), batch, fanouts, table, replace, seed.data_ptr(),
+                local.data_ptr(), self.unseen.data_ptr(), self.words, self.error.data_ptr(),
+                self.workspace.data_ptr(), self.workspace_bytes, self.workspace_caps[0], cap,
+                self.host.data_ptr(), out.data_ptr(), node_cap, self.device_index, stream)
             if res[0] != _OVERFLOW:
                 break
             # (the call reset the id map; the run again draws the same edges, from the same seed)
             self.edge_capacity = max(self.edge_capacity, 2 * res[3])
+            self.bounds.clear()
         if res[0] != _DONE:
             self._check(res[1], res[2])
             raise RuntimeError(f"the sampler's batch call ended with status {res[0]}")

@@ -96,6 +96,7 @@ struct sample_batch_args {
   // the CSC positions at [node_cap, node_cap + edge_cap), then edge_index's rows, [2, E], from node_cap + edge_cap.
   std::int64_t* out = nullptr;
   std::int64_t node_cap = 0;
+  int device = -1;  // the CUDA device the buffers and the stream are on (made current for the call; -1: current)
 };
 
 enum class sample_batch_status : std::int64_t { done = 0, error = 1, overflow = 2 };

@@ -242,6 +242,7 @@ def make_loader(impl: str, topology, table, labels, cfg: TrainConfig, seeds: tor
                             shuffle=shuffle, drop_last=shuffle, device=device, unify=impl == "toolkit",
                             prepare=prepare, prepare_when_ahead=when_ahead, seed=seed, **options)
     if way.endswith("-python"):
+        loader.sampler.kernels = False  # (the torch path, whose operations then run from Python)
         loader.sampler.script = False
     return loader
 

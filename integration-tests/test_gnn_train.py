@@ -290,6 +290,7 @@ def _toolkit_batch_work(relations: int) -> tuple[int, int]:
     tolist, lists = torch.Tensor.tolist, []
     try:
         torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)
+        loader.sampler.kernels = False
         loader.sampler.script = False
         with Count() as python:
             loader.make(positions)

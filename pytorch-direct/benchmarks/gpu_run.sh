@@ -11,9 +11,11 @@
 #   PD_STEPS=bench PD_BENCH_ARGS="--table-gib 16 --row-bytes 64 1024" bash pytorch-direct/benchmarks/gpu_run.sh
 # PD_PYTEST_K selects GPU tests by a pytest -k expression, passed as one argument (spaces allowed: "dedupe or auto";
 # PD_PYTEST_ARGS is split at spaces, so an expression there must have none: "a|b" is rejected by pytest, and no test
-# runs). PD_TESTS_TIMEOUT, PD_CACHE_TIMEOUT, PD_FIRST_USE_TIMEOUT and PD_BENCH_TIMEOUT cap the steps (200, 125, 120
-# and 200 s; on an H100 host the tests ran past 170 s, the cache step took 55 s, first use 60 s where it finished,
-# the gather step 130 s: ~8 minutes in all).
+# runs). PD_TESTS_TIMEOUT, PD_LOADER_TIMEOUT, PD_CACHE_TIMEOUT, PD_FIRST_USE_TIMEOUT and PD_BENCH_TIMEOUT cap the
+# steps (280, 150, 125, 120 and 200 s; on an H100 host the tests ran past 170 s before the sampler kernels' tests were
+# added, the cache step took 55 s, first use 60 s where it finished, the gather step 130 s). "tests loader" alone fits
+# one 10-minute call; the loader step measures the sampler's paths (the CUDA kernels, a batch in one call; the same
+# kernels launched hop by hop from Python; the torch path).
 set -u
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -26,7 +28,7 @@ STEPS=${PD_STEPS:-"tests loader cache firstuse bench"}
 BENCH_ARGS=${PD_BENCH_ARGS:-"--table-gib 1 16 --row-bytes 64 256 1024 --patterns uniform sorted zipf1.2 --repeats 3 --fresh-check 0 --budget-s 110"}
 CACHE_ARGS=${PD_CACHE_ARGS:-"--table-gib 32 --row-bytes 256"}
 # the GNN loader at the large training preset's batch shape (1024 seeds, fan-outs 15, 10; a smaller graph)
-LOADER_ARGS=${PD_LOADER_ARGS:-"--device cuda --nodes 2000000 --batches 30 --top 30"}
+LOADER_ARGS=${PD_LOADER_ARGS:-"--device cuda --nodes 2000000 --batches 30 --top 30 --sampler all"}
 # (its own budget stops it before the step's time limit: what it measured is printed and written as it goes)
 FIRST_USE_ARGS=${PD_FIRST_USE_ARGS:-"--table-gib 64 --budget-s 95"}
 TIMEOUT_ARG=""
@@ -51,7 +53,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
   # Full output (-v: one line per test as it finishes) into the log; the tail (summary, tracebacks, slowest tests)
   # on the console. --maxfail: a kernel fault poisons the CUDA context and would fail every later test.
   # shellcheck disable=SC2086
-  timeout "${PD_TESTS_TIMEOUT:-200}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
+  timeout "${PD_TESTS_TIMEOUT:-280}" python3 -m pytest -m gpu pytorch-direct/tests -v -p no:cacheprovider --maxfail=15 \
     --tb=short --durations=10 $TIMEOUT_ARG ${PD_PYTEST_K:+-k "$PD_PYTEST_K"} ${PD_PYTEST_ARGS:-} > "$TESTS_TXT" 2>&1
   tests_rc=$?
   # pytest exit codes 2-4 (interrupted, internal error, usage error such as a bad -k expression) and 5 (nothing
@@ -75,7 +77,7 @@ loader_rc=0
 if [[ " $STEPS " == *" loader "* ]]; then
   echo "== pytorch-direct GNN loader host work per batch ($(date -u +%H:%M:%S)): $LOADER_ARGS" | tee -a "$LOG"
   # shellcheck disable=SC2086
-  timeout "${PD_LOADER_TIMEOUT:-90}" python3 pytorch-direct/benchmarks/loader_host.py $LOADER_ARGS \
+  timeout "${PD_LOADER_TIMEOUT:-150}" python3 pytorch-direct/benchmarks/loader_host.py $LOADER_ARGS \
     --csv "$OUT/pytorch-direct-loader-host.csv" 2>&1 | tee -a "$LOG"
   loader_rc=${PIPESTATUS[0]}
   echo "== loader benchmark exit code: $loader_rc (124: timed out) ($(date -u +%H:%M:%S))" | tee -a "$LOG"

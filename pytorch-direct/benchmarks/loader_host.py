@@ -20,6 +20,15 @@ loader's streams, their stream and event work included). Per batch (the mean ove
   inflation before and after a change): the interpreted work, all of it with the lock held.
 
 ``--top N`` also prints the Python functions by own time per batch.
+
+``--sampler`` picks the sampler's path (on a GPU: ``both``, the package's CUDA kernels and the torch path, one row
+each; ``all`` adds the kernels launched hop by hop from Python, as before a batch was one call; the CPU has the
+torch path only). Per path, the sampler alone on the same batches (``sampler.sample``):
+
+- ``sample_ms``: wall time per batch, the GPU's work included (synchronised after the batches);
+- ``aten_ops``: the torch operations it dispatches per batch (outermost ones, from the torch profiler);
+- ``launches`` / ``copies``: the kernels it launches (the package's own included) and the memory copies and fills
+  it queues per batch, from the profiler's CUDA runtime calls.
 """
 
 from __future__ import annotations
@@ -134,10 +143,46 @@ def measure(loader, batches: int, warmup: int, device: torch.device, top: int = 
             "torch_calls": counts["torch"] / batches, "python_ms": python_s * 1e3}
 
 
+def sampler_work(sampler, batches: list[torch.Tensor], device: torch.device) -> dict:
+    """The sampler alone on ``batches`` of seeds (see the module docstring): wall time per batch, and the torch
+    operations, kernel launches and copies per batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for seeds in batches[:2]:  # (first-call work out of the way)
+        sampler.sample(seeds, check=False)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    sync(device)
+    start = time.perf_counter()
+    for seeds in batches:
+        sampler.sample(seeds, check=False)
+    sync(device)
+    sample_s = (time.perf_counter() - start) / len(batches)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for seeds in batches:
+            sampler.sample(seeds, check=False)
+        sync(device)
+    ops = launches = copies = 0
+    for event in prof.events():
+        name = event.name
+        if name.startswith("aten::"):
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            ops += parent is None
+        elif name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")):
+            launches += 1
+        elif name.startswith(("cudaMemcpy", "cudaMemset")):
+            copies += 1
+    n = len(batches)
+    return {"sample_ms": sample_s * 1e3, "aten_ops": ops / n, "launches": launches / n, "copies": copies / n}
+
+
 # (file, function) of the Python functions whose own time is a call of native code that runs without the lock: the
-# sampler's TorchScript function, the CPU gather's copy
-NATIVE = {("_sample_script.py", "run"), ("_kernels.py", "gather_host")}
-COLUMNS = ("batch_ms", "sampler_ms", "rest_ms", "py_calls", "c_calls", "torch_calls", "python_ms")
+# sampler's TorchScript function, the sampler kernels' batch call, the CPU gather's copy
+NATIVE = {("_sample_script.py", "run"), ("_sample_cuda.py", "_native_batch"), ("_kernels.py", "gather_host")}
+COLUMNS = ("batch_ms", "sampler_ms", "rest_ms", "py_calls", "c_calls", "torch_calls", "python_ms", "sample_ms",
+           "aten_ops", "launches", "copies")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -153,7 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="batches made before each pass")
     parser.add_argument("--device", default="cpu", help="where sampling runs and batches arrive: cpu or cuda")
     parser.add_argument("--top", type=int, default=0, help="also print the N Python functions with most own time")
-    parser.add_argument("--csv", default=None, help="write the row here")
+    parser.add_argument("--sampler", choices=("both", "kernels", "torch", "kernels-per-hop", "all"), default="both",
+                        help="the sampler's path: the package's CUDA kernels (a batch in one call), the torch path, "
+                             "or both (a row each); kernels-per-hop: the kernels launched hop by hop from Python; "
+                             "all: the three (the CPU has the torch path only)")
+    parser.add_argument("--csv", default=None, help="write the rows here")
     args = parser.parse_args(argv)
 
     import pytorch_direct as pd
@@ -172,17 +221,34 @@ def main(argv: list[str] | None = None) -> dict:
     ahead = device.type == "cuda"
     loader = NeighborLoader(({"x": x, "y": y}, topo), fanout, input_nodes=seeds, batch_size=args.batch_size,
                             shuffle=True, drop_last=True, device=device, prefetch=int(ahead), thread=False, seed=0)
-    row = {"device": str(device), "batch_size": args.batch_size, "fanout": args.fanout,
-           **measure(loader, args.batches, args.warmup, device, args.top)}
-    print(f"| {' | '.join(COLUMNS)} |")
-    print(f"|{'---:|' * len(COLUMNS)}")
-    print(f"| {' | '.join(f'{row[c]:.3f}' if c.endswith('_ms') else f'{row[c]:.0f}' for c in COLUMNS)} |")
+    paths = {"both": ["kernels", "torch"], "all": ["kernels", "kernels-per-hop", "torch"]}.get(args.sampler,
+                                                                                              [args.sampler])
+    if device.type != "cuda":
+        if args.sampler.startswith("kernels"):
+            raise SystemExit("--sampler kernels needs --device cuda: the sampler's kernels run on a GPU")
+        paths = ["torch"]
+    batches = [seeds[k: k + args.batch_size].to(device) for k in range(0, args.batches * args.batch_size,
+                                                                          args.batch_size)]
+    rows = []
+    for path in paths:
+        loader.sampler.kernels = path.startswith("kernels")
+        if loader.sampler.kernels:
+            loader.sampler._kernel_run.one_call = path == "kernels"
+        row = {"device": str(device), "sampler": path, "batch_size": args.batch_size, "fanout": args.fanout,
+               **measure(loader, args.batches, args.warmup, device, args.top),
+               **sampler_work(loader.sampler, batches, device)}
+        rows.append(row)
+    print(f"| sampler | {' | '.join(COLUMNS)} |")
+    print(f"|---|{'---:|' * len(COLUMNS)}")
+    for row in rows:
+        cells = (f"{row[c]:.3f}" if c.endswith("_ms") else f"{row[c]:.0f}" for c in COLUMNS)
+        print(f"| {row['sampler']} | {' | '.join(cells)} |")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row))
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerow(row)
-    return row
+            writer.writerows(rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ LAYERS = [
     ("_auto",),       # auto in this process: features per call kind, decide, measure, record
     ("_ops",),        # custom ops + autograd: decide, then run
     ("_tensor",),     # the UnifiedTensor subclass
-    ("_create", "_sample_script"),  # public factories; the sampler's homogeneous batch as one TorchScript function
+    ("_create", "_sample_script", "_sample_cuda"),  # public factories; the sampler's homogeneous batch as one
+    # TorchScript function, and as the package's CUDA kernels
     ("_sharing", "_sample"),  # _sample: the neighbour sampler
     ("_topology",),   # PyG data and stores taken apart for the sampler
     ("pyg",),

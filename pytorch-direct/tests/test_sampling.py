@@ -803,7 +803,7 @@ def test_the_torchscript_path_on_the_gpu_gives_the_python_paths_batches():
     batches = []
     for script in (True, False):
         gen = torch.Generator("cuda").manual_seed(3)
-        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen, script=script)
+        sampler = NeighborSampler(topo, [6, 3], device="cuda", generator=gen, script=script, kernels=False)
         assert sampler.script is script
         with torch.cuda.stream(stream):  # as the loader samples: on a side stream
             batches.append([sampler.sample(torch.arange(0, 300, k).cuda()) for k in (5, 7)])
@@ -931,9 +931,13 @@ def test_loader_host_benchmark_runs_on_the_cpu(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "loader_host.csv"
-    row = bench.main(["--nodes", "3000", "--batch-size", "64", "--batches", "3", "--warmup", "1", "--top", "3",
-                      "--csv", str(out)])
+    rows = bench.main(["--nodes", "3000", "--batch-size", "64", "--batches", "3", "--warmup", "1", "--top", "3",
+                       "--csv", str(out)])
+    assert [r["sampler"] for r in rows] == ["torch"], "the CPU has the torch path only"
+    row = rows[0]
     assert row["batch_ms"] >= row["sampler_ms"] > 0 and row["py_calls"] > 0 and row["python_ms"] > 0
+    # the sampler alone: TorchScript's operations are seen by the profiler (some 35 per hop)
+    assert row["sample_ms"] > 0 and 20 < row["aten_ops"] < 400 and row["launches"] == 0, row
     # a batch's host work is a fixed, small number of Python calls (it was 138 before the loader's Python was cut)
     assert row["py_calls"] < 100, row
     text = capsys.readouterr().out

@@ -23,6 +23,7 @@ from ._config import (
     set_calibration,
     set_host_spin_us,
     set_max_sms,
+    set_sampler,
     set_threads,
     settings,
 )
@@ -43,8 +44,8 @@ __all__ = [
     "__version__", "auto_status", "cached", "calibrate", "check_errors", "count_rows", "cuda_usable", "empty",
     "flush", "from_file", "gather",
     "get_strategy", "index_add_", "info", "is_unified", "scatter_", "set_auto_calibrate", "set_bounds_check",
-    "set_cache_dir", "set_calibration", "set_host_spin_us", "set_max_sms", "set_strategy", "set_threads", "share",
-    "settings", "shared_memory", "unified", "unlink_shared_memory", "zeros",
+    "set_cache_dir", "set_calibration", "set_host_spin_us", "set_max_sms", "set_sampler", "set_strategy",
+    "set_threads", "share", "settings", "shared_memory", "unified", "unlink_shared_memory", "zeros",
 ]
 
 

@@ -14,6 +14,7 @@ import os
 from ._shared_cuda import Setting, Settings, cache_home, choice, integer, parse_bool, parse_path
 
 BOUNDS_CHECKS = ("sync", "async")
+SAMPLERS = ("kernels", "torch")
 
 
 def parse_strategy_name(value: object) -> str:
@@ -41,6 +42,11 @@ settings = Settings({
     "max_sms": Setting(
         "PYTORCH_DIRECT_MAX_SMS", 0, integer(0),
         "SMs a gather/scatter kernel may occupy, so it can overlap training kernels; 0: no cap", "pd.set_max_sms"),
+    "sampler": Setting(
+        "PYTORCH_DIRECT_SAMPLER", "kernels", choice(*SAMPLERS),
+        "how `NeighborSampler` samples on a GPU: `kernels`, the package's CUDA kernels (a few launches and one "
+        "host round trip per hop); `torch`, a chain of torch operations in TorchScript (the CPU's path)",
+        "pd.set_sampler"),
     "cache_dir": Setting(
         "PYTORCH_DIRECT_CACHE_DIR", lambda: cache_home() / "pytorch_direct", parse_path,
         "where `auto`'s per-machine measurements are stored", "pd.set_cache_dir",
@@ -90,3 +96,9 @@ def set_calibration(path: str | os.PathLike | None) -> None:
 def set_auto_calibrate(enabled: bool) -> None:
     """Whether ``auto`` may measure strategies on its first calls; mirrors ``PYTORCH_DIRECT_AUTO_CALIBRATE``."""
     settings.set("auto_calibrate", enabled)
+
+
+def set_sampler(name: str | None) -> None:
+    """``kernels`` or ``torch`` (None: back to the variable); mirrors ``PYTORCH_DIRECT_SAMPLER``. Applies to samplers
+    made afterwards (a ``NeighborSampler``'s ``kernels`` attribute switches one already made)."""
+    settings.set("sampler", name)

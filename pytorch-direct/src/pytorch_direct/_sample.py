@@ -19,14 +19,28 @@ for an edge type it has no in-edges of).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _sample_script
+from . import _sample_cuda, _sample_script
+from ._config import settings
 from ._create import is_unified
+
+log = logging.getLogger("pytorch_direct")
+_noted: set[str] = set()
+
+
+def _note_once(message: str, loud: bool) -> None:
+    """Logs a message once per process (a sampler is made per loader, often many times): a warning when ``loud``,
+    else at info level."""
+    if message not in _noted:
+        _noted.add(message)
+        log.log(logging.WARNING if loud else logging.INFO, message)
 
 
 @dataclass
@@ -190,15 +204,18 @@ class NeighborSampler:
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
 
-    A graph held in GPU or CPU memory is sampled by one TorchScript function per batch, which runs without holding
-    the GIL (a loader thread then leaves the interpreter to the training thread); unified tensors are sampled by
-    the same operations called from Python (their reads dispatch through Python; so is everything with
-    ``script=False``, for comparison).
+    On a GPU, a graph is sampled by the package's own CUDA kernels: per hop a few launches and one host round trip
+    (``kernels=True``, the default there, set by ``PYTORCH_DIRECT_SAMPLER``). Otherwise (``kernels=False``, or on
+    the CPU) a graph held in GPU or CPU memory is
+    sampled by one TorchScript function per batch, which runs without holding the GIL (a loader thread then leaves
+    the interpreter to the training thread); unified tensors are sampled by the same operations called from Python
+    (their reads dispatch through Python; so is everything with ``script=False``, for comparison). The two paths
+    give the same guarantees (distinct draws, counts, ``n_id`` order, ``e_id``), not the same random draws.
     """
 
     def __init__(self, topology: Topology, num_neighbors: list[int] | dict[Any, list[int]], *, replace: bool = False,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                 blocks: Blocks | None = None, script: bool = True) -> None:
+                 blocks: Blocks | None = None, script: bool = True, kernels: bool | None = None) -> None:
         self.topology = topology
         self.blocks = blocks
         self.device = torch.device(device) if device is not None else default_device(topology)
@@ -230,7 +247,19 @@ class NeighborSampler:
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=self.device)
             self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=self.device)  # [hops, K]
         # TorchScript for plain tensors, Python for unified ones (their reads dispatch through Python)
+        self._kernel_run: _sample_cuda.KernelSampler | None = None
+        self._use_kernels = False
         self.script = script
+        if kernels is None:
+            kernels = settings.sampler == "kernels"
+            reason = _sample_cuda.unsupported(topology, self.device, blocks) if kernels else None
+            if reason is not None:
+                kernels = False
+                # (on the CPU the torch path is the only one; the default setting is a preference, not a request)
+                if self.device.type == "cuda":
+                    _note_once(f"PYTORCH_DIRECT_SAMPLER=kernels: {reason}; this sampler uses the torch path",
+                               loud=settings.source("sampler") != "default")
+        self.kernels = kernels
 
     def sample(self, seeds: Tensor, *, check: bool = True) -> SampledSubgraph:
         """The sampled subgraph around ``seeds`` (distinct global node ids, 1-D; for a heterogeneous graph, global
@@ -247,10 +276,10 @@ class NeighborSampler:
 
     @property
     def script(self) -> bool:
-        """Whether a batch runs as one TorchScript function without the GIL (see the class docstring); False where
-        the topology is unified or TorchScript is not available."""
+        """Whether the torch path runs a batch as one TorchScript function without the GIL (see the class
+        docstring); False where the topology is unified or TorchScript is not available."""
         fn = _sample_script.sample_homogeneous if self.blocks is None else _sample_script.sample_typed
-        return self._run is not fn
+        return self._torch_run is not fn
 
     @script.setter
     def script(self, value: bool) -> None:
@@ -258,13 +287,35 @@ class NeighborSampler:
         fn = _sample_script.sample_homogeneous if self.blocks is None else _sample_script.sample_typed
         plain = not any(is_unified(t) for t in self.topology.tensors().values())
         compiled = _sample_script.scripted(fn) if value and plain else None
-        self._run = compiled or fn
+        self._torch_run = compiled or fn
+        self._run = self._kernel_run if self._use_kernels else self._torch_run
+
+    @property
+    def kernels(self) -> bool:
+        """Whether batches are sampled by the package's CUDA kernels (see the class docstring)."""
+        return self._use_kernels
+
+    @kernels.setter
+    def kernels(self, value: bool) -> None:
+        """``True``: the CUDA kernels (raises ``ValueError`` saying why where they cannot sample this graph);
+        ``False``: the torch path."""
+        if value:
+            reason = _sample_cuda.unsupported(self.topology, self.device, self.blocks)
+            if reason is not None:
+                raise ValueError(f"the sampler's CUDA kernels cannot be used: {reason} (pass kernels=False, or "
+                                 f"set PYTORCH_DIRECT_SAMPLER=torch)")
+            if self._kernel_run is None:
+                table = self._fanout_table if self.blocks is not None else None
+                self._kernel_run = _sample_cuda.KernelSampler(self.topology, self.device, table)
+        self._use_kernels = bool(value)
+        self._run = self._kernel_run if self._use_kernels else self._torch_run
 
     def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
         topo = self.topology
         try:
-            n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = _sample_script.run(
-                self._run, topo.colptr, topo.row, self._local, seeds, self._sentinel,
+            run = self._run if self._use_kernels else functools.partial(_sample_script.run, self._run)
+            n_id, edge_index, e_id, pos, edge_type, node_type, num_nodes, num_edges = run(
+                topo.colptr, topo.row, self._local, seeds, self._sentinel,
                 self._hop_fanouts, self.replace, self.generator, topo.edge_id, topo.edge_type,
                 topo.node_type)
         except BaseException:
@@ -277,8 +328,9 @@ class NeighborSampler:
         """With edge-type blocks (see ``_sample_script.sample_typed``)."""
         topo = self.topology
         try:
-            n_id, edge_index, e_id, pos, edge_type, num_nodes, num_edges = _sample_script.run(
-                self._run, topo.colptr, topo.row, topo.edge_type, self._local, seeds, self._sentinel,
+            run = self._run if self._use_kernels else functools.partial(_sample_script.run, self._run)
+            n_id, edge_index, e_id, pos, edge_type, num_nodes, num_edges = run(
+                topo.colptr, topo.row, topo.edge_type, self._local, seeds, self._sentinel,
                 self._fanout_table, self.replace, self.generator, topo.edge_id)
         except BaseException:
             self._local.fill_(-1)  # (which entries the batch set is not known here)

@@ -177,10 +177,12 @@ class Graph:
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
             count = int(steps[-1]) if want_pairs else None
             pairs = (psrc, petype, pinverse) if want_pairs else None
-        self.src = edge_index[0].contiguous()
-        self.dst = edge_index[1].contiguous()
-        self.etype = edge_type.contiguous()
-        self._ntype = None if node_type is None else node_type.contiguous()
+        # detached: the same memory without a reference to the caller's tensor objects (a view keeps its base's
+        # Python object alive), so that graph_for's cache sees the caller drop them and lets this graph go
+        self.src = edge_index[0].contiguous().detach()
+        self.dst = edge_index[1].contiguous().detach()
+        self.etype = edge_type.contiguous().detach()
+        self._ntype = None if node_type is None else node_type.contiguous().detach()
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
         if pairs is not None:
@@ -527,6 +529,32 @@ def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:
 _GRAPHS: OrderedDict[tuple, tuple[list[weakref.ref], Graph]] = OrderedDict()
 _MAX_GRAPHS = 16
 _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.prepare_graph) while layers run
+# keys of cached graphs one of whose tensors has been freed: that graph can never be looked up again. Its entry
+# (and with it the graph's layout on the device, as large as the edges several times over) is dropped at the next
+# lookup, so that a mini-batch loop holds the graphs of the batches still in use, not the last sixteen: the
+# caching allocator then hands each batch the memory of the batch before it instead of growing (a device
+# allocation per new graph). Appended from a weak reference's callback, which may run on any thread and inside
+# any code: a deque's append is atomic and takes no lock.
+_DEAD: deque[tuple] = deque()
+
+
+def _forget_dead() -> None:
+    """Drops the cache entries whose tensors have been freed (called with ``_GRAPHS_LOCK`` held)."""
+    while _DEAD:
+        try:
+            key = _DEAD.popleft()
+        except IndexError:  # emptied by another thread
+            return
+        hit = _GRAPHS.get(key)
+        if hit is not None and any(r() is None for r in hit[0]):
+            del _GRAPHS[key]
+
+
+def cached_graphs() -> int:
+    """How many graphs :func:`graph_for` holds (entries of freed tensors dropped first)."""
+    with _GRAPHS_LOCK:
+        _forget_dead()
+        return len(_GRAPHS)
 
 
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
@@ -544,14 +572,19 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
+        _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse
         hit = _GRAPHS.get(key)
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
             _GRAPHS.move_to_end(key)
             return hit[1]
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free,
               sorted_by_destination=sorted_by_destination)
+
+    def freed(_ref: weakref.ref, key: tuple = key) -> None:
+        _DEAD.append(key)
+
     with _GRAPHS_LOCK:
-        _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
+        _GRAPHS[key] = ([weakref.ref(t, freed) for t in tensors], g)
         while len(_GRAPHS) > _MAX_GRAPHS:
             _GRAPHS.popitem(last=False)
     return g

@@ -328,13 +328,14 @@ def test_record_stream_reaches_every_cached_tensor(monkeypatch):
     graph = _skewed_graph()
     dg = device_graph(graph)
     dg.tiles(Domain.EDGE, ("etype",), 64, _emulated_schedule_builder())
+    order = dg.dst_order  # made on first use, like the tiles
     graph.size_stats()
     marked = []
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: marked.append(t))
     graph.record_stream("stream")
     ids = {id(t) for t in marked}
-    for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, dg.dst_order, dg.order, dg.graph.src,
+    for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, order, dg.order, dg.graph.src,
               dg._cache[("tiles", Domain.EDGE, ("etype",), 64)][0]):
         assert id(t) in ids
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hector
 
@@ -232,3 +233,62 @@ STEP_CALLS = {"gnn2": 880, "rgat": 430, "hgt": 610}
 def test_python_calls_per_step_do_not_regress(model):
     row = host_overhead.measure_split("minibatch", model, steps=0)
     assert row["step_calls"] <= STEP_CALLS[model], (model, row["step_calls"])
+
+
+# sorts per new graph (each a multi-pass radix sort on a GPU, the largest part of a new graph's GPU time), as
+# (over the edges, over the nodes). Over the edges: the unique (source, relation) pairs, the (destination, relation)
+# order (which the relational mean's normaliser reads without a sort of its own), and for RGAT and HGT the edges
+# by relation (their segment GEMMs over edges); over the nodes: the destinations by in-degree (made only where a
+# program traverses node by node) and for HGT the nodes by type
+NEW_GRAPH_SORTS = {"rgcn": (2, 1), "rgat": (3, 1), "hgt": (3, 2)}
+
+
+class _Sorts(TorchDispatchMode):
+    """The sizes of the tensors sorted while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "sort":
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", ["rgcn", "rgat", "hgt"])
+def test_new_graph_sorts_and_host_reads_do_not_regress(model):
+    """A training step on new edge tensors (a mini-batch's) prepares its graph with at most the sorts above and
+    one host read (the ids' check, the order check and the pair count in one transfer); a step on a graph it has
+    seen sorts and reads nothing. Counted with the null executor, so on any machine."""
+    spec = host_overhead.GRAPHS["batch1000"]
+    torch.manual_seed(0)
+    net = host_overhead._model(model, 16, spec, 2).train()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.num_nodes, net.in_channels, generator=gen).requires_grad_()
+    nt = torch.randint(0, spec.num_node_types, (spec.num_nodes,), generator=gen)
+
+    def batch():
+        ei = torch.randint(0, spec.num_nodes, (2, spec.num_edges), generator=gen)
+        return ei, torch.randint(0, spec.num_relations, (spec.num_edges,), generator=gen)
+
+    def counted(ei, et):
+        sorts, reads = _Sorts(), host_overhead.HostReads()
+        with sorts, reads:
+            net(x, ei, et, nt).sum().backward()
+        edges = sum(n == spec.num_edges for n in sorts.sizes)
+        assert edges + sum(n == spec.num_nodes for n in sorts.sizes) == len(sorts.sizes), sorts.sizes
+        return (edges, len(sorts.sizes) - edges), reads.count
+
+    with host_overhead.null_backend():
+        kept = batch()
+        for _ in range(2):
+            counted(*kept)
+            counted(*batch())
+        assert counted(*kept) == ((0, 0), 0)
+        sorts, reads = counted(*batch())
+    assert reads == 1, f"{model}: a new graph read the device {reads} times"
+    limit = NEW_GRAPH_SORTS[model]
+    assert sorts[0] <= limit[0] and sorts[1] <= limit[1], (
+        f"{model}: a new graph sorted {sorts[0]} times over its edges and {sorts[1]} over its nodes, at most "
+        f"{limit[0]} and {limit[1]}")

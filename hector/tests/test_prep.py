@@ -28,9 +28,11 @@ def _graph(edges, nodes, relations, seed, dst_sorted=False):
 
 
 def _reference(ei, et, nodes, relations):
-    """The layout from plain torch ops: destination order, CSC offsets, heaviest destinations first, the unique
-    (source, relation) pairs relation-major, per-type counts and orders."""
-    order = torch.argsort(ei[1], stable=True)
+    """The layout from plain torch ops: (destination, relation) order (the edges' own where they come in
+    destination order), CSC offsets, heaviest destinations first, the unique (source, relation) pairs
+    relation-major, per-type counts and orders."""
+    in_order = ei.size(1) <= 1 or bool((ei[1][1:] >= ei[1][:-1]).all())
+    order = torch.arange(ei.size(1)) if in_order else torch.argsort(ei[1] * relations + et, stable=True)
     src, dst, etype = ei[0][order], ei[1][order], et[order]
     deg = torch.bincount(dst, minlength=nodes)
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(deg, 0)])

@@ -148,6 +148,8 @@ class Graph:
             node_type = node_type.to(edge_index.device)
             checks.append(("node_type", node_type, self.num_node_types, "node type"))
         self.sync_free = bool(sync_free)
+        # edges in (destination, relation) order: set on the CUDA backend's layout where it sorted them so
+        self.dst_etype_sorted = False
         dst = edge_index[1]
         if self.sync_free and edge_index.is_cuda:
             _check_ranges_on_device(checks)
@@ -200,6 +202,7 @@ class Graph:
         g.device = like.device
         g.sync_free = like.sync_free
         g.dst_sorted = dst_sorted
+        g.dst_etype_sorted = False
         g._cache = {}
         return g
 
@@ -459,10 +462,12 @@ class Graph:
                 # edges sharing (destination, relation), by binary search in the sorted keys: no host read (unique
                 # would size its output on the host, a synchronisation per new graph)
                 bound = self.num_nodes * self.num_relations
-                key = self.dst * self.num_relations + self.etype
+                key = self.etype.add(self.dst, alpha=self.num_relations)
                 if bound <= 2**31 - 1:
                     key = key.to(torch.int32)  # once, for the sort and both searches
-                ordered = sort_keys(key, bound)[0]
+                # edges already in (destination, relation) order (the CUDA backend's layout): the keys are sorted,
+                # and each search walks the same path as its neighbours' (no sort, coalesced reads)
+                ordered = key if self.dst_etype_sorted else sort_keys(key, bound)[0]
                 counts = torch.searchsorted(ordered, key, right=True) - torch.searchsorted(ordered, key)
                 return counts.to(work).reciprocal_()
             deg = self.in_degree().to(work)

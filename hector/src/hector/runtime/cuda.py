@@ -15,6 +15,7 @@ code (``tests/emulator``), which exercises everything here on machines without a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
@@ -240,6 +241,7 @@ class _Template:
     keep: frozenset[str]
     kernels: tuple[_KernelTemplate, ...]
     value_dtypes: dict = field(default_factory=dict)  # model dtype -> what CudaBackend._value_dtypes returns
+    dying: dict = field(default_factory=dict)  # step index -> the values no later step reads (_last_readers)
 
 
 @dataclass(frozen=True)
@@ -526,7 +528,9 @@ class CudaBackend:
         env_dtypes.update((name, DTYPE_KEY[t.dtype]) for name, t in consts)
         plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
         steps = self._launch_plan(lowered, plan, dg, keep)
-        batched = self._batched(lowered, info, steps, consts, keep) \
+        # values die after their last reader where a call releases values (keep given), as on the kernel path
+        dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
+        batched = self._batched(lowered, info, steps, consts, keep, dying) \
             if batches and hasattr(self.executor, "batch") else None
         if batched is not None:
             made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
@@ -566,7 +570,8 @@ class CudaBackend:
             dg.calls[key] = call
         return call
 
-    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any) -> _Batched | None:
+    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
+                 dying: dict[int, list[str]]) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
@@ -599,13 +604,23 @@ class CudaBackend:
         arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
+        # a temporary's range of the allocation is free again after its last reader (where a call releases values:
+        # keep given), for the temporaries after it: the kernel-by-kernel path's allocator reuses a released
+        # buffer the same way, and a call whose temporaries each had their own range wrote to (and wrote back
+        # from the L2 cache) several times the memory
+        ranges = _ArenaRanges()
+        placed: dict[str, tuple[int, int]] = {}  # temporary -> (offset, bytes) in the allocation
 
         def flush() -> None:
             if segment:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
 
-        for step in steps:
+        for i, step in enumerate(steps):
+            if i - 1 in dying:
+                for name in dying[i - 1]:  # read by no step from here on
+                    if name in placed:
+                        ranges.give(*placed.pop(name))
             if step.kind == _EINSUM:
                 flush()
                 (name, *_), a, b = step.outputs[0], *step.inputs
@@ -649,9 +664,10 @@ class CudaBackend:
                     bases += 1
                     extra += 0 if name in visible else numel * dtype.itemsize
                     continue
-                offset = -(-arena // 256) * 256  # 256-byte aligned, as CUDA's allocations
+                offset = ranges.take(numel * dtype.itemsize)
                 where[name] = (_ARENA, offset)
-                arena = offset + numel * dtype.itemsize
+                placed[name] = (offset, numel * dtype.itemsize)
+                arena = ranges.size
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
             if arena + extra > _ARENA_BYTES:
@@ -827,7 +843,7 @@ class CudaBackend:
             else:  # one thread per element of a fixed count: the same grid on every graph
                 t.grid = (-(-launch.work[0] // launch.block), 1)
             kernels.append(t)
-        template = _Template(keep_all, tuple(kernels))
+        template = _Template(keep_all, tuple(kernels), dying=_last_readers(kernels))
         self._templates[key] = (plan, template)
         return template
 
@@ -875,6 +891,68 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+class _ArenaRanges:
+    """Byte ranges of a call's temporaries' allocation (see :meth:`CudaBackend._batched`): :meth:`take` gives the
+    first free range that fits, 256-byte aligned as CUDA's allocations (or grows the allocation), :meth:`give` frees
+    one again; ``size`` is the allocation's size so far."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (offset, bytes), by offset, neighbours merged
+        self.size = 0
+
+    def take(self, nbytes: int) -> int:
+        nbytes = -(-nbytes // 256) * 256
+        for i, (offset, size) in enumerate(self.free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + nbytes, size - nbytes)
+                return offset
+        offset = self.size
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.size:  # a free range at the end: grown
+            offset = self.free.pop()[0]
+        self.size = offset + nbytes
+        return offset
+
+    def give(self, offset: int, nbytes: int) -> None:
+        nbytes = -(-nbytes // 256) * 256
+        if nbytes == 0:
+            return
+        free = self.free
+        i = bisect.bisect_left(free, (offset, 0))
+        if i < len(free) and offset + nbytes == free[i][0]:  # merged with the range after it ...
+            nbytes += free.pop(i)[1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # ... and the one before it
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + nbytes)
+        else:
+            free.insert(i, (offset, nbytes))
+
+
+def _last_readers(kernels: list[_KernelTemplate]) -> dict[int, list[str]]:
+    """Step index (a launch plan has one step per kernel of its template) -> the values no step after it reads or
+    writes (each value under the name of the buffer it lives in: an output accumulated into an earlier value's
+    buffer extends that buffer's life to its own last use). A value no step reads after it is made ends with the
+    step that makes it."""
+    root: dict[str, str] = {}
+    last: dict[str, int] = {}
+    for i, step in enumerate(kernels):
+        if step.kind == _EINSUM:
+            for name in step.inputs:
+                last[root.get(name, name)] = i
+            continue
+        for name, _, _, _, zero, _ in step.outputs:
+            if type(zero) is _Alias:
+                root[name] = root.get(zero.name, zero.name)
+            last[root.get(name, name)] = i
+        for _, name in step.env_args:
+            last[root.get(name, name)] = i
+    dying: dict[int, list[str]] = {}
+    for name, i in last.items():
+        dying.setdefault(i, []).append(name)
+    return dying
 
 
 def _row_major(feature: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:

@@ -2,9 +2,9 @@
 
 Everything derived from the structure (relation-sorted orders, CSR/CSC, unique (source, relation) pairs and the
 edge -> pair inverse index, degree normalisers) is computed on first use and cached on the :class:`Graph`.
-:func:`graph_for` keeps recently seen ``(edge_index, edge_type)`` tensors mapped to their Graph so that a layer
-called repeatedly on the same tensors (full-graph training) preprocesses once, while each new mini-batch subgraph
-(e.g. PyG ``NeighborLoader`` output) gets its own Graph.
+:func:`graph_for` keeps recently seen ``(edge_index, edge_type)`` tensors mapped to their Graph, while the tensors
+live, so that a layer called repeatedly on the same tensors (full-graph training) preprocesses once, while each new
+mini-batch subgraph (e.g. PyG ``NeighborLoader`` output) gets its own Graph, freed with its tensors.
 """
 
 from __future__ import annotations

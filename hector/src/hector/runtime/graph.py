@@ -108,8 +108,9 @@ class Graph:
         sorted_by_destination: whether the edges are already in destination order (CSC order, as neighbour
             samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
             with the id check's read on the host (no wait of its own; unknown, so sorted again, on a
-            ``sync_free`` graph). True: a promise, checked like the ids (an error now, or a device-side assertion
-            on a ``sync_free`` graph). False: not looked at. The answer is kept as ``dst_sorted``.
+            ``sync_free`` graph, on the CPU too, so that its layout is the one a GPU builds). True: a promise,
+            checked like the ids (an error now, or a device-side assertion on a ``sync_free`` graph). False: not
+            looked at. The answer is kept as ``dst_sorted``.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
@@ -165,7 +166,9 @@ class Graph:
             # caller said it is unsorted): one wait per graph (a sync-free graph on the CPU, where reading costs no
             # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU). All of it one
             # TorchScript call: the loader thread that prepares a mini-batch holds the GIL for none of it
-            order = sorted_by_destination is not False
+            # a sync-free graph learns the order only from a promise, as on a GPU (where finding it out would
+            # read the device): the CUDA backend's layout of it then is the same on either device
+            order = bool(sorted_by_destination) if self.sync_free else sorted_by_destination is not False
             want_pairs = not self.sync_free
             bounds, psrc, petype, pinverse = prep.run(prep.check_and_pair, edge_index, edge_type, node_type,
                                                       self.num_nodes, self.num_relations, order, want_pairs)

@@ -358,9 +358,9 @@ def test_torch_compile_inductor_step_does_what_an_eager_step_does(model, monkeyp
         class Counting:
             name = backend.name
 
-            def run(self, lowered, graph, leaves, keep=None):
+            def run(self, lowered, graph, leaves, keep=None, **kwargs):
                 runs.append(lowered.program.name)
-                return backend.run(lowered, graph, leaves, keep)
+                return backend.run(lowered, graph, leaves, keep, **kwargs)
 
         return Counting()
 
@@ -644,3 +644,19 @@ def test_new_edge_index_each_step_matches_persistent_and_frees_earlier_graphs(mo
         held.append(torch.cuda.memory_allocated())
     # one graph's layout may still be held (the last step's, until the next lookup); sixteen were before
     assert held[-1] <= held[1] + (1 << 20), held
+
+
+def test_executor_stream_is_the_current_stream():
+    """The executor's stream handle (torch's raw getter) is the current stream's, on the default stream, inside a
+    side stream's context and on another current device."""
+    from hector.runtime.cuda import JitExecutor
+
+    executor = JitExecutor()
+    assert executor.stream() == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert executor.stream() == side.cuda_stream == torch.cuda.current_stream().cuda_stream
+    assert executor.stream() == torch.cuda.current_stream().cuda_stream
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):
+            assert executor.stream() == torch.cuda.current_stream().cuda_stream

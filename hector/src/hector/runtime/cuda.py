@@ -48,6 +48,14 @@ log = logging.getLogger("hector")
 # ------------------------------------------------------------------------------------------------- executors
 
 
+# torch's own getters of the current device and its current stream's handle (what torch.cuda.current_stream() reads,
+# without its Python); absent from a build without CUDA
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+if _CURRENT_DEVICE is None:
+    _RAW_STREAM = None
+
+
 class JitExecutor:
     """Compiles with NVRTC through shared-cuda's loader (memory + disk cache) and launches on the current GPU."""
 
@@ -110,6 +118,11 @@ class JitExecutor:
         batch[0].launch(stream, bases, 0, batch[1])
 
     def stream(self) -> int:
+        """The current CUDA stream's handle on the current device, read once per call of a layer or backward:
+        torch's raw getters where it has them (``torch.cuda.current_stream()`` builds a Python ``Stream`` object,
+        several Python calls of host time that a small step pays on every call)."""
+        if _RAW_STREAM is not None:
+            return _RAW_STREAM(_CURRENT_DEVICE())
         return torch.cuda.current_stream().cuda_stream
 
     def properties(self, device: torch.device) -> dict:
@@ -183,6 +196,18 @@ class _Call:
 _ARENA, _POOL = 0, 1  # the bases of a batched call's temporaries and of its zero-filled pool
 # a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
 _ARENA_BYTES = 32 << 20
+
+
+def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An einsum step's result (contiguous) from its operands cast to ``dtype``: each cast and copy made only where
+    needed, as each is a torch call (and on a GPU a release and retake of the interpreter lock, which a loader
+    thread beside the training step may hold meanwhile)."""
+    if a.dtype != dtype:
+        a = a.to(dtype)
+    if b.dtype != dtype:
+        b = b.to(dtype)
+    out = einsum(equation, a, b)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,18 +436,30 @@ class CudaBackend:
         template.value_dtypes[model_dtype] = hit = tuple(pairs)
         return hit
 
-    def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
+    def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None, *,
+            contiguous: bool = False) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)
         info = self._program_info(lowered)
+        # plain loops, no generators: this runs for every layer call and every backward, on the host time a small
+        # step is bound by
         env: dict[str, Any] = {}
-        dtypes = []
-        for name, leaf in info.leaves:
-            t = leaves[leaf]
-            env[name] = t if t.is_contiguous() else t.contiguous()
-            dtypes.append(t.dtype)
-        model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
-                           torch.float32)
-        call = self._call(lowered, info, dg, keep, tuple(dtypes), model_dtype)
+        dtype_list = []
+        if contiguous:  # the leaves are known to be contiguous (a backward's: see Backend.run)
+            for name, leaf in info.leaves:
+                t = env[name] = leaves[leaf]
+                dtype_list.append(t.dtype)
+        else:
+            for name, leaf in info.leaves:
+                t = leaves[leaf]
+                env[name] = t if t.is_contiguous() else t.contiguous()
+                dtype_list.append(t.dtype)
+        dtypes = tuple(dtype_list)
+        model_dtype = torch.float32
+        for t in leaves.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                model_dtype = t.dtype
+                break
+        call = self._call(lowered, info, dg, keep, dtypes, model_dtype)
         env.update(call.consts)
         if call.batched is not None:
             self._run_batched(call.batched, env, dg.device, model_dtype)
@@ -450,7 +487,7 @@ class CudaBackend:
                 env.pop(name, None)
             if kind == _EINSUM:
                 equation, dtype, a, b = extra
-                env[outputs] = einsum(equation, env[a].to(dtype), env[b].to(dtype)).contiguous()
+                env[outputs] = _einsum_step(equation, dtype, env[a], env[b])
                 continue
             for name, shape, dtype, how in outputs:
                 if how is _EMPTY:
@@ -502,7 +539,7 @@ class CudaBackend:
                 launch_batch(item, bases, stream)
             elif kind == _EINSUM:
                 equation, dtype, a, x, out, index = item
-                t = env[out] = einsum(equation, env[a].to(dtype), env[x].to(dtype)).contiguous()
+                t = env[out] = _einsum_step(equation, dtype, env[a], env[x])
                 bases[index] = t.data_ptr()
             else:  # dropout: a mask made by torch
                 out, index, shape, p = item
@@ -517,8 +554,9 @@ class CudaBackend:
         Python), and runs a flat list of steps. Keyed by the settings the module depends on, so that changing
         them makes a new record (and, where needed, a new module); emptied when a padded layout settles."""
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
-        batches = config.launch_batches()
-        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), config.split_degree(), batches)
+        settings = config.settings  # read as attributes: a function call each is host time on every layer call
+        batches = settings.launch_batches
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches)
         hit = dg.calls.get(key)
         if hit is not None and hit.lowered is lowered:
             return hit

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import operator
 import os
 import threading
 import time
@@ -194,6 +195,10 @@ class _Call:
 
 
 _ARENA, _POOL = 0, 1  # the bases of a batched call's temporaries and of its zero-filled pool
+_LEAVES = 2  # the first leaf's base (the leaves' follow it in order)
+_IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = operator.methodcaller("data_ptr")
 # a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
 _ARENA_BYTES = 32 << 20
 
@@ -219,11 +224,12 @@ class _Batched:
     arena_dtypes: frozenset
     pool_bytes: int
     pool_dtypes: frozenset
-    leaves: tuple  # (value, base)
+    leaves: tuple  # (value, base), the bases consecutive from _LEAVES
     allocs: tuple  # (value, base, shape, dtype, zero-filled): buffers of their own
     views: tuple  # (value, _ARENA or _POOL, dtype, shape, stride, offset in elements): what Python reads
     aliases: tuple  # (value, the value whose buffer it is)
     program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
+    leaf_names: tuple = ()  # the values of ``leaves``, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +281,8 @@ class _ProgramInfo:
     consts: tuple[tuple[str, str], ...]  # (value name, kind) of GRAPH nodes
     leaf_names: frozenset[str]
     outputs: tuple[str, ...]
+    value_names: tuple[str, ...] = ()  # the leaves' value names ...
+    leaf_keys: tuple[str, ...] = ()  # ... and the names a call binds them by, in the same order
 
 
 @dataclass
@@ -442,18 +450,13 @@ class CudaBackend:
         info = self._program_info(lowered)
         # plain loops, no generators: this runs for every layer call and every backward, on the host time a small
         # step is bound by
-        env: dict[str, Any] = {}
-        dtype_list = []
-        if contiguous:  # the leaves are known to be contiguous (a backward's: see Backend.run)
-            for name, leaf in info.leaves:
-                t = env[name] = leaves[leaf]
-                dtype_list.append(t.dtype)
-        else:
-            for name, leaf in info.leaves:
-                t = leaves[leaf]
-                env[name] = t if t.is_contiguous() else t.contiguous()
-                dtype_list.append(t.dtype)
-        dtypes = tuple(dtype_list)
+        # the leaves bound and their dtypes read by C loops (map), no Python per leaf
+        tensors = tuple(map(leaves.__getitem__, info.leaf_keys))
+        # the leaves are known to be contiguous where the caller says so (a backward's: see Backend.run)
+        if not contiguous and not all(map(_IS_CONTIGUOUS, tensors)):
+            tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
+        env: dict[str, Any] = dict(zip(info.value_names, tensors, strict=True))
+        dtypes = tuple(map(_DTYPE, tensors))
         model_dtype = torch.float32
         for t in leaves.values():
             if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -522,8 +525,8 @@ class CudaBackend:
             bases[_POOL] = pool.data_ptr()
             for dtype in b.pool_dtypes:
                 typed[_POOL, dtype] = pool.view(dtype)
-        for name, index in b.leaves:
-            bases[index] = env[name].data_ptr()
+        if b.leaves:  # the leaves' bases are consecutive, from the first after the arena's and the pool's
+            bases[_LEAVES:_LEAVES + len(b.leaves)] = map(_DATA_PTR, map(env.__getitem__, b.leaf_names))
         for name, index, shape, dtype, zero in b.allocs:
             t = env[name] = torch.zeros(shape, dtype=dtype, device=device) if zero else \
                 torch.empty(shape, dtype=dtype, device=device)
@@ -629,7 +632,7 @@ class CudaBackend:
             if step.kind == _EINSUM:
                 readers.update(step.inputs)
         where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
-        bases = 2
+        bases = _LEAVES
         leaves = []
         for name, _ in info.leaves:
             where[name] = (bases, 0)
@@ -724,7 +727,8 @@ class CudaBackend:
         flush()
         return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
                         steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
-                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps))
+                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
+                        tuple(name for name, _ in leaves))
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""
@@ -740,7 +744,9 @@ class CudaBackend:
             leaves=tuple((n.name, n.attr("name")) for n in program.nodes if n.op in _LEAF_OPS),
             consts=tuple((n.name, n.attr("kind")) for n in program.nodes if n.op is Op.GRAPH),
             leaf_names=frozenset(n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH),
-            outputs=tuple(program.outputs))
+            outputs=tuple(program.outputs),
+            value_names=tuple(n.name for n in program.nodes if n.op in _LEAF_OPS),
+            leaf_keys=tuple(n.attr("name") for n in program.nodes if n.op in _LEAF_OPS))
         self._infos[id(lowered)] = (lowered, info)
         return info
 

@@ -189,12 +189,13 @@ def steps(model, x, needs_grad):
 
 
 def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s, reference=True, shallow=None,
-               deep_limit_s=5.0, compile_baselines=True, extras=True, hector_only=False):
+               deep_limit_s=5.0, compile_baselines=True, extras=True, hector_only=False, newgraph=False):
     """One row. ``shallow``: the row of the same model with one layer; a PyG layer that ran out of memory there or
     took longer than ``deep_limit_s`` per training step is not run again with more layers (recorded as skipped).
     One-layer rows (``extras``) also time hector with a new edge_index per call, under torch.compile and under
     autocast bf16, the plain-PyTorch baselines (:mod:`baselines`), and compiled PyG (``compile_baselines``).
-    ``hector_only``: hector eager and under torch.compile only (host time, GPU operations), no baseline."""
+    ``hector_only``: hector eager and under torch.compile only (host time, GPU operations), no baseline;
+    ``newgraph``: with ``hector_only``, also hector with a new edge_index per call."""
     ei, et, nt = graph_tensors
     row = {"dataset": twin.name, "model": kind, "hidden": dim, "layers": layers, "edges": twin.num_edges,
            "relations": twin.num_relations}
@@ -220,7 +221,8 @@ def run_config(twin, graph_tensors, pyg_inputs, kind, dim, layers, device, cap_s
     if isinstance(row["hector_train_ms"], float) and _num(row["hbm_floor_ms"]):
         row["roofline_train"] = row["hbm_floor_ms"] / row["hector_train_ms"]
     if extras:
-        hector_variants(row, m, x, graph_tensors, device, cap_s, compile_baselines, compiled_only=hector_only)
+        hector_variants(row, m, x, graph_tensors, device, cap_s, compile_baselines, compiled_only=hector_only,
+                        newgraph=newgraph)
     if hector_only:
         return row
     if reference:
@@ -315,19 +317,20 @@ def device_work(fn, device):
     return len(work), sum(e.time_range.elapsed_us() for e in work) / 1e3
 
 
-def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True, compiled_only=False):
+def hector_variants(row, m, x, graph_tensors, device, cap_s, compiled_too=True, compiled_only=False,
+                    newgraph=False):
     """hector's training step with a new edge_index/edge_type each call (what a mini-batch loop does), under
     torch.compile, and under autocast bf16 (``compiled_only``: under torch.compile only). Under torch.compile also
     the host time per step against eager's (``compiled_host_ratio``: eager / compiled, >= 1 when compiling adds no
     host time) and the GPU operations and busy time of a compiled step (the same as eager's when it launches the
-    same kernels and recomputes nothing)."""
+    same kernels and recomputes nothing). ``newgraph``: the new edge_index step also where ``compiled_only``."""
     ei, et, nt = graph_tensors
 
     def fresh(layer, h):
         return layer(h, ei.clone(), et.clone(), nt.clone())
 
     train, _ = steps(m, x.clone(), True)
-    if not compiled_only:
+    if not compiled_only or newgraph:
         fresh_model = Stack(list(m.layers), fresh)
         train_new, _ = steps(fresh_model, x.clone(), True)
         row["hector_newgraph_train_ms"], _, _ = guarded(train_new, device, cap_s)
@@ -785,6 +788,8 @@ def main(argv=None):
     ap.add_argument("--hector-only", action="store_true", help="hector eager and under torch.compile only (wall "
                     "and host time per step, GPU operations, reduce-overhead where the step is short): no PyG, "
                     "plain-PyTorch or reference rows, no new-edge_index, scatter or autocast variants")
+    ap.add_argument("--new-edge-index", action="store_true", help="with --hector-only: also time hector with a "
+                    "new edge_index per call against the persistent graph (what a mini-batch loop does)")
     ap.add_argument("--csv", help='also write every row to this CSV file')
     ap.add_argument("--png", help='also plot the speedups to this PNG file')
     a = ap.parse_args(argv)
@@ -835,7 +840,8 @@ def main(argv=None):
             row = add_ratios(run_config(twin, gt, pyg_inputs, kind, dim, layers, device, a.cap_s,
                                         reference=not a.no_reference and layers == 1, shallow=shallow,
                                         compile_baselines=compile_on is None or name in compile_on,
-                                        extras=layers == 1, hector_only=a.hector_only))
+                                        extras=layers == 1, hector_only=a.hector_only,
+                                        newgraph=a.new_edge_index))
             print_row(row)
             rows.append(row)
             if a.csv:

@@ -101,6 +101,21 @@ def test_bench_cuda_hector_only_reports_compiled_host_time(tmp_path, capsys, mon
     assert "over the best baseline" not in text
 
 
+def test_bench_cuda_hector_only_with_new_edge_index(tmp_path, capsys, monkeypatch):
+    """``--hector-only --new-edge-index``: hector with a new edge_index per call against the persistent graph, in
+    the rows and the summary's target line, without any baseline (the cheap way to check that target on a GPU)."""
+    bench = load("bench_cuda")
+    monkeypatch.setattr(bench, "device_work", lambda fn, device: (7, 0.5))
+    rows, _ = bench.main(["--scale", "0.002", "--datasets", "aifb", "--device", "cpu", "--hector-only",
+                          "--new-edge-index", "--no-reference", "--compile-datasets", "none", "--configs",
+                          "rgcn:64:1"])
+    (r,) = rows
+    assert isinstance(r["hector_newgraph_train_ms"], float) and r["hector_newgraph_train_ms"] > 0, r
+    assert r["newgraph_ratio"] == pytest.approx(r["hector_newgraph_train_ms"] / r["hector_train_ms"])
+    assert not [k for k in r if k.startswith(("user_", "RGCNConv", "ref_", "hector_compiled"))], r
+    assert "new edge_index per call: worst" in capsys.readouterr().out
+
+
 def test_relations_smoke(tmp_path):
     relations = load("relations")
     out = tmp_path / "r.csv"

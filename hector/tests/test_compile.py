@@ -97,9 +97,9 @@ def test_compiled_training_steps_do_no_extra_work(monkeypatch, x_grad):
         class Counting:
             name = backend.name
 
-            def run(self, lowered, graph, leaves, keep=None):
+            def run(self, lowered, graph, leaves, keep=None, **kwargs):
                 runs.append((lowered.program.name, len(lowered.kernels)))
-                return backend.run(lowered, graph, leaves, keep)
+                return backend.run(lowered, graph, leaves, keep, **kwargs)
 
         return Counting()
 

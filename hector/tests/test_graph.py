@@ -73,6 +73,41 @@ def test_one_host_read_per_new_graph(small, monkeypatch):
     assert len(reads) == 1 and reads[0] == 2 * 3 + 2  # three (min, max), the smallest step, the pair count
 
 
+@pytest.mark.parametrize("make", [lambda: hn.RGCNConv(8, 8, 3), lambda: hn.RGATConv(8, 8, 3, heads=2),
+                                  lambda: hn.HGTConv(8, 8, 2, 3, heads=2)])
+def test_a_new_graph_per_call_releases_the_graphs_of_freed_tensors(make):
+    """A mini-batch loop (new edge_index / edge_type each step, the old ones dropped): the graphs of earlier
+    batches, with their device layouts, are freed once their tensors are, not kept for the next fifteen batches
+    (which grew the GPU's memory by a graph's layout per batch, a device allocation in each step). Graphs whose
+    tensors are still held stay cached and are found again."""
+    import gc
+    import weakref
+
+    from hector.runtime import graph as graph_mod
+
+    layer = make()
+    typed = isinstance(layer, hn.HGTConv)
+    x = torch.randn(20, 8, requires_grad=True)
+    nt = torch.arange(20) % 2
+    gen = torch.Generator().manual_seed(0)
+    kept_ei, kept_et = torch.randint(0, 20, (2, 40), generator=gen), torch.randint(0, 3, (40,), generator=gen)
+    layer(x, kept_ei, kept_et, nt).sum().backward()
+    kept = graph_mod.graph_for(kept_ei, kept_et, 20, 3, nt if typed else None, 2 if typed else None)
+    refs = []
+    for _ in range(4):
+        ei, et = torch.randint(0, 20, (2, 50), generator=gen), torch.randint(0, 3, (50,), generator=gen)
+        layer(x, ei, et, nt).sum().backward()
+        refs.append(weakref.ref(graph_mod.graph_for(ei, et, 20, 3, nt if typed else None, 2 if typed else None)))
+        del ei, et
+    # freed by reference counting alone (a cycle would keep a GPU layout until the collector ran); the last one at
+    # the next lookup
+    assert [r() is None for r in refs] == [True, True, True, False]
+    assert graph_mod.graph_for(kept_ei, kept_et, 20, 3, nt if typed else None, 2 if typed else None) is kept
+    gc.collect()
+    assert refs[-1]() is None
+    assert graph_mod.cached_graphs() >= 1
+
+
 def test_degree_normalisers(small_graph):
     g = small_graph
     inv = g.graph_const("inv_deg_dst_rel", torch.float64)
@@ -293,13 +328,14 @@ def test_record_stream_reaches_every_cached_tensor(monkeypatch):
     graph = _skewed_graph()
     dg = device_graph(graph)
     dg.tiles(Domain.EDGE, ("etype",), 64, _emulated_schedule_builder())
+    order = dg.dst_order  # made on first use, like the tiles
     graph.size_stats()
     marked = []
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: marked.append(t))
     graph.record_stream("stream")
     ids = {id(t) for t in marked}
-    for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, dg.dst_order, dg.order, dg.graph.src,
+    for t in (graph.src, graph.edge_to_unique, dg.csc_ptr, order, dg.order, dg.graph.src,
               dg._cache[("tiles", Domain.EDGE, ("etype",), 64)][0]):
         assert id(t) in ids
 

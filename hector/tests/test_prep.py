@@ -27,10 +27,16 @@ def _graph(edges, nodes, relations, seed, dst_sorted=False):
     return ei, et
 
 
-def _reference(ei, et, nodes, relations):
-    """The layout from plain torch ops: destination order, CSC offsets, heaviest destinations first, the unique
+def _in_order(ei):
+    return ei.size(1) <= 1 or bool((ei[1][1:] >= ei[1][:-1]).all())
+
+
+def _reference(ei, et, nodes, relations, keep=None):
+    """The layout from plain torch ops: (destination, relation) order (the edges' own where they are kept:
+    by default where they come in destination order), CSC offsets, heaviest destinations first, the unique
     (source, relation) pairs relation-major, per-type counts and orders."""
-    order = torch.argsort(ei[1], stable=True)
+    keep = _in_order(ei) if keep is None else keep
+    order = torch.arange(ei.size(1)) if keep else torch.argsort(ei[1] * relations + et, stable=True)
     src, dst, etype = ei[0][order], ei[1][order], et[order]
     deg = torch.bincount(dst, minlength=nodes)
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(deg, 0)])
@@ -48,8 +54,9 @@ def _reference(ei, et, nodes, relations):
 def test_device_layout_matches_a_plain_torch_reference(edges, nodes, relations, seed, dst_sorted, padded):
     ei, et = _graph(edges, nodes, relations, seed, dst_sorted)
     graph = Graph(ei, et, nodes, relations, sync_free=padded)
-    assert graph.dst_sorted == (edges <= 1 or bool((ei[1][1:] >= ei[1][:-1]).all()))
-    ref = _reference(ei, et, nodes, relations)
+    # a sync-free graph knows the order only from a promise (as on a GPU): sorted again
+    assert graph.dst_sorted == (not padded and _in_order(ei))
+    ref = _reference(ei, et, nodes, relations, keep=graph.dst_sorted)
     dg = DeviceGraph(graph)
     g = dg.graph
     count = ref["pair_src"].numel()
@@ -82,6 +89,27 @@ def test_device_layout_matches_a_plain_torch_reference(edges, nodes, relations, 
     assert torch.equal(dg.perm(Domain.EDGE, ("etype",)).long(), ref["edge_perm"])
     assert torch.equal(dg.type_counts(Domain.UNIQUE, ("etype",)), ref["pair_counts"])
     assert torch.equal(dg.type_counts(Domain.UNIQUE, ()), torch.tensor([count]))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("hint", [None, True, False])
+def test_destination_sorted_edges_kept_or_sorted_by_relation_as_a_gpu_would(padded, hint):
+    """Edges in destination order but not in relation order within a destination: a checked graph finds the
+    order with its id check and keeps the edges as they are; a sync-free graph (which on a GPU cannot look
+    without a wait) keeps them only on the promise, and otherwise sorts them by (destination, relation), stably,
+    on the CPU too, so that the layout is the one a GPU builds from the same graph."""
+    ei = torch.tensor([[4, 1, 2, 0, 3, 5, 2], [0, 0, 0, 1, 2, 2, 2]])
+    et = torch.tensor([2, 0, 1, 1, 1, 0, 1])
+    graph = Graph(ei, et, 6, 3, sync_free=padded, sorted_by_destination=hint)
+    kept = hint is True or (hint is None and not padded)
+    assert graph.dst_sorted == kept
+    dg = DeviceGraph(graph)
+    expected = [0, 1, 2, 3, 4, 5, 6] if kept else [1, 2, 0, 3, 5, 4, 6]
+    assert (dg.order is None) == kept
+    if not kept:
+        assert dg.order.tolist() == expected
+    assert dg.graph.src.tolist() == ei[0, expected].tolist() and dg.graph.etype.tolist() == et[expected].tolist()
+    assert dg.graph.dst_etype_sorted == (not kept)
 
 
 def test_node_type_layout_matches_a_plain_torch_reference():
@@ -166,6 +194,9 @@ def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, ds
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert gpu.padded == cpu.padded == padded
+    assert (gpu.order is None) == (cpu.order is None)
+    if gpu.order is not None:
+        assert torch.equal(gpu.order.cpu(), cpu.order)
     for a, b in ((gpu.graph.src, cpu.graph.src), (gpu.graph.dst, cpu.graph.dst), (gpu.csc_ptr, cpu.csc_ptr),
                  (gpu.dst_order, cpu.dst_order), (gpu.graph.edge_to_unique, cpu.graph.edge_to_unique),
                  (gpu.graph.unique_src, cpu.graph.unique_src), (gpu.gather("unique_src"), cpu.gather("unique_src")),

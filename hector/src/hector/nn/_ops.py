@@ -115,7 +115,7 @@ def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_
         lowered, places = hit
         bleaves = dict(saved)
         bleaves[f"grad:{bound.outputs[0]}"] = grad if grad.is_contiguous() else grad.contiguous()
-        env = backend.run(lowered, graph, bleaves, keep=())
+        env = backend.run(lowered, graph, bleaves, keep=(), contiguous=True)  # saved values: made contiguous
         by_leaf = {bound.names[position]: env[out] for out, position in places}
     grads = []
     for name, t, need in zip(names, (x, *weights), needs, strict=True):

@@ -30,7 +30,12 @@ from .graph import Graph
 class Backend(Protocol):
     name: str
 
-    def run(self, lowered: Any, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
+    def run(self, lowered: Any, graph: Graph, leaves: Mapping[str, Any], keep: Any = None, *,
+            contiguous: bool = False) -> dict[str, torch.Tensor]:
+        """Runs ``lowered`` on ``graph`` with its leaves bound by name; ``keep``: the values to hand back beyond
+        the outputs (None: every value). ``contiguous``: the caller's promise that every leaf tensor is contiguous
+        (values a run made and gradients it made contiguous, as a backward's leaves are), so that none is
+        checked."""
         ...
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -41,7 +46,7 @@ class Backend(Protocol):
 class ReferenceBackend:
     name = "reference"
 
-    def run(self, lowered, graph, leaves, keep=None):
+    def run(self, lowered, graph, leaves, keep=None, *, contiguous=False):
         from .reference import run_lowered
 
         return run_lowered(lowered, graph, leaves, keep=keep)

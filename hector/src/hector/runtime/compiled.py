@@ -149,7 +149,8 @@ class _Apply(torch.autograd.Function):
         leaves: dict[str, torch.Tensor] = dict(zip(bound.compiled.saved, ctx.saved_tensors, strict=True))
         for o, g in zip(bound.outputs, grad_outputs, strict=True):
             leaves[f"grad:{o}"] = g if g.is_contiguous() else g.contiguous()
-        env = ctx.backend.run(lowered, ctx.graph, leaves, keep=())
+        # the saved values are values the forward made (contiguous), the output gradients made contiguous above
+        env = ctx.backend.run(lowered, ctx.graph, leaves, keep=(), contiguous=True)
         for name, position in places:
             grads[3 + position] = env[name]
         return tuple(grads)

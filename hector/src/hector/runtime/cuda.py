@@ -15,8 +15,10 @@ code (``tests/emulator``), which exercises everything here on machines without a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
+import operator
 import os
 import threading
 import time
@@ -45,6 +47,14 @@ log = logging.getLogger("hector")
 
 
 # ------------------------------------------------------------------------------------------------- executors
+
+
+# torch's own getters of the current device and its current stream's handle (what torch.cuda.current_stream() reads,
+# without its Python); absent from a build without CUDA
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+if _CURRENT_DEVICE is None:
+    _RAW_STREAM = None
 
 
 class JitExecutor:
@@ -109,6 +119,11 @@ class JitExecutor:
         batch[0].launch(stream, bases, 0, batch[1])
 
     def stream(self) -> int:
+        """The current CUDA stream's handle on the current device, read once per call of a layer or backward:
+        torch's raw getters where it has them (``torch.cuda.current_stream()`` builds a Python ``Stream`` object,
+        several Python calls of host time that a small step pays on every call)."""
+        if _RAW_STREAM is not None:
+            return _RAW_STREAM(_CURRENT_DEVICE())
         return torch.cuda.current_stream().cuda_stream
 
     def properties(self, device: torch.device) -> dict:
@@ -180,8 +195,24 @@ class _Call:
 
 
 _ARENA, _POOL = 0, 1  # the bases of a batched call's temporaries and of its zero-filled pool
+_LEAVES = 2  # the first leaf's base (the leaves' follow it in order)
+_IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = operator.methodcaller("data_ptr")
 # a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
 _ARENA_BYTES = 32 << 20
+
+
+def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An einsum step's result (contiguous) from its operands cast to ``dtype``: each cast and copy made only where
+    needed, as each is a torch call (and on a GPU a release and retake of the interpreter lock, which a loader
+    thread beside the training step may hold meanwhile)."""
+    if a.dtype != dtype:
+        a = a.to(dtype)
+    if b.dtype != dtype:
+        b = b.to(dtype)
+    out = einsum(equation, a, b)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +224,12 @@ class _Batched:
     arena_dtypes: frozenset
     pool_bytes: int
     pool_dtypes: frozenset
-    leaves: tuple  # (value, base)
+    leaves: tuple  # (value, base), the bases consecutive from _LEAVES
     allocs: tuple  # (value, base, shape, dtype, zero-filled): buffers of their own
     views: tuple  # (value, _ARENA or _POOL, dtype, shape, stride, offset in elements): what Python reads
     aliases: tuple  # (value, the value whose buffer it is)
     program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
+    leaf_names: tuple = ()  # the values of ``leaves``, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +272,7 @@ class _Template:
     keep: frozenset[str]
     kernels: tuple[_KernelTemplate, ...]
     value_dtypes: dict = field(default_factory=dict)  # model dtype -> what CudaBackend._value_dtypes returns
+    dying: dict = field(default_factory=dict)  # step index -> the values no later step reads (_last_readers)
 
 
 @dataclass(frozen=True)
@@ -248,6 +281,8 @@ class _ProgramInfo:
     consts: tuple[tuple[str, str], ...]  # (value name, kind) of GRAPH nodes
     leaf_names: frozenset[str]
     outputs: tuple[str, ...]
+    value_names: tuple[str, ...] = ()  # the leaves' value names ...
+    leaf_keys: tuple[str, ...] = ()  # ... and the names a call binds them by, in the same order
 
 
 @dataclass
@@ -409,18 +444,25 @@ class CudaBackend:
         template.value_dtypes[model_dtype] = hit = tuple(pairs)
         return hit
 
-    def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None) -> dict[str, torch.Tensor]:
+    def run(self, lowered, graph: Graph, leaves: Mapping[str, Any], keep: Any = None, *,
+            contiguous: bool = False) -> dict[str, torch.Tensor]:
         dg = device_graph(graph)
         info = self._program_info(lowered)
-        env: dict[str, Any] = {}
-        dtypes = []
-        for name, leaf in info.leaves:
-            t = leaves[leaf]
-            env[name] = t if t.is_contiguous() else t.contiguous()
-            dtypes.append(t.dtype)
-        model_dtype = next((t.dtype for t in leaves.values() if torch.is_tensor(t) and t.is_floating_point()),
-                           torch.float32)
-        call = self._call(lowered, info, dg, keep, tuple(dtypes), model_dtype)
+        # plain loops, no generators: this runs for every layer call and every backward, on the host time a small
+        # step is bound by
+        # the leaves bound and their dtypes read by C loops (map), no Python per leaf
+        tensors = tuple(map(leaves.__getitem__, info.leaf_keys))
+        # the leaves are known to be contiguous where the caller says so (a backward's: see Backend.run)
+        if not contiguous and not all(map(_IS_CONTIGUOUS, tensors)):
+            tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
+        env: dict[str, Any] = dict(zip(info.value_names, tensors, strict=True))
+        dtypes = tuple(map(_DTYPE, tensors))
+        model_dtype = torch.float32
+        for t in leaves.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                model_dtype = t.dtype
+                break
+        call = self._call(lowered, info, dg, keep, dtypes, model_dtype)
         env.update(call.consts)
         if call.batched is not None:
             self._run_batched(call.batched, env, dg.device, model_dtype)
@@ -448,7 +490,7 @@ class CudaBackend:
                 env.pop(name, None)
             if kind == _EINSUM:
                 equation, dtype, a, b = extra
-                env[outputs] = einsum(equation, env[a].to(dtype), env[b].to(dtype)).contiguous()
+                env[outputs] = _einsum_step(equation, dtype, env[a], env[b])
                 continue
             for name, shape, dtype, how in outputs:
                 if how is _EMPTY:
@@ -483,8 +525,8 @@ class CudaBackend:
             bases[_POOL] = pool.data_ptr()
             for dtype in b.pool_dtypes:
                 typed[_POOL, dtype] = pool.view(dtype)
-        for name, index in b.leaves:
-            bases[index] = env[name].data_ptr()
+        if b.leaves:  # the leaves' bases are consecutive, from the first after the arena's and the pool's
+            bases[_LEAVES:_LEAVES + len(b.leaves)] = map(_DATA_PTR, map(env.__getitem__, b.leaf_names))
         for name, index, shape, dtype, zero in b.allocs:
             t = env[name] = torch.zeros(shape, dtype=dtype, device=device) if zero else \
                 torch.empty(shape, dtype=dtype, device=device)
@@ -500,7 +542,7 @@ class CudaBackend:
                 launch_batch(item, bases, stream)
             elif kind == _EINSUM:
                 equation, dtype, a, x, out, index = item
-                t = env[out] = einsum(equation, env[a].to(dtype), env[x].to(dtype)).contiguous()
+                t = env[out] = _einsum_step(equation, dtype, env[a], env[x])
                 bases[index] = t.data_ptr()
             else:  # dropout: a mask made by torch
                 out, index, shape, p = item
@@ -515,8 +557,9 @@ class CudaBackend:
         Python), and runs a flat list of steps. Keyed by the settings the module depends on, so that changing
         them makes a new record (and, where needed, a new module); emptied when a padded layout settles."""
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
-        batches = config.launch_batches()
-        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), config.split_degree(), batches)
+        settings = config.settings  # read as attributes: a function call each is host time on every layer call
+        batches = settings.launch_batches
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches)
         hit = dg.calls.get(key)
         if hit is not None and hit.lowered is lowered:
             return hit
@@ -526,7 +569,9 @@ class CudaBackend:
         env_dtypes.update((name, DTYPE_KEY[t.dtype]) for name, t in consts)
         plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
         steps = self._launch_plan(lowered, plan, dg, keep)
-        batched = self._batched(lowered, info, steps, consts, keep) \
+        # values die after their last reader where a call releases values (keep given), as on the kernel path
+        dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
+        batched = self._batched(lowered, info, steps, consts, keep, dying) \
             if batches and hasattr(self.executor, "batch") else None
         if batched is not None:
             made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
@@ -566,7 +611,8 @@ class CudaBackend:
             dg.calls[key] = call
         return call
 
-    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any) -> _Batched | None:
+    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
+                 dying: dict[int, list[str]]) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
@@ -586,7 +632,7 @@ class CudaBackend:
             if step.kind == _EINSUM:
                 readers.update(step.inputs)
         where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
-        bases = 2
+        bases = _LEAVES
         leaves = []
         for name, _ in info.leaves:
             where[name] = (bases, 0)
@@ -599,13 +645,23 @@ class CudaBackend:
         arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
+        # a temporary's range of the allocation is free again after its last reader (where a call releases values:
+        # keep given), for the temporaries after it: the kernel-by-kernel path's allocator reuses a released
+        # buffer the same way, and a call whose temporaries each had their own range wrote to (and wrote back
+        # from the L2 cache) several times the memory
+        ranges = _ArenaRanges()
+        placed: dict[str, tuple[int, int]] = {}  # temporary -> (offset, bytes) in the allocation
 
         def flush() -> None:
             if segment:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
 
-        for step in steps:
+        for i, step in enumerate(steps):
+            if i - 1 in dying:
+                for name in dying[i - 1]:  # read by no step from here on
+                    if name in placed:
+                        ranges.give(*placed.pop(name))
             if step.kind == _EINSUM:
                 flush()
                 (name, *_), a, b = step.outputs[0], *step.inputs
@@ -649,9 +705,10 @@ class CudaBackend:
                     bases += 1
                     extra += 0 if name in visible else numel * dtype.itemsize
                     continue
-                offset = -(-arena // 256) * 256  # 256-byte aligned, as CUDA's allocations
+                offset = ranges.take(numel * dtype.itemsize)
                 where[name] = (_ARENA, offset)
-                arena = offset + numel * dtype.itemsize
+                placed[name] = (offset, numel * dtype.itemsize)
+                arena = ranges.size
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
             if arena + extra > _ARENA_BYTES:
@@ -670,7 +727,8 @@ class CudaBackend:
         flush()
         return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
                         steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
-                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps))
+                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
+                        tuple(name for name, _ in leaves))
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""
@@ -686,7 +744,9 @@ class CudaBackend:
             leaves=tuple((n.name, n.attr("name")) for n in program.nodes if n.op in _LEAF_OPS),
             consts=tuple((n.name, n.attr("kind")) for n in program.nodes if n.op is Op.GRAPH),
             leaf_names=frozenset(n.name for n in program.nodes if n.op in _LEAF_OPS or n.op is Op.GRAPH),
-            outputs=tuple(program.outputs))
+            outputs=tuple(program.outputs),
+            value_names=tuple(n.name for n in program.nodes if n.op in _LEAF_OPS),
+            leaf_keys=tuple(n.attr("name") for n in program.nodes if n.op in _LEAF_OPS))
         self._infos[id(lowered)] = (lowered, info)
         return info
 
@@ -827,7 +887,7 @@ class CudaBackend:
             else:  # one thread per element of a fixed count: the same grid on every graph
                 t.grid = (-(-launch.work[0] // launch.block), 1)
             kernels.append(t)
-        template = _Template(keep_all, tuple(kernels))
+        template = _Template(keep_all, tuple(kernels), dying=_last_readers(kernels))
         self._templates[key] = (plan, template)
         return template
 
@@ -875,6 +935,68 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+class _ArenaRanges:
+    """Byte ranges of a call's temporaries' allocation (see :meth:`CudaBackend._batched`): :meth:`take` gives the
+    first free range that fits, 256-byte aligned as CUDA's allocations (or grows the allocation), :meth:`give` frees
+    one again; ``size`` is the allocation's size so far."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (offset, bytes), by offset, neighbours merged
+        self.size = 0
+
+    def take(self, nbytes: int) -> int:
+        nbytes = -(-nbytes // 256) * 256
+        for i, (offset, size) in enumerate(self.free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + nbytes, size - nbytes)
+                return offset
+        offset = self.size
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.size:  # a free range at the end: grown
+            offset = self.free.pop()[0]
+        self.size = offset + nbytes
+        return offset
+
+    def give(self, offset: int, nbytes: int) -> None:
+        nbytes = -(-nbytes // 256) * 256
+        if nbytes == 0:
+            return
+        free = self.free
+        i = bisect.bisect_left(free, (offset, 0))
+        if i < len(free) and offset + nbytes == free[i][0]:  # merged with the range after it ...
+            nbytes += free.pop(i)[1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # ... and the one before it
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + nbytes)
+        else:
+            free.insert(i, (offset, nbytes))
+
+
+def _last_readers(kernels: list[_KernelTemplate]) -> dict[int, list[str]]:
+    """Step index (a launch plan has one step per kernel of its template) -> the values no step after it reads or
+    writes (each value under the name of the buffer it lives in: an output accumulated into an earlier value's
+    buffer extends that buffer's life to its own last use). A value no step reads after it is made ends with the
+    step that makes it."""
+    root: dict[str, str] = {}
+    last: dict[str, int] = {}
+    for i, step in enumerate(kernels):
+        if step.kind == _EINSUM:
+            for name in step.inputs:
+                last[root.get(name, name)] = i
+            continue
+        for name, _, _, _, zero, _ in step.outputs:
+            if type(zero) is _Alias:
+                root[name] = root.get(zero.name, zero.name)
+            last[root.get(name, name)] = i
+        for _, name in step.env_args:
+            last[root.get(name, name)] = i
+    dying: dict[int, list[str]] = {}
+    for name, i in last.items():
+        dying.setdefault(i, []).append(name)
+    return dying
 
 
 def _row_major(feature: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:

@@ -32,12 +32,14 @@ class DeviceGraph:
         # the whole layout in one TorchScript call (see hector.runtime.prep): a loader thread preparing a
         # mini-batch holds the GIL for none of its operations
         (order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src, self.csc_ptr,
-         self.dst_order, p_src, p_etype, count, self.unique_count, valid, pair_counts) = prep.run(
+         p_src, p_etype, count, self.unique_count, valid, pair_counts) = prep.run(
             prep.destination_layout, graph.src, graph.dst, graph.etype, graph.edge_to_unique if exact else None,
             graph.unique_src if exact else None, graph.unique_etype if exact else None, graph.num_nodes,
             graph.num_relations, graph.dst_sorted)
         self.order = order  # sorted position -> original edge id; None where the edges came in that order
         g = self.graph = Graph._derived(src, dst, etype, like=graph, dst_sorted=True)
+        g.dst_etype_sorted = graph.dst_etype_sorted or (
+            not graph.dst_sorted and prep.by_relation(graph.num_nodes, graph.num_relations))
         self.device = g.device
         self.num_nodes, self.num_edges = g.num_nodes, g.num_edges
         self.padded = not exact
@@ -88,8 +90,13 @@ class DeviceGraph:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """See :meth:`Graph.record_stream`."""
         self.graph.record_stream(stream)
-        record_stream_of((self.order, self.csc_ptr, self.dst_order, self.unique_count, self._cache, self._bound),
-                         stream)
+        record_stream_of((self.order, self.csc_ptr, self.unique_count, self._cache, self._bound), stream)
+
+    @property
+    def dst_order(self) -> torch.Tensor:
+        """The destinations by in-degree, heaviest first (int32): made on first use (a sort over the nodes, which
+        only the node-centric traversals read)."""
+        return self._cached("dst_order", lambda: prep.run(prep.heaviest_first, self.csc_ptr))
 
     def bound(self, multiprocessors: int) -> dict[tuple, Any]:
         """The kernel arguments and grids that depend on this graph (and the GPU's multiprocessor count) only, by

@@ -2,9 +2,9 @@
 
 Everything derived from the structure (relation-sorted orders, CSR/CSC, unique (source, relation) pairs and the
 edge -> pair inverse index, degree normalisers) is computed on first use and cached on the :class:`Graph`.
-:func:`graph_for` keeps recently seen ``(edge_index, edge_type)`` tensors mapped to their Graph so that a layer
-called repeatedly on the same tensors (full-graph training) preprocesses once, while each new mini-batch subgraph
-(e.g. PyG ``NeighborLoader`` output) gets its own Graph.
+:func:`graph_for` keeps recently seen ``(edge_index, edge_type)`` tensors mapped to their Graph, while the tensors
+live, so that a layer called repeatedly on the same tensors (full-graph training) preprocesses once, while each new
+mini-batch subgraph (e.g. PyG ``NeighborLoader`` output) gets its own Graph, freed with its tensors.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ class Graph:
         sorted_by_destination: whether the edges are already in destination order (CSC order, as neighbour
             samplers emit them); the CUDA backend then skips its sort by destination. None (default): found out
             with the id check's read on the host (no wait of its own; unknown, so sorted again, on a
-            ``sync_free`` graph). True: a promise, checked like the ids (an error now, or a device-side assertion
-            on a ``sync_free`` graph). False: not looked at. The answer is kept as ``dst_sorted``.
+            ``sync_free`` graph, on the CPU too, so that its layout is the one a GPU builds). True: a promise,
+            checked like the ids (an error now, or a device-side assertion on a ``sync_free`` graph). False: not
+            looked at. The answer is kept as ``dst_sorted``.
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
@@ -148,6 +149,8 @@ class Graph:
             node_type = node_type.to(edge_index.device)
             checks.append(("node_type", node_type, self.num_node_types, "node type"))
         self.sync_free = bool(sync_free)
+        # edges in (destination, relation) order: set on the CUDA backend's layout where it sorted them so
+        self.dst_etype_sorted = False
         dst = edge_index[1]
         if self.sync_free and edge_index.is_cuda:
             _check_ranges_on_device(checks)
@@ -163,7 +166,9 @@ class Graph:
             # caller said it is unsorted): one wait per graph (a sync-free graph on the CPU, where reading costs no
             # wait, checks its ids the same way but keeps the pairs to its backend, as on a GPU). All of it one
             # TorchScript call: the loader thread that prepares a mini-batch holds the GIL for none of it
-            order = sorted_by_destination is not False
+            # a sync-free graph learns the order only from a promise, as on a GPU (where finding it out would
+            # read the device): the CUDA backend's layout of it then is the same on either device
+            order = bool(sorted_by_destination) if self.sync_free else sorted_by_destination is not False
             want_pairs = not self.sync_free
             bounds, psrc, petype, pinverse = prep.run(prep.check_and_pair, edge_index, edge_type, node_type,
                                                       self.num_nodes, self.num_relations, order, want_pairs)
@@ -177,10 +182,12 @@ class Graph:
                                       "non-decreasing order; sort the edges by destination or leave the hint out")
             count = int(steps[-1]) if want_pairs else None
             pairs = (psrc, petype, pinverse) if want_pairs else None
-        self.src = edge_index[0].contiguous()
-        self.dst = edge_index[1].contiguous()
-        self.etype = edge_type.contiguous()
-        self._ntype = None if node_type is None else node_type.contiguous()
+        # detached: the same memory without a reference to the caller's tensor objects (a view keeps its base's
+        # Python object alive), so that graph_for's cache sees the caller drop them and lets this graph go
+        self.src = edge_index[0].contiguous().detach()
+        self.dst = edge_index[1].contiguous().detach()
+        self.etype = edge_type.contiguous().detach()
+        self._ntype = None if node_type is None else node_type.contiguous().detach()
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
         if pairs is not None:
@@ -198,6 +205,7 @@ class Graph:
         g.device = like.device
         g.sync_free = like.sync_free
         g.dst_sorted = dst_sorted
+        g.dst_etype_sorted = False
         g._cache = {}
         return g
 
@@ -457,10 +465,12 @@ class Graph:
                 # edges sharing (destination, relation), by binary search in the sorted keys: no host read (unique
                 # would size its output on the host, a synchronisation per new graph)
                 bound = self.num_nodes * self.num_relations
-                key = self.dst * self.num_relations + self.etype
+                key = self.etype.add(self.dst, alpha=self.num_relations)
                 if bound <= 2**31 - 1:
                     key = key.to(torch.int32)  # once, for the sort and both searches
-                ordered = sort_keys(key, bound)[0]
+                # edges already in (destination, relation) order (the CUDA backend's layout): the keys are sorted,
+                # and each search walks the same path as its neighbours' (no sort, coalesced reads)
+                ordered = key if self.dst_etype_sorted else sort_keys(key, bound)[0]
                 counts = torch.searchsorted(ordered, key, right=True) - torch.searchsorted(ordered, key)
                 return counts.to(work).reciprocal_()
             deg = self.in_degree().to(work)
@@ -527,6 +537,32 @@ def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:
 _GRAPHS: OrderedDict[tuple, tuple[list[weakref.ref], Graph]] = OrderedDict()
 _MAX_GRAPHS = 16
 _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.prepare_graph) while layers run
+# keys of cached graphs one of whose tensors has been freed: that graph can never be looked up again. Its entry
+# (and with it the graph's layout on the device, as large as the edges several times over) is dropped at the next
+# lookup, so that a mini-batch loop holds the graphs of the batches still in use, not the last sixteen: the
+# caching allocator then hands each batch the memory of the batch before it instead of growing (a device
+# allocation per new graph). Appended from a weak reference's callback, which may run on any thread and inside
+# any code: a deque's append is atomic and takes no lock.
+_DEAD: deque[tuple] = deque()
+
+
+def _forget_dead() -> None:
+    """Drops the cache entries whose tensors have been freed (called with ``_GRAPHS_LOCK`` held)."""
+    while _DEAD:
+        try:
+            key = _DEAD.popleft()
+        except IndexError:  # emptied by another thread
+            return
+        hit = _GRAPHS.get(key)
+        if hit is not None and any(r() is None for r in hit[0]):
+            del _GRAPHS[key]
+
+
+def cached_graphs() -> int:
+    """How many graphs :func:`graph_for` holds (entries of freed tensors dropped first)."""
+    with _GRAPHS_LOCK:
+        _forget_dead()
+        return len(_GRAPHS)
 
 
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
@@ -544,14 +580,19 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
+        _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse
         hit = _GRAPHS.get(key)
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
             _GRAPHS.move_to_end(key)
             return hit[1]
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free,
               sorted_by_destination=sorted_by_destination)
+
+    def freed(_ref: weakref.ref, key: tuple = key) -> None:
+        _DEAD.append(key)
+
     with _GRAPHS_LOCK:
-        _GRAPHS[key] = ([weakref.ref(t) for t in tensors], g)
+        _GRAPHS[key] = ([weakref.ref(t, freed) for t in tensors], g)
         while len(_GRAPHS) > _MAX_GRAPHS:
             _GRAPHS.popitem(last=False)
     return g

@@ -79,12 +79,13 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
                        num_relations: int, dst_sorted: bool) -> list[Tensor | None]:
     """The CUDA backend's layout of a checked graph (see :class:`~hector.runtime.device_graph.DeviceGraph`), as
     the list ``[order, src, dst, etype, inverse, src32, dst32, etype32, inverse32, unique_src32, csc_ptr,
-    dst_order, pair sources, pair relations, pair count, pair count as int32, valid, pairs per relation]``.
+    pair sources, pair relations, pair count, pair count as int32, valid, pairs per relation]``.
 
     ``order``: sorted position -> original edge (None where ``dst_sorted``); ``src``, ``dst``, ``etype``: the
-    edges' int64 columns in destination order; ``inverse``: each sorted edge's pair row; the ``*32`` tensors: the
-    same as int32 (the kernels' gather indices), and the pairs' sources; ``csc_ptr``: the int32 offsets of each
-    destination's in-edges; ``dst_order``: the destinations heaviest first (int32). The pairs: the graph's own
+    edges' int64 columns in destination order (and by relation within a destination, stably, where
+    :func:`by_relation` says so and the edges were not in destination order already); ``inverse``: each sorted
+    edge's pair row; the ``*32`` tensors: the same as int32 (the kernels' gather indices), and the pairs' sources;
+    ``csc_ptr``: the int32 offsets of each destination's in-edges. The pairs: the graph's own
     where it has them (``inverse``, ``unique_src``, ``unique_etype``: exact; None is returned for the pairs, their
     int64 count and ``valid``), else computed here (padded to the edge count with ``valid`` marking the real
     rows); the pair count is a one-element tensor (int64 where computed here, and int32 either way). The pairs
@@ -95,7 +96,13 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
     # the columns (and each edge's pair row, where known) gathered in one op, not one per column
     both = torch.stack([src, dst, etype] if inverse is None else [src, dst, etype, inverse])
     if not dst_sorted:
-        o = sort_keys(dst, num_nodes)[1]
+        # by (destination, relation) where that key sorts as int32 (as many radix passes as the destination
+        # alone): the edges are then also grouped by relation within each destination, and the relational mean's
+        # normaliser counts those groups without a sort of its own (Graph.graph_const)
+        if by_relation(num_nodes, num_relations):
+            o = sort_keys(etype.add(dst, alpha=num_relations), num_nodes * num_relations)[1]
+        else:
+            o = sort_keys(dst, num_nodes)[1]
         order = o
         both = both.index_select(1, o)
     columns = both[:3]
@@ -121,13 +128,24 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
         narrow = both.to(torch.int32)
     nodes = torch.arange(num_nodes + 1, dtype=columns.dtype, device=device)
     csc_ptr = torch.searchsorted(columns[1], nodes, out_int32=True)
-    deg = csc_ptr[1:] - csc_ptr[:-1]
-    dst_order = torch.sort(deg, descending=True, stable=True)[1].to(torch.int32)
     pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
     pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
     # the rows one by one (their views made here, not by the caller's Python)
     return [order, columns[0], columns[1], columns[2], inv, narrow[0], narrow[1], narrow[2], narrow[3],
-            pair_src.to(torch.int32), csc_ptr, dst_order, out_src, out_etype, out_count, count32, valid, pair_counts]
+            pair_src.to(torch.int32), csc_ptr, out_src, out_etype, out_count, count32, valid, pair_counts]
+
+
+def by_relation(num_nodes: int, num_relations: int) -> bool:
+    """Whether :func:`destination_layout` sorts unsorted edges by (destination, relation), not by destination
+    alone: where the combined key fits int32, so that it sorts in as many radix passes."""
+    return num_nodes * num_relations <= 2**31 - 1
+
+
+def heaviest_first(csc_ptr: Tensor) -> Tensor:
+    """The destinations by in-degree, heaviest first (stable; int32), from their CSC offsets: the order of the
+    node-centric traversals, made only for a program that has one."""
+    deg = csc_ptr[1:] - csc_ptr[:-1]
+    return torch.sort(deg, descending=True, stable=True)[1].to(torch.int32)
 
 
 def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
@@ -169,5 +187,5 @@ def run(fn: Any, *args: Any) -> Any:
         _set_optimize(previous)
 
 
-__all__ = ["check_and_pair", "destination_layout", "run", "scripted", "sort_keys", "type_layout",
-           "unique_pairs"]
+__all__ = ["by_relation", "check_and_pair", "destination_layout", "heaviest_first", "run", "scripted", "sort_keys",
+           "type_layout", "unique_pairs"]

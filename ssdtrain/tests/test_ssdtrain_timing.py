@@ -271,25 +271,62 @@ def test_copies_out_run_further_ahead_where_the_peak_has_room():
     assert _plan(40 * GIB).inflight_bytes == 0  # nothing moved
 
 
-def test_a_slow_step_without_device_waits_charges_its_excess_to_the_moved_units_once():
+def test_a_slow_forward_without_device_waits_charges_its_excess_to_the_moved_units_once():
     """From the second checked step of a plan with checked times: above 1.05x its prediction while the device did
-    not wait for copies back, the excess is charged per moved unit (not the link's rates), once per lineage."""
+    not wait for copies back, the forward's excess (where the moves' hooks run) is charged per moved unit (not the
+    link's rates), once per lineage."""
     plan = _plan(6 * GIB)
     plan.times_checked = True
     counters = _Counters()
     cal = _calibrator(counters)
     s = plan.prediction.seconds
-    forward = sum(u.forward_s for u in plan.units)
+    forward = plan.prediction.forward_s
+    assert sum(u.forward_s for u in plan.units) < forward < s
     moved_units = sum(c.tier == "host" for c in plan.choices)
-    assert _step(cal, counters, plan, forward, 1.1 * s) is None  # first step: a pass
-    new = _step(cal, counters, plan, forward, 1.1 * s, step=5)
+    assert _step(cal, counters, plan, forward + 0.1 * s, 1.1 * s) is None  # first step: a pass
+    new = _step(cal, counters, plan, forward + 0.1 * s, 1.1 * s, step=5)
     assert new is not None and new.move_overhead_s == pytest.approx(0.1 * s / moved_units)
     assert new.link_scale == 1.0 and f"charged to the {moved_units} moved units" in new.calibrations[-1]
+    assert "the other" not in new.calibrations[-1]  # all of it in forward
     if new.prediction.moved:
-        s2 = new.prediction.seconds
-        assert _step(cal, counters, new, forward, 1.1 * s2, step=6) is None
-        assert _step(cal, counters, new, forward, 1.1 * s2, step=7) is None  # once per lineage
+        s2, f2 = new.prediction.seconds, new.prediction.forward_s
+        assert _step(cal, counters, new, f2 + 0.1 * s2, 1.1 * s2, step=6) is None
+        assert _step(cal, counters, new, f2 + 0.1 * s2, 1.1 * s2, step=7) is None  # once per lineage
         assert new.move_overhead_s == pytest.approx(0.1 * s / moved_units)
+
+
+def test_a_slow_backward_without_device_waits_is_not_charged_to_the_moves(caplog):
+    """Backward slower than predicted while the device never waited for copies back (the copies back ran on their
+    own stream, done before backward needed them): the prediction's error, which plans that move nothing show too,
+    not a cost of the moves. Charging it priced the moves out (a step's whole excess divided among three moved
+    units read 8.5 ms each, though the plan that moved nothing ran 7 % over its own prediction as well). Only the
+    forward's share and waits beyond the predicted stalls are charged; none at all is said, and the step passes."""
+    plan = _plan(6 * GIB)
+    plan.times_checked = True
+    counters = _Counters()
+    cal = _calibrator(counters)
+    s, forward = plan.prediction.seconds, plan.prediction.forward_s
+    moved_units = sum(c.tier == "host" for c in plan.choices)
+    assert moved_units
+    assert _step(cal, counters, plan, forward, 1.1 * s) is None
+    with caplog.at_level(logging.INFO, logger="ssdtrain"):
+        assert _step(cal, counters, plan, forward, 1.1 * s, step=5) is None  # all of it in backward: no charge
+    said = [r.getMessage() for r in caplog.records if "not a cost of the moves" in r.getMessage()]
+    assert len(said) == 1 and "none charged" in said[0], said
+    assert plan.move_overhead_s == 0.0 and plan._verified  # a pass: the plan stands
+    # Part in forward, part in backward: the forward's part only.
+    plan2 = _plan(6 * GIB)
+    plan2.times_checked = True
+    cal2 = _calibrator(counters)
+    assert _step(cal2, counters, plan2, forward + 0.04 * s, 1.1 * s) is None
+    new = _step(cal2, counters, plan2, forward + 0.04 * s, 1.1 * s, step=5)
+    assert new is not None and new.move_overhead_s == pytest.approx(0.04 * s / moved_units)
+    assert "ms (backward, with no wait for copies back) are the prediction's" in new.calibrations[-1]
+    # Without a forward mark nothing tells them apart: the whole excess, as before.
+    plan3 = _plan(6 * GIB)
+    plan3.times_checked = True
+    cal3 = _calibrator(counters)
+    assert cal3._move_excess(plan3.prediction, [0.0, None, 1.1 * s], 0.0, 0.1 * s)[0] == pytest.approx(0.1 * s)
 
 
 def test_the_leanest_plan_is_found_where_the_one_change_search_stalls():

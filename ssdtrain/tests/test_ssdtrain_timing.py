@@ -64,26 +64,27 @@ class _Counters:
     """What the session's callables report, cumulative: (late bytes, unpacked bytes, device wait s) and host waits."""
 
     def __init__(self):
-        self.late = (0, 0, 0.0)
+        self.late = (0, 0, 0.0, 0.0)
         self.waited = 0.0
 
-    def add(self, late=0, unpacked=0, wait=0.0, host_wait=0.0):
-        a, b, c = self.late
-        self.late = (a + late, b + unpacked, c + wait)
+    def add(self, late=0, unpacked=0, wait=0.0, host_wait=0.0, unpack_host=0.0):
+        a, b, c, d = self.late
+        self.late = (a + late, b + unpacked, c + wait, d + unpack_host)
         self.waited += host_wait
 
 
-def _step(cal, counters, plan, forward, total, *, host_wait=0.0, late=0, unpacked=0, wait=0.0, step=4):
+def _step(cal, counters, plan, forward, total, *, host_wait=0.0, late=0, unpacked=0, wait=0.0, step=4,
+          unpack_host=0.0):  # fmt: skip
     """One checked step of `plan`: its peak as predicted; the forward takes `forward` s (of which the host waited
     `host_wait` s for copies out), forward+backward `total` s; `late` of `unpacked` bytes came back late and the
-    device waited `wait` s for them."""
+    device waited `wait` s for them; the host spent `unpack_host` s in backward's hooks for moved tensors."""
     cal.memory.peaks = [plan.predict(False).peak]
     cal.clock = _Clock([0.0, forward, total])
     cal.start(plan, False, given=False)
     assert cal.checking
     counters.add(host_wait=host_wait)
     cal.forward_done()
-    counters.add(late=late, unpacked=unpacked, wait=wait)
+    counters.add(late=late, unpacked=unpacked, wait=wait, unpack_host=unpack_host)
     cal.backward_done()
     return cal.finish(step=step)
 
@@ -322,6 +323,20 @@ def test_a_slow_backward_without_device_waits_is_not_charged_to_the_moves(caplog
     new = _step(cal2, counters, plan2, forward + 0.04 * s, 1.1 * s, step=5)
     assert new is not None and new.move_overhead_s == pytest.approx(0.04 * s / moved_units)
     assert "ms (backward, with no wait for copies back) are the prediction's" in new.calibrations[-1]
+    # Backward's excess with the host busy in the moved tensors' hooks: at most that host time is the moves'.
+    plan4 = _plan(6 * GIB)
+    plan4.times_checked = True
+    cal4 = _calibrator(counters)
+    assert _step(cal4, counters, plan4, forward, 1.1 * s, unpack_host=0.03 * s) is None
+    new = _step(cal4, counters, plan4, forward, 1.1 * s, unpack_host=0.03 * s, step=5)
+    assert new is not None and new.move_overhead_s == pytest.approx(0.03 * s / moved_units)
+    assert "of the host in backward's hooks for moved tensors" in new.calibrations[-1]
+    plan5 = _plan(6 * GIB)
+    plan5.times_checked = True
+    cal5 = _calibrator(counters)
+    assert _step(cal5, counters, plan5, forward, 1.1 * s, unpack_host=0.5 * s) is None
+    new = _step(cal5, counters, plan5, forward, 1.1 * s, unpack_host=0.5 * s, step=5)
+    assert new.move_overhead_s == pytest.approx(0.1 * s / moved_units)  # never more than the excess
     # Without a forward mark nothing tells them apart: the whole excess, as before.
     plan3 = _plan(6 * GIB)
     plan3.times_checked = True
@@ -521,3 +536,22 @@ def test_with_the_head_held_no_block_is_restored_before_backward_leaves_the_head
     model(ids).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n])
+
+
+def test_the_session_reports_the_host_time_of_backward_hooks_for_moved_tensors():
+    """The calibrator's fourth reading: seconds the host spent in backward's hooks for moved tensors (their unpack
+    and the copies back it issues), cumulative; nothing moved, nothing counted."""
+    model, ids = make_net(layers=3, width=32), batch(shape=(2, 16))
+    with ssdtrain.offload(model, min_bytes=1, overrides={"blocks.0": "host", "blocks.1": "host"}, profile_steps=1,
+                          verbose=False) as session:  # fmt: skip
+        for _ in range(3):
+            model(ids).backward()
+        late = session._late_unpacks()
+    assert len(late) == 4 and late[1] > 0  # moved bytes were unpacked
+    assert late[3] > 0 and late[3] == session.cache.counters["move_unpack_ns"] / 1e9
+    kept, ids = make_net(layers=3, width=32), batch(shape=(2, 16))
+    with ssdtrain.offload(kept, min_bytes=1, overrides={"blocks.0": "keep", "blocks.1": "keep"}, profile_steps=1,
+                          verbose=False) as session:  # fmt: skip
+        for _ in range(3):
+            kept(ids).backward()
+        assert session._late_unpacks()[3] == 0.0

@@ -373,9 +373,7 @@ def _ssdtrain_details(row, session, before) -> None:
         f"timed: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses {d['misses']}, late "
         f"{d['late_prefetches']} ({late_mib:.0f} MiB; the device waited {wait_ms:.2f} ms per micro-batch), "
         f"throttle waits {stats['throttle_waits'] - before['throttle_waits']} "
-        f"({(stats['throttle_seconds'] - before['throttle_seconds']) * 1e3 / steps:.2f} ms per micro-batch), "
-        f"backward's hooks for moved tensors "
-        f"{(stats['move_unpack_seconds'] - before['move_unpack_seconds']) * 1e3 / steps:.2f} ms per micro-batch; "
+        f"({(stats['throttle_seconds'] - before['throttle_seconds']) * 1e3 / steps:.2f} ms per micro-batch); "
         f"calibrated {len(plan.calibrations)}x"
         + ("" if plan is before.get("plan") else " (the plan changed during the timed steps)")
         + f"; fallbacks {stats['fallbacks']}"

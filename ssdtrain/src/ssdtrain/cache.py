@@ -252,10 +252,8 @@ class TensorCache(Transfers):
                     self._begin_backward()
                     self._prefetch_from(max(max(self._by_unit, default=-1), self.hold_head or -1))
             elif self._by_unit:
-                t0 = time.perf_counter()
                 with self.lock:
                     self._prefetch_from(saved.unit)
-                self.counters["move_unpack_ns"] += int((time.perf_counter() - t0) * 1e9)
             return saved.materialize()
         if not isinstance(saved, _Saved):
             if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
@@ -267,20 +265,9 @@ class TensorCache(Transfers):
                 # units move the prefetch window like moved ones).
                 unit = self._kept_unit.get(id(saved))
                 if unit is not None:
-                    t0 = time.perf_counter()
                     with self.lock:
                         self._prefetch_from(unit)
-                    self.counters["move_unpack_ns"] += int((time.perf_counter() - t0) * 1e9)
             return saved
-        t0 = time.perf_counter()
-        try:
-            return self._unpack_moved(saved)
-        finally:
-            # The host's time for the moves in backward (this unpack, the copies back it issues): what backward
-            # loses to the moves where it is host-bound, beyond the device's own waits for copies.
-            self.counters["move_unpack_ns"] += int((time.perf_counter() - t0) * 1e9)
-
-    def _unpack_moved(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
         with self.lock:
             # This entry first, then the poll: a poll first would free its device bytes the moment their copy out

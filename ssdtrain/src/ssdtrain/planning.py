@@ -99,19 +99,15 @@ class Calibrator:
     link's rates halved, at most ``LINK_HALVINGS`` times (each said in the log with the rates it leaves). Without
     that measure, more than ``LATE_SLACK`` of the moved bytes late, or a step above ``SPEED_SLACK`` x its predicted
     time, does the same. A step above ``OVERHEAD_SLACK`` x its prediction while the device did not wait for copies
-    back may be a cost of the moves that the link does not explain (host work in the hooks, copies that slow
-    compute): the part of the excess the moves can have caused (the forward's, where their hooks run, the
-    device's waits for copies back beyond those predicted, and at most the host's time in backward's hooks for
-    moved tensors; not the rest of backward's slowness, which plans that move nothing show too) is charged to
-    each moved unit (``plan.move_overhead_s``, once per plan lineage) and the plan made again, so moves that do
-    not pay give way to recompute. Less than ``CHARGE_FLOOR`` x the predicted time is no charge (said once)."""
+    back is a cost of the moves that the link does not explain (host work in the hooks, copies that slow compute):
+    the excess is charged to each moved unit (``plan.move_overhead_s``, once per plan lineage) and the plan made
+    again, so moves that do not pay give way to recompute."""
 
     TIME_SLACK = 0.8
     SPEED_SLACK = 1.15
     LATE_SLACK = 0.1
     STALL_SLACK = 0.02
     OVERHEAD_SLACK = 1.05
-    CHARGE_FLOOR = 0.01
     LINK_HALVINGS = 2
 
     def __init__(
@@ -336,14 +332,11 @@ class Calibrator:
                 measured = None
         late_bytes = unpacked = 0
         device_wait = None
-        unpack_host = None
         if self._late_base is not None:
             now = self.late()
             late_bytes, unpacked = now[0] - self._late_base[0], now[1] - self._late_base[1]
             if len(now) > 2 and now[2] is not None and len(self._late_base) > 2 and self._late_base[2] is not None:
                 device_wait = max(0.0, now[2] - self._late_base[2])
-            if len(now) > 3 and len(self._late_base) > 3:
-                unpack_host = max(0.0, now[3] - self._late_base[3])
         slow = measured is not None and measured > self.SPEED_SLACK * prediction.seconds
         over = measured is not None and measured > self.OVERHEAD_SLACK * prediction.seconds
         if device_wait is not None:
@@ -386,18 +379,10 @@ class Calibrator:
         if over and device_wait is not None and not plan.move_overhead_s:
             moved_units = sum(1 for u, c in zip(plan.units, plan.choices, strict=True) if split_choice(u, c)[1])
             excess = measured - prediction.seconds
-            charged, where = self._move_excess(prediction, marks, device_wait, excess, unpack_host)
-            if charged <= self.CHARGE_FLOOR * prediction.seconds:
-                if not getattr(plan, "_said_unexplained", False):
-                    plan._said_unexplained = True
-                    self._say(
-                        f"step {step - 1}: {'; '.join(why)}, {where}: not a cost of the moves, none charged to them"
-                    )
-                return self._passed(plan)
-            per_unit = charged / max(1, moved_units)
+            per_unit = excess / max(1, moved_units)
             line = (
                 f"step {step - 1}: {'; '.join(why)}, while the device waited {device_wait * 1e3:.1f} ms for copies "
-                f"back; {where}: {charged * 1e3:.1f} ms charged to the {moved_units} moved units "
+                f"back: the {excess * 1e3:.1f} ms excess charged to the {moved_units} moved units "
                 f"({per_unit * 1e3:.2f} ms each)"
             )
             try:
@@ -406,35 +391,6 @@ class Calibrator:
                 return self._passed(plan)
             return self._replanned(plan, new, line, timing=True)
         return self._passed(plan)
-
-    def _move_excess(
-        self, prediction, marks, device_wait: float, excess: float, unpack_host: float | None = None
-    ) -> tuple[float, str]:
-        """(seconds of a slow step's `excess` that are the moves', what the log says of where it was).
-
-        A move costs the host its hooks' work in forward (the copy out runs on a side stream, and where the forward
-        is host-bound that host work is the device's idle time); in backward, the device's waits for copies back
-        beyond those predicted (measured by events) and, at most, the host's time in the moved tensors' unpack
-        hooks (`unpack_host`: where backward is host-bound, the device idles that long). What backward loses beyond
-        that (its recomputes, recipes, the host late in blocks that move nothing) is the prediction's error,
-        present in plans that move nothing too: charged to the moves, it priced them out where they cost little.
-        Without a forward mark the whole excess is charged, as nothing tells it apart."""
-        forward = self._forward_seconds(marks)
-        if forward is None or prediction.forward_s <= 0:
-            return excess, f"the {excess * 1e3:.1f} ms excess not split (no forward measured)"
-        forward_excess = max(0.0, forward[0] - prediction.forward_s)
-        wait_excess = max(0.0, device_wait - prediction.stall_s)
-        hooks = 0.0 if unpack_host is None else min(max(0.0, excess - forward_excess - wait_excess), unpack_host)
-        charged = max(0.0, min(excess, forward_excess + wait_excess + hooks))
-        rest = excess - charged
-        return charged, (
-            f"forward {forward[0] * 1e3:.1f} ms against {prediction.forward_s * 1e3:.1f} predicted, so "
-            f"{forward_excess * 1e3:.1f} ms of the {excess * 1e3:.1f} ms excess in forward"
-            + (f", {wait_excess * 1e3:.1f} ms of waits for copies back" if wait_excess else "")
-            + (f", {hooks * 1e3:.1f} ms of the host in backward's hooks for moved tensors" if hooks else "")
-            + (f"; the other {rest * 1e3:.1f} ms (backward, with no wait for copies back) are the prediction's"
-               if rest >= 5e-5 else "")
-        )  # fmt: skip
 
     def _say(self, message: str) -> None:
         log.info(f"ssdtrain: {message}")

@@ -144,9 +144,6 @@ class Prediction:
     # calibration's correction): what a leaner plan would have to remove.
     peak_at: str = ""
     peak_parts: dict[str, int] = field(default_factory=dict)
-    # The forward alone: compute, the host's work for the moves and its waits for copies out past the window (the
-    # wait for the last copies out at backward's start is backward's, as the step's marks put it).
-    forward_s: float = 0.0
 
     @property
     def host_bytes(self) -> int:
@@ -393,7 +390,4 @@ def simulate(
         if p[1]:
             moved_by_tier[c.tier] = moved_by_tier.get(c.tier, 0) + p[1]
     composition = {k: v for k, v in composition.items() if v}
-    return Prediction(
-        t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall, peak_at, composition,
-        forward_s=end[-1] if n else 0.0,
-    )  # fmt: skip
+    return Prediction(t, int(max(0, peak + correction)), stall, moved_by_tier, per_unit_stall, peak_at, composition)

@@ -524,14 +524,13 @@ class OffloadSession:
             return self.profiler.tier(nbytes) if self.profiler.active else "keep"
         return self.plan.choices[min(unit, len(self.plan.choices) - 1)].tier
 
-    def _late_unpacks(self) -> tuple[int, int, float | None, float]:
-        """(moved bytes late or not prefetched, moved bytes unpacked, seconds the device waited for them, seconds
-        the host spent in backward's hooks for moved tensors) so far: the calibrator's measure of copies back that
-        did not keep up (the wait on CUDA only: read from events, after the step's end synchronised the device) and
-        of the moves' host work in backward."""
+    def _late_unpacks(self) -> tuple[int, int, float | None]:
+        """(moved bytes late or not prefetched, moved bytes unpacked, seconds the device waited for them) so far:
+        the calibrator's measure of copies back that did not keep up (the wait on CUDA only: read from events,
+        after the step's end synchronised the device)."""
         c = self.cache.counters
         wait = self.cache.read_waits() if self.device.type == "cuda" else None
-        return c["late_bytes"] + c["missed_bytes"], c["unpacked_moved_bytes"], wait, c["move_unpack_ns"] / 1e9
+        return c["late_bytes"] + c["missed_bytes"], c["unpacked_moved_bytes"], wait
 
     def _link_waits(self) -> float:
         """Seconds the host waited so far for copies out (the cache's window) and for pinning new host memory."""

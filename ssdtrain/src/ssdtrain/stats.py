@@ -47,9 +47,6 @@ def session_stats(session) -> dict:
         "stall_seconds": c["stall_ns"] / 1e9,
         "throttle_waits": c["throttle_waits"],
         "throttle_seconds": c["throttle_ns"] / 1e9,
-        # Host time in backward's hooks for moved tensors (their unpack, the copies back it issues): on a host-bound
-        # backward, device time too.
-        "move_unpack_seconds": c["move_unpack_ns"] / 1e9,
         "fallbacks": {k.removeprefix("fallback_"): v for k, v in c.items() if k.startswith("fallback_")},
         "host_pool": {
             "limit": pool.limit,

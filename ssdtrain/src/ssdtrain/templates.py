@@ -3,10 +3,7 @@ tensor one block saved, in pack order, replayed at the block's later forwards wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .derive import _Op
+from typing import Any
 
 CAST = "ToCopyBackward0"  # autograd's node of a dtype cast (autocast's): shared by source, not by node
 MISS = object()  # a replay found this position differs from its template
@@ -20,7 +17,7 @@ class TemplateOp:
 
     __slots__ = ("cls", "fn", "inputs", "metas", "shape", "dtype", "device", "idx", "cast")
 
-    def __init__(self, op: _Op, inputs: list, metas: list, idx: int):
+    def __init__(self, op: Any, inputs: list, metas: list, idx: int):  # op: a derive._Op (derive imports this)
         self.cls, self.fn, self.inputs, self.metas = op.cls, op.fn, inputs, metas
         self.shape, self.dtype, self.device = op.shape, op.dtype, op.device
         self.idx = idx

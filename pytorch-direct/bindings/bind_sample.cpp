@@ -22,21 +22,6 @@ T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-sample_graph graph(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code, std::int64_t num_nodes,
-                   std::int64_t num_edges, std::uintptr_t edge_type, int edge_type_code, std::int64_t num_types) {
-  sample_graph g;
-  g.colptr = ptr<const void>(colptr);
-  g.colptr_code = colptr_code;
-  g.row = ptr<const void>(row);
-  g.row_code = row_code;
-  g.num_nodes = num_nodes;
-  g.num_edges = num_edges;
-  g.edge_type = ptr<const void>(edge_type);
-  g.edge_type_code = edge_type_code;
-  g.num_types = num_types;
-  return g;
-}
-
 }  // namespace
 
 void bind_sample(nb::module_& m) {
@@ -46,11 +31,12 @@ void bind_sample(nb::module_& m) {
          std::int64_t num_edges, std::uintptr_t edge_type, int edge_type_code, std::int64_t num_types,
          std::uintptr_t frontier, std::int64_t slots, std::uintptr_t valid, int fanout, std::uintptr_t fan_row,
          bool replace, std::uintptr_t seed_local, std::uintptr_t take, std::uintptr_t error, std::uintptr_t stream) {
-        sample_take_cuda(
-            graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types),
-            ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(valid), fanout,
-            ptr<const std::int64_t>(fan_row), replace, ptr<std::int32_t>(seed_local), ptr<std::int64_t>(take),
-            ptr<std::int64_t>(error), shared_cuda::stream_view::from_address(stream));
+        sample_take_cuda(sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                      edge_type, edge_type_code, num_types),
+                         ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(valid), fanout,
+                         ptr<const std::int64_t>(fan_row), replace, ptr<std::int32_t>(seed_local),
+                         ptr<std::int64_t>(take), ptr<std::int64_t>(error),
+                         shared_cuda::stream_view::from_address(stream));
       },
       nb::call_guard<nb::gil_scoped_release>());
   m.def(
@@ -61,13 +47,13 @@ void bind_sample(nb::module_& m) {
          bool replace, std::uintptr_t seed, int hop, std::uintptr_t local, std::uintptr_t unseen,
          std::int64_t first_local, std::uintptr_t pos, std::uintptr_t src, std::uintptr_t dst, std::uintptr_t error,
          std::uintptr_t stream) {
-        sample_edges_cuda(
-            graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types),
-            ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(cum), fanout,
-            ptr<const std::int64_t>(fan_row), replace, ptr<const std::int64_t>(seed), hop,
-            ptr<const std::int32_t>(local), ptr<std::uint32_t>(unseen), first_local, ptr<std::int64_t>(pos),
-            ptr<std::int64_t>(src), ptr<std::int64_t>(dst), ptr<std::int64_t>(error),
-            shared_cuda::stream_view::from_address(stream));
+        sample_edges_cuda(sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                       edge_type, edge_type_code, num_types),
+                          ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(cum), fanout,
+                          ptr<const std::int64_t>(fan_row), replace, ptr<const std::int64_t>(seed), hop,
+                          ptr<const std::int32_t>(local), ptr<std::uint32_t>(unseen), first_local,
+                          ptr<std::int64_t>(pos), ptr<std::int64_t>(src), ptr<std::int64_t>(dst),
+                          ptr<std::int64_t>(error), shared_cuda::stream_view::from_address(stream));
       },
       nb::call_guard<nb::gil_scoped_release>());
   m.def(
@@ -116,9 +102,10 @@ void bind_sample(nb::module_& m) {
         a.node_cap = node_cap;
         a.device = device;
         const std::size_t hops = a.fanouts.size();
-        const sample_batch_result r = sample_batch_cuda(
-            graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types), a,
-            shared_cuda::stream_view::from_address(stream));
+        const sample_batch_result r =
+            sample_batch_cuda(sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                           edge_type, edge_type_code, num_types),
+                              a, shared_cuda::stream_view::from_address(stream));
         // flat, as the tests' CPU emulation returns it: status, error kind and value, needed edges, the node
         // counts (hops + 1), the edge counts (hops); counts past where an error stopped the batch are 0
         std::vector<std::int64_t> flat{static_cast<std::int64_t>(r.status), r.error_kind, r.error_value,

@@ -68,21 +68,6 @@ T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-sample_graph graph(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, int row_code, std::int64_t num_nodes,
-                   std::int64_t num_edges, std::uintptr_t edge_type, int edge_type_code, std::int64_t num_types) {
-  sample_graph g;
-  g.colptr = ptr<const void>(colptr);
-  g.colptr_code = colptr_code;
-  g.row = ptr<const void>(row);
-  g.row_code = row_code;
-  g.num_nodes = num_nodes;
-  g.num_edges = num_edges;
-  g.edge_type = ptr<const void>(edge_type);
-  g.edge_type_code = edge_type_code;
-  g.num_types = num_types;
-  return g;
-}
-
 // sample_batch.hpp's Ops on the CPU: the kernels through run_grid, sums as loops, copies as memcpy.
 struct cpu_ops {
   int launches = 0;
@@ -142,8 +127,8 @@ void emulated_take(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, i
                    std::uintptr_t frontier, std::int64_t slots, std::uintptr_t valid, int fanout,
                    std::uintptr_t fan_row, bool replace, std::uintptr_t seed_local, std::uintptr_t take,
                    std::uintptr_t error) {
-  const sample_graph g =
-      graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types);
+  const sample_graph g = sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                      edge_type, edge_type_code, num_types);
   run_grid(slots, [&] {
     take_kernel(g, ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(valid), fanout,
                 ptr<const std::int64_t>(fan_row), replace, ptr<std::int32_t>(seed_local), ptr<std::int64_t>(take),
@@ -157,8 +142,8 @@ void emulated_edges(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, 
                     bool replace, std::uintptr_t seed, int hop, std::uintptr_t local, std::uintptr_t unseen,
                     std::int64_t first_local, std::uintptr_t pos, std::uintptr_t src, std::uintptr_t dst,
                     std::uintptr_t error) {
-  const sample_graph g =
-      graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types);
+  const sample_graph g = sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                      edge_type, edge_type_code, num_types);
   run_grid(slots, [&] {
     edges_kernel(g, ptr<const std::int64_t>(frontier), slots, ptr<const std::int64_t>(cum), fanout,
                  ptr<const std::int64_t>(fan_row), replace, ptr<const std::int64_t>(seed), hop,
@@ -195,8 +180,8 @@ int emulated_batch(std::uintptr_t colptr, int colptr_code, std::uintptr_t row, i
                    std::int64_t edge_cap, std::uintptr_t host, std::uintptr_t out, std::int64_t node_cap,
                    std::uintptr_t result) {
   try {
-    const sample_graph g =
-        graph(colptr, colptr_code, row, row_code, num_nodes, num_edges, edge_type, edge_type_code, num_types);
+    const sample_graph g = sample_graph::from_addresses(colptr, colptr_code, row, row_code, num_nodes, num_edges,
+                                                        edge_type, edge_type_code, num_types);
     sample_batch_args a;
     a.seeds = ptr<const std::int64_t>(seeds);
     a.batch = batch;

@@ -29,6 +29,21 @@ struct sample_graph {
   const void* edge_type = nullptr;
   int_code edge_type_code = 8;
   std::int64_t num_types = 0;
+
+  // The graph from integer addresses, as the bindings and the CPU emulator of the kernels receive them.
+  static sample_graph from_addresses(std::uintptr_t colptr, int_code colptr_code, std::uintptr_t row, int_code row_code,
+                                     std::int64_t num_nodes, std::int64_t num_edges, std::uintptr_t edge_type,
+                                     int_code edge_type_code, std::int64_t num_types) {
+    return {reinterpret_cast<const void*>(colptr),
+            colptr_code,
+            reinterpret_cast<const void*>(row),
+            row_code,
+            num_nodes,
+            num_edges,
+            reinterpret_cast<const void*>(edge_type),
+            edge_type_code,
+            num_types};
+  }
 };
 
 // The first and second words of the error pair (int64 [2], device memory, zero when clean) say what a kernel found

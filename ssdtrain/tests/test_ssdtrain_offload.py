@@ -373,6 +373,7 @@ def test_blocks_compiled_under_an_activation_memory_budget():
             model.blocks[0](model.embed(ids))
         return sum(storages.values())
 
+    overrides = {"blocks.0": "recompute", "blocks.1": "host", "blocks.2": "recompute+host"}
     plans = {}
     try:
         for memory_budget in (1.0, 0.3):
@@ -384,12 +385,12 @@ def test_blocks_compiled_under_an_activation_memory_budget():
                 model = compiled_net()
                 block_bytes = graph_saved_bytes(model)
                 model.zero_grad(set_to_none=True)
-                overrides = {"blocks.0": "recompute", "blocks.1": "host", "blocks.2": "recompute+host"}
                 loss, got, s = run(model, ids, steps=4, overrides=overrides, profile_steps=1)
                 for name, g in want.items():
                     torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
                 stats = s.stats()
                 assert stats["bytes_offloaded"]["host"] > 0 and stats["recomputed_modules"] == 2
+                assert "2 compiled blocks are recomputed whole" in str(s.plan)  # the hint to lower the budget
                 plans[memory_budget] = s.plan
                 assert [u.saved_bytes for u in s.plan.units[1:-1]] == [block_bytes] * 4
                 budgeted = ssdtrain.plan(model, lambda m=model: m(ids).backward(), budget=0.5, min_bytes="4K")
@@ -401,6 +402,8 @@ def test_blocks_compiled_under_an_activation_memory_budget():
     saved_full, saved_lean = full.units[1].saved_bytes, lean.units[1].saved_bytes
     assert saved_lean < 0.6 * saved_full  # the compiler's own recompute under the budget
     assert full.keep_prediction.peak - lean.keep_prediction.peak >= 4 * (saved_full - saved_lean) * 9 // 10
+    _, _, eager = run(make_net(layers=4, width=64), ids, steps=2, overrides=overrides, profile_steps=1)
+    assert eager.stats()["recomputed_modules"] == 2 and "recomputed whole" not in str(eager.plan)
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face

@@ -973,6 +973,29 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     assert isinstance(scope["p"], ssdtrain.Plan)
 
 
+def test_readme_compile_example_runs(tmp_path, monkeypatch):
+    """The README's torch.compile recipe: blocks compiled under the compiler's memory budget, ssdtrain around them."""
+    import torch._functorch.config as fconfig
+
+    pytest.importorskip("transformers")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## ssdtrain with torch.compile") : readme.index("## Writing and reading tensors")]
+    (code,) = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fconfig, "activation_memory_budget", fconfig.activation_memory_budget)  # restored after
+    torch._dynamo.reset()  # Llama blocks compiled by an earlier test would keep their graphs
+    scope = {}
+    try:
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented example must run
+    finally:
+        torch._dynamo.reset()
+    session = scope["session"]
+    assert session.plan.compiled_blocks and session.stats()["planned_steps"] == 2
+    assert session.plan.prediction.peak <= session.plan.budget
+    stats = session.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 or stats["recomputed_modules"] > 0
+
+
 def test_profiling_checkpoints_blocks_beyond_the_allowance(monkeypatch):
     """On a GPU, profiling keeps half the free memory and checkpoints the blocks that would not fit; the plan from
     such a profile must equal the one from a profile that saw every block."""

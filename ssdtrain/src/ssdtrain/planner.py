@@ -350,10 +350,9 @@ class Plan:
         whole = sum(1 for u, c in pairs if u.kind == "block" and c.recompute == "full")
         if self.compiled_blocks and whole:
             lines.append(
-                f"  note: {whole} compiled blocks are recomputed whole; compiling them under a lower "
-                "torch._functorch.config.activation_memory_budget (e.g. 0.8) lets the compiler recompute single "
-                "ops inside them instead, which frees memory at less cost per byte (README: ssdtrain with "
-                "torch.compile)"
+                f"  note: {whole} compiled block{'s are' if whole > 1 else ' is'} recomputed whole; compiling the "
+                "blocks under a lower torch._functorch.config.activation_memory_budget lets the compiler recompute "
+                "single ops inside them instead, at less cost per byte freed (README: ssdtrain with torch.compile)"
             )
         lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)

@@ -626,7 +626,8 @@ def plot(path, results, a) -> None:
                 continue
             ssd = sorted([r for r in measured if r["policy"].startswith("ssdtrain")], key=lambda r: r["peak_gib"])
             # Around blocks compiled under a budget of their own (X) and without one: a curve each.
-            ways = [([r for r in ssd if "compile_budget" not in r["policy"].split("@", 1)[0]], "ssdtrain", "o-")]
+            plain = "ssdtrain" if group == "eager" else "ssdtrain + compile"
+            ways = [([r for r in ssd if "compile_budget" not in r["policy"].split("@", 1)[0]], plain, "o-")]
             ways.append(([r for r in ssd if r not in ways[0][0]], "ssdtrain + compile budget X", "o--"))
             for points, label, style in ways:
                 if not points:

@@ -184,7 +184,7 @@ def test_llm_rok_suite_quick(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_llm_rok_targets():
+def test_llm_rok_targets(tmp_path):
     """The ROK verdicts from made-up rows: half of keep's peak within 1.10x its time, 1.2x recompute's peak
     within 0.90x its time, and each peer beaten by an ssdtrain point of its own kind at <= its peak."""
     sys.path.insert(0, str(BENCH.parent))
@@ -226,6 +226,11 @@ def test_llm_rok_targets():
     )
     assert ways[1].endswith("without one: no run at that memory")
     assert not [x for x in text.splitlines() if "eager" in x and "around blocks" in x]
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot of measured peaks (GPU runs): both curves
+        a = argparse.Namespace(models=["llama"], device="cuda", groups="eager,compiled", layers=16, hidden=2048,
+                               batch=4, seq=2048, accum=4)  # fmt: skip
+        llm_rok.plot(tmp_path / "rok.png", results, a)
+        assert (tmp_path / "rok.png").stat().st_size > 1000
 
 
 def test_llm_rok_compiled_jobs_follow_their_baselines():

@@ -20,9 +20,10 @@
 #                 torch SAC, save_on_cpu, torchtune and TRL offloading, ssdtrain at budgets from their
 #                 peaks and with every block 'derive' (what deriving alone saves and costs); the eager
 #                 targets                                                                               ~6 min
-#   rok-compiled  the same model, each block torch.compile'd: keep, activation_memory_budget 0.5 /
-#                 0.2 / 0.8, ssdtrain + compile at their peaks (inductor compiles cost ~1 min a job
-#                 on a cold cache: the deadline cuts the last ones)                                     ~8 min
+#   rok-compiled  the same model, each block torch.compile'd: keep, activation_memory_budget 0.8 /
+#                 0.5 / 0.2, then at their peaks ssdtrain around blocks compiled with the next looser
+#                 budget (ssdtrain+compile_budget_X), then around blocks compiled without one (inductor
+#                 compiles cost ~1 min a job on a cold cache: the deadline cuts the last ones)          ~8 min
 #   trainer       a Hugging Face Trainer on GPT-2 1.3B (24 x 2048, bf16 autocast, accumulation 2, eval
 #                 every 2 steps) with and without ssdtrain.OffloadCallback(budget=0.5): losses, peak,
 #                 evaluation untouched                                                                  ~2 min

@@ -56,9 +56,10 @@ def verdict(what: str, best: dict | None, met: bool, extra: str = "") -> str:
     MET or MISSED."""
     if best is None:
         return f"{what}: no ssdtrain run at that memory -> MISSED"
-    return (
-        f"{what}: {best['policy']} {best['step_ms']:.1f} ms ({best.get('x_keep_time', 0):.2f}x keep), "
-        f"{best['peak_gib']:.2f} GiB{extra} -> {'MET' if met else 'MISSED'}"
+    # No ratio where the run had no keep row to divide by (e.g. --groups compiled alone).
+    ratio = f" ({best['x_keep_time']:.2f}x keep)" if best.get("x_keep_time") else ""
+    return f"{what}: {best['policy']} {best['step_ms']:.1f} ms{ratio}, {best['peak_gib']:.2f} GiB{extra} -> " + (
+        "MET" if met else "MISSED"
     )
 
 

@@ -8,9 +8,12 @@ attention output, recompute the rest: what torchtitan calls op-level SAC); ``tor
 torchtune 0.6.1 ``OffloadActivations`` and TRL's ``get_act_offloading_ctx_manager`` (their offloading module files,
 loaded alone: see ``load_trl_offload``) around each forward. ssdtrain eager at budgets derived from those peaks in
 this run (``ssdtrain@keep*0.5`` = half of keep's measured activation peak). Compiled peers (each block's forward
-``torch.compile``'d): keep and ``activation_memory_budget`` 0.8 / 0.5 / 0.2; ssdtrain + the same compilation at
-their peaks. Each job runs in its own forked process (``llm.run_child``), in priority order: a deadline cuts from
-the end.
+``torch.compile``'d): keep and ``activation_memory_budget`` 0.8 / 0.5 / 0.2. ssdtrain around them at their peaks,
+two ways: ``ssdtrain+compile_budget_X@<peer>*1.0`` compiles the blocks under the looser budget X (the compiler
+recomputes single ops inside each block) and leaves ssdtrain the rest (offload, and whole blocks recomputed only
+where that is not enough); ``ssdtrain+compile@<peer>*1.0`` compiles them without a budget, so every byte ssdtrain
+frees is a whole block's choice. Each job runs in its own forked process (``llm.run_child``), in priority order: a
+deadline cuts from the end.
 
 A step is one optimizer step: 4 micro-batches (forward under autocast, loss / 4, backward), then AdamW. Step time:
 median of the timed steps (CUDA events). Activation peak: ``max_memory_allocated`` over the timed steps minus the
@@ -61,12 +64,19 @@ EAGER = [
 ]
 COMPILED = [
     ("compile", None),
-    ("compile_budget_0.5", None),
-    ("ssdtrain+compile", "compile*0.5"),
-    ("ssdtrain+compile", "compile_budget_0.5*1.0"),
-    ("compile_budget_0.2", None),
-    ("ssdtrain+compile", "compile_budget_0.2*1.0"),
     ("compile_budget_0.8", None),
+    ("compile_budget_0.5", None),
+    ("compile_budget_0.2", None),
+    # At each budget point's peak, ssdtrain around blocks compiled with the next looser budget: the compiler's cheap
+    # op-level recompute inside the blocks, ssdtrain's offload (hidden behind the forward) for what they still save.
+    ("ssdtrain+compile_budget_0.8", "compile_budget_0.5*1.0"),
+    ("ssdtrain+compile_budget_0.5", "compile_budget_0.2*1.0"),
+    ("ssdtrain+compile_budget_0.9", "compile_budget_0.8*1.0"),
+    ("ssdtrain+compile_budget_0.8", "compile_budget_0.2*1.0"),
+    # ssdtrain around blocks compiled without a budget (whole-block choices only), at the same peaks.
+    ("ssdtrain+compile", "compile_budget_0.5*1.0"),
+    ("ssdtrain+compile", "compile*0.5"),
+    ("ssdtrain+compile", "compile_budget_0.2*1.0"),
     ("ssdtrain+compile", "compile_budget_0.8*1.0"),
 ]
 SLOW = ("save_on_cpu", "torchtune", "trl")
@@ -75,6 +85,15 @@ GROUPS = ("eager", "compiled")
 
 def group_of(policy: str) -> str:
     return "compiled" if "compile" in policy else "eager"
+
+
+def compile_memory_budget(policy: str) -> float | None:
+    """X of a policy that compiles its blocks under ``activation_memory_budget`` X (``compile_budget_X``,
+    ``ssdtrain+compile_budget_X``), else None."""
+    match = re.search(r"compile_budget_([0-9.]+)$", policy)
+    if "compile_budget" in policy and match is None:
+        raise ValueError(f"policy {policy!r}: write the compiler's budget as compile_budget_X, X in (0, 1]")
+    return float(match.group(1)) if match else None
 
 
 def plan_jobs(models: list[str], groups=GROUPS) -> list[tuple[str, str, str | None]]:
@@ -169,10 +188,11 @@ def run_job(job: dict, llm) -> dict:
         "detail": "",
         "budget_gib": round(budget / GIB, 3) if isinstance(budget, int) else "",
     }
-    if "compile_budget" in policy:
+    memory_budget = compile_memory_budget(policy)
+    if memory_budget is not None:  # read when each block is first compiled, in this fresh process
         import torch._functorch.config as fconfig
 
-        fconfig.activation_memory_budget = float(policy.rsplit("_", 1)[1])
+        fconfig.activation_memory_budget = memory_budget
     model, cfg = llm_budget.build(llm, kind, a, device, torch.float32)  # fp32 weights, autocast(bf16) below
     if policy == "recompute":
         llm.checkpoint_blocks(model)
@@ -357,6 +377,9 @@ def _ssdtrain_details(row, session, before) -> None:
         counts[str(c)] = counts.get(str(c), 0) + 1
     row["plan"] = " ".join(f"{v}x{k}" for k, v in sorted(counts.items()))
     row["predicted_peak_gib"] = round(plan.prediction.peak / GIB, 3)
+    # What a block saves per micro-batch as profiled: under a compiler's memory budget, what the compiled graph
+    # still saves (the bytes left for ssdtrain to move or recompute).
+    row["block_saved_mib"] = round(plan.units[1].saved_bytes / 2**20, 3) if len(plan.units) > 2 else ""
     row["predicted_x_keep_time"] = round(plan.prediction.seconds / plan.keep_prediction.seconds, 3)
     row["calibrations"] = len(plan.calibrations)
     if not row["budget_gib"] and plan.budget:
@@ -474,6 +497,7 @@ COLUMNS = [
     "peak_over_budget",
     "predicted_peak_gib",
     "predicted_x_keep_time",
+    "block_saved_mib",
     "tokens_per_s",
     "host_gib_per_micro_batch",
     "device_wait_ms_per_micro_batch",
@@ -553,7 +577,24 @@ def targets(results, a) -> list[str]:
                     extra=f" = {peer['step_ms'] / best['step_ms']:.2f}x faster" if best is not None else "",
                 )
             )
+            if peer["group"] == "compiled":
+                out.append(_compiled_ways(ssd["compiled"], peer["peak_gib"]))
     return out
+
+
+def _compiled_ways(rows, peak) -> str:
+    """The fastest ssdtrain row at <= `peak` each way: around blocks compiled under a memory budget of their own
+    (``ssdtrain+compile_budget_X``), and around blocks compiled without one (``ssdtrain+compile``)."""
+
+    def say(r):
+        return f"{r['policy']} {r['step_ms']:.1f} ms, {r['peak_gib']:.2f} GiB" if r else "no run at that memory"
+
+    def inner(r):
+        return compile_memory_budget(r["policy"].split("@", 1)[0])
+
+    with_budget = _fastest([r for r in rows if inner(r) is not None], peak)
+    without = _fastest([r for r in rows if inner(r) is None], peak)
+    return f"    ssdtrain around blocks compiled with a budget: {say(with_budget)}; without one: {say(without)}"
 
 
 def _fastest(rows, peak):
@@ -584,10 +625,20 @@ def plot(path, results, a) -> None:
                 ax.set_title(f"{model}, {group}: no activation peak measured on {a.device}")
                 continue
             ssd = sorted([r for r in measured if r["policy"].startswith("ssdtrain")], key=lambda r: r["peak_gib"])
-            if ssd:
-                ax.plot([r["peak_gib"] for r in ssd], [r["step_ms"] for r in ssd], "o-", color="C0", label="ssdtrain")
-                for r in ssd:
-                    ax.annotate(r["policy"].split("@", 1)[-1], (r["peak_gib"], r["step_ms"]), fontsize=7)
+            # Around blocks compiled under a budget of their own (X) and without one: a curve each.
+            plain = "ssdtrain" if group == "eager" else "ssdtrain + compile"
+            ways = [([r for r in ssd if "compile_budget" not in r["policy"].split("@", 1)[0]], plain, "o-")]
+            ways.append(([r for r in ssd if r not in ways[0][0]], "ssdtrain + compile budget X", "o--"))
+            for points, label, style in ways:
+                if not points:
+                    continue
+                ax.plot([r["peak_gib"] for r in points], [r["step_ms"] for r in points], style, color="C0",
+                        label=label)  # fmt: skip
+                for r in points:
+                    head, spec = r["policy"].split("@", 1) if "@" in r["policy"] else (r["policy"], "")
+                    x = compile_memory_budget(head)
+                    text = spec if x is None else f"X={x}: {spec}"
+                    ax.annotate(text, (r["peak_gib"], r["step_ms"]), fontsize=7)
             peers = [r for r in measured if not r["policy"].startswith("ssdtrain")]
             for i, r in enumerate(peers):
                 ax.scatter([r["peak_gib"]], [r["step_ms"]], marker="s^vD<>xP*"[i % 9], color=f"C{i % 9 + 1}",

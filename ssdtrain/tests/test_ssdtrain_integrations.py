@@ -312,7 +312,7 @@ def test_readme_training_stack_examples_run(tmp_path, monkeypatch):
     from accelerate.state import AcceleratorState, GradientState
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## In your training stack") : readme.index("## Writing and reading tensors")]
+    section = readme[readme.index("## In your training stack") : readme.index("## ssdtrain with torch.compile")]
     blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
     assert len(blocks) == 3  # Trainer, accelerate, FSDP2
     monkeypatch.chdir(tmp_path)

@@ -145,7 +145,7 @@ def test_llm_budget_suite_quick(tmp_path):
 
 ROK_QUICK = (
     "keep,recompute,sac,ssdtrain@keep*0.7,ssdtrain@sac*1.0,ssdtrain-derive,save_on_cpu,torchtune,trl,compile,"
-    "compile_budget_0.5,ssdtrain+compile@compile_budget_0.5*1.0"
+    "compile_budget_0.5,ssdtrain+compile@compile_budget_0.5*1.0,ssdtrain+compile_budget_0.8@compile_budget_0.5*1.0"
 )
 
 
@@ -171,7 +171,12 @@ def test_llm_rok_suite_quick(tmp_path):
         assert rows[name]["status"] == "ok", rows[name]
     assert rows["ssdtrain@keep*0.7"]["status"] == "ok" and rows["ssdtrain@sac*1.0"]["status"] == "ok"
     assert rows["ssdtrain-derive"]["status"] == "ok" and "derive" in rows["ssdtrain-derive"]["plan"]
-    assert rows["ssdtrain+compile@compile_budget_0.5*1.0"]["status"] in ("ok", "budget")
+    plain = rows["ssdtrain+compile@compile_budget_0.5*1.0"]
+    composed = rows["ssdtrain+compile_budget_0.8@compile_budget_0.5*1.0"]
+    assert plain["status"] == composed["status"] == "ok", (plain, composed)
+    # The composed row's blocks were compiled under the compiler's budget 0.8: each saves less than without one.
+    assert 0 < float(composed["block_saved_mib"]) < 0.9 * float(plain["block_saved_mib"])
+    assert composed["group"] == "compiled"
     assert rows["torchtune"]["status"] == rows["trl"]["status"] == "unavailable"
     assert rows["sac"]["group"] == "eager" and rows["compile_budget_0.5"]["group"] == "compiled"
     assert all(r["accum"] == "2" for r in rows.values())
@@ -179,7 +184,7 @@ def test_llm_rok_suite_quick(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_llm_rok_targets():
+def test_llm_rok_targets(tmp_path):
     """The ROK verdicts from made-up rows: half of keep's peak within 1.10x its time, 1.2x recompute's peak
     within 0.90x its time, and each peer beaten by an ssdtrain point of its own kind at <= its peak."""
     sys.path.insert(0, str(BENCH.parent))
@@ -195,9 +200,12 @@ def test_llm_rok_targets():
         row("sac", 1080, 20),
         row("compile", 800, 30),
         row("compile_budget_0.5", 900, 18),
+        row("compile_budget_0.2", 950, 14),
         row("ssdtrain@keep*0.5", 1070, 19.5),
         row("ssdtrain@recompute*1.2", 1200, 11.9),
         row("ssdtrain+compile@compile_budget_0.5*1.0", 950, 17),
+        row("ssdtrain+compile_budget_0.8@compile_budget_0.5*1.0", 880, 17.5),
+        row("ssdtrain+compile_budget_0.5@compile_budget_0.2*1.0", 960, 13.9),
     ]
     text = "\n".join(llm_rok.targets(results, argparse.Namespace(models=["llama"], device="cuda")))
     assert "(1) llama eager" in text and "ssdtrain@keep*0.5 1070.0 ms" in text
@@ -206,7 +214,44 @@ def test_llm_rok_targets():
     assert lines["(2) llama eager"].endswith("MISSED")  # 1200 > 0.90 x 1300
     assert [x for x in text.splitlines() if "than sac" in x][0].endswith("MET")  # 1070 at 19.5 GiB vs 1080 at 20
     assert [x for x in text.splitlines() if "than recompute" in x][0].endswith("at that memory -> MISSED")
-    assert [x for x in text.splitlines() if "than compile_budget_0.5" in x][0].endswith("MISSED")
+    # Compiled against compiled: the fastest ssdtrain+compile* row at <= the peer's peak, either way of compiling.
+    (b5,) = [x for x in text.splitlines() if "than compile_budget_0.5" in x]
+    assert "ssdtrain+compile_budget_0.8@compile_budget_0.5*1.0 880.0 ms" in b5 and b5.endswith("MET")
+    (b2,) = [x for x in text.splitlines() if "than compile_budget_0.2" in x]
+    assert "ssdtrain+compile_budget_0.5@compile_budget_0.2*1.0 960.0 ms" in b2 and b2.endswith("MISSED")
+    ways = [x for x in text.splitlines() if "ssdtrain around blocks compiled with a budget" in x]
+    assert ways[0].endswith(
+        "with a budget: ssdtrain+compile_budget_0.8@compile_budget_0.5*1.0 880.0 ms, 17.50 GiB; "
+        "without one: ssdtrain+compile@compile_budget_0.5*1.0 950.0 ms, 17.00 GiB"
+    )
+    assert ways[1].endswith("without one: no run at that memory")
+    assert not [x for x in text.splitlines() if "eager" in x and "around blocks" in x]
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot of measured peaks (GPU runs): both curves
+        a = argparse.Namespace(models=["llama"], device="cuda", groups="eager,compiled", layers=16, hidden=2048,
+                               batch=4, seq=2048, accum=4)  # fmt: skip
+        llm_rok.plot(tmp_path / "rok.png", results, a)
+        assert (tmp_path / "rok.png").stat().st_size > 1000
+
+
+def test_llm_rok_compiled_jobs_follow_their_baselines():
+    """Every compiled ssdtrain job comes after the peer whose peak sets its budget, and the compiler's budget of a
+    policy is read from its name."""
+    sys.path.insert(0, str(BENCH.parent))
+    import llm_rok
+
+    jobs = llm_rok.plan_jobs(["llama"], ("compiled",))
+    policies = [p if s is None else f"{p}@{s}" for _, p, s in jobs]
+    for i, (_, policy, spec) in enumerate(jobs):
+        assert llm_rok.group_of(policy) == "compiled"
+        if spec is not None:
+            assert spec.split("*")[0] in policies[:i], policy
+    composed = [p for p, _ in llm_rok.COMPILED if p.startswith("ssdtrain+compile_budget")]
+    assert len(composed) >= 3
+    assert llm_rok.compile_memory_budget("ssdtrain+compile_budget_0.8") == 0.8
+    assert llm_rok.compile_memory_budget("compile_budget_0.2") == 0.2
+    assert llm_rok.compile_memory_budget("ssdtrain+compile") is None
+    with pytest.raises(ValueError, match="compile_budget_X"):
+        llm_rok.compile_memory_budget("ssdtrain+compile_budget_x")
 
 
 def test_llm_trainer_suite_quick(tmp_path):

@@ -342,6 +342,70 @@ def test_regionally_compiled_blocks_offload_without_recompiling():
     assert all(u.selective_s == 0 for u in s.plan.units)  # no selective recompute inside a compiled block
 
 
+def test_blocks_compiled_under_an_activation_memory_budget():
+    """Blocks compiled under torch.compile's ``activation_memory_budget`` (the compiler recomputes single ops inside
+    each block) with ssdtrain around them (offload and whole-block recompute for what the blocks still save): the
+    profile counts the compiled graphs' saved tensors (fewer under the budget), the plan's keep peak follows, a
+    plan under a budget fits it, and gradients match the same compiled model without ssdtrain. aot_eager uses the
+    min-cut partitioner, which honours the budget, as inductor does. The budget is read when a block is first
+    compiled (dynamo does not guard on it), hence the resets."""
+    import torch._functorch.config as fconfig
+
+    ids = batch(shape=(4, 64))
+
+    def compiled_net():
+        model = make_net(layers=4, width=64)
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward, backend="aot_eager")
+        return model
+
+    def graph_saved_bytes(model):  # what one compiled block saves, counted as ssdtrain counts it
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and t.untyped_storage().nbytes() >= 4 * KIB:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.blocks[0](model.embed(ids))
+        return sum(storages.values())
+
+    overrides = {"blocks.0": "recompute", "blocks.1": "host", "blocks.2": "recompute+host"}
+    plans = {}
+    try:
+        for memory_budget in (1.0, 0.3):
+            torch._dynamo.reset()
+            with fconfig.patch(activation_memory_budget=memory_budget):
+                ref = compiled_net()
+                ref(ids).backward()
+                want = grads(ref)
+                model = compiled_net()
+                block_bytes = graph_saved_bytes(model)
+                model.zero_grad(set_to_none=True)
+                loss, got, s = run(model, ids, steps=4, overrides=overrides, profile_steps=1)
+                for name, g in want.items():
+                    torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+                stats = s.stats()
+                assert stats["bytes_offloaded"]["host"] > 0 and stats["recomputed_modules"] == 2
+                assert "2 compiled blocks are recomputed whole" in str(s.plan)  # the hint to lower the budget
+                plans[memory_budget] = s.plan
+                assert [u.saved_bytes for u in s.plan.units[1:-1]] == [block_bytes] * 4
+                budgeted = ssdtrain.plan(model, lambda m=model: m(ids).backward(), budget=0.5, min_bytes="4K")
+                assert budgeted.prediction.peak <= budgeted.budget
+                assert any(c.tier != "keep" or c.recompute != "none" for c in budgeted.choices)
+    finally:
+        torch._dynamo.reset()  # later tests compile blocks of the same code under the default budget
+    full, lean = plans[1.0], plans[0.3]
+    saved_full, saved_lean = full.units[1].saved_bytes, lean.units[1].saved_bytes
+    assert saved_lean < 0.6 * saved_full  # the compiler's own recompute under the budget
+    assert full.keep_prediction.peak - lean.keep_prediction.peak >= 4 * (saved_full - saved_lean) * 9 // 10
+    _, _, eager = run(make_net(layers=4, width=64), ids, steps=2, overrides=overrides, profile_steps=1)
+    assert eager.stats()["recomputed_modules"] == 2 and "recomputed whole" not in str(eager.plan)
+
+
 # ------------------------------------------------------------------------------------------------ Hugging Face
 def _hf_models():
     transformers = pytest.importorskip("transformers")
@@ -907,6 +971,29 @@ def test_readme_examples_run(tmp_path, monkeypatch):
         exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented examples must run
     assert scope["session"].stats()["bytes_offloaded"]["host"] > 0
     assert isinstance(scope["p"], ssdtrain.Plan)
+
+
+def test_readme_compile_example_runs(tmp_path, monkeypatch):
+    """The README's torch.compile recipe: blocks compiled under the compiler's memory budget, ssdtrain around them."""
+    import torch._functorch.config as fconfig
+
+    pytest.importorskip("transformers")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## ssdtrain with torch.compile") : readme.index("## Writing and reading tensors")]
+    (code,) = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fconfig, "activation_memory_budget", fconfig.activation_memory_budget)  # restored after
+    torch._dynamo.reset()  # Llama blocks compiled by an earlier test would keep their graphs
+    scope = {}
+    try:
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented example must run
+    finally:
+        torch._dynamo.reset()
+    session = scope["session"]
+    assert session.plan.compiled_blocks and session.stats()["planned_steps"] == 2
+    assert session.plan.prediction.peak <= session.plan.budget
+    stats = session.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 or stats["recomputed_modules"] > 0
 
 
 def test_profiling_checkpoints_blocks_beyond_the_allowance(monkeypatch):

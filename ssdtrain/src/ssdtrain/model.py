@@ -153,6 +153,13 @@ def is_compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
+def is_compiled_block(block: nn.Module) -> bool:
+    """The block's forward is torch.compile'd on its own (``block.forward = torch.compile(block.forward)`` or
+    ``block.compile()``): regional compilation."""
+    forward_compiled = hasattr(block.forward, "_torchdynamo_orig_callable")
+    return forward_compiled or getattr(block, "_compiled_call_impl", None) is not None
+
+
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """A parameter's local data: the shard of a DTensor (FSDP2's ``fully_shard``, tensor parallelism), else itself."""
     local = getattr(p, "_local_tensor", None)

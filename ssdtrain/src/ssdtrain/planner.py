@@ -148,6 +148,9 @@ class Plan:
     grads: bool = False  # steps start without gradients: backward allocates them (counted in the peak)
     held_grads: bool = False  # other steps start with them all held (gradient accumulation): counted throughout
     order_bounds: list[int] = field(default_factory=list)  # compiled models: pack index where each unit starts
+    # The blocks' forwards are torch.compile'd (regional compilation): recomputing one is recomputing it whole,
+    # where the compiler's own activation_memory_budget recomputes single ops inside it (the plan text says so).
+    compiled_blocks: bool = False
     speed_target: int | None = None  # budget=None: the free device memory the plan had to fit
     budget_fraction: float | None = None  # the budget was given as this fraction of keep's predicted peak
     calibrations: list[str] = field(default_factory=list)  # measured peaks that set the correction
@@ -343,6 +346,14 @@ class Plan:
         if legend:
             lines.append(f"  {'; '.join(legend)}; recompute = checkpoint the whole block; * = overridden")
         lines += [f"  note: {n}" for n in self.notes]
+        pairs = zip(self.units, self.choices, strict=True)
+        whole = sum(1 for u, c in pairs if u.kind == "block" and c.recompute == "full")
+        if self.compiled_blocks and whole:
+            lines.append(
+                f"  note: {whole} compiled block{'s are' if whole > 1 else ' is'} recomputed whole; compiling the "
+                "blocks under a lower torch._functorch.config.activation_memory_budget lets the compiler recompute "
+                "single ops inside them instead, at less cost per byte freed (README: ssdtrain with torch.compile)"
+            )
         lines += [f"  calibrated: {c}" for c in self.calibrations]
         return "\n".join(lines)
 
@@ -594,6 +605,7 @@ def replan(plan: Plan, **changes) -> Plan:
     new.times_checked = changes.get("time_scale") is not None or plan.times_checked
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
+    new.compiled_blocks = plan.compiled_blocks
     return new
 
 

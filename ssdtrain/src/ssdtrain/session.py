@@ -33,6 +33,7 @@ from .model import (
     find_blocks,
     grad_bytes,
     is_compiled,
+    is_compiled_block,
     param_bytes,
     param_storage_ptrs,
 )
@@ -619,6 +620,7 @@ class OffloadSession:
             budget_fraction=self.budget_fraction,
             clear_casts=self.clear_casts,
         )
+        plan.compiled_blocks = any(is_compiled_block(m) for _, m in self.blocks)
         if self.compiled:
             plan.order_bounds = list(self.profiler.order_bounds)
             plan.notes.append(

@@ -125,6 +125,20 @@ def test_node_type_layout_matches_a_plain_torch_reference():
     assert torch.equal(dg.perm(Domain.EDGE, by).long(), torch.argsort(types, stable=True))
 
 
+@pytest.mark.parametrize("rows,types,seed", [(0, 3, 0), (1, 1, 1), (500, 1, 2), (500, 7, 3), (300, 1500, 4)])
+def test_counts_from_the_sorted_types_match_bincount(rows, types, seed):
+    """Per-type counts by binary search in the sorted types (no atomics), padding rows (typed ``types``) left out,
+    with the stable type order from the same sort."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, types + 1, (rows,), generator=g)
+    expect = torch.bincount(index, minlength=types + 1)[:types]
+    assert torch.equal(prep.sorted_counts(torch.sort(index).values, types), expect)
+    for fn in (prep.type_layout, prep.scripted(prep.type_layout)):
+        counts, order = fn(index, types)
+        assert torch.equal(counts, expect)
+        assert order.dtype == torch.int32 and torch.equal(order.long(), torch.argsort(index, stable=True))
+
+
 @pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
 def test_scripted_functions_match_the_same_functions_run_as_python(edges, nodes, relations, seed):
     """TorchScript (which runs without the GIL) and the Python fallback give identical tensors."""

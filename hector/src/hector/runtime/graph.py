@@ -358,26 +358,27 @@ class Graph:
             total *= self.num_types(kind)
         return total
 
-    def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
+    def _type_sort(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' (combined) types in order, rows sorted by type, stably): one sort shared by
+        :meth:`type_order` and :meth:`type_counts`."""
         def compute():
             if by == () or (domain is Domain.UNIQUE and by == ("etype",)):
                 # one type, or the pairs' own relation-major order: already sorted
-                return torch.arange(self.num_rows(domain), device=self.device)
-            return sort_keys(self.combined_index(domain, by), self.num_combined_types(by))[1]
+                return self.combined_index(domain, by), torch.arange(self.num_rows(domain), device=self.device)
+            return sort_keys(self.combined_index(domain, by), self.num_combined_types(by))
 
-        return self.cached(("type_order", domain, by), compute)
+        return self.cached(("type_sort", domain, by), compute)
+
+    def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
+        return self._type_sort(domain, by)[1]
 
     def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        """Rows of each (combined) type, a tensor on the graph's device. No host synchronisation (unlike
-        ``bincount`` on a GPU, which reads the largest id on the host to size its output)."""
-
-        def compute():
-            idx = self.combined_index(domain, by)
-            counts = torch.zeros(self.num_combined_types(by), dtype=torch.long, device=self.device)
-            return counts.index_add_(0, idx, torch.ones_like(idx))
-
-        return self.cached(("type_counts", domain, by), compute)
+        """Rows of each (combined) type, a tensor on the graph's device, from the sorted types (see
+        :func:`~hector.runtime.prep.sorted_counts`: no atomics, and no host synchronisation, unlike ``bincount``
+        on a GPU, which reads the largest id on the host to size its output)."""
+        return self.cached(("type_counts", domain, by), lambda: prep.sorted_counts(
+            self._type_sort(domain, by)[0], self.num_combined_types(by)))
 
     def segments(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
         """Rows sorted by their (combined) type, and the row count of each type as a host list (one

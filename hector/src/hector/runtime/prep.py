@@ -31,6 +31,17 @@ def sort_keys(key: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     return values, order
 
 
+def sorted_counts(sorted_index: Tensor, types: int) -> Tensor:
+    """Rows of each type in [0, ``types``) (int64) of a type index in non-decreasing order (values from ``types``
+    on, such as padding rows typed past the last type, are not counted): one binary search per type boundary.
+    Not ``index_add_`` of ones: millions of rows counted into a few hundred types put their atomics on a few
+    addresses, which a GPU serialises (3.5 ms for 16M edges' pairs into 535 relations on an H100); not
+    ``bincount``, which reads the largest id on the host."""
+    bounds = torch.arange(types + 1, dtype=sorted_index.dtype, device=sorted_index.device)
+    ends = torch.searchsorted(sorted_index, bounds)
+    return ends[1:] - ends[:-1]
+
+
 def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
                  num_relations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
@@ -128,8 +139,7 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
         narrow = both.to(torch.int32)
     nodes = torch.arange(num_nodes + 1, dtype=columns.dtype, device=device)
     csc_ptr = torch.searchsorted(columns[1], nodes, out_int32=True)
-    pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
-    pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
+    pair_counts = sorted_counts(pair_type, num_relations)  # pairs are relation-major, padding typed last
     # the rows one by one (their views made here, not by the caller's Python)
     return [order, columns[0], columns[1], columns[2], inv, narrow[0], narrow[1], narrow[2], narrow[3],
             pair_src.to(torch.int32), csc_ptr, out_src, out_etype, out_count, count32, valid, pair_counts]
@@ -150,10 +160,10 @@ def heaviest_first(csc_ptr: Tensor) -> Tensor:
 
 def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
     """(rows of each type (int64), the rows sorted by type, stably (int32)) of rows typed ``index`` (each in
-    [0, types)): a segment GEMM's layout, in one call."""
-    counts = torch.zeros(types, dtype=torch.long, device=index.device)
-    counts = counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.long, device=index.device))
-    return counts, sort_keys(index, types)[1].to(torch.int32)
+    [0, types), or past the last type for rows to leave uncounted: sorted last): a segment GEMM's layout, in
+    one call. The counts come from the sorted types (:func:`sorted_counts`), not from a count of their own."""
+    values, order = sort_keys(index, types + 1)
+    return sorted_counts(values, types), order.to(torch.int32)
 
 
 _compiled: dict[str, Any] = {}  # function name -> its TorchScript function, or the function where none compiled
@@ -188,4 +198,4 @@ def run(fn: Any, *args: Any) -> Any:
 
 
 __all__ = ["by_relation", "check_and_pair", "destination_layout", "heaviest_first", "run", "scripted", "sort_keys",
-           "type_layout", "unique_pairs"]
+           "sorted_counts", "type_layout", "unique_pairs"]

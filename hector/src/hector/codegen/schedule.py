@@ -14,7 +14,9 @@ KERNEL = "hector_tile_schedule"
 SIGNATURE = "ptr, i64, i64, i64, ptr"  # counts, types, rows per tile, slots, table
 BLOCK = 256  # a multiple of 32 (warp scans), at most 1024
 
-SOURCE = f"#define HECTOR_SCHEDULE_BLOCK {BLOCK}\n" + r"""// hector: tile schedule of a segment GEMM (runtime support, not generated)
+# the block size sizes the kernel's shared arrays of one entry per thread
+SOURCE = f"#define HECTOR_SCHEDULE_BLOCK {BLOCK}\n" + r"""
+// hector: tile schedule of a segment GEMM (runtime support, not generated)
 typedef long long i64;
 
 // Inclusive sum over the lanes of a warp (shuffles only: no block barrier).

@@ -125,6 +125,36 @@ def test_node_type_layout_matches_a_plain_torch_reference():
     assert torch.equal(dg.perm(Domain.EDGE, by).long(), torch.argsort(types, stable=True))
 
 
+@pytest.mark.parametrize("method", ["marks", "sort"])
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES[1:] + [(3000, 30, 3, 11), (2000, 2000, 1, 12)])
+def test_unique_pairs_by_marks_and_by_sort_match_torch_unique(edges, nodes, relations, seed, method):
+    """Both ways to the unique (source, relation) pairs give torch.unique's sorted keys in the first rows, 0 in
+    the padding rows, its inverse as each edge's pair row and its count; scripted or not. unique_pairs takes the
+    marks where the key table is small against the edges, and its columns split the keys."""
+    ei, et = _graph(edges, nodes, relations, seed)
+    key = et * nodes + ei[0]
+    uniq, expect_inverse = torch.unique(key, sorted=True, return_inverse=True)
+    count = uniq.numel()
+    fn = prep.pairs_by_marks if method == "marks" else prep.pairs_by_sort
+    for f in (fn, prep.scripted(fn)):
+        pairs, inverse, n = f(key, nodes * relations)
+        assert n.tolist() == [count]
+        assert torch.equal(pairs[:count], uniq) and bool((pairs[count:] == 0).all()) and pairs.numel() == edges
+        assert torch.equal(inverse, expect_inverse)
+    src, etype, inverse, n = prep.unique_pairs(ei[0], et, nodes, relations)
+    assert prep.marks_pairs(nodes, relations, edges) == (nodes * relations <= max(4 * edges, 2**16))
+    assert torch.equal(src[:count], uniq % nodes) and torch.equal(etype[:count], uniq // nodes)
+    assert torch.equal(inverse, expect_inverse) and n.tolist() == [count]
+
+
+def test_pairs_by_marks_of_ids_out_of_range_do_not_index_out_of_range():
+    """An unchecked graph's pairs are made before its ids' range reaches the host: keys out of range (negative,
+    or past the table) give some pairs, not an indexing error (on a GPU, a device-side assertion)."""
+    key = torch.tensor([-3, 0, 5, 99, 5])
+    pairs, inverse, count = prep.pairs_by_marks(key, 10)
+    assert pairs.numel() == inverse.numel() == 5 and count.numel() == 1
+
+
 @pytest.mark.parametrize("rows,types,seed", [(0, 3, 0), (1, 1, 1), (500, 1, 2), (500, 7, 3), (300, 1500, 4)])
 def test_counts_from_the_sorted_types_match_bincount(rows, types, seed):
     """Per-type counts by binary search in the sorted types (no atomics), padding rows (typed ``types``) left out,

@@ -63,7 +63,7 @@ def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
 def marks_pairs(num_nodes: int, num_relations: int, edges: int) -> bool:
     """Whether :func:`unique_pairs` takes :func:`pairs_by_marks`: where the table of every (source, relation)
     key holds at most four entries per edge (12 bytes each: a graph's edges take 16 each), or at most 2**16
-    entries (a few microseconds of passes on a GPU, for a small graph's fewer launches: 12 against the sort's 16)."""
+    entries (a few microseconds of passes on a GPU, for a small graph's fewer launches: 12 against the sort's 15)."""
     return num_nodes * num_relations <= max(4 * edges, 2**16)
 
 
@@ -87,22 +87,19 @@ def pairs_by_marks(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def pairs_by_sort(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`pairs_by_marks`' tensors by one sort of the keys: the sorted keys' distinct values counted
-    along them (each sorted key's pair row), each pair's key from its first sorted key (a binary search per
-    pair row), and each edge's pair row by binary search of its key in the pairs' keys (a padding of
-    ``table``, past every key, keeps them in order). No scatter: the pair rows were put back in edge order by
-    ``index_copy_`` (1.2 ms per 16M edges on an H100) and the pairs' keys written by a scatter of every edge's key
-    (each pair written once per edge of it)."""
+    """:func:`pairs_by_marks`' tensors by one sort of the keys: the sorted keys' distinct values counted along
+    them (each sorted key's pair row, put back in edge order), and each pair's key from its first sorted key, found
+    by a binary search per pair row in those counts (searches in order: neighbouring rows walk the same path). Not
+    a scatter of every edge's key to its pair row, which writes each pair once per edge of it."""
     edges = key.numel()
-    values = sort_keys(key, table)[0]
+    values, order = sort_keys(key, table)
     row = torch.zeros(edges, dtype=torch.long, device=key.device)  # pair row of each edge in key order
     torch.cumsum(values[1:] != values[:-1], 0, dtype=torch.long, out=row[1:])
+    inverse = torch.empty(edges, dtype=torch.long, device=key.device).index_copy_(0, order, row)
     firsts = torch.searchsorted(row, torch.arange(edges, dtype=torch.long, device=key.device))  # edges: padding
-    padded = torch.full((edges + 1,), table, dtype=torch.long, device=key.device)
+    padded = torch.zeros(edges + 1, dtype=torch.long, device=key.device)  # the padding rows' 0 last
     padded[:edges] = values
-    pairs = padded.index_select(0, firsts)
-    inverse = torch.searchsorted(pairs, key)
-    return pairs.remainder_(table), inverse, row[-1:] + 1
+    return padded.index_select(0, firsts), inverse, row[-1:] + 1
 
 
 def check_and_pair(edge_index: Tensor, edge_type: Tensor, node_type: Tensor | None, num_nodes: int,

@@ -147,6 +147,21 @@ def test_unique_pairs_by_marks_and_by_sort_match_torch_unique(edges, nodes, rela
     assert torch.equal(inverse, expect_inverse) and n.tolist() == [count]
 
 
+@pytest.mark.parametrize("dst_sorted", [False, True])
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
+def test_degrees_and_compressed_offsets_match_bincount(edges, nodes, relations, seed, dst_sorted):
+    """In-degrees (by binary search where the edges are in destination order) and the CSC / CSR offsets (from
+    the sorted keys) against bincount."""
+    ei, et = _graph(edges, nodes, relations, seed, dst_sorted)
+    graph = Graph(ei, et, nodes, relations)
+    assert graph.dst_sorted == _in_order(ei)
+    assert torch.equal(graph.in_degree(), torch.bincount(ei[1], minlength=nodes))
+    for (perm, ptr), ids in ((graph.csc(), ei[1]), (graph.csr(), ei[0])):
+        assert torch.equal(ptr, torch.cat([torch.zeros(1, dtype=torch.long),
+                                           torch.cumsum(torch.bincount(ids, minlength=nodes), 0)]))
+        assert torch.equal(perm, torch.argsort(ids, stable=True))
+
+
 def test_pairs_by_marks_of_ids_out_of_range_do_not_index_out_of_range():
     """An unchecked graph's pairs are made before its ids' range reaches the host: keys out of range (negative,
     or past the table) give some pairs, not an indexing error (on a GPU, a device-side assertion)."""

@@ -427,14 +427,12 @@ class Graph:
 
     def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if key is self.dst and self.dst_sorted:  # already in destination order
-            perm = torch.arange(self.num_edges, device=self.device)
+            ordered, perm = key, torch.arange(self.num_edges, device=self.device)
         else:
-            perm = sort_keys(key, self.num_nodes)[1]
-        ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
-        counts = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
-        counts.index_add_(0, key, torch.ones_like(key))
-        ptr[1:] = torch.cumsum(counts, 0)
-        return perm, ptr
+            ordered, perm = sort_keys(key, self.num_nodes)
+        # each node's first position in the sorted keys: the offsets without a count of their own
+        bounds = torch.arange(self.num_nodes + 1, dtype=ordered.dtype, device=self.device)
+        return perm, torch.searchsorted(ordered, bounds)
 
     def relation_ptr(self) -> torch.Tensor:
         """indptr over relations of the relation-sorted edge order (``segments(EDGE, ("etype",))``)."""
@@ -448,9 +446,13 @@ class Graph:
         return self.cached("relation_ptr", compute)
 
     def in_degree(self) -> torch.Tensor:
-        """In-edges per node. No host synchronisation (``bincount`` would read the largest id on a GPU)."""
+        """In-edges per node. No host synchronisation (``bincount`` would read the largest id on a GPU); by
+        binary search where the edges are in destination order (the CUDA backend's layout: no atomics, which a
+        GPU serialises on the popular destinations)."""
 
         def compute():
+            if self.dst_sorted:
+                return prep.sorted_counts(self.dst, self.num_nodes)
             deg = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
             return deg.index_add_(0, self.dst, torch.ones_like(self.dst))
 

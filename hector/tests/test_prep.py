@@ -14,6 +14,7 @@ from hector.runtime.graph import Graph
 CASES = [  # (edges, nodes, relations, seed)
     (0, 5, 3, 0), (1, 1, 1, 1), (40, 6, 1, 2), (300, 8, 2, 3),  # few sources: many duplicate pairs
     (500, 120, 7, 4), (400, 50, 1500, 5), (64, 64, 4, 6),
+    (70_000, 300, 5, 13),  # enough edges for relations and nodes to sort as int8 / int16 (prep.sort_keys)
 ]
 
 
@@ -151,7 +152,7 @@ def test_unique_pairs_by_marks_and_by_sort_match_torch_unique(edges, nodes, rela
 @pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
 def test_degrees_and_compressed_offsets_match_bincount(edges, nodes, relations, seed, dst_sorted):
     """In-degrees (by binary search where the edges are in destination order) and the CSC / CSR offsets (from
-    the sorted keys) against bincount."""
+    the sorted keys) and the relational mean's normaliser against bincount."""
     ei, et = _graph(edges, nodes, relations, seed, dst_sorted)
     graph = Graph(ei, et, nodes, relations)
     assert graph.dst_sorted == _in_order(ei)
@@ -160,6 +161,9 @@ def test_degrees_and_compressed_offsets_match_bincount(edges, nodes, relations, 
         assert torch.equal(ptr, torch.cat([torch.zeros(1, dtype=torch.long),
                                            torch.cumsum(torch.bincount(ids, minlength=nodes), 0)]))
         assert torch.equal(perm, torch.argsort(ids, stable=True))
+    pair = ei[1] * relations + et  # the relational mean's normaliser: edges per (destination, relation)
+    expect = 1.0 / torch.bincount(pair, minlength=nodes * relations)[pair].double()
+    assert torch.equal(graph.graph_const("inv_deg_dst_rel", torch.float64), expect)
 
 
 def test_pairs_by_marks_of_ids_out_of_range_do_not_index_out_of_range():
@@ -168,6 +172,23 @@ def test_pairs_by_marks_of_ids_out_of_range_do_not_index_out_of_range():
     key = torch.tensor([-3, 0, 5, 99, 5])
     pairs, inverse, count = prep.pairs_by_marks(key, 10)
     assert pairs.numel() == inverse.numel() == 5 and count.numel() == 1
+
+
+@pytest.mark.parametrize("rows", [1000, 2**16])
+@pytest.mark.parametrize("bound", [1, 100, 127, 128, 2**15 - 1, 2**15, 2**31, 2**40])
+def test_sort_keys_in_the_narrowest_type_sorts_as_int64_does(rows, bound):
+    """Keys sorted in a narrower type than given (int8, int16, int32 by their bound, the narrow ones only for many
+    keys): the same stable order and the same key values as an int64 sort, scripted or not."""
+    g = torch.Generator().manual_seed(bound % 1000 + rows)
+    key = torch.randint(0, min(bound, 2**62), (rows,), generator=g) if bound > 1 else torch.zeros(rows,
+                                                                                                  dtype=torch.long)
+    expect = torch.sort(key, stable=True)
+    for fn in (prep.sort_keys, prep.scripted(prep.sort_keys)):
+        values, order = fn(key, bound)
+        assert torch.equal(order, expect.indices) and torch.equal(values.long(), expect.values)
+        narrow = bound <= 2**15 - 1 and rows >= 2**16
+        assert values.element_size() == (1 if narrow and bound < 128 else 2 if narrow else 4 if bound < 2**31
+                                         else 8)
 
 
 @pytest.mark.parametrize("rows,types,seed", [(0, 3, 0), (1, 1, 1), (500, 1, 2), (500, 7, 3), (300, 1500, 4)])

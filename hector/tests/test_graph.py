@@ -326,6 +326,21 @@ def test_tile_schedule_kernel_matches_the_schedule_written_tile_by_tile(types, r
         assert torch.equal(build(counts, rows, slots), _plain_schedule(counts.tolist(), rows, slots)), slots
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
+@pytest.mark.parametrize("types,rows,largest", [(3, 1, 1000), (1500, 5, 2000), (535, 256, 900_000)])
+def test_tile_schedule_kernel_on_a_gpu_matches_the_schedule_written_tile_by_tile(types, rows, largest):
+    """The same comparison on a GPU (relations of up to ``largest`` rows: thousands of tiles for one type)."""
+    from hector.runtime.cuda import CudaBackend
+
+    g = torch.Generator().manual_seed(types)
+    counts = (torch.rand(types, generator=g) ** 4 * largest).long() * (torch.rand(types, generator=g) < 0.6)
+    build = CudaBackend().build_schedule
+    tiles = int((-(-counts // rows)).sum())
+    for slots in (tiles + types, max(1, tiles // 2)):
+        assert torch.equal(build(counts.cuda(), rows, slots).cpu(), _plain_schedule(counts.tolist(), rows, slots))
+
+
 def test_prepare_graph_returns_the_graph_the_layers_use():
     """hector.prepare_graph preprocesses the graph that a layer called on the same tensors then uses (cached by
     tensor identity), so the layer's forward has nothing left that reads the device."""

@@ -260,12 +260,14 @@ def test_without_torchscript_the_same_functions_run_as_python(monkeypatch, caplo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dst_sorted", [False, True])
-def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted):
+@pytest.mark.parametrize("edges,nodes", [(5000, 700), (70_000, 3000), (70_000, 20_000)])
+def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted, edges, nodes):
     """The scripted layout on a GPU: the same tensors as on the CPU, built without a host synchronisation (the
-    graph's one read, the id check with the pair count, comes before)."""
-    ei, et = _graph(5000, 700, 30, 10, dst_sorted)
-    cpu = DeviceGraph(Graph(ei, et, 700, 30, sync_free=padded))
-    graph = Graph(ei.cuda(), et.cuda(), 700, 30, sync_free=padded)
+    graph's one read, the id check with the pair count, comes before). The pairs by marks (the first two sizes)
+    and by sort (the third); 70,000 edges sort their relations as int8 (prep.sort_keys)."""
+    ei, et = _graph(edges, nodes, 30, 10, dst_sorted)
+    cpu = DeviceGraph(Graph(ei, et, nodes, 30, sync_free=padded))
+    graph = Graph(ei.cuda(), et.cuda(), nodes, 30, sync_free=padded)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -282,5 +284,8 @@ def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, ds
                  (gpu.graph.unique_src, cpu.graph.unique_src), (gpu.gather("unique_src"), cpu.gather("unique_src")),
                  (gpu.unique_count, cpu.unique_count), (perm, cpu.perm(Domain.EDGE, ("etype",))),
                  (counts, cpu.type_counts(Domain.EDGE, ("etype",))),
-                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",)))):
+                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",))),
+                 (gpu.graph.in_degree(), cpu.graph.in_degree()),
+                 (gpu.graph.graph_const("inv_deg_dst_rel", torch.float32),
+                  cpu.graph.graph_const("inv_deg_dst_rel", torch.float32))):
         assert torch.equal(a.cpu(), b)

@@ -185,3 +185,19 @@ def test_bench_cuda_best_baseline_is_never_hector_itself():
     bench.add_ratios(row)
     assert row["best_baseline_train"] == "user_grouped_bf16_compiled"
     assert row["speedup_train"] == pytest.approx(3.2 / 4.0)
+
+
+def test_prep_bench_smoke():
+    """The preparation benchmark on two tiny twins, one per pairs path; its previous way of computing the pairs
+    (the A of its A/B) gives the same tensors as the current one."""
+    import torch
+
+    from hector.runtime import prep
+
+    prep_bench = load("prep_bench")
+    rows = prep_bench.main(["--datasets", "aifb,fb15k", "--scale", "0.01", "--reps", "1", "--device", "cpu"])
+    assert [r["path"] for r in rows] == ["marks", "sort"]
+    assert all(isinstance(r[k], float) for r in rows for k in ("pairs", "pairs_previous", "counts", "graph"))
+    key = torch.randint(0, 50, (300,))
+    for a, b in zip(prep_bench.previous_pairs(key, 50), prep.pairs_by_sort(key, 50), strict=True):
+        assert torch.equal(a, b)

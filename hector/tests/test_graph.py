@@ -303,6 +303,44 @@ def test_tile_schedule_covers_each_row_once_within_its_type(domain, by, rows, re
         assert bool((dg.perm(domain, by)[covered].long() < sum(exact)).all()), "no padding row in a tile"
 
 
+def _plain_schedule(counts: list[int], rows: int, slots: int) -> torch.Tensor:
+    """The tile schedule written one tile at a time: (type, first row, rows) per tile, types in order, zeros after."""
+    table, first = [], 0
+    for t, c in enumerate(counts):
+        table += [[t, first + off, min(rows, c - off)] for off in range(0, c, rows)]
+        first += c
+    table = table[:slots] + [[0, 0, 0]] * max(0, slots - len(table))
+    return torch.tensor(table, dtype=torch.int32).reshape(slots, 3)
+
+
+@pytest.mark.parametrize("types,rows,seed", [(1, 1, 0), (3, 1, 1), (5, 7, 2), (300, 2, 3), (1500, 5, 4), (2, 64, 5)])
+def test_tile_schedule_kernel_matches_the_schedule_written_tile_by_tile(types, rows, seed):
+    """The kernel's table equals the plain loop's, entry for entry: many empty types, types of hundreds of tiles
+    (written by the whole block), several chunks of types, and a bound of slots below the tile count (the kernel
+    stops at the table's end) as well as above it (zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = (torch.rand(types, generator=g) ** 4 * 900).long() * (torch.rand(types, generator=g) < 0.6)
+    build = _emulated_schedule_builder()
+    tiles = int((-(-counts // rows)).sum())
+    for slots in (tiles + types, tiles, max(1, tiles // 2)):
+        assert torch.equal(build(counts, rows, slots), _plain_schedule(counts.tolist(), rows, slots)), slots
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
+@pytest.mark.parametrize("types,rows,largest", [(3, 1, 1000), (1500, 5, 2000), (535, 256, 900_000)])
+def test_tile_schedule_kernel_on_a_gpu_matches_the_schedule_written_tile_by_tile(types, rows, largest):
+    """The same comparison on a GPU (relations of up to ``largest`` rows: thousands of tiles for one type)."""
+    from hector.runtime.cuda import CudaBackend
+
+    g = torch.Generator().manual_seed(types)
+    counts = (torch.rand(types, generator=g) ** 4 * largest).long() * (torch.rand(types, generator=g) < 0.6)
+    build = CudaBackend().build_schedule
+    tiles = int((-(-counts // rows)).sum())
+    for slots in (tiles + types, max(1, tiles // 2)):
+        assert torch.equal(build(counts.cuda(), rows, slots).cpu(), _plain_schedule(counts.tolist(), rows, slots))
+
+
 def test_prepare_graph_returns_the_graph_the_layers_use():
     """hector.prepare_graph preprocesses the graph that a layer called on the same tensors then uses (cached by
     tensor identity), so the layer's forward has nothing left that reads the device."""

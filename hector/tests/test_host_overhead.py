@@ -40,11 +40,12 @@ host_overhead = _load()
 # (source, relation) pairs of a new graph are computed with 13 launches of hector's own (their count read with the
 # ids' check: one host read per graph), where torch.unique counted as one op here but launches several kernels on a
 # GPU and reads its size on the host before it returns; the edges' columns are reordered in one gather and cast to
-# int32 in one cast
+# int32 in one cast; a small graph's pairs are then found from marks in a table of every (source, relation) key,
+# without the sort (one launch fewer than the 13 before, three fewer than the sort, which no longer scatters keys)
 LIMITS = {
-    ("rgcn", "persistent"): 16, ("rgcn", "new"): 68,
-    ("rgat", "persistent"): 26, ("rgat", "new"): 74,
-    ("hgt", "persistent"): 38, ("hgt", "new"): 88,
+    ("rgcn", "persistent"): 16, ("rgcn", "new"): 65,
+    ("rgat", "persistent"): 26, ("rgat", "new"): 72,
+    ("hgt", "persistent"): 38, ("hgt", "new"): 86,
 }
 
 
@@ -157,9 +158,11 @@ def test_new_graph_host_work_does_not_grow_with_relations(model):
     for phase in ("prepare", "plans", "step"):
         assert many[f"{phase}_calls"] <= few[f"{phase}_calls"] * 1.1 + 20, (phase, few, many)
     # launches of a new graph in all: at 10,000 relations the cost model may segment the edges by relation where
-    # at 16 it segments the pairs, whose layout comes with the graph's (5 launches in the plans instead)
+    # at 16 it segments the pairs, whose layout comes with the graph's (5 launches in the plans instead); and at 16
+    # the table of every (source, relation) key is small enough for the pairs to be marked in it (3 launches fewer
+    # than their sort, which 10,000 relations take: a fixed number either way)
     launches = [sum(row[f"{phase}_launches"] for phase in ("prepare", "plans", "step")) for row in (few, many)]
-    assert launches[1] <= launches[0] + 6, (few, many)
+    assert launches[1] <= launches[0] + 6 + 3, (few, many)
 
 
 def test_split_cli_smoke(tmp_path, capsys):

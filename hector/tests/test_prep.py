@@ -14,6 +14,7 @@ from hector.runtime.graph import Graph
 CASES = [  # (edges, nodes, relations, seed)
     (0, 5, 3, 0), (1, 1, 1, 1), (40, 6, 1, 2), (300, 8, 2, 3),  # few sources: many duplicate pairs
     (500, 120, 7, 4), (400, 50, 1500, 5), (64, 64, 4, 6),
+    (70_000, 300, 5, 13),  # enough edges for relations and nodes to sort as int8 / int16 (prep.sort_keys)
 ]
 
 
@@ -125,6 +126,85 @@ def test_node_type_layout_matches_a_plain_torch_reference():
     assert torch.equal(dg.perm(Domain.EDGE, by).long(), torch.argsort(types, stable=True))
 
 
+@pytest.mark.parametrize("method", ["marks", "sort"])
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES[1:] + [(3000, 30, 3, 11), (2000, 2000, 1, 12)])
+def test_unique_pairs_by_marks_and_by_sort_match_torch_unique(edges, nodes, relations, seed, method):
+    """Both ways to the unique (source, relation) pairs give torch.unique's sorted keys in the first rows, 0 in
+    the padding rows, its inverse as each edge's pair row and its count; scripted or not. unique_pairs takes the
+    marks where the key table is small against the edges, and its columns split the keys."""
+    ei, et = _graph(edges, nodes, relations, seed)
+    key = et * nodes + ei[0]
+    uniq, expect_inverse = torch.unique(key, sorted=True, return_inverse=True)
+    count = uniq.numel()
+    fn = prep.pairs_by_marks if method == "marks" else prep.pairs_by_sort
+    for f in (fn, prep.scripted(fn)):
+        pairs, inverse, n = f(key, nodes * relations)
+        assert n.tolist() == [count]
+        assert torch.equal(pairs[:count], uniq) and bool((pairs[count:] == 0).all()) and pairs.numel() == edges
+        assert torch.equal(inverse, expect_inverse)
+    src, etype, inverse, n = prep.unique_pairs(ei[0], et, nodes, relations)
+    assert prep.marks_pairs(nodes, relations, edges) == (nodes * relations <= max(4 * edges, 2**16))
+    assert torch.equal(src[:count], uniq % nodes) and torch.equal(etype[:count], uniq // nodes)
+    assert torch.equal(inverse, expect_inverse) and n.tolist() == [count]
+
+
+@pytest.mark.parametrize("dst_sorted", [False, True])
+@pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
+def test_degrees_and_compressed_offsets_match_bincount(edges, nodes, relations, seed, dst_sorted):
+    """In-degrees (by binary search where the edges are in destination order) and the CSC / CSR offsets (from
+    the sorted keys) and the relational mean's normaliser against bincount."""
+    ei, et = _graph(edges, nodes, relations, seed, dst_sorted)
+    graph = Graph(ei, et, nodes, relations)
+    assert graph.dst_sorted == _in_order(ei)
+    assert torch.equal(graph.in_degree(), torch.bincount(ei[1], minlength=nodes))
+    for (perm, ptr), ids in ((graph.csc(), ei[1]), (graph.csr(), ei[0])):
+        assert torch.equal(ptr, torch.cat([torch.zeros(1, dtype=torch.long),
+                                           torch.cumsum(torch.bincount(ids, minlength=nodes), 0)]))
+        assert torch.equal(perm, torch.argsort(ids, stable=True))
+    pair = ei[1] * relations + et  # the relational mean's normaliser: edges per (destination, relation)
+    expect = 1.0 / torch.bincount(pair, minlength=nodes * relations)[pair].double()
+    assert torch.equal(graph.graph_const("inv_deg_dst_rel", torch.float64), expect)
+
+
+def test_pairs_by_marks_of_ids_out_of_range_do_not_index_out_of_range():
+    """An unchecked graph's pairs are made before its ids' range reaches the host: keys out of range (negative,
+    or past the table) give some pairs, not an indexing error (on a GPU, a device-side assertion)."""
+    key = torch.tensor([-3, 0, 5, 99, 5])
+    pairs, inverse, count = prep.pairs_by_marks(key, 10)
+    assert pairs.numel() == inverse.numel() == 5 and count.numel() == 1
+
+
+@pytest.mark.parametrize("rows", [1000, 2**16])
+@pytest.mark.parametrize("bound", [1, 100, 127, 128, 2**15 - 1, 2**15, 2**31, 2**40])
+def test_sort_keys_in_the_narrowest_type_sorts_as_int64_does(rows, bound):
+    """Keys sorted in a narrower type than given (int8, int16, int32 by their bound, the narrow ones only for many
+    keys): the same stable order and the same key values as an int64 sort, scripted or not."""
+    g = torch.Generator().manual_seed(bound % 1000 + rows)
+    key = torch.randint(0, min(bound, 2**62), (rows,), generator=g) if bound > 1 else torch.zeros(rows,
+                                                                                                  dtype=torch.long)
+    expect = torch.sort(key, stable=True)
+    for fn in (prep.sort_keys, prep.scripted(prep.sort_keys)):
+        values, order = fn(key, bound)
+        assert torch.equal(order, expect.indices) and torch.equal(values.long(), expect.values)
+        narrow = bound <= 2**15 - 1 and rows >= 2**16
+        assert values.element_size() == (1 if narrow and bound < 128 else 2 if narrow else 4 if bound < 2**31
+                                         else 8)
+
+
+@pytest.mark.parametrize("rows,types,seed", [(0, 3, 0), (1, 1, 1), (500, 1, 2), (500, 7, 3), (300, 1500, 4)])
+def test_counts_from_the_sorted_types_match_bincount(rows, types, seed):
+    """Per-type counts by binary search in the sorted types (no atomics), padding rows (typed ``types``) left out,
+    with the stable type order from the same sort."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, types + 1, (rows,), generator=g)
+    expect = torch.bincount(index, minlength=types + 1)[:types]
+    assert torch.equal(prep.sorted_counts(torch.sort(index).values, types), expect)
+    for fn in (prep.type_layout, prep.scripted(prep.type_layout)):
+        counts, order = fn(index, types)
+        assert torch.equal(counts, expect)
+        assert order.dtype == torch.int32 and torch.equal(order.long(), torch.argsort(index, stable=True))
+
+
 @pytest.mark.parametrize("edges,nodes,relations,seed", CASES)
 def test_scripted_functions_match_the_same_functions_run_as_python(edges, nodes, relations, seed):
     """TorchScript (which runs without the GIL) and the Python fallback give identical tensors."""
@@ -180,12 +260,14 @@ def test_without_torchscript_the_same_functions_run_as_python(monkeypatch, caplo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device available")
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dst_sorted", [False, True])
-def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted):
+@pytest.mark.parametrize("edges,nodes", [(5000, 700), (70_000, 3000), (70_000, 20_000)])
+def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, dst_sorted, edges, nodes):
     """The scripted layout on a GPU: the same tensors as on the CPU, built without a host synchronisation (the
-    graph's one read, the id check with the pair count, comes before)."""
-    ei, et = _graph(5000, 700, 30, 10, dst_sorted)
-    cpu = DeviceGraph(Graph(ei, et, 700, 30, sync_free=padded))
-    graph = Graph(ei.cuda(), et.cuda(), 700, 30, sync_free=padded)
+    graph's one read, the id check with the pair count, comes before). The pairs by marks (the first two sizes)
+    and by sort (the third); 70,000 edges sort their relations as int8 (prep.sort_keys)."""
+    ei, et = _graph(edges, nodes, 30, 10, dst_sorted)
+    cpu = DeviceGraph(Graph(ei, et, nodes, 30, sync_free=padded))
+    graph = Graph(ei.cuda(), et.cuda(), nodes, 30, sync_free=padded)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -202,5 +284,8 @@ def test_device_layout_on_a_gpu_matches_the_cpu_and_waits_for_nothing(padded, ds
                  (gpu.graph.unique_src, cpu.graph.unique_src), (gpu.gather("unique_src"), cpu.gather("unique_src")),
                  (gpu.unique_count, cpu.unique_count), (perm, cpu.perm(Domain.EDGE, ("etype",))),
                  (counts, cpu.type_counts(Domain.EDGE, ("etype",))),
-                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",)))):
+                 (gpu.type_counts(Domain.UNIQUE, ("etype",)), cpu.type_counts(Domain.UNIQUE, ("etype",))),
+                 (gpu.graph.in_degree(), cpu.graph.in_degree()),
+                 (gpu.graph.graph_const("inv_deg_dst_rel", torch.float32),
+                  cpu.graph.graph_const("inv_deg_dst_rel", torch.float32))):
         assert torch.equal(a.cpu(), b)

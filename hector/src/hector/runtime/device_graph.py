@@ -11,7 +11,7 @@ import torch
 
 from ..ir.core import GATHER_VIA, Domain
 from . import prep
-from .graph import Graph, record_stream_of, sort_keys, unique_pairs
+from .graph import Graph, record_stream_of, unique_pairs
 
 
 class DeviceGraph:
@@ -163,15 +163,19 @@ class DeviceGraph:
             torch.zeros(self.graph.num_edges, dtype=torch.long, device=self.device)
         return torch.where(self._valid, index, types), types
 
+    def _padded_type_layout(self, by: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(real rows of each type, rows sorted by type as int32, padding last) of padded UNIQUE rows: both from
+        one sort (:func:`~hector.runtime.prep.type_layout`), on first use of either."""
+        def compute():
+            index, types = self._padded_types(by)
+            return prep.run(prep.type_layout, index, types)
+
+        return self._cached(("padded_type_layout", Domain.UNIQUE, by), compute)
+
     def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
         """Rows of each (combined) type on the device (real rows only)."""
         if domain is Domain.UNIQUE and self.padded:
-            def compute():
-                index, types = self._padded_types(by)
-                counts = torch.zeros(types + 1, dtype=torch.long, device=self.device)
-                return counts.index_add_(0, index, torch.ones_like(index))[:types]
-
-            return self._cached(("type_counts", domain, by), compute)
+            return self._padded_type_layout(by)[0]
         if by:
             if domain is not Domain.UNIQUE:
                 return self._type_layout(domain, by)[0]
@@ -185,8 +189,7 @@ class DeviceGraph:
                 # pairs are relation-major (padded ones with the padding last): already in this order
                 return torch.arange(self.rows(domain), dtype=torch.int32, device=self.device)
             if domain is Domain.UNIQUE and self.padded:
-                index, types = self._padded_types(by)
-                return sort_keys(index, types + 1)[1].to(torch.int32).contiguous()
+                return self._padded_type_layout(by)[1]
             if domain is not Domain.UNIQUE:
                 return self._type_layout(domain, by)[1]
             return self.graph.type_order(domain, by).to(torch.int32).contiguous()

@@ -358,26 +358,27 @@ class Graph:
             total *= self.num_types(kind)
         return total
 
-    def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
+    def _type_sort(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' (combined) types in order, rows sorted by type, stably): one sort shared by
+        :meth:`type_order` and :meth:`type_counts`."""
         def compute():
             if by == () or (domain is Domain.UNIQUE and by == ("etype",)):
                 # one type, or the pairs' own relation-major order: already sorted
-                return torch.arange(self.num_rows(domain), device=self.device)
-            return sort_keys(self.combined_index(domain, by), self.num_combined_types(by))[1]
+                return self.combined_index(domain, by), torch.arange(self.num_rows(domain), device=self.device)
+            return sort_keys(self.combined_index(domain, by), self.num_combined_types(by))
 
-        return self.cached(("type_order", domain, by), compute)
+        return self.cached(("type_sort", domain, by), compute)
+
+    def type_order(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
+        """Rows sorted by their (combined) type, stably: the segmented-GEMM row order. No host synchronisation."""
+        return self._type_sort(domain, by)[1]
 
     def type_counts(self, domain: Domain, by: tuple[str, ...]) -> torch.Tensor:
-        """Rows of each (combined) type, a tensor on the graph's device. No host synchronisation (unlike
-        ``bincount`` on a GPU, which reads the largest id on the host to size its output)."""
-
-        def compute():
-            idx = self.combined_index(domain, by)
-            counts = torch.zeros(self.num_combined_types(by), dtype=torch.long, device=self.device)
-            return counts.index_add_(0, idx, torch.ones_like(idx))
-
-        return self.cached(("type_counts", domain, by), compute)
+        """Rows of each (combined) type, a tensor on the graph's device, from the sorted types (see
+        :func:`~hector.runtime.prep.sorted_counts`: no atomics, and no host synchronisation, unlike ``bincount``
+        on a GPU, which reads the largest id on the host to size its output)."""
+        return self.cached(("type_counts", domain, by), lambda: prep.sorted_counts(
+            self._type_sort(domain, by)[0], self.num_combined_types(by)))
 
     def segments(self, domain: Domain, by: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
         """Rows sorted by their (combined) type, and the row count of each type as a host list (one
@@ -426,14 +427,12 @@ class Graph:
 
     def _compressed(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if key is self.dst and self.dst_sorted:  # already in destination order
-            perm = torch.arange(self.num_edges, device=self.device)
+            ordered, perm = key, torch.arange(self.num_edges, device=self.device)
         else:
-            perm = sort_keys(key, self.num_nodes)[1]
-        ptr = torch.zeros(self.num_nodes + 1, dtype=torch.long, device=self.device)
-        counts = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
-        counts.index_add_(0, key, torch.ones_like(key))
-        ptr[1:] = torch.cumsum(counts, 0)
-        return perm, ptr
+            ordered, perm = sort_keys(key, self.num_nodes)
+        # each node's first position in the sorted keys: the offsets without a count of their own
+        bounds = torch.arange(self.num_nodes + 1, dtype=ordered.dtype, device=self.device)
+        return perm, torch.searchsorted(ordered, bounds)
 
     def relation_ptr(self) -> torch.Tensor:
         """indptr over relations of the relation-sorted edge order (``segments(EDGE, ("etype",))``)."""
@@ -447,9 +446,13 @@ class Graph:
         return self.cached("relation_ptr", compute)
 
     def in_degree(self) -> torch.Tensor:
-        """In-edges per node. No host synchronisation (``bincount`` would read the largest id on a GPU)."""
+        """In-edges per node. No host synchronisation (``bincount`` would read the largest id on a GPU); by
+        binary search where the edges are in destination order (the CUDA backend's layout: no atomics, which a
+        GPU serialises on the popular destinations)."""
 
         def compute():
+            if self.dst_sorted:
+                return prep.sorted_counts(self.dst, self.num_nodes)
             deg = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
             return deg.index_add_(0, self.dst, torch.ones_like(self.dst))
 

@@ -23,12 +23,34 @@ from .._shared_cuda import script_once
 log = logging.getLogger("hector")
 
 def sort_keys(key: Tensor, bound: int) -> tuple[Tensor, Tensor]:
-    """(sorted keys, stable order) of non-negative integer keys below ``bound``. Keys that fit sort as int32: a
-    GPU radix sort makes one pass per key byte, so half the passes of int64."""
-    if bound <= 2**31 - 1 and key.dtype != torch.int32:
-        key = key.to(torch.int32)
+    """(sorted keys, stable order) of non-negative integer keys below ``bound``, the keys in the narrowest type
+    they fit: a GPU radix sort makes one pass per key byte, so int32 keys take half the passes of int64, and types
+    or relations (below 2**15, or 2**7) sort as int16 (int8) in a half (quarter) of int32's. The narrower types
+    only from 2**16 keys on, where the passes outweigh the cast they add to an int32 index; below, int32 as given.
+    The sorted keys come in that type."""
+    if bound <= 2**7 - 1 and key.numel() >= 2**16:
+        width = torch.int8
+    elif bound <= 2**15 - 1 and key.numel() >= 2**16:
+        width = torch.int16
+    elif bound <= 2**31 - 1:
+        width = torch.int32
+    else:
+        width = key.dtype
+    if key.dtype != width:
+        key = key.to(width)
     values, order = torch.sort(key, stable=True)
     return values, order
+
+
+def sorted_counts(sorted_index: Tensor, types: int) -> Tensor:
+    """Rows of each type in [0, ``types``) (int64) of a type index in non-decreasing order (values from ``types``
+    on, such as padding rows typed past the last type, are not counted): one binary search per type boundary.
+    Not ``index_add_`` of ones: millions of rows counted into a few hundred types put their atomics on a few
+    addresses, which a GPU serialises (3.5 ms for 16M edges' pairs into 535 relations on an H100); not
+    ``bincount``, which reads the largest id on the host."""
+    bounds = torch.arange(types + 1, dtype=sorted_index.dtype, device=sorted_index.device)
+    ends = torch.searchsorted(sorted_index, bounds)
+    return ends[1:] - ends[:-1]
 
 
 def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
@@ -36,17 +58,59 @@ def unique_pairs(src: Tensor, etype: Tensor, num_nodes: int,
     """The unique (source, relation) pairs without a host read: (source, relation) of each pair in its first
     rows, relation-major (by relation, then source: already the segmented GEMMs' relation order, so that order
     needs no sort of its own), padded to the edge count with (0, 0); each edge's pair row; and the pair count, a
-    one-element device tensor. One sort, one scan, two scatters, no host read."""
-    edges = src.numel()
-    if edges == 0:
+    one-element device tensor. By :func:`pairs_by_marks` where every (source, relation) key fits a table of a
+    few times the edges (:func:`marks_pairs`), else by :func:`pairs_by_sort`: the same tensors either way."""
+    if src.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long, device=src.device)
         return empty, empty, empty, torch.zeros(1, dtype=torch.long, device=src.device)
-    key, order = sort_keys(src.add(etype, alpha=num_nodes), num_nodes * num_relations)
-    row = torch.zeros(edges, dtype=torch.long, device=src.device)  # pair row of each edge in key order
-    torch.cumsum(key[1:] != key[:-1], 0, dtype=torch.long, out=row[1:])
-    inverse = torch.empty(edges, dtype=torch.long, device=src.device).index_copy_(0, order, row)
-    pairs = torch.zeros(edges, dtype=torch.long, device=src.device).scatter_(0, row, key.long())
-    return pairs % num_nodes, pairs // num_nodes, inverse, row[-1:] + 1
+    key = src.add(etype, alpha=num_nodes)  # relation-major: etype * num_nodes + src
+    if marks_pairs(num_nodes, num_relations, src.numel()):
+        pairs, inverse, count = pairs_by_marks(key, num_nodes * num_relations)
+    else:
+        pairs, inverse, count = pairs_by_sort(key, num_nodes * num_relations)
+    return pairs % num_nodes, pairs // num_nodes, inverse, count
+
+
+def marks_pairs(num_nodes: int, num_relations: int, edges: int) -> bool:
+    """Whether :func:`unique_pairs` takes :func:`pairs_by_marks`: where the table of every (source, relation)
+    key holds at most four entries per edge (12 bytes each: a graph's edges take 16 each), or at most 2**16
+    entries (a few microseconds of passes on a GPU, for a small graph's fewer launches: 12 against the sort's 15)."""
+    return num_nodes * num_relations <= max(4 * edges, 2**16)
+
+
+def pairs_by_marks(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(each pair's key in its row, padded to the edge count with 0; each edge's pair row; the pair count) of
+    non-negative keys below ``table`` with no sort: a mark per key present in a table of every key, the marks'
+    running sum (a key's pair row is the pairs at or before it, less one), and each pair's key by binary search
+    in that sum: a pass over the edges or the table each, and the marks the one scatter (of a constant)."""
+    edges = key.numel()
+    # clamped: an unchecked graph's pairs are made before the host reads its ids' range (check_and_pair), and an
+    # id out of range must then give a clear error there, not a device-side assertion here (valid keys: no change)
+    key = key.clamp(0, table - 1)
+    marks = torch.zeros(table, dtype=torch.int32, device=key.device).index_fill_(0, key, 1)
+    rank = torch.cumsum(marks, 0)  # pairs at or before each key (int64)
+    inverse = rank.index_select(0, key) - 1
+    # pair r's key: the first key with r + 1 pairs at or before it; past the last pair the search ends at
+    # `table`, which the remainder makes the padding's 0
+    rows = torch.arange(1, edges + 1, dtype=torch.long, device=key.device)
+    pairs = torch.searchsorted(rank, rows).remainder_(table)
+    return pairs, inverse, rank[-1:]
+
+
+def pairs_by_sort(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`pairs_by_marks`' tensors by one sort of the keys: the sorted keys' distinct values counted along
+    them (each sorted key's pair row, put back in edge order), and each pair's key from its first sorted key, found
+    by a binary search per pair row in those counts (searches in order: neighbouring rows walk the same path). Not
+    a scatter of every edge's key to its pair row, which writes each pair once per edge of it."""
+    edges = key.numel()
+    values, order = sort_keys(key, table)
+    row = torch.zeros(edges, dtype=torch.long, device=key.device)  # pair row of each edge in key order
+    torch.cumsum(values[1:] != values[:-1], 0, dtype=torch.long, out=row[1:])
+    inverse = torch.empty(edges, dtype=torch.long, device=key.device).index_copy_(0, order, row)
+    firsts = torch.searchsorted(row, torch.arange(edges, dtype=torch.long, device=key.device))  # edges: padding
+    padded = torch.zeros(edges + 1, dtype=torch.long, device=key.device)  # the padding rows' 0 last
+    padded[:edges] = values
+    return padded.index_select(0, firsts), inverse, row[-1:] + 1
 
 
 def check_and_pair(edge_index: Tensor, edge_type: Tensor, node_type: Tensor | None, num_nodes: int,
@@ -128,8 +192,7 @@ def destination_layout(src: Tensor, dst: Tensor, etype: Tensor, inverse: Tensor 
         narrow = both.to(torch.int32)
     nodes = torch.arange(num_nodes + 1, dtype=columns.dtype, device=device)
     csc_ptr = torch.searchsorted(columns[1], nodes, out_int32=True)
-    pair_counts = torch.zeros(num_relations + 1, dtype=torch.long, device=device)
-    pair_counts = pair_counts.index_add_(0, pair_type, torch.ones_like(pair_type))[:num_relations]
+    pair_counts = sorted_counts(pair_type, num_relations)  # pairs are relation-major, padding typed last
     # the rows one by one (their views made here, not by the caller's Python)
     return [order, columns[0], columns[1], columns[2], inv, narrow[0], narrow[1], narrow[2], narrow[3],
             pair_src.to(torch.int32), csc_ptr, out_src, out_etype, out_count, count32, valid, pair_counts]
@@ -150,10 +213,10 @@ def heaviest_first(csc_ptr: Tensor) -> Tensor:
 
 def type_layout(index: Tensor, types: int) -> tuple[Tensor, Tensor]:
     """(rows of each type (int64), the rows sorted by type, stably (int32)) of rows typed ``index`` (each in
-    [0, types)): a segment GEMM's layout, in one call."""
-    counts = torch.zeros(types, dtype=torch.long, device=index.device)
-    counts = counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.long, device=index.device))
-    return counts, sort_keys(index, types)[1].to(torch.int32)
+    [0, types), or past the last type for rows to leave uncounted: sorted last): a segment GEMM's layout, in
+    one call. The counts come from the sorted types (:func:`sorted_counts`), not from a count of their own."""
+    values, order = sort_keys(index, types + 1)
+    return sorted_counts(values, types), order.to(torch.int32)
 
 
 _compiled: dict[str, Any] = {}  # function name -> its TorchScript function, or the function where none compiled
@@ -187,5 +250,5 @@ def run(fn: Any, *args: Any) -> Any:
         _set_optimize(previous)
 
 
-__all__ = ["by_relation", "check_and_pair", "destination_layout", "heaviest_first", "run", "scripted", "sort_keys",
-           "type_layout", "unique_pairs"]
+__all__ = ["by_relation", "check_and_pair", "destination_layout", "heaviest_first", "marks_pairs", "pairs_by_marks",
+           "pairs_by_sort", "run", "scripted", "sort_keys", "sorted_counts", "type_layout", "unique_pairs"]

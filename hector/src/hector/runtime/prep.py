@@ -99,18 +99,16 @@ def pairs_by_marks(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def pairs_by_sort(key: Tensor, table: int) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pairs_by_marks`' tensors by one sort of the keys: the sorted keys' distinct values counted along
-    them (each sorted key's pair row, put back in edge order), and each pair's key from its first sorted key, found
-    by a binary search per pair row in those counts (searches in order: neighbouring rows walk the same path). Not
-    a scatter of every edge's key to its pair row, which writes each pair once per edge of it."""
+    them (each sorted key's pair row, put back in edge order), and each pair's key scattered to its row. (A binary
+    search per pair row for its first sorted key, instead of the scatter, measured slower on an H100: wikikg2's
+    pairs 3.37 against 2.71 ms, am's 1.30 against 0.96.)"""
     edges = key.numel()
     values, order = sort_keys(key, table)
     row = torch.zeros(edges, dtype=torch.long, device=key.device)  # pair row of each edge in key order
     torch.cumsum(values[1:] != values[:-1], 0, dtype=torch.long, out=row[1:])
     inverse = torch.empty(edges, dtype=torch.long, device=key.device).index_copy_(0, order, row)
-    firsts = torch.searchsorted(row, torch.arange(edges, dtype=torch.long, device=key.device))  # edges: padding
-    padded = torch.zeros(edges + 1, dtype=torch.long, device=key.device)  # the padding rows' 0 last
-    padded[:edges] = values
-    return padded.index_select(0, firsts), inverse, row[-1:] + 1
+    pairs = torch.zeros(edges, dtype=torch.long, device=key.device).scatter_(0, row, values.long())
+    return pairs, inverse, row[-1:] + 1
 
 
 def check_and_pair(edge_index: Tensor, edge_type: Tensor, node_type: Tensor | None, num_nodes: int,

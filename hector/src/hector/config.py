@@ -51,7 +51,8 @@ settings = Settings({
         "hector.config.set_split_degree"),
     "launch_batches": Setting(
         "HECTOR_LAUNCH_BATCHES", True, parse_bool,
-        "the CUDA backend runs a layer call whose temporaries take at most 32 MiB (small graphs, mini-batches) as "
+        "the CUDA backend runs a layer call whose temporaries take at most 32 MiB (small graphs, mini-batches), or "
+        "whose buffers take at most 128 MiB more than kernel by kernel at its peak (larger mini-batches), as "
         "batches of launches packed once per graph (one allocation for the temporaries, one shared-cuda call per "
         "batch, the call's buffer addresses patched in); `0` launches kernel by kernel from Python, each buffer "
         "allocated and released on its own (the path of larger calls)",

@@ -199,8 +199,14 @@ _LEAVES = 2  # the first leaf's base (the leaves' follow it in order)
 _IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = operator.methodcaller("data_ptr")
-# a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
+# a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader) ...
 _ARENA_BYTES = 32 << 20
+# ... unless its batched form holds at most this much more at once than the kernel-by-kernel path at its peak: a
+# mini-batch of the GNN benchmark's size (100K edges) takes 50-150 MB of temporaries per backward call, and kernel by
+# kernel its backward paid ~200 Python calls and a few more allocations than batched, on the host time that bounds
+# its step; a full graph of millions of edges, bound by the GPU, holds far more than this extra batched and keeps the
+# kernel path's lower peak
+_BATCH_EXTRA_BYTES = 128 << 20
 
 
 def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -619,8 +625,10 @@ class CudaBackend:
         allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
         graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation,
         live until the call's end instead of their last reader, and need no Python per kernel: only for calls
-        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host), None
-        for larger ones, which keep the kernel-by-kernel path and its lower peak memory."""
+        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host) or
+        whose buffers take at most ``_BATCH_EXTRA_BYTES`` more than the kernel-by-kernel path holds at its peak
+        (larger mini-batches); None for the others, which keep the kernel-by-kernel path and its lower peak
+        memory."""
         program = lowered.program
         visible = set(program.outputs) | (set(keep) if keep is not None else set())
         for step in reversed(steps):  # a buffer handed back under another name is handed back
@@ -643,6 +651,8 @@ class CudaBackend:
         for name, (dtype, _, _, offset) in steps.packed.items():
             where[name] = (_POOL, offset * dtype.itemsize)
         arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
+        handed = 0  # bytes of the buffers it hands back
+        limit = None  # what the call's buffers may take once past _ARENA_BYTES (worked out then)
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
         # a temporary's range of the allocation is free again after its last reader (where a call releases values:
@@ -703,7 +713,10 @@ class CudaBackend:
                     where[name] = (bases, 0)
                     allocs.append((name, bases, shape, dtype, bool(zero)))
                     bases += 1
-                    extra += 0 if name in visible else numel * dtype.itemsize
+                    if name in visible:
+                        handed += numel * dtype.itemsize
+                    else:
+                        extra += numel * dtype.itemsize
                     continue
                 offset = ranges.take(numel * dtype.itemsize)
                 where[name] = (_ARENA, offset)
@@ -712,7 +725,10 @@ class CudaBackend:
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
             if arena + extra > _ARENA_BYTES:
-                return None
+                if limit is None:
+                    limit = _kernel_peak(steps) + _BATCH_EXTRA_BYTES
+                if arena + extra + handed > limit:
+                    return None
             if step.kind == _RNG:
                 flush()
                 name = step.outputs[0][0]
@@ -997,6 +1013,27 @@ def _last_readers(kernels: list[_KernelTemplate]) -> dict[int, list[str]]:
     for name, i in last.items():
         dying.setdefault(i, []).append(name)
     return dying
+
+
+def _kernel_peak(steps: _Steps) -> int:
+    """The most bytes the kernel-by-kernel path's buffers for a call of ``steps`` take at once (the pool and the
+    results of torch ops aside, as :meth:`CudaBackend._batched` counts its own): each buffer made by its step and
+    released before the first step after its last reader (where the plan drops values)."""
+    live: dict[str, int] = {}
+    peak = 0
+    for step in steps:
+        for name in step.drop:
+            live.pop(name, None)
+        if step.kind == _EINSUM:
+            continue
+        for name, shape, dtype, zero in step.outputs:
+            if zero is not _PACKED and type(zero) is not _Alias:
+                numel = 1
+                for n in shape:
+                    numel *= n
+                live[name] = numel * dtype.itemsize
+        peak = max(peak, sum(live.values()))
+    return peak
 
 
 def _row_major(feature: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:

@@ -30,6 +30,7 @@ import torch
 
 from .. import config
 from ..codegen import CodegenOptions, ModuleCode, generate
+from ..codegen import fill as fill_kernel
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
 from .device_graph import DeviceGraph, device_graph, unique_pairs
@@ -309,6 +310,7 @@ class CudaBackend:
         self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
         self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
         self._schedule: Any = None
+        self._fill: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
         # a loader thread may prepare graphs (hector.prepare_graph) while the training thread runs layers: what
@@ -407,6 +409,15 @@ class CudaBackend:
         if self._schedule is None:
             handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
             self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+
+    def _fill_kernel(self) -> Any:
+        """The zero-fill kernel (:mod:`hector.codegen.fill`), loaded on first use."""
+        if self._fill is None:
+            with self._lock:
+                if self._fill is None:
+                    handle = self.executor.load(fill_kernel.MODULE, f"{fill_kernel.KERNEL}.cu")
+                    self._fill = self.executor.kernel(handle, fill_kernel.KERNEL, fill_kernel.SIGNATURE, 0)
+        return self._fill
 
     # -- execution -------------------------------------------------------------------------------------------
     def prepare(self, lowered, graph: Graph, dtypes: Mapping[str, torch.dtype],
@@ -577,7 +588,7 @@ class CudaBackend:
         steps = self._launch_plan(lowered, plan, dg, keep)
         # values die after their last reader where a call releases values (keep given), as on the kernel path
         dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
-        batched = self._batched(lowered, info, steps, consts, keep, dying) \
+        batched = self._batched(lowered, info, steps, consts, keep, dying, dg.device) \
             if batches and hasattr(self.executor, "batch") else None
         if batched is not None:
             made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
@@ -618,7 +629,7 @@ class CudaBackend:
         return call
 
     def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
-                 dying: dict[int, list[str]]) -> _Batched | None:
+                 dying: dict[int, list[str]], device: torch.device) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
@@ -650,7 +661,21 @@ class CudaBackend:
             where[name] = t
         for name, (dtype, _, _, offset) in steps.packed.items():
             where[name] = (_POOL, offset * dtype.itemsize)
-        arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
+        # zero-initialised temporaries too large for the pool (accumulated into, handed back by no name) lie at the
+        # head of the temporaries' allocation, zero-filled by one kernel launched first: offset in bytes of each
+        zeroed: dict[str, int] = {}
+        head = 0
+        for step in steps:
+            if step.kind in (_EINSUM, _RNG):
+                continue
+            for name, shape, dtype, zero in step.outputs:
+                if zero and zero is not _PACKED and type(zero) is not _Alias and name not in visible:
+                    numel = 1
+                    for n in shape:
+                        numel *= n
+                    zeroed[name] = head
+                    head += -(-numel * dtype.itemsize // 256) * 256
+        arena = extra = 0  # bytes of the temporaries' ranges after the head, of the zero-filled ones (the head)
         handed = 0  # bytes of the buffers it hands back
         limit = None  # what the call's buffers may take once past _ARENA_BYTES (worked out then)
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
@@ -666,6 +691,11 @@ class CudaBackend:
             if segment:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
+
+        if head:
+            sms = self.executor.properties(device)["multiprocessors"]
+            segment.append((self._fill_kernel(), fill_kernel.grid(head // 8, sms), fill_kernel.BLOCK, 0,
+                            [(_ARENA, 0), head // 8]))
 
         for i, step in enumerate(steps):
             if i - 1 in dying:
@@ -707,20 +737,23 @@ class CudaBackend:
                 numel = 1
                 for n in shape:
                     numel *= n
+                if name in zeroed:
+                    place = where[name] = (_ARENA, zeroed[name])
+                    extra += numel * dtype.itemsize
+                    if name in readers:
+                        views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], place[1] // dtype.itemsize))
+                    continue
                 if zero or name in visible:
-                    # handed back (its own buffer, as the kernel-by-kernel path gives it) or zero-filled and too
-                    # large for the pool
+                    # handed back (its own buffer, as the kernel-by-kernel path gives it)
                     where[name] = (bases, 0)
                     allocs.append((name, bases, shape, dtype, bool(zero)))
                     bases += 1
-                    if name in visible:
-                        handed += numel * dtype.itemsize
-                    else:
-                        extra += numel * dtype.itemsize
+                    handed += numel * dtype.itemsize
                     continue
                 offset = ranges.take(numel * dtype.itemsize)
-                where[name] = (_ARENA, offset)
                 placed[name] = (offset, numel * dtype.itemsize)
+                offset += head
+                where[name] = (_ARENA, offset)
                 arena = ranges.size
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
@@ -741,7 +774,7 @@ class CudaBackend:
                 args[i] = where[name]
             segment.append((step.kernel, step.grid, step.block, step.smem, args))
         flush()
-        return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
+        return _Batched(bases, -(-(head + arena) // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
                         steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
                         tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
                         tuple(name for name, _ in leaves))

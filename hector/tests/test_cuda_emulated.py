@@ -745,16 +745,22 @@ class _PoisonedEmpty:
         return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
 
 
+@pytest.mark.parametrize("pool", ["none", "own", "merged"])
 @pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgat-shared"])
-def test_zero_filled_temporaries_in_launch_batches(emulated, name, monkeypatch):
-    """A batched call's zero-initialised temporaries too large for its pool lie in its one allocation for
-    temporaries, zero-filled by the fill kernel launched first (hector.codegen.fill): with every buffer too large
-    for the pool and every new allocation poisoned, forward and gradients still match the reference, and the
-    batched records launch the fill kernel."""
+def test_zero_filled_temporaries_in_launch_batches(emulated, name, pool, monkeypatch):
+    """A batched call's zero-initialised buffers are zero-filled by the fill kernel (hector.codegen.fill) launched
+    first: those too large for its pool at the head of its one allocation for temporaries, and its pool, in an
+    allocation of its own or (a small call's) after its temporaries in theirs. With every new allocation poisoned,
+    forward and gradients still match the reference: with no buffer in the pool (``none``), with the pool in an
+    allocation of its own (``own``) and in the temporaries' (``merged``); and the batched records launch the fill
+    kernel."""
     from hector.codegen import fill
     from hector.runtime import cuda as cuda_mod
 
-    monkeypatch.setattr(cuda_mod, "_POOL_ITEM_BYTES", 0)  # no buffer in the pool
+    if pool == "none":
+        monkeypatch.setattr(cuda_mod, "_POOL_ITEM_BYTES", 0)
+    elif pool == "own":
+        monkeypatch.setattr(cuda_mod, "_POOL_MERGE_BYTES", -1)
     monkeypatch.setattr(cuda_mod, "torch", _PoisonedEmpty())
     ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=3)
     ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
@@ -770,3 +776,9 @@ def test_zero_filled_temporaries_in_launch_batches(emulated, name, monkeypatch):
     fills = [r for r in _call_records(graph) if r.batched is not None and any(
         kind == 0 and any(k[2] == fill.KERNEL for k, *_ in item) for kind, item in r.batched.program)]
     assert fills, "a batched call zero-filled its temporaries with the fill kernel"
+    pooled = [r.batched for r in _call_records(graph)
+              if r.batched is not None and (r.batched.pool_bytes or r.batched.pool_at >= 0)]
+    if pool == "none":
+        assert not pooled
+    else:
+        assert pooled and all((b.pool_at >= 0) == (pool == "merged") for b in pooled), pool

@@ -11,7 +11,7 @@ from .common import ModuleCode
 
 KERNEL = "hector_zero_fill"
 SIGNATURE = "ptr, i64"  # the range (8-byte aligned), its length in 8-byte words
-BLOCK = 256
+BLOCK = 256  # threads per block; a launch takes at most eight blocks per multiprocessor (the kernel strides)
 
 SOURCE = r"""// hector: zero fill of a range of a call's temporaries (runtime support, not generated)
 typedef long long i64;
@@ -32,9 +32,4 @@ extern "C" void hector_emu_hector_zero_fill(void** a) {
 MODULE = ModuleCode(KERNEL, SOURCE, (), ())
 
 
-def grid(words: int, multiprocessors: int) -> tuple[int, int]:
-    """Enough blocks to fill ``words`` with a few waves of the GPU, no more (the kernel strides)."""
-    return (max(1, min(-(-words // BLOCK), multiprocessors * 8)), 1)
-
-
-__all__ = ["BLOCK", "KERNEL", "MODULE", "SIGNATURE", "SOURCE", "grid"]
+__all__ = ["BLOCK", "KERNEL", "MODULE", "SIGNATURE", "SOURCE"]

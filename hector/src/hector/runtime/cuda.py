@@ -6,7 +6,8 @@ the backend), int32 gather/type indices, the destinations ordered heaviest first
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
 and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
 graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
-ones carved from one pool: one fill per call, not one per buffer), binds its values and launches kernels on the
+ones carved from one pool: one fill per call, not one per buffer; in a batched call the larger zero-initialised
+temporaries too, filled by one kernel of its first batch), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
 
 The *executor* compiles and launches; the default one uses the GPU. Tests plug in a CPU emulator of the generated
@@ -237,6 +238,7 @@ class _Batched:
     aliases: tuple  # (value, the value whose buffer it is)
     program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
     leaf_names: tuple = ()  # the values of ``leaves``, in order
+    pool_at: int = -1  # where the pool lies in the temporaries' allocation (pool_bytes 0), -1: an allocation of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +248,8 @@ class _Alias:
     name: str
 _POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
 _POOL_BYTES = 4 << 20  # ... while it stays this small
+# a batched call whose temporaries take at most this has its pool in their allocation (see CudaBackend._batched)
+_POOL_MERGE_BYTES = _POOL_BYTES
 
 
 @dataclass(slots=True)
@@ -537,11 +541,13 @@ class CudaBackend:
             bases[_ARENA] = arena.data_ptr()
             for dtype in b.arena_dtypes:
                 typed[_ARENA, dtype] = arena.view(dtype)
-        if b.pool_bytes:
-            pool = torch.zeros(b.pool_bytes, dtype=torch.uint8, device=device)
+        if b.pool_bytes:  # zero-filled by the first batch's fill kernel
+            pool = torch.empty(b.pool_bytes, dtype=torch.uint8, device=device)
             bases[_POOL] = pool.data_ptr()
             for dtype in b.pool_dtypes:
                 typed[_POOL, dtype] = pool.view(dtype)
+        elif b.pool_at >= 0:
+            bases[_POOL] = bases[_ARENA] + b.pool_at
         if b.leaves:  # the leaves' bases are consecutive, from the first after the arena's and the pool's
             bases[_LEAVES:_LEAVES + len(b.leaves)] = map(_DATA_PTR, map(env.__getitem__, b.leaf_names))
         for name, index, shape, dtype, zero in b.allocs:
@@ -634,7 +640,9 @@ class CudaBackend:
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
         allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
-        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation,
+        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation
+        (the zero-initialised ones too large for the pool at its head, zero-filled by the fill kernel launched
+        first: no torch call and no launch of its own per buffer),
         live until the call's end instead of their last reader, and need no Python per kernel: only for calls
         whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host) or
         whose buffers take at most ``_BATCH_EXTRA_BYTES`` more than the kernel-by-kernel path holds at its peak
@@ -692,10 +700,15 @@ class CudaBackend:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
 
-        if head:
-            sms = self.executor.properties(device)["multiprocessors"]
-            segment.append((self._fill_kernel(), fill_kernel.grid(head // 8, sms), fill_kernel.BLOCK, 0,
-                            [(_ARENA, 0), head // 8]))
+        if head or steps.pool_bytes:
+            # the first launches: the zero fills of the head and of the pool (each a multiple of 256 bytes)
+            waves = self.executor.properties(device)["multiprocessors"] * 8
+            fill = self._fill or self._fill_kernel()
+            for base, nbytes in ((_ARENA, head), (_POOL, steps.pool_bytes)):
+                if nbytes:
+                    words = nbytes // 8
+                    segment.append((fill, (min(-(-words // fill_kernel.BLOCK), waves), 1), fill_kernel.BLOCK, 0,
+                                    [(base, 0), words]))
 
         for i, step in enumerate(steps):
             if i - 1 in dying:
@@ -774,10 +787,19 @@ class CudaBackend:
                 args[i] = where[name]
             segment.append((step.kernel, step.grid, step.block, step.smem, args))
         flush()
-        return _Batched(bases, -(-(head + arena) // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
-                        steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
+        arena = -(-(head + arena) // 256) * 256
+        pool_bytes, pool_at = steps.pool_bytes, -1
+        if pool_bytes and arena <= _POOL_MERGE_BYTES:
+            # a small call's pool lies after its temporaries, in their allocation: one torch call less per call;
+            # a value handed back from the pool then holds at most the temporaries' few MB more
+            pool_at, arena, pool_bytes = arena, arena + pool_bytes, 0
+            views = [(name, _ARENA, dtype, shape, stride, offset + pool_at // dtype.itemsize) if where == _POOL
+                     else (name, where, dtype, shape, stride, offset)
+                     for name, where, dtype, shape, stride, offset in views]
+        return _Batched(bases, arena, frozenset(v[2] for v in views if v[1] == _ARENA),
+                        pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
                         tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
-                        tuple(name for name, _ in leaves))
+                        tuple(name for name, _ in leaves), pool_at)
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""

@@ -362,9 +362,10 @@ def test_launch_batches_reuse_the_ranges_of_dead_temporaries(monkeypatch):
 
 def test_launch_batches_past_the_arena_limit_hold_at_most_the_allowed_extra(monkeypatch):
     """A call whose temporaries take more than ``_ARENA_BYTES`` (a mini-batch of the GNN benchmark's size) still
-    runs as launch batches where its buffers take at most ``_BATCH_EXTRA_BYTES`` more than the kernel-by-kernel
+    runs as launch batches where its buffers take at most ``HECTOR_BATCH_EXTRA_MB`` more than the kernel-by-kernel
     path holds at its peak: measured, a batched backward's peak allocation exceeds the kernel-by-kernel one's by no
-    more than that; with no extra allowed past the limit, the same calls run kernel by kernel."""
+    more than that; with no extra allowed past the limit, the same calls run kernel by kernel (the setting is a
+    part of a call record's key: the same graph gets new records when it changes)."""
     from hector_bench_common import cpu_peak_bytes
 
     from hector.runtime import cuda as cuda_mod
@@ -378,23 +379,22 @@ def test_launch_batches_past_the_arena_limit_hold_at_most_the_allowed_extra(monk
     layer = hector.nn.RGATConv(64, 16, spec.num_relations, heads=4, attention="shared").train()
     x = torch.randn(spec.num_nodes, 64, generator=gen, requires_grad=True)
     monkeypatch.setattr(cuda_mod, "_ARENA_BYTES", 0)  # every call is past it
-    extra = 256 << 10
-    monkeypatch.setattr(cuda_mod, "_BATCH_EXTRA_BYTES", extra)
+    graph = hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations)
 
-    def backward_peak(batches: bool) -> tuple[int, list]:
+    def backward_peak(batches: bool, extra_mb: int) -> tuple[int, list]:
         monkeypatch.setattr(hector.config.settings, "launch_batches", batches)
-        graph = hector.prepare_graph(ei.clone(), et.clone(), spec.num_nodes, spec.num_relations)
+        monkeypatch.setattr(hector.config.settings, "batch_extra_mb", extra_mb)
         with host_overhead.null_backend():
             layer(x, graph).sum().backward()  # the records made
             out = layer(x, graph)
             grad = torch.randn_like(out)
             peak = cpu_peak_bytes(lambda: out.backward(grad))
-        return peak, list(device_graph(graph).calls.values())
+        key = (batches, extra_mb)
+        return peak, [r for k, r in device_graph(graph).calls.items() if k[-2:] == key]
 
-    batched, records = backward_peak(True)
+    batched, records = backward_peak(True, 1)
     assert len(records) == 2 and all(r.batched is not None for r in records), "forward and backward batched"
-    kernel_by_kernel, _ = backward_peak(False)
-    assert kernel_by_kernel < batched <= kernel_by_kernel + extra, (batched, kernel_by_kernel)
-    monkeypatch.setattr(cuda_mod, "_BATCH_EXTRA_BYTES", kernel_by_kernel - batched)  # less than batched takes
-    _, records = backward_peak(True)
-    assert any(r.batched is None for r in records), "a call past both limits runs kernel by kernel"
+    kernel_by_kernel, _ = backward_peak(False, 1)
+    assert kernel_by_kernel < batched <= kernel_by_kernel + (1 << 20), (batched, kernel_by_kernel)
+    _, records = backward_peak(True, 0)
+    assert len(records) == 2 and any(r.batched is None for r in records), "past both limits: kernel by kernel"

@@ -203,12 +203,11 @@ _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = operator.methodcaller("data_ptr")
 # a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader) ...
 _ARENA_BYTES = 32 << 20
-# ... unless its batched form holds at most this much more at once than the kernel-by-kernel path at its peak: a
-# mini-batch of the GNN benchmark's size (100K edges) takes 50-150 MB of temporaries per backward call, and kernel by
-# kernel its backward paid ~200 Python calls and a few more allocations than batched, on the host time that bounds
-# its step; a full graph of millions of edges, bound by the GPU, holds far more than this extra batched and keeps the
-# kernel path's lower peak
-_BATCH_EXTRA_BYTES = 128 << 20
+# ... unless its batched form holds at most HECTOR_BATCH_EXTRA_MB (config.batch_extra_mb) more at once than the
+# kernel-by-kernel path at its peak: a mini-batch of the GNN benchmark's size (100K edges) takes 50-150 MB of
+# temporaries per backward call, and kernel by kernel its backward paid ~200 Python calls and a few more allocations
+# than batched, on the host time that bounds its step; a full graph of millions of edges, bound by the GPU, holds far
+# more than this extra batched and keeps the kernel path's lower peak
 
 
 def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -582,7 +581,8 @@ class CudaBackend:
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
         settings = config.settings  # read as attributes: a function call each is host time on every layer call
         batches = settings.launch_batches
-        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches)
+        extra_mb = settings.batch_extra_mb
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches, extra_mb)
         hit = dg.calls.get(key)
         if hit is not None and hit.lowered is lowered:
             return hit
@@ -594,7 +594,7 @@ class CudaBackend:
         steps = self._launch_plan(lowered, plan, dg, keep)
         # values die after their last reader where a call releases values (keep given), as on the kernel path
         dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
-        batched = self._batched(lowered, info, steps, consts, keep, dying, dg.device) \
+        batched = self._batched(lowered, info, steps, consts, keep, dying, dg.device, extra_mb << 20) \
             if batches and hasattr(self.executor, "batch") else None
         if batched is not None:
             made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
@@ -635,7 +635,7 @@ class CudaBackend:
         return call
 
     def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
-                 dying: dict[int, list[str]], device: torch.device) -> _Batched | None:
+                 dying: dict[int, list[str]], device: torch.device, extra_bytes: int) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
@@ -645,7 +645,7 @@ class CudaBackend:
         first: no torch call and no launch of its own per buffer),
         live until the call's end instead of their last reader, and need no Python per kernel: only for calls
         whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host) or
-        whose buffers take at most ``_BATCH_EXTRA_BYTES`` more than the kernel-by-kernel path holds at its peak
+        whose buffers take at most ``extra_bytes`` more than the kernel-by-kernel path holds at its peak
         (larger mini-batches); None for the others, which keep the kernel-by-kernel path and its lower peak
         memory."""
         program = lowered.program
@@ -772,7 +772,7 @@ class CudaBackend:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
             if arena + extra > _ARENA_BYTES:
                 if limit is None:
-                    limit = _kernel_peak(steps) + _BATCH_EXTRA_BYTES
+                    limit = _kernel_peak(steps) + extra_bytes
                 if arena + extra + handed > limit:
                     return None
             if step.kind == _RNG:

@@ -124,3 +124,12 @@ def test_tile_schedule_kernel_compiles_with_nvrtc(arch):
 
     _nvrtc()
     assert compile_module(schedule.MODULE, arch)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_zero_fill_kernel_compiles_with_nvrtc(arch):
+    """The backend's fixed zero-fill kernel (hector.codegen.fill) compiles like the generated modules."""
+    from hector.codegen import compile_module, fill
+
+    _nvrtc()
+    assert compile_module(fill.MODULE, arch)

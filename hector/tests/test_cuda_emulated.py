@@ -728,3 +728,57 @@ def test_new_edge_index_each_call_matches_the_persistent_graph(emulated, name):
         graphs.append(weakref.ref(graph))
         del ei2, et2, graph
     assert [g() is None for g in graphs] == [True, True, False]
+
+
+class _PoisonedEmpty:
+    """``torch`` for the CUDA backend's module, but every ``empty`` comes filled with 0xFF bytes (NaN as float): a
+    buffer a kernel accumulates into without its zero fill shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        if t.dtype == torch.uint8:
+            return t.fill_(255)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+
+@pytest.mark.parametrize("pool", ["none", "own", "merged"])
+@pytest.mark.parametrize("name", ["rgcn", "rgat", "hgt", "rgat-shared"])
+def test_zero_filled_temporaries_in_launch_batches(emulated, name, pool, monkeypatch):
+    """A batched call's zero-initialised buffers are zero-filled by the fill kernel (hector.codegen.fill) launched
+    first: those too large for its pool at the head of its one allocation for temporaries, and its pool, in an
+    allocation of its own or (a small call's) after its temporaries in theirs. With every new allocation poisoned,
+    forward and gradients still match the reference: with no buffer in the pool (``none``), with the pool in an
+    allocation of its own (``own``) and in the temporaries' (``merged``); and the batched records launch the fill
+    kernel."""
+    from hector.codegen import fill
+    from hector.runtime import cuda as cuda_mod
+
+    if pool == "none":
+        monkeypatch.setattr(cuda_mod, "_POOL_ITEM_BYTES", 0)
+    elif pool == "own":
+        monkeypatch.setattr(cuda_mod, "_POOL_MERGE_BYTES", -1)
+    monkeypatch.setattr(cuda_mod, "torch", _PoisonedEmpty())
+    ei, et, nt = make_graph(num_nodes=17, num_edges=90, node_types=2, seed=3)
+    ref, layer, typed, x, xa, a, ga = _reference_and_layer(name, ei, et, nt)
+    graph = hector.prepare_graph(ei, et, 17, 3, *typed)
+    xb = x.float().requires_grad_()
+    b = layer(xb, graph)
+    assert rel_err(b.double(), a) < 1e-5
+    gb = _grads(b, [xb] + list(layer.parameters()))
+    for u, v in zip(gb, ga, strict=True):
+        assert (u is None) == (v is None)
+        if v is not None:
+            assert rel_err(u.double(), v) < 1e-5
+    fills = [r for r in _call_records(graph) if r.batched is not None and any(
+        kind == 0 and any(k[2] == fill.KERNEL for k, *_ in item) for kind, item in r.batched.program)]
+    assert fills, "a batched call zero-filled its temporaries with the fill kernel"
+    pooled = [r.batched for r in _call_records(graph)
+              if r.batched is not None and (r.batched.pool_bytes or r.batched.pool_at >= 0)]
+    if pool == "none":
+        assert not pooled
+    else:
+        assert pooled and all((b.pool_at >= 0) == (pool == "merged") for b in pooled), pool

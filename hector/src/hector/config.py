@@ -51,11 +51,19 @@ settings = Settings({
         "hector.config.set_split_degree"),
     "launch_batches": Setting(
         "HECTOR_LAUNCH_BATCHES", True, parse_bool,
-        "the CUDA backend runs a layer call whose temporaries take at most 32 MiB (small graphs, mini-batches) as "
-        "batches of launches packed once per graph (one allocation for the temporaries, one shared-cuda call per "
-        "batch, the call's buffer addresses patched in); `0` launches kernel by kernel from Python, each buffer "
-        "allocated and released on its own (the path of larger calls)",
+        "the CUDA backend runs a layer call whose temporaries take at most 32 MiB (small graphs, mini-batches), or "
+        "whose buffers take at most `HECTOR_BATCH_EXTRA_MB` more than kernel by kernel at its peak (larger "
+        "mini-batches), as batches of launches packed once per graph (one allocation for the temporaries, one "
+        "shared-cuda call per batch, the call's buffer addresses patched in); `0` launches kernel by kernel from "
+        "Python, each buffer allocated and released on its own (the path of larger calls)",
         "hector.config.set_launch_batches", "`1`"),
+    "batch_extra_mb": Setting(
+        "HECTOR_BATCH_EXTRA_MB", 128, integer(0),
+        "MiB a batched call (see `HECTOR_LAUNCH_BATCHES`) whose temporaries take more than 32 MiB may hold at once "
+        "beyond what kernel by kernel holds at its peak: its temporaries live until its end, where kernel by "
+        "kernel releases each after its last reader, for a fraction of the host time (a mini-batch of 100K "
+        "edges); `0` keeps such calls kernel by kernel",
+        "hector.config.set_batch_extra_mb"),
 })
 
 _DEFAULT_TILE_BYTES = {"cuda": 64 << 20, "cpu": 1 << 20}
@@ -149,3 +157,14 @@ def set_launch_batches(on: bool | None) -> None:
     """True/False: small calls as batches of launches packed once, or kernel by kernel (None: follow
     HECTOR_LAUNCH_BATCHES)."""
     settings.set("launch_batches", on)
+
+
+def batch_extra_mb() -> int:
+    """MiB a batched call past 32 MiB of temporaries may hold beyond the kernel-by-kernel path (see the setting)."""
+    return settings.batch_extra_mb
+
+
+def set_batch_extra_mb(mb: int | None) -> None:
+    """MiB a batched call past 32 MiB of temporaries may hold beyond the kernel-by-kernel path's peak (None: follow
+    HECTOR_BATCH_EXTRA_MB)."""
+    settings.set("batch_extra_mb", mb)

@@ -138,22 +138,37 @@ class _Apply(torch.autograd.Function):
         return env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the generated backward is not itself differentiated
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
-        bound: Binding = ctx.bound
-        grads: list[Any] = [None] * (3 + len(bound.names))
-        hit = bound.backward(tuple(ctx.needs_input_grad[3:]))
-        if hit is None:
-            return tuple(grads)
-        lowered, places = hit
-        leaves: dict[str, torch.Tensor] = dict(zip(bound.compiled.saved, ctx.saved_tensors, strict=True))
-        for o, g in zip(bound.outputs, grad_outputs, strict=True):
-            leaves[f"grad:{o}"] = g if g.is_contiguous() else g.contiguous()
-        # the saved values are values the forward made (contiguous), the output gradients made contiguous above
-        env = ctx.backend.run(lowered, ctx.graph, leaves, keep=(), contiguous=True)
-        for name, position in places:
-            grads[3 + position] = env[name]
+        # the generated backward is not itself differentiated: under create_graph=True (grad mode on), the
+        # outputs are marked as once_differentiable marks them; otherwise grad mode is already off, and
+        # once_differentiable's no_grad block (a few Python calls on every backward) is left out
+        if torch.is_grad_enabled():
+            return _once_differentiable_backward(ctx, *grad_outputs)
+        return _backward(ctx, *grad_outputs)
+
+
+def _backward(ctx: Any, *grad_outputs: torch.Tensor):
+    bound: Binding = ctx.bound
+    grads: list[Any] = [None] * (3 + len(bound.names))
+    hit = bound.backward(tuple(ctx.needs_input_grad[3:]))
+    if hit is None:
         return tuple(grads)
+    lowered, places = hit
+    leaves: dict[str, torch.Tensor] = dict(zip(bound.compiled.saved, ctx.saved_tensors, strict=True))
+    for o, g in zip(bound.outputs, grad_outputs, strict=True):
+        leaves[f"grad:{o}"] = g if g.is_contiguous() else g.contiguous()
+    # the saved values are values the forward made (contiguous), the output gradients made contiguous above
+    env = ctx.backend.run(lowered, ctx.graph, leaves, keep=(), contiguous=True)
+    for name, position in places:
+        grads[3 + position] = env[name]
+    return tuple(grads)
+
+
+_once_differentiable_backward = torch.autograd.function.once_differentiable(_backward)
+# torch's own apply of an autograd Function, below the Python classmethod Function.apply: that one, without
+# functorch transforms active, only unwraps functorch's dead wrappers (a generator over every argument: a dozen
+# Python calls per layer call) before calling this
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Apply)
 
 
 def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, torch.dtype], training: bool,
@@ -199,4 +214,6 @@ def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]
 def apply_bound(bound: Binding, graph: Graph, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]):
     """:func:`apply` with the tensors given in the order of ``bound.names`` (the call the layers make)."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _Apply.apply(bound, graph, training, *tensors)
+    if torch._C._are_functorch_transforms_active():  # functorch's path (vmap, grad, ...): Function.apply's own
+        return _Apply.apply(bound, graph, training, *tensors)
+    return _FUNCTION_APPLY(bound, graph, training, *tensors)

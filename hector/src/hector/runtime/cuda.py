@@ -6,7 +6,8 @@ the backend), int32 gather/type indices, the destinations ordered heaviest first
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
 and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
 graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
-ones carved from one pool: one fill per call, not one per buffer), binds its values and launches kernels on the
+ones carved from one pool: one fill per call, not one per buffer; in a batched call the larger zero-initialised
+temporaries too, filled by one kernel of its first batch), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
 
 The *executor* compiles and launches; the default one uses the GPU. Tests plug in a CPU emulator of the generated
@@ -30,6 +31,7 @@ import torch
 
 from .. import config
 from ..codegen import CodegenOptions, ModuleCode, generate
+from ..codegen import fill as fill_kernel
 from ..codegen import schedule as schedule_kernel
 from ..ir.core import Domain, Op
 from .device_graph import DeviceGraph, device_graph, unique_pairs
@@ -199,8 +201,13 @@ _LEAVES = 2  # the first leaf's base (the leaves' follow it in order)
 _IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = operator.methodcaller("data_ptr")
-# a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader)
+# a call whose temporaries take more runs kernel by kernel (each buffer released after its last reader) ...
 _ARENA_BYTES = 32 << 20
+# ... unless its batched form holds at most HECTOR_BATCH_EXTRA_MB (config.batch_extra_mb) more at once than the
+# kernel-by-kernel path at its peak: a mini-batch of the GNN benchmark's size (100K edges) takes 50-150 MB of
+# temporaries per backward call, and kernel by kernel its backward paid ~200 Python calls and a few more allocations
+# than batched, on the host time that bounds its step; a full graph of millions of edges, bound by the GPU, holds far
+# more than this extra batched and keeps the kernel path's lower peak
 
 
 def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -230,6 +237,7 @@ class _Batched:
     aliases: tuple  # (value, the value whose buffer it is)
     program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
     leaf_names: tuple = ()  # the values of ``leaves``, in order
+    pool_at: int = -1  # where the pool lies in the temporaries' allocation (pool_bytes 0), -1: an allocation of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +247,8 @@ class _Alias:
     name: str
 _POOL_ITEM_BYTES = 1 << 20  # buffers up to this size go to the pool ...
 _POOL_BYTES = 4 << 20  # ... while it stays this small
+# a batched call whose temporaries take at most this has its pool in their allocation (see CudaBackend._batched)
+_POOL_MERGE_BYTES = _POOL_BYTES
 
 
 @dataclass(slots=True)
@@ -303,6 +313,7 @@ class CudaBackend:
         self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
         self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
         self._schedule: Any = None
+        self._fill: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
         # a loader thread may prepare graphs (hector.prepare_graph) while the training thread runs layers: what
@@ -401,6 +412,15 @@ class CudaBackend:
         if self._schedule is None:
             handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
             self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+
+    def _fill_kernel(self) -> Any:
+        """The zero-fill kernel (:mod:`hector.codegen.fill`), loaded on first use."""
+        if self._fill is None:
+            with self._lock:
+                if self._fill is None:
+                    handle = self.executor.load(fill_kernel.MODULE, f"{fill_kernel.KERNEL}.cu")
+                    self._fill = self.executor.kernel(handle, fill_kernel.KERNEL, fill_kernel.SIGNATURE, 0)
+        return self._fill
 
     # -- execution -------------------------------------------------------------------------------------------
     def prepare(self, lowered, graph: Graph, dtypes: Mapping[str, torch.dtype],
@@ -520,11 +540,13 @@ class CudaBackend:
             bases[_ARENA] = arena.data_ptr()
             for dtype in b.arena_dtypes:
                 typed[_ARENA, dtype] = arena.view(dtype)
-        if b.pool_bytes:
-            pool = torch.zeros(b.pool_bytes, dtype=torch.uint8, device=device)
+        if b.pool_bytes:  # zero-filled by the first batch's fill kernel
+            pool = torch.empty(b.pool_bytes, dtype=torch.uint8, device=device)
             bases[_POOL] = pool.data_ptr()
             for dtype in b.pool_dtypes:
                 typed[_POOL, dtype] = pool.view(dtype)
+        elif b.pool_at >= 0:
+            bases[_POOL] = bases[_ARENA] + b.pool_at
         if b.leaves:  # the leaves' bases are consecutive, from the first after the arena's and the pool's
             bases[_LEAVES:_LEAVES + len(b.leaves)] = map(_DATA_PTR, map(env.__getitem__, b.leaf_names))
         for name, index, shape, dtype, zero in b.allocs:
@@ -559,7 +581,8 @@ class CudaBackend:
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
         settings = config.settings  # read as attributes: a function call each is host time on every layer call
         batches = settings.launch_batches
-        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches)
+        extra_mb = settings.batch_extra_mb
+        key = (id(lowered), keep_key, dtypes, model_dtype, config.tf32(), settings.split_degree, batches, extra_mb)
         hit = dg.calls.get(key)
         if hit is not None and hit.lowered is lowered:
             return hit
@@ -571,7 +594,7 @@ class CudaBackend:
         steps = self._launch_plan(lowered, plan, dg, keep)
         # values die after their last reader where a call releases values (keep given), as on the kernel path
         dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
-        batched = self._batched(lowered, info, steps, consts, keep, dying) \
+        batched = self._batched(lowered, info, steps, consts, keep, dying, dg.device, extra_mb << 20) \
             if batches and hasattr(self.executor, "batch") else None
         if batched is not None:
             made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
@@ -612,15 +635,19 @@ class CudaBackend:
         return call
 
     def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
-                 dying: dict[int, list[str]]) -> _Batched | None:
+                 dying: dict[int, list[str]], device: torch.device, extra_bytes: int) -> _Batched | None:
         """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
         once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
         bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
         allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
-        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation,
+        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation
+        (the zero-initialised ones too large for the pool at its head, zero-filled by the fill kernel launched
+        first: no torch call and no launch of its own per buffer),
         live until the call's end instead of their last reader, and need no Python per kernel: only for calls
-        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host), None
-        for larger ones, which keep the kernel-by-kernel path and its lower peak memory."""
+        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host) or
+        whose buffers take at most ``extra_bytes`` more than the kernel-by-kernel path holds at its peak
+        (larger mini-batches); None for the others, which keep the kernel-by-kernel path and its lower peak
+        memory."""
         program = lowered.program
         visible = set(program.outputs) | (set(keep) if keep is not None else set())
         for step in reversed(steps):  # a buffer handed back under another name is handed back
@@ -642,7 +669,23 @@ class CudaBackend:
             where[name] = t
         for name, (dtype, _, _, offset) in steps.packed.items():
             where[name] = (_POOL, offset * dtype.itemsize)
-        arena = extra = 0  # bytes of the temporaries' allocation, of the temporaries with a buffer of their own
+        # zero-initialised temporaries too large for the pool (accumulated into, handed back by no name) lie at the
+        # head of the temporaries' allocation, zero-filled by one kernel launched first: offset in bytes of each
+        zeroed: dict[str, int] = {}
+        head = 0
+        for step in steps:
+            if step.kind in (_EINSUM, _RNG):
+                continue
+            for name, shape, dtype, zero in step.outputs:
+                if zero and zero is not _PACKED and type(zero) is not _Alias and name not in visible:
+                    numel = 1
+                    for n in shape:
+                        numel *= n
+                    zeroed[name] = head
+                    head += -(-numel * dtype.itemsize // 256) * 256
+        arena = extra = 0  # bytes of the temporaries' ranges after the head, of the zero-filled ones (the head)
+        handed = 0  # bytes of the buffers it hands back
+        limit = None  # what the call's buffers may take once past _ARENA_BYTES (worked out then)
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
         allocs, views, aliases, program_steps, segment = [], [], [], [], []
         # a temporary's range of the allocation is free again after its last reader (where a call releases values:
@@ -656,6 +699,16 @@ class CudaBackend:
             if segment:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
+
+        if head or steps.pool_bytes:
+            # the first launches: the zero fills of the head and of the pool (each a multiple of 256 bytes)
+            waves = self.executor.properties(device)["multiprocessors"] * 8
+            fill = self._fill or self._fill_kernel()
+            for base, nbytes in ((_ARENA, head), (_POOL, steps.pool_bytes)):
+                if nbytes:
+                    words = nbytes // 8
+                    segment.append((fill, (min(-(-words // fill_kernel.BLOCK), waves), 1), fill_kernel.BLOCK, 0,
+                                    [(base, 0), words]))
 
         for i, step in enumerate(steps):
             if i - 1 in dying:
@@ -697,22 +750,31 @@ class CudaBackend:
                 numel = 1
                 for n in shape:
                     numel *= n
+                if name in zeroed:
+                    place = where[name] = (_ARENA, zeroed[name])
+                    extra += numel * dtype.itemsize
+                    if name in readers:
+                        views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], place[1] // dtype.itemsize))
+                    continue
                 if zero or name in visible:
-                    # handed back (its own buffer, as the kernel-by-kernel path gives it) or zero-filled and too
-                    # large for the pool
+                    # handed back (its own buffer, as the kernel-by-kernel path gives it)
                     where[name] = (bases, 0)
                     allocs.append((name, bases, shape, dtype, bool(zero)))
                     bases += 1
-                    extra += 0 if name in visible else numel * dtype.itemsize
+                    handed += numel * dtype.itemsize
                     continue
                 offset = ranges.take(numel * dtype.itemsize)
-                where[name] = (_ARENA, offset)
                 placed[name] = (offset, numel * dtype.itemsize)
+                offset += head
+                where[name] = (_ARENA, offset)
                 arena = ranges.size
                 if name in readers:
                     views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
             if arena + extra > _ARENA_BYTES:
-                return None
+                if limit is None:
+                    limit = _kernel_peak(steps) + extra_bytes
+                if arena + extra + handed > limit:
+                    return None
             if step.kind == _RNG:
                 flush()
                 name = step.outputs[0][0]
@@ -725,10 +787,19 @@ class CudaBackend:
                 args[i] = where[name]
             segment.append((step.kernel, step.grid, step.block, step.smem, args))
         flush()
-        return _Batched(bases, -(-arena // 256) * 256, frozenset(v[2] for v in views if v[1] == _ARENA),
-                        steps.pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
+        arena = -(-(head + arena) // 256) * 256
+        pool_bytes, pool_at = steps.pool_bytes, -1
+        if pool_bytes and arena <= _POOL_MERGE_BYTES:
+            # a small call's pool lies after its temporaries, in their allocation: one torch call less per call;
+            # a value handed back from the pool then holds at most the temporaries' few MB more
+            pool_at, arena, pool_bytes = arena, arena + pool_bytes, 0
+            views = [(name, _ARENA, dtype, shape, stride, offset + pool_at // dtype.itemsize) if where == _POOL
+                     else (name, where, dtype, shape, stride, offset)
+                     for name, where, dtype, shape, stride, offset in views]
+        return _Batched(bases, arena, frozenset(v[2] for v in views if v[1] == _ARENA),
+                        pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
                         tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
-                        tuple(name for name, _ in leaves))
+                        tuple(name for name, _ in leaves), pool_at)
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""
@@ -997,6 +1068,27 @@ def _last_readers(kernels: list[_KernelTemplate]) -> dict[int, list[str]]:
     for name, i in last.items():
         dying.setdefault(i, []).append(name)
     return dying
+
+
+def _kernel_peak(steps: _Steps) -> int:
+    """The most bytes the kernel-by-kernel path's buffers for a call of ``steps`` take at once (the pool and the
+    results of torch ops aside, as :meth:`CudaBackend._batched` counts its own): each buffer made by its step and
+    released before the first step after its last reader (where the plan drops values)."""
+    live: dict[str, int] = {}
+    peak = 0
+    for step in steps:
+        for name in step.drop:
+            live.pop(name, None)
+        if step.kind == _EINSUM:
+            continue
+        for name, shape, dtype, zero in step.outputs:
+            if zero is not _PACKED and type(zero) is not _Alias:
+                numel = 1
+                for n in shape:
+                    numel *= n
+                live[name] = numel * dtype.itemsize
+        peak = max(peak, sum(live.values()))
+    return peak
 
 
 def _row_major(feature: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:

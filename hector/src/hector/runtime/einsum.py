@@ -36,6 +36,10 @@ def memory_order_equation(equation: str, larger_first: bool = True) -> str:
     return "".join(rename.get(ch, ch) for ch in equation)
 
 
+# torch.einsum's own op: the Python function torch.einsum calls it for two operands after a few checks (a
+# layer's backward calls this on the host time a small step is bound by)
+_EINSUM = torch._C._VariableFunctions.einsum
+
 # A contraction summing more terms per output than this (a weight gradient summed over every relation's rows) runs
 # as a batch of GEMMs over parts of SPLIT_ROWS rows, whose results are then summed: a single GEMM with a reduction
 # that long and a small result (a few hundred outputs) keeps only a few thread blocks busy; the parts spread the
@@ -89,7 +93,7 @@ def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             if swapped:
                 out, shape = out.t(), b.shape[n:] + a.shape[n:]
             return out.reshape(shape)
-    return torch.einsum(eq, a, b)
+    return _EINSUM(eq, (a, b))
 
 
 __all__ = ["SPLIT_ROWS", "SPLIT_TERMS", "einsum", "memory_order_equation"]

@@ -146,8 +146,9 @@ def profile(names: list[str], device: str, scale: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--datasets", default="biokg,wikikg2", help=f"comma list of {sorted(datasets.SPECS)}")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where to prepare the graphs (default: cuda when available)")
+    ap.add_argument("--reps", type=int, default=10, help="timed preparations per row (the median is reported)")
     ap.add_argument("--scale", type=float, default=1.0, help="twins scaled down (nodes and edges), for tests")
     ap.add_argument("--marks-limit-gb", type=float, default=4.0, help="largest key table pairs_marks is timed on")
     ap.add_argument("--profile", action="store_true", help="print the kernels of five preparations instead")

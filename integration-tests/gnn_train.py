@@ -720,10 +720,12 @@ def main(argv: list[str] | None = None) -> dict:
     spec = cfg.graph
     impls = IMPLS if args.impl == "both" else (args.impl,)
     runs = planned_runs(args, impls)
+    env = harness.environment()
     proc.print(f"GNN training, size {args.size}: {spec.num_nodes:,} nodes, {spec.num_edges:,} edges, "
                f"{spec.num_relations} relations (skew {spec.relation_skew}), {spec.num_classes} classes, features "
                f"{spec.feature_dim} x fp32 ({harness.gib(spec.feature_bytes)} in host memory); {proc.world_size} "
                f"process(es) on {proc.device.type}; {', '.join(f'{n} ({w})' for n, _, w, _ in runs)}")
+    proc.print(f"  {harness.describe_host(env)}")
 
     start = time.perf_counter()
     graph = generate(spec, proc.device)
@@ -747,7 +749,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = build_models(cfg, args.seed)
     report = {
         "script": "gnn_train", "size": args.size, "world_size": proc.world_size, "device": str(proc.device.type),
-        "topology": args.topology, "environment": harness.environment(),
+        "topology": args.topology, "environment": env,
         "config": {**dataclasses.asdict(cfg), "graph": dataclasses.asdict(spec)}, "graph": stats,
         "graph_seconds": graph_seconds, "table_seconds": table_seconds,
         "shared_memory_added_bytes": shm_added, "host_feature_copies": copies,

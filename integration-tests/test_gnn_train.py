@@ -47,6 +47,10 @@ def test_results_file(tiny):
     assert data["script"] == "gnn_train" and data["world_size"] == 1
     assert data["graph"]["nodes"] == gnn_train.SIZES["tiny"].graph.num_nodes
     assert set(data["impls"]) == {"toolkit", "baseline"}
+    # the host a result was measured on: a host-bound epoch compares across machines only with these
+    env = data["environment"]
+    assert env["cpu_model"] and env["cpus"] >= 1
+    assert 0 < env["python_probe_ms"] < 10_000
 
 
 def test_topology_in_host_memory_trains_the_same(tiny):

@@ -243,9 +243,10 @@ def cpu_model() -> str:
 
 def python_probe_ms(repeats: int = 5) -> float:
     """Milliseconds of a fixed piece of single-threaded Python (the best of ``repeats``): how fast this host runs
-    the interpreter. A step bound by the host (the toolkit's GNN epoch is) scales with it, so results from two
-    lent machines compare only after this figure: on one day two H100 machines ran the same GNN epoch in 0.70 and
-    1.17 s, PyG's GPU-bound epoch in 2.71 and 2.68 s."""
+    the interpreter alone. Recorded beside every result because the toolkit's GNN epoch is bound by the host: on
+    one day three H100 machines ran the same epoch in 0.70, 1.17 and 1.27 s while PyG's GPU-bound epoch took
+    2.68-2.71 s on each. It does not explain that spread by itself (the 1.27 s machine probed 13.0 ms, as fast as
+    a 2-core CPU machine here): the time went to the training thread's CPU time per step, 2x on the slow ones."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

@@ -296,6 +296,33 @@ def test_bad_input_is_named():
         sampler.sample(torch.tensor([], dtype=torch.long))
 
 
+@pytest.mark.parametrize("where", ["plain", "host"])
+def test_a_broken_csc_is_named_before_sampling(where):
+    # the torch path indexes with colptr and row unchecked: a source past the last node silently became an edge to
+    # no node, and a decreasing colptr (a negative in-degree) failed inside TorchScript or aborted the process
+    topo = skewed_graph()
+
+    def sampler(colptr, row):
+        t = Topology(colptr, row)
+        return NeighborSampler(t if where == "plain" else t.placed("host", CPU), [-1])
+
+    row = topo.row.clone()
+    row[int(topo.colptr[5])] = 300  # node 5's first in-edge comes from no node
+    with pytest.raises(IndexError, match=r"topology.row holds source ids outside \[0, 300\) \(got \[0, 300\]\)"):
+        sampler(topo.colptr, row)
+    for last in (topo.num_edges + 7, topo.num_edges - 7):
+        colptr = topo.colptr.clone()
+        colptr[-1] = last
+        with pytest.raises(ValueError, match=f"end at the number of edges .*colptr\\[-1\\] = {last}"):
+            sampler(colptr, topo.row)
+    colptr = topo.colptr.clone()
+    colptr[9] = colptr[11] + 1
+    with pytest.raises(ValueError, match="colptr decreases at destination 9"):
+        sampler(colptr, topo.row)
+    seeds = torch.arange(0, 300, 7)
+    check_subgraph(sampler(topo.colptr, topo.row).sample(seeds), seeds, Topology(topo.colptr, topo.row), [-1])
+
+
 def test_topology_in_unified_host_memory_gives_the_same_batches():
     assert not NeighborSampler(skewed_graph().placed("host", CPU), [2]).script  # (its reads dispatch in Python)
     topo = skewed_graph(seed=3)

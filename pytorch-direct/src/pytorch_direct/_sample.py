@@ -249,6 +249,7 @@ class NeighborSampler:
         # TorchScript for plain tensors, Python for unified ones (their reads dispatch through Python)
         self._kernel_run: _sample_cuda.KernelSampler | None = None
         self._use_kernels = False
+        self._topology_checked = False  # (see check_topology; the kernels check the entries they read)
         self.script = script
         if kernels is None:
             kernels = settings.sampler == "kernels"
@@ -298,7 +299,10 @@ class NeighborSampler:
     @kernels.setter
     def kernels(self, value: bool) -> None:
         """``True``: the CUDA kernels (raises ``ValueError`` saying why where they cannot sample this graph);
-        ``False``: the torch path."""
+        ``False``: the torch path (which checks the whole topology first, once: :func:`check_topology`)."""
+        if not value and not self._topology_checked:
+            check_topology(self.topology)
+            self._topology_checked = True
         if value:
             reason = _sample_cuda.unsupported(self.topology, self.device, self.blocks)
             if reason is not None:
@@ -338,6 +342,33 @@ class NeighborSampler:
         node_type = torch.searchsorted(self._node_offset, n_id, right=True) - 1
         return SampledSubgraph(n_id, edge_index, e_id, seeds.numel(), edge_type, node_type, num_nodes, num_edges,
                                pos)
+
+
+def check_topology(topology: Topology) -> None:
+    """Raises ``ValueError`` / ``IndexError`` unless ``topology`` is a CSC the torch path can sample: ``colptr``
+    starts at 0, never decreases and ends at the number of edges, and every source in ``row`` is a node. That path
+    indexes with these numbers unchecked: a source past the id map reads its scratch entry (edges to a node that
+    does not exist, silently), and a decreasing ``colptr`` (a negative in-degree) corrupted the process's heap and
+    aborted it. (The CUDA kernels check each entry they read.) A few reductions and host reads, once per sampler
+    that takes the torch path, when it is made."""
+    with torch._C.DisableTorchFunctionSubclass():  # (unified tensors: their reads as plain tensors')
+        colptr, row, n = topology.colptr, topology.row, topology.num_nodes
+        edges = row.numel()
+        first, last = int(colptr[0]), int(colptr[-1])
+        if first != 0 or last != edges:
+            raise ValueError(f"topology.colptr must start at 0 and end at the number of edges ({edges}, the length "
+                             f"of row); got colptr[0] = {first}, colptr[-1] = {last}")
+        down = (colptr[1:] < colptr[:-1]).nonzero()
+        if down.numel():
+            s = int(down[0, 0])
+            raise ValueError(f"topology.colptr decreases at destination {s} (colptr[{s}] = {int(colptr[s])} > "
+                             f"colptr[{s + 1}] = {int(colptr[s + 1])}): it must be non-decreasing offsets, the "
+                             f"in-edges of destination s being row[colptr[s]:colptr[s + 1]]")
+        if edges:
+            low, high = (int(v) for v in torch.aminmax(row))
+            if low < 0 or high >= n:
+                raise IndexError(f"topology.row holds source ids outside [0, {n}) (got [{low}, {high}]): every "
+                                 f"source must be a node of the graph")
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:

@@ -683,6 +683,21 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], topology="host", device="cpu")
 
 
+def test_edges_from_nodes_past_the_graph_are_named():
+    # a source id past the last node (num_nodes set too small) was sampled as an edge from some other node: the
+    # batch's edge_index did not map back to the graph's edges
+    data = random_data()
+    data.edge_index[0, 5] = 400
+    with pytest.raises(IndexError, match=r"edge_index has sources outside \[0, 400\) \(got \[0, 400\]\)"):
+        NeighborLoader(data, [-1], device="cpu")
+    data.edge_index[0, 5] = -1
+    with pytest.raises(IndexError, match="sources outside"):
+        NeighborLoader(data, [-1], device="cpu")
+    data.edge_index[0, 5], data.edge_index[1, 7] = 0, 401
+    with pytest.raises(IndexError, match=r"destinations outside \[0, 400\) \(got \[0, 401\]\)"):
+        NeighborLoader(data, [-1], device="cpu")
+
+
 def test_unified_feature_store_errors_say_the_fix():
     fs = pyg().UnifiedFeatureStore(device="cpu")
     with pytest.raises(KeyError, match="put it first"):

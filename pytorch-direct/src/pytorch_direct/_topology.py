@@ -81,8 +81,13 @@ def csc_from_coo(edge_index: Tensor, num_dst: int, is_sorted: bool = False) -> t
     if not is_sorted:
         dst, perm = torch.sort(dst, stable=True)
         src = src[perm]
-    if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= num_dst):
-        raise IndexError(f"edge_index has destinations outside [0, {num_dst})")
+    # (sources too: the sampler would give a source past the last node the id of its id map's scratch entry)
+    for ids, what in ((dst, "destinations"), (src, "sources")):
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= num_dst:
+                raise IndexError(f"edge_index has {what} outside [0, {num_dst}) (got [{low}, {high}]): every edge "
+                                 f"must join two nodes of the graph (set num_nodes to count them all)")
     colptr = torch.zeros(num_dst + 1, dtype=torch.long, device=dst.device)
     colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=num_dst), 0)
     if is_sorted and dst.numel() > 1 and bool((dst[1:] < dst[:-1]).any()):

@@ -99,6 +99,30 @@ def test_writes_keep_the_cache_coherent():
     check()
 
 
+@pytest.mark.parametrize("write", ["sgd_foreach", "sgd_fused", "adam_foreach", "adam_fused", "init_normal",
+                                   "out_tuple"])
+def test_optimizer_steps_and_init_keep_the_cache_coherent(write):
+    # Multi-tensor optimizer steps (foreach=True, fused=True) write the table as one element of a list, and
+    # torch.nn.init's functions pass it by keyword: the cache kept serving the rows as they were before the write.
+    table, u, frequency = table_and_frequency()
+    pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    everything = torch.arange(ROWS)
+    torch.manual_seed(3)
+    if write.startswith(("sgd", "adam")):
+        u.requires_grad_(True)
+        kind, flavour = write.split("_")
+        opt = (torch.optim.SGD if kind == "sgd" else torch.optim.Adam)([u], lr=0.5, **{flavour: True})
+        (u[everything] * torch.randn(ROWS, 16)).sum().backward()
+        opt.step()
+        u.requires_grad_(False)
+    elif write == "init_normal":
+        torch.nn.init.normal_(u)
+    else:
+        torch.max(torch.randn(ROWS, 16, 2), dim=2, out=(u, torch.empty(ROWS, 16, dtype=torch.long)))
+    assert not same_bytes(u.plain(), table), "the table was written"
+    assert same_bytes(u[everything], u.plain())
+
+
 def test_the_byte_budget_is_respected():
     u = pd.unified(torch.randn(ROWS, 16), copy=True)
     for budget, count in ((budget_for(1, 64), False), (budget_for(100, 64) + 50, False), (10**9, False),

@@ -43,14 +43,20 @@ _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "reco
 
 def _refresh_after_write(func, args, kwargs) -> None:
     """After an in-place torch op (not a row operation) on a unified tensor with a GPU cache of hot rows, or with a
-    unified ``out=``: the cache reads every cached row again (the op may have changed any element)."""
+    unified ``out=``: the cache reads every cached row again (the op may have changed any element).
+
+    The written tensor is the op's first argument: ``t.mul_(2)``, ``t[5:9] = 0``; a list of them for the
+    multi-tensor ops of optimizers (``torch._foreach_add_(params, ...)`` with ``foreach=True``,
+    ``torch._fused_adam_(params, ...)`` with ``fused=True``); or the ``tensor=`` keyword of ``torch.nn.init``'s
+    functions, which hand their arguments over by keyword."""
     name = getattr(func, "__name__", "")
     targets = []
-    if kwargs.get("out") is not None:
-        targets.append(kwargs["out"])
-    if args and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_")
-                                            and name not in _NOT_WRITES)):
-        targets.append(args[0])
+    out = kwargs.get("out")
+    if out is not None:
+        targets.extend(out if isinstance(out, (list, tuple)) else (out,))
+    if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES):
+        written = args[0] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
+        targets.extend(written if isinstance(written, (list, tuple)) else (written,))
     for t in targets:
         if isinstance(t, UnifiedTensor):
             for cache in _cache.caches_in(t):

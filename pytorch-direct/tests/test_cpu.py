@@ -158,6 +158,27 @@ def test_empty_zeros_shapes():
         pd.empty(-1)
 
 
+def test_a_table_larger_than_the_host_is_a_memory_error_naming_its_size(monkeypatch):
+    # Pageable tables (a CPU-only machine, pin=False) were allocated unchecked: a size past what the host has raised
+    # "MemoryError: std::bad_alloc" (no size, no fix), or got the process killed by the OOM killer once touched;
+    # a size past the address space raised a TypeError from the bindings.
+    from pytorch_direct import _memory
+
+    monkeypatch.setattr(_memory, "available_host_bytes", lambda: 1 << 20)
+    makers = [lambda: pd.empty(1 << 19, 4, pin=False), lambda: pd.zeros(3 << 18, dtype=torch.float64, pin=False)]
+    if not pd.cuda_usable():  # (else pinned memory, which cudaHostAlloc refuses by itself)
+        makers.append(lambda: pd.unified(torch.zeros(1 << 19, dtype=torch.int32), copy=True))
+    for make in makers:
+        with pytest.raises(MemoryError, match=r"unified tensor of (2|6|8)\.00 MiB does not fit in the 1\.00 MiB .*"
+                                              r"use a smaller table"):
+            make()
+    monkeypatch.setattr(_memory, "available_host_bytes", lambda: None)  # unknown: the allocation itself fails
+    with pytest.raises(MemoryError, match=r"unified tensor of 1024\.00 TiB \(shape \(1125899906842624,\), "
+                                          r"torch\.uint8\) failed .*free host memory"):
+        pd.empty(1 << 50, dtype=torch.uint8, pin=False)
+    assert pd.empty(1 << 10, pin=False).shape == (1 << 10,)
+
+
 def test_memory_kind_choice(monkeypatch):
     from pytorch_direct import _memory
 

@@ -111,14 +111,28 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool | None =
     pin = cuda_usable() if pin is None else pin
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if not pin:
-        owner = _core.pageable_memory(nbytes)
-    elif kind == "managed":
+    if not pin or kind == "managed":  # (pages are reserved when touched: more than the host has gets it killed)
         check_host_room(nbytes)
-        owner = _core.managed_memory(nbytes)
-    else:
-        owner = _core.pinned_memory(nbytes)
+    try:
+        if not pin:
+            owner = _core.pageable_memory(nbytes)
+        elif kind == "managed":
+            owner = _core.managed_memory(nbytes)
+        else:
+            owner = _core.pinned_memory(nbytes)
+    except MemoryError as e:
+        raise MemoryError(f"allocating a unified tensor of {describe_bytes(nbytes)} (shape {shape}, {dtype}) "
+                          f"failed ({e}): free host memory, or use a smaller table (pytorch_direct.from_file maps a "
+                          f"file instead)") from e
     return owner.tensor().view(dtype).view(shape)
+
+
+def describe_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit it fills at least once (``"3.00 MiB"``)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def available_host_bytes() -> int | None:
@@ -134,13 +148,14 @@ def available_host_bytes() -> int | None:
 
 
 def check_host_room(nbytes: int) -> None:
-    """Raises MemoryError when a managed allocation of nbytes cannot fit in host memory. Its pages are touched when
-    it is made, and touching more than the host has gets the process killed by Linux's OOM killer, with no Python
-    error (cudaHostAlloc, by contrast, fails with an error)."""
+    """Raises MemoryError when a managed or pageable allocation of nbytes cannot fit in host memory. Their pages
+    are reserved when touched (a managed one's when it is made, a pageable one's by ``zeros`` or the first write),
+    and touching more than the host has gets the process killed by Linux's OOM killer, with no Python error
+    (cudaHostAlloc, by contrast, fails with an error)."""
     available = available_host_bytes()
     if available is not None and nbytes > available:
         raise MemoryError(
-            f"a unified tensor of {nbytes / 2**30:.2f} GiB does not fit in the {available / 2**30:.2f} GiB of host "
+            f"a unified tensor of {describe_bytes(nbytes)} does not fit in the {describe_bytes(available)} of host "
             "memory available (MemAvailable in /proc/meminfo): free host memory, or use a smaller table "
             "(pytorch_direct.from_file maps a file instead)"
         )

@@ -715,6 +715,22 @@ def test_unified_feature_store_errors_say_the_fix():
             pyg().UnifiedFeatureStore(device="cuda")
 
 
+def test_unified_feature_store_names_whole_tensors_without_an_index():
+    # as PyG's LocalFeatureStore: (group, name) without an index is the whole tensor. PyG's TensorAttr leaves the
+    # index unset, and get_tensor / remove_tensor raised "not fully specified", store[group, name] a TypeError.
+    from torch_geometric.distributed import LocalFeatureStore
+
+    x = torch.randn(6, 3)
+    for fs in (pyg().UnifiedFeatureStore(device="cpu"), LocalFeatureStore()):
+        fs.put_tensor(x, group_name="paper", attr_name="x", index=None)
+        fs.put_tensor(torch.arange(6), group_name="paper", attr_name="y")
+        assert torch.equal(fs.get_tensor(group_name="paper", attr_name="x"), x)
+        assert torch.equal(fs["paper", "y"], torch.arange(6))
+        assert torch.equal(fs.get_tensor(group_name="paper", attr_name="x", index=torch.tensor([4, 1])), x[[4, 1]])
+        assert fs.remove_tensor(group_name="paper", attr_name="x")
+        assert [a.attr_name for a in fs.get_all_tensor_attrs()] == ["y"]
+
+
 def test_small_tables_sharing_their_pages_are_copied_not_registered():
     # registering pins whole pages: a small heap tensor shares its first and last page with other allocations, and
     # a CUDA copy of one of those straddling the registered range fails, so such a table is copied

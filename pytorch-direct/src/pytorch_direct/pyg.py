@@ -16,6 +16,7 @@ CPU there and moved by the loader as usual; in the main process they are gathere
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 
 try:
     from torch_geometric.data import FeatureStore, GraphStore, TensorAttr
+    from torch_geometric.data.feature_store import _FieldStatus
     from torch_geometric.sampler import BaseSampler, HeteroSamplerOutput, NodeSamplerInput, SamplerOutput
 except ImportError as e:  # pragma: no cover - only without torch_geometric
     raise ImportError("pytorch_direct.pyg needs torch_geometric: pip install torch_geometric") from e
@@ -41,6 +43,17 @@ def _key(attr: TensorAttr) -> tuple:
     return (attr.group_name, attr.attr_name)
 
 
+@dataclass
+class WholeTensorAttr(TensorAttr):
+    """A ``TensorAttr`` whose ``index`` is ``None`` (the whole tensor) unless given, as the attributes of PyG's own
+    ``LocalFeatureStore`` are: ``get_tensor(group_name=..., attr_name=...)``, ``store[group, name]`` and
+    ``remove_tensor(group_name=..., attr_name=...)`` then name a whole tensor (with PyG's ``TensorAttr`` they
+    raised "not fully specified" or a TypeError from torch)."""
+
+    def __init__(self, group_name=_FieldStatus.UNSET, attr_name=_FieldStatus.UNSET, index=None) -> None:
+        super().__init__(group_name, attr_name, index)
+
+
 class UnifiedFeatureStore(FeatureStore):
     """Node (or edge) feature tensors held as unified tensors; ``get_tensor`` with an index gathers on ``device``.
 
@@ -55,7 +68,7 @@ class UnifiedFeatureStore(FeatureStore):
 
     def __init__(self, device: str | torch.device | None = None, *, copy: bool = False,
                  memory: str = "auto") -> None:
-        super().__init__()
+        super().__init__(tensor_attr_cls=WholeTensorAttr)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_usable() else torch.device("cpu")
         self.device = torch.device(device)

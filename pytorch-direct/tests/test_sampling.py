@@ -731,6 +731,31 @@ def test_unified_feature_store_names_whole_tensors_without_an_index():
         assert [a.attr_name for a in fs.get_all_tensor_attrs()] == ["y"]
 
 
+def test_unified_feature_store_memory_applies_to_the_copies_it_makes(monkeypatch):
+    # with copy=False, memory= was ignored, and a tensor the store could not register (not contiguous) was copied
+    # into managed memory from 256 MiB on, which forked DataLoader workers cannot read (the README names copy=False
+    # as the way to feed such workers)
+    from pytorch_direct import _memory
+
+    monkeypatch.setattr(_memory, "_MANAGED", True)  # (as on a GPU with concurrent managed access)
+    monkeypatch.setattr(_memory, "MANAGED_MIN_BYTES", 1 << 10)
+    kinds = []
+    choose = _memory.memory_kind
+    monkeypatch.setattr(_memory, "memory_kind", lambda nbytes, memory: kinds.append(choose(nbytes, memory))
+                        or kinds[-1])
+    x = torch.randn(64, 200).t()  # 50 KiB, not contiguous: copied
+    expected = {(False, "auto"): "pinned", (False, "managed"): "managed", (True, "auto"): "managed",
+                (True, "pinned"): "pinned"}
+    for (copy, memory), kind in expected.items():
+        kinds.clear()
+        fs = pyg().UnifiedFeatureStore(device="cpu", copy=copy, memory=memory)
+        fs.put_tensor(x, group_name=None, attr_name="x", index=None)
+        assert kinds == [kind], (copy, memory, kinds)
+        assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([3, 0])), x[[3, 0]])
+    with pytest.raises(ValueError, match="memory must be one of"):
+        pyg().UnifiedFeatureStore(device="cpu", memory="host")
+
+
 def test_small_tables_sharing_their_pages_are_copied_not_registered():
     # registering pins whole pages: a small heap tensor shares its first and last page with other allocations, and
     # a CUDA copy of one of those straddling the registered range fails, so such a table is copied

@@ -57,18 +57,19 @@ def owns_its_pages(t: Tensor) -> bool:
             or t.is_pinned())
 
 
-def unify_table(t: Tensor, name: str) -> Tensor:
+def unify_table(t: Tensor, name: str, memory: str = "auto") -> Tensor:
     """A CPU table as a unified tensor the GPU reads zero-copy: registered in place when it owns its pages, else
-    copied into memory of its own. Registration pins whole pages: a CUDA copy of another tensor that starts in a
-    page pinned with a small table and ends outside fails ("invalid argument"), depending on where the allocator
-    put the two, so a small table (cheap to copy) that shares its pages is copied."""
+    copied into memory of its own, of kind ``memory`` (see :func:`pytorch_direct.empty`). Registration pins whole
+    pages: a CUDA copy of another tensor that starts in a page pinned with a small table and ends outside fails
+    ("invalid argument"), depending on where the allocator put the two, so a small table (cheap to copy) that
+    shares its pages is copied."""
     if is_unified(t):
         return t
     if t.is_contiguous() and owns_its_pages(t):
         return unified(t)
     log.info("pytorch-direct: %s (%d bytes) shares memory pages with other allocations (or is not contiguous): "
              "copied into memory of its own instead of registered in place", name, t.numel() * t.element_size())
-    return unified(t.detach(), copy=True)
+    return unified(t.detach(), copy=True, memory=memory)
 
 
 def csc_from_coo(edge_index: Tensor, num_dst: int, is_sorted: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 from . import _topology
 from ._create import unified
-from ._memory import cuda_usable
+from ._memory import MEMORY_KINDS, cuda_usable
 from ._sample import NeighborSampler
 from ._tensor import UnifiedTensor
 
@@ -62,9 +62,11 @@ class UnifiedFeatureStore(FeatureStore):
     ``memory`` (True) or registers the given tensor in place (False, the default; a non-contiguous tensor is
     copied, and so is a small one, under 32 MiB, that shares its memory pages with other allocations:
     registration pins whole pages, and a CUDA copy of another tensor that straddles them fails). ``memory`` (see
-    :func:`pytorch_direct.empty`): "auto" puts copies of 256 MiB and more in managed memory, whose random rows the
-    GPU reads fastest, but which forked DataLoader workers cannot read: with ``num_workers > 0`` (fork), pass
-    memory="pinned" or copy=False."""
+    :func:`pytorch_direct.empty`): the kind of the copies the store makes. With copy=True "auto" puts copies of
+    256 MiB and more in managed memory, whose random rows the GPU reads fastest, but which forked DataLoader
+    workers cannot read: with ``num_workers > 0`` (fork), pass memory="pinned" or copy=False. With copy=False
+    "auto" makes the copies of the tensors it cannot register pinned, the kind registration gives, so that forked
+    workers read every tensor of the store."""
 
     def __init__(self, device: str | torch.device | None = None, *, copy: bool = False,
                  memory: str = "auto") -> None:
@@ -79,6 +81,8 @@ class UnifiedFeatureStore(FeatureStore):
             raise ValueError(f"UnifiedFeatureStore gathers to 'cuda' or 'cpu', got device={str(device)!r}")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if memory not in MEMORY_KINDS:
+            raise ValueError(f"UnifiedFeatureStore(memory={memory!r}): memory must be one of {MEMORY_KINDS}")
         self.copy = copy
         self.memory = memory
         self._tensors: dict[tuple, UnifiedTensor] = {}
@@ -98,7 +102,10 @@ class UnifiedFeatureStore(FeatureStore):
         if self.copy:
             self._tensors[_key(attr)] = unified(tensor, copy=True, memory=self.memory)
         else:
-            self._tensors[_key(attr)] = _topology.unify_table(tensor, f"{attr.group_name}/{attr.attr_name}")
+            # (a tensor that cannot be registered is copied: in the memory asked for, else in pinned memory, as
+            # registration gives, which forked workers can read)
+            memory = "pinned" if self.memory == "auto" else self.memory
+            self._tensors[_key(attr)] = _topology.unify_table(tensor, f"{attr.group_name}/{attr.attr_name}", memory)
         return True
 
     def _target_device(self) -> torch.device:

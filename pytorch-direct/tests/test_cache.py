@@ -123,6 +123,30 @@ def test_optimizer_steps_and_init_keep_the_cache_coherent(write):
     assert same_bytes(u[everything], u.plain())
 
 
+def test_a_view_of_the_first_rows_checks_its_own_bounds():
+    # a view of the cached table's first rows uses the cache; its CPU gathers checked the indices against the whole
+    # table's rows, so view[idx] past the view returned a row of the table instead of raising
+    table, u, frequency = table_and_frequency()
+    pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    view = u[:10]
+    assert same_bytes(view[torch.tensor([9, 0, 7])], table[[9, 0, 7]])
+    for bad in (10, 49, -1):
+        with pytest.raises(IndexError, match=rf"index {bad} at position 1 is out of range for a table of 10 rows"):
+            view[torch.tensor([7, bad])]
+        with pytest.raises(IndexError, match="a table of 10 rows"):
+            pd.gather(view, torch.tensor([bad], dtype=torch.int32))
+
+
+def test_hit_rate_checks_its_indices_as_a_gather_does():
+    # hit_rate(-1) wrapped to the last row and answered for it (1.0 where that row is cached)
+    _, u, frequency = table_and_frequency()
+    cache = pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    assert cache.hit_rate(cache.row_of_slot[:1]) == 1.0
+    for bad in (-1, ROWS):
+        with pytest.raises(IndexError, match=f"index {bad} is out of range for a table of {ROWS} rows"):
+            cache.hit_rate(torch.tensor([0, bad]))
+
+
 def test_the_byte_budget_is_respected():
     u = pd.unified(torch.randn(ROWS, 16), copy=True)
     for budget, count in ((budget_for(1, 64), False), (budget_for(100, 64) + 50, False), (10**9, False),

@@ -101,10 +101,12 @@ class RowCache:
                 "counting": self.counts is not None, "filled_from": dict(self.filled_from)}
 
     def hit_rate(self, index: Tensor) -> float:
-        """The fraction of `index` this cache holds (one reduction and a host round trip)."""
+        """The fraction of `index` this cache holds (one reduction and a host round trip). An index outside the
+        table raises ``IndexError``, as a gather's does (negative ones are not wrapped)."""
         _kernels.check_index(index)
         if index.numel() == 0:
             return 0.0
+        _kernels.precheck(index, self.rows)
         slots = self.slot_of_row[index.reshape(-1).to(self.device)]
         return float((slots >= 0).float().mean())
 
@@ -219,11 +221,12 @@ class RowCache:
             ones = torch.ones(sample.numel(), dtype=torch.float32, device=idx.device)
             self.counts.index_add_(0, sample, ones, alpha=weight)
 
-    def gather_host(self, idx: Tensor, out: Tensor) -> None:
-        """out (n rows, contiguous) = the table's rows at idx (1-D CPU indices, checked here) for a cache on the
-        CPU: cached rows from the cache, the others from the table."""
+    def gather_host(self, idx: Tensor, out: Tensor, rows: int | None = None) -> None:
+        """out (n rows, contiguous) = the table's rows at idx (1-D CPU indices, checked here against ``rows``: the
+        rows of the tensor gathered from, a view of the table's first rows perhaps; default all of them) for a
+        cache on the CPU: cached rows from the cache, the others from the table."""
         n, rb = idx.numel(), self.row_bytes
-        _kernels.check_host_indices(idx, self.rows)
+        _kernels.check_host_indices(idx, self.rows if rows is None else rows)
         self.count(idx)
         flat = out.reshape(-1).view(torch.uint8).view(n, rb)
         slots = self.slot_of_row[idx].long()

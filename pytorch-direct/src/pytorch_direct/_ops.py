@@ -238,7 +238,7 @@ def _gather(table: Tensor, index: Tensor, strategy: str, max_sms: int, in_range:
         cache = None
     if index.device.type == "cpu":
         if cache is not None:
-            cache.gather_host(idx, out)
+            cache.gather_host(idx, out, rows)
         else:
             _kernels.gather_host(table, rows, rb, idx, out, dedupe=name != "auto" and REGISTRY[name].host_dedupe)
         return out

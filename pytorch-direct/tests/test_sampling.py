@@ -296,6 +296,18 @@ def test_bad_input_is_named():
         sampler.sample(torch.tensor([], dtype=torch.long))
 
 
+def test_seeds_that_are_not_integer_ids_are_refused():
+    # float seeds were truncated to ids (1.5 sampled node 1) and a boolean mask was read as the ids 0 and 1
+    sampler = NeighborSampler(skewed_graph(), [2])
+    for seeds in (torch.tensor([1.5, 4.0]), torch.tensor([True, False, True]), torch.tensor([2.0 + 0j])):
+        with pytest.raises(TypeError, match=f"seeds must be a tensor of integer node ids, got {seeds.dtype}"):
+            sampler.sample(seeds)
+    with pytest.raises(TypeError, match="got list"):
+        sampler.sample([1, 2])
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        assert torch.equal(sampler.sample(torch.tensor([4, 1], dtype=dtype)).n_id[:2], torch.tensor([4, 1]))
+
+
 @pytest.mark.parametrize("where", ["plain", "host"])
 def test_a_broken_csc_is_named_before_sampling(where):
     # the torch path indexes with colptr and row unchecked: a source past the last node silently became an edge to

@@ -266,6 +266,11 @@ class NeighborSampler:
         """The sampled subgraph around ``seeds`` (distinct global node ids, 1-D; for a heterogeneous graph, global
         ids of one node type). ``check=False`` skips the range and distinctness check (one host round trip): for
         seeds already checked, as the loader does once per loader."""
+        if not isinstance(seeds, Tensor) or seeds.dtype.is_floating_point or seeds.dtype.is_complex \
+                or seeds.dtype == torch.bool:
+            got = seeds.dtype if isinstance(seeds, Tensor) else type(seeds).__name__
+            raise TypeError(f"seeds must be a tensor of integer node ids, got {got} (converting would truncate "
+                            f"floats and read a mask as ids 0 and 1: for a boolean mask pass mask.nonzero().flatten())")
         seeds = seeds.to(self.device, torch.long)
         if seeds.dim() != 1 or seeds.numel() == 0:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")

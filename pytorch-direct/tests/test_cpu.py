@@ -95,6 +95,15 @@ def test_torch_entry_points_cpu():
     assert repr(u).startswith("unified tensor(")
 
 
+def test_index_select_with_a_0d_index_keeps_the_dimension():
+    # torch's index_select with a 0-d index gives one row of shape (1, ...); the redirected one gave the row alone
+    table = random_table((40, 6), torch.float32)
+    u = pd.unified(table, copy=True)
+    for index in (torch.tensor(7), torch.tensor(7, dtype=torch.int32)):
+        for got in (u.index_select(0, index), torch.index_select(u, 0, index)):
+            assert got.shape == (1, 6) and torch.equal(got, table.index_select(0, index))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_writes_cpu(dtype):
     table = random_table((50, 7), dtype)

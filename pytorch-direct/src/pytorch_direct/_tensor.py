@@ -262,6 +262,8 @@ def _index_select(self, dim, index, *, out=None):
     if isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index):
         if index.dim() > 1:
             raise IndexError("index_select(): index must be a vector (1-D)")
+        if index.dim() == 0:  # (torch's index_select keeps the dimension: one row of shape (1, ...))
+            index = index.reshape(1)
         return _ops.gather(op_input(self), op_input(index))
     return NotImplemented
 

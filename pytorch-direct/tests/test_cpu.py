@@ -430,6 +430,23 @@ def test_shared_memory_cpu():
         pd.share(torch.zeros(2))
 
 
+def test_shared_memory_larger_than_dev_shm_is_a_memory_error(monkeypatch):
+    # a segment is a file in /dev/shm whose pages are taken when first written: one larger than the room there (64 MiB
+    # in a Docker container by default) was created, and the process writing it died of SIGBUS, with no Python error
+    from pytorch_direct import _sharing
+
+    assert _sharing.free_bytes(_sharing.SHM_DIR) > 0  # (Linux)
+    name = f"pytorch_direct-cpu-test-room-{os.getpid()}"
+    monkeypatch.setattr(_sharing, "free_bytes", lambda directory: 1 << 20)
+    with pytest.raises(MemoryError, match=r"needs 2\.00 MiB .* but /dev/shm has 1\.00 MiB free: enlarge it .*shm-size"):
+        pd.shared_memory(name, (1 << 19,), torch.float32, create=True)
+    assert not os.path.exists(os.path.join(_sharing.SHM_DIR, name))
+    try:
+        assert pd.shared_memory(name, (1 << 18,), torch.float32, create=True).shape == (1 << 18,)  # 1 MiB: fits
+    finally:
+        pd.unlink_shared_memory(name)
+
+
 SHARE_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 import pytorch_direct as pd

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._create import unified
-from ._memory import element_size, shape_of
+from ._memory import describe_bytes, element_size, shape_of
 from ._tensor import UnifiedTensor
 
 SHM_DIR = "/dev/shm"
@@ -45,6 +45,15 @@ def shared_memory(name: str, shape: Sequence[int], dtype: torch.dtype = torch.fl
     if create:
         if os.path.exists(path):
             raise FileExistsError(f"shared memory {name!r} already exists ({path}): pick another name or unlink it")
+        free = free_bytes(SHM_DIR)
+        if free is not None and nbytes > free:
+            # (the segment's pages are taken when first written: past the file system's room the writing process
+            # gets SIGBUS and dies without a Python error)
+            raise MemoryError(
+                f"shared memory {name!r} needs {describe_bytes(nbytes)} (shape {shape} of {dtype}) but {SHM_DIR} has "
+                f"{describe_bytes(free)} free: enlarge it (in a container, e.g. docker run --shm-size=...; Docker "
+                "gives 64 MiB by default), free it, or share a smaller table"
+            )
     else:
         if not os.path.exists(path):
             raise FileNotFoundError(f"shared memory {name!r} does not exist ({path}): create it first (create=True)")
@@ -65,6 +74,15 @@ def shared_memory(name: str, shape: Sequence[int], dtype: torch.dtype = torch.fl
     st = os.stat(path)
     _ATTACHED[(st.st_dev, st.st_ino)] = out
     return out
+
+
+def free_bytes(directory: str) -> int | None:
+    """The bytes an unprivileged process may still write in ``directory``'s file system, or None where unknown."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def unlink_shared_memory(name: str) -> None:

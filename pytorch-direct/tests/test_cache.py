@@ -180,6 +180,17 @@ def test_bad_arguments_say_the_fix():
         u[torch.tensor([0, ROWS])]
 
 
+@pytest.mark.skipif(pd.cuda_usable(), reason="(a usable GPU takes the cache)")
+def test_a_cache_on_a_gpu_without_one_says_so():
+    # device="cuda" where no GPU is usable failed inside torch ("AssertionError: Torch not compiled with CUDA
+    # enabled" on a CPU build of torch), naming neither the argument nor the fix
+    u = pd.unified(torch.randn(ROWS, 4), copy=True)
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(RuntimeError, match=r"cached\(device='cuda(:\d)?'\): no usable CUDA GPU .*device='cpu'"):
+            pd.cached(u, 1 << 20, frequency=torch.ones(ROWS), device=device)
+    assert _cache.cache_for(u, ROWS, 16) is None
+
+
 def test_counting_and_refill_from_counts():
     table, u, _ = table_and_frequency()
     cache = pd.cached(u, budget_for(10, 64, count=True), count=True, device="cpu")

@@ -328,6 +328,9 @@ def cached(table: Tensor, gpu_bytes: int, *, frequency: Tensor | None = None, co
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if _memory.cuda_usable() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and not _memory.cuda_usable():
+        raise RuntimeError(f"cached(device={str(device)!r}): no usable CUDA GPU here (or pytorch-direct was built "
+                           f"without CUDA); leave device unset or pass device='cpu'")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":

@@ -95,6 +95,27 @@ def test_torch_entry_points_cpu():
     assert repr(u).startswith("unified tensor(")
 
 
+@pytest.mark.parametrize("write", ["setitem", "index_copy_", "scatter_"])
+def test_row_writes_tell_autograd_the_table_changed(write):
+    # the row writes go through the package's kernels, which torch does not see: the table's version counter stayed
+    # as it was, so a backward that needed the values saved before the write silently used the new ones (torch's own
+    # writes make it raise)
+    table = random_table((12, 3), torch.float32)
+    u = pd.unified(table, copy=True).requires_grad_()
+    loss = (u * u).sum()  # (saves u for the backward)
+    before = u._version
+    with torch.no_grad():
+        if write == "setitem":
+            u[torch.tensor([1, 5])] = torch.zeros(2, 3)
+        elif write == "index_copy_":
+            u.index_copy_(0, torch.tensor([1]), torch.zeros(1, 3))
+        else:
+            pd.scatter_(u, torch.tensor([4], dtype=torch.int32), torch.zeros(1, 3))
+    assert u._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_index_select_with_a_0d_index_keeps_the_dimension():
     # torch's index_select with a 0-d index gives one row of shape (1, ...); the redirected one gave the row alone
     table = random_table((40, 6), torch.float32)

@@ -414,7 +414,11 @@ def scatter_impl(table: Tensor, index: Tensor, values: Tensor, strategy: str, ma
 
 
 def _refresh_caches(table: Tensor, idx: Tensor) -> None:
-    """After rows `idx` of `table` were written: the caches of that memory read their copies of them again."""
+    """After rows `idx` of `table` were written: autograd learns that the table changed (its version counter, which
+    torch's own in-place ops bump: a backward that needs the values saved before the write then raises, as with
+    torch, instead of using the new ones), and the caches of that memory read their copies of the rows again."""
+    if not table.is_inference():
+        torch.autograd.graph.increment_version(table)
     for cache in _cache.caches_in(table):
         if cache._key == table.data_ptr():
             cache.after_write(idx)

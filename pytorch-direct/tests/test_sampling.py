@@ -664,6 +664,26 @@ def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
     assert threading.active_count() == before
 
 
+def test_num_neighbors_in_every_form_pyg_takes():
+    # PyG's loaders also take edge types by name ("src__rel__dst") and a NumNeighbors (with a default for the edge
+    # types it does not name): they failed with "names edge types not in the graph" and "'NumNeighbors' object is
+    # not iterable"
+    from torch_geometric.sampler import NumNeighbors
+
+    hetero, data = random_hetero(), random_data()
+    fanouts = {et: [3, 0] if et[1] == "cites" else [2, 1] for et in hetero.edge_types}
+    forms = [{"__".join(et): v for et, v in fanouts.items()},
+             NumNeighbors({("paper", "cites", "paper"): [3, 0]}, default=[2, 1])]
+    for form in forms:
+        expected = NeighborLoader(hetero, fanouts, input_nodes=("paper", torch.arange(100)), batch_size=32, seed=4)
+        got = NeighborLoader(hetero, form, input_nodes=("paper", torch.arange(100)), batch_size=32, seed=4)
+        for a, b in zip(got, expected, strict=True):
+            assert_same_batch(a, b)
+    expected = NeighborLoader(data, [4, 2], batch_size=64, seed=4)
+    for a, b in zip(NeighborLoader(data, NumNeighbors([4, 2]), batch_size=64, seed=4), expected, strict=True):
+        assert_same_batch(a, b)
+
+
 def test_bad_arguments_are_named():
     data, hetero = random_data(), random_hetero()
     with pytest.raises(ValueError, match="node type"):

@@ -251,7 +251,14 @@ def describe(data) -> str:
 
 
 def fanouts(src: Source, num_neighbors) -> list:
-    """Fan-outs per hop as the sampler takes them (per edge type for a heterogeneous graph), checked."""
+    """Fan-outs per hop as the sampler takes them (per edge type for a heterogeneous graph), checked. Takes what
+    PyG's loaders take: a list, a dict keyed by edge type (a tuple or its ``"src__rel__dst"`` name), or PyG's
+    ``NumNeighbors`` (its values for this graph's edge types, its default included)."""
+    if not isinstance(num_neighbors, (list, tuple, dict)) and callable(getattr(num_neighbors, "get_values", None)):
+        num_neighbors = num_neighbors.get_values(src.edge_types if src.hetero else None)  # (PyG's NumNeighbors)
+    if src.hetero and isinstance(num_neighbors, dict):
+        by_name = {"__".join(et): et for et in src.edge_types}
+        num_neighbors = {by_name.get(k, k) if isinstance(k, str) else k: v for k, v in num_neighbors.items()}
     if not src.hetero:
         if isinstance(num_neighbors, dict):
             raise ValueError("num_neighbors as a dict is for heterogeneous graphs; pass a list per hop")

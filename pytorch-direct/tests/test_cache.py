@@ -191,6 +191,20 @@ def test_a_cache_on_a_gpu_without_one_says_so():
     assert _cache.cache_for(u, ROWS, 16) is None
 
 
+def test_a_released_cache_says_so_when_filled_again():
+    # after release(), fill()/refill() did nothing but warn that "every frequency is 0 or less" (untrue), and
+    # hit_rate() failed inside torch ("index is out of bounds for dimension with size 0")
+    _, u, frequency = table_and_frequency()
+    cache = pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    cache.release()
+    calls = (lambda: cache.fill(frequency), lambda: cache.refill(frequency), lambda: cache.hit_rate(torch.tensor([0])))
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"on a released cache: .* make a new one with pytorch_direct.cached"):
+            call()
+    assert cache.bytes == 0 and _cache.cache_for(u, ROWS, 64) is None
+    assert pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu").cached_rows == 60
+
+
 def test_counting_and_refill_from_counts():
     table, u, _ = table_and_frequency()
     cache = pd.cached(u, budget_for(10, 64, count=True), count=True, device="cpu")

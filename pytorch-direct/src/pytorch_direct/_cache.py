@@ -82,6 +82,7 @@ class RowCache:
         self.top_up: Tensor | None = None
         self.filled_from = {"frequency": 0, "top_up": 0}
         self._key = plain.data_ptr()
+        self.released = False
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -103,6 +104,7 @@ class RowCache:
     def hit_rate(self, index: Tensor) -> float:
         """The fraction of `index` this cache holds (one reduction and a host round trip). An index outside the
         table raises ``IndexError``, as a gather's does (negative ones are not wrapped)."""
+        self._check_live("hit_rate()")
         _kernels.check_index(index)
         if index.numel() == 0:
             return 0.0
@@ -140,6 +142,7 @@ class RowCache:
         over (fewer rows scored above 0 than fit) go to the rows with the highest `top_up` score among the others
         (`top_up` given here, else the one set with :meth:`set_top_up` or ``cached(top_up=...)``); how many rows
         came from each is logged and kept in ``stats()["filled_from"]``."""
+        self._check_live("fill()")
         scores = self._scores(frequency, "frequency")
         if top_up is not None:
             self.set_top_up(top_up)
@@ -169,6 +172,7 @@ class RowCache:
         """:meth:`fill` from `frequency`, or from the counts of the gathers seen so far (``count=True``); the counts
         are then halved, so that later calls weigh as much as all the earlier ones. The top-up (if set) fills what
         either leaves."""
+        self._check_live("refill()")
         if frequency is not None:
             self.fill(frequency)
             return
@@ -184,8 +188,15 @@ class RowCache:
         if self.cached_rows:
             self._load(self.row_of_slot[: self.cached_rows].clone())
 
+    def _check_live(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what} on a released cache: it holds no device memory and no gather uses it; make a "
+                               f"new one with pytorch_direct.cached(table, gpu_bytes, ...)")
+
     def release(self) -> None:
-        """Frees the device memory; gathers of the table read host memory only again."""
+        """Frees the device memory; gathers of the table read host memory only again. The cache cannot be filled
+        again (``fill``, ``refill`` and ``hit_rate`` raise): make a new one."""
+        self.released = True
         ref = _CACHES.get(self._key)
         if ref is not None and ref() is self:
             del _CACHES[self._key]

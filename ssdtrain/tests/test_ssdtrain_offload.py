@@ -145,8 +145,9 @@ def test_every_choice_gives_identical_gradients(choice, tmp_path):
         # copy it was written from serves the restore: timing-dependent on a loaded machine, so not asserted).
         assert stats["bytes_offloaded"]["nvme"] > 0 and stats["nvme"]["bytes_written"] > 0
         # With every write finished before backward (drained), the restores must read the disk.
-        with ssdtrain.offload(model, overrides=overrides, directories=[str(tmp_path)], profile_steps=1,
-                              min_bytes="4K", verbose=False) as drained:
+        with ssdtrain.offload(
+            model, overrides=overrides, directories=[str(tmp_path)], profile_steps=1, min_bytes="4K", verbose=False
+        ) as drained:
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
                 loss = model(ids)
@@ -191,6 +192,101 @@ def test_views_of_one_storage_are_stored_once():
     # Per step: the qkv storage once, products q*k once, and the input x (saved by the Linear) once.
     per_step = qkv_bytes + x_bytes + 8 * 32 * 64 * 4
     assert stats["bytes_offloaded"]["host"] == 2 * per_step
+
+
+class _ComplexBlock(nn.Module):
+    """Saves lazy views of a complex tensor: a conjugate view (``c.conj()``, saved by the product) and a negative
+    view (``c.conj().imag``, saved by the product with ``h``). Their flags live on the tensor, not in its bytes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.lin(x) * 0.1
+        c = torch.complex(h, h.flip(-1)).exp()
+        cc = c.conj()
+        return (c * cc * cc).real + h * c.conj().imag
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_conjugate_and_negative_views_come_back_as_saved(tier, tmp_path):
+    """A saved conjugate (or negative) view shares its storage with the tensor it views: it must come back with its
+    flag, else backward reads the conjugate (or negation) of what was saved and the gradients are wrong."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_ComplexBlock(32) for _ in range(3))).double()
+    x = torch.randn(6, 32, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    overrides = {str(i): tier for i in range(3)}
+    with ssdtrain.offload(
+        model, min_bytes=1, overrides=overrides, directories=[str(tmp_path)], profile_steps=1, verbose=False
+    ) as s:
+        for _ in range(2):  # a profiling step, then a planned one
+            model.zero_grad()
+            model(x).square().sum().backward()
+    assert s.stats()["bytes_offloaded"][tier] > 0
+    assert_same_grads(grads(model), grads(ref))
+
+
+class _InPlaceBlock(nn.Module):
+    """Modifies the output of its sigmoid (saved for backward) in place: an autograd error in plain PyTorch."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.lin(x))
+        z = y * 2
+        y.add_(1)
+        return z + y
+
+
+class _Blocks(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("overrides", [{"blocks.0": "host"}, {"blocks.0": "derive"}, {"blocks.0": "recompute"}, {}])
+def test_saved_tensor_modified_in_place_raises_as_in_plain_pytorch(overrides):
+    """Autograd checks a saved tensor's version only where no saved-tensor hooks are on: with the session's hooks
+    on (units kept above a moved one, or while profiling), a kept tensor modified in place after it was saved must
+    still raise autograd's error, never give gradients computed from the modified values."""
+    torch.manual_seed(0)
+    model = _Blocks(_InPlaceBlock(16) for _ in range(3)).double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        copy.deepcopy(model)(x).sum().backward()
+    with ssdtrain.offload(model, min_bytes=1, overrides=overrides, profile_steps=1, verbose=False):
+        for _ in range(2):  # the profiling step, then a planned one
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                model(x).sum().backward()
+
+
+def test_parameter_modified_between_forward_and_backward_raises():
+    """An optimizer step (or any in-place update of a weight) between forward and backward: plain PyTorch raises,
+    as backward would use the new weights with the old activations; so must a session whose hooks are on."""
+    model, ids = make_net(layers=3, width=16), batch(shape=(2, 8))
+    with ssdtrain.offload(model, min_bytes="1K", overrides={"blocks.0": "host"}, profile_steps=1, verbose=False):
+        for _ in range(2):
+            loss = model(ids)
+            with torch.no_grad():
+                model.blocks[2].up.weight.add_(1e-3)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    ref = make_net(layers=3, width=16)
+    loss = ref(ids)
+    with torch.no_grad():
+        ref.blocks[2].up.weight.add_(1e-3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_parameters_and_their_casts_and_transposes_stay():

@@ -38,6 +38,18 @@ __all__ = ["OffloadError", "OffloadWarning", "TensorCache"]
 _STRIDED = torch.strided
 
 
+def _modified(t: torch.Tensor, version: int) -> RuntimeError:
+    """Autograd's own error for a saved tensor modified in place after it was saved (autograd does not check
+    versions of tensors that went through saved-tensor hooks, so the cache checks those it returns as they are)."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+        "(checked by ssdtrain, as autograd does without saved-tensor hooks). Hint: the operation that modified it "
+        "ran after the tensor was saved for backward; use its out-of-place form (x = x.add(y), not x.add_(y)), or "
+        "clone the tensor before modifying it"
+    )
+
+
 class TensorCache(Transfers):
     """Pack/unpack for saved tensors over tiers (``ssdtrain.tiers``). Driven by the session (units, plan, steps)."""
 
@@ -63,10 +75,14 @@ class TensorCache(Transfers):
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
-        # id() of a kept saved tensor -> its unit: its unpack tells where backward is, which drives the prefetch.
-        # Ids, not storage addresses: one dict store per kept tensor, cheap enough for the fast path below (a kept
-        # tensor is alive, so its id is its own, until autograd has unpacked it).
-        self._kept_unit: dict[int, int] = {}
+        # id() of a saved tensor pack returned as it is -> (its unit or None, its version then). The unit: its
+        # unpack tells where backward is, which drives the prefetch. The version: autograd checks a saved tensor's
+        # version only where no saved-tensor hooks are on, so unpack does it instead (a tensor modified in place
+        # after it was saved would give wrong gradients, where plain PyTorch raises). Every path of pack that
+        # returns the tensor itself records it, so an id here is the tensor's own (it is alive until autograd has
+        # unpacked it), never a dead tensor's. Ids, not storage addresses: one dict store per kept tensor, cheap
+        # enough for the fast path below.
+        self._kept_unit: dict[int, tuple[int | None, int]] = {}
         self._by_unit: dict[int, list] = collections.defaultdict(list)  # unit -> weakrefs to entries
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
@@ -113,15 +129,15 @@ class TensorCache(Transfers):
             # kept as it is; the checks of the general path below in their cheapest form (a host-bound step pays
             # each microsecond here on the device too).
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                return t
+                return self._as_is(t)
             if self.aborted or t.layout is not _STRIDED or not (t.is_cuda or t.is_cpu) or t.numel() == 0:
-                return t
+                return self._as_is(t)
             derived = self.deriver.derive(t, unit)
             if derived is not None:
                 self.counters["derived_tensors"] += 1
                 return derived
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = unit
+            self._kept_unit[id(t)] = (unit, t._version)
             return t
         if (
             self.keeps_unit is not None
@@ -134,12 +150,12 @@ class TensorCache(Transfers):
             # host-bound step each microsecond here is the device's too). Its unpack still moves the prefetch
             # window: a moved unit under kept ones is restored before backward reaches it, not on demand there.
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = unit
+            self._kept_unit[id(t)] = (unit, t._version)
             return t
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
-            return t
+            return self._as_is(t)
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
-            return t
+            return self._as_is(t)
         if self.derive_unit is not None and self.derive_unit(self.unit):
             derived = self.deriver.derive(t, self.unit)
             if derived is not None:
@@ -151,19 +167,19 @@ class TensorCache(Transfers):
         if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
             # A kept unit's tensor that no recipe makes (a derive unit's): kept, as above.
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = self.unit
+            self._kept_unit[id(t)] = (self.unit, t._version)
             return t
         with self.lock:
             self.poll()
             esize = t.element_size()
             if isinstance(t, torch.nn.Parameter):
                 self.counters["kept_param_tensors"] += 1
-                return t
+                return self._as_is(t)
             storage = t.untyped_storage()
             sptr = storage.data_ptr()
             if sptr in self.param_storages:
                 self.counters["kept_param_tensors"] += 1
-                return t
+                return self._as_is(t)
             if _param_derived(t):
                 # A cast of a parameter (autocast's bf16 weight) is new device memory, held until backward uses
                 # it: never moved (it is re-created each step anyway), but counted by the planner.
@@ -171,10 +187,10 @@ class TensorCache(Transfers):
                 key = (t.device.type, t.device.index, sptr, 0, storage.nbytes())
                 if self.observer is not None and not self._seen_kept(key, storage, t._version):
                     self.observer(self.unit, key, storage.nbytes(), "param_copy")
-                return t
+                return self._as_is(t)
             span = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True) if s > 0)
             if min(t.stride(), default=0) < 0:
-                return t
+                return self._as_is(t)
             span_bytes = span * esize
             whole = 2 * span_bytes >= storage.nbytes()
             base = 0 if whole else t.storage_offset() * esize
@@ -192,19 +208,19 @@ class TensorCache(Transfers):
                     self._shared.add((unit, id(entry)))
                     entry.shared = True
                     self._by_unit[unit].append(weakref.ref(entry))
-                return _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
+                return _Saved.of(t, entry, base)
             if self._seen_kept(key, storage, t._version):
                 # Kept already (a second op saving the same tensor): the same bytes, counted once.
                 self.counters["dedup_views"] += 1
                 if self.observer is not None:
                     self.observer(unit, key, 0, "view")
-                return t
+                return self._as_is(t)
             small = length < self.min_bytes
             if self.observer is not None:
                 self.observer(unit, key, length, "small" if small else "saved")
             tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
             if tier is None or tier.resident:
-                self._kept_unit[id(t)] = unit
+                self._kept_unit[id(t)] = (unit, t._version)
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
                 return t
@@ -223,15 +239,20 @@ class TensorCache(Transfers):
                 self._account(-length)
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
-                return t  # no room anywhere: kept on the device (warned)
+                return self._as_is(t)  # no room anywhere: kept on the device (warned)
             self._entries += 1
             self._live[key] = entry
             self._by_unit[unit].append(weakref.ref(entry))
             self.counters["packed_tensors"] += 1
             self.counters[f"bytes_to_{entry.tier.name}"] += entry.nbytes
-            saved = _Saved(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride())
+            saved = _Saved.of(t, entry, base)
             self._throttle()
             return saved
+
+    def _as_is(self, t):
+        """`t` is saved as it is, outside any unit: its version is recorded for unpack's check."""
+        self._kept_unit[id(t)] = (None, t._version)
+        return t
 
     def _observe_derived(self, t: torch.Tensor, derived: Derived) -> None:
         """A profiled step: record that `t`'s storage has a recipe (once per storage) and what it costs."""
@@ -256,17 +277,18 @@ class TensorCache(Transfers):
                     self._prefetch_from(saved.unit)
             return saved.materialize()
         if not isinstance(saved, _Saved):
+            known = self._kept_unit.get(id(saved))
+            if known is not None and known[1] != saved._version:
+                raise _modified(saved, known[1])
             if not self._backward_started:  # backward began with a kept tensor: prefetch from the last unit down
                 with self.lock:
                     self._begin_backward()
                     self._prefetch_from(max(max(self._by_unit, default=-1), self.hold_head or -1))
-            elif self._by_unit and isinstance(saved, torch.Tensor):
+            elif self._by_unit and known is not None and known[0] is not None:
                 # A kept activation of a unit: backward has reached it, so the units below it are due (kept
                 # units move the prefetch window like moved ones).
-                unit = self._kept_unit.get(id(saved))
-                if unit is not None:
-                    with self.lock:
-                        self._prefetch_from(unit)
+                with self.lock:
+                    self._prefetch_from(known[0])
             return saved
         entry = saved.entry
         with self.lock:
@@ -281,12 +303,13 @@ class TensorCache(Transfers):
                 # A shared entry's own unit is the earliest that saved it, not where backward is: prefetching from
                 # there would hold that unit's bytes on the device through the rest of backward.
                 self._prefetch_from(entry.unit)
-        return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
+        out = torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
             data.untyped_storage(),
             data.storage_offset() // saved.dtype.itemsize + saved.offset,
             saved.size,
             saved.stride,
         )
+        return saved.view_bits(out) if saved.bits else out
 
     def _begin_backward(self) -> None:
         """At the first unpack of a backward: wait for the copies out still running (the forward's last offloaded

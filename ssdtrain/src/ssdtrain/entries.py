@@ -139,9 +139,29 @@ def _storage_ref(storage):
 
 
 class _Saved:
-    """What autograd holds for an offloaded tensor: the entry and the view to rebuild from it."""
+    """What autograd holds for an offloaded tensor: the entry and the view to rebuild from it.
 
-    __slots__ = ("entry", "dtype", "offset", "size", "stride")
+    `bits` keeps a lazy view's flags, which live on the tensor, not in its storage's bytes: 1, a conjugate view
+    (``c.conj()`` of a complex tensor), 2, a negative view (``c.conj().imag``). A view rebuilt without them would
+    read the bytes as they are stored: the complex conjugate, or the negation, of the values saved."""
 
-    def __init__(self, entry, dtype, offset, size, stride):
+    __slots__ = ("entry", "dtype", "offset", "size", "stride", "bits")
+
+    def __init__(self, entry, dtype, offset, size, stride, bits=0):
         self.entry, self.dtype, self.offset, self.size, self.stride = entry, dtype, offset, size, stride
+        self.bits = bits
+
+    @classmethod
+    def of(cls, t: torch.Tensor, entry, base: int) -> _Saved:
+        """The token for `t`, a view of `entry`'s bytes, which begin `base` bytes into its storage."""
+        esize = t.element_size()
+        bits = (1 if t.is_conj() else 0) | (2 if t.is_neg() else 0)
+        return cls(entry, t.dtype, (t.storage_offset() * esize - base) // esize, t.size(), t.stride(), bits)
+
+    def view_bits(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (the rebuilt view) with this token's lazy view flags set again."""
+        if self.bits & 2:
+            t = torch._neg_view(t)
+        if self.bits & 1:
+            t = t.conj()
+        return t

@@ -5,6 +5,7 @@ budget counts each storage once, parameter casts and gradients included; the NVM
 cannot and its disk rates are measured once and cached."""
 
 import copy
+import errno
 import gc
 import json
 import os
@@ -14,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from ssdtrain_testutil import mounted_tmpfs
 from test_ssdtrain_offload import assert_same_grads, batch, grads, make_net, reference
 from torch import nn
 
@@ -412,6 +414,45 @@ def test_host_and_nvme_full_keep_activations_on_the_device_with_a_warning(tmp_pa
         ) as s:
             _steps(model, ids, 3, want)
     assert s.stats()["fallbacks"]["nvme_full"] > 0
+
+
+def test_a_small_nvme_directory_is_measured_within_its_room(tmp_path):
+    """A directory with less free space than the disk-rate probe (8 MiB on a CPU, 64 MiB on a GPU) is still a
+    working NVMe tier: the probe takes at most the tier's share, never a crash when the plan is made."""
+    with mounted_tmpfs(tmp_path / "small", "4M") as small:
+        model, ids = make_net(layers=4), batch()
+        _, want = reference(model, ids)
+        overrides = {f"blocks.{i}": "nvme" for i in range(4)}
+        with ssdtrain.offload(
+            model, overrides=overrides, directories=[str(small)], min_bytes="4K", verbose=False, profile_steps=1
+        ) as s:
+            _steps(model, ids, 3, want)
+        stats = s.stats()
+        assert stats["bytes_offloaded"]["nvme"] > 0 and stats["bytes_written_to_nvme"] > 0
+        assert s.plan.tiers["nvme"].write_rate > 0
+        ssdtrain.release(model)
+
+
+def test_a_disk_full_when_the_plan_is_made_drops_the_nvme_tier_loudly(tmp_path, monkeypatch):
+    """The disk filled up between offload() (which checked it) and the plan: the plan is made without the NVMe tier,
+    with an OffloadWarning naming the directory, and training goes on (its activations in host memory)."""
+
+    def full(directory, nbytes, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", directory)
+
+    monkeypatch.setattr(ssd_tiers, "disk_rates", full)
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    overrides = {f"blocks.{i}": "nvme" for i in range(4)}
+    with pytest.warns(ssdtrain.OffloadWarning) as caught:
+        with ssdtrain.offload(
+            model, overrides=overrides, directories=[str(tmp_path)], min_bytes="4K", verbose=False, profile_steps=1
+        ) as s:
+            _steps(model, ids, 3, want)
+    messages = [str(w.message) for w in caught]
+    assert any("no NVMe tier" in m and str(tmp_path) in m for m in messages)
+    assert s.plan.tiers["nvme"].capacity == 0
+    assert s.stats()["bytes_offloaded"]["host"] > 0 and s.stats()["bytes_offloaded"]["nvme"] == 0
 
 
 def test_disk_rates_are_measured_once_and_cached(tmp_path, monkeypatch):

@@ -25,12 +25,14 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ._shared_cuda import cache_home
 from .config import settings as io_settings
+from .entries import OffloadWarning
 from .io import Engine, huge_empty
 
 log = logging.getLogger("ssdtrain")
@@ -127,9 +129,12 @@ class NvmeTier(Tier):
         return self.limit
 
     def rates(self) -> tuple[float, float]:
-        """(write, read) bytes/s of the slowest directory: measured once per directory, cached on disk."""
+        """(write, read) bytes/s of the slowest directory: measured once per directory, cached on disk. The probe
+        takes at most the tier's share of each directory (a small directory or `nvme_memory` is measured with what
+        it has: a probe larger than the tier would fail where the tier itself works)."""
         if self._rates is None:
-            measured = [disk_rates(d, self.probe_bytes, pinned=self.pinned) for d in self.directories]
+            probe = max(4096, min(self.probe_bytes, self.limit // len(self.directories)))
+            measured = [disk_rates(d, probe, pinned=self.pinned) for d in self.directories]
             # Tensors of four blocks or more are striped over all directories: their rates add up.
             self._rates = (sum(w for w, _ in measured), sum(r for _, r in measured))
         return self._rates
@@ -137,7 +142,21 @@ class NvmeTier(Tier):
     def spec(self) -> TierSpec:
         if self.limit <= 0:
             return TierSpec(self.name, 0)
-        write, read = self.rates()
+        try:
+            write, read = self.rates()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            # The disk filled up since offload() checked it: train on without the tier, loudly (never a crash
+            # after the profiling steps for a tier the plan may not even need).
+            self.limit = 0
+            warnings.warn(
+                f"ssdtrain: no NVMe tier: {', '.join(self.directories)} has no room for it ({e}); planning without "
+                "it: free space there, pass directories= with room, or nvme_memory=0 to silence this",
+                OffloadWarning,
+                stacklevel=2,
+            )
+            return TierSpec(self.name, 0)
         return TierSpec(self.name, self.limit, write, read)
 
     def _make_engine(self) -> Engine:
@@ -258,13 +277,14 @@ def disk_rates(directory: str, nbytes: int = 64 * _MIB, *, pinned: bool = False)
     measured with `nbytes` the first time and cached per directory and device under ``cache_dir()``."""
     key = _disk_key(directory)
     known = _load_rates().get(key)
-    if known and known.get("write", 0) > 0 and known.get("read", 0) > 0:
+    nbytes = max(4096, nbytes // 4096 * 4096)
+    # A rate measured with fewer bytes (a small tier's probe) does not stand for a larger probe's.
+    if known and known.get("write", 0) > 0 and known.get("read", 0) > 0 and known.get("bytes", nbytes) >= nbytes:
         return float(known["write"]), float(known["read"])
-    nbytes = max(_MIB, nbytes // 4096 * 4096)
     buf = huge_empty((nbytes,), torch.uint8, pin_memory=pinned)
     buf.fill_(0x5A)
-    with Engine([directory], capacity_per_directory=2 * nbytes) as engine:
-        engine.write(buf).result()  # the first write grows the file: not timed
+    with Engine([directory], capacity_per_directory=nbytes) as engine:
+        engine.free(engine.write(buf).result())  # the first write grows the file: not timed; the next reuses it
         t0 = time.perf_counter()
         handle = engine.write(buf).result()
         t1 = time.perf_counter()

@@ -877,6 +877,31 @@ def test_full_raises_when_asked():
         run(model, ids, overrides={"blocks.0": "host"}, host_memory="4K", on_full="raise", profile_steps=1)
 
 
+def test_disk_full_raises_an_offload_error_when_asked(tmp_path):
+    """on_full='raise' with the disk full: an OffloadError naming the directory and the options that fix it (not the
+    engine's own ENOSPC, whose advice names an Engine option offload() does not take); the failed step's host
+    buffers and device accounting go back, so a caught error leaves nothing held."""
+    model, ids = make_net(), batch()
+    overrides = {f"blocks.{i}": "nvme" for i in range(4)}
+    with ssdtrain.offload(
+        model,
+        overrides=overrides,
+        nvme_memory="64K",
+        directories=[str(tmp_path)],
+        min_bytes="4K",
+        on_full="raise",
+        profile_steps=1,
+        verbose=False,
+    ) as s:
+        model(ids).backward()  # the profiling step
+        with pytest.raises(ssdtrain.OffloadError, match=f"NVMe tier is full \\({tmp_path}: .*nvme_memory="):
+            model(ids).backward()
+        s.cache.drain()  # disk writes of the failed step still running hold their entries until they finish
+        gc.collect()
+        assert s.cache.live_entries() == 0 and s.cache.gpu_saved_bytes == 0
+        assert s.stats()["host_pool"]["in_use"] == 0
+
+
 def _faulty_engine(session, tmp_path, op, code, after=0):
     def make():
         return ssd_io.Engine([str(tmp_path)], capacity_per_directory="256M", _fault=(op, code, after))

@@ -231,8 +231,12 @@ class TensorCache(Transfers):
             try:
                 stored = self._store(entry)
             except BaseException:
-                entry.released = True  # never stored: nothing to give back
-                self._account(-length)
+                entry.released = True  # never stored: what it took goes back now
+                if entry.src is not None:  # (a synchronous copy out gave the device bytes back already)
+                    self._account(-length)
+                if entry.host is not None and self.pool is not None:
+                    self.pool.release(entry.host, after=entry.d2h)
+                    entry.host = None
                 raise
             if not stored:
                 entry.released = True  # nothing to give back: it never left the device

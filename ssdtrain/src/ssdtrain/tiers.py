@@ -32,7 +32,7 @@ import torch
 
 from ._shared_cuda import cache_home
 from .config import settings as io_settings
-from .entries import OffloadWarning
+from .entries import OffloadError, OffloadWarning
 from .io import Engine, huge_empty
 
 log = logging.getLogger("ssdtrain")
@@ -190,8 +190,13 @@ class NvmeTier(Tier):
         try:
             write = engine.write(entry.host[: entry.nbytes])
         except OSError as e:
-            if e.errno != errno.ENOSPC or cache.on_full == "raise":
+            if e.errno != errno.ENOSPC:
                 raise
+            if cache.on_full == "raise":
+                raise OffloadError(
+                    f"ssdtrain: {self.full_message} ({', '.join(self.directories)}: {e.strerror}): pass nvme_memory= "
+                    "larger or directories= with more room, free space there, or on_full='fallback'"
+                ) from e
             # No room on disk: the bytes stay in the host buffer they are in.
             entry.tier = cache.tiers["host"]
             cache.fell_back(self, entry.tier, "nvme_full")

@@ -593,6 +593,38 @@ def test_llama_norms_are_cheap_recompute():
     assert block.cheap_bytes > 0
 
 
+class _Wrapper(nn.Module):
+    """A wrapper in the manner of DDP: the model under `.module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+def test_a_plan_made_for_other_units_is_refused_at_offload():
+    """plan= is applied by unit position: another model's plan would recompute or move the wrong blocks, or fail in
+    the middle of a forward. It is refused at offload(), naming both sets of units; the same blocks under a
+    wrapper (DDP's ``module.``) are the same units."""
+    small, ids = make_net(layers=2), batch()
+    p = ssdtrain.plan(small, lambda: small(ids).backward(), overrides={"blocks.1": "recompute"}, min_bytes="4K")
+    for layers in (1, 4):
+        with pytest.raises(ValueError, match=r"plan= was made for other units .*blocks\.1, <head>"):
+            ssdtrain.offload(make_net(layers=layers), plan=p)
+    with pytest.raises(TypeError, match="plan= takes a Plan"):
+        ssdtrain.offload(small, plan="recompute")
+    model = make_net(layers=2)
+    _, want = reference(model, ids)
+    wrapped = _Wrapper(model)
+    with ssdtrain.offload(wrapped, plan=p, min_bytes="4K", verbose=False) as s:
+        model.zero_grad()
+        wrapped(ids).backward()
+    assert_same_grads(grads(model), want)
+    assert s.stats()["recomputed_modules"] == 1
+
+
 def test_hugging_face_budget_plan_and_minimum():
     cls, config, _ = _hf_models()["gpt2"]
     torch.manual_seed(0)

@@ -161,6 +161,8 @@ class OffloadSession:
             self.container = ""
         self.blocks = blocks
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
+        if plan is not None:
+            self._check_plan(plan)
         # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
         # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
         self.cheap = [
@@ -225,6 +227,25 @@ class OffloadSession:
         self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
         self._released = False
         self._quiet = False  # plan(): its steps only profile
+
+    def _check_plan(self, plan) -> None:
+        """`plan=` must be a Plan made for this model's units: its choices are applied by unit position, so another
+        model's plan would recompute or move the wrong blocks (or fail mid-forward)."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan= takes a Plan (from ssdtrain.plan() or session.plan), got {type(plan).__name__}")
+        if self.compiled:  # a compiled model's units are slices of its saved-tensor order, not named blocks
+            return
+        names = [u.name for u in plan.units]
+        # The same blocks under a wrapper (DDP's `module.`) or without one are the same units.
+        same = len(names) == len(self.unit_names) and all(
+            a == b or a.endswith("." + b) or b.endswith("." + a) for a, b in zip(names, self.unit_names, strict=True)
+        )
+        if not same:
+            raise ValueError(
+                f"plan= was made for other units ({plan.model}: {', '.join(names)}), not this model's "
+                f"({', '.join(self.unit_names)}): make its plan with ssdtrain.plan(model, ...) on this model, or "
+                "pass overrides= instead"
+            )
 
     def _bind_shared(self) -> None:
         """Take the model's tiers for this session's limits (new ones if it has none, or other ones)."""

@@ -812,6 +812,24 @@ def test_planner_leaves_selective_recompute_to_overrides():
     assert over.choices[1] == Choice("selective") and "selective" in str(over)
 
 
+def test_cheap_override_on_blocks_without_elementwise_submodules_says_so():
+    """'cheap' recomputes a block's elementwise submodules; on blocks that have none it does nothing: the plan says
+    so when it is made, and the session's closing warning gives that reason (not min_bytes)."""
+    torch.manual_seed(0)
+    model = _Blocks(nn.Linear(32, 32) for _ in range(3))
+    x = torch.randn(8, 32)
+    overrides = {f"blocks.{i}": "cheap" for i in range(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ssdtrain.offload(model, overrides=overrides, min_bytes=1, profile_steps=1, verbose=False):
+            for _ in range(2):
+                model(x).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert any("'cheap', but the profile found no elementwise submodule" in m for m in messages), messages
+    idle = [m for m in messages if "offloaded nothing" in m]
+    assert idle and "found nothing to recompute" in idle[0] and "min_bytes" not in idle[0]
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_selective_recompute_is_measured_and_gives_identical_gradients(autocast):
     """On a Llama block (RMSNorm, SwiGLU, GQA attention), under autocast too: the profile measures what selective

@@ -461,6 +461,14 @@ def make_plan(
             "'recompute' or a tier to save memory there)",
             stacklevel=3,
         )
+    nothing = [u.name for u, c in zip(units, choices, strict=True) if c.recompute == "cheap" and not u.cheap_modules]
+    if nothing:
+        warnings.warn(
+            f"ssdtrain: overrides plan {', '.join(nothing)} 'cheap', but the profile found no elementwise submodule "
+            "there (an activation function or normalisation layer, with no matrix product) to recompute: those "
+            "blocks keep everything (use 'recompute' or a tier to save memory there)",
+            stacklevel=3,
+        )
     model = _Model(
         units,
         bw,

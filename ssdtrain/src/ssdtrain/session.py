@@ -384,6 +384,12 @@ class OffloadSession:
                 f"the plan keeps everything: its predicted activation peak {format_bytes(plan.prediction.peak)} fits "
                 f"the budget {format_bytes(plan.budget)}"
             )
+        elif plan is not None and all(c.tier == "keep" for c in plan.choices):
+            reason = (
+                "the plan moves no unit, and its recompute choices "
+                f"({', '.join(sorted({str(c) for c in plan.choices if c != Choice()}))}) found nothing to recompute "
+                "in their blocks"
+            )
         else:
             reason = (
                 f"no saved tensor of a unit the plan moves reached min_bytes={self.min_bytes} (kept: "

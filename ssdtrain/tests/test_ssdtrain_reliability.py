@@ -158,6 +158,30 @@ def test_session_ends_before_backward_then_releases_when_the_graph_goes(tmp_path
     assert _native_threads() <= native
 
 
+def test_a_second_session_on_a_model_closes_the_first_and_leaves_no_wrapper_behind():
+    """Two sessions at once on one model (an outer offload() around a loop whose steps enter their own, or a
+    session left open by an exception in a training step): the new one closes the other, with a warning, so the
+    two never install hooks and checkpoint wrappers over each other. Before, they took their wrappers off in an
+    order that left a stale checkpoint wrapper on a block after both ended, recomputing it from then on."""
+    model, ids = make_net(layers=3), batch()
+    _, want = reference(model, ids)
+    outer = ssdtrain.offload(model, overrides={"blocks.0": "recompute", "blocks.1": "host"}, **_QUIET)
+    with outer:
+        with pytest.warns(ssdtrain.OffloadWarning, match="another offload session was still active"):
+            inner = ssdtrain.offload(model, overrides={"blocks.0": "recompute+host"}, **_QUIET).__enter__()
+        _steps(model, ids, 4, want)
+        inner.close()
+    assert outer._closed and inner.stats()["steps"] == 4 and outer.stats()["steps"] == 0
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+    assert not model._forward_pre_hooks and not any(block._forward_pre_hooks for block in model.blocks)
+    with ssdtrain.offload(model, overrides={"blocks.1": "host"}, **_QUIET) as again:  # nothing left active
+        _steps(model, ids, 2, want)
+    assert again.stats()["bytes_offloaded"]["host"] > 0
+
+
+_QUIET = dict(min_bytes="4K", verbose=False, profile_steps=1)
+
+
 # ------------------------------------------------------------------------------------------------ plan reuse
 def test_a_new_session_per_step_reuses_the_plan_and_offloads(monkeypatch):
     """The torchtune / save_on_cpu pattern: a context per step. The profile runs once across sessions, and the

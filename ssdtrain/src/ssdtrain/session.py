@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,8 @@ from .tiers import DeviceTier, HostTier, NvmeTier
 log = logging.getLogger("ssdtrain")
 _MIB = 1 << 20
 _LINKS: dict[str, object] = {}  # device -> measured link Bandwidth (once per process)
+# Model and block modules -> the session active on them (one at a time: a new one closes the other).
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 __all__ = ["OffloadSession"]
 
@@ -292,6 +295,23 @@ class OffloadSession:
             raise RuntimeError("this offload session is already active; create a new one with ssdtrain.offload()")
         if self._closed:
             raise RuntimeError("this offload session is closed; create a new one with ssdtrain.offload()")
+        inner = self.model._orig_mod if self.compiled else self.model
+        modules = [inner] + [b for _, b in self.blocks]
+        others = {id(o): o for o in (_ACTIVE.get(m) for m in modules) if o is not None}
+        for other in others.values():
+            # Both sessions' hooks and checkpoint wrappers would be on the model at once, and taken off in an order
+            # that leaves a stale wrapper on a block after both ended.
+            warnings.warn(
+                "ssdtrain: another offload session was still active on this model (an outer offload(), or one "
+                "left open by an exception in a training step): it is closed now, as one session at a time works "
+                "on a model (its saved activations stay valid). ssdtrain.OffloadCallback enters its own session "
+                "for each training step: do not wrap trainer.train() in offload() too",
+                OffloadWarning,
+                stacklevel=2,
+            )
+            other.close()
+        for m in modules:
+            _ACTIVE[m] = self
         self._entered = True
         if self.shared.closed or self.shared.retired:  # released since offload() was called
             self._bind_shared()
@@ -300,7 +320,6 @@ class OffloadSession:
         # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
         # the session is active (what transformers itself does under gradient checkpointing).
-        inner = self.model._orig_mod if self.compiled else self.model
         for m in (inner, getattr(inner, "module", None)):  # DDP wraps the model in .module
             config = getattr(m, "config", None)
             if config is not None and getattr(config, "use_cache", False) is True:
@@ -326,6 +345,9 @@ class OffloadSession:
         if self._closed:
             return
         self._closed = True
+        for m in [self.model._orig_mod if self.compiled else self.model] + [b for _, b in self.blocks]:
+            if _ACTIVE.get(m) is self:
+                del _ACTIVE[m]
         try:
             if self._saved_hooks is not None:
                 if not self._hooks_paused:  # (paused: off autograd's stack already)

@@ -869,6 +869,24 @@ def test_choice_parsing():
         ssdtrain.offload(lambda x: x)
 
 
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(budget=float("nan")), ValueError, "budget must be bytes"),
+        (dict(budget=float("inf")), ValueError, "budget must be bytes"),
+        (dict(budget=1.5), ValueError, "no whole number of bytes"),
+        (dict(prefetch_units="2"), TypeError, "prefetch_units must be a whole number"),
+        (dict(profile_steps=1.5), TypeError, "profile_steps must be a whole number"),
+    ],
+)
+def test_invalid_budgets_and_counts_are_named_at_offload(options, error, match):
+    """A budget that is no number of bytes or fraction (NaN, infinity, 1.5 read as one byte) and counts that are not
+    whole numbers (a string compared later, 1.5 steps truncated silently) fail at offload(), naming the option."""
+    with pytest.raises(error, match=match):
+        ssdtrain.offload(make_net(layers=2), **options)
+    assert ssdtrain.offload(make_net(layers=2), budget=2e9).budget == 2_000_000_000  # a whole float: bytes
+
+
 def test_find_blocks():
     assert ssdtrain.find_blocks(make_net(layers=3))[0] == "blocks"
     assert ssdtrain.find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))[0] == ""

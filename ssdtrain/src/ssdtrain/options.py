@@ -6,6 +6,8 @@ A wrong directory or size fails at ``offload()``, not at the first step that wou
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import os
 from collections.abc import Sequence
 
@@ -43,10 +45,17 @@ def parse_budget(budget: int | float | str | None) -> tuple[int | None, float | 
         return None, None
     if isinstance(budget, bool):
         raise TypeError("budget must be bytes, a size such as '20GiB', a float in (0, 1] or None, not a bool")
+    if isinstance(budget, float) and not math.isfinite(budget):
+        raise ValueError(f"budget must be bytes, a size such as '20GiB' or a float in (0, 1], got {budget!r}")
     if isinstance(budget, float) and budget <= 1:
         if budget <= 0:
             raise ValueError(f"budget must be positive, got {budget!r}")
         return None, budget
+    if isinstance(budget, float) and not budget.is_integer():
+        raise ValueError(
+            f"budget={budget!r}: a float above 1 is bytes, and this is no whole number of bytes; a fraction of keep's "
+            "predicted peak is a float in (0, 1] (budget=0.5), a size is bytes or a string such as '20GiB'"
+        )
     value = parse_size(int(budget) if isinstance(budget, float) else budget)
     if value <= 0:
         raise ValueError(f"budget must be positive (bytes or a size such as '20GiB'), got {budget!r}")
@@ -84,3 +93,16 @@ def nvme_options(
             f"({format_bytes(free)}): pass nvme_memory <= {free} bytes, free space, or add directories"
         )
     return dirs, limit
+
+
+def whole_number(name: str, value, minimum: int) -> int:
+    """`value` as an int of at least `minimum`, or an error naming the option (never a comparison error later)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a whole number >= {minimum}, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

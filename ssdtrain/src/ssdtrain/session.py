@@ -38,7 +38,7 @@ from .model import (
     param_bytes,
     param_storage_ptrs,
 )
-from .options import default_host_limit, nvme_options, parse_budget
+from .options import default_host_limit, nvme_options, parse_budget, whole_number
 from .planner import Choice, Plan, format_bytes, make_plan, replan
 from .planning import Calibrator, ModelState, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
@@ -125,10 +125,8 @@ class OffloadSession:
             raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
         if on_full not in ("fallback", "raise"):
             raise ValueError(f"on_full must be 'fallback' or 'raise', got {on_full!r}")
-        if prefetch_units < 1:
-            raise ValueError(f"prefetch_units must be >= 1, got {prefetch_units}")
-        if profile_steps < 1:
-            raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        whole_number("prefetch_units", prefetch_units, 1)
+        whole_number("profile_steps", profile_steps, 1)
         self.model = model
         self.budget, self.budget_fraction = parse_budget(budget)
         self.given_plan = plan

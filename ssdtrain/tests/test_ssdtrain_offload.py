@@ -887,6 +887,13 @@ def test_invalid_budgets_and_counts_are_named_at_offload(options, error, match):
     assert ssdtrain.offload(make_net(layers=2), budget=2e9).budget == 2_000_000_000  # a whole float: bytes
 
 
+def test_overrides_naming_unknown_units_fail_at_offload():
+    """A misspelt unit in overrides= fails when offload() is called, naming the model's units, not after the
+    profiling steps (minutes of training on a large model)."""
+    with pytest.raises(KeyError, match=r"unknown units \['block\.0'\]; units: <stem>, blocks\.0, blocks\.1"):
+        ssdtrain.offload(make_net(layers=2), overrides={"block.0": "host"})
+
+
 def test_find_blocks():
     assert ssdtrain.find_blocks(make_net(layers=3))[0] == "blocks"
     assert ssdtrain.find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))[0] == ""

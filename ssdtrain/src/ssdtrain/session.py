@@ -164,6 +164,12 @@ class OffloadSession:
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
         if plan is not None:
             self._check_plan(plan)
+        unknown = sorted(set(self.overrides) - set(self.unit_names))
+        if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
+            raise KeyError(
+                f"overrides name unknown units {unknown}; units: {', '.join(self.unit_names)} (checked at offload(), "
+                "not after the profiling steps)"
+            )
         # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
         # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
         self.cheap = [

@@ -207,3 +207,32 @@ def test_eval_mode_with_gradients_after_training_compiles():
     ref = torch.autograd.grad(net(x, ei, et, nt).pow(2).sum(), x)[0]
     assert rel_err(got, ref) < 1e-6
     assert not _ops._STASH
+
+
+def test_copied_and_unpickled_layers_compile_as_themselves():
+    """copy.deepcopy of a model (an EMA or evaluation copy) and torch.save / torch.load: the compiled op finds the
+    copy, not the original, so a copy in eval mode runs without dropout while the original trains, and a copy
+    outlives its original."""
+    import copy
+    import gc
+    import io
+
+    ei, et, _ = make_graph()
+    torch.manual_seed(0)
+    original = hn.RGATConv(6, 3, 3, heads=2, dropout=0.5)
+    x = torch.randn(14, 6)
+    copied = copy.deepcopy(original).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: copied(h, ei, et), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(x), copied(x, ei, et)) < 1e-6  # the original's mode would drop half the attention
+
+    buffer = io.BytesIO()
+    torch.save(copied, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    expected = copied(x, ei, et)
+    del original, copied, compiled
+    gc.collect()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: loaded(h, ei, et), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(x), expected) < 1e-6

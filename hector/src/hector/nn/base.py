@@ -60,6 +60,13 @@ class RelationalLayer(nn.Module):
         self._input_grad_seen: bool | None = None
         self._layer_id = _ops.register(self)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling (torch.save/torch.load of a model) come through here with the original's id:
+        # a copy registers under an id of its own, or the compiled op (which finds its layer by id) would run the
+        # original (its mode, or an error once it is gone) and the per-graph caches keyed by id would mix the two
+        super().__setstate__(state)
+        self._layer_id = _ops.register(self)
+
     # to implement
     def program(self, b: Builder) -> Value:  # pragma: no cover - abstract
         raise NotImplementedError

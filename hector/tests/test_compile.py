@@ -231,7 +231,7 @@ def test_copied_and_unpickled_layers_compile_as_themselves():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     expected = copied(x, ei, et)
-    del original, copied, compiled
+    del original, compiled
     gc.collect()
     torch._dynamo.reset()
     compiled = torch.compile(lambda h: loaded(h, ei, et), fullgraph=True, backend="aot_eager")

@@ -3,6 +3,7 @@ x_dict, edge_index_dict), PyG's RGAT argument names, strict state_dict loading f
 for what does not map."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -200,6 +201,45 @@ def test_hgt_pyg_form_prepares_the_graph_once():
     assert first._graph is not None
     m(x, {k: v.clone() for k, v in eid.items()})
     assert len(hgt_mod._JOINED) == 2
+
+
+@pytest.mark.parametrize("edge, row, value", [(("author", "writes", "paper"), 1, 9),  # past paper: an author
+                                             (("paper", "in", "venue"), 1, 3),  # past the last type
+                                             (("author", "writes", "paper"), 0, -1),  # before author: a paper
+                                             (("paper", "cites", "paper"), 0, -1)])
+def test_hgt_pyg_form_checks_ids_per_node_type(edge, row, value):
+    """In x_dict/edge_index_dict each node type's ids count from 0 within its own rows: an id outside them is an
+    error naming the edge type and node type (joined into one graph it would be a valid id of a neighbouring node
+    type, silently read in its place)."""
+    x, eid = _hetero()
+    m = hn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES), heads=2).double()
+    bad = eid[edge].clone()
+    bad[row, 3] = value
+    nt = edge[0] if row == 0 else edge[2]
+    with pytest.raises(GraphInputError, match=rf"edge_index_dict\[{re.escape(repr(edge))}\] row {row} .* node type "
+                                              rf"'{nt}'.* outside \[0, {COUNTS[nt]}\)"):
+        m(x, {**eid, edge: bad})
+
+
+def test_hgt_pyg_form_checks_dtypes_and_widths():
+    """Per-type inputs of the wrong kind are errors naming the dict entry, not a float edge_index truncated to
+    ids, integer or mixed-dtype features promoted by the join, or torch.cat's message for another width."""
+    x, eid = _hetero()
+    m = hn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES), heads=2).double()
+    edge = EDGE_TYPES[2]
+    with pytest.raises(GraphInputError, match=r"edge_index_dict\[.*cites.*\] must hold integer ids"):
+        m(x, {**eid, edge: eid[edge].double()})
+    with pytest.raises(GraphInputError, match=r"x_dict\['author'\] must be floating point"):
+        m({**x, "author": x["author"].long()}, eid)
+    with pytest.raises(GraphInputError, match=r"x_dict\['author'\] is torch.float32 .* x_dict\['paper'\] "
+                                              "torch.float64"):
+        m({**x, "author": x["author"].float()}, eid)
+    with pytest.raises(GraphInputError, match=r"x_dict\['venue'\] has 5 features, .* in_channels=8"):
+        m({**x, "venue": torch.randn(3, 5, dtype=torch.float64)}, eid)
+    ref = m(x, eid)
+    got = m(x, {k: v.int() for k, v in eid.items()})  # int32 ids are ids
+    for k in ref:
+        assert rel_err(got[k], ref[k]) < 1e-12
 
 
 def test_hgt_pyg_state_dict_needs_metadata():

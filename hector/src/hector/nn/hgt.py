@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import GraphInputError
 from ..ir.builder import Builder, Value
-from ..runtime.graph import Graph
+from ..runtime.graph import Graph, _check_int_tensor
 from .base import RelationalLayer, glorot_
 
 Metadata = tuple[Sequence[str], Sequence[tuple[str, str, str]]]
@@ -162,7 +162,7 @@ class HGTConv(RelationalLayer):
         if not isinstance(edge_index, Mapping) or edge_type is not None or node_type is not None:
             raise GraphInputError("HGTConv(x_dict, edge_index_dict): the second argument must be the dict of "
                                   "[2, E] edge indices per edge type, and nothing follows it")
-        xs, joined = _join(self.node_types, self.edge_types, x, edge_index)
+        xs, joined = _join(self.node_types, self.edge_types, x, edge_index, self.in_channels)
         if torch.compiler.is_compiling():
             graph_args: tuple = (joined.edge_index, joined.edge_type, joined.node_type)
         else:
@@ -202,16 +202,36 @@ class _Joined:
     ``edge_index_dict`` tensors."""
 
     def __init__(self, present: list[str], counts: list[int], edge_index: torch.Tensor, edge_type: torch.Tensor,
-                 node_type: torch.Tensor):
+                 node_type: torch.Tensor, edge_types: list[tuple[str, str, str]]):
         self.present, self.counts = present, counts
         self.edge_index, self.edge_type, self.node_type = edge_index, edge_type, node_type
+        self.edge_types = edge_types
         self._graph: Graph | None = None
 
     def graph(self, num_relations: int, num_node_types: int) -> Graph:
         if self._graph is None:
-            self._graph = Graph(self.edge_index, self.edge_type, sum(self.counts), num_relations, self.node_type,
-                                num_node_types)
+            try:
+                self._graph = Graph(self.edge_index, self.edge_type, sum(self.counts), num_relations,
+                                    self.node_type, num_node_types)
+            except GraphInputError:
+                self._name_bad_id()
+                raise
         return self._graph
+
+    def _name_bad_id(self) -> None:
+        """Raises the error that names the edge type and node type of an id outside its node type's rows (joined
+        as the row past the last, see :func:`_join`), if there is one (read on the host: only on the error path)."""
+        total = sum(self.counts)
+        bad = (self.edge_index == total).nonzero()
+        if not bad.numel():
+            return
+        row, edge = bad[0].tolist()
+        e = self.edge_types[int(self.edge_type[edge])]
+        nt = e[0] if row == 0 else e[2]
+        count = self.counts[self.present.index(nt)]
+        raise GraphInputError(f"edge_index_dict[{e!r}] row {row} ({'source' if row == 0 else 'destination'} ids "
+                              f"of node type {nt!r}) holds an id outside [0, {count}); ids index the rows of "
+                              f"x_dict[{nt!r}] ({count} nodes)")
 
 
 # joined graphs of recently seen edge_index_dicts (tensor identity and version, node counts): a full-graph loop
@@ -221,7 +241,7 @@ _MAX_JOINED = 16
 
 
 def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict: Mapping[str, torch.Tensor],
-          edge_index_dict: Mapping[Any, torch.Tensor]) -> tuple[list[torch.Tensor], _Joined]:
+          edge_index_dict: Mapping[Any, torch.Tensor], in_channels: int) -> tuple[list[torch.Tensor], _Joined]:
     unknown = [k for k in x_dict if k not in node_types]
     if unknown:
         raise GraphInputError(f"x_dict has node types {unknown} that are not in the layer's metadata {node_types}")
@@ -231,6 +251,16 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise GraphInputError(f"x_dict[{nt!r}] must be a [num_nodes, in_channels] tensor, got "
                                   f"{type(x).__name__} {tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
+        # checked per type here: joined by torch.cat, other widths would fail inside it and other dtypes be promoted
+        if not x.is_floating_point():
+            raise GraphInputError(f"x_dict[{nt!r}] must be floating point, got {x.dtype}; convert with .float()")
+        if x.size(1) != in_channels:
+            raise GraphInputError(f"x_dict[{nt!r}] has {x.size(1)} features, the layer expects "
+                                  f"in_channels={in_channels}")
+        if x.dtype != xs[0].dtype or x.device != xs[0].device:
+            raise GraphInputError(f"x_dict[{nt!r}] is {x.dtype} on {x.device} but x_dict[{present[0]!r}] "
+                                  f"{xs[0].dtype} on {xs[0].device}; give every node type's features one dtype "
+                                  "and device")
     if not xs:
         raise GraphInputError(f"x_dict holds none of the layer's node types {node_types}")
     counts = [int(x.size(0)) for x in xs]
@@ -248,6 +278,7 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
             raise GraphInputError(f"edge_index_dict[{key!r}] must be a [2, E] integer tensor (sparse adjacency "
                                   f"types are not supported), got {type(ei).__name__} "
                                   f"{tuple(ei.shape) if isinstance(ei, torch.Tensor) else ''}")
+        _check_int_tensor(f"edge_index_dict[{key!r}]", ei, 2)
         items.append((rel_of[e], e, ei))
     device = xs[0].device
     compiling = torch.compiler.is_compiling()
@@ -262,14 +293,24 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
     node_type = torch.cat([torch.full((c,), type_id[nt], dtype=torch.long, device=device)
                            for nt, c in zip(present, counts, strict=True)])
     if items:
-        edge_index = torch.cat([ei.to(device=device, dtype=torch.long)
-                                + torch.tensor([[offset[e[0]]], [offset[e[2]]]], device=device)
-                                for _, e, ei in items], dim=1)
+        # each type's ids are checked against its own node count: an id past it would otherwise land on a node of
+        # the next type in the joined graph (silently wrong), so it is joined as the row past the last, which the
+        # graph's check rejects (and _Joined names); no host read for valid ids
+        total = sum(counts)
+        count_of = dict(zip(present, counts, strict=True))
+
+        def joined_ids(e: tuple[str, str, str], ei: torch.Tensor) -> torch.Tensor:
+            ei = ei.to(device=device, dtype=torch.long)
+            upper = torch.tensor([[count_of[e[0]]], [count_of[e[2]]]], device=device)
+            shift = torch.tensor([[offset[e[0]]], [offset[e[2]]]], device=device)
+            return torch.where((ei >= 0) & (ei < upper), ei + shift, total)
+
+        edge_index = torch.cat([joined_ids(e, ei) for _, e, ei in items], dim=1)
         edge_type = torch.cat([torch.full((ei.size(1),), r, dtype=torch.long, device=device) for r, _, ei in items])
     else:
         edge_index = torch.empty(2, 0, dtype=torch.long, device=device)
         edge_type = torch.empty(0, dtype=torch.long, device=device)
-    joined = _Joined(present, counts, edge_index, edge_type, node_type)
+    joined = _Joined(present, counts, edge_index, edge_type, node_type, edge_types)
     if not compiling:
         _JOINED[key] = ([weakref.ref(ei) for _, _, ei in items], joined)
         while len(_JOINED) > _MAX_JOINED:

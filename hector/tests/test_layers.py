@@ -156,6 +156,28 @@ def test_isolated_nodes_and_edgeless_graphs(data):
     assert torch.allclose(att(x, empty_ei, empty_et), att.bias.expand(N, -1))
 
 
+def test_a_prepared_graph_must_fit_the_layer(data):
+    """A hector.Graph given in place of edge_index was checked against its own counts: one made with more
+    relations or node types than the layer has is an error naming the counts (not an IndexError from inside the
+    weights' gather), and one made without node types is refused by a layer typed by several (it would run every
+    node as type 0). A graph with fewer types than the layer is valid and gives the layer's result."""
+    from hector import GraphInputError, prepare_graph
+
+    x, ei, et, nt = data
+    hgt = randomize(hn.HGTConv(5, 4, 2, R, heads=2).double())
+    with pytest.raises(GraphInputError, match="made without node_type"):
+        hgt(x, prepare_graph(ei, et, N, R))
+    with pytest.raises(GraphInputError, match="2 node types but the graph was made with 3"):
+        hgt(x, prepare_graph(ei, et, N, R, nt, 3))
+    for m in (hgt, randomize(hn.RGCNConv(5, 4, R).double())):
+        with pytest.raises(GraphInputError, match=f"{R} relations but the graph was made with num_relations={R + 2}"):
+            m(x, prepare_graph(ei, et + 2, N, R + 2, nt, 2))
+    fewer = et.clamp(max=R - 2)
+    assert rel_err(hgt(x, prepare_graph(ei, fewer, N, R - 1, nt, 2)), hgt(x, ei, fewer, nt)) < 1e-12
+    one_type = torch.zeros_like(nt)
+    assert rel_err(hgt(x, prepare_graph(ei, et, N, R, one_type)), hgt(x, ei, et, one_type)) < 1e-12
+
+
 def test_graph_preprocessing_is_cached_per_tensor_pair(data):
     x, ei, et, nt = data
     m = hn.RGCNConv(5, 4, R).double()

@@ -187,6 +187,7 @@ class RelationalLayer(nn.Module):
     def graph(self, x: torch.Tensor, edge_index: Any, edge_type: torch.Tensor | None,
               node_type: torch.Tensor | None = None) -> Graph:
         if isinstance(edge_index, Graph):
+            self._check_graph(edge_index)
             return edge_index
         if edge_type is None:
             raise GraphInputError(f"{type(self).__name__} needs edge_type (one relation id per edge)")
@@ -196,6 +197,23 @@ class RelationalLayer(nn.Module):
             # would read the device (its largest id) for every new graph
             node_type = None
         return graph_for(edge_index, edge_type, x.size(0), self.num_relations, node_type, self.num_node_types)
+
+    def _check_graph(self, graph: Graph) -> None:
+        """A :class:`~hector.Graph` given in place of ``edge_index`` was checked against its own counts: ids past
+        the layer's (a graph made for a model with more relations or node types) would index past its weights, and
+        a graph made without node types would run every node as type 0. Fewer types than the layer's are fine."""
+        name = type(self).__name__
+        if graph.num_relations > self.num_relations:
+            raise GraphInputError(f"{name} has {self.num_relations} relations but the graph was made with "
+                                  f"num_relations={graph.num_relations}; make it with the layer's count")
+        if self.num_node_types is None:
+            return
+        if graph.num_node_types > self.num_node_types:
+            raise GraphInputError(f"{name} has {self.num_node_types} node types but the graph was made with "
+                                  f"{graph.num_node_types}; make it with the layer's count")
+        if self.num_node_types > 1 and not graph.has_node_type:
+            raise GraphInputError(f"{name} has {self.num_node_types} node types but the graph was made without "
+                                  "node_type: give hector.prepare_graph (or Graph) node_type and num_node_types")
 
     def _check_node_type(self, node_type: torch.Tensor | None) -> None:
         if node_type is None and self.num_node_types is not None and self.num_node_types > 1:

@@ -188,6 +188,9 @@ class Graph:
         self.dst = edge_index[1].contiguous().detach()
         self.etype = edge_type.contiguous().detach()
         self._ntype = None if node_type is None else node_type.contiguous().detach()
+        # made with node types (`ntype` fills in zeros on first use where not: a layer typed by several node types
+        # must not take such a graph for one of them)
+        self.has_node_type = node_type is not None
         self.device = edge_index.device
         self._cache: dict[Any, Any] = {}
         if pairs is not None:
@@ -202,6 +205,7 @@ class Graph:
         g = cls.__new__(cls)
         g.num_nodes, g.num_relations, g.num_node_types = like.num_nodes, like.num_relations, like.num_node_types
         g.src, g.dst, g.etype, g._ntype = src.contiguous(), dst.contiguous(), etype.contiguous(), like._ntype
+        g.has_node_type = like.has_node_type
         g.device = like.device
         g.sync_free = like.sync_free
         g.dst_sorted = dst_sorted

@@ -61,6 +61,26 @@ def test_rgat_shared_attention_matches_pyg(data, heads, concat, num_bases):
     check(ours, theirs, x, ei, et, [n for n, _ in ours.named_parameters()])
 
 
+@pytest.mark.parametrize("heads", [3, 5])
+def test_rgat_mean_over_heads_in_float64_is_exact(data, heads):
+    """concat=False averages the heads through a constant map holding 1/heads: a layer moved to float64
+    (``.double()``) holds it to float64's precision, not float32's (a 3e-8 error against PyG where heads is not a
+    power of two), and so does a layer made in float64."""
+    x, ei, et = data
+    theirs = pyg_nn.RGATConv(6, 4, R, heads=heads, concat=False).double()
+    ours = hn.RGATConv(6, 4, R, heads=heads, concat=False, attention="shared").double()
+    ours.load_state_dict(theirs.state_dict())
+    assert rel_err(ours(x, ei, et), theirs(x, ei, et)) < 1e-13
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        made = hn.RGATConv(6, 4, R, heads=heads, concat=False, attention="shared")
+    finally:
+        torch.set_default_dtype(previous)
+    made.load_state_dict(theirs.state_dict())
+    assert rel_err(made(x, ei, et), theirs(x, ei, et)) < 1e-13
+
+
 @pytest.mark.parametrize("fin, fout, heads", [(8, 8, 2), (6, 8, 2), (8, 8, 1)])
 def test_hgt_matches_pyg(fin, fout, heads):
     g = torch.Generator().manual_seed(0)

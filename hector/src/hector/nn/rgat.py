@@ -114,9 +114,18 @@ class RGATConv(RelationalLayer):
         self.bias = nn.Parameter(torch.empty(hc if concat else out_channels)) if bias else None
         if not concat:
             # mean over heads as a fixed linear map [heads*out, out] (not trained, not saved: it is a constant)
-            self.register_buffer("head_mean", torch.eye(out_channels).repeat(heads, 1) / heads, persistent=False)
+            self.register_buffer("head_mean", _head_mean(heads, out_channels, torch.get_default_dtype(), None),
+                                 persistent=False)
         self.register_load_state_dict_pre_hook(_from_pyg_state)
         self.reset_parameters()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RGATConv:
+        super()._apply(fn, recurse)
+        mean = self._buffers.get("head_mean")
+        if mean is not None:
+            # made again in its new dtype: a cast of the float32 1/heads (layer.double()) would keep float32's error
+            self._buffers["head_mean"] = _head_mean(self.heads, self.out_channels, mean.dtype, mean.device)
+        return self
 
     def reset_parameters(self) -> None:
         hc = self.heads * self.out_channels
@@ -159,6 +168,12 @@ class RGATConv(RelationalLayer):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads}, "
                 f"attention={self.attention!r})")
+
+
+def _head_mean(heads: int, out_channels: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """The mean over heads as a linear map [heads*out, out], rounded once from float64 to ``dtype``."""
+    eye = torch.eye(out_channels, dtype=torch.float64, device=device)
+    return (eye.repeat(heads, 1) / heads).to(dtype)
 
 
 def _from_pyg_state(module: RGATConv, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,

@@ -178,6 +178,36 @@ def test_a_prepared_graph_must_fit_the_layer(data):
     assert rel_err(hgt(x, prepare_graph(ei, et, N, R, one_type)), hgt(x, ei, et, one_type)) < 1e-12
 
 
+def test_settings_changed_after_a_call_take_effect(data):
+    """A layer's settings changed after it has run (``conv.negative_slope = ...``, a dropout schedule setting
+    ``conv.dropout``) apply from the next call, eager and under torch.compile, as on a layer made with them; they
+    were traced into the first call's program and kept."""
+    x, ei, et, nt = data
+
+    def made_with(layer, **kwargs):
+        m = type(layer)(5, 3, R, heads=2, **kwargs).double()
+        m.load_state_dict(layer.state_dict())
+        return m
+
+    m = randomize(hn.RGATConv(5, 3, R, heads=2).double())
+    before = m(x, ei, et)
+    m.negative_slope = 0.7
+    ref = made_with(m, negative_slope=0.7)
+    assert rel_err(m(x, ei, et), ref(x, ei, et)) < 1e-12 and rel_err(before, ref(x, ei, et)) > 1e-3
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: m(h, ei, et), fullgraph=True, backend="aot_eager")
+    compiled(x)
+    m.dropout = 0.5
+    ref = made_with(m, negative_slope=0.7, dropout=0.5)
+    for run in (lambda: m(x, ei, et), lambda: compiled(x)):
+        torch.manual_seed(4)
+        got = run()
+        torch.manual_seed(4)
+        assert rel_err(got, ref(x, ei, et)) < 1e-12
+    m.dropout = 0.0
+    assert rel_err(compiled(x), made_with(m, negative_slope=0.7)(x, ei, et)) < 1e-12
+
+
 def test_graph_preprocessing_is_cached_per_tensor_pair(data):
     x, ei, et, nt = data
     m = hn.RGCNConv(5, 4, R).double()

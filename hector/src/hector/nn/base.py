@@ -67,6 +67,18 @@ class RelationalLayer(nn.Module):
         super().__setstate__(state)
         self._layer_id = _ops.register(self)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # a setting changed after the layer has traced its program (``conv.dropout = 0.1``, ``conv.negative_slope``):
+        # the programs traced with the old value are dropped, and the layer takes a new id so that the per-graph
+        # caches keyed by it (and a compiled graph, which guards on it) do not hand back the old program
+        if (name[0] != "_" and name != "training" and not isinstance(value, (torch.Tensor, nn.Module))
+                and (self.__dict__.get("_compiled") or "_output_shape" in self.__dict__)):
+            self._compiled = {}
+            self._option_keys = {}
+            self.__dict__.pop("_output_shape", None)
+            self._layer_id = _ops.register(self)
+
     # to implement
     def program(self, b: Builder) -> Value:  # pragma: no cover - abstract
         raise NotImplementedError

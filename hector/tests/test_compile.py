@@ -236,3 +236,51 @@ def test_copied_and_unpickled_layers_compile_as_themselves():
     torch._dynamo.reset()
     compiled = torch.compile(lambda h: loaded(h, ei, et), fullgraph=True, backend="aot_eager")
     assert rel_err(compiled(x), expected) < 1e-6
+
+
+def test_more_dropout_calls_than_the_stash_limit_before_backward(monkeypatch):
+    """Compiled training calls with attention dropout that outnumber STASH_LIMIT before their backward (a deep
+    model, or micro-batches summed before one backward): their masks cannot be recomputed, so they are not
+    evicted; the step gives eager's gradients and keeps nothing after its backward."""
+    monkeypatch.setattr(_ops, "STASH_LIMIT", 2)
+    ei, et, _ = make_graph()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([hn.RGATConv(6, 3, 3, heads=2, dropout=0.3) for _ in range(4)])
+    x = torch.randn(14, 6, requires_grad=True)
+
+    def model(h):
+        for layer in layers:
+            h = layer(h, ei, et).tanh()
+        return h
+
+    def step(fn):
+        torch.manual_seed(1)
+        loss = sum(fn(x * (i + 1)).pow(2).sum() for i in range(2))  # two micro-batches, one backward
+        return [loss] + list(torch.autograd.grad(loss, [x] + list(layers.parameters())))
+
+    ref = step(model)
+    torch._dynamo.reset()
+    got = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(got, ref, strict=True):
+        assert rel_err(a, b) < 1e-6
+    assert not _ops._STASH
+
+
+def test_second_backward_with_retain_graph_reuses_the_forward_values():
+    """backward(retain_graph=True) then backward again on a compiled graph with attention dropout: the second
+    backward finds the same forward values (the same mask) instead of failing to recompute them, and the
+    gradients accumulate to twice the first's, as eager's do."""
+    ei, et, _ = make_graph()
+    torch.manual_seed(0)
+    layer = hn.RGATConv(6, 3, 3, heads=2, dropout=0.3)
+    x = torch.randn(14, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: layer(h, ei, et), fullgraph=True, backend="aot_eager")
+    loss = compiled(x).pow(2).sum()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in layer.parameters()]
+    loss.backward()
+    for p, g in zip(layer.parameters(), first, strict=True):
+        assert rel_err(p.grad, 2 * g) < 1e-6
+    del loss
+    assert not _ops._STASH

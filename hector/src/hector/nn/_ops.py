@@ -7,9 +7,13 @@ Eager calls do not use these ops (they go straight through :class:`hector.runtim
 * ``hector::relational_layer(x, edge_index, edge_type, node_type, weights, layer_id) -> (out, token)`` runs the
   layer's forward program on its backend. In training mode the values the backward program reads are stashed under
   the address of ``token``, a one-byte tensor of this call that autograd keeps for the backward op (found with one
-  lookup, whatever the number of weights; two live calls never share an entry); at most ``STASH_LIMIT`` calls are
-  kept, an evicted call is recomputed in backward, and a call whose backward never comes (its autograd graph freed)
-  drops its entry with its token. In eval mode nothing is kept (a backward, if any, recomputes the forward).
+  lookup, whatever the number of weights; two live calls never share an entry). An entry lives as long as its token
+  (autograd keeps the token until the call's backward has run, or for every backward with ``retain_graph=True``),
+  so a call whose backward never comes (its autograd graph freed) drops its entry with its token. Beyond
+  ``STASH_LIMIT`` entries the oldest whose forward can be recomputed is evicted (recomputed in backward, like
+  activation checkpointing); a call with a dropout mask, which cannot be recomputed, is never evicted (a model of
+  many layers with dropout, or micro-batches summed before one backward). In eval mode nothing is kept (a backward,
+  if any, recomputes the forward).
   (AOTAutograd merges identical calls in one graph: a layer with dropout applied twice to the very same tensors
   gets one mask for both under torch.compile, where eager draws two.)
 * ``hector::relational_layer_backward(grad, token, x, ..., needs) -> [grad_x, grad_weights...]`` runs the
@@ -80,10 +84,23 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
         # a call whose backward never comes (its graph dropped) gives its values back when its token dies; the
         # entry holds the weak reference, so an entry popped by the backward op takes its callback with it
         drop = weakref.ref(token, lambda _, key=key: _STASH.pop(key, None))
-        _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop)
-        while len(_STASH) > STASH_LIMIT:
-            _STASH.popitem(last=False)
+        _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop, _recomputable(compiled))
+        if len(_STASH) > STASH_LIMIT:
+            _evict()
     return out, token
+
+
+def _recomputable(compiled: Any) -> bool:
+    """Whether a call's forward values can be made again in backward: not when it draws a dropout mask."""
+    return not any(n.op is Op.DROPOUT_MASK for n in compiled.forward.nodes)
+
+
+def _evict() -> None:
+    """Drops the oldest entries that backward can recompute until at most ``STASH_LIMIT`` remain (or none is
+    left to drop): an entry with a dropout mask stays until its token dies."""
+    excess = len(_STASH) - STASH_LIMIT
+    for key in [k for k, entry in _STASH.items() if entry[-1]][:max(excess, 0)]:
+        _STASH.pop(key, None)
 
 
 def _forward_fake(x, edge_index, edge_type, node_type, weights, layer_id):
@@ -94,17 +111,19 @@ def _forward_fake(x, edge_index, edge_type, node_type, weights, layer_id):
 def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_index: torch.Tensor,
                  edge_type: torch.Tensor, node_type: torch.Tensor | None, weights: list[torch.Tensor], layer_id: int,
                  needs: list[bool]) -> list[torch.Tensor]:
-    hit = _STASH.pop(token.data_ptr(), None)
+    # not popped: a second backward of the same graph (retain_graph=True) finds the values again; the entry goes
+    # with its token, which autograd releases after the last backward that may need it
+    hit = _STASH.get(token.data_ptr())
     if hit is not None:
-        bound, graph, names, backend, saved, _ = hit
+        bound, graph, names, backend, saved, _, _ = hit
     else:  # evicted or never stashed: recompute the forward (like activation checkpointing)
         layer = _layer(layer_id)
         graph, bound, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)
         compiled = bound.compiled
-        if any(n.op is Op.DROPOUT_MASK for n in compiled.forward.nodes):
-            raise RuntimeError(f"{type(layer).__name__}: the forward values of this call were evicted (more than "
-                               f"{STASH_LIMIT} compiled training calls before their backward) and a dropout mask "
-                               "cannot be recomputed; run backward sooner or raise hector.nn._ops.STASH_LIMIT")
+        if not _recomputable(compiled):
+            raise RuntimeError(f"{type(layer).__name__}: the forward values of this call were not kept (a call made "
+                               "in eval mode, then differentiated in training mode?) and its dropout mask cannot "
+                               "be recomputed; run the forward in the mode of its backward")
         backend = select(x.device, x.dtype)
         env = backend.run(compiled.forward_lowered, graph, leaves, keep=compiled.saved)
         saved = {s: env[s] for s in compiled.saved}

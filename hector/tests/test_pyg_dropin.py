@@ -242,6 +242,30 @@ def test_hgt_pyg_form_checks_dtypes_and_widths():
         assert rel_err(got[k], ref[k]) < 1e-12
 
 
+def test_hgt_pyg_state_dict_of_other_metadata_is_refused():
+    """A strict load of a PyG HGTConv state_dict made from other metadata fails naming the difference: entries of a
+    node type the layer lacks are unexpected keys (not dropped), another edge-type count is named (not a reshape
+    error), and edge types in another order are refused (PyG's k_rel/v_rel rows follow its order: loaded in the
+    layer's, they would land on the wrong relations). Node types in another order load and agree with PyG."""
+    meta = (NODE_TYPES, EDGE_TYPES)
+    ours = hn.HGTConv(8, 8, meta, heads=2).double()
+    extra_type = pyg_nn.HGTConv(8, 8, (NODE_TYPES + ["org"], EDGE_TYPES), heads=2)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\).*"kqv_lin.lins.org.weight"'):
+        ours.load_state_dict(extra_type.state_dict())
+    extra_edge = pyg_nn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES + [("venue", "has", "paper")]), heads=2)
+    with pytest.raises(RuntimeError, match="holds 10 = heads x edge types weights, this layer 2 x 4"):
+        ours.load_state_dict(extra_edge.state_dict())
+    reordered = pyg_nn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES[::-1]), heads=2)
+    with pytest.raises(RuntimeError, match="lists its edge types in another order"):
+        ours.load_state_dict(reordered.state_dict())
+    theirs = _randomize(pyg_nn.HGTConv(8, 8, (NODE_TYPES[::-1], EDGE_TYPES), heads=2).double(), seed=2)
+    ours.load_state_dict(theirs.state_dict())
+    x, eid = _hetero()
+    a, b = ours(x, eid), theirs(x, eid)
+    for k in b:
+        assert rel_err(a[k], b[k]) < 1e-10
+
+
 def test_hgt_pyg_state_dict_needs_metadata():
     theirs = pyg_nn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES), heads=2)
     with pytest.raises(RuntimeError, match="build the layer from the same metadata"):

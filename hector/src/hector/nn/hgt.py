@@ -319,8 +319,10 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
 
 
 def _pyg_to_hector(state: Mapping[str, torch.Tensor], prefix: str, node_types: list[str],
-                   edge_types: list[tuple[str, str, str]], out_channels: int, heads: int) -> dict[str, torch.Tensor]:
-    """hector's HGTConv tensors (names without prefix) from the entries of a PyG HGTConv state_dict."""
+                   edge_types: list[tuple[str, str, str]], out_channels: int, heads: int,
+                   used: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """hector's HGTConv tensors (names without prefix) from the entries of a PyG HGTConv state_dict (the keys
+    read are added to ``used``). A missing entry raises KeyError, weights of another edge-type count ValueError."""
     f, h = out_channels, heads
     num_rel = len(edge_types)
 
@@ -328,6 +330,8 @@ def _pyg_to_hector(state: Mapping[str, torch.Tensor], prefix: str, node_types: l
         key = prefix + name
         if key not in state:
             raise KeyError(f"PyG HGTConv state_dict lacks {key!r} (metadata differs from the layer's?)")
+        if used is not None:
+            used.add(key)
         return state[key]
 
     out: dict[str, torch.Tensor] = {}
@@ -340,8 +344,20 @@ def _pyg_to_hector(state: Mapping[str, torch.Tensor], prefix: str, node_types: l
     out["out_bias"] = torch.stack([get(f"out_lin.lins.{nt}.bias") for nt in node_types])
     out["skip"] = torch.cat([get(f"skip.{nt}").reshape(1) for nt in node_types])
     out["p_rel"] = torch.stack([get(f"p_rel.{'__'.join(e)}").reshape(h) for e in edge_types])
+    # PyG's k_rel/v_rel rows follow its metadata's edge-type order, which its state_dict shows only as the order
+    # of its p_rel entries: entries in another order than the layer's (and not merely sorted by a checkpoint
+    # format) mean a PyG layer made from reordered metadata, whose rows would land on the wrong relations
+    listed = [k[len(prefix) + len("p_rel."):] for k in state if k.startswith(prefix + "p_rel.")]
+    names = ["__".join(e) for e in edge_types]
+    if sorted(listed) == sorted(names) and listed not in (names, sorted(names)):
+        raise ValueError(f"the PyG HGTConv state_dict lists its edge types in another order ({listed}) than this "
+                         f"layer's metadata ({names}); PyG's k_rel/v_rel weights follow that order: build the layer "
+                         "with the PyG layer's metadata in its order")
     for name in ("k_rel", "v_rel"):  # PyG's HeteroLinear type id is head * num_edge_types + relation
         w = get(f"{name}.weight")
+        if w.size(0) != h * num_rel:
+            raise ValueError(f"PyG HGTConv's {prefix}{name}.weight holds {w.size(0)} = heads x edge types weights, "
+                             f"this layer {h} x {num_rel}: build it from the PyG layer's metadata and heads")
         d = w.size(-1)
         out[name] = w.reshape(h, num_rel, d, d).transpose(0, 1).contiguous()
     return out
@@ -361,13 +377,16 @@ def _from_pyg_state(module: HGTConv, state_dict: dict, prefix: str, local_metada
         error_msgs.append("this is a PyG HGTConv state_dict: build the layer from the same metadata, "
                           "HGTConv(in, out, metadata, heads=H), to load it (or use hector.nn.load_pyg_hgt)")
         return
+    used: set[str] = set()
     try:
         converted = _pyg_to_hector(state_dict, prefix, module.node_types, module.edge_types, module.out_channels,
-                                   module.heads)
-    except KeyError as e:
+                                   module.heads, used)
+    except (KeyError, ValueError) as e:
         error_msgs.append(str(e.args[0]))
         return
-    for k in pyg_keys:
+    # only the entries converted: those of node or edge types the layer lacks stay, and a strict load reports them
+    # as unexpected instead of dropping them
+    for k in used:
         del state_dict[k]
     for name, value in converted.items():
         state_dict[prefix + name] = value

@@ -91,6 +91,18 @@ def test_autocast_accepts_half_input_with_float32_weights(graph):
         m(x, ei, et, nt)
 
 
+def test_autocast_with_float64_names_what_autocast_leaves(graph):
+    """float64 is outside autocast's casts: float64 features into a float32 layer (or a float64 layer given float32
+    features) under autocast is an error saying so, not one advising to run under torch.autocast."""
+    ei, et, nt = graph
+    m = LAYERS["rgat"]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for layer, x in ((m, torch.randn(N, 16, dtype=torch.float64)), (copy.deepcopy(m).double(), torch.randn(N, 16))):
+            with pytest.raises(GraphInputError, match=r"under torch.autocast, x .* leaves float64") as info:
+                layer(x, ei, et)
+            assert "run under torch.autocast" not in str(info.value)
+
+
 def test_autocast_under_torch_compile(graph):
     ei, et, nt = graph
 

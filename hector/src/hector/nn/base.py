@@ -246,9 +246,14 @@ class RelationalLayer(nn.Module):
             raise GraphInputError(f"{name}: x has {x.size(1)} features, the layer expects "
                                   f"in_channels={self.in_channels_total}")
 
-    def _check_dtypes(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    def _check_dtypes(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], autocast: bool = False) -> None:
         w = next((t for t in tensors.values() if t is not None and t.is_floating_point()), None)
         if w is not None and (w.dtype != x.dtype or w.device != x.device):
+            if autocast and w.device == x.device:  # one of the two is float64, which autocast leaves as it is
+                raise GraphInputError(f"{type(self).__name__}: under torch.autocast, x ({x.dtype}) and the layer's "
+                                      f"parameters ({w.dtype} after the cast) differ: autocast casts float32, "
+                                      "float16 and bfloat16 tensors but leaves float64 ones; give x and the layer "
+                                      "one of those dtypes")
             raise GraphInputError(f"{type(self).__name__}: x is {x.dtype} on {x.device} but the layer's parameters "
                                   f"are {w.dtype} on {w.device}; use layer.to(x) or x.to(...), or run under "
                                   "torch.autocast")
@@ -269,7 +274,7 @@ class RelationalLayer(nn.Module):
 
             x = cast(x)
             tensors = {k: cast(v) for k, v in tensors.items()}
-            self._check_dtypes(x, tensors)
+            self._check_dtypes(x, tensors, autocast=True)
             return x, tensors, device_type
         self._check_dtypes(x, tensors)
         return x, tensors, None

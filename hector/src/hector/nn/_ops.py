@@ -81,8 +81,8 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
     if training:
         # everything the backward op needs besides its arguments, so that it resolves nothing again
         key = token.data_ptr()
-        # a call whose backward never comes (its graph dropped) gives its values back when its token dies; the
-        # entry holds the weak reference, so an entry popped by the backward op takes its callback with it
+        # the entry gives its values back when its token dies (after the call's last backward, or with its graph
+        # when no backward comes); it holds the weak reference, so an evicted entry takes its callback with it
         drop = weakref.ref(token, lambda _, key=key: _STASH.pop(key, None))
         _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop, _recomputable(compiled))
         if len(_STASH) > STASH_LIMIT:

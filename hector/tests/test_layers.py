@@ -206,6 +206,11 @@ def test_settings_changed_after_a_call_take_effect(data):
         assert rel_err(got, ref(x, ei, et)) < 1e-12
     m.dropout = 0.0
     assert rel_err(compiled(x), made_with(m, negative_slope=0.7)(x, ei, et)) < 1e-12
+    # setting the value a setting has (a schedule that sets it every epoch) keeps the traced program and the id
+    # the per-graph caches are keyed by
+    layer_id, programs = m._layer_id, dict(m._compiled)
+    m.dropout, m.negative_slope = 0.0, 0.7
+    assert m._layer_id == layer_id and m._compiled == programs and programs
 
 
 def test_graph_preprocessing_is_cached_per_tensor_pair(data):

@@ -22,6 +22,19 @@ from . import _ops
 _COMPILE_LOCK = threading.RLock()
 
 
+_UNSET = object()
+
+
+def _same(previous: Any, value: Any) -> bool:
+    """Whether a layer attribute set to ``value`` keeps the value it had (``previous``; ``_UNSET`` if none)."""
+    if previous is value:
+        return True
+    try:
+        return type(previous) is type(value) and bool(previous == value)
+    except Exception:  # a value whose == is not a plain answer: treated as a change
+        return False
+
+
 class RelationalLayer(nn.Module):
     """Subclass, register parameters, and write :meth:`program`; ``forward`` does the rest.
 
@@ -68,11 +81,14 @@ class RelationalLayer(nn.Module):
         self._layer_id = _ops.register(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        previous = self.__dict__.get(name, _UNSET)
         super().__setattr__(name, value)
         # a setting changed after the layer has traced its program (``conv.dropout = 0.1``, ``conv.negative_slope``):
         # the programs traced with the old value are dropped, and the layer takes a new id so that the per-graph
-        # caches keyed by it (and a compiled graph, which guards on it) do not hand back the old program
+        # caches keyed by it (and a compiled graph, which guards on it) do not hand back the old program. Setting
+        # the value it has (a schedule that sets ``dropout`` every epoch) keeps them: a new id re-plans every graph
         if (name[0] != "_" and name != "training" and not isinstance(value, (torch.Tensor, nn.Module))
+                and not _same(previous, value)
                 and (self.__dict__.get("_compiled") or "_output_shape" in self.__dict__)):
             self._compiled = {}
             self._option_keys = {}

@@ -84,7 +84,7 @@ def _forward(x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor,
         # the entry gives its values back when its token dies (after the call's last backward, or with its graph
         # when no backward comes); it holds the weak reference, so an evicted entry takes its callback with it
         drop = weakref.ref(token, lambda _, key=key: _STASH.pop(key, None))
-        _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop, _recomputable(compiled))
+        _STASH[key] = (bound, graph, names, backend, {s: env[s] for s in saved}, drop)
         if len(_STASH) > STASH_LIMIT:
             _evict()
     return out, token
@@ -97,9 +97,10 @@ def _recomputable(compiled: Any) -> bool:
 
 def _evict() -> None:
     """Drops the oldest entries that backward can recompute until at most ``STASH_LIMIT`` remain (or none is
-    left to drop): an entry with a dropout mask stays until its token dies."""
+    left to drop): an entry with a dropout mask stays until its token dies. (Its program is read here, on the
+    rare call past the limit, not on every call's forward.)"""
     excess = len(_STASH) - STASH_LIMIT
-    for key in [k for k, entry in _STASH.items() if entry[-1]][:max(excess, 0)]:
+    for key in [k for k, entry in _STASH.items() if _recomputable(entry[0].compiled)][:max(excess, 0)]:
         _STASH.pop(key, None)
 
 
@@ -115,7 +116,7 @@ def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_
     # with its token, which autograd releases after the last backward that may need it
     hit = _STASH.get(token.data_ptr())
     if hit is not None:
-        bound, graph, names, backend, saved, _, _ = hit
+        bound, graph, names, backend, saved, _ = hit
     else:  # evicted or never stashed: recompute the forward (like activation checkpointing)
         layer = _layer(layer_id)
         graph, bound, names, leaves = _setup(layer, x, edge_index, edge_type, node_type, weights)

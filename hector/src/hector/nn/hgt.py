@@ -301,8 +301,10 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
 
         def joined_ids(e: tuple[str, str, str], ei: torch.Tensor) -> torch.Tensor:
             ei = ei.to(device=device, dtype=torch.long)
-            upper = torch.tensor([[count_of[e[0]]], [count_of[e[2]]]], device=device)
-            shift = torch.tensor([[offset[e[0]]], [offset[e[2]]]], device=device)
+            # (one host-to-device copy per edge type: each type's node count and offset, for sources and
+            # destinations)
+            bounds = torch.tensor([[count_of[e[0]], offset[e[0]]], [count_of[e[2]], offset[e[2]]]], device=device)
+            upper, shift = bounds[:, :1], bounds[:, 1:]
             return torch.where((ei >= 0) & (ei < upper), ei + shift, total)
 
         edge_index = torch.cat([joined_ids(e, ei) for _, e, ei in items], dim=1)

@@ -233,6 +233,7 @@ class OffloadSession:
         self._cast_units: frozenset[int] = frozenset()
         self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
         self._released = False
+        self._active_on: list[nn.Module] = []  # the modules _ACTIVE maps to this session (while entered)
         self._quiet = False  # plan(): its steps only profile
 
     def _check_plan(self, plan) -> None:
@@ -316,6 +317,7 @@ class OffloadSession:
             other.close()
         for m in modules:
             _ACTIVE[m] = self
+        self._active_on = modules
         self._entered = True
         if self.shared.closed or self.shared.retired:  # released since offload() was called
             self._bind_shared()
@@ -349,7 +351,7 @@ class OffloadSession:
         if self._closed:
             return
         self._closed = True
-        for m in [self.model._orig_mod if self.compiled else self.model] + [b for _, b in self.blocks]:
+        for m in self._active_on:
             if _ACTIVE.get(m) is self:
                 del _ACTIVE[m]
         try:

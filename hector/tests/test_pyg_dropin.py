@@ -321,6 +321,40 @@ def test_rgat_pyg_options_that_do_not_map():
         hn.RGATConv(6, 4, R, heads=2).load_state_dict(theirs.state_dict())  # per-relation Q/K by default
 
 
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: hn.RGATConv(16, 8, R, heads=0), ValueError, r"RGATConv: heads must be a positive int, got 0; pass heads"),
+    (lambda: hn.RGATConv(16, 0, R), ValueError, r"RGATConv: out_channels must be a positive int, got 0"),
+    (lambda: hn.RGATConv(16, 8, R, heads=2.0), TypeError, r"RGATConv: heads must be an int, got float 2.0"),
+    (lambda: hn.RGATConv(16, 8, R, 0), ValueError, r"RGATConv: num_bases must be a positive int, got 0"),
+    (lambda: hn.RGCNConv(16, 8, 0), ValueError, r"RGCNConv: num_relations must be a positive int, got 0"),
+    (lambda: hn.RGCNConv(16, 8, "4"), TypeError, r"RGCNConv: num_relations must be an int, got str '4'"),
+    (lambda: hn.RGCNConv(-1, 8, R), ValueError, r"in_channels must be a positive int, got -1; PyG's lazy width -1"),
+    (lambda: hn.RGCNConv(16, 8, R, num_bases=0), ValueError, r"RGCNConv: num_bases must be a positive int"),
+    (lambda: hn.HGTConv(16, 8, 3, R, heads=0), ValueError, r"HGTConv: heads must be a positive int, got 0"),
+    (lambda: hn.HGTConv(16, 8, 0, R), ValueError, r"HGTConv: num_node_types must be a positive int, got 0"),
+    (lambda: hn.HGTConv(16, True, 3, R), TypeError, r"HGTConv: out_channels must be an int, got bool True"),
+])
+def test_layer_size_arguments_are_checked_by_name(make, error, match):
+    # before: heads=0 was a bare ZeroDivisionError, a float or str size a TypeError from inside torch.empty
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_rgcn_refuses_pyg_bipartite_in_channels_clearly():
+    # hector's program reads one x for the sources and the destinations, so PyG's (in_src, in_dst) has no mapping
+    with pytest.raises(TypeError, match=r"RGCNConv: in_channels must be one int, got the tuple \(16, 8\): .*not "
+                                        r"PyG's bipartite pair \(x_src, x_dst\)"):
+        hn.RGCNConv((16, 8), 8, R)
+
+
+def test_layer_size_arguments_accept_integer_types():
+    import numpy as np
+
+    conv = hn.RGATConv(np.int64(6), torch.tensor(4), R, heads=np.int32(2))
+    assert (conv.in_channels, conv.out_channels, conv.heads) == (6, 4, 2)
+    assert type(conv.heads) is int
+
+
 def test_rgcn_strict_state_dict_both_ways():
     theirs = pyg_nn.RGCNConv(6, 5, R, num_bases=2)
     ours = hn.RGCNConv(6, 5, R, num_bases=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 from typing import Any
 
@@ -60,10 +61,9 @@ class RelationalLayer(nn.Module):
 
     def __init__(self, num_relations: int, num_node_types: int | None = None, optimize: Any = "auto"):
         super().__init__()
-        if int(num_relations) <= 0:
-            raise ValueError(f"num_relations must be positive, got {num_relations}")
-        self.num_relations = int(num_relations)
-        self.num_node_types = num_node_types
+        name = type(self).__name__
+        self.num_relations = positive_int(name, "num_relations", num_relations)
+        self.num_node_types = None if num_node_types is None else positive_int(name, "num_node_types", num_node_types)
         self.optimize = optimize
         self._compiled: dict[Any, CompiledLayer] = {}
         self._choices: dict[Any, Any] = {}  # the cost model's Options per graph size class (hector.cost)
@@ -363,3 +363,27 @@ def glorot_(t: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:
     bound = math.sqrt(6.0 / (fan_in + fan_out))
     with torch.no_grad():
         return t.uniform_(-bound, bound)
+
+
+def positive_int(layer: str, name: str, value: Any) -> int:
+    """``value`` (a layer's size argument: a width, a count of relations, heads, bases) as an int >= 1, or a
+    ``TypeError``/``ValueError`` that names ``layer``, the argument and the fix: a bad size would otherwise surface
+    later as a bare error from inside ``torch.empty`` or the initialiser (a division by zero for ``heads=0``)."""
+    if isinstance(value, tuple) and name == "in_channels":
+        # PyG's bipartite form (x_src, x_dst): hector's program reads one x for both ends of every edge
+        raise TypeError(f"{layer}: in_channels must be one int, got the tuple {value}: hector's layers take one "
+                        "node set, x [N, in_channels], whose rows are both the sources and the destinations of the "
+                        "edges (not PyG's bipartite pair (x_src, x_dst)); put both node sets in one x of one width "
+                        "(destination ids offset by the number of source rows) and pass that width")
+    try:
+        if isinstance(value, bool):  # True would pass as 1
+            raise TypeError
+        number = operator.index(value)  # ints, numpy ints and integer 0-dim tensors; not 4.0 or "4"
+    except TypeError:
+        raise TypeError(f"{layer}: {name} must be an int, got {type(value).__name__} {value!r}; "
+                        f"pass {name}=<positive int>") from None
+    if number <= 0:
+        fix = ("PyG's lazy width -1 is not supported: give the input width" if name == "in_channels" and number == -1
+               else f"pass {name} >= 1")
+        raise ValueError(f"{layer}: {name} must be a positive int, got {number}; {fix}")
+    return number

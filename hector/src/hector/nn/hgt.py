@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import GraphInputError
 from ..ir.builder import Builder, Value
 from ..runtime.graph import Graph, _check_int_tensor
-from .base import RelationalLayer, glorot_
+from .base import RelationalLayer, glorot_, positive_int
 
 Metadata = tuple[Sequence[str], Sequence[tuple[str, str, str]]]
 
@@ -99,13 +99,16 @@ class HGTConv(RelationalLayer):
         super().__init__(num_relations, num_node_types=num_node_types, optimize=optimize)
         if metadata is not None:
             self.node_types, self.edge_types = node_types, edge_types
+        in_channels = positive_int("HGTConv", "in_channels", in_channels)
+        out_channels = positive_int("HGTConv", "out_channels", out_channels)
+        heads = positive_int("HGTConv", "heads", heads)
         if out_channels % heads:
             raise ValueError(f"out_channels ({out_channels}) must be divisible by heads ({heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.in_channels, self.out_channels, self.heads = int(in_channels), int(out_channels), int(heads)
+        self.in_channels, self.out_channels, self.heads = in_channels, out_channels, heads
         self.dropout = float(dropout)
-        t, f, h, d = num_node_types, out_channels, heads, out_channels // heads
+        t, f, h, d = self.num_node_types, out_channels, heads, out_channels // heads
         for name in ("k", "q", "v"):
             self.register_parameter(f"{name}_weight", nn.Parameter(torch.empty(t, in_channels, f)))
             self.register_parameter(f"{name}_bias", nn.Parameter(torch.empty(t, f)))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..ir.builder import Builder, Value
-from .base import RelationalLayer, glorot_
+from .base import RelationalLayer, glorot_, positive_int
 
 # Parameters PyG's RGATConv always allocates but uses only in its ``mod`` variants (which hector does not implement):
 # a PyG state_dict carries them, and loading it into hector drops them (with mod=None PyG never reads them either).
@@ -82,6 +82,11 @@ class RGATConv(RelationalLayer):
                  dropout: float = 0.0, edge_dim: int | None = None, bias: bool = True, *,
                  attention: str = "per_relation", root_weight: bool = False, optimize: Any = "auto"):
         super().__init__(num_relations, optimize=optimize)
+        in_channels = positive_int("RGATConv", "in_channels", in_channels)
+        out_channels = positive_int("RGATConv", "out_channels", out_channels)
+        heads = positive_int("RGATConv", "heads", heads)
+        if num_bases is not None:
+            num_bases = positive_int("RGATConv", "num_bases", num_bases)
         if attention not in ("shared", "per_relation"):
             raise ValueError(f"attention must be 'shared' (PyG) or 'per_relation' (Hector), got {attention!r}")
         for name, value, default in (("num_blocks", num_blocks, None), ("mod", mod, None), ("dim", dim, 1),
@@ -97,7 +102,7 @@ class RGATConv(RelationalLayer):
                              f"got {attention_mode!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.in_channels, self.out_channels, self.heads = int(in_channels), int(out_channels), int(heads)
+        self.in_channels, self.out_channels, self.heads = in_channels, out_channels, heads
         self.concat, self.negative_slope, self.dropout = concat, float(negative_slope), float(dropout)
         self.attention, self.attention_mode, self.num_bases = attention, attention_mode, num_bases
         hc = heads * out_channels

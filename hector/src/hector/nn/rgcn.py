@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..ir.builder import Builder, Value
-from .base import RelationalLayer, glorot_
+from .base import RelationalLayer, glorot_, positive_int
 
 
 class RGCNConv(RelationalLayer):
@@ -30,7 +30,7 @@ class RGCNConv(RelationalLayer):
     with basis decomposition :math:`W_r = \sum_b comp[r, b]\, weight[b]` when ``num_bases`` is given.
 
     Args:
-        in_channels: input width ``F_in``.
+        in_channels: input width ``F_in``, one int (not PyG's bipartite tuple: x is one node set).
         out_channels: output width ``F_out``.
         num_relations: ``R``; edge types lie in [0, R).
         num_bases: number of bases (None: one ``weight`` [R, F_in, F_out] per relation).
@@ -52,6 +52,10 @@ class RGCNConv(RelationalLayer):
                  num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, is_sorted: bool = False,
                  bias: bool = True, optimize: Any = "auto"):
         super().__init__(num_relations, optimize=optimize)
+        in_channels = positive_int("RGCNConv", "in_channels", in_channels)
+        out_channels = positive_int("RGCNConv", "out_channels", out_channels)
+        if num_bases is not None:
+            num_bases = positive_int("RGCNConv", "num_bases", num_bases)
         if num_blocks is not None:
             raise NotImplementedError(f"RGCNConv: num_blocks={num_blocks} (PyG's block-diagonal decomposition) is not "
                                       "implemented by hector; use num_bases or full weights")
@@ -60,7 +64,7 @@ class RGCNConv(RelationalLayer):
                           stacklevel=2)
         if aggr not in ("mean", "add", "sum"):
             raise ValueError(f"aggr must be 'mean' or 'add', got {aggr!r}")
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.in_channels, self.out_channels = in_channels, out_channels
         self.num_bases, self.aggr = num_bases, aggr
         if num_bases is not None:
             self.weight = nn.Parameter(torch.empty(num_bases, in_channels, out_channels))

@@ -131,7 +131,9 @@ def graphs():
     return [("skewed", skewed), ("ids", with_ids), ("narrow", narrow), ("few", few), ("chain", chain)]
 
 
-SEED_SETS = [torch.tensor([0, 5, 3, 299]), torch.arange(0, 300, 3).flip(0), torch.tensor([3]), torch.tensor([62])]
+# (the last repeats seeds, the hub 0 among them: each occurrence is a seed of its own)
+SEED_SETS = [torch.tensor([0, 5, 3, 299]), torch.arange(0, 300, 3).flip(0), torch.tensor([3]), torch.tensor([62]),
+             torch.tensor([5, 0, 5, 3, 0, 0, 8, 3, 5])]
 
 
 def check_against_reference(topo: Topology, fanout, replace: bool, emulated: Emulated | None, device):
@@ -314,6 +316,21 @@ def test_emulated_batch_grows_its_capacity_and_runs_again(emulated, fanout):
     assert emulated.batch_calls == 1, "the grown capacity is kept"
 
 
+@pytest.mark.parametrize("fanout", [[-1], [2]])
+def test_emulated_batch_with_repeated_seeds_grows_past_its_bound(emulated, fanout):
+    """The buffers' bound assumes distinct seeds (at most every edge once without replacement, or with fan-out -1):
+    a seed repeated past it needs more, and the batch, stopped, must run again on more, not stop at the same place
+    on every run."""
+    chain = csc_from_edges(torch.arange(1, 40), torch.arange(0, 39), 40)  # 39 edges: node v's one in-edge from v + 1
+    sampler = kernel_sampler(chain, fanout, emulated, device=CPU)
+    seeds = torch.tensor([0] * 50 + [5])
+    emulated.batch_calls = 0
+    sub = sampler.sample(seeds)
+    assert sub.num_sampled_edges == [51] and 1 < emulated.batch_calls <= 3
+    check_subgraph(sub, seeds, chain, fanout)
+    assert bool((sampler._local == -1).all())
+
+
 def test_emulated_batch_bounds_its_buffers_without_a_round_trip(emulated):
     topo = skewed_graph()
     run = kernel_sampler(topo, [4, 3], emulated, device=CPU)._kernel_run
@@ -372,8 +389,8 @@ def test_emulated_kernels_name_a_bad_topology(emulated):
         sampler.sample(torch.tensor([5]))
     assert bool((sampler._local == -1).all())
     assert int(sampler._kernel_run.error.count_nonzero()) == 0, "the error pair is cleared for the next batch"
-    with pytest.raises(ValueError, match="distinct"):  # duplicate seeds: refused before any kernel runs
-        sampler.sample(torch.tensor([1, 2, 1, 2]))
+    with pytest.raises(IndexError, match=r"seed ids must lie in \[0, 300\)"):  # refused before any kernel runs
+        sampler.sample(torch.tensor([1, 2, 300]))
     check_subgraph(sampler.sample(torch.tensor([6])), torch.tensor([6]), bad_row, [-1])
     bad_colptr = Topology(topo.colptr.clone(), topo.row)
     bad_colptr.colptr[8] = topo.num_edges + 5
@@ -402,7 +419,11 @@ def check_typed(sub, seeds, topo: Topology, table: list[list[int]], replace: boo
     sub = sub.to("cpu")
     n_id, (src_l, dst_l) = sub.n_id, sub.edge_index
     assert torch.equal(n_id[: sub.batch_size], seeds), "the seeds come first, in order"
-    assert n_id.unique().numel() == n_id.numel(), "every node appears once"
+    repeats = seeds.numel() - seeds.unique().numel()
+    assert n_id.unique().numel() == n_id.numel() - repeats, "every node appears once (a repeated seed per occurrence)"
+    later = torch.tensor([v in seeds[:i].tolist() for i, v in enumerate(seeds.tolist())], dtype=torch.bool)
+    assert not bool(torch.isin(src_l, later.nonzero().flatten()).any()), \
+        "an edge from a repeated seed points at its first occurrence"
     assert torch.equal(n_id[src_l], row[sub.pos]), "sources are the sampled edges' sources"
     assert torch.equal(n_id[dst_l], torch.searchsorted(colptr, sub.pos, right=True) - 1), "destinations"
     assert torch.equal(sub.edge_type, etype[sub.pos]), "edge types"
@@ -419,8 +440,8 @@ def check_typed(sub, seeds, topo: Topology, table: list[list[int]], replace: boo
                 expected = degree if fan < 0 else (fan if degree > 0 else 0) if replace else min(degree, fan)
                 got = int((etype[mine] == t).sum())
                 assert got == expected, f"hop {hop}, node {v}, edge type {t}: {got} edges, expected {expected}"
-        if not replace:
-            assert pos.unique().numel() == pos.numel(), f"hop {hop}: an edge drawn twice"
+        if not replace:  # (per destination place: a repeated seed's occurrences draw apart)
+            assert torch.stack([dsts, pos]).unique(dim=1).size(1) == pos.numel(), f"hop {hop}: an edge drawn twice"
         new = n_id[node_lo + n_nodes: node_lo + n_nodes + sub.num_sampled_nodes[hop + 1]]
         assert torch.equal(new, new.sort().values), f"hop {hop}: new nodes not in ascending id"
         node_lo, edge_lo = node_lo + n_nodes, edge_lo + n_edges
@@ -436,7 +457,8 @@ def check_typed_against_reference(table, replace: bool, emulated: Emulated | Non
                           generator=torch.Generator(device).manual_seed(1))
     reference = NeighborSampler(placed, table, replace=replace, device=device, blocks=blocks, kernels=False,
                                 generator=torch.Generator(device).manual_seed(1))
-    for seeds in (torch.tensor([0, 5, 3, 199]), torch.arange(0, 200, 3).flip(0), torch.tensor([3])):
+    for seeds in (torch.tensor([0, 5, 3, 199]), torch.arange(0, 200, 3).flip(0), torch.tensor([3]),
+                  torch.tensor([5, 0, 5, 3, 0, 0, 8, 3, 5])):
         sub, ref = ours.sample(seeds.to(device)), reference.sample(seeds.to(device))
         check_typed(sub, seeds, topo, table, replace)
         check_typed(ref, seeds, topo, table, replace)  # (the check itself, on the reference)

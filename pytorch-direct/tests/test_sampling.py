@@ -66,7 +66,11 @@ def check_subgraph(sub, seeds, topo, fanout, replace=False):
     seeds = seeds.cpu()
     n_id, (src_l, dst_l) = sub.n_id, sub.edge_index
     assert torch.equal(n_id[: sub.batch_size], seeds)
-    assert n_id.unique().numel() == n_id.numel(), "every node appears once"
+    repeats = seeds.numel() - seeds.unique().numel()
+    assert n_id.unique().numel() == n_id.numel() - repeats, "every node appears once (a repeated seed per occurrence)"
+    later = torch.tensor([v in seeds[:i].tolist() for i, v in enumerate(seeds.tolist())], dtype=torch.bool)
+    assert not bool(torch.isin(src_l, later.nonzero().flatten()).any()), \
+        "an edge from a repeated seed points at its first occurrence"
     assert sub.num_sampled_nodes[0] == sub.batch_size and sum(sub.num_sampled_nodes) == n_id.numel()
     assert len(sub.num_sampled_edges) == len(fanout) and sum(sub.num_sampled_edges) == sub.num_edges
     e_dst = torch.searchsorted(colptr, sub.e_id, right=True) - 1
@@ -89,7 +93,8 @@ def check_subgraph(sub, seeds, topo, fanout, replace=False):
             expected = degree.clamp(max=k)
         assert torch.equal(torch.bincount(dsts - node_lo, minlength=n_nodes), expected)
         if not replace:
-            assert eids.unique().numel() == eids.numel(), "no edge drawn twice"
+            # (an edge's destination is one node, so per destination slot: a repeated seed's occurrences draw apart)
+            assert torch.stack([dsts, eids]).unique(dim=1).size(1) == eids.numel(), "no edge drawn twice"
         new = n_id[node_lo + n_nodes: node_lo + n_nodes + sub.num_sampled_nodes[hop + 1]]
         assert torch.equal(new, new.sort().values), "new nodes of a hop are numbered in ascending id"
         node_lo, edge_lo = node_lo + n_nodes, edge_lo + n_edges
@@ -102,16 +107,38 @@ def check_subgraph(sub, seeds, topo, fanout, replace=False):
 def test_sampled_subgraph_is_valid(fanout, replace):
     topo = skewed_graph()
     sampler = NeighborSampler(topo, fanout, replace=replace, generator=torch.Generator().manual_seed(1))
-    for seeds in (torch.tensor([0, 5, 3, 299]), torch.randperm(300)[:64], torch.tensor([3])):
+    for seeds in (torch.tensor([0, 5, 3, 299]), torch.randperm(300)[:64], torch.tensor([3]), REPEATED):
         check_subgraph(sampler.sample(seeds), seeds, topo, fanout, replace)
+
+
+# repeated seeds (the hub 0, a node without in-edges, 3, and others), as over-sampling a class gives them
+REPEATED = torch.tensor([5, 0, 5, 3, 0, 0, 8, 3, 5])
 
 
 def test_map_is_reset_between_batches():
     sampler = NeighborSampler(skewed_graph(), [5, 5])
     sampler.sample(torch.arange(40))
     assert bool((sampler._local == -1).all())
-    with pytest.raises(ValueError, match="distinct"):
-        sampler.sample(torch.tensor([1, 2, 1]))
+    sampler.sample(torch.tensor([1, 2, 1]))
+    assert bool((sampler._local == -1).all())
+
+
+@pytest.mark.parametrize("script", [True, False])
+def test_repeated_seeds_are_a_seed_per_occurrence(script):
+    # PyG's samplers (pyg-lib, torch-sparse) take seeds as given: n_id starts with them, repeats included, and
+    # every place draws its own in-edges. This sampler refused repeated seeds ("must be distinct").
+    topo = skewed_graph()
+    sampler = NeighborSampler(topo, [3, 2], generator=torch.Generator().manual_seed(3), script=script)
+    seeds = torch.tensor([0] * 12 + [7, 7, 3])  # (the hub 0; node 3 has no in-edges)
+    sub = sampler.sample(seeds)
+    assert sub.batch_size == 15 and sub.num_sampled_nodes[0] == 15
+    check_subgraph(sub, seeds, topo, [3, 2])  # (seeds first, as given; edges from a repeat at its first place)
+    first_hop = slice(0, sub.num_sampled_edges[0])
+    per_place = torch.bincount(sub.edge_index[1, first_hop], minlength=15)
+    assert per_place.tolist() == [3] * 14 + [0], "every occurrence draws in-edges of its own"
+    # the hub's 12 occurrences drew apart (3 of its many in-edges each), not one draw copied 12 times
+    dst, e_id = sub.edge_index[1, first_hop], sub.e_id[first_hop]
+    assert len({tuple(sorted(e_id[dst == place].tolist())) for place in range(12)}) > 1
     assert bool((sampler._local == -1).all())
 
 
@@ -398,10 +425,19 @@ def assert_same_batch(ours, theirs):
                 assert got == value, key
 
 
-@pytest.mark.parametrize("inputs", ["all", "index", "mask"])
+def oversampled(data, gen_seed=0):
+    """The training nodes with those of class 0 three times over (over-sampling a class): repeated input nodes."""
+    train = data.train_mask.nonzero().flatten()
+    rare = train[data.y[train] == 0]
+    nodes = torch.cat([train, rare, rare])
+    return nodes[torch.randperm(nodes.numel(), generator=torch.Generator().manual_seed(gen_seed))]
+
+
+@pytest.mark.parametrize("inputs", ["all", "index", "mask", "repeated"])
 def test_data_batches_equal_pygs_own_loader(inputs):
     data = random_data()
-    input_nodes = {"all": None, "index": torch.randperm(400)[:150], "mask": data.train_mask}[inputs]
+    input_nodes = {"all": None, "index": torch.randperm(400)[:150], "mask": data.train_mask,
+                   "repeated": oversampled(data)}.get(inputs)
     ours = NeighborLoader(data, [5, 3], input_nodes=input_nodes, batch_size=40, seed=7)
     sampler = pyg().NodeSampler(data, [5, 3], seed=7)
     theirs = pyg().NodeLoader(data, node_sampler=sampler, input_nodes=input_nodes, batch_size=40)
@@ -422,6 +458,40 @@ def test_hetero_batches_equal_pygs_own_loader():
                         input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16)
     for a, b in zip(ours, theirs, strict=True):
         assert_same_batch(a, b)
+
+
+def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
+    # PyG's NeighborLoader batches positions into input_nodes, repeats included, and its samplers keep every
+    # occurrence as a seed: batch_size seeds per batch, n_id[:batch_size] = input_nodes[input_id], one output row
+    # each. This loader refused them ("input nodes must be distinct").
+    data = random_data()
+    input_nodes = oversampled(data)
+    assert input_nodes.unique().numel() < input_nodes.numel()
+    for shuffle in (False, True):
+        loader = NeighborLoader(data, [4, 2], input_nodes=input_nodes, batch_size=32, shuffle=shuffle, seed=1)
+        seen = []
+        for batch in loader:
+            size = batch.batch_size
+            assert size == batch.input_id.numel() and size in (32, input_nodes.numel() % 32)
+            assert torch.equal(batch.n_id[:size], input_nodes[batch.input_id])
+            assert torch.equal(batch.y[:size], data.y[input_nodes[batch.input_id]])
+            assert torch.equal(batch.n_id[batch.edge_index], data.edge_index[:, batch.e_id])
+            seen.append(batch.input_id)
+        order = torch.cat(seen)
+        assert len(loader) == len(seen) and order.numel() == input_nodes.numel()
+        assert torch.equal(order.sort().values, torch.arange(input_nodes.numel()))
+        if not shuffle:
+            assert torch.equal(order, torch.arange(input_nodes.numel())), "batches in the order given"
+    hetero = random_hetero()
+    papers = torch.tensor([4, 9, 4, 4, 120, 9])
+    fanouts = {et: [3, 2] for et in hetero.edge_types}
+    ours = NeighborLoader(hetero, fanouts, input_nodes=("paper", papers), batch_size=4, seed=2)
+    theirs = pyg().NodeLoader(hetero, node_sampler=pyg().NodeSampler(hetero, fanouts, seed=2),
+                              input_nodes=("paper", papers), batch_size=4)
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same_batch(a, b)
+        size = a["paper"].batch_size
+        assert torch.equal(a["paper"].n_id[:size], papers[a["paper"].input_id])
 
 
 def test_hetero_batches_follow_pyg_semantics():
@@ -701,8 +771,6 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], subgraph_type="induced")
     with pytest.raises(IndexError, match="input node ids"):
         NeighborLoader(data, [2], input_nodes=torch.tensor([0, 400]))
-    with pytest.raises(ValueError, match="distinct"):
-        NeighborLoader(data, [2], input_nodes=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="mask must have one entry per node"):
         NeighborLoader(data, [2], input_nodes=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="thread=True needs prefetch"):

@@ -140,7 +140,9 @@ __global__ void take_kernel(sample_graph g, const std::int64_t* frontier, std::i
           p = stop;
         }
       }
-      if (seed_local != nullptr) seed_local[v] = static_cast<std::int32_t>(i);
+      // a repeated seed's entry gets its first slot: the smallest i, whatever order the threads write in (the
+      // entry starts at -1, the largest value as unsigned)
+      if (seed_local != nullptr) atomicMin(reinterpret_cast<unsigned*>(seed_local + v), static_cast<unsigned>(i));
     }
   }
   take[i] = n;

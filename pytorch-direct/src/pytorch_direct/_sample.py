@@ -263,9 +263,13 @@ class NeighborSampler:
         self.kernels = kernels
 
     def sample(self, seeds: Tensor, *, check: bool = True) -> SampledSubgraph:
-        """The sampled subgraph around ``seeds`` (distinct global node ids, 1-D; for a heterogeneous graph, global
-        ids of one node type). ``check=False`` skips the range and distinctness check (one host round trip): for
-        seeds already checked, as the loader does once per loader."""
+        """The sampled subgraph around ``seeds`` (global node ids, 1-D; for a heterogeneous graph, global ids of one
+        node type). ``check=False`` skips the range check (one host round trip): for seeds already checked, as the
+        loader does once per loader.
+
+        A repeated seed is sampled as PyG's samplers (pyg-lib, torch-sparse) sample it: each occurrence is a seed of
+        its own, in ``n_id[:batch_size]`` at its place, and draws its own in-edges; an edge whose source is a
+        repeated seed points at its first occurrence."""
         if not isinstance(seeds, Tensor) or seeds.dtype.is_floating_point or seeds.dtype.is_complex \
                 or seeds.dtype == torch.bool:
             got = seeds.dtype if isinstance(seeds, Tensor) else type(seeds).__name__
@@ -377,16 +381,13 @@ def check_topology(topology: Topology) -> None:
 
 
 def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:
-    """Range and distinctness of node ids (one host round trip); raises ``IndexError`` / ``ValueError``."""
+    """Range of node ids (one host round trip); raises ``IndexError``. Repeated ids are allowed: as in PyG, each
+    occurrence is a seed of its own (see :meth:`NeighborSampler.sample`)."""
     if seeds.numel() == 0:
         return
-    ordered = torch.sort(seeds).values
-    repeats = (ordered[1:] == ordered[:-1]).sum()
-    low, high, repeated = torch.stack([ordered[0], ordered[-1], repeats]).tolist()
+    low, high = torch.stack(torch.aminmax(seeds)).tolist()
     if low < 0 or high >= num_nodes:
         raise IndexError(f"{what} ids must lie in [0, {num_nodes}), got [{low}, {high}]")
-    if repeated:
-        raise ValueError(f"{what}s must be distinct node ids ({repeated} appear more than once)")
 
 
 def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:

@@ -154,14 +154,16 @@ class KernelSampler:
 
     def _edge_bound(self, batch: int, fanouts: list[int], replace: bool) -> int:
         """The batch's edges over all hops at most (from its size and the fan-outs; no host round trip), capped by
-        the sampler's edge capacity."""
+        the sampler's edge capacity. For distinct seeds; repeated seeds (each occurrence draws its own in-edges)
+        can need more, and such a batch stops and runs again on more (see ``_sample``)."""
         total = 0
         frontier = batch
         for hop, fanout in enumerate(fanouts):
             per_node = fanout if self.hop_bounds is None else self.hop_bounds[hop]
             if per_node is not None and per_node < 0:
                 per_node = None
-            # (a frontier past the seeds holds distinct nodes: without replacement at most every edge once)
+            # (a frontier of distinct nodes draws every edge at most once without replacement; past the seeds the
+            # frontier always is one)
             edges = self.num_edges if per_node is None else frontier * per_node
             if not replace or per_node is None:
                 edges = min(edges, self.num_edges)
@@ -213,6 +215,9 @@ class KernelSampler:
             # (the call reset the id map; the run again draws the same edges, from the same seed)
             self.edge_capacity = max(self.edge_capacity, 2 * res[3])
             self.bounds.clear()
+            # a bound from the sizes can be short where seeds repeat: this key gets at least twice what the stopped
+            # run needed, or it would stop at the same place again
+            self.bounds[key] = max(self._edge_bound(batch, fanouts, replace), 2 * res[3])
         if res[0] != _DONE:
             self._check(res[1], res[2])
             raise RuntimeError(f"the sampler's batch call ended with status {res[0]}")

@@ -27,8 +27,9 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, list[int],
                                   list[int]]:
     """(n_id, edge_index, e_id, CSC positions, edge_type, node_type, nodes per hop, edges per hop) around ``seeds``
-    (distinct, checked). ``local``: the id map, one entry per node and a scratch entry at ``num_nodes`` (-1
-    everywhere, and again on return); ``sentinel``: [num_nodes] in the row's dtype; ``colptr`` has a slot per node.
+    (in range, checked; a repeated seed is a seed per occurrence, see :func:`first_occurrence`). ``local``: the id
+    map, one entry per node and a scratch entry at ``num_nodes`` (-1 everywhere, and again on return);
+    ``sentinel``: [num_nodes] in the row's dtype; ``colptr`` has a slot per node.
 
     One host round trip per hop (its edge counts) and one at the end. A hop's new nodes are not counted on the
     host before the next hop: at most one per sampled edge, they lie in a buffer of the hop's edge count, in
@@ -37,7 +38,7 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
     device = seeds.device
     batch = seeds.numel()
     slots = colptr.numel() - 1
-    local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
+    first_occurrence(local, seeds)
     srcs: list[Tensor] = []
     dsts: list[Tensor] = []
     poss: list[Tensor] = []
@@ -129,6 +130,15 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
     return n_id, edge_index, e_id, pos, types, kinds, num_nodes, num_edges
 
 
+def first_occurrence(local: Tensor, seeds: Tensor) -> None:
+    """Gives each seed's entry of the id map ``local`` (-1 there) its place in ``seeds``, the first place where a
+    seed repeats. Every occurrence stays a frontier node of the first hop and draws its own in-edges (as PyG's
+    samplers do); edges from a repeated seed point at its first occurrence. (``local[seeds] = arange`` would leave
+    the place a repeated seed gets to the order of the writes, which on a GPU is not defined.)"""
+    places = torch.arange(seeds.numel(), dtype=torch.int32, device=seeds.device)
+    local.scatter_reduce_(0, seeds, places, "amin", include_self=False)
+
+
 def number_new(local: Tensor, src: Tensor, sentinel: Tensor, total: int, pad: int) -> tuple[Tensor, list[Tensor]]:
     """Gives the sources ``src`` of a hop's edges that are not in the batch yet (-1 in the id map ``local``) the next
     local ids, ``total``, ``total + 1``, ... in ascending global id, without a host round trip. Returns (a buffer of
@@ -171,7 +181,7 @@ def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, 
     device = seeds.device
     batch = seeds.numel()
     slots = colptr.numel() - 1
-    local[seeds] = torch.arange(batch, dtype=torch.int32, device=device)
+    first_occurrence(local, seeds)
     srcs: list[Tensor] = []
     dsts: list[Tensor] = []
     poss: list[Tensor] = []

@@ -28,6 +28,11 @@ inline unsigned atomicOr(std::uint32_t* address, unsigned value) {
   *address = old | value;
   return old;
 }
+inline unsigned atomicMin(unsigned* address, unsigned value) {
+  const unsigned old = *address;
+  if (value < old) *address = value;
+  return old;
+}
 inline int __popc(std::uint32_t x) { return __builtin_popcount(x); }
 inline std::uint64_t __umul64hi(std::uint64_t a, std::uint64_t b) {
   return static_cast<std::uint64_t>((static_cast<unsigned __int128>(a) * b) >> 64);

@@ -59,8 +59,8 @@ enum class sample_error : std::int64_t {
 // Per frontier slot i < slots: take[i] = the in-edges it draws (0 for slots at or past *valid when valid is set,
 // which hold no node). fanout < 0: all; replace: fanout from each node with in-edges; else min(degree, fanout).
 // With fan_row set (typed fan-outs: this hop's fan-out per edge type, g.num_types of them), the same per run of one
-// edge type among a node's in-edges, with its type's fan-out. With seed_local set (the seeds' hop), also
-// local[frontier[i]] = i.
+// edge type among a node's in-edges, with its type's fan-out. With seed_local set (the seeds' hop, its entries -1),
+// also local[frontier[i]] = i, the smallest such i where a seed repeats (each occurrence is a slot of its own).
 void sample_take_cuda(const sample_graph& g, const std::int64_t* frontier, std::int64_t slots,
                       const std::int64_t* valid, int fanout, const std::int64_t* fan_row, bool replace,
                       std::int32_t* seed_local, std::int64_t* take, std::int64_t* error,

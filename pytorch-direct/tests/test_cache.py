@@ -315,6 +315,34 @@ def test_a_fill_with_no_positive_score_says_the_cache_is_empty():
     assert same_bytes(u[idx], table[idx])  # every row from the table
 
 
+def test_nan_scores_rank_lowest_and_are_never_cached():
+    # topk ranks NaN above every number: a frequency with NaN rows (a ratio such as hits / visits, 0 / 0 for rows
+    # never visited) filled the cache with those rows first, in place of the hottest ones (gathers stayed exact)
+    table, u, frequency = table_and_frequency()
+    nan_rows = torch.tensor([r for r in range(1, ROWS, 10) if r % 7])  # (none of the hot rows 0, 7, 14, ...)
+    frequency[nan_rows] = float("nan")
+    given = frequency.clone()
+    cache = pd.cached(u, budget_for(40, 64), frequency=frequency, device="cpu")
+    held = set(cache.row_of_slot[: cache.cached_rows].tolist())
+    assert cache.cached_rows == 40 and held <= set(range(0, ROWS, 7))  # the highest scores, as without the NaN
+    assert not held & set(nan_rows.tolist())
+    assert torch.equal(frequency.isnan(), given.isnan())  # the caller's tensor is left as it was
+    # a top-up with NaN scores fills the rest from its numbers only
+    seen = torch.zeros(ROWS)
+    seen[[2, 4]] = 1.0
+    degree = torch.full((ROWS,), float("nan"))
+    degree[[5, 6, 8]] = 3.0
+    cache.release()
+    cache = pd.cached(u, budget_for(40, 64), frequency=seen, top_up=degree, device="cpu")
+    assert set(cache.row_of_slot[: cache.cached_rows].tolist()) == {2, 4, 5, 6, 8}
+    assert cache.stats()["filled_from"] == {"frequency": 2, "top_up": 3}
+    idx = torch.arange(ROWS)
+    assert same_bytes(u[idx], table[idx])
+    cache.release()
+    with pytest.warns(UserWarning, match=r"filled with no rows \(every frequency is 0 or less, or NaN\)"):
+        pd.cached(u, budget_for(10, 64), frequency=torch.full((ROWS,), float("nan")), device="cpu")
+
+
 def test_count_rows_is_a_sampling_pass():
     batches = [torch.tensor([1, 2, 2]), torch.tensor([[2, 9]]), torch.tensor([], dtype=torch.int64)]
     counts = pd.count_rows(batches, 10)

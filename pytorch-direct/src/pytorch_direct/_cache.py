@@ -118,30 +118,35 @@ class RowCache:
 
     # ------------------------------------------------------------------------------------------------ filling
 
-    def _scores(self, frequency: Tensor, what: str) -> Tensor:
+    def _scores(self, frequency: Tensor, what: str, device: torch.device | str | None = None) -> Tensor:
+        """`frequency` checked, as a new float32 tensor on `device` (default: the cache's) with NaN scores as 0."""
         if not isinstance(frequency, Tensor) or frequency.shape != (self.rows,):
             got = tuple(frequency.shape) if isinstance(frequency, Tensor) else type(frequency).__name__
             raise ValueError(f"{what} must be a tensor with one number per table row, shape ({self.rows},); "
                              f"got {got}")
         if frequency.dtype == torch.bool or frequency.is_complex():
             raise TypeError(f"{what} must be real numbers (counts, degrees), got {frequency.dtype}")
-        return frequency.to(self.device, torch.float32)
+        scores = frequency.detach().to(self.device if device is None else device, torch.float32)
+        # A NaN score says nothing about a row (a ratio such as hits / visits of a row never visited): it ranks
+        # lowest, as a score of 0, and is never cached. topk ranks NaN above every number, so left as it is the
+        # NaN rows would take the slots of the hottest rows.
+        return scores.masked_fill(scores.isnan(), 0.0)
 
     def set_top_up(self, top_up: Tensor | None) -> None:
         """Scores (one per table row, e.g. node degree) that fill the slots a later fill's frequency leaves empty:
         a pre-sampling pass or counts of a few batches see a small part of the table (0.2-4% of its rows in the
         cache benchmark), and the rest of the budget would hold nothing. Kept in host memory. None: no top-up."""
         if top_up is not None:
-            self._scores(top_up, "top_up")  # (checked now, not at the next fill)
-            top_up = top_up.detach().to("cpu", torch.float32, copy=True)  # (the caller's tensor is theirs)
+            # (checked now, not at the next fill; a new tensor: the caller's is theirs)
+            top_up = self._scores(top_up, "top_up", "cpu")
         self.top_up = top_up
 
     def fill(self, frequency: Tensor, top_up: Tensor | None = None) -> None:
         """Caches the rows with the highest `frequency` (one number per table row: degree, counts from a sampling
-        pass, ...; rows scored 0 or less are never cached), as many as fit, replacing what was cached. Slots left
-        over (fewer rows scored above 0 than fit) go to the rows with the highest `top_up` score among the others
-        (`top_up` given here, else the one set with :meth:`set_top_up` or ``cached(top_up=...)``); how many rows
-        came from each is logged and kept in ``stats()["filled_from"]``."""
+        pass, ...; rows scored 0 or less, or NaN, are never cached), as many as fit, replacing what was cached.
+        Slots left over (fewer rows scored above 0 than fit) go to the rows with the highest `top_up` score among
+        the others (`top_up` given here, else the one set with :meth:`set_top_up` or ``cached(top_up=...)``); how
+        many rows came from each is logged and kept in ``stats()["filled_from"]``."""
         self._check_live("fill()")
         scores = self._scores(frequency, "frequency")
         if top_up is not None:
@@ -157,9 +162,9 @@ class RowCache:
                 hot = torch.cat([hot, torch.topk(rest, extra, sorted=False).indices])
         self.filled_from = {"frequency": k, "top_up": extra}
         if k + extra == 0:
-            warnings.warn("pytorch_direct: the cache was filled with no rows (every frequency is 0 or less): it holds "
-                          "its device memory and serves no gather; pass a frequency with positive scores (degree, "
-                          "pd.count_rows over a few batches) or a top_up", stacklevel=3)
+            warnings.warn("pytorch_direct: the cache was filled with no rows (every frequency is 0 or less, or NaN): "
+                          "it holds its device memory and serves no gather; pass a frequency with positive scores "
+                          "(degree, pd.count_rows over a few batches) or a top_up", stacklevel=3)
         elif k + extra < self.capacity:
             log.info("pytorch_direct: cache filled with %d rows of the %d it has room for: %d from the frequency, "
                      "%d from the top-up; no other row has a positive score", k + extra, self.capacity, k, extra)
@@ -308,14 +313,15 @@ def cached(table: Tensor, gpu_bytes: int, *, frequency: Tensor | None = None, co
     ``pd.gather``, ``F.embedding``, ``UnifiedFeatureStore``; eager, ``torch.compile`` and CUDA graphs) serves the
     cached rows from device memory and the others zero-copy from host memory, in one kernel. Results are exact.
 
-    Which rows: `frequency`, one number per table row (node degree, counts from a sampling pass over a few
-    batches: :func:`count_rows`), the highest first; and/or ``count=True``: the cache counts the rows it is asked
-    for (a bounded sample of each large call's indices, :meth:`RowCache.count`), and :meth:`RowCache.refill`
-    re-selects from those counts (e.g. after the first epoch). Without either it is an error: an empty cache would
-    only cost memory. `top_up`: scores (one per row, e.g. node degree) that fill the budget the frequency or the
-    counts leave: a pre-sampling pass or a few batches' counts see only a small part of the table, so without it
-    most of the budget holds nothing (what filled the cache is logged, and in :meth:`RowCache.stats`). With
-    ``count=True`` and a `top_up` but no frequency, the cache starts filled from the top-up.
+    Which rows: `frequency`, one number per table row (node degree, counts from a sampling pass over a few batches:
+    :func:`count_rows`), the highest first (rows scored 0 or less, or NaN, never); and/or ``count=True``: the cache
+    counts the rows it is asked for (a bounded sample of each large call's indices, :meth:`RowCache.count`), and
+    :meth:`RowCache.refill` re-selects from those counts (e.g. after the first epoch). Without either it is an
+    error: an empty cache would only cost memory. `top_up`: scores (one per row, e.g. node degree) that fill the
+    budget the frequency or the counts leave: a pre-sampling pass or a few batches' counts see only a small part of
+    the table, so without it most of the budget holds nothing (what filled the cache is logged, and in
+    :meth:`RowCache.stats`). With ``count=True`` and a `top_up` but no frequency, the cache starts filled from the
+    top-up.
 
     The budget covers everything the cache holds on the device: 4 bytes per table row for the slot map (8 with
     counting) and the row width + 8 bytes per cached row. Filling briefly needs the frequency on the device too.

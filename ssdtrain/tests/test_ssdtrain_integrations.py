@@ -185,6 +185,77 @@ def test_trainer_callback_offloads_training_steps_only(tmp_path):
     ssdtrain.release(model)
 
 
+def _no_session_left(model, use_cache=None):
+    """Nothing of an offload session is on the model or the thread: no saved-tensor hooks on autograd's stack, no
+    forward hooks or wrappers, no mark of an active session (and the KV cache setting back, where given: the
+    Trainer sets it itself)."""
+    from ssdtrain import session as session_mod
+
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, "saved-tensor hooks left on"
+    modules = list(model.modules())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in modules), "forward hooks left on the model"
+    assert not any("forward" in vars(m) for m in modules), "a forward wrapper left on the model"
+    assert not any(m in session_mod._ACTIVE for m in modules), "the model is still marked as in a session"
+    if use_cache is not None:
+        assert model.config.use_cache is use_cache
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trainer_callback_closes_the_session_of_a_step_whose_forward_raised(tmp_path, caplog):
+    # A step that raises never reaches on_step_end and the Trainer has no event for it: the step's session stayed
+    # entered after train() had raised (its saved-tensor hooks on the thread, its hooks on the model) until the
+    # next train(). Now an exception leaving the model's forward closes it before it propagates.
+    model = tiny_gpt2()
+    forwards = {"n": 0}
+
+    def fail_third(module, args, kwargs):
+        forwards["n"] += 1
+        if forwards["n"] == 3:  # the second optimizer step's first micro-batch (two per step)
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    handle = model.transformer.h[1].register_forward_pre_hook(fail_third, with_kwargs=True)
+    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
+    trainer = _trainer(model, tmp_path / "fails", [callback])
+    with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated"):
+        trainer.train()
+    handle.remove()
+    assert callback.session is None and callback.last is not None and callback.last._closed
+    assert "the training step's forward raised: its session is closed" in caplog.text
+    _no_session_left(model)
+    # The model trains as before, in a plain loop and under the callback again.
+    ids = torch.randint(0, 128, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    forwards["n"] = 10
+    trainer.train()
+    assert callback.session is None and callback.stats()["steps"] > 0
+    _no_session_left(model)
+    ssdtrain.release(model)
+
+
+def test_trainer_callback_hooks_called_as_the_trainer_does_close_a_failed_step():
+    # The Trainer's calls, made directly: on_step_begin, then a forward that raises. The next step's begin, or
+    # the next train()'s, also closes a session whose step ended otherwise (in backward or the optimizer step).
+    model = tiny_gpt2()
+    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K")
+    args, state, control = object(), transformers.TrainerState(), transformers.TrainerControl()
+    callback.on_train_begin(args, state, control, model=model)
+    callback.on_step_begin(args, state, control, model=model)
+    assert callback.session is not None and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    bad = torch.full((2, 8), 500)  # ids past the vocabulary: the embedding raises
+    with pytest.raises(IndexError):
+        model(input_ids=bad, labels=bad)
+    assert callback.session is None
+    _no_session_left(model, use_cache=True)
+    ids = torch.randint(0, 128, (2, 8))
+    callback.on_step_begin(args, state, control, model=model)
+    loss = model(input_ids=ids, labels=ids).loss  # (a step that fails after its forward: backward never runs)
+    del loss
+    callback.on_step_begin(args, state, control, model=model)  # the next step closes it, and opens its own
+    callback.on_step_end(args, state, control, model=model)
+    _no_session_left(model, use_cache=True)
+    ssdtrain.release(model)
+
+
 # ------------------------------------------------------------------------------------------------ accelerate
 def test_accelerate_loop_with_a_context_per_micro_batch():
     accelerate = pytest.importorskip("accelerate")

@@ -8,6 +8,13 @@ gradient accumulation and nothing else: evaluation, prediction, generation, logg
 ``on_step_end``, outside any session. (Forwards under ``torch.no_grad()`` are never steps of a session anyway.) The
 sessions reuse the model's plan, pinned host pool and NVMe engine from step to step (``ssdtrain.resources``).
 
+A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. So that the
+session does not stay entered after ``train()`` has raised (its saved-tensor hooks on the thread's autograd stack,
+its hooks on the model), the callback wraps the model's forward for the step: an exception leaving the forward (out
+of memory, a bad batch) closes the session before it propagates. An exception raised after the forward (in backward
+or the optimizer step) cannot be seen from a callback: that session is closed by the next step, the next
+``train()``, or the next ``offload()`` on the model.
+
 Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
 """
 
@@ -56,6 +63,7 @@ class OffloadCallback(TrainerCallback):
         self.session: OffloadSession | None = None  # the open session (inside a training step)
         self.last: OffloadSession | None = None
         self._totals: dict = {}
+        self._unguard = None  # puts the model's forward back (while a step's forward is guarded)
 
     # ------------------------------------------------------------------------------------------- Trainer events
     def on_train_begin(
@@ -81,6 +89,7 @@ class OffloadCallback(TrainerCallback):
         self._close(abort=True)
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
+        self._guard(model)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._close()
@@ -107,12 +116,42 @@ class OffloadCallback(TrainerCallback):
             totals = merge_stats(totals, self.session.stats())
         return totals
 
-    def _close(self, abort: bool = False) -> None:
+    def _guard(self, model: torch.nn.Module) -> None:
+        """Wrap ``model.forward`` (an instance attribute, put back when the session closes) so that an exception
+        leaving the step's forward closes the session at once. (Closed from inside the forward, where removing the
+        model's hooks is safe: a forward hook that closed it would remove hooks while torch runs through them.)"""
+        had = "forward" in vars(model)
+        inner = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except BaseException:
+                if self.session is not None:
+                    self._close(abort=True, why="the training step's forward raised")
+                raise
+
+        def unguard() -> None:
+            if vars(model).get("forward") is forward:  # (unless something replaced it since)
+                if had:
+                    model.forward = inner
+                else:
+                    del model.forward
+
+        model.forward = forward
+        self._unguard = unguard
+
+    def _close(
+        self, abort: bool = False, why: str = "a training step ended without on_step_end (an exception?)"
+    ) -> None:
+        unguard, self._unguard = self._unguard, None
+        if unguard is not None:
+            unguard()
         session, self.session = self.session, None
         if session is None:
             return
         if abort:
-            log.warning("ssdtrain: a training step ended without on_step_end (an exception?): its session is closed")
+            log.warning("ssdtrain: %s: its session is closed", why)
         session._quiet = True  # no "offloaded nothing" warning per step: on_train_end says it once, if at all
         session.close(abort=abort)
         session._quiet = False

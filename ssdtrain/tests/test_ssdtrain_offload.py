@@ -946,6 +946,42 @@ def test_disk_full_keeps_data_in_host_memory(tmp_path):
     assert s.stats()["fallbacks"]["nvme_full"] > 0
 
 
+def _offload_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+
+
+def test_a_tier_that_is_off_is_not_called_full(tmp_path, monkeypatch):
+    # Overrides that send activations to a tier that is switched off (nvme_memory=0, host_memory=0) or has no
+    # directory: the warning said "the NVMe tier is full" / "the host memory pool is full", sending the user to
+    # free disk space or raise a limit that was never the cause.
+    model, ids = make_net(), batch()
+    _, want = reference(model, ids)
+    nvme = {f"blocks.{i}": "nvme" for i in range(4)}
+    with pytest.warns(ssdtrain.OffloadWarning, match=r"the NVMe tier is switched off \(nvme_memory=0\): keeping "
+                                                     r"activations in host memory") as caught:
+        _, got, s = run(make_net(), ids, overrides=nvme, nvme_memory=0, profile_steps=1)
+    assert not any("full" in m for m in _offload_warnings(caught))
+    assert_same_grads(got, want)
+    assert s.stats()["fallbacks"]["nvme_off"] > 0 and "nvme_full" not in s.stats()["fallbacks"]
+    host = {f"blocks.{i}": "host" for i in range(4)}
+    with pytest.warns(ssdtrain.OffloadWarning, match=r"host memory is switched off \(host_memory=0\)") as caught:
+        _, got, s = run(make_net(), ids, overrides=host, host_memory=0, nvme_memory=0, profile_steps=1)
+    assert not any("full" in m for m in _offload_warnings(caught))
+    assert_same_grads(got, want)
+    assert s.stats()["fallbacks"]["host_off"] > 0
+    with pytest.raises(ssdtrain.OffloadError, match=r"host memory is switched off \(host_memory=0\) but the plan "
+                                                    r"sends activations there"):
+        run(make_net(), ids, overrides={"blocks.0": "host"}, host_memory=0, on_full="raise", profile_steps=1)
+    # The default NVMe directory missing: offload() trains on without the tier, and the warning says why.
+    missing = str(tmp_path / "gone")
+    monkeypatch.setattr(ssdtrain.options, "default_directories", lambda: [missing])
+    with pytest.warns(ssdtrain.OffloadWarning, match=rf"there is no NVMe tier: the NVMe directory '{missing}' does "
+                                                     r"not exist: create it.*: keeping activations in host memory"):
+        _, got, s = run(make_net(), ids, overrides=nvme, profile_steps=1)
+    assert_same_grads(got, want)
+    assert s.stats()["fallbacks"]["nvme_off"] > 0
+
+
 def test_full_raises_when_asked():
     model, ids = make_net(), batch()
     with pytest.raises(ssdtrain.OffloadError, match="host memory pool is full"):

@@ -64,8 +64,10 @@ def parse_budget(budget: int | float | str | None) -> tuple[int | None, float | 
 
 def nvme_options(
     directories: str | os.PathLike | Sequence[str | os.PathLike] | None, nvme_memory: int | str | None
-) -> tuple[list[str], int]:
-    """The NVMe directories and byte limit, checked now: a wrong directory or size fails at offload()."""
+) -> tuple[list[str], int, str | None]:
+    """The NVMe directories and byte limit, checked now: a wrong directory or size fails at offload(); and, where
+    the limit is 0, why (switched off, or the default directory is not usable), for the warnings of activations
+    that overrides send to the tier anyway."""
     given = directories is not None or io_settings.source("directories") != "default"
     if directories is None:
         dirs = default_directories()
@@ -76,23 +78,23 @@ def nvme_options(
         raise ValueError("directories= is empty: pass at least one directory, or nvme_memory=0 for no NVMe tier")
     limit = parse_size(nvme_memory) if nvme_memory is not None else None
     if limit == 0:
-        return dirs, 0
+        return dirs, 0, "the NVMe tier is switched off (nvme_memory=0)"
     try:
         check_directories(dirs)
     except OSError as e:
         if given or limit is not None:
             raise
         log.warning("ssdtrain: no NVMe tier: %s", e)  # the default temp dir: train on without NVMe, said once
-        return dirs, 0
+        return dirs, 0, f"there is no NVMe tier: {(e.strerror or str(e)).removeprefix('ssdtrain: ')}"
     free = free_space(dirs)
     if limit is None:
-        return dirs, int(free * 0.9)
+        return dirs, int(free * 0.9), None
     if limit > free:
         raise ValueError(
             f"ssdtrain: nvme_memory={format_bytes(limit)} is more than the free space of {', '.join(dirs)} "
             f"({format_bytes(free)}): pass nvme_memory <= {free} bytes, free space, or add directories"
         )
-    return dirs, limit
+    return dirs, limit, None
 
 
 def whole_number(name: str, value, minimum: int) -> int:

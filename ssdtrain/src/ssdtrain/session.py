@@ -139,11 +139,11 @@ class OffloadSession:
         self.verbose = verbose
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
-        self.directories, self.nvme_limit = nvme_options(directories, nvme_memory)
+        self.directories, self.nvme_limit, self.nvme_off = nvme_options(directories, nvme_memory)
         # The model's tiers are shared by sessions with the same limits *as given*: the default NVMe limit follows
-        # the free space, which the engine's own files change.
+        # the free space, which the engine's own files change. (An NVMe tier that is off is one per reason.)
         nvme_key = self.nvme_limit if nvme_memory is not None or self.nvme_limit == 0 else "free"
-        self._tiers_key = (self.host_limit, tuple(self.directories), nvme_key)
+        self._tiers_key = (self.host_limit, tuple(self.directories), nvme_key, self.nvme_off)
         self._key_options = (
             (self.budget, self.budget_fraction),
             host_memory,
@@ -271,7 +271,12 @@ class OffloadSession:
         cuda = self.device.type == "cuda"
         pool = HostPool(self.host_limit, pinned=cuda)
         nvme = NvmeTier(
-            pool, self.directories, self.nvme_limit, probe_bytes=64 * _MIB if cuda else 8 * _MIB, pinned=cuda
+            pool,
+            self.directories,
+            self.nvme_limit,
+            probe_bytes=64 * _MIB if cuda else 8 * _MIB,
+            pinned=cuda,
+            off_reason=self.nvme_off,
         )
         return SharedTiers(key, pool, nvme)
 
@@ -399,7 +404,7 @@ class OffloadSession:
         if not asked or c["bytes_to_host"] + c["bytes_to_nvme"] > 0 or self._recomputed_any:
             return
         if any(k.startswith("fallback_") for k in c):
-            return  # every tier was full: said already, by the fallback's own warning
+            return  # no tier had room (off or full): said already, by the fallback's own warning
         plan = self.plan or self.state.latest
         if self.planned_steps == 0:
             reason = (

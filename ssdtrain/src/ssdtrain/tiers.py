@@ -2,9 +2,10 @@
 
 A tier has a name (what ``Choice`` strings and ``print(plan)`` say), a capacity, the read and write rates of the
 stage behind the device link (none for pinned host memory; the disk for NVMe), an order of tiers to fall back to
-when it is full, and the operations the cache needs: ``store`` (start moving an activation's device bytes out) and
-``copied_out`` (the device-to-host copy is done: go on, e.g. to disk). Bringing bytes back is decided by where they
-are (a host buffer, a disk handle), not by the tier's name, so a new tier is one new class registered in ``TIERS``.
+when it has no room (switched off or full), and the operations the cache needs: ``store`` (start moving an
+activation's device bytes out) and ``copied_out`` (the device-to-host copy is done: go on, e.g. to disk). Bringing
+bytes back is decided by where they are (a host buffer, a disk handle), not by the tier's name, so a new tier is one
+new class registered in ``TIERS``.
 
     keep   the device itself: nothing moves
     host   the pinned host pool; falls back to NVMe, then to the device
@@ -56,10 +57,19 @@ class Tier:
     name = ""
     resident = False  # the bytes stay on the device
     fallback: tuple[str, ...] = ()  # tiers tried, in order, when this one has no room (then the device)
-    full_message = ""  # how a fallback from this tier is worded in the OffloadWarning
+    option = ""  # the offload() option that sizes this tier
 
     def capacity(self) -> int:
         return 0
+
+    def no_room(self) -> str:
+        """Why an activation planned for this tier did not go there, as the OffloadWarning and OffloadError say it:
+        the tier is switched off or missing (no capacity at all), or it is full."""
+        return f"the {self.name} tier has no room"
+
+    def room_kind(self) -> str:
+        """The key its fallbacks are counted under in ``stats()["fallbacks"]``: ``<tier>_off`` or ``<tier>_full``."""
+        return f"{self.name}_off" if self.capacity() <= 0 else f"{self.name}_full"
 
     def spec(self) -> TierSpec:
         return TierSpec(self.name, self.capacity())
@@ -88,13 +98,18 @@ class HostTier(Tier):
 
     name = "host"
     fallback = ("nvme",)
-    full_message = "the host memory pool is full"
+    option = "host_memory"
 
     def __init__(self, pool):
         self.pool = pool
 
     def capacity(self) -> int:
         return self.pool.limit
+
+    def no_room(self) -> str:
+        if self.capacity() <= 0:
+            return "host memory is switched off (host_memory=0)"
+        return "the host memory pool is full"
 
     def store(self, cache, entry) -> bool:
         buf = self.pool.allocate(entry.nbytes)
@@ -112,12 +127,23 @@ class NvmeTier(Tier):
 
     name = "nvme"
     fallback = ("host",)
-    full_message = "the NVMe tier is full"
+    option = "nvme_memory"
 
-    def __init__(self, pool, directories: list[str], limit: int, *, probe_bytes: int, pinned: bool):
+    def __init__(
+        self,
+        pool,
+        directories: list[str],
+        limit: int,
+        *,
+        probe_bytes: int,
+        pinned: bool,
+        off_reason: str | None = None,
+    ):
         self.pool = pool
         self.directories = directories
         self.limit = int(limit)
+        # why the tier has no bytes at all, where it has none (None: nvme_memory=0)
+        self.off_reason = off_reason
         self.probe_bytes = probe_bytes
         self.pinned = pinned
         self.engine: Engine | None = None
@@ -127,6 +153,11 @@ class NvmeTier(Tier):
 
     def capacity(self) -> int:
         return self.limit
+
+    def no_room(self) -> str:
+        if self.capacity() > 0:
+            return "the NVMe tier is full"
+        return self.off_reason or "the NVMe tier is switched off (nvme_memory=0)"
 
     def rates(self) -> tuple[float, float]:
         """(write, read) bytes/s of the slowest directory: measured once per directory, cached on disk. The probe
@@ -150,6 +181,7 @@ class NvmeTier(Tier):
             # The disk filled up since offload() checked it: train on without the tier, loudly (never a crash
             # after the profiling steps for a tier the plan may not even need).
             self.limit = 0
+            self.off_reason = f"the NVMe tier is off: {', '.join(self.directories)} had no room for it"
             warnings.warn(
                 f"ssdtrain: no NVMe tier: {', '.join(self.directories)} has no room for it ({e}); planning without "
                 "it: free space there, pass directories= with room, or nvme_memory=0 to silence this",
@@ -175,7 +207,8 @@ class NvmeTier(Tier):
         if buf is not None:  # through a host buffer: the device bytes go at link speed, the disk write follows
             cache.copy_out(entry, buf)
             return True
-        # The host pool is full: the engine stages the device bytes through its own pinned buffers.
+        # No host buffer (the pool is full, or host memory is off): the engine stages the device bytes through its
+        # own pinned buffers.
         try:
             write = engine.write(entry.src)
         except OSError as e:
@@ -194,12 +227,12 @@ class NvmeTier(Tier):
                 raise
             if cache.on_full == "raise":
                 raise OffloadError(
-                    f"ssdtrain: {self.full_message} ({', '.join(self.directories)}: {e.strerror}): pass nvme_memory= "
+                    f"ssdtrain: {self.no_room()} ({', '.join(self.directories)}: {e.strerror}): pass nvme_memory= "
                     "larger or directories= with more room, free space there, or on_full='fallback'"
                 ) from e
             # No room on disk: the bytes stay in the host buffer they are in.
             entry.tier = cache.tiers["host"]
-            cache.fell_back(self, entry.tier, "nvme_full")
+            cache.fell_back(self, entry.tier, "nvme_full")  # (the disk is full, whatever the limit says)
             return
         cache.writing(entry, write)
 

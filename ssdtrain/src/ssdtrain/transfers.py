@@ -67,10 +67,11 @@ class Transfers:
                 stacklevel=5,
             )
 
-    def fell_back(self, tier, to, kind: str) -> None:
-        """`tier` had no room for an activation, which went to `to` (a tier, or None: the device)."""
+    def fell_back(self, tier, to, kind: str | None = None) -> None:
+        """`tier` had no room for an activation, which went to `to` (a tier, or None: the device). `kind`: the
+        counter's key (default: the tier's, which says whether it is switched off or full)."""
         where = "keeping activations on the device" if to is None or to.resident else _WHERE[to.name]
-        self._warn(kind, f"{tier.full_message}: {where}")
+        self._warn(kind or tier.room_kind(), f"{tier.no_room()}: {where}")
 
     def _account(self, delta: int) -> None:
         self.gpu_saved_bytes += delta
@@ -87,15 +88,16 @@ class Transfers:
             entry.tier = tier
             if tier.store(self, entry):
                 if tier is not planned:
-                    self.fell_back(planned, tier, f"{planned.name}_full")
+                    self.fell_back(planned, tier)
                 return True
             if tier is planned and self.on_full == "raise":
-                raise OffloadError(
-                    f"ssdtrain: {planned.full_message} ({planned.capacity()} bytes): pass "
-                    f"{'host_memory' if planned.name == 'host' else 'nvme_memory'}= larger, or on_full='fallback'"
-                )
+                if planned.capacity() > 0:
+                    fix = f"({planned.capacity()} bytes): pass {planned.option}= larger, or on_full='fallback'"
+                else:  # (a tier that is off: the plan's overrides send activations to it)
+                    fix = "but the plan sends activations there: give it room, or on_full='fallback'"
+                raise OffloadError(f"ssdtrain: {planned.no_room()} {fix}")
         entry.tier = planned
-        self.fell_back(planned, None, f"{planned.name}_full")
+        self.fell_back(planned, None)
         return False
 
     def copy_out(self, entry: _Entry, buf: torch.Tensor) -> None:

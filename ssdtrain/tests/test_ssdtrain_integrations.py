@@ -248,10 +248,14 @@ def test_trainer_callback_hooks_called_as_the_trainer_does_close_a_failed_step()
     _no_session_left(model, use_cache=True)
     ids = torch.randint(0, 128, (2, 8))
     callback.on_step_begin(args, state, control, model=model)
+    guarded = vars(model)["forward"]
     loss = model(input_ids=ids, labels=ids).loss  # (a step that fails after its forward: backward never runs)
     del loss
     callback.on_step_begin(args, state, control, model=model)  # the next step closes it, and opens its own
+    # one wrapper for the whole training: a new function per step would make torch.compile recompile every step
+    assert vars(model)["forward"] is guarded
     callback.on_step_end(args, state, control, model=model)
+    callback.on_train_end(args, state, control, model=model)
     _no_session_left(model, use_cache=True)
     ssdtrain.release(model)
 

@@ -10,10 +10,10 @@ sessions reuse the model's plan, pinned host pool and NVMe engine from step to s
 
 A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. So that the
 session does not stay entered after ``train()`` has raised (its saved-tensor hooks on the thread's autograd stack,
-its hooks on the model), the callback wraps the model's forward for the step: an exception leaving the forward (out
-of memory, a bad batch) closes the session before it propagates. An exception raised after the forward (in backward
-or the optimizer step) cannot be seen from a callback: that session is closed by the next step, the next
-``train()``, or the next ``offload()`` on the model.
+its hooks on the model), the callback wraps the model's forward while it trains (one wrapper, put back at the
+end): an exception leaving the forward (out of memory, a bad batch) closes the session before it propagates. An
+exception raised after the forward (in backward or the optimizer step) cannot be seen from a callback: that session
+is closed by the next step, the next ``train()``, or the next ``offload()`` on the model.
 
 Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
 """
@@ -63,7 +63,7 @@ class OffloadCallback(TrainerCallback):
         self.session: OffloadSession | None = None  # the open session (inside a training step)
         self.last: OffloadSession | None = None
         self._totals: dict = {}
-        self._unguard = None  # puts the model's forward back (while a step's forward is guarded)
+        self._guarded = None  # (model, its guarded forward, what put it back) while a training's forwards are guarded
 
     # ------------------------------------------------------------------------------------------- Trainer events
     def on_train_begin(
@@ -75,6 +75,7 @@ class OffloadCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
+        self._unguard()
 
     def on_step_begin(
         self,
@@ -87,9 +88,9 @@ class OffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
         self._close(abort=True)
+        self._guard(model)
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
-        self._guard(model)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._close()
@@ -98,6 +99,7 @@ class OffloadCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close()
+        self._unguard()
         if self.last is not None:
             # Said once for the training, by its last step (the first steps profile by design: not worth a warning).
             self.last._warn_if_idle()
@@ -117,9 +119,14 @@ class OffloadCallback(TrainerCallback):
         return totals
 
     def _guard(self, model: torch.nn.Module) -> None:
-        """Wrap ``model.forward`` (an instance attribute, put back when the session closes) so that an exception
-        leaving the step's forward closes the session at once. (Closed from inside the forward, where removing the
-        model's hooks is safe: a forward hook that closed it would remove hooks while torch runs through them.)"""
+        """Wrap ``model.forward`` (an instance attribute) for the training, once: an exception leaving a step's
+        forward closes that step's session at once. One wrapper for the whole training, not one per step: a new
+        function object each step would fail ``torch.compile``'s guards on ``forward`` and recompile every step.
+        (Closed from inside the forward, where removing the model's hooks is safe: a forward hook that closed it
+        would remove hooks while torch runs through them.)"""
+        if self._guarded is not None and self._guarded[0] is model:
+            return
+        self._unguard()
         had = "forward" in vars(model)
         inner = model.forward
 
@@ -129,9 +136,10 @@ class OffloadCallback(TrainerCallback):
             except BaseException:
                 if self.session is not None:
                     self._close(abort=True, why="the training step's forward raised")
+                    self._unguard()  # (train() is ending with this exception: on_train_end will not run)
                 raise
 
-        def unguard() -> None:
+        def put_back() -> None:
             if vars(model).get("forward") is forward:  # (unless something replaced it since)
                 if had:
                     model.forward = inner
@@ -139,14 +147,17 @@ class OffloadCallback(TrainerCallback):
                     del model.forward
 
         model.forward = forward
-        self._unguard = unguard
+        self._guarded = (model, forward, put_back)
+
+    def _unguard(self) -> None:
+        """Put the guarded model's forward back (the end of a training, or of a step whose forward raised)."""
+        guarded, self._guarded = self._guarded, None
+        if guarded is not None:
+            guarded[2]()
 
     def _close(
         self, abort: bool = False, why: str = "a training step ended without on_step_end (an exception?)"
     ) -> None:
-        unguard, self._unguard = self._unguard, None
-        if unguard is not None:
-            unguard()
         session, self.session = self.session, None
         if session is None:
             return

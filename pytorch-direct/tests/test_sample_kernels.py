@@ -612,7 +612,20 @@ def test_gpu_kernels_name_a_bad_topology():
     with pytest.raises(ValueError, match=r"topology.row\[\d+\] holds a node id outside \[0, 300\)"):
         sampler.sample(torch.tensor([5], device=gpu))
     assert bool((sampler._local == -1).all())
-    with pytest.raises(ValueError, match="distinct"):  # duplicate seeds: refused before any kernel runs
-        sampler.sample(torch.tensor([1, 2, 1, 2], device=gpu))
     sub = sampler.sample(torch.tensor([6], device=gpu))
     check_subgraph(sub, torch.tensor([6]), Topology(topo.colptr, row), [-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fanout", [[-1], [3, 2]])
+def test_gpu_kernels_take_repeated_seeds_as_pyg_does(fanout):
+    # A seed per occurrence, as PyG's samplers: the take kernel's id map keeps each repeated seed's first place
+    # (atomicMin, whatever order its threads write in), and a batch past its buffers' bound runs again on more.
+    gpu = torch.device("cuda")
+    topo = skewed_graph()
+    sampler = NeighborSampler(topo.placed("device", gpu), fanout, device=gpu, kernels=True)
+    for seeds in (torch.tensor([0] * 64 + [7, 7, 3, 0]), torch.tensor([5, 1, 5, 1, 5])):
+        sub = sampler.sample(seeds.to(gpu)).to("cpu")
+        assert sub.batch_size == seeds.numel()
+        check_subgraph(sub, seeds, topo, fanout)
+        assert bool((sampler._local == -1).all())

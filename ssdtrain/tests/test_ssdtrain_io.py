@@ -335,6 +335,33 @@ def test_add_done_callback(engine_factory, backend):
         fut.add_done_callback(42)
 
 
+class _FinishesBetweenReads:
+    """A transfer that reads as not done twice (add_done_callback's check, then the callback thread's first look)
+    and as done from then on: the moment a real transfer finishing under load hits between two reads."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def done(self):
+        self.reads += 1
+        return self.reads > 2
+
+    def wait(self, timeout=None):  # (not a read: the callback thread ignores what it returns)
+        threading.Event().wait(timeout or 0)
+        return self.reads > 2
+
+
+def test_a_callback_is_called_when_its_transfer_finishes_between_two_reads():
+    # The callback thread read done() twice per pending transfer (once to fire, once to keep waiting): a transfer
+    # finishing between the two was in neither list and its callback was never called (test_add_done_callback
+    # waited 30 s for it on the 2-core CI machine).
+    from ssdtrain import io as ssd_io
+
+    fired = threading.Event()
+    ssd_io.Future(_FinishesBetweenReads(), None, None).add_done_callback(lambda f: fired.set())
+    assert fired.wait(10)
+
+
 def test_add_done_callback_error_is_reported(engine_factory, monkeypatch):
     engine = engine_factory(backend="threads")
     reports = []

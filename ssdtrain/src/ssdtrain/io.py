@@ -170,8 +170,12 @@ class _Notifier:
                 oldest = self._pending[0][0]
             oldest._op.wait(0.005)
             with self._cv:
-                ready = [(f, fn) for f, fn in self._pending if f.done()]
-                self._pending = [(f, fn) for f, fn in self._pending if not f.done()]
+                # done() read once per entry: a transfer finishing between two reads would be in neither list
+                # and its callback never called
+                ready, waiting = [], []
+                for entry in self._pending:
+                    (ready if entry[0].done() else waiting).append(entry)
+                self._pending = waiting
             for f, fn in ready:
                 f._call(fn)
 

@@ -693,6 +693,19 @@ def test_shuffle_drop_last_and_len():
     assert len(NeighborLoader(data, [2], batch_size=30)) == 4
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_drop_last_with_fewer_input_nodes_than_a_batch_gives_no_batches(thread):
+    # as PyG's loaders (a DataLoader with drop_last=True): len 0 and no batch. The epoch held one empty batch,
+    # whose sampling raised "seeds must be a non-empty 1-D tensor"
+    data, hetero = random_data(n=100), random_hetero()
+    kwargs = dict(batch_size=128, drop_last=True, prefetch=int(thread), thread=thread)
+    for loader in (NeighborLoader(data, [2], **kwargs),
+                   NeighborLoader(hetero, [2], input_nodes=("paper", torch.arange(100)), **kwargs)):
+        assert len(loader) == 0
+        assert list(loader) == []
+    assert len(list(NeighborLoader(data, [2], batch_size=128))) == 1
+
+
 def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
     data = random_data()
 

@@ -296,6 +296,8 @@ class NeighborLoader:
             order = torch.arange(n)
         if self.drop_last:
             order = order[: n // self.batch_size * self.batch_size]
+        if not order.numel():  # (drop_last with fewer inputs than batch_size; split would give one empty batch)
+            return []
         return list(order.split(self.batch_size))
 
     def make(self, positions: Tensor) -> Any:

@@ -4,6 +4,8 @@ batches as PyG's own NodeLoader assembles from the same samples; its input forms
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -745,6 +747,32 @@ def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
 
     gc.collect()
     assert threading.active_count() == before
+
+
+EXIT_WITH_AN_EPOCH_OPEN = """
+import torch
+from torch_geometric.data import Data
+from pytorch_direct.sampling import NeighborLoader
+
+n = 2000
+data = Data(x=torch.randn(n, 4), edge_index=torch.randint(0, n, (2, 20000)))
+epochs = [iter(NeighborLoader(data, [5, 5], batch_size=10, prefetch=2, thread=True, pipeline=p)) for p in (True, False)]
+for epoch in epochs:
+    next(epoch)
+print("leaving")
+"""
+
+
+def test_a_script_that_ends_during_an_epoch_exits_cleanly():
+    # a script whose iterator was still alive at exit (an epoch left open at module level) was aborted by SIGABRT
+    # ("terminate called without an active exception") in most runs: Python stopped the loader's daemon thread
+    # while it sampled inside torch's C++
+    pyg()
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", EXIT_WITH_AN_EPOCH_OPEN], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == "leaving", run.stderr[-2000:]
+        assert "terminate called" not in run.stderr
 
 
 def test_num_neighbors_in_every_form_pyg_takes():

@@ -4,15 +4,28 @@ a queue and CUDA events. (``loader`` below is the NeighborLoader, from the layer
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
+
+# Epochs whose loader thread may still run. Their threads are daemons: at interpreter exit Python stops a daemon
+# thread where it next takes the interpreter lock, and one doing so inside torch's C++ (sampling, which releases it)
+# aborted the process ("terminate called without an active exception"). So they are stopped before that (below).
+_running: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_epochs() -> None:
+    for epoch in list(_running):
+        epoch.close()
 
 
 class _Maker:
@@ -183,6 +196,7 @@ class Epoch:
             self._maker.queue = queue.Queue(maxsize=loader.prefetch)
             self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
             self._thread.start()
+            _running.add(self)
 
     def __iter__(self):
         return self

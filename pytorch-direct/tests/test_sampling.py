@@ -749,6 +749,47 @@ def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
     assert threading.active_count() == before
 
 
+@pytest.mark.parametrize("prefetch, thread, pipeline", [(0, False, False), (1, False, False), (2, True, False),
+                                                      (2, True, True)])
+def test_after_an_error_in_a_batch_the_epoch_goes_on_as_in_pyg(prefetch, thread, pipeline):
+    # PyG's loaders raise a batch's error with its own type and traceback, and the next call gives the next batch.
+    # Here the next call raised "IndexError: pop from an empty deque" with a loader thread, and the last call of
+    # the epoch "IndexError: list index out of range" without one
+    import traceback
+    import warnings
+
+    data = random_data()
+
+    def broken(batch):
+        if int(batch.input_id[0]) == 80:
+            raise KeyError("bad batch")
+        return batch
+
+    before = threading.active_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (prefetch without a thread on the CPU)
+        loader = NeighborLoader(data, [2], batch_size=40, prefetch=prefetch, thread=thread, pipeline=pipeline,
+                                transform=broken, device="cpu")
+    it, got = iter(loader), []
+    for _ in range(len(loader)):
+        try:
+            got.append(int(next(it).input_id[0]))
+        except KeyError as e:
+            got.append("error")
+            assert "broken" in "".join(traceback.format_exception(e))  # (raised where the transform raised it)
+    assert got == [0, 40, "error", *range(120, 400, 40)]
+    with pytest.raises(StopIteration):
+        next(it)
+    assert loader.stats()["batches"] == len(loader) - 1
+    # an error that ends a for loop ends the epoch's thread with it
+    try:
+        for _ in loader:
+            pass
+    except KeyError:
+        pass
+    assert threading.active_count() == before
+
+
 EXIT_WITH_AN_EPOCH_OPEN = """
 import torch
 from torch_geometric.data import Data

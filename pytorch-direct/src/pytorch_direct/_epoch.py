@@ -57,6 +57,15 @@ class _Maker:
         self.next += 1
         return self.batch_seeds[self.next - 1], self.batch_ids[self.next - 1]
 
+    @staticmethod
+    def attempt(make, *args):
+        """``make(*args)``, or the exception it raised: a batch that fails is handed to training as its error, in
+        its place, and the epoch goes on with the next batch (as PyG's loaders do after an error in a batch)."""
+        try:
+            return make(*args)
+        except Exception as exc:
+            return exc
+
     def make_one(self):
         """The next batch and the events that mark it made (None without a stream)."""
         seeds, input_id = self.seeds()
@@ -119,7 +128,7 @@ class _Maker:
                 torch.cuda.set_device(self.device)
             if not self.loader.pipeline:
                 while not self.done() and not self.stop.is_set():
-                    if not self.put(self.queue, self.make_one()):
+                    if not self.put(self.queue, self.attempt(self.make_one)):
                         return
                 return
             samples: queue.Queue = queue.Queue(maxsize=1)
@@ -130,12 +139,17 @@ class _Maker:
                 item = self.take(samples)
                 if item is None:  # training stopped the epoch
                     return
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException) and not isinstance(item, Exception):
                     raise item
-                if not self.put(self.queue, self.finish_one(*item)):
+                if not isinstance(item, Exception):  # (an Exception: that batch's error, handed on in its place)
+                    item = self.attempt(self.finish_one, *item)
+                if not self.put(self.queue, item):
                     return
+                # (an error raised in training gets a traceback that holds the epoch: held here while this thread
+                # waits for the next sample, it would keep the epoch, and so this thread, from ending)
+                del item
                 self.finished += 1
-        except BaseException as exc:  # handed to the training thread, which raises it
+        except BaseException as exc:  # handed to the training thread, which raises it (the thread has ended)
             self.put(self.queue, exc)
         finally:
             self.halt.set()
@@ -148,7 +162,7 @@ class _Maker:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             while not self.done() and not self.halt.is_set():
-                if not self.put(samples, self.sample_one()):
+                if not self.put(samples, self.attempt(self.sample_one)):
                     return
         except BaseException as exc:  # handed to the loader thread, which raises it
             self.put(samples, exc)
@@ -217,16 +231,22 @@ class Epoch:
             mark.record(stream)
         if self._thread is not None:
             item = self._maker.queue.get()
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            batch, ready = item
         elif not self.prefetch:
-            batch, ready = self._maker.make_one()
+            item = self._maker.attempt(self._maker.make_one)
         else:
             while not self._maker.done() and len(self._made) <= self.prefetch:
-                self._made.append(self._maker.make_one())
-            batch, ready = self._made.popleft()
+                self._made.append(self._maker.attempt(self._maker.make_one))
+            item = self._made.popleft()
+        if isinstance(item, BaseException):
+            # the failed batch takes its place in the epoch: the next call hands the batch after it
+            self._handed += 1
+            if not isinstance(item, Exception):  # (one that ends the loader thread)
+                self.close()
+            try:
+                raise item
+            finally:  # (else the error's traceback holds this frame, which holds the error and this epoch: a
+                del item  # cycle that would keep the epoch and its loader thread until the garbage collector runs)
+        batch, ready = item
         if ready is not None:
             for event in ready:
                 stream.wait_event(event)

@@ -790,6 +790,23 @@ def test_after_an_error_in_a_batch_the_epoch_goes_on_as_in_pyg(prefetch, thread,
     assert threading.active_count() == before
 
 
+def test_an_epoch_ended_by_the_next_one_says_so():
+    # iter(loader) ends the loader's previous epoch (one sampler, not shared between threads); with a loader
+    # thread the old iterator raised "IndexError: pop from an empty deque"
+    data = random_data()
+    loader = NeighborLoader(data, [2], batch_size=40, prefetch=1, thread=True)
+    first = iter(loader)
+    next(first)
+    assert len(list(loader)) == len(loader)
+    with pytest.raises(RuntimeError, match="one epoch at a time"):
+        next(first)
+    # without a loader thread both go on, in the training thread
+    loader = NeighborLoader(data, [2], batch_size=40, device="cpu")
+    first = iter(loader)
+    next(first)
+    assert len(list(loader)) == len(loader) and len(list(first)) == len(loader) - 1
+
+
 EXIT_WITH_AN_EPOCH_OPEN = """
 import torch
 from torch_geometric.data import Data

@@ -196,6 +196,7 @@ class Epoch:
         self.stats = loader._stats
         self.device = loader.device
         self.total = len(order)
+        self._threaded = bool(loader.thread)
         self._maker = _Maker(loader, order)
         self._handed = 0
         self._made: collections.deque = collections.deque()
@@ -222,6 +223,12 @@ class Epoch:
         if self._handed >= self.total:
             self.close()
             raise StopIteration
+        if self._threaded and self._maker.stop.is_set():
+            # (its loader thread is gone, and the batches it had made were dropped; a thread for this epoch
+            # beside the new epoch's would share their sampler, which is not thread-safe)
+            raise RuntimeError("this NeighborLoader epoch was ended before its last batch (a new epoch began with "
+                               "iter(loader), or the loader thread stopped): a loader with a loader thread makes one "
+                               "epoch at a time; start a new epoch with iter(loader)")
         begin = time.perf_counter()
         cuda = self.device.type == "cuda"
         mark = stream = None

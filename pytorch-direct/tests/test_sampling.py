@@ -451,6 +451,27 @@ def test_data_batches_equal_pygs_own_loader(inputs):
     assert count == len(ours) == len(theirs)
 
 
+def test_numpy_attributes_are_gathered_and_lists_refused_as_in_pyg():
+    # PyG's loaders gather node and edge attributes held as numpy arrays (their rows arrive as tensors) and raise
+    # for lists; here both reached every batch whole (all the graph's rows, whatever the batch's nodes)
+    import numpy as np
+
+    data = random_data()
+    data.code = np.arange(400 * 2).reshape(400, 2)
+    data.edge_code = np.arange(3000)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [5, 3], seed=7), batch_size=40)
+    for a, b in zip(NeighborLoader(data, [5, 3], batch_size=40, seed=7), theirs, strict=True):
+        assert_same_batch(a, b)
+        assert torch.equal(a.code, torch.from_numpy(data.code)[a.n_id]) and torch.equal(a.edge_code, a.e_id)
+    hetero = random_hetero()
+    hetero["author"].code = np.arange(200)
+    batch = next(iter(NeighborLoader(hetero, [2], input_nodes="paper", batch_size=16)))
+    assert torch.equal(batch["author"].code, batch["author"].n_id)
+    data.names = [f"node {i}" for i in range(400)]
+    with pytest.raises(TypeError, match="'names' is a list with one entry per node or edge"):
+        NeighborLoader(data, [2])
+
+
 def test_hetero_batches_equal_pygs_own_loader():
     data = random_hetero()
     fanouts = {et: [4, 2] for et in data.edge_types}

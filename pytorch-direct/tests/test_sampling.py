@@ -729,6 +729,19 @@ def test_drop_last_with_fewer_input_nodes_than_a_batch_gives_no_batches(thread):
     assert len(list(NeighborLoader(data, [2], batch_size=128))) == 1
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_input_nodes_that_select_none_make_a_loader_of_no_batches(thread):
+    # as PyG's loaders (an empty split or mask: len 0, no batch); this loader refused them ("input_nodes selects no
+    # nodes: there is nothing to load")
+    data, hetero = random_data(n=100), random_hetero()
+    kwargs = dict(batch_size=16, prefetch=int(thread), thread=thread)
+    for loader in (NeighborLoader(data, [2], input_nodes=torch.zeros(100, dtype=torch.bool), **kwargs),
+                   NeighborLoader(data, [2], input_nodes=torch.tensor([], dtype=torch.long), **kwargs),
+                   NeighborLoader(hetero, [2], input_nodes=("paper", torch.zeros(300, dtype=torch.bool)), **kwargs)):
+        assert len(loader) == 0
+        assert list(loader) == []
+
+
 def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
     data = random_data()
 

@@ -157,9 +157,8 @@ class NeighborLoader:
             warnings.warn(f"NeighborLoader(topology={topology!r}) has no effect on the CPU: the topology is read "
                           f"where it is", stacklevel=2)
         self.source = _topology.source_of(data, is_sorted)
+        # (input nodes that select none, e.g. an empty split or mask, make a loader of no batches, as PyG's)
         self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
-        if self._input_nodes.numel() == 0:
-            raise ValueError("input_nodes selects no nodes: there is nothing to load")
         self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
         self.unify = bool(unify)
         self._prepare_tables()

@@ -916,6 +916,22 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], topology="host", device="cpu")
 
 
+def test_pygs_defaults_passed_explicitly_are_taken():
+    # code written for PyG's NeighborLoader passes its defaults (pin_memory=False, directed=True, time_attr=None,
+    # ...); each raised NotImplementedError here, as if it asked for what the loader does not do
+    data = random_data()
+    defaults = dict(num_workers=0, time_attr=None, temporal_strategy="uniform", weight_attr=None, input_time=None,
+                    transform_sampler_output=None, directed=True, neighbor_sampler=None, filter_per_worker=None,
+                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None)
+    expected = NeighborLoader(data, [3, 2], batch_size=64, seed=1)
+    for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **defaults), expected, strict=True):
+        assert_same_batch(a, b)
+    for key, value in [("time_attr", "t"), ("directed", False), ("pin_memory", True), ("persistent_workers", True),
+                       ("temporal_strategy", "last"), ("input_time", torch.zeros(400))]:
+        with pytest.raises(NotImplementedError, match=key):
+            NeighborLoader(data, [2], **{key: value})
+
+
 def test_edges_from_nodes_past_the_graph_are_named():
     # a source id past the last node (num_nodes set too small) was sampled as an edge from some other node: the
     # batch's edge_index did not map back to the graph's edges

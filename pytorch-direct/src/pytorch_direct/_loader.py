@@ -32,20 +32,25 @@ SMALL_TABLE_BYTES = 16 << 20
 # host memory as unified tensors, read zero-copy.
 TOPOLOGY_GPU_SHARE = 0.25
 
+# PyG's (and torch's DataLoader's) arguments this loader does not take: per argument, the value that asks for
+# nothing (PyG's default, which code written for PyG's loader passes: accepted, and means what it means there) and
+# why any other value is refused.
 _NOT_SUPPORTED = {
-    "num_workers": "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by worker "
-                   "processes",
-    "time_attr": "temporal sampling is not supported",
-    "weight_attr": "weighted sampling is not supported",
-    "input_time": "temporal sampling is not supported",
-    "transform_sampler_output": "not supported; use transform= on the assembled batch",
-    "directed": "only directional subgraphs (the sampled edges) are made",
-    "filter_per_worker": "there are no worker processes",
-    "persistent_workers": "there are no worker processes",
-    "pin_memory": "batches are made on the sampling device already",
-    "collate_fn": "batches are assembled by the loader",
-    "sampler": "seeds come from input_nodes (shuffle=, drop_last=)",
-    "batch_sampler": "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)",
+    "num_workers": (0, "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by "
+                       "worker processes"),
+    "time_attr": (None, "temporal sampling is not supported"),
+    "temporal_strategy": ("uniform", "temporal sampling is not supported"),
+    "weight_attr": (None, "weighted sampling is not supported"),
+    "input_time": (None, "temporal sampling is not supported"),
+    "transform_sampler_output": (None, "not supported; use transform= on the assembled batch"),
+    "directed": (True, "only directional subgraphs (the sampled edges) are made"),
+    "neighbor_sampler": (None, "batches are sampled by pytorch-direct's sampler"),
+    "filter_per_worker": (None, "there are no worker processes"),
+    "persistent_workers": (False, "there are no worker processes"),
+    "pin_memory": (False, "batches are made on the sampling device already"),
+    "collate_fn": (None, "batches are assembled by the loader"),
+    "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
+    "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
 }
 
 
@@ -122,11 +127,11 @@ class NeighborLoader:
                  pipeline: bool = True,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
-            if key == "num_workers" and not value:
-                continue
-            reason = _NOT_SUPPORTED.get(key)
-            if reason is None:
+            if key not in _NOT_SUPPORTED:
                 raise TypeError(f"NeighborLoader got an unexpected argument {key!r}")
+            nothing, reason = _NOT_SUPPORTED[key]
+            if value is nothing or (isinstance(value, (bool, int, str)) and value == nothing):
+                continue
             raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
         if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")

@@ -932,6 +932,20 @@ def test_pygs_defaults_passed_explicitly_are_taken():
             NeighborLoader(data, [2], **{key: value})
 
 
+def test_a_node_type_without_a_node_count_is_named():
+    # a node type with no attribute and no num_nodes (PyG warns that its num_nodes is undefined) failed with
+    # "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"
+    import warnings
+
+    hetero = random_hetero()
+    del hetero["venue"].x
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"node type 'venue' has no node count"):
+        warnings.simplefilter("ignore")  # (PyG's)
+        NeighborLoader(hetero, [2], input_nodes="paper")
+    hetero["venue"].num_nodes = 10
+    assert len(list(NeighborLoader(hetero, [2], input_nodes="paper", batch_size=100))) == 3
+
+
 def test_edges_from_nodes_past_the_graph_are_named():
     # a source id past the last node (num_nodes set too small) was sampled as an edge from some other node: the
     # batch's edge_index did not map back to the graph's edges

@@ -4,6 +4,8 @@ batches as PyG's own NodeLoader assembles from the same samples; its input forms
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -449,6 +451,27 @@ def test_data_batches_equal_pygs_own_loader(inputs):
     assert count == len(ours) == len(theirs)
 
 
+def test_numpy_attributes_are_gathered_and_lists_refused_as_in_pyg():
+    # PyG's loaders gather node and edge attributes held as numpy arrays (their rows arrive as tensors) and raise
+    # for lists; here both reached every batch whole (all the graph's rows, whatever the batch's nodes)
+    import numpy as np
+
+    data = random_data()
+    data.code = np.arange(400 * 2).reshape(400, 2)
+    data.edge_code = np.arange(3000)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [5, 3], seed=7), batch_size=40)
+    for a, b in zip(NeighborLoader(data, [5, 3], batch_size=40, seed=7), theirs, strict=True):
+        assert_same_batch(a, b)
+        assert torch.equal(a.code, torch.from_numpy(data.code)[a.n_id]) and torch.equal(a.edge_code, a.e_id)
+    hetero = random_hetero()
+    hetero["author"].code = np.arange(200)
+    batch = next(iter(NeighborLoader(hetero, [2], input_nodes="paper", batch_size=16)))
+    assert torch.equal(batch["author"].code, batch["author"].n_id)
+    data.names = [f"node {i}" for i in range(400)]
+    with pytest.raises(TypeError, match="'names' is a list with one entry per node or edge"):
+        NeighborLoader(data, [2])
+
+
 def test_hetero_batches_equal_pygs_own_loader():
     data = random_hetero()
     fanouts = {et: [4, 2] for et in data.edge_types}
@@ -693,6 +716,32 @@ def test_shuffle_drop_last_and_len():
     assert len(NeighborLoader(data, [2], batch_size=30)) == 4
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_drop_last_with_fewer_input_nodes_than_a_batch_gives_no_batches(thread):
+    # as PyG's loaders (a DataLoader with drop_last=True): len 0 and no batch. The epoch held one empty batch,
+    # whose sampling raised "seeds must be a non-empty 1-D tensor"
+    data, hetero = random_data(n=100), random_hetero()
+    kwargs = dict(batch_size=128, drop_last=True, prefetch=int(thread), thread=thread)
+    for loader in (NeighborLoader(data, [2], **kwargs),
+                   NeighborLoader(hetero, [2], input_nodes=("paper", torch.arange(100)), **kwargs)):
+        assert len(loader) == 0
+        assert list(loader) == []
+    assert len(list(NeighborLoader(data, [2], batch_size=128))) == 1
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_input_nodes_that_select_none_make_a_loader_of_no_batches(thread):
+    # as PyG's loaders (an empty split or mask: len 0, no batch); this loader refused them ("input_nodes selects no
+    # nodes: there is nothing to load")
+    data, hetero = random_data(n=100), random_hetero()
+    kwargs = dict(batch_size=16, prefetch=int(thread), thread=thread)
+    for loader in (NeighborLoader(data, [2], input_nodes=torch.zeros(100, dtype=torch.bool), **kwargs),
+                   NeighborLoader(data, [2], input_nodes=torch.tensor([], dtype=torch.long), **kwargs),
+                   NeighborLoader(hetero, [2], input_nodes=("paper", torch.zeros(300, dtype=torch.bool)), **kwargs)):
+        assert len(loader) == 0
+        assert list(loader) == []
+
+
 def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
     data = random_data()
 
@@ -732,6 +781,90 @@ def test_an_error_in_the_loader_thread_reaches_training_and_ends_the_thread():
 
     gc.collect()
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("prefetch, thread, pipeline", [(0, False, False), (1, False, False), (2, True, False),
+                                                      (2, True, True)])
+def test_after_an_error_in_a_batch_the_epoch_goes_on_as_in_pyg(prefetch, thread, pipeline):
+    # PyG's loaders raise a batch's error with its own type and traceback, and the next call gives the next batch.
+    # Here the next call raised "IndexError: pop from an empty deque" with a loader thread, and the last call of
+    # the epoch "IndexError: list index out of range" without one
+    import traceback
+    import warnings
+
+    data = random_data()
+
+    def broken(batch):
+        if int(batch.input_id[0]) == 80:
+            raise KeyError("bad batch")
+        return batch
+
+    before = threading.active_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (prefetch without a thread on the CPU)
+        loader = NeighborLoader(data, [2], batch_size=40, prefetch=prefetch, thread=thread, pipeline=pipeline,
+                                transform=broken, device="cpu")
+    it, got = iter(loader), []
+    for _ in range(len(loader)):
+        try:
+            got.append(int(next(it).input_id[0]))
+        except KeyError as e:
+            got.append("error")
+            assert "broken" in "".join(traceback.format_exception(e))  # (raised where the transform raised it)
+    assert got == [0, 40, "error", *range(120, 400, 40)]
+    with pytest.raises(StopIteration):
+        next(it)
+    assert loader.stats()["batches"] == len(loader) - 1
+    # an error that ends a for loop ends the epoch's thread with it
+    try:
+        for _ in loader:
+            pass
+    except KeyError:
+        pass
+    assert threading.active_count() == before
+
+
+def test_an_epoch_ended_by_the_next_one_says_so():
+    # iter(loader) ends the loader's previous epoch (one sampler, not shared between threads); with a loader
+    # thread the old iterator raised "IndexError: pop from an empty deque"
+    data = random_data()
+    loader = NeighborLoader(data, [2], batch_size=40, prefetch=1, thread=True)
+    first = iter(loader)
+    next(first)
+    assert len(list(loader)) == len(loader)
+    with pytest.raises(RuntimeError, match="one epoch at a time"):
+        next(first)
+    # without a loader thread both go on, in the training thread
+    loader = NeighborLoader(data, [2], batch_size=40, device="cpu")
+    first = iter(loader)
+    next(first)
+    assert len(list(loader)) == len(loader) and len(list(first)) == len(loader) - 1
+
+
+EXIT_WITH_AN_EPOCH_OPEN = """
+import torch
+from torch_geometric.data import Data
+from pytorch_direct.sampling import NeighborLoader
+
+n = 2000
+data = Data(x=torch.randn(n, 4), edge_index=torch.randint(0, n, (2, 20000)))
+epochs = [iter(NeighborLoader(data, [5, 5], batch_size=10, prefetch=2, thread=True, pipeline=p)) for p in (True, False)]
+for epoch in epochs:
+    next(epoch)
+print("leaving")
+"""
+
+
+def test_a_script_that_ends_during_an_epoch_exits_cleanly():
+    # a script whose iterator was still alive at exit (an epoch left open at module level) was aborted by SIGABRT
+    # ("terminate called without an active exception") in most runs: Python stopped the loader's daemon thread
+    # while it sampled inside torch's C++
+    pyg()
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", EXIT_WITH_AN_EPOCH_OPEN], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == "leaving", run.stderr[-2000:]
+        assert "terminate called" not in run.stderr
 
 
 def test_num_neighbors_in_every_form_pyg_takes():
@@ -781,6 +914,36 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], prefetch=1, thread=False, device="cpu")
     with pytest.warns(UserWarning, match="no effect on the CPU"):
         NeighborLoader(data, [2], topology="host", device="cpu")
+
+
+def test_pygs_defaults_passed_explicitly_are_taken():
+    # code written for PyG's NeighborLoader passes its defaults (pin_memory=False, directed=True, time_attr=None,
+    # ...); each raised NotImplementedError here, as if it asked for what the loader does not do
+    data = random_data()
+    defaults = dict(num_workers=0, time_attr=None, temporal_strategy="uniform", weight_attr=None, input_time=None,
+                    transform_sampler_output=None, directed=True, neighbor_sampler=None, filter_per_worker=None,
+                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None)
+    expected = NeighborLoader(data, [3, 2], batch_size=64, seed=1)
+    for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **defaults), expected, strict=True):
+        assert_same_batch(a, b)
+    for key, value in [("time_attr", "t"), ("directed", False), ("pin_memory", True), ("persistent_workers", True),
+                       ("temporal_strategy", "last"), ("input_time", torch.zeros(400))]:
+        with pytest.raises(NotImplementedError, match=key):
+            NeighborLoader(data, [2], **{key: value})
+
+
+def test_a_node_type_without_a_node_count_is_named():
+    # a node type with no attribute and no num_nodes (PyG warns that its num_nodes is undefined) failed with
+    # "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"
+    import warnings
+
+    hetero = random_hetero()
+    del hetero["venue"].x
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"node type 'venue' has no node count"):
+        warnings.simplefilter("ignore")  # (PyG's)
+        NeighborLoader(hetero, [2], input_nodes="paper")
+    hetero["venue"].num_nodes = 10
+    assert len(list(NeighborLoader(hetero, [2], input_nodes="paper", batch_size=100))) == 3
 
 
 def test_edges_from_nodes_past_the_graph_are_named():

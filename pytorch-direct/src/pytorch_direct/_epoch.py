@@ -4,15 +4,28 @@ a queue and CUDA events. (``loader`` below is the NeighborLoader, from the layer
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
+
+# Epochs whose loader thread may still run. Their threads are daemons: at interpreter exit Python stops a daemon
+# thread where it next takes the interpreter lock, and one doing so inside torch's C++ (sampling, which releases it)
+# aborted the process ("terminate called without an active exception"). So they are stopped before that (below).
+_running: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_epochs() -> None:
+    for epoch in list(_running):
+        epoch.close()
 
 
 class _Maker:
@@ -43,6 +56,15 @@ class _Maker:
                 self.batch_seeds, self.batch_ids = self.loader.epoch_seeds(self.order)
         self.next += 1
         return self.batch_seeds[self.next - 1], self.batch_ids[self.next - 1]
+
+    @staticmethod
+    def attempt(make, *args):
+        """``make(*args)``, or the exception it raised: a batch that fails is handed to training as its error, in
+        its place, and the epoch goes on with the next batch (as PyG's loaders do after an error in a batch)."""
+        try:
+            return make(*args)
+        except Exception as exc:
+            return exc
 
     def make_one(self):
         """The next batch and the events that mark it made (None without a stream)."""
@@ -106,7 +128,7 @@ class _Maker:
                 torch.cuda.set_device(self.device)
             if not self.loader.pipeline:
                 while not self.done() and not self.stop.is_set():
-                    if not self.put(self.queue, self.make_one()):
+                    if not self.put(self.queue, self.attempt(self.make_one)):
                         return
                 return
             samples: queue.Queue = queue.Queue(maxsize=1)
@@ -117,12 +139,17 @@ class _Maker:
                 item = self.take(samples)
                 if item is None:  # training stopped the epoch
                     return
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException) and not isinstance(item, Exception):
                     raise item
-                if not self.put(self.queue, self.finish_one(*item)):
+                if not isinstance(item, Exception):  # (an Exception: that batch's error, handed on in its place)
+                    item = self.attempt(self.finish_one, *item)
+                if not self.put(self.queue, item):
                     return
+                # (an error raised in training gets a traceback that holds the epoch: held here while this thread
+                # waits for the next sample, it would keep the epoch, and so this thread, from ending)
+                del item
                 self.finished += 1
-        except BaseException as exc:  # handed to the training thread, which raises it
+        except BaseException as exc:  # handed to the training thread, which raises it (the thread has ended)
             self.put(self.queue, exc)
         finally:
             self.halt.set()
@@ -135,7 +162,7 @@ class _Maker:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             while not self.done() and not self.halt.is_set():
-                if not self.put(samples, self.sample_one()):
+                if not self.put(samples, self.attempt(self.sample_one)):
                     return
         except BaseException as exc:  # handed to the loader thread, which raises it
             self.put(samples, exc)
@@ -169,6 +196,7 @@ class Epoch:
         self.stats = loader._stats
         self.device = loader.device
         self.total = len(order)
+        self._threaded = bool(loader.thread)
         self._maker = _Maker(loader, order)
         self._handed = 0
         self._made: collections.deque = collections.deque()
@@ -183,6 +211,7 @@ class Epoch:
             self._maker.queue = queue.Queue(maxsize=loader.prefetch)
             self._thread = threading.Thread(target=self._maker.produce, name="pytorch-direct-loader", daemon=True)
             self._thread.start()
+            _running.add(self)
 
     def __iter__(self):
         return self
@@ -194,6 +223,12 @@ class Epoch:
         if self._handed >= self.total:
             self.close()
             raise StopIteration
+        if self._threaded and self._maker.stop.is_set():
+            # (its loader thread is gone, and the batches it had made were dropped; a thread for this epoch
+            # beside the new epoch's would share their sampler, which is not thread-safe)
+            raise RuntimeError("this NeighborLoader epoch was ended before its last batch (a new epoch began with "
+                               "iter(loader), or the loader thread stopped): a loader with a loader thread makes one "
+                               "epoch at a time; start a new epoch with iter(loader)")
         begin = time.perf_counter()
         cuda = self.device.type == "cuda"
         mark = stream = None
@@ -203,16 +238,22 @@ class Epoch:
             mark.record(stream)
         if self._thread is not None:
             item = self._maker.queue.get()
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            batch, ready = item
         elif not self.prefetch:
-            batch, ready = self._maker.make_one()
+            item = self._maker.attempt(self._maker.make_one)
         else:
             while not self._maker.done() and len(self._made) <= self.prefetch:
-                self._made.append(self._maker.make_one())
-            batch, ready = self._made.popleft()
+                self._made.append(self._maker.attempt(self._maker.make_one))
+            item = self._made.popleft()
+        if isinstance(item, BaseException):
+            # the failed batch takes its place in the epoch: the next call hands the batch after it
+            self._handed += 1
+            if not isinstance(item, Exception):  # (one that ends the loader thread)
+                self.close()
+            try:
+                raise item
+            finally:  # (else the error's traceback holds this frame, which holds the error and this epoch: a
+                del item  # cycle that would keep the epoch and its loader thread until the garbage collector runs)
+        batch, ready = item
         if ready is not None:
             for event in ready:
                 stream.wait_event(event)

@@ -32,20 +32,25 @@ SMALL_TABLE_BYTES = 16 << 20
 # host memory as unified tensors, read zero-copy.
 TOPOLOGY_GPU_SHARE = 0.25
 
+# PyG's (and torch's DataLoader's) arguments this loader does not take: per argument, the value that asks for
+# nothing (PyG's default, which code written for PyG's loader passes: accepted, and means what it means there) and
+# why any other value is refused.
 _NOT_SUPPORTED = {
-    "num_workers": "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by worker "
-                   "processes",
-    "time_attr": "temporal sampling is not supported",
-    "weight_attr": "weighted sampling is not supported",
-    "input_time": "temporal sampling is not supported",
-    "transform_sampler_output": "not supported; use transform= on the assembled batch",
-    "directed": "only directional subgraphs (the sampled edges) are made",
-    "filter_per_worker": "there are no worker processes",
-    "persistent_workers": "there are no worker processes",
-    "pin_memory": "batches are made on the sampling device already",
-    "collate_fn": "batches are assembled by the loader",
-    "sampler": "seeds come from input_nodes (shuffle=, drop_last=)",
-    "batch_sampler": "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)",
+    "num_workers": (0, "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by "
+                       "worker processes"),
+    "time_attr": (None, "temporal sampling is not supported"),
+    "temporal_strategy": ("uniform", "temporal sampling is not supported"),
+    "weight_attr": (None, "weighted sampling is not supported"),
+    "input_time": (None, "temporal sampling is not supported"),
+    "transform_sampler_output": (None, "not supported; use transform= on the assembled batch"),
+    "directed": (True, "only directional subgraphs (the sampled edges) are made"),
+    "neighbor_sampler": (None, "batches are sampled by pytorch-direct's sampler"),
+    "filter_per_worker": (None, "there are no worker processes"),
+    "persistent_workers": (False, "there are no worker processes"),
+    "pin_memory": (False, "batches are made on the sampling device already"),
+    "collate_fn": (None, "batches are assembled by the loader"),
+    "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
+    "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
 }
 
 
@@ -122,11 +127,11 @@ class NeighborLoader:
                  pipeline: bool = True,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
-            if key == "num_workers" and not value:
-                continue
-            reason = _NOT_SUPPORTED.get(key)
-            if reason is None:
+            if key not in _NOT_SUPPORTED:
                 raise TypeError(f"NeighborLoader got an unexpected argument {key!r}")
+            nothing, reason = _NOT_SUPPORTED[key]
+            if value is nothing or (isinstance(value, (bool, int, str)) and value == nothing):
+                continue
             raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
         if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
@@ -157,9 +162,8 @@ class NeighborLoader:
             warnings.warn(f"NeighborLoader(topology={topology!r}) has no effect on the CPU: the topology is read "
                           f"where it is", stacklevel=2)
         self.source = _topology.source_of(data, is_sorted)
+        # (input nodes that select none, e.g. an empty split or mask, make a loader of no batches, as PyG's)
         self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
-        if self._input_nodes.numel() == 0:
-            raise ValueError("input_nodes selects no nodes: there is nothing to load")
         self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
         self.unify = bool(unify)
         self._prepare_tables()
@@ -296,6 +300,8 @@ class NeighborLoader:
             order = torch.arange(n)
         if self.drop_last:
             order = order[: n // self.batch_size * self.batch_size]
+        if not order.numel():  # (drop_last with fewer inputs than batch_size; split would give one empty batch)
+            return []
         return list(order.split(self.batch_size))
 
     def make(self, positions: Tensor) -> Any:

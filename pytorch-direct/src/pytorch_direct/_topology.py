@@ -101,6 +101,20 @@ def _small_ids(t: Tensor, bound: int) -> Tensor:
     return t.to(torch.int32) if bound < 2**31 else t.to(torch.long)
 
 
+def _attribute_table(value, name: str) -> Tensor:
+    """A node or edge attribute (one row per node / edge, as PyG's ``is_node_attr`` / ``is_edge_attr`` say) as the
+    table a batch's rows are gathered from. As PyG's loaders: a numpy array is gathered too (its rows arrive as a
+    tensor); a list or tuple cannot be (PyG raises too): say so rather than hand every batch the whole list."""
+    if isinstance(value, Tensor):
+        return value
+    import numpy as np  # (here only: torch_geometric, whose Data this is, needs numpy; this package does not)
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    raise TypeError(f"attribute {name!r} is a {type(value).__name__} with one entry per node or edge: "
+                    f"NeighborLoader gathers tensors and numpy arrays only; make it a tensor, or remove it")
+
+
 def from_data(data, is_sorted: bool = False) -> Source:
     """A homogeneous PyG ``Data``: CSC from ``edge_index``; node and edge attributes become tables."""
     n = int(data.num_nodes)
@@ -110,12 +124,12 @@ def from_data(data, is_sorted: bool = False) -> Source:
     topology = Topology(colptr, _small_ids(row, n), edge_id=perm, num_nodes=n)
     source = Source(topology, None, [None], [None], {None: n}, template=data)
     for key, value in data.items():
-        if key == "edge_index" or not isinstance(value, Tensor):
+        if key == "edge_index":
             continue
         if data.is_node_attr(key):
-            source.node_tables[(None, key)] = value
+            source.node_tables[(None, key)] = _attribute_table(value, key)
         elif data.is_edge_attr(key):
-            source.edge_tables[(None, key)] = value
+            source.edge_tables[(None, key)] = _attribute_table(value, key)
     return source
 
 
@@ -124,18 +138,23 @@ def from_hetero_data(data, is_sorted: bool = False) -> Source:
     node_types, edge_types = data.metadata()
     if not edge_types:
         raise ValueError("the HeteroData object has no edge types to sample from")
-    num_nodes = {t: int(data[t].num_nodes) for t in node_types}
+    num_nodes = {t: data[t].num_nodes for t in node_types}
+    for t, n in num_nodes.items():
+        if n is None:  # (a node type with no attributes: nothing to count its nodes from)
+            raise ValueError(f"node type {t!r} has no node count: set data[{t!r}].num_nodes (it has no attributes "
+                             f"to infer it from)")
+    num_nodes = {t: int(n) for t, n in num_nodes.items()}
     coo = {et: data[et].edge_index for et in edge_types}
     source = _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted)
     source.template = data
     for t in node_types:
         for key, value in data[t].items():
-            if isinstance(value, Tensor) and data[t].is_node_attr(key):
-                source.node_tables[(t, key)] = value
+            if data[t].is_node_attr(key):
+                source.node_tables[(t, key)] = _attribute_table(value, f"{t}.{key}")
     for et in edge_types:
         for key, value in data[et].items():
-            if key != "edge_index" and isinstance(value, Tensor) and data[et].is_edge_attr(key):
-                source.edge_tables[(et, key)] = value
+            if key != "edge_index" and data[et].is_edge_attr(key):
+                source.edge_tables[(et, key)] = _attribute_table(value, f"{et}.{key}")
     return source
 
 

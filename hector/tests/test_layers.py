@@ -292,3 +292,22 @@ def test_double_backward_is_refused_clearly(data):
     (g,) = torch.autograd.grad(m(xx, ei, et).pow(2).sum(), xx, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("name", list(layers()))
+def test_graph_first_seen_under_inference_mode_trains_afterwards(name, data):
+    """A full-graph loop that evaluates before it trains (Lightning's validation sanity check runs under
+    torch.inference_mode) prepares the graph inside inference mode; the training step on the same edge tensors
+    reuses that graph, and a backward through it must work and give the gradients of a graph made outside."""
+    x, _, _, nt = data
+    ei, et, _ = make_graph(seed=21)  # tensors no other test has handed to a layer: the graph is made below
+    m = randomize(layers()[name]().double())
+    with torch.inference_mode():
+        evaluated = m(x, ei, et, nt)
+    xx = x.clone().requires_grad_()
+    out = m(xx, ei, et, nt)
+    out.pow(2).sum().backward()
+    assert rel_err(out, evaluated) < 1e-12
+    fresh = x.clone().requires_grad_()
+    m(fresh, ei.clone(), et.clone(), nt).pow(2).sum().backward()  # new tensors: a graph made outside
+    assert rel_err(xx.grad, fresh.grad) < 1e-12

@@ -215,6 +215,26 @@ def test_hgt_pyg_form_prepares_the_graph_once():
     assert len(hgt_mod._JOINED) == 2
 
 
+def test_hgt_pyg_form_layers_of_other_edge_type_orders_share_the_dicts():
+    """Two layers whose metadata lists the edge types in other orders (or one more edge type) number the
+    relations differently; called on the same x_dict / edge_index_dict tensors, each must use its own numbering,
+    not the joined graph the other layer made first."""
+    x, eid = _hetero()
+    orders = [EDGE_TYPES, EDGE_TYPES[::-1], EDGE_TYPES[1:] + [("venue", "has", "paper")] + EDGE_TYPES[:1]]
+    pairs = []
+    for seed, edge_types in enumerate(orders):
+        theirs = _randomize(pyg_nn.HGTConv(8, 8, (NODE_TYPES, edge_types), heads=2).double(), seed=seed)
+        ours = hn.HGTConv(8, 8, (NODE_TYPES, edge_types), heads=2).double()
+        ours.load_state_dict(theirs.state_dict())
+        pairs.append((ours, theirs, edge_types))
+    for ours, theirs, edge_types in pairs + pairs[::-1]:
+        # hector gets the one dict; PyG its keys in its own metadata order (its k_rel/v_rel HeteroLinear is told
+        # the types come sorted, and reads them wrongly in another order)
+        a, b = ours(x, eid), theirs(x, {e: eid[e] for e in edge_types if e in eid})
+        for k in b:
+            assert rel_err(a[k], b[k]) < 1e-10, k
+
+
 @pytest.mark.parametrize("edge, row, value", [(("author", "writes", "paper"), 1, 9),  # past paper: an author
                                              (("paper", "in", "venue"), 1, 3),  # past the last type
                                              (("author", "writes", "paper"), 0, -1),  # before author: a paper

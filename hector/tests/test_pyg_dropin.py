@@ -380,3 +380,40 @@ def test_rgcn_strict_state_dict_both_ways():
     ours = hn.RGCNConv(6, 5, R, num_bases=2)
     ours.load_state_dict(theirs.state_dict())
     theirs.load_state_dict(ours.state_dict())
+
+
+def test_parametrized_weights_as_in_pyg():
+    """torch.nn.utils.parametrize on a layer's tensor (weight_norm, a custom map) moves it out of the module's
+    parameters; the layer reads the parametrized value, as PyG's layer does: the same outputs and gradients of
+    the original tensors."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ei, et, _ = make_graph(num_nodes=N, num_edges=200, num_relations=R, seed=4)
+    x = torch.randn(N, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    pairs = [(hn.RGCNConv(16, 8, R, num_bases=2), pyg_nn.RGCNConv(16, 8, R, num_bases=2)),
+             (hn.RGATConv(16, 4, R, heads=2, attention="shared"), pyg_nn.RGATConv(16, 4, R, heads=2))]
+    for ours, theirs in pairs:
+        ours, theirs = _randomize(ours.double()), _randomize(theirs.double(), seed=5)
+        ours.load_state_dict(theirs.state_dict())
+        for m in (ours, theirs):
+            parametrize.register_parametrization(m, "bias", Double())
+            parametrizations.weight_norm(m, "weight", dim=0)
+        a, b = ours(x, ei, et), theirs(x, ei, et)
+        assert rel_err(a, b) < 1e-10
+        names = ["parametrizations.bias.original", "parametrizations.weight.original0",
+                 "parametrizations.weight.original1"]
+        ga = torch.autograd.grad(a.pow(2).sum(), [ours.get_parameter(n) for n in names])
+        gb = torch.autograd.grad(b.pow(2).sum(), [theirs.get_parameter(n) for n in names])
+        for n, u, v in zip(names, ga, gb, strict=True):
+            assert rel_err(u, v) < 1e-10, n
+    # under torch.compile (the layer's first call: its op's fake kernel traces the program, reading the
+    # parametrized tensor's shape) the parametrized value is computed in the compiled graph
+    torch._dynamo.reset()
+    fresh = hn.RGCNConv(16, 8, R).double()
+    parametrizations.weight_norm(fresh, "weight", dim=0)
+    compiled = torch.compile(lambda h: fresh(h, ei, et), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(x), fresh(x, ei, et)) < 1e-12

@@ -311,3 +311,20 @@ def test_graph_first_seen_under_inference_mode_trains_afterwards(name, data):
     fresh = x.clone().requires_grad_()
     m(fresh, ei.clone(), et.clone(), nt).pow(2).sum().backward()  # new tensors: a graph made outside
     assert rel_err(xx.grad, fresh.grad) < 1e-12
+
+
+def test_torch_func_transforms_are_refused_by_name(data):
+    """torch.func.grad / vmap over a layer: an error that names the transforms and the way that works (instead
+    of torch's complaint about an autograd.Function's setup_context, which the user never wrote)."""
+    from torch.func import functional_call, grad, vmap
+
+    x, ei, et, _ = data
+    m = hn.RGCNConv(5, 4, R).double()
+    params = dict(m.named_parameters())
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        grad(lambda p: functional_call(m, p, (x, ei, et)).sum())(params)
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        vmap(lambda h: m(h, ei, et))(x.expand(2, -1, -1))
+    # what the message points to works
+    grads = torch.autograd.grad(functional_call(m, params, (x, ei, et)).sum(), list(params.values()))
+    assert all(g is not None for g in grads)

@@ -292,3 +292,39 @@ def test_double_backward_is_refused_clearly(data):
     (g,) = torch.autograd.grad(m(xx, ei, et).pow(2).sum(), xx, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("name", list(layers()))
+def test_graph_first_seen_under_inference_mode_trains_afterwards(name, data):
+    """A full-graph loop that evaluates before it trains (Lightning's validation sanity check runs under
+    torch.inference_mode) prepares the graph inside inference mode; the training step on the same edge tensors
+    reuses that graph, and a backward through it must work and give the gradients of a graph made outside."""
+    x, _, _, nt = data
+    ei, et, _ = make_graph(seed=21)  # tensors no other test has handed to a layer: the graph is made below
+    m = randomize(layers()[name]().double())
+    with torch.inference_mode():
+        evaluated = m(x, ei, et, nt)
+    xx = x.clone().requires_grad_()
+    out = m(xx, ei, et, nt)
+    out.pow(2).sum().backward()
+    assert rel_err(out, evaluated) < 1e-12
+    fresh = x.clone().requires_grad_()
+    m(fresh, ei.clone(), et.clone(), nt).pow(2).sum().backward()  # new tensors: a graph made outside
+    assert rel_err(xx.grad, fresh.grad) < 1e-12
+
+
+def test_torch_func_transforms_are_refused_by_name(data):
+    """torch.func.grad / vmap over a layer: an error that names the transforms and the way that works (instead
+    of torch's complaint about an autograd.Function's setup_context, which the user never wrote)."""
+    from torch.func import functional_call, grad, vmap
+
+    x, ei, et, _ = data
+    m = hn.RGCNConv(5, 4, R).double()
+    params = dict(m.named_parameters())
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        grad(lambda p: functional_call(m, p, (x, ei, et)).sum())(params)
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        vmap(lambda h: m(h, ei, et))(x.expand(2, -1, -1))
+    # what the message points to works
+    grads = torch.autograd.grad(functional_call(m, params, (x, ei, et)).sum(), list(params.values()))
+    assert all(g is not None for g in grads)

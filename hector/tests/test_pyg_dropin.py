@@ -215,6 +215,26 @@ def test_hgt_pyg_form_prepares_the_graph_once():
     assert len(hgt_mod._JOINED) == 2
 
 
+def test_hgt_pyg_form_layers_of_other_edge_type_orders_share_the_dicts():
+    """Two layers whose metadata lists the edge types in other orders (or one more edge type) number the
+    relations differently; called on the same x_dict / edge_index_dict tensors, each must use its own numbering,
+    not the joined graph the other layer made first."""
+    x, eid = _hetero()
+    orders = [EDGE_TYPES, EDGE_TYPES[::-1], EDGE_TYPES[1:] + [("venue", "has", "paper")] + EDGE_TYPES[:1]]
+    pairs = []
+    for seed, edge_types in enumerate(orders):
+        theirs = _randomize(pyg_nn.HGTConv(8, 8, (NODE_TYPES, edge_types), heads=2).double(), seed=seed)
+        ours = hn.HGTConv(8, 8, (NODE_TYPES, edge_types), heads=2).double()
+        ours.load_state_dict(theirs.state_dict())
+        pairs.append((ours, theirs, edge_types))
+    for ours, theirs, edge_types in pairs + pairs[::-1]:
+        # hector gets the one dict; PyG its keys in its own metadata order (its k_rel/v_rel HeteroLinear is told
+        # the types come sorted, and reads them wrongly in another order)
+        a, b = ours(x, eid), theirs(x, {e: eid[e] for e in edge_types if e in eid})
+        for k in b:
+            assert rel_err(a[k], b[k]) < 1e-10, k
+
+
 @pytest.mark.parametrize("edge, row, value", [(("author", "writes", "paper"), 1, 9),  # past paper: an author
                                              (("paper", "in", "venue"), 1, 3),  # past the last type
                                              (("author", "writes", "paper"), 0, -1),  # before author: a paper
@@ -360,3 +380,40 @@ def test_rgcn_strict_state_dict_both_ways():
     ours = hn.RGCNConv(6, 5, R, num_bases=2)
     ours.load_state_dict(theirs.state_dict())
     theirs.load_state_dict(ours.state_dict())
+
+
+def test_parametrized_weights_as_in_pyg():
+    """torch.nn.utils.parametrize on a layer's tensor (weight_norm, a custom map) moves it out of the module's
+    parameters; the layer reads the parametrized value, as PyG's layer does: the same outputs and gradients of
+    the original tensors."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ei, et, _ = make_graph(num_nodes=N, num_edges=200, num_relations=R, seed=4)
+    x = torch.randn(N, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    pairs = [(hn.RGCNConv(16, 8, R, num_bases=2), pyg_nn.RGCNConv(16, 8, R, num_bases=2)),
+             (hn.RGATConv(16, 4, R, heads=2, attention="shared"), pyg_nn.RGATConv(16, 4, R, heads=2))]
+    for ours, theirs in pairs:
+        ours, theirs = _randomize(ours.double()), _randomize(theirs.double(), seed=5)
+        ours.load_state_dict(theirs.state_dict())
+        for m in (ours, theirs):
+            parametrize.register_parametrization(m, "bias", Double())
+            parametrizations.weight_norm(m, "weight", dim=0)
+        a, b = ours(x, ei, et), theirs(x, ei, et)
+        assert rel_err(a, b) < 1e-10
+        names = ["parametrizations.bias.original", "parametrizations.weight.original0",
+                 "parametrizations.weight.original1"]
+        ga = torch.autograd.grad(a.pow(2).sum(), [ours.get_parameter(n) for n in names])
+        gb = torch.autograd.grad(b.pow(2).sum(), [theirs.get_parameter(n) for n in names])
+        for n, u, v in zip(names, ga, gb, strict=True):
+            assert rel_err(u, v) < 1e-10, n
+    # under torch.compile (the layer's first call: its op's fake kernel traces the program, reading the
+    # parametrized tensor's shape) the parametrized value is computed in the compiled graph
+    torch._dynamo.reset()
+    fresh = hn.RGCNConv(16, 8, R).double()
+    parametrizations.weight_norm(fresh, "weight", dim=0)
+    compiled = torch.compile(lambda h: fresh(h, ei, et), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(x), fresh(x, ei, et)) < 1e-12

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ir.core import Op
 from ..runtime.backend import select
@@ -105,8 +106,12 @@ def _evict() -> None:
 
 
 def _forward_fake(x, edge_index, edge_type, node_type, weights, layer_id):
-    # the same shapes in training and eval mode: a compiled graph is not specialised on the layer's mode
-    return x.new_empty((x.shape[0],) + _layer(layer_id).output_feature_shape()), x.new_empty(1, dtype=torch.uint8)
+    # the same shapes in training and eval mode: a compiled graph is not specialised on the layer's mode. The
+    # shape comes from tracing the layer's program, which reads its tensors' shapes: a parametrized tensor
+    # (torch.nn.utils.parametrize) is computed from the layer's real parameters, which fake mode would refuse
+    with unset_fake_temporarily():
+        shape = _layer(layer_id).output_feature_shape()
+    return x.new_empty((x.shape[0],) + shape), x.new_empty(1, dtype=torch.uint8)
 
 
 def _backward_op(grad: torch.Tensor, token: torch.Tensor, x: torch.Tensor, edge_index: torch.Tensor,

@@ -109,6 +109,12 @@ class RelationalLayer(nn.Module):
         # and memo set): read on every call, eager or compiled
         out = {name: p for name, p in self._parameters.items() if p is not None}
         out.update({name: b for name, b in self._buffers.items() if b is not None})
+        if "parametrizations" in self._modules:
+            # torch.nn.utils.parametrize (weight_norm, orthogonal, spectral_norm, ...) moves a tensor out of
+            # _parameters into parametrizations.<name>.original: the program reads its parametrized value,
+            # computed here on each call (differentiable to the original), as PyG's layers read self.<name>
+            for name in self._modules["parametrizations"]:
+                out[name] = getattr(self, name)
         return out
 
     def trace(self, training: bool | None = None) -> Program:

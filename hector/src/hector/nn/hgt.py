@@ -285,7 +285,9 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
         items.append((rel_of[e], e, ei))
     device = xs[0].device
     compiling = torch.compiler.is_compiling()
-    key = (tuple(node_types), tuple(present), tuple(counts),
+    # the layer's edge-type list is part of the key: it numbers the relations (edge_type), so a layer whose
+    # metadata lists them in another order, or lists more, must not take the graph another layer joined
+    key = (tuple(node_types), tuple(edge_types), tuple(present), tuple(counts),
            tuple((e, id(ei), ei._version) for _, e, ei in items), str(device))
     if not compiling:
         hit = _JOINED.get(key)

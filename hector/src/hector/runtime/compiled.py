@@ -214,6 +214,10 @@ def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]
 def apply_bound(bound: Binding, graph: Graph, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]):
     """:func:`apply` with the tensors given in the order of ``bound.names`` (the call the layers make)."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if torch._C._are_functorch_transforms_active():  # functorch's path (vmap, grad, ...): Function.apply's own
-        return _Apply.apply(bound, graph, training, *tensors)
+    if torch._C._are_functorch_transforms_active():
+        # torch.func's transforms need an autograd.Function written for them (a separate setup_context, the values
+        # kept for backward returned as outputs); _Apply keeps them on ctx, and torch's own error names only that
+        raise NotImplementedError("hector's layers do not run under torch.func transforms (grad, vmap, jacrev, "
+                                  "...): take gradients with torch.autograd.grad or loss.backward() (with "
+                                  "torch.func.functional_call for parameters passed as arguments)")
     return _FUNCTION_APPLY(bound, graph, training, *tensors)

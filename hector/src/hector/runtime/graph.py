@@ -9,6 +9,7 @@ mini-batch subgraph (e.g. PyG ``NeighborLoader`` output) gets its own Graph, fre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -24,6 +25,16 @@ from . import prep
 from .prep import sort_keys, unique_pairs  # noqa: F401 - unique_pairs: part of this module's interface
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def _normal_tensors() -> contextlib.AbstractContextManager:
+    """Where a graph's data is made: outside inference mode even when the call that made it ran inside. A graph
+    outlives the call (cached per tensor pair, or held by the caller), and a tensor made under
+    ``torch.inference_mode`` can never be saved for backward: a training step on a graph first seen in an
+    inference-mode evaluation (Lightning's validation sanity check) would fail on its degree normaliser."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
@@ -116,6 +127,13 @@ class Graph:
     def __init__(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
                  node_type: torch.Tensor | None = None, num_node_types: int | None = None, *,
                  sync_free: bool = False, sorted_by_destination: bool | None = None):
+        with _normal_tensors():
+            self._build(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free,
+                        sorted_by_destination)
+
+    def _build(self, edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
+               node_type: torch.Tensor | None, num_node_types: int | None, sync_free: bool,
+               sorted_by_destination: bool | None) -> None:
         edge_index = _check_int_tensor("edge_index", edge_index, 2)
         if edge_index.size(0) != 2:
             raise GraphInputError(f"edge_index must have shape [2, num_edges], got {tuple(edge_index.shape)}"
@@ -218,7 +236,8 @@ class Graph:
         """The node-type id of every node; for a graph made without node types all zeros, made on first use (a
         launch per new graph that a layer without node types never reads)."""
         if self._ntype is None:
-            self._ntype = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
+            with _normal_tensors():
+                self._ntype = torch.zeros(self.num_nodes, dtype=torch.long, device=self.device)
         return self._ntype
 
     @property
@@ -228,7 +247,8 @@ class Graph:
     def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
         """Compute once per graph; every derived structure goes through here."""
         if key not in self._cache:
-            self._cache[key] = compute()
+            with _normal_tensors():
+                self._cache[key] = compute()
         return self._cache[key]
 
     # unique (source, relation) pairs: the rows of compact materialisation

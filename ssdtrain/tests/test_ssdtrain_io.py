@@ -370,3 +370,39 @@ def test_add_done_callback_error_is_reported(engine_factory, monkeypatch):
     fut.result(timeout=30)
     fut.add_done_callback(lambda f: 1 / 0)
     assert len(reports) == 1 and isinstance(reports[0].exc_value, ZeroDivisionError)
+
+
+class _DoneAfterFirstRead:
+    """A transfer that reads as not done once (add_done_callback's check), then as done: its callback runs on the
+    callback thread."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def done(self):
+        self.reads += 1
+        return self.reads > 1
+
+    def wait(self, timeout=None):
+        return self.reads > 1
+
+
+def test_a_callback_raising_system_exit_leaves_the_callback_thread_working(monkeypatch):
+    # A callback raising a BaseException that is no Exception (sys.exit() in it) ended the callback thread: every
+    # later callback of the process was silently never called.
+    from ssdtrain import io as ssd_io
+
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    first = threading.Event()
+
+    def exits(f):
+        first.set()
+        raise SystemExit("exit from a callback")
+
+    ssd_io.Future(_DoneAfterFirstRead(), None, None).add_done_callback(exits)
+    assert first.wait(10)
+    fired = threading.Event()
+    ssd_io.Future(_DoneAfterFirstRead(), None, None).add_done_callback(lambda f: fired.set())
+    assert fired.wait(10)
+    assert any(isinstance(r.exc_value, SystemExit) for r in reports)

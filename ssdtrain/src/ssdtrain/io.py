@@ -177,7 +177,9 @@ class _Notifier:
                     (ready if entry[0].done() else waiting).append(entry)
                 self._pending = waiting
             for f, fn in ready:
-                f._call(fn)
+                # Any exception, SystemExit included: one escaping here would end this thread, and every later
+                # callback of the process would silently never be called.
+                f._call(fn, catch=BaseException)
 
 
 class Future:
@@ -202,10 +204,10 @@ class Future:
         else:
             _Notifier.get().add(self, fn)
 
-    def _call(self, fn) -> None:
+    def _call(self, fn, catch: type[BaseException] = Exception) -> None:
         try:
             fn(self)
-        except Exception as e:  # noqa: BLE001 - reported through the interpreter's hook for such errors
+        except catch as e:  # noqa: BLE001 - reported through the interpreter's hook for such errors
             sys.unraisablehook(_Unraisable(e, f"ssdtrain: exception in the done callback {fn!r}", fn))
 
     def done(self) -> bool:

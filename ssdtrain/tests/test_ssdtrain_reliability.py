@@ -587,3 +587,17 @@ def test_model_copy_has_its_own_plans():
     with ssdtrain.offload(other, "1500K", min_bytes="4K", verbose=False) as t:
         _steps(other, ids, 3)
     assert s.stats()["profiled_steps"] == 1 and t.stats()["profiled_steps"] == 1
+
+
+def test_a_budget_given_with_a_plan_for_another_budget_is_refused():
+    """offload(plan=p) uses p as is: a budget= passed with it was ignored without a word, so a plan made for no
+    budget ran at its own peak (here ~3 MiB) under budget=1000 bytes. It is refused, naming plan.replan()."""
+    model, ids = make_net(layers=2), batch()
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K")
+    for budget in (1000, 0.5):
+        with pytest.raises(ValueError, match=r"would be ignored.*plan\.replan\(budget=\.\.\.\)"):
+            ssdtrain.offload(model, budget, plan=p, min_bytes="4K")
+    tight = p.replan(budget=p.prediction.peak)
+    with ssdtrain.offload(model, p.prediction.peak, plan=tight, min_bytes="4K", verbose=False) as s:  # its own
+        model(ids).backward()
+    assert s.plan is tight

@@ -164,6 +164,7 @@ class OffloadSession:
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
         if plan is not None:
             self._check_plan(plan)
+            self._check_plan_budget(plan)
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
             raise KeyError(
@@ -253,6 +254,24 @@ class OffloadSession:
                 f"plan= was made for other units ({plan.model}: {', '.join(names)}), not this model's "
                 f"({', '.join(self.unit_names)}): make its plan with ssdtrain.plan(model, ...) on this model, or "
                 "pass overrides= instead"
+            )
+
+    def _check_plan_budget(self, plan: Plan) -> None:
+        """A given plan is used as is, so a budget= other than the plan's own would be ignored without a word (a
+        plan made for 80 MiB run under budget=10 MiB): refuse it, naming the call that plans for it."""
+        if self.budget is None and self.budget_fraction is None:
+            return
+        given = self.budget_fraction if self.budget_fraction is not None else self.budget
+        planned = plan.budget_fraction if self.budget_fraction is not None else plan.budget
+        if self.budget is not None and plan.budget_fraction is not None:
+            planned = None  # a plan for a fraction of keep's peak: bytes given are another budget
+        if given != planned:
+            shown = format_bytes(self.budget) if self.budget is not None else f"{self.budget_fraction} x keep's peak"
+            raise ValueError(
+                f"offload(plan=...) uses the plan as is, and it was made for budget "
+                f"{format_bytes(plan.budget) if plan.budget is not None else 'None (the fastest plan)'}: "
+                f"budget={shown} would be ignored. Pass plan=plan.replan(budget=...) to plan the same "
+                "measurements for that budget (BudgetError if none fits), or leave budget= out"
             )
 
     def _bind_shared(self) -> None:

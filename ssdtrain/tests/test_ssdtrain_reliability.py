@@ -601,3 +601,16 @@ def test_a_budget_given_with_a_plan_for_another_budget_is_refused():
     with ssdtrain.offload(model, p.prediction.peak, plan=tight, min_bytes="4K", verbose=False) as s:  # its own
         model(ids).backward()
     assert s.plan is tight
+
+
+def test_overrides_given_with_a_plan_are_refused():
+    """offload(plan=p, overrides=...) ran p's choices and ignored the overrides without a word (the only warning
+    said the plan keeps everything). It is refused, naming plan.override()."""
+    model, ids = make_net(layers=2), batch()
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K")
+    with pytest.raises(ValueError, match=r"overrides= would be ignored.*plan\.override"):
+        ssdtrain.offload(model, plan=p, overrides={"blocks.0": "host"}, min_bytes="4K")
+    p.override("blocks.0", "host")
+    with ssdtrain.offload(model, plan=p, min_bytes="4K", verbose=False) as s:
+        model(ids).backward()
+    assert s.stats()["bytes_offloaded"]["host"] > 0

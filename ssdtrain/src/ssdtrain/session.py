@@ -165,6 +165,13 @@ class OffloadSession:
         if plan is not None:
             self._check_plan(plan)
             self._check_plan_budget(plan)
+            if self.overrides:
+                # A given plan's choices are used as they are: these overrides would be ignored without a word.
+                raise ValueError(
+                    "offload(plan=...) uses the plan's choices as they are: overrides= would be ignored. Apply them "
+                    "to the plan (plan.override('unit', 'choice') for each, then plan=plan), or pass overrides= "
+                    "without plan="
+                )
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
             raise KeyError(

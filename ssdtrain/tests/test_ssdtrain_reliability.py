@@ -614,3 +614,25 @@ def test_overrides_given_with_a_plan_are_refused():
     with ssdtrain.offload(model, plan=p, min_bytes="4K", verbose=False) as s:
         model(ids).backward()
     assert s.stats()["bytes_offloaded"]["host"] > 0
+
+
+def test_an_override_that_puts_a_plan_over_its_budget_warns():
+    """plan.override() could make a budgeted plan keep more than its budget (here all blocks kept under 0.6 x
+    keep's peak), and offload(plan=) then ran it past the budget without a word. The override now warns, naming
+    the peak and the budget."""
+    model, ids = make_net(layers=4), batch()
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", nvme_memory=0)
+    tight = p.replan(budget=int(p.keep_prediction.peak * 0.6))
+    lean = [n for n, c in tight.as_dict().items() if c != "keep"]
+    assert lean
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in lean:
+            tight.override(name, "keep")
+    over = [w for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+    assert over and "is now above its budget" in str(over[-1].message)
+    assert tight.prediction.peak > tight.budget
+    with warnings.catch_warnings(record=True) as caught:  # an override within the budget says nothing
+        warnings.simplefilter("always")
+        p.override(lean[0], "recompute")  # (p has no budget)
+    assert not [w for w in caught if "above its budget" in str(w.message)]

@@ -25,6 +25,7 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 
+from .entries import OffloadWarning
 from .prediction import (
     RECOMPUTE,
     Bandwidth,
@@ -245,6 +246,17 @@ class Plan:
         self.choices[i] = c
         self.overridden.add(name)
         self.inflight_bytes = ahead_bytes(self._model(), self.choices, self.window_units)
+        peak = self.prediction.peak
+        if self.budget is not None and peak > self.budget:
+            # The plan is used as the user now has it; running it past its budget without a word would break the
+            # budget's promise.
+            warnings.warn(
+                f"ssdtrain: plan.override({name!r}, {str(c)!r}): the plan's predicted activation peak "
+                f"{format_bytes(peak)} is now above its budget {format_bytes(self.budget)}; make another unit leaner "
+                "(plan.override) or plan again (plan.replan(budget=...))",
+                OffloadWarning,
+                stacklevel=2,
+            )
         return self
 
     def _index(self, name: str) -> int:

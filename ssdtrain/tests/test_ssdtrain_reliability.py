@@ -11,13 +11,13 @@ import json
 import os
 import threading
 import warnings
-import weakref
 
 import pytest
 import torch
 from ssdtrain_testutil import mounted_tmpfs
 from test_ssdtrain_offload import assert_same_grads, batch, grads, make_net, reference
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import ssdtrain
 from ssdtrain import tiers as ssd_tiers
@@ -320,7 +320,8 @@ def test_parameter_casts_and_gradients_are_in_the_peak():
 
 
 class _CastWatch(torch.utils._python_dispatch.TorchDispatchMode):
-    """Weak references to the casts of `params` made while active (autocast's bf16 weight copies)."""
+    """Weak references to the memory of the casts of `params` made while active (autocast's bf16 weight copies):
+    their storages, which outlive the tensor objects where autograd holds an alias of one."""
 
     def __init__(self, params):
         super().__init__()
@@ -330,12 +331,12 @@ class _CastWatch(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params:
-            self.casts.append(weakref.ref(out))
+            self.casts.append(StorageWeakRef(out.untyped_storage()))
         return out
 
     def alive(self) -> int:
         gc.collect()
-        return sum(r() is not None for r in self.casts)
+        return sum(not r.expired() for r in self.casts)
 
 
 def alive_block_casts(model, ids, overrides):
@@ -636,3 +637,26 @@ def test_an_override_that_puts_a_plan_over_its_budget_warns():
         warnings.simplefilter("always")
         p.override(lean[0], "recompute")  # (p has no budget)
     assert not [w for w in caught if "above its budget" in str(w.message)]
+
+
+def test_a_forward_whose_graph_is_dropped_without_backward_releases_everything(tmp_path):
+    """A forward whose loss is dropped unused (a skipped step, a NaN loss) left its whole graph alive: a tensor kept
+    as it is and saved by the op that made it (tanh, softmax, exp save their outputs) was held by its own node,
+    a cycle inside autograd that gc cannot see. The graph held every moved activation with it: their pinned
+    buffers and NVMe space stayed in use for the rest of the session, step after step."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    overrides = {"blocks.1": "host", "blocks.2": "nvme"}
+    options = dict(overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1)
+    with ssdtrain.offload(model, **options) as s:
+        _steps(model, ids, 1)
+        for _ in range(2):
+            loss = model(ids)
+            assert s.cache.live_entries() > 0
+            del loss
+            gc.collect()
+            s.cache.drain()  # (an entry whose NVMe write is still running is released when the write is done)
+            assert s.cache.live_entries() == 0
+            assert s.pool.in_use == 0 and s.cache.engine.stats()["live_handles"] == 0
+        _steps(model, ids, 1, want)
+        assert s.cache.live_entries() == 0

@@ -137,8 +137,7 @@ class TensorCache(Transfers):
                 self.counters["derived_tensors"] += 1
                 return derived
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = (unit, t._version)
-            return t
+            return self._keep(t, unit)
         if (
             self.keeps_unit is not None
             and self.observer is None
@@ -150,8 +149,7 @@ class TensorCache(Transfers):
             # host-bound step each microsecond here is the device's too). Its unpack still moves the prefetch
             # window: a moved unit under kept ones is restored before backward reaches it, not on demand there.
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = (unit, t._version)
-            return t
+            return self._keep(t, unit)
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return self._as_is(t)
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
@@ -167,8 +165,7 @@ class TensorCache(Transfers):
         if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
             # A kept unit's tensor that no recipe makes (a derive unit's): kept, as above.
             self.counters["kept_tensors"] += 1
-            self._kept_unit[id(t)] = (self.unit, t._version)
-            return t
+            return self._keep(t, self.unit)
         with self.lock:
             self.poll()
             esize = t.element_size()
@@ -220,10 +217,9 @@ class TensorCache(Transfers):
                 self.observer(unit, key, length, "small" if small else "saved")
             tier = self.tiers.get("keep") if small else self.tiers.get(self.tier_of(unit, length))
             if tier is None or tier.resident:
-                self._kept_unit[id(t)] = (unit, t._version)
                 self.counters["kept_bytes"] += length
                 self.counters["kept_tensors"] += 1
-                return t
+                return self._keep(t, unit)
             self._kept.pop(key, None)  # stored, not kept: the entry dedups its views from here on
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, base, (length,), (1,))
             entry = _Entry(self, key, unit, length, t.device, tier, src, t, storage)
@@ -255,7 +251,20 @@ class TensorCache(Transfers):
 
     def _as_is(self, t):
         """`t` is saved as it is, outside any unit: its version is recorded for unpack's check."""
-        self._kept_unit[id(t)] = (None, t._version)
+        return self._keep(t, None)
+
+    def _keep(self, t, unit):
+        """What autograd holds for a tensor kept as it is (`unit`: its unit, None: outside any): a detached alias
+        (the same storage and version counter) where `t` has a grad_fn. `t` itself would be a reference cycle
+        for an output its own op saves (the node holds the tensor, the tensor its node, inside autograd where
+        Python's gc cannot see it), so a graph dropped without backward (a forward whose loss is not used, a
+        backward that raised) would never be freed, nor the activations it moved (pinned buffers, NVMe space).
+        Its id and version are recorded for unpack's check and prefetch window. Not in a block whose saved tensors
+        recipes may start from (derive, and a profiled step measuring them): the recipes find those through weak
+        references to the tensors autograd holds, which an alias would let go."""
+        if t.grad_fn is not None and (self.derive_unit is None or not self.derive_unit(self.unit)):
+            t = t.detach()
+        self._kept_unit[id(t)] = (unit, t._version)
         return t
 
     def _observe_derived(self, t: torch.Tensor, derived: Derived) -> None:

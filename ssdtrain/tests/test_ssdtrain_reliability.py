@@ -660,3 +660,43 @@ def test_a_forward_whose_graph_is_dropped_without_backward_releases_everything(t
             assert s.pool.in_use == 0 and s.cache.engine.stats()["live_handles"] == 0
         _steps(model, ids, 1, want)
         assert s.cache.live_entries() == 0
+
+
+@pytest.mark.parametrize("where", ["kept", "moved"])
+def test_a_keyboard_interrupt_in_forward_leaves_the_next_forwards_steps(where):
+    """Ctrl-C in the middle of a forward inside the session (a notebook cell interrupted, then run again): torch
+    runs forward hooks registered with always_call for an Exception only, so the session's post hooks never ran
+    and it took every later forward for one nested in the interrupted one: no step was counted or started (no
+    step reset, no calibration), and where the interrupted block ran with ssdtrain's saved-tensor hooks off (a
+    block the plan keeps whole), they stayed off, so nothing was offloaded any more."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    # "kept": blocks.0-2 run without hooks (kept, nothing moved below them); "moved": every block moves.
+    moved = ["blocks.3"] if where == "kept" else [f"blocks.{i}" for i in range(4)]
+    overrides = {name: "host" for name in moved}
+    interrupt = {"armed": False}
+
+    def pre(module, args):
+        if interrupt["armed"]:
+            interrupt["armed"] = False
+            raise KeyboardInterrupt
+
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="4K", verbose=False, profile_steps=1) as s:
+        model.blocks[1].register_forward_pre_hook(pre)
+        _steps(model, ids, 2)  # (the first one is profiled)
+        planned = s.stats()["bytes_offloaded"]["host"]
+        _steps(model, ids, 1)
+        per_step = s.stats()["bytes_offloaded"]["host"] - planned
+        interrupt["armed"] = True
+        with pytest.raises(KeyboardInterrupt):
+            model(ids)
+        interrupt["armed"] = True
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():  # an evaluation forward interrupted: no step
+            model(ids)
+        gc.collect()
+        before = s.stats()
+        _steps(model, ids, 2, want)
+        after = s.stats()
+        assert s.hooks.depth == 0 and s.hooks.block_depth == 0 and not s._hooks_paused
+    assert after["steps"] == before["steps"] + 2
+    assert per_step > 0 and after["bytes_offloaded"]["host"] - before["bytes_offloaded"]["host"] == 2 * per_step

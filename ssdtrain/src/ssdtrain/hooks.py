@@ -24,6 +24,22 @@ def _in_backward() -> bool:
     return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
+_CALL_CODE = torch.nn.Module._call_impl.__code__
+
+
+def _running(module) -> bool:
+    """Is `module`'s forward running further up the stack, beyond the call whose pre hook asks (its first)?"""
+    calls = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_CODE and frame.f_locals.get("self") is module:
+            calls += 1
+            if calls == 2:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _failed(output) -> bool:
     """Called from a forward hook: did the forward raise (the hook runs in torch's exception handler)?"""
     return output is None and sys.exc_info()[1] is not None
@@ -32,8 +48,8 @@ def _failed(output) -> bool:
 class ModuleHooks:
     """Forward pre/post hooks on the model and its blocks, reporting to `listener`:
 
-    ``start_step(signature)``, ``forward_done(failed)``, ``block_started(unit, args)``, ``block_done(unit)`` and
-    its ``steps`` (steps started so far)."""
+    ``start_step(signature)``, ``forward_done(failed)``, ``forward_interrupted(tracked)``,
+    ``block_started(unit, args)``, ``block_done(unit)`` and its ``steps`` (steps started so far)."""
 
     def __init__(self, listener):
         self.listener = listener
@@ -64,6 +80,13 @@ class ModuleHooks:
         self.untracked = 0
 
     def _root_pre(self, module, args, kwargs):
+        if (self.depth or self.untracked) and not _running(module):
+            # The last forward never came back through the post hooks: torch runs always_call hooks for an
+            # Exception only, not for a KeyboardInterrupt (Ctrl-C). Without this, every later forward would count
+            # as nested in that one: no step started again, and saved-tensor hooks paused for a block stayed off.
+            tracked = self.depth > 0  # (an interrupted forward under no_grad was no step: nothing to end)
+            self.reset()
+            self.listener.forward_interrupted(tracked)
         if self.untracked or (self.depth == 0 and not torch.is_grad_enabled()):
             self.untracked += 1
             return

@@ -552,6 +552,14 @@ class OffloadSession:
         self.cache.deriver.reset()
         self.cache.poll()
 
+    def forward_interrupted(self, tracked: bool) -> None:
+        """The last forward ended without its post hooks (a KeyboardInterrupt): end it as a failed one (`tracked`:
+        it was a step's, not one under no_grad)."""
+        if self._hooks_paused:
+            self._resume_hooks()
+        if tracked:
+            self.forward_done(failed=True)
+
     def block_started(self, unit: int, args: tuple) -> None:
         self.cache.unit = unit
         if unit in self._bare_units:

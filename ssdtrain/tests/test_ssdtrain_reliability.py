@@ -700,3 +700,24 @@ def test_a_keyboard_interrupt_in_forward_leaves_the_next_forwards_steps(where):
         assert s.hooks.depth == 0 and s.hooks.block_depth == 0 and not s._hooks_paused
     assert after["steps"] == before["steps"] + 2
     assert per_step > 0 and after["bytes_offloaded"]["host"] - before["bytes_offloaded"]["host"] == 2 * per_step
+
+
+def test_a_plan_runs_with_the_min_bytes_it_was_profiled_with():
+    """offload(model, plan=p) ran p under offload()'s default min_bytes (1 MiB), not the one p was profiled with:
+    tensors between the two stayed on the device though the plan moves them (here every one: nothing moved, the
+    budget's prediction meaningless). The README's own example did this. The plan's min_bytes is now used, and
+    another one is refused."""
+    model, ids = make_net(layers=2), batch()
+    _, want = reference(model, ids)
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", overrides=MOVED)
+    model.zero_grad()
+    with ssdtrain.offload(model, plan=p, verbose=False) as s:
+        model(ids).backward()
+    assert_same_grads(grads(model), want)
+    assert s.min_bytes == 4 * KIB and s.stats()["bytes_offloaded"]["host"] > 0
+    assert p.replan(budget=p.prediction.peak).min_bytes == 4 * KIB
+    with pytest.raises(ValueError, match="the plan was profiled with min_bytes=4096"):
+        ssdtrain.offload(model, plan=p, min_bytes="1M")
+    p0 = p.replan()
+    p0.min_bytes = 0  # (a plan profiled with min_bytes=0: 0 is a min_bytes too, not "none given")
+    assert ssdtrain.offload(model, plan=p0).min_bytes == 0

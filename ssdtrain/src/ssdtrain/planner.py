@@ -171,6 +171,8 @@ class Plan:
     # step's peak is elsewhere (see ``ahead_bytes``).
     inflight_bytes: int = 0
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
+    # Saved tensors below this stayed on the device, unmeasured, in the profile (None: a plan not from a session).
+    min_bytes: int | None = None
     overridden: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
@@ -626,6 +628,7 @@ def replan(plan: Plan, **changes) -> Plan:
     new.notes = list(plan.notes)
     new.order_bounds = list(plan.order_bounds)
     new.compiled_blocks = plan.compiled_blocks
+    new.min_bytes = plan.min_bytes
     return new
 
 

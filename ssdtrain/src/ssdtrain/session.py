@@ -114,7 +114,7 @@ class OffloadSession:
         host_memory: int | str | None = None,
         nvme_memory: int | str | None = None,
         directories: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-        min_bytes: int | str = "1M",
+        min_bytes: int | str | None = None,
         prefetch_units: int = 2,
         on_full: str = "fallback",
         profile_steps: int = 2,
@@ -133,7 +133,18 @@ class OffloadSession:
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
             Choice.parse(value)  # fail now on a typo
+        # None: 1 MiB, or with plan= the min_bytes its profile was taken with: smaller tensors are kept on the device
+        # unmeasured, so a plan run under another min_bytes would keep (or move) bytes its prediction never saw.
+        planned_min = getattr(plan, "min_bytes", None) if isinstance(plan, Plan) else None
+        if min_bytes is None:
+            min_bytes = planned_min if planned_min is not None else "1M"
         self.min_bytes = parse_size(min_bytes)
+        if planned_min is not None and self.min_bytes != planned_min:
+            raise ValueError(
+                f"offload(plan=...) with min_bytes={self.min_bytes}: the plan was profiled with "
+                f"min_bytes={planned_min}, and its predictions hold only for that; leave min_bytes= out (the plan's is "
+                "used) or make the plan with this one"
+            )
         self.prefetch_units = int(prefetch_units)
         self.profile_steps = int(profile_steps)
         self.verbose = verbose
@@ -715,6 +726,7 @@ class OffloadSession:
             clear_casts=self.clear_casts,
         )
         plan.compiled_blocks = any(is_compiled_block(m) for _, m in self.blocks)
+        plan.min_bytes = self.min_bytes
         if self.compiled:
             plan.order_bounds = list(self.profiler.order_bounds)
             plan.notes.append(

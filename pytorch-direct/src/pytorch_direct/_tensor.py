@@ -13,6 +13,7 @@ graph holds only plain tensors. There, results of the other operations are plain
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -174,6 +175,35 @@ class UnifiedTensor(Tensor):
     def __repr__(self, *, tensor_contents=None):  # noqa: D105 - say what it is, then the data
         with torch._C.DisableTorchFunctionSubclass():
             return "unified " + Tensor.__repr__(self.as_subclass(Tensor))
+
+    def __deepcopy__(self, memo):
+        # torch's deepcopy of a tensor subclass asks new_empty() for an instance of the subclass, which fails here
+        # (new results are plain tensors), so copy.deepcopy of a table or of a module holding one raised. The copy
+        # is a new host allocation of the same memory kind; views copied together share one copy of their memory,
+        # as torch's deepcopy does with storages.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch._C.DisableTorchFunctionSubclass():
+            src = self.as_subclass(Tensor).detach()
+            storage = src.untyped_storage()
+            key = ("pytorch_direct storage", storage.data_ptr(), storage.nbytes())
+            buf = memo.get(key)
+            if buf is None:
+                whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                buf = _memory.host_empty((storage.nbytes(),), torch.uint8, memory=_memory.host_kind(whole) or "auto")
+                buf.copy_(whole)
+                memo[key] = buf
+            new = torch.empty(0, dtype=src.dtype).set_(buf.untyped_storage(), src.storage_offset(), src.shape,
+                                                       src.stride())
+            new = new.as_subclass(UnifiedTensor)
+            new.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+        # Python attributes (a Parameter's flag, ...), but not the compile alias of this tensor's memory.
+        state = {k: v for k, v in self.__dict__.items() if k != "_pytorch_direct_alias"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        memo[id(self)] = new
+        return new
 
     def __reduce_ex__(self, protocol):
         # Pickling (e.g. to a spawned process) sends the data as a plain CPU tensor: registration is per process.

@@ -1,0 +1,49 @@
+"""The unified tensor as a PyTorch user handles it on the CPU, compared with a plain tensor given the same calls:
+copies, writes with wrong arguments, edge-case tables."""
+
+import copy
+
+import torch
+
+import pytorch_direct as pd
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor)
+
+
+def test_deepcopy_gives_a_new_unified_table():
+    base = torch.randn(10, 4)
+    u = pd.unified(base.clone(), copy=True)
+    c = copy.deepcopy(u)
+    assert type(c) is pd.UnifiedTensor and c.data_ptr() != u.data_ptr()
+    assert torch.equal(plain(c), base)
+    assert torch.equal(plain(c[torch.tensor([3, 1])]), base[[3, 1]])
+    c[torch.tensor([0])] = torch.zeros(1, 4)
+    assert torch.equal(plain(u), base)  # the copy owns its memory
+
+    g = pd.unified(base.clone(), copy=True).requires_grad_()
+    g[torch.tensor([2, 2])].sum().backward()
+    gc = copy.deepcopy(g)
+    assert gc.requires_grad and gc.is_leaf and torch.equal(plain(gc.grad), plain(g.grad))
+
+
+def test_deepcopy_of_a_module_holding_unified_tables():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            table = pd.unified(torch.randn(10, 4), copy=True)
+            self.register_buffer("table", table)
+            self.register_buffer("tail", table[5:])  # a view: its copy stays a view of the table's copy
+            self.emb = torch.nn.Parameter(pd.unified(torch.randn(10, 4), copy=True))
+
+        def forward(self, i):
+            return self.table[i] + self.emb[i]
+
+    m = M()
+    c = copy.deepcopy(m)
+    i = torch.tensor([1, 7])
+    assert type(c.table) is pd.UnifiedTensor and c.table.data_ptr() != m.table.data_ptr()
+    assert c.tail.data_ptr() == c.table[5:].data_ptr()
+    assert [n for n, _ in c.named_parameters()] == ["emb"]
+    assert torch.equal(c(i), m(i))

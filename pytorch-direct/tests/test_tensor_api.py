@@ -3,6 +3,7 @@ copies, writes with wrong arguments, edge-case tables."""
 
 import copy
 
+import pytest
 import torch
 
 import pytorch_direct as pd
@@ -47,3 +48,18 @@ def test_deepcopy_of_a_module_holding_unified_tables():
     assert c.tail.data_ptr() == c.table[5:].data_ptr()
     assert [n for n, _ in c.named_parameters()] == ["emb"]
     assert torch.equal(c(i), m(i))
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (0,)])
+def test_table_of_no_rows(shape):
+    u = pd.zeros(*shape)
+    none = torch.tensor([], dtype=torch.long)
+    assert u[none].shape == torch.zeros(shape)[none].shape
+    row = (1,) + shape[1:]
+    for call in (lambda: u[torch.tensor([0])], lambda: pd.gather(u, torch.tensor([0])),
+                 lambda: u.index_select(0, torch.tensor([0])),
+                 lambda: u.__setitem__(torch.tensor([0]), torch.ones(row)),
+                 lambda: pd.scatter_(u, torch.tensor([0]), torch.ones(row)),
+                 lambda: u.index_add_(0, torch.tensor([0]), torch.ones(row))):
+        with pytest.raises(IndexError, match="out of range for a table of 0 rows"):
+            call()

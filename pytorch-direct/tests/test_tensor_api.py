@@ -63,3 +63,27 @@ def test_table_of_no_rows(shape):
                  lambda: u.index_add_(0, torch.tensor([0]), torch.ones(row))):
         with pytest.raises(IndexError, match="out of range for a table of 0 rows"):
             call()
+
+
+def test_writes_that_autograd_cannot_record_raise():
+    # torch raises for an in-place write into a leaf that requires grad, and records one whose values require
+    # grad; the package's writes have no backward, so both raise instead of losing the gradients silently.
+    idx = torch.tensor([1, 3])
+    values = torch.randn(2, 4, requires_grad=True)
+    table = pd.unified(torch.randn(10, 4), copy=True)
+    before = plain(table).clone()
+    writes = [lambda t, v: t.__setitem__(idx, v), lambda t, v: t.index_copy_(0, idx, v),
+              lambda t, v: t.index_add_(0, idx, v), lambda t, v: pd.scatter_(t, idx, v),
+              lambda t, v: pd.index_add_(t, idx, v)]
+    for write in writes:
+        with pytest.raises(NotImplementedError, match="not recorded by autograd"):
+            write(table, values)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            write(table.detach().requires_grad_(), values.detach())
+    assert torch.equal(plain(table), before)
+    leaf = table.detach().requires_grad_()
+    with torch.no_grad():  # what optimizers do
+        for write in writes:
+            write(table, values)
+            write(leaf, values)
+    assert not torch.equal(plain(table), before)

@@ -155,10 +155,8 @@ def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto"
     """table[index] = values through the custom op when tracing needs it, else directly."""
     if torch.compiler.is_compiling():
         _scatter_at_graph_break(table, index, values, strategy, max_sms)
-    elif use_dispatcher(table, index, values):
-        scatter_op(table, index, values, strategy, max_sms)
     else:
-        scatter_impl(table, index, values, strategy, max_sms)
+        _scatter_eager(table, index, values, strategy, max_sms)
 
 
 def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
@@ -166,13 +164,29 @@ def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, 
     """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
     if torch.compiler.is_compiling():  # a write: see scatter
         _index_add_at_graph_break(table, index, values, alpha, strategy, max_sms)
-    elif use_dispatcher(table, index, values):
-        index_add_op(table, index, values, alpha, strategy, max_sms)
     else:
-        index_add_impl(table, index, values, alpha, strategy, max_sms)
+        _index_add_eager(table, index, values, alpha, strategy, max_sms)
+
+
+def _check_write_autograd(table: Tensor, values) -> None:
+    """The writes are not recorded by autograd (they have no backward): where torch's own in-place op would raise
+    or record one, raise instead of writing while gradients silently go missing."""
+    if not torch.is_grad_enabled():
+        return
+    if table.requires_grad and table.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation (a write into a unified "
+            "table that requires grad): write under torch.no_grad(), as optimizers do"
+        )
+    if table.requires_grad or getattr(values, "requires_grad", False):
+        raise NotImplementedError(
+            "writes into a unified tensor are not recorded by autograd, so gradients would not flow through the "
+            "written values: write under torch.no_grad() or pass values.detach()"
+        )
 
 
 def _scatter_eager(table, index, values, strategy, max_sms) -> None:
+    _check_write_autograd(table, values)
     if use_dispatcher(table, index, values):
         scatter_op(table, index, values, strategy, max_sms)
     else:
@@ -180,6 +194,7 @@ def _scatter_eager(table, index, values, strategy, max_sms) -> None:
 
 
 def _index_add_eager(table, index, values, alpha, strategy, max_sms) -> None:
+    _check_write_autograd(table, values)
     if use_dispatcher(table, index, values):
         index_add_op(table, index, values, alpha, strategy, max_sms)
     else:

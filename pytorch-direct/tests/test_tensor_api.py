@@ -87,3 +87,20 @@ def test_writes_that_autograd_cannot_record_raise():
             write(table, values)
             write(leaf, values)
     assert not torch.equal(plain(table), before)
+
+
+@pytest.mark.parametrize("values", [torch.ones(2, 4, dtype=torch.float64), torch.tensor(7),
+                                    torch.ones(2, 4, dtype=torch.bool),
+                                    torch.full((2, 4), 1 + 2j, dtype=torch.complex64)],
+                         ids=["float64", "0d int64", "bool", "complex64"])
+def test_setitem_values_of_another_dtype_raise_as_torch(values):
+    idx = torch.tensor([1, 3])
+    table = pd.unified(torch.randn(10, 4), copy=True)
+    before = plain(table).clone()
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        plain(table).clone()[idx] = values
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        table[idx] = values
+    assert torch.equal(plain(table), before)
+    table[idx] = 5  # a Python number takes the table's dtype, as in torch
+

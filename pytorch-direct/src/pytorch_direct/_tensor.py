@@ -278,12 +278,18 @@ def _getitem(self, key):
 def _setitem(self, key, value):
     if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)):
         return NotImplemented
-    row_shape = tuple(self.shape[1:])
+    target = tuple(key.shape) + tuple(self.shape[1:])
     if not isinstance(value, Tensor):
         value = torch.tensor(value, dtype=self.dtype, device=key.device)
+    elif value.dtype != self.dtype:
+        # As torch's index_put_: a silent cast would, e.g., drop a complex value's imaginary part.
+        raise RuntimeError(
+            f"Index put requires the source and destination dtypes match, got {self.dtype} for the destination "
+            f"and {value.dtype} for the source: convert the values with .to({self.dtype})"
+        )
     if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
-    value = value.to(dtype=self.dtype).expand(tuple(key.shape) + row_shape)
+    value = value.expand(target)
     _ops.scatter(op_input(self), op_input(key), op_input(value).contiguous())
     return None
 

@@ -104,3 +104,19 @@ def test_setitem_values_of_another_dtype_raise_as_torch(values):
     assert torch.equal(plain(table), before)
     table[idx] = 5  # a Python number takes the table's dtype, as in torch
 
+
+@pytest.mark.parametrize("shape", [(1, 2, 4), (1, 1, 4), (4,), (2, 1), (), (3, 4), (2, 1, 4), (2, 5)])
+def test_setitem_broadcasts_values_as_torch(shape):
+    idx = torch.tensor([1, 3])
+    values = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    ref = torch.randn(10, 4)
+    table = pd.unified(ref.clone(), copy=True)
+    try:
+        ref[idx] = values
+    except RuntimeError as e:
+        assert "shape mismatch" in str(e)
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            table[idx] = values
+    else:
+        table[idx] = values
+    assert torch.equal(plain(table), ref)

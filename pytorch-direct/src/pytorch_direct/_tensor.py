@@ -289,7 +289,17 @@ def _setitem(self, key, value):
         )
     if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
-    value = value.expand(target)
+    # torch's broadcasting rule for index_put_: leading dimensions of size 1 beyond the target's are dropped.
+    given = tuple(value.shape)
+    while value.dim() > len(target) and value.shape[0] == 1:
+        value = value[0]
+    try:
+        value = value.expand(target)
+    except RuntimeError:
+        raise RuntimeError(
+            f"shape mismatch: value tensor of shape {list(given)} cannot be broadcast to indexing result of shape "
+            f"{list(target)}"
+        ) from None
     _ops.scatter(op_input(self), op_input(key), op_input(value).contiguous())
     return None
 

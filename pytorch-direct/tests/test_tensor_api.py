@@ -120,3 +120,16 @@ def test_setitem_broadcasts_values_as_torch(shape):
     else:
         table[idx] = values
     assert torch.equal(plain(table), ref)
+
+
+def test_index_add_on_a_bool_table_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    table = torch.rand(20, 3, generator=g) < 0.3
+    idx = torch.randint(0, 20, (50,), generator=g)
+    values = torch.rand(50, 3, generator=g) < 0.2
+    u = pd.unified(table.clone(), copy=True)
+    u.index_add_(0, idx, values)
+    assert torch.equal(plain(u), table.clone().index_add_(0, idx, values))
+    u = pd.unified(table.clone(), copy=True)
+    pd.index_add_(u, idx, values)
+    assert torch.equal(plain(u), table.clone().index_add_(0, idx, values))

@@ -460,8 +460,6 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
     vals = _check_values(table, index, values)
     idx = index.contiguous().view(-1)
     if not (table.dtype.is_floating_point or table.dtype.is_complex):
-        if table.dtype == torch.bool:
-            raise TypeError("index_add_ is not defined for bool tables (torch has no bool addition)")
         if alpha != int(alpha):
             raise ValueError(f"alpha={alpha} must be an integer for a {table.dtype} table")
         alpha = int(alpha)  # torch refuses a float alpha for integer tensors
@@ -476,7 +474,10 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
         _kernels.precheck(idx, rows)
     # Duplicates: sum per unique row on the GPU, then one read-modify-write per unique row over PCIe.
     # Half-precision sums accumulate in float32 (one rounding per row instead of one per duplicate).
-    acc = torch.float32 if table.dtype in (torch.float16, torch.bfloat16) else table.dtype
+    # Bool tables, as torch's index_add_ on them: a row element becomes True where it or any added value is (the
+    # sum, counted in int32, cast back).
+    acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.int32}.get(table.dtype,
+                                                                                                   table.dtype)
     unique, inverse = torch.unique(idx, return_inverse=True)
     sums = torch.zeros((unique.numel(),) + tuple(table.shape[1:]), dtype=acc, device=vals.device)
     sums.index_add_(0, inverse, vals.to(acc), alpha=alpha)

@@ -133,3 +133,19 @@ def test_index_add_on_a_bool_table_matches_torch():
     u = pd.unified(table.clone(), copy=True)
     pd.index_add_(u, idx, values)
     assert torch.equal(plain(u), table.clone().index_add_(0, idx, values))
+
+
+@pytest.mark.parametrize("method", ["index_copy_", "index_add_"])
+def test_index_copy_and_index_add_take_a_vector_index_as_torch(method):
+    idx = torch.tensor([[1, 2], [3, 4]])
+    source = torch.randn(4, 4)
+    table = pd.unified(torch.randn(10, 4), copy=True)
+    before = plain(table).clone()
+    with pytest.raises(IndexError):
+        getattr(before.clone(), method)(0, idx, source)
+    with pytest.raises(IndexError, match="vector"):
+        getattr(table, method)(0, idx, source)
+    assert torch.equal(plain(table), before)
+    for index, rows in ((torch.tensor(3), source[:1]), (idx.view(-1), source)):  # 0-d and 1-D, as torch
+        ref = getattr(before.clone(), method)(0, index, rows)
+        assert torch.equal(plain(getattr(pd.unified(before.clone(), copy=True), method)(0, index, rows)), ref)

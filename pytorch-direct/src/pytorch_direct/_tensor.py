@@ -366,8 +366,16 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
     return _ops.gather(elements, flat)
 
 
+def _check_vector_index(name: str, index: Tensor) -> None:
+    # torch's index_copy_ and index_add_ take a 0-d or 1-D index; the package's writes would take any shape.
+    if index.dim() > 1:
+        raise IndexError(f"{name}(): index must be a vector (0-d or 1-D), got {index.dim()}-D of shape "
+                         f"{list(index.shape)}: flatten it and the source with it")
+
+
 def _index_copy_(self, dim, index, source):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+        _check_vector_index("index_copy_", index)
         _ops.scatter(op_input(self), op_input(index), op_input(source))
         return self
     return NotImplemented
@@ -375,6 +383,7 @@ def _index_copy_(self, dim, index, source):
 
 def _index_add_(self, dim, index, source, *, alpha=1):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+        _check_vector_index("index_add_", index)
         _ops.index_add(op_input(self), op_input(index), op_input(source), float(alpha))
         return self
     return NotImplemented

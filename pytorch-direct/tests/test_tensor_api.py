@@ -149,3 +149,26 @@ def test_index_copy_and_index_add_take_a_vector_index_as_torch(method):
     for index, rows in ((torch.tensor(3), source[:1]), (idx.view(-1), source)):  # 0-d and 1-D, as torch
         ref = getattr(before.clone(), method)(0, index, rows)
         assert torch.equal(plain(getattr(pd.unified(before.clone(), copy=True), method)(0, index, rows)), ref)
+
+
+@pytest.mark.parametrize("view", ["columns", "transposed"])
+def test_rows_of_a_non_contiguous_view_with_cpu_indices_as_torch(view):
+    def make(t):
+        return t[:, 1:3] if view == "columns" else t.t()
+
+    base = torch.randn(6, 6)
+    idx = torch.tensor([4, 0, 4])
+    u = pd.unified(base.clone(), copy=True)
+    ref = base.clone()
+    assert torch.equal(plain(make(u)[idx]), make(ref)[idx])
+    assert torch.equal(plain(make(u).index_select(0, idx)), make(ref).index_select(0, idx))
+    embedding = torch.nn.functional.embedding
+    assert torch.equal(plain(embedding(idx, make(u))), embedding(idx, make(ref)))
+    rows = torch.randn(3, make(ref).shape[1])
+    make(u)[idx[:2]] = rows[:2]
+    make(ref)[idx[:2]] = rows[:2]
+    make(u).index_add_(0, idx, rows)
+    make(ref).index_add_(0, idx, rows)
+    make(u).index_copy_(0, idx[1:], rows[1:])
+    make(ref).index_copy_(0, idx[1:], rows[1:])
+    assert torch.equal(plain(u), ref)

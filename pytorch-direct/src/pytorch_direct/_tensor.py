@@ -269,14 +269,20 @@ def _keep_unified(result, args):
 # Each returns NotImplemented for the cases it does not redirect (they run as on a CPU tensor).
 
 
+def _torch_rows(table: Tensor, index: Tensor) -> bool:
+    """CPU indices into a view whose rows are not contiguous (``t.t()``, ``t[:, 1:3]``): torch's own indexing gives
+    the rows (the package's row copies need each row to be one contiguous byte range, and would raise)."""
+    return index.device.type == "cpu" and not table.is_contiguous()
+
+
 def _getitem(self, key):
-    if isinstance(self, UnifiedTensor) and _plain_int_index(key):
+    if isinstance(self, UnifiedTensor) and _plain_int_index(key) and not _torch_rows(self, key):
         return _ops.gather(op_input(self), op_input(key))
     return NotImplemented
 
 
 def _setitem(self, key, value):
-    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)):
+    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)) or _torch_rows(self, key):
         return NotImplemented
     target = tuple(key.shape) + tuple(self.shape[1:])
     if not isinstance(value, Tensor):
@@ -305,7 +311,8 @@ def _setitem(self, key, value):
 
 
 def _index_select(self, dim, index, *, out=None):
-    if isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index):
+    if (isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index)
+            and not _torch_rows(self, index)):
         if index.dim() > 1:
             raise IndexError("index_select(): index must be a vector (1-D)")
         if index.dim() == 0:  # (torch's index_select keeps the dimension: one row of shape (1, ...))
@@ -316,7 +323,8 @@ def _index_select(self, dim, index, *, out=None):
 
 def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                sparse=False):
-    if not (isinstance(weight, UnifiedTensor) and _plain_int_index(input) and weight.dim() == 2):
+    if (not (isinstance(weight, UnifiedTensor) and _plain_int_index(input) and weight.dim() == 2)
+            or _torch_rows(weight, input)):
         return NotImplemented
     if max_norm is not None or scale_grad_by_freq or sparse:
         raise NotImplementedError(
@@ -374,7 +382,7 @@ def _check_vector_index(name: str, index: Tensor) -> None:
 
 
 def _index_copy_(self, dim, index, source):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
         _check_vector_index("index_copy_", index)
         _ops.scatter(op_input(self), op_input(index), op_input(source))
         return self
@@ -382,7 +390,7 @@ def _index_copy_(self, dim, index, source):
 
 
 def _index_add_(self, dim, index, source, *, alpha=1):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
         _check_vector_index("index_add_", index)
         _ops.index_add(op_input(self), op_input(index), op_input(source), float(alpha))
         return self

@@ -172,3 +172,13 @@ def test_rows_of_a_non_contiguous_view_with_cpu_indices_as_torch(view):
     make(u).index_copy_(0, idx[1:], rows[1:])
     make(ref).index_copy_(0, idx[1:], rows[1:])
     assert torch.equal(plain(u), ref)
+
+
+def test_index_add_with_a_complex_alpha_as_torch():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(8, 3, dtype=torch.complex64, generator=g)
+    idx = torch.tensor([1, 5, 1])
+    values = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    u = pd.unified(table.clone(), copy=True)
+    u.index_add_(0, idx, values, alpha=0.5 - 2j)
+    assert torch.allclose(plain(u), table.clone().index_add_(0, idx, values, alpha=0.5 - 2j))

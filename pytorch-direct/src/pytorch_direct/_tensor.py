@@ -392,6 +392,8 @@ def _index_copy_(self, dim, index, source):
 def _index_add_(self, dim, index, source, *, alpha=1):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
         _check_vector_index("index_add_", index)
+        if isinstance(alpha, complex):  # (the custom op's alpha is a float: scale the source instead)
+            source, alpha = source * alpha, 1.0
         _ops.index_add(op_input(self), op_input(index), op_input(source), float(alpha))
         return self
     return NotImplemented

@@ -182,3 +182,10 @@ def test_index_add_with_a_complex_alpha_as_torch():
     u = pd.unified(table.clone(), copy=True)
     u.index_add_(0, idx, values, alpha=0.5 - 2j)
     assert torch.allclose(plain(u), table.clone().index_add_(0, idx, values, alpha=0.5 - 2j))
+
+
+@pytest.mark.parametrize("factory", ["empty", "zeros"])
+def test_factories_take_dtype_none_as_torch(factory):
+    t = getattr(pd, factory)(3, 2, dtype=None)
+    assert type(t) is pd.UnifiedTensor and t.dtype == getattr(torch, factory)(3, 2, dtype=None).dtype
+    assert getattr(pd, factory)(3, 2).dtype == torch.float32  # the documented default stays

@@ -189,3 +189,10 @@ def test_factories_take_dtype_none_as_torch(factory):
     t = getattr(pd, factory)(3, 2, dtype=None)
     assert type(t) is pd.UnifiedTensor and t.dtype == getattr(torch, factory)(3, 2, dtype=None).dtype
     assert getattr(pd, factory)(3, 2).dtype == torch.float32  # the documented default stays
+
+
+def test_index_copy_of_a_0d_source_into_a_1d_table_as_torch():
+    for index in (torch.tensor([3]), torch.tensor(3)):
+        u = pd.zeros(5)
+        u.index_copy_(0, index, torch.tensor(7.0))
+        assert torch.equal(plain(u), torch.zeros(5).index_copy_(0, index, torch.tensor(7.0)))

@@ -384,6 +384,8 @@ def _check_vector_index(name: str, index: Tensor) -> None:
 def _index_copy_(self, dim, index, source):
     if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
         _check_vector_index("index_copy_", index)
+        if self.dim() == 1 and isinstance(source, Tensor) and source.dim() == 0 and index.numel() == 1:
+            source = source.reshape(index.shape)  # torch takes a 0-d source for one index into a 1-D tensor
         _ops.scatter(op_input(self), op_input(index), op_input(source))
         return self
     return NotImplemented

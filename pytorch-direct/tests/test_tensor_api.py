@@ -196,3 +196,12 @@ def test_index_copy_of_a_0d_source_into_a_1d_table_as_torch():
         u = pd.zeros(5)
         u.index_copy_(0, index, torch.tensor(7.0))
         assert torch.equal(plain(u), torch.zeros(5).index_copy_(0, index, torch.tensor(7.0)))
+
+
+def test_format_of_an_element_as_torch():
+    base = torch.randn(4, 3)
+    u = pd.unified(base.clone(), copy=True)
+    assert type(u[2, 1]) is pd.UnifiedTensor
+    assert f"{u[2, 1]:.3f}" == f"{base[2, 1]:.3f}"
+    assert format(u[2, 1]) == format(base[2, 1])
+    assert f"{u}" == str(u) and str(u).startswith("unified tensor(")

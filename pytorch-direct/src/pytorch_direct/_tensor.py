@@ -176,6 +176,13 @@ class UnifiedTensor(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return "unified " + Tensor.__repr__(self.as_subclass(Tensor))
 
+    def __format__(self, format_spec):
+        # torch formats only plain 0-d tensors as numbers (f"{t:.3f}"); an element of a table (u[3, 2], a view, so
+        # a unified tensor) raised "unsupported format string". Format it as torch formats a plain one.
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)  # str(self), "unified tensor(...)"
+
     def __deepcopy__(self, memo):
         # torch's deepcopy of a tensor subclass asks new_empty() for an instance of the subclass, which fails here
         # (new results are plain tensors), so copy.deepcopy of a table or of a module holding one raised. The copy

@@ -15,7 +15,7 @@ from ._memory import cuda_usable, element_size, host_empty, host_zeros, register
 from ._tensor import UnifiedTensor
 
 
-def empty(*shape: int | Sequence[int], dtype: torch.dtype = torch.float32, pin: bool | None = None,
+def empty(*shape: int | Sequence[int], dtype: torch.dtype | None = torch.float32, pin: bool | None = None,
           memory: str = "auto") -> UnifiedTensor:
     """An uninitialised unified tensor in a new host allocation (page-aligned) that every GPU reads with no copy.
 
@@ -23,13 +23,16 @@ def empty(*shape: int | Sequence[int], dtype: torch.dtype = torch.float32, pin: 
     large tables read several times faster; a forked child process cannot read it), "pinned" (cudaHostAlloc:
     forked children can read it on the CPU) or "auto" (managed for 256 MiB and more where every GPU supports it,
     pinned otherwise). pin=None makes GPU-readable memory when CUDA is usable; on a CPU-only machine (or pin=False)
-    the memory is ordinary page-aligned host memory and the same API runs on the CPU."""
+    the memory is ordinary page-aligned host memory and the same API runs on the CPU. dtype=None: torch's default
+    dtype, as in torch.empty."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype  # (generic code passes dtype=None to torch's)
     return host_empty(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)
 
 
-def zeros(*shape: int | Sequence[int], dtype: torch.dtype = torch.float32, pin: bool | None = None,
+def zeros(*shape: int | Sequence[int], dtype: torch.dtype | None = torch.float32, pin: bool | None = None,
           memory: str = "auto") -> UnifiedTensor:
     """Like :func:`empty`, filled with zeros (new managed memory is zero already: no second pass over it)."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
     return host_zeros(shape_of(shape), dtype, pin=pin, memory=memory).as_subclass(UnifiedTensor)
 
 

@@ -375,6 +375,10 @@ def gather_host(table: Tensor, rows: int, rb: int, idx: Tensor, out: Tensor, ded
     threads, which poll for work a while after each call (``PYTORCH_DIRECT_HOST_SPIN_US``), would otherwise hold
     the cores that torch's threads wait for, at every hand-over between the two pools."""
     n = idx.numel()
+    if rows == 0 and n:
+        # A table of no rows has no memory (a null pointer, which the C++ core refuses with a cryptic error):
+        # every index is out of range.
+        check_host_indices(idx, rows)
     if not dedupe or n == 0:
         _core.gather_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), n, 0, out.data_ptr(),
                           _host_threads())
@@ -405,5 +409,7 @@ def scatter_staged(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor,
 
 
 def scatter_host(table: Tensor, rows: int, rb: int, idx: Tensor, vals: Tensor) -> None:
+    if rows == 0 and idx.numel():
+        check_host_indices(idx, rows)  # (as in gather_host: a table of no rows has a null pointer)
     _core.scatter_host(table.data_ptr(), rows, rb, idx.data_ptr(), idx.element_size(), idx.numel(), 0,
                        vals.data_ptr(), _host_threads())

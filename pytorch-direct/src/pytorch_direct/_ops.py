@@ -155,10 +155,8 @@ def scatter(table: Tensor, index: Tensor, values: Tensor, strategy: str = "auto"
     """table[index] = values through the custom op when tracing needs it, else directly."""
     if torch.compiler.is_compiling():
         _scatter_at_graph_break(table, index, values, strategy, max_sms)
-    elif use_dispatcher(table, index, values):
-        scatter_op(table, index, values, strategy, max_sms)
     else:
-        scatter_impl(table, index, values, strategy, max_sms)
+        _scatter_eager(table, index, values, strategy, max_sms)
 
 
 def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, strategy: str = "auto",
@@ -166,13 +164,29 @@ def index_add(table: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0, 
     """table[index] += alpha * values through the custom op when tracing needs it, else directly."""
     if torch.compiler.is_compiling():  # a write: see scatter
         _index_add_at_graph_break(table, index, values, alpha, strategy, max_sms)
-    elif use_dispatcher(table, index, values):
-        index_add_op(table, index, values, alpha, strategy, max_sms)
     else:
-        index_add_impl(table, index, values, alpha, strategy, max_sms)
+        _index_add_eager(table, index, values, alpha, strategy, max_sms)
+
+
+def _check_write_autograd(table: Tensor, values) -> None:
+    """The writes are not recorded by autograd (they have no backward): where torch's own in-place op would raise
+    or record one, raise instead of writing while gradients silently go missing."""
+    if not torch.is_grad_enabled():
+        return
+    if table.requires_grad and table.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation (a write into a unified "
+            "table that requires grad): write under torch.no_grad(), as optimizers do"
+        )
+    if table.requires_grad or getattr(values, "requires_grad", False):
+        raise NotImplementedError(
+            "writes into a unified tensor are not recorded by autograd, so gradients would not flow through the "
+            "written values: write under torch.no_grad() or pass values.detach()"
+        )
 
 
 def _scatter_eager(table, index, values, strategy, max_sms) -> None:
+    _check_write_autograd(table, values)
     if use_dispatcher(table, index, values):
         scatter_op(table, index, values, strategy, max_sms)
     else:
@@ -180,6 +194,7 @@ def _scatter_eager(table, index, values, strategy, max_sms) -> None:
 
 
 def _index_add_eager(table, index, values, alpha, strategy, max_sms) -> None:
+    _check_write_autograd(table, values)
     if use_dispatcher(table, index, values):
         index_add_op(table, index, values, alpha, strategy, max_sms)
     else:
@@ -445,8 +460,6 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
     vals = _check_values(table, index, values)
     idx = index.contiguous().view(-1)
     if not (table.dtype.is_floating_point or table.dtype.is_complex):
-        if table.dtype == torch.bool:
-            raise TypeError("index_add_ is not defined for bool tables (torch has no bool addition)")
         if alpha != int(alpha):
             raise ValueError(f"alpha={alpha} must be an integer for a {table.dtype} table")
         alpha = int(alpha)  # torch refuses a float alpha for integer tensors
@@ -461,7 +474,10 @@ def index_add_impl(table: Tensor, index: Tensor, values: Tensor, alpha: float, s
         _kernels.precheck(idx, rows)
     # Duplicates: sum per unique row on the GPU, then one read-modify-write per unique row over PCIe.
     # Half-precision sums accumulate in float32 (one rounding per row instead of one per duplicate).
-    acc = torch.float32 if table.dtype in (torch.float16, torch.bfloat16) else table.dtype
+    # Bool tables, as torch's index_add_ on them: a row element becomes True where it or any added value is (the
+    # sum, counted in int32, cast back).
+    acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.int32}.get(table.dtype,
+                                                                                                   table.dtype)
     unique, inverse = torch.unique(idx, return_inverse=True)
     sums = torch.zeros((unique.numel(),) + tuple(table.shape[1:]), dtype=acc, device=vals.device)
     sums.index_add_(0, inverse, vals.to(acc), alpha=alpha)

@@ -13,6 +13,7 @@ graph holds only plain tensors. There, results of the other operations are plain
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -175,6 +176,42 @@ class UnifiedTensor(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return "unified " + Tensor.__repr__(self.as_subclass(Tensor))
 
+    def __format__(self, format_spec):
+        # torch formats only plain 0-d tensors as numbers (f"{t:.3f}"); an element of a table (u[3, 2], a view, so
+        # a unified tensor) raised "unsupported format string". Format it as torch formats a plain one.
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)  # str(self), "unified tensor(...)"
+
+    def __deepcopy__(self, memo):
+        # torch's deepcopy of a tensor subclass asks new_empty() for an instance of the subclass, which fails here
+        # (new results are plain tensors), so copy.deepcopy of a table or of a module holding one raised. The copy
+        # is a new host allocation of the same memory kind; views copied together share one copy of their memory,
+        # as torch's deepcopy does with storages.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch._C.DisableTorchFunctionSubclass():
+            src = self.as_subclass(Tensor).detach()
+            storage = src.untyped_storage()
+            key = ("pytorch_direct storage", storage.data_ptr(), storage.nbytes())
+            buf = memo.get(key)
+            if buf is None:
+                whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                buf = _memory.host_empty((storage.nbytes(),), torch.uint8, memory=_memory.host_kind(whole) or "auto")
+                buf.copy_(whole)
+                memo[key] = buf
+            new = torch.empty(0, dtype=src.dtype).set_(buf.untyped_storage(), src.storage_offset(), src.shape,
+                                                       src.stride())
+            new = new.as_subclass(UnifiedTensor)
+            new.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+        # Python attributes (a Parameter's flag, ...), but not the compile alias of this tensor's memory.
+        state = {k: v for k, v in self.__dict__.items() if k != "_pytorch_direct_alias"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        memo[id(self)] = new
+        return new
+
     def __reduce_ex__(self, protocol):
         # Pickling (e.g. to a spawned process) sends the data as a plain CPU tensor: registration is per process.
         with torch._C.DisableTorchFunctionSubclass():
@@ -239,27 +276,50 @@ def _keep_unified(result, args):
 # Each returns NotImplemented for the cases it does not redirect (they run as on a CPU tensor).
 
 
+def _torch_rows(table: Tensor, index: Tensor) -> bool:
+    """CPU indices into a view whose rows are not contiguous (``t.t()``, ``t[:, 1:3]``): torch's own indexing gives
+    the rows (the package's row copies need each row to be one contiguous byte range, and would raise)."""
+    return index.device.type == "cpu" and not table.is_contiguous()
+
+
 def _getitem(self, key):
-    if isinstance(self, UnifiedTensor) and _plain_int_index(key):
+    if isinstance(self, UnifiedTensor) and _plain_int_index(key) and not _torch_rows(self, key):
         return _ops.gather(op_input(self), op_input(key))
     return NotImplemented
 
 
 def _setitem(self, key, value):
-    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)):
+    if not (isinstance(self, UnifiedTensor) and _plain_int_index(key)) or _torch_rows(self, key):
         return NotImplemented
-    row_shape = tuple(self.shape[1:])
+    target = tuple(key.shape) + tuple(self.shape[1:])
     if not isinstance(value, Tensor):
         value = torch.tensor(value, dtype=self.dtype, device=key.device)
+    elif value.dtype != self.dtype:
+        # As torch's index_put_: a silent cast would, e.g., drop a complex value's imaginary part.
+        raise RuntimeError(
+            f"Index put requires the source and destination dtypes match, got {self.dtype} for the destination "
+            f"and {value.dtype} for the source: convert the values with .to({self.dtype})"
+        )
     if value.device != key.device and value.dim() == 0:
         value = value.to(key.device)
-    value = value.to(dtype=self.dtype).expand(tuple(key.shape) + row_shape)
+    # torch's broadcasting rule for index_put_: leading dimensions of size 1 beyond the target's are dropped.
+    given = tuple(value.shape)
+    while value.dim() > len(target) and value.shape[0] == 1:
+        value = value[0]
+    try:
+        value = value.expand(target)
+    except RuntimeError:
+        raise RuntimeError(
+            f"shape mismatch: value tensor of shape {list(given)} cannot be broadcast to indexing result of shape "
+            f"{list(target)}"
+        ) from None
     _ops.scatter(op_input(self), op_input(key), op_input(value).contiguous())
     return None
 
 
 def _index_select(self, dim, index, *, out=None):
-    if isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index):
+    if (isinstance(self, UnifiedTensor) and dim == 0 and out is None and _plain_int_index(index)
+            and not _torch_rows(self, index)):
         if index.dim() > 1:
             raise IndexError("index_select(): index must be a vector (1-D)")
         if index.dim() == 0:  # (torch's index_select keeps the dimension: one row of shape (1, ...))
@@ -270,7 +330,8 @@ def _index_select(self, dim, index, *, out=None):
 
 def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                sparse=False):
-    if not (isinstance(weight, UnifiedTensor) and _plain_int_index(input) and weight.dim() == 2):
+    if (not (isinstance(weight, UnifiedTensor) and _plain_int_index(input) and weight.dim() == 2)
+            or _torch_rows(weight, input)):
         return NotImplemented
     if max_norm is not None or scale_grad_by_freq or sparse:
         raise NotImplementedError(
@@ -320,15 +381,28 @@ def _gather(input, dim, index, *, sparse_grad=False, out=None):
     return _ops.gather(elements, flat)
 
 
+def _check_vector_index(name: str, index: Tensor) -> None:
+    # torch's index_copy_ and index_add_ take a 0-d or 1-D index; the package's writes would take any shape.
+    if index.dim() > 1:
+        raise IndexError(f"{name}(): index must be a vector (0-d or 1-D), got {index.dim()}-D of shape "
+                         f"{list(index.shape)}: flatten it and the source with it")
+
+
 def _index_copy_(self, dim, index, source):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
+        _check_vector_index("index_copy_", index)
+        if self.dim() == 1 and isinstance(source, Tensor) and source.dim() == 0 and index.numel() == 1:
+            source = source.reshape(index.shape)  # torch takes a 0-d source for one index into a 1-D tensor
         _ops.scatter(op_input(self), op_input(index), op_input(source))
         return self
     return NotImplemented
 
 
 def _index_add_(self, dim, index, source, *, alpha=1):
-    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index):
+    if isinstance(self, UnifiedTensor) and dim == 0 and _plain_int_index(index) and not _torch_rows(self, index):
+        _check_vector_index("index_add_", index)
+        if isinstance(alpha, complex):  # (the custom op's alpha is a float: scale the source instead)
+            source, alpha = source * alpha, 1.0
         _ops.index_add(op_input(self), op_input(index), op_input(source), float(alpha))
         return self
     return NotImplemented

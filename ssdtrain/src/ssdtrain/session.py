@@ -175,14 +175,7 @@ class OffloadSession:
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
         if plan is not None:
             self._check_plan(plan)
-            self._check_plan_budget(plan)
-            if self.overrides:
-                # A given plan's choices are used as they are: these overrides would be ignored without a word.
-                raise ValueError(
-                    "offload(plan=...) uses the plan's choices as they are: overrides= would be ignored. Apply them "
-                    "to the plan (plan.override('unit', 'choice') for each, then plan=plan), or pass overrides= "
-                    "without plan="
-                )
+            self._check_plan_options(plan)
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
             raise KeyError(
@@ -274,22 +267,26 @@ class OffloadSession:
                 "pass overrides= instead"
             )
 
-    def _check_plan_budget(self, plan: Plan) -> None:
-        """A given plan is used as is, so a budget= other than the plan's own would be ignored without a word (a
-        plan made for 80 MiB run under budget=10 MiB): refuse it, naming the call that plans for it."""
-        if self.budget is None and self.budget_fraction is None:
-            return
-        given = self.budget_fraction if self.budget_fraction is not None else self.budget
-        planned = plan.budget_fraction if self.budget_fraction is not None else plan.budget
-        if self.budget is not None and plan.budget_fraction is not None:
-            planned = None  # a plan for a fraction of keep's peak: bytes given are another budget
-        if given != planned:
+    def _check_plan_options(self, plan: Plan) -> None:
+        """A given plan is used as is, so a budget= other than the plan's own, or overrides=, would be ignored
+        without a word (a plan made for 80 MiB run under budget=10 MiB): refuse them, naming the call that works."""
+        if self.budget_fraction is not None:
+            same_budget = self.budget_fraction == plan.budget_fraction
+        else:  # bytes, or None (nothing asked): a plan for a fraction of keep's peak was made for another budget
+            same_budget = self.budget is None or (plan.budget_fraction is None and self.budget == plan.budget)
+        if not same_budget:
             shown = format_bytes(self.budget) if self.budget is not None else f"{self.budget_fraction} x keep's peak"
             raise ValueError(
                 f"offload(plan=...) uses the plan as is, and it was made for budget "
                 f"{format_bytes(plan.budget) if plan.budget is not None else 'None (the fastest plan)'}: "
                 f"budget={shown} would be ignored. Pass plan=plan.replan(budget=...) to plan the same "
                 "measurements for that budget (BudgetError if none fits), or leave budget= out"
+            )
+        if self.overrides:
+            raise ValueError(
+                "offload(plan=...) uses the plan's choices as they are: overrides= would be ignored. Apply them "
+                "to the plan (plan.override('unit', 'choice') for each, then plan=plan), or pass overrides= "
+                "without plan="
             )
 
     def _bind_shared(self) -> None:

@@ -138,12 +138,13 @@ def from_hetero_data(data, is_sorted: bool = False) -> Source:
     node_types, edge_types = data.metadata()
     if not edge_types:
         raise ValueError("the HeteroData object has no edge types to sample from")
-    num_nodes = {t: data[t].num_nodes for t in node_types}
-    for t, n in num_nodes.items():
+    num_nodes = {}
+    for t in node_types:
+        n = data[t].num_nodes
         if n is None:  # (a node type with no attributes: nothing to count its nodes from)
             raise ValueError(f"node type {t!r} has no node count: set data[{t!r}].num_nodes (it has no attributes "
                              f"to infer it from)")
-    num_nodes = {t: int(n) for t, n in num_nodes.items()}
+        num_nodes[t] = int(n)
     coo = {et: data[et].edge_index for et in edge_types}
     source = _hetero_source(node_types, edge_types, num_nodes, coo, is_sorted)
     source.template = data

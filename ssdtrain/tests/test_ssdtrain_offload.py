@@ -593,6 +593,168 @@ def test_llama_norms_are_cheap_recompute():
     assert block.cheap_bytes > 0
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames it; the old name still works
+def test_a_model_with_its_own_gradient_checkpointing_is_named_at_offload():
+    """With a Hugging Face model's own gradient checkpointing on, every block is recomputed whatever the plan, and
+    ssdtrain mostly does nothing: offload() says so, once per model, and the training stays exact."""
+    cls, config, _ = _hf_models()["gpt2"]
+    torch.manual_seed(0)
+    model = cls(config)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # without it: no warning
+        with ssdtrain.offload(model, min_bytes="2K", verbose=False):
+            pass
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with pytest.warns(ssdtrain.OffloadWarning, match="checkpointing_disable"):
+        session = ssdtrain.offload(model, min_bytes="2K", verbose=False)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        with session:
+            for _ in range(3):
+                model.zero_grad()
+                model(input_ids=ids, labels=ids).loss.backward()
+        ssdtrain.offload(model, min_bytes="2K", verbose=False)
+    assert not [w for w in again if "gradient checkpointing" in str(w.message)]  # once per model
+    assert_same_grads(grads(model), grads(ref))
+
+
+def _encoder_decoder(name: str):
+    """A tiny T5 or BART (no dropout) with its two lists of blocks."""
+    transformers = pytest.importorskip("transformers")
+    if name == "t5":
+        config = transformers.T5Config(
+            d_model=64,
+            d_ff=128,
+            num_layers=3,
+            num_decoder_layers=3,
+            num_heads=4,
+            d_kv=16,
+            vocab_size=211,
+            decoder_start_token_id=0,
+            dropout_rate=0.0,
+        )
+        return transformers.T5ForConditionalGeneration(config), ("encoder.block", "decoder.block")
+    config = transformers.BartConfig(
+        d_model=64,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        vocab_size=211,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    return transformers.BartForConditionalGeneration(config), ("model.encoder.layers", "model.decoder.layers")
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_models_plan_both_lists_of_blocks(name, tmp_path):
+    """An encoder-decoder's encoder and decoder layers are both units (one list left the encoder's activations to
+    the stem, which can only move whole). Recomputing a T5 decoder block replayed its KV-cache appends: the
+    decoder reads its own copy of the config, whose use_cache the session now turns off too."""
+    torch.manual_seed(0)
+    model, (encoder, decoder) = _encoder_decoder(name)
+    model.train()
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach()
+
+    ref = copy.deepcopy(model)
+    want_loss = step(ref)
+    want = grads(ref)
+    overrides = {
+        f"{encoder}.0": "host",
+        f"{encoder}.2": "recompute",
+        f"{decoder}.0": "recompute+host",
+        f"{decoder}.1": "recompute",
+        f"{decoder}.2": "nvme",
+    }
+    configs = [m.config for m in model.modules() if getattr(m, "config", None) is not None]
+    before = [c.use_cache for c in configs]
+    assert any(before)
+    with ssdtrain.offload(
+        model, min_bytes="2K", overrides=overrides, directories=[str(tmp_path)], verbose=False, profile_steps=1
+    ) as s:
+        for _ in range(2):
+            model.zero_grad()
+            loss = step(model)
+    assert s.container == f"{encoder}, {decoder}"
+    assert [u.name for u in s.plan.units][1:-1] == [f"{c}.{i}" for c in (encoder, decoder) for i in range(3)]
+    assert torch.equal(loss, want_loss)
+    assert_same_grads(grads(model), want)
+    stats = s.stats()
+    assert stats["bytes_offloaded"]["host"] > 0 and stats["bytes_offloaded"]["nvme"] > 0
+    assert [c.use_cache for c in configs] == before  # every config the session turned off is restored
+
+
+def test_profiling_checkpoints_blocks_of_each_list_by_that_lists_first_block(monkeypatch):
+    """Profiling beyond the allowance checkpoints blocks and takes what they save from a measured block: a T5
+    decoder block (cross-attention) saves more than an encoder block, so each list's first block stands for its
+    own list (before, the first encoder block stood for every block)."""
+    torch.manual_seed(0)
+    model, _ = _encoder_decoder("t5")
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    m1 = copy.deepcopy(model)
+    seen = ssdtrain.plan(m1, lambda: m1(input_ids=ids, labels=ids).loss.backward(), min_bytes="4K")
+    encoder_bytes, decoder_bytes = seen.units[1].saved_bytes, seen.units[4].saved_bytes
+    assert decoder_bytes > encoder_bytes  # (else this test could not tell the lists apart)
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_cpu_profile_allowance", 2 * encoder_bytes)
+    m2 = copy.deepcopy(model)
+    with ssdtrain.offload(m2, min_bytes="4K", verbose=False) as s:
+        for _ in range(3):
+            m2.zero_grad()
+            m2(input_ids=ids, labels=ids).loss.backward()
+    checkpointed = s.profiler.checkpointed
+    assert checkpointed & {2, 3} and checkpointed & {5, 6}  # in each list, blocks after its first were checkpointed
+    units = s.plan.units
+    for i, (got, want) in enumerate(zip(units, seen.units, strict=True)):
+        first = 1 if i <= 3 else 4  # (its list's first block)
+        assert got.saved_bytes == (units[first].saved_bytes if i in checkpointed else want.saved_bytes), got.name
+    assert units[5].saved_bytes > units[1].saved_bytes  # (a decoder block stood for a decoder block)
+    # selective recompute is measured on each list's first block
+    selective = [u.selective_bytes for u in s.plan.units[1:-1]]
+    assert selective[:3] == [selective[0]] * 3 and selective[3:] == [selective[3]] * 3
+    assert selective[0] != selective[3]
+
+
+def test_find_blocks_takes_every_list_of_blocks_outside_one_another():
+    transformers = pytest.importorskip("transformers")
+    assert ssdtrain.find_blocks(_encoder_decoder("t5")[0])[0] == "encoder.block, decoder.block"
+    # a mixture of experts is a list inside each block: part of its block
+    moe = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=64,
+        )
+    )
+    assert ssdtrain.find_blocks(moe)[0] == "model.layers"
+
+    class TwoLists(nn.Module):
+        def __init__(self, small: int):
+            super().__init__()
+            self.big = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+            self.small = nn.ModuleList(nn.Linear(small, small) for _ in range(4))
+
+    assert ssdtrain.find_blocks(TwoLists(16))[0] == "big"  # a list with under a quarter of the parameters: not
+    assert ssdtrain.find_blocks(TwoLists(48))[0] == "big, small"
+
+
 class _Wrapper(nn.Module):
     """A wrapper in the manner of DDP: the model under `.module`."""
 
@@ -957,8 +1119,11 @@ def test_a_tier_that_is_off_is_not_called_full(tmp_path, monkeypatch):
     model, ids = make_net(), batch()
     _, want = reference(model, ids)
     nvme = {f"blocks.{i}": "nvme" for i in range(4)}
-    with pytest.warns(ssdtrain.OffloadWarning, match=r"the NVMe tier is switched off \(nvme_memory=0\): keeping "
-                                                     r"activations in host memory") as caught:
+    with pytest.warns(
+        ssdtrain.OffloadWarning,
+        match=r"the NVMe tier is switched off \(nvme_memory=0\): keeping "
+        r"activations in host memory",
+    ) as caught:
         _, got, s = run(make_net(), ids, overrides=nvme, nvme_memory=0, profile_steps=1)
     assert not any("full" in m for m in _offload_warnings(caught))
     assert_same_grads(got, want)
@@ -969,14 +1134,20 @@ def test_a_tier_that_is_off_is_not_called_full(tmp_path, monkeypatch):
     assert not any("full" in m for m in _offload_warnings(caught))
     assert_same_grads(got, want)
     assert s.stats()["fallbacks"]["host_off"] > 0
-    with pytest.raises(ssdtrain.OffloadError, match=r"host memory is switched off \(host_memory=0\) but the plan "
-                                                    r"sends activations there"):
+    with pytest.raises(
+        ssdtrain.OffloadError,
+        match=r"host memory is switched off \(host_memory=0\) but the plan "
+        r"sends activations there",
+    ):
         run(make_net(), ids, overrides={"blocks.0": "host"}, host_memory=0, on_full="raise", profile_steps=1)
     # The default NVMe directory missing: offload() trains on without the tier, and the warning says why.
     missing = str(tmp_path / "gone")
     monkeypatch.setattr(ssdtrain.options, "default_directories", lambda: [missing])
-    with pytest.warns(ssdtrain.OffloadWarning, match=rf"there is no NVMe tier: the NVMe directory '{missing}' does "
-                                                     r"not exist: create it.*: keeping activations in host memory"):
+    with pytest.warns(
+        ssdtrain.OffloadWarning,
+        match=rf"there is no NVMe tier: the NVMe directory '{missing}' does "
+        r"not exist: create it.*: keeping activations in host memory",
+    ):
         _, got, s = run(make_net(), ids, overrides=nvme, profile_steps=1)
     assert_same_grads(got, want)
     assert s.stats()["fallbacks"]["nvme_off"] > 0

@@ -53,11 +53,23 @@ def selective_context():
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """The repeated blocks of `model`: the ModuleList/Sequential holding the most parameters in >= 2 children of
-    one class (GPT-2's ``transformer.h``, Llama's ``model.layers``, BERT's ``encoder.layer``). Without one, the
-    model's top-level children are the units (never recomputed). Returns (container name, [(name, module)])."""
-    best = None
-    for name, module in model.named_modules():
+    """The repeated blocks of `model`, the units a session plans: the blocks of every list :func:`find_block_groups`
+    finds, one list after the other. Returns (container names joined by ", ", [(name, module)]); ("", []) for a
+    model without repeated blocks (its top-level children are then the units, never recomputed)."""
+    groups = find_block_groups(model)
+    return ", ".join(name for name, _ in groups), [block for _, blocks in groups for block in blocks]
+
+
+def find_block_groups(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """The lists of repeated blocks of `model`, as (container name, [(name, module)]) in the model's registration
+    order. A list is a ModuleList/Sequential with >= 2 children of one class. The one holding the most parameters
+    is always one (GPT-2's ``transformer.h``, Llama's ``model.layers``, BERT's ``encoder.layer``); so is every
+    other list with at least a quarter of its parameters that neither holds it nor lies inside it: T5's and BART's
+    encoder and decoder layers, which a single list would leave the encoder's activations to the stem, a unit that
+    can only move whole and never be recomputed. (A list inside a block, such as a mixture of experts, is part of
+    its block.)"""
+    found = []  # (parameters, registration order, container name, blocks)
+    for order, (name, module) in enumerate(model.named_modules()):
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.named_children())
@@ -69,11 +81,37 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
         if len(same) < 2:
             continue
         weight = sum(p.numel() for _, c in same for p in c.parameters()) + len(same)
-        if best is None or weight > best[0]:
-            best = (weight, name, same)
-    if best is None:
-        return "", []
-    return best[1], best[2]
+        found.append((weight, order, name, same))
+    if not found:
+        return []
+    # heaviest first; among equals, the first registered (as before there were several lists)
+    found.sort(key=lambda f: (-f[0], f[1]))
+    chosen = [found[0]]
+    for candidate in found[1:]:
+        if 4 * candidate[0] >= found[0][0] and not any(_nested(candidate[2], c[2]) for c in chosen):
+            chosen.append(candidate)
+    chosen.sort(key=lambda f: f[1])
+    return [(name, same) for _, _, name, same in chosen]
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether the modules named `a` and `b` are the same or one lies inside the other ("" is the model)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def group_firsts(blocks: list[tuple[str, nn.Module]]) -> list[int]:
+    """For the units of a session (0: the stem, 1..len(blocks): the blocks, then the head), the unit of the first
+    block of each block's list (0 for the stem and head): what profiling measures on one block of a list holds for
+    the blocks of that list, not for another list's (a decoder block's cross-attention saves more than an encoder
+    block)."""
+    firsts = [0]
+    container = None
+    for unit, (name, _) in enumerate(blocks, start=1):
+        parent = name.rpartition(".")[0]
+        if parent != container:
+            container, first = parent, unit
+        firsts.append(first)
+    return firsts + [0]
 
 
 def _elementwise(module: nn.Module) -> bool:

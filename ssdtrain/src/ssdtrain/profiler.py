@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from .derive import OP_HOST_S
 from .io import huge_empty
-from .model import is_compute_op, tensor_storages
+from .model import group_firsts, is_compute_op, tensor_storages
 from .prediction import Bandwidth, UnitProfile
 
 _MIB = 1 << 20
@@ -208,7 +208,8 @@ class Profile:
         self.cheap_marks: dict[str, list] = {}
         self.cheap_stack: list[str] = []
         self.order: list[tuple[int, int]] = []  # (unit, bytes) in pack order (compiled models)
-        self.selective: tuple[int, list] | None = None  # the first block's compute output bytes, recompute marks
+        # per list of blocks (keyed by its first block's unit): that block's compute output bytes, recompute marks
+        self.selective: dict[int, tuple[int, list]] = {}
         self.count = 0
         self.address: dict[int, int] = {}  # sequence number -> storage address when saved
         self.start = None
@@ -258,8 +259,12 @@ class Profiler:
         self.allowance = float("inf")
         self.kept = 0
         self.seen = 0
-        self.block_seen_start = 0
-        self.first_block_bytes: int | None = None
+        # The first block of each list of blocks (see model.group_firsts) stands for the others of its list: the
+        # bytes it saved decide whether keeping another would pass the allowance, and what it saves and
+        # recomputes is what a block of its list checkpointed while profiling would have.
+        self.firsts = group_firsts(blocks)
+        self.block_seen_start: dict[int, int] = {}
+        self.first_bytes: dict[int, int] = {}
         self.checkpointed: set[int] = set()
         self.order_bounds: list[int] = []
         self._cheap_hooks: list = []
@@ -285,7 +290,7 @@ class Profiler:
         self.allowance = allowance
         self.kept = 0
         self.seen = 0
-        self.first_block_bytes = None
+        self.first_bytes = {}
         self.checkpointed = set()
         self.profile = None
 
@@ -324,7 +329,8 @@ class Profiler:
         """For the profiling wrapper of block `unit`: checkpoint it once keeping it would pass the allowance."""
 
         def decide() -> bool:
-            if self.first_block_bytes is None or self.kept + self.first_block_bytes <= self.allowance:
+            first = self.first_bytes.get(self.firsts[unit])
+            if first is None or self.kept + first <= self.allowance:
                 return False
             self.checkpointed.add(unit)
             return True
@@ -340,22 +346,24 @@ class Profiler:
         return "host"
 
     def block_started(self, unit: int, args) -> None:
-        if unit == 1:
-            self.block_seen_start = self.seen
+        first = unit == self.firsts[unit]
+        if first:
+            self.block_seen_start[unit] = self.seen
         if self.profile is not None and self.pending is None:
             self.profile.marks[unit].append([self.clock.mark(), None])
             self.profile.inputs[unit].update(tensor_storages(args))
-            if unit == 1 and self.selective and self.profile.selective is None and self._recorder is None:
+            if first and self.selective and unit not in self.profile.selective and self._recorder is None:
                 self._recorder = OpRecorder(self.clock)
                 self._recorder.__enter__()
 
     def block_done(self, unit: int) -> None:
-        if unit == 1 and self.first_block_bytes is None:
-            self.first_block_bytes = self.seen - self.block_seen_start
-        if unit == 1 and self._recorder is not None:
+        first = unit == self.firsts[unit]
+        if first and unit not in self.first_bytes and unit in self.block_seen_start:
+            self.first_bytes[unit] = self.seen - self.block_seen_start[unit]
+        if first and self._recorder is not None:
             recorder = self._stop_recorder()
             if self.profile is not None:
-                self.profile.selective = (recorder.compute_bytes, recorder.marks)
+                self.profile.selective[unit] = (recorder.compute_bytes, recorder.marks)
         if self.profile is not None and self.pending is None and self.profile.marks[unit]:
             self.profile.marks[unit][-1][1] = self.clock.mark()
 
@@ -440,17 +448,18 @@ class Profiler:
                 else:
                     u.kind = "segment"  # top-level children of a model without repeated blocks: never recomputed
             units.append(u)
-        first = units[1] if len(units) > 2 else None
-        if profile.selective is not None and self.container:
-            # The blocks are of one class: what the first keeps and recomputes under selective recompute holds for
-            # each of them.
-            compute, marks = profile.selective
-            seconds = sum(clock.seconds(a, b) for a, b in marks)
-            for u in units[1:-1]:
-                u.selective_bytes, u.selective_s = compute, seconds
+        if self.container:
+            # The blocks of a list are of one class: what its first keeps and recomputes under selective recompute
+            # holds for each of them.
+            for i, u in enumerate(units[1:-1], start=1):
+                if self.firsts[i] in profile.selective:
+                    compute, marks = profile.selective[self.firsts[i]]
+                    u.selective_bytes, u.selective_s = compute, sum(clock.seconds(a, b) for a, b in marks)
         for i in self.checkpointed:
-            # Checkpointed while profiling: its activations were not seen; it saves what the first block saved.
-            u = units[i]
+            # Checkpointed while profiling: its activations were not seen; it saves what its list's first block
+            # saved. (A list's last block also gets what is saved before the next list starts, an encoder's final
+            # norm: not seen here either; on a GPU the calibration's measured peak corrects the plan.)
+            u, first = units[i], units[self.firsts[i]]
             u.saved_bytes, u.small_bytes, u.tensors = first.saved_bytes, first.small_bytes, first.tensors
             u.pinned_bytes = max(u.pinned_bytes, first.pinned_bytes)
             u.cheap_bytes, u.cheap_modules = first.cheap_bytes, list(first.cheap_modules)

@@ -226,7 +226,7 @@ class OffloadSession:
         # Units the plan runs with ssdtrain's saved-tensor hooks off (see _bare), and whether they are off now.
         self._bare_units: frozenset[int] = frozenset()
         self._hooks_paused = False
-        self._restore_cache = None  # a Hugging Face config whose use_cache the session turned off
+        self._restore_cache: list = []  # the Hugging Face configs whose use_cache the session turned off
         self._entered = False
         self._closed = False
         self._packs = 0
@@ -241,6 +241,7 @@ class OffloadSession:
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
         self.clear_casts = not self._blocks_share_params(inner)
+        self._warn_if_model_checkpoints(inner)
         self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
         self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
@@ -330,6 +331,27 @@ class OffloadSession:
                 return True
         return False
 
+    def _warn_if_model_checkpoints(self, inner: nn.Module) -> None:
+        """A Hugging Face model whose own activation checkpointing is on (``gradient_checkpointing_enable()``, or the
+        Trainer's ``gradient_checkpointing=True``) recomputes every block whatever the plan: its blocks save only
+        their inputs, so the plan can only move those, and a budget below that peak is refused. Said once per model,
+        at ``offload()``: with it on, ssdtrain mostly does nothing. (Read from the modules' own flag, which every
+        transformers version sets, not its deprecated properties.)"""
+        if "model checkpointing" in self.state.warned:
+            return
+        if not any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules()):
+            return
+        self.state.warned.add("model checkpointing")
+        warnings.warn(
+            "ssdtrain: the model's own gradient checkpointing is on, so it recomputes every block whatever the plan "
+            "(its blocks save only their inputs: ssdtrain can move only those, and a budget below that peak is "
+            "refused). Turn it off (model.activation_checkpointing_disable(); before transformers 5, "
+            "model.gradient_checkpointing_disable(); or gradient_checkpointing=False in the Trainer's arguments) "
+            "and let the budget decide what to keep, move or recompute",
+            OffloadWarning,
+            stacklevel=4,
+        )
+
     def _plan_key(self, signature):
         return (signature, self._key_options)
 
@@ -364,13 +386,13 @@ class OffloadSession:
         self.cache.param_storages = param_storage_ptrs(self.model)
         # A Hugging Face model would append each block's keys and values to a KV cache, and a recomputed block
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
-        # the session is active (what transformers itself does under gradient checkpointing).
-        for m in (inner, getattr(inner, "module", None)):  # DDP wraps the model in .module
-            config = getattr(m, "config", None)
-            if config is not None and getattr(config, "use_cache", False) is True:
+        # the session is active (what transformers itself does under gradient checkpointing). Every config in the
+        # model: an encoder-decoder's decoder has its own copy of the config (T5), read by the decoder alone.
+        configs = {id(c): c for m in inner.modules() if (c := getattr(m, "config", None)) is not None}
+        for config in configs.values():
+            if getattr(config, "use_cache", False) is True:
                 config.use_cache = False
-                self._restore_cache = config
-                break
+                self._restore_cache.append(config)
         self.hooks.install(self.model, [b for _, b in self.blocks], with_blocks=not self.compiled)
         # The hooks are host-side bookkeeping, never code to compile. Called from a torch.compile'd block while a
         # dispatch mode was active, TorchDynamo traced them as frames of their own, guarded on the cache's counters
@@ -401,9 +423,9 @@ class OffloadSession:
                 self._saved_hooks = None
             self.hooks.remove()
             self.checkpoints.unwrap_all()
-            if self._restore_cache is not None:
-                self._restore_cache.use_cache = True
-                self._restore_cache = None
+            for config in self._restore_cache:
+                config.use_cache = True
+            self._restore_cache = []
             self.calibrator.cancel()
             if self.profiler.pending is not None and not abort:
                 # The measured step ended with this session (a new session per step): its plan serves the next.
@@ -525,8 +547,10 @@ class OffloadSession:
             self.cache.max_inflight = float("inf")
         self.profiler.begin(signature, allowance)
         if self.container and not self.compiled:
-            for i, (_, block) in enumerate(self.blocks[1:], start=2):
-                self.checkpoints.wrap(block, when=self.profiler.checkpoint_when(i))
+            firsts = self.profiler.firsts
+            for i, (_, block) in enumerate(self.blocks, start=1):
+                if firsts[i] != i:  # (the first block of each list is measured, never checkpointed)
+                    self.checkpoints.wrap(block, when=self.profiler.checkpoint_when(i))
         if warmup:
             self.state.warmups[signature] = done + 1
             if self.memory.can_measure():
@@ -672,7 +696,13 @@ class OffloadSession:
             missing = self._grads_at_profile > 0
             grads = (self._unit_grads[-1], self._unit_grads[-2] if len(self._unit_grads) > 2 else 0, 0)
             grads = grads if missing else (0, 0, 0)
-            recomputed = units[1].saved_bytes + units[1].small_bytes if self.profiler.checkpointed else 0
+            recomputed = max(
+                (
+                    units[self.profiler.firsts[i]].saved_bytes + units[self.profiler.firsts[i]].small_bytes
+                    for i in self.profiler.checkpointed
+                ),
+                default=0,
+            )
             fwd, hd, blk = working_memory(self.probe, saved, head_saved, grads, recomputed)
             working = (fwd or 0, hd or 0, blk or 0)
         plan = self._make_plan(units, working)

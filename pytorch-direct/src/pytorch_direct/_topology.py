@@ -337,8 +337,9 @@ def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
     hop_of_node = torch.repeat_interleave(torch.arange(hops + 1, device=dev),
                                           torch.tensor(sub.num_sampled_nodes, device=dev),
                                           output_size=sub.num_nodes)
+    # (dtype given: with no hops the counts are [], which torch.tensor would make a float tensor)
     hop_of_edge = torch.repeat_interleave(torch.arange(hops, device=dev),
-                                          torch.tensor(sub.num_sampled_edges, device=dev),
+                                          torch.tensor(sub.num_sampled_edges, dtype=torch.long, device=dev),
                                           output_size=sub.num_edges)
     per_hop_nodes = _counts(hop_of_node * num_t + ntype, (hops + 1) * num_t)
     per_hop_edges = _counts(hop_of_edge * num_k + etype, max(hops, 1) * num_k)

@@ -1156,6 +1156,19 @@ def test_small_tables_sharing_their_pages_are_copied_not_registered():
     assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0, 5])), small[[0, 5]])
 
 
+def test_the_loaders_tables_carry_no_autograd_registered_or_copied():
+    # the loader reads a Data's feature tables (on a GPU made unified by unify_table); a copied table was detached,
+    # and a table registered in place must be too now that unified(t) keeps t.requires_grad
+    from pytorch_direct import _topology
+
+    large = torch.empty(_topology.OWN_PAGES_BYTES // 4, dtype=torch.float32).requires_grad_()
+    small = torch.randn(100, 7, requires_grad=True)
+    for t in (large, small):
+        table = _topology.unify_table(t, "x")
+        assert pd.is_unified(table) and not table.requires_grad
+    assert table.data_ptr() != small.data_ptr() and _topology.unify_table(large, "x").data_ptr() == large.data_ptr()
+
+
 def _batch_work(loader):
     """(operations that make a tensor, host round trips) of one batch made by ``loader`` on this thread: the
     sampler's, the assembly's and the gathers'. Round trips: size reads, and the operations that read a size on a

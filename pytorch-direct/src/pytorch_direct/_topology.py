@@ -66,7 +66,8 @@ def unify_table(t: Tensor, name: str, memory: str = "auto") -> Tensor:
     if is_unified(t):
         return t
     if t.is_contiguous() and owns_its_pages(t):
-        return unified(t)
+        # (detached, as the copy below: the loader reads feature tables, and its batches' rows carry no autograd)
+        return unified(t.detach())
     log.info("pytorch-direct: %s (%d bytes) shares memory pages with other allocations (or is not contiguous): "
              "copied into memory of its own instead of registered in place", name, t.numel() * t.element_size())
     return unified(t.detach(), copy=True, memory=memory)

@@ -180,7 +180,7 @@ def check_against_reference(topo: Topology, fanout, replace: bool, emulated: Emu
         assert torch.equal(x, y), f"{name} differs between two samplers seeded alike"
 
 
-FANOUTS = [[4, 3], [1], [-1, 2], [50, 50, 50], [2, -1], [3, 3, 3, 3]]
+FANOUTS = [[4, 3], [1], [-1, 2], [50, 50, 50], [2, -1], [3, 3, 3, 3], [3, 0], [0, 2]]
 
 
 @pytest.mark.parametrize("fanout", FANOUTS)
@@ -447,7 +447,8 @@ def check_typed(sub, seeds, topo: Topology, table: list[list[int]], replace: boo
         node_lo, edge_lo = node_lo + n_nodes, edge_lo + n_edges
 
 
-TYPED_FANOUTS = [[[2, -1, 0], [1, 3, 2]], [[5, 5, 5]], [[-1, -1, -1], [0, 1, 0]], [[40, 1, 3], [2, 2, 2], [1, 1, 1]]]
+TYPED_FANOUTS = [[[2, -1, 0], [1, 3, 2]], [[5, 5, 5]], [[-1, -1, -1], [0, 1, 0]], [[40, 1, 3], [2, 2, 2], [1, 1, 1]],
+                 [[2, 0, 1], [0, 0, 0]]]
 
 
 def check_typed_against_reference(table, replace: bool, emulated: Emulated | None, device):
@@ -482,6 +483,32 @@ def test_emulated_typed_kernels_name_a_bad_edge_type(emulated):
     with pytest.raises(ValueError, match=r"topology.edge_type\[\d+\] is outside \[0, 3\)"):
         sampler.sample(torch.tensor([0]))
     assert bool((sampler._local == -1).all())
+
+
+def check_no_hops(emulated: Emulated | None, device) -> None:
+    """num_neighbors=[] (PyG: zero hops, the seeds alone) on the kernel path, homogeneous and typed: the sampler
+    answers it without calling the kernels (a batch of no hops draws nothing), whose state stays clean."""
+    topo, blocks = typed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    seeds = torch.tensor([5, 0, 5, 3, 199])
+    for kw in ({}, {"blocks": blocks}):
+        sampler = kernel_sampler(placed, [], emulated, device=device, **kw)
+        if emulated is not None:
+            emulated.launches = emulated.batch_calls = 0
+        sub = sampler.sample(seeds.to(device)).to("cpu")
+        assert torch.equal(sub.n_id, seeds) and sub.edge_index.shape == (2, 0) and sub.e_id.numel() == 0
+        assert sub.num_sampled_nodes == [5] and sub.num_sampled_edges == []
+        assert torch.equal(sub.edge_type, torch.empty(0, dtype=torch.long))
+        if emulated is not None:
+            assert emulated.launches == emulated.batch_calls == 0
+        assert bool((sampler._local == -1).all())
+        assert int(sampler._kernel_run.unseen.count_nonzero()) == 0
+
+
+def test_emulated_kernel_path_takes_no_hops(emulated):
+    # the sampler refused num_neighbors=[]; with it accepted, the kernel sampler of a typed graph failed to start
+    # (its fan-out table, made from no rows, was 1-D: "Dimension out of range" reading its edge types)
+    check_no_hops(emulated, CPU)
 
 
 def test_the_kernel_path_is_chosen_and_refused_by_name():
@@ -614,6 +641,30 @@ def test_gpu_kernels_name_a_bad_topology():
     assert bool((sampler._local == -1).all())
     sub = sampler.sample(torch.tensor([6], device=gpu))
     check_subgraph(sub, torch.tensor([6]), Topology(topo.colptr, row), [-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replace", [False, True])
+def test_gpu_kernels_take_zero_fanouts_and_no_hops(replace):
+    # PyG (pyg-lib) draws nothing for a fan-out of 0 and samples len(num_neighbors) hops; the kernels' take count
+    # for a fan-out of 0 is 0 (take_of), so the hop ends with no edge and the batch's later hops with it
+    gpu = torch.device("cuda")
+    for fanout in ([3, 0], [0, 2], [0], [2, 0, 4]):
+        check_against_reference(dict(graphs())["skewed"], fanout, replace, None, gpu)
+    for table in ([[2, 0, 1], [0, 0, 0]], [[0, 0, 0]], [[0, 3, 0], [1, 0, 2]]):
+        check_typed_against_reference(table, replace, None, gpu)
+    check_no_hops(None, gpu)
+    topo = skewed_graph()
+    for fanout in ([3, 0], [0, 2], []):
+        for one_call in (True, False):
+            sampler = NeighborSampler(topo.placed("device", gpu), fanout, replace=replace, device=gpu, kernels=True)
+            sampler._kernel_run.one_call = one_call
+            for seeds in SEED_SETS:
+                sub = sampler.sample(seeds.to(gpu)).to("cpu")
+                check_subgraph(sub, seeds, topo, fanout, replace)
+                if not fanout or fanout[0] == 0:
+                    assert sub.num_edges == 0 and torch.equal(sub.n_id, seeds)
+                assert bool((sampler._local == -1).all())
 
 
 @pytest.mark.gpu

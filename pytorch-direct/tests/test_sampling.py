@@ -312,8 +312,10 @@ def test_typed_sampling_is_uniform_per_edge_type(replace):
 
 def test_bad_input_is_named():
     topo = skewed_graph()
-    with pytest.raises(ValueError, match="num_neighbors"):
-        NeighborSampler(topo, [0])
+    with pytest.raises(ValueError, match="num_neighbors must list a fan-out per hop"):
+        NeighborSampler(topo, 5)
+    with pytest.raises(ValueError, match=r"fan-outs must be >= 0, or -1 for all neighbours; got \[-2\] at hop 1"):
+        NeighborSampler(topo, [3, -2])
     with pytest.raises(ValueError, match="one entry per edge"):
         Topology(topo.colptr, topo.row, edge_type=topo.edge_type[:-1])
     with pytest.raises(TypeError, match="integers"):
@@ -381,6 +383,66 @@ def test_a_topology_on_another_device_is_named():
 
 
 # ---- the loader against PyG ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fanout", [[3, 0], [0, 3], [0], [2, 0, 4], [-1, 0]])
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("script", [True, False])
+def test_a_zero_fanout_hop_samples_no_edges_as_in_pyg(fanout, replace, script):
+    # pyg-lib's neighbour sampler returns at once for a count of 0 (neighbor_kernel.cpp, uniform_sample: "if
+    # ((row_end - row_start == 0) || (count == 0)) return;"), so the hop draws no edge and adds no node, and every
+    # later hop has an empty frontier. This sampler refused a 0 fan-out ("must list a positive fan-out").
+    topo = skewed_graph()
+    gen = torch.Generator().manual_seed(1)
+    sampler = NeighborSampler(topo, fanout, replace=replace, script=script, generator=gen)
+    for seeds in (torch.tensor([0, 5, 3, 299]), torch.randperm(300)[:64], REPEATED):
+        state = gen.get_state()
+        sub = sampler.sample(seeds)
+        if fanout[0] == 0:  # (a hop that takes no edge draws no random keys for its frontier's in-edges)
+            assert torch.equal(gen.get_state(), state)
+        check_subgraph(sub, seeds, topo, fanout, replace)
+        zero = fanout.index(0)
+        assert sub.num_sampled_edges[zero:] == [0] * (len(fanout) - zero)
+        assert sub.num_sampled_nodes[zero + 1:] == [0] * (len(fanout) - zero)
+        assert bool((sampler._local == -1).all())
+    if fanout[0] == 0:
+        assert sub.num_edges == 0 and torch.equal(sub.n_id, REPEATED)
+
+
+@pytest.mark.parametrize("script", [True, False])
+@pytest.mark.parametrize("typed", [False, True])
+def test_no_hops_is_a_batch_of_the_seeds_alone_as_in_pyg(script, typed):
+    # pyg-lib samples len(num_neighbors) hops (neighbor_kernel.cpp: "for (size_t ell = 0; ell <
+    # num_neighbors.size(); ++ell)"; L, the longest list, for a heterogeneous graph), after putting the seeds in the
+    # batch: num_neighbors=[] gives the seeds alone, num_sampled_nodes [seeds], num_sampled_edges []. This sampler
+    # refused [] ("must list a fan-out per hop"), and its torch path failed on it (torch.cat of no hops).
+    if typed:
+        from test_sample_kernels import typed_graph
+
+        topo, blocks = typed_graph()
+    else:
+        base = skewed_graph()
+        gen = torch.Generator().manual_seed(2)
+        topo = Topology(base.colptr, base.row, edge_type=base.edge_type,
+                        edge_id=torch.randperm(base.num_edges, generator=gen),
+                        node_type=torch.randint(3, (300,), generator=gen).to(torch.int8))
+        blocks = None
+    sampler = NeighborSampler(topo, [], script=script, blocks=blocks)
+    assert sampler.num_hops == 0
+    for seeds in (torch.tensor([0, 5, 3, 199]), REPEATED):
+        sub = sampler.sample(seeds)
+        check_subgraph(sub, seeds, topo, [])
+        assert torch.equal(sub.n_id, seeds) and sub.batch_size == seeds.numel()
+        assert sub.num_sampled_nodes == [seeds.numel()] and sub.num_sampled_edges == []
+        for name in ("e_id", "pos", "edge_type"):
+            t = getattr(sub, name)
+            assert t.shape == (0,) and t.dtype == torch.long, name
+        assert sub.edge_index.shape == (2, 0) and sub.edge_index.dtype == torch.long
+        if typed:
+            assert torch.equal(sub.node_type, torch.zeros(seeds.numel(), dtype=torch.long))
+        else:
+            assert torch.equal(sub.node_type, topo.node_type[seeds].long())
+    assert bool((sampler._local == -1).all())
+
 
 def random_data(n=400, e=3000, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -481,6 +543,62 @@ def test_hetero_batches_equal_pygs_own_loader():
                         input_nodes=("paper", torch.arange(0, 300, 3)), batch_size=16)
     for a, b in zip(ours, theirs, strict=True):
         assert_same_batch(a, b)
+
+
+@pytest.mark.parametrize("num_neighbors", [[10, 0], [0, 4], [0], []])
+def test_zero_fanouts_and_no_hops_give_pygs_batches(num_neighbors):
+    # PyG's NeighborLoader passes num_neighbors to its sampler unchecked (NumNeighbors keeps the list; pyg-lib
+    # draws nothing for a count of 0 and samples len(num_neighbors) hops): a 0 fan-out is a hop without edges and
+    # [] a batch of the seeds alone. Ours refused both; now its batches are those PyG's own NodeLoader assembles.
+    data = random_data()
+    ours = NeighborLoader(data, num_neighbors, input_nodes=data.train_mask, batch_size=40, seed=3)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, num_neighbors, seed=3),
+                              input_nodes=data.train_mask, batch_size=40)
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same_batch(a, b)
+        assert len(a.num_sampled_edges) == len(num_neighbors) and len(a.num_sampled_nodes) == len(num_neighbors) + 1
+        check_counts(a, data.edge_index, num_neighbors)
+        if 0 in num_neighbors:
+            zero = num_neighbors.index(0)
+            assert a.num_sampled_edges[zero:] == [0] * (len(num_neighbors) - zero)
+        if not num_neighbors or num_neighbors[0] == 0:
+            assert a.edge_index.shape == (2, 0) and torch.equal(a.n_id, a.input_id)
+            assert torch.equal(a.x, data.x[a.input_id]) and a.edge_attr.shape == (0, 3)
+
+
+@pytest.mark.parametrize("form", ["types at 0", "a hop at 0", "[]", "{}"])
+def test_hetero_zero_fanouts_and_no_hops_give_pygs_batches(form):
+    # as for a Data: per edge type a 0 fan-out draws no edge of that type (pyg-lib's count == 0), a hop of zeros
+    # draws none at all, and no hops ([] or empty lists for every type) is the seeds alone
+    data = random_hetero()
+    if form == "types at 0":
+        fanouts = {et: [3, 2] for et in data.edge_types}
+        fanouts["author", "writes", "paper"] = [0, 0]
+        fanouts["paper", "cites", "paper"] = [4, 0]
+    elif form == "a hop at 0":
+        fanouts = {et: [3, 0] for et in data.edge_types}
+    else:
+        fanouts = [] if form == "[]" else {et: [] for et in data.edge_types}
+    seeds = ("paper", torch.arange(0, 300, 3))
+    ours = NeighborLoader(data, fanouts, input_nodes=seeds, batch_size=16, seed=2)
+    theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, fanouts, seed=2), input_nodes=seeds,
+                              batch_size=16)
+    hops = 2 if isinstance(fanouts, dict) and form != "{}" else 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same_batch(a, b)
+        for et in data.edge_types:
+            sampled = a[et].num_sampled_edges
+            assert len(sampled) == hops
+            per_hop = fanouts[et] if hops else []
+            assert all(n == 0 for n, k in zip(sampled, per_hop, strict=True) if k == 0), (et, sampled)
+        if form == "a hop at 0":
+            assert all(a[et].num_sampled_edges[1] == 0 for et in data.edge_types)
+        if hops == 0:
+            size = a["paper"].batch_size
+            assert torch.equal(a["paper"].n_id, seeds[1][a["paper"].input_id])
+            assert a["paper"].num_sampled_nodes == [size]
+            assert all(a[t].n_id.numel() == 0 for t in ("author", "venue"))
+            assert all(a[et].edge_index.shape == (2, 0) for et in data.edge_types)
 
 
 def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
@@ -1038,6 +1156,19 @@ def test_small_tables_sharing_their_pages_are_copied_not_registered():
     assert torch.equal(fs.get_tensor(group_name=None, attr_name="x", index=torch.tensor([0, 5])), small[[0, 5]])
 
 
+def test_the_loaders_tables_carry_no_autograd_registered_or_copied():
+    # the loader reads a Data's feature tables (on a GPU made unified by unify_table); a copied table was detached,
+    # and a table registered in place must be too now that unified(t) keeps t.requires_grad
+    from pytorch_direct import _topology
+
+    large = torch.empty(_topology.OWN_PAGES_BYTES // 4, dtype=torch.float32).requires_grad_()
+    small = torch.randn(100, 7, requires_grad=True)
+    for t in (large, small):
+        table = _topology.unify_table(t, "x")
+        assert pd.is_unified(table) and not table.requires_grad
+    assert table.data_ptr() != small.data_ptr() and _topology.unify_table(large, "x").data_ptr() == large.data_ptr()
+
+
 def _batch_work(loader):
     """(operations that make a tensor, host round trips) of one batch made by ``loader`` on this thread: the
     sampler's, the assembly's and the gathers'. Round trips: size reads, and the operations that read a size on a
@@ -1181,6 +1312,38 @@ def test_loader_on_the_gpu(prefetch, thread, pipeline):
         assert loader._stream.priority < 0 and loader._gather_stream.priority < 0
         plain = NeighborLoader(data, [6, 4], batch_size=128, prefetch=prefetch, thread=thread, high_priority=False)
         assert plain._stream.priority == 0 and plain._gather_stream.priority == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topology", ["device", "host"])
+def test_zero_fanouts_and_no_hops_on_the_gpu(topology):
+    # the loader's batches on the GPU (the kernel path, from GPU memory or zero-copy) for PyG's 0 fan-out and no
+    # hops: a hop without edges, and the seeds alone (then the same batches as PyG's own NodeLoader's)
+    data = random_data()
+    for num_neighbors in ([10, 0], [0, 4], []):
+        loader = NeighborLoader(data, num_neighbors, input_nodes=data.train_mask, batch_size=40, seed=3,
+                                topology=topology)
+        assert loader.sampler.kernels
+        theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, num_neighbors, seed=3),
+                                  input_nodes=data.train_mask, batch_size=40)
+        for a, b in zip(loader, theirs, strict=True):
+            assert a.x.is_cuda
+            a = a.to("cpu")
+            check_counts(a, data.edge_index, num_neighbors)
+            assert len(a.num_sampled_edges) == len(num_neighbors)
+            if not num_neighbors or num_neighbors[0] == 0:
+                assert_same_batch(a, b)
+                assert a.edge_index.shape == (2, 0) and torch.equal(a.n_id, a.input_id)
+            else:
+                assert a.num_sampled_edges[1] == 0 and a.num_sampled_nodes[2] == 0
+    hetero = random_hetero()
+    for fanouts in ({et: [3, 0] for et in hetero.edge_types}, []):
+        loader = NeighborLoader(hetero, fanouts, input_nodes="paper", batch_size=32, seed=2, topology=topology)
+        for batch in loader:
+            assert all(batch[et].num_sampled_edges == ([] if fanouts == [] else [batch[et].num_sampled_edges[0], 0])
+                       for et in hetero.edge_types)
+            if fanouts == []:
+                assert torch.equal(batch["paper"].n_id.cpu(), batch["paper"].input_id.cpu())
 
 
 @pytest.mark.gpu

@@ -205,3 +205,43 @@ def test_format_of_an_element_as_torch():
     assert f"{u[2, 1]:.3f}" == f"{base[2, 1]:.3f}"
     assert format(u[2, 1]) == format(base[2, 1])
     assert f"{u}" == str(u) and str(u).startswith("unified tensor(")
+
+
+@pytest.mark.parametrize("copy_", [False, True])
+def test_unified_keeps_requires_grad_as_torchs_copies_do(copy_):
+    # torch's copies and moves keep requires_grad: t.to(torch.float64), t.to("cpu", copy=True), t.pin_memory() (in
+    # torch's derivatives.yaml, "_pin_memory(Tensor self, Device? device=None)": "self: grad"). unified() dropped
+    # it: a table made from a tensor that requires grad gave rows that did not, and so trained nothing, silently.
+    t = torch.randn(8, 4, requires_grad=True)
+    assert t.to(torch.float64).requires_grad and t.to("cpu", copy=True).requires_grad
+    u = pd.unified(t, copy=copy_)
+    assert type(u) is pd.UnifiedTensor and u.requires_grad
+    assert (u.data_ptr() == t.data_ptr()) == (not copy_)
+    # a leaf whose gradient is its own host-resident .grad (not a dense gradient sent back to t)
+    assert u.is_leaf
+    u[torch.tensor([1, 3, 3])].sum().backward()
+    expected = torch.zeros(8, 4)
+    expected[1], expected[3] = 1, 2
+    assert torch.equal(plain(u.grad), expected) and t.grad is None
+    before = t.detach().clone()
+    torch.optim.SGD([u], lr=1.0).step()
+    assert torch.equal(plain(u).detach(), before - expected if copy_ else t.detach())
+    assert torch.equal(t.detach(), before if copy_ else before - expected), "copy=False shares t's memory"
+    again = pd.unified(u, copy=True)  # (a copy of a unified table that requires grad)
+    assert again.requires_grad and again.is_leaf and again.grad is None
+    # as torch's: nothing to keep without requires_grad, and nothing recorded under no_grad
+    assert not pd.unified(t.detach(), copy=copy_).requires_grad
+    with torch.no_grad():
+        assert not t.to(torch.float64).requires_grad
+        assert not pd.unified(t, copy=copy_).requires_grad
+
+
+def test_unified_of_a_tensor_with_autograd_history_says_the_fix():
+    # t.to(...) of a non-leaf sends gradients on through t's graph; a unified table cannot (its gradient stays in its
+    # own .grad), so cutting the graph silently is refused
+    w = torch.randn(8, 4, requires_grad=True)
+    for copy_ in (False, True):
+        with pytest.raises(RuntimeError, match=r"MulBackward0.*t\.detach\(\)"):
+            pd.unified(w * 2, copy=copy_)
+        with torch.no_grad():
+            assert not pd.unified(w * 2, copy=copy_).requires_grad

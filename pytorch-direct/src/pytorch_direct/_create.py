@@ -48,6 +48,13 @@ def unified(t: Tensor, *, copy: bool = False, memory: str = "auto") -> UnifiedTe
     Registration pins whole pages. A small tensor from torch's heap shares its first and last page with unrelated
     allocations; a CUDA copy of one of those that starts inside the registered pages and ends outside them fails
     with "invalid argument". Register tensors that own their pages (large ones, :func:`empty`) or use copy=True.
+
+    Autograd: as torch's copies and moves (``t.to(...)``, ``t.pin_memory()``), the result requires grad when ``t``
+    does (and grad mode is on). Unlike theirs, its gradient is not sent back to ``t``: a unified table that requires
+    grad is a leaf whose gradient accumulates in its own host-resident ``.grad``, so train the unified tensor
+    (``torch.optim.SGD([table], ...)``), not ``t``; with copy=False it shares ``t``'s memory, so ``t`` sees the
+    updates. A ``t`` with autograd history (not a leaf, e.g. ``w * 2``), whose gradient torch would pass on to
+    ``w``, raises ``RuntimeError`` rather than cutting the graph silently.
     """
     if not isinstance(t, Tensor):
         raise TypeError(f"unified() takes a torch.Tensor, got {type(t).__name__}")
@@ -65,18 +72,26 @@ def unified(t: Tensor, *, copy: bool = False, memory: str = "auto") -> UnifiedTe
         )
     if t.is_sparse or t.layout != torch.strided:
         raise ValueError("unified() takes a dense (strided) tensor")
+    # (grad mode as torch's t.to(...): a copy made under torch.no_grad() does not require grad)
+    requires_grad = t.requires_grad and torch.is_grad_enabled()
+    if requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            f"unified(t) of a tensor with autograd history (grad_fn={type(t.grad_fn).__name__}): a unified table "
+            "is a leaf whose gradient stays in its own .grad, so gradients would not reach the tensors t was made "
+            "from. Pass t.detach(), then call .requires_grad_() on the result to train the table itself"
+        )
     if copy:
         out = empty(tuple(t.shape), dtype=t.dtype, memory=memory)
         with torch._C.DisableTorchFunctionSubclass():
             out.copy_(t.detach())
-        return out
+        return out.requires_grad_(requires_grad)
     if not t.is_contiguous():
         raise ValueError(
             "unified(t, copy=False) registers t's memory in place, which needs a contiguous tensor: "
             "pass t.contiguous() or copy=True"
         )
     plain = t.detach().as_subclass(Tensor) if isinstance(t, UnifiedTensor) else t.detach()
-    return register_in_place(plain).as_subclass(UnifiedTensor)
+    return register_in_place(plain).as_subclass(UnifiedTensor).requires_grad_(requires_grad)
 
 
 def from_file(path: str | os.PathLike, shape: Sequence[int], dtype: torch.dtype = torch.float32, *,

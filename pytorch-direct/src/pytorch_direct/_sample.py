@@ -196,10 +196,12 @@ class NeighborSampler:
     """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1: all of them) around seed nodes.
 
     ``topology``: a :class:`Topology`. ``num_neighbors``: a list of fan-outs, one per hop (or, with ``blocks``, a
-    ``[hops][edge types]`` nested list). ``replace=False`` draws distinct edges (PyG's default); ``replace=True``
-    draws ``fanout`` edges with replacement from every node that has in-edges. ``device``: where sampling runs and
-    its output lies (default: see :func:`default_device`); a plain CPU topology sampled on a GPU must be moved
-    there first (``Topology.placed``). ``generator``: random numbers on ``device``.
+    ``[hops][edge types]`` nested list). As in PyG, a fan-out of 0 draws no edge (a homogeneous graph's hop then
+    adds no node, and the hops after it draw none either), and ``[]`` (no hops) makes a batch of the seeds alone.
+    ``replace=False`` draws distinct edges (PyG's default); ``replace=True`` draws ``fanout`` edges with replacement
+    from every node that has in-edges. ``device``: where sampling runs and its output lies (default: see
+    :func:`default_device`); a plain CPU topology sampled on a GPU must be moved there first (``Topology.placed``).
+    ``generator``: random numbers on ``device``.
 
     One ``sample`` at a time per sampler: its id map is shared between calls (not thread-safe), and a call made on
     another CUDA stream than the previous one must be ordered after it (the loader does this).
@@ -245,7 +247,9 @@ class NeighborSampler:
             if topology.edge_type is None:
                 raise ValueError("a topology with edge-type blocks needs each edge's type (Topology.edge_type)")
             self._node_offset = torch.tensor(blocks.node_offset, dtype=torch.long, device=self.device)
-            self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=self.device)  # [hops, K]
+            # [hops, K] (.view: with no hops, torch.tensor([]) would be 1-D)
+            self._fanout_table = torch.tensor(self.fanouts, dtype=torch.long, device=self.device).view(
+                self.num_hops, blocks.num_edge_types)
         # TorchScript for plain tensors, Python for unified ones (their reads dispatch through Python)
         self._kernel_run: _sample_cuda.KernelSampler | None = None
         self._use_kernels = False
@@ -280,6 +284,8 @@ class NeighborSampler:
             raise ValueError(f"seeds must be a non-empty 1-D tensor of node ids, got shape {tuple(seeds.shape)}")
         if check:
             check_seeds(seeds, self.num_nodes)
+        if self.num_hops == 0:
+            return self._seeds_alone(seeds)
         if self.blocks is None:
             return self._sample_homogeneous(seeds)
         return self._sample_typed(seeds)
@@ -322,6 +328,20 @@ class NeighborSampler:
                 self._kernel_run = _sample_cuda.KernelSampler(self.topology, self.device, table)
         self._use_kernels = bool(value)
         self._run = self._kernel_run if self._use_kernels else self._torch_run
+
+    def _seeds_alone(self, seeds: Tensor) -> SampledSubgraph:
+        """The batch of no hops (``num_neighbors=[]``): the seeds as given, no edges. Made here for every path (the
+        torch path's and the kernels' hop loops assume at least one hop)."""
+        topo = self.topology
+        no_edges = torch.empty(0, dtype=torch.long, device=self.device)
+        edge_type = None if topo.edge_type is None else no_edges
+        if self.blocks is not None:
+            node_type = torch.searchsorted(self._node_offset, seeds, right=True) - 1
+        else:
+            node_type = None if topo.node_type is None else topo.node_type[seeds].long()
+        # (n_id a copy, as the other paths make it: not the caller's seeds tensor)
+        return SampledSubgraph(seeds.clone(), no_edges.view(2, 0), no_edges, seeds.numel(), edge_type, node_type,
+                               [seeds.numel()], [], no_edges)
 
     def _sample_homogeneous(self, seeds: Tensor) -> SampledSubgraph:
         topo = self.topology
@@ -391,10 +411,11 @@ def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:
 
 
 def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
-    """``[hops][edge types]`` fan-outs (one column without blocks), checked."""
-    if isinstance(num_neighbors, (int,)) or not isinstance(num_neighbors, (list, tuple)) or not num_neighbors:
-        raise ValueError(f"num_neighbors must list a fan-out per hop (e.g. [15, 10]; -1 for all), got "
-                         f"{num_neighbors!r}")
+    """``[hops][edge types]`` fan-outs (one column without blocks), checked. As in PyG (pyg-lib), a fan-out of 0
+    draws no edge in its hop, and no hops (``[]``) makes a batch of the seeds alone."""
+    if not isinstance(num_neighbors, (list, tuple)):
+        raise ValueError(f"num_neighbors must list a fan-out per hop (e.g. [15, 10]; -1 for all, 0 for none; [] "
+                         f"for the seeds alone), got {num_neighbors!r}")
     kinds = 1 if blocks is None else blocks.num_edge_types
     table = []
     for hop, entry in enumerate(num_neighbors):
@@ -403,8 +424,5 @@ def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
             raise ValueError(f"num_neighbors[{hop}] has {len(row)} entries for {kinds} edge types")
         if any(k < -1 for k in row):
             raise ValueError(f"fan-outs must be >= 0, or -1 for all neighbours; got {row} at hop {hop}")
-        if blocks is None and row[0] == 0:
-            raise ValueError(f"num_neighbors must list a positive fan-out (or -1 for all) per hop, got "
-                             f"{list(num_neighbors)}")
         table.append(row)
     return table

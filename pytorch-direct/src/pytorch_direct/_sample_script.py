@@ -77,7 +77,8 @@ def sample_homogeneous(colptr: Tensor, row: Tensor, local: Tensor, seeds: Tensor
                 num_nodes.append(new_count(sizes[2], sizes[3], slots))
             owner = torch.repeat_interleave(take, output_size=taken)  # the frontier node of each sampled edge
             dst = owner + frontier_start
-            if fanout < 0 or (in_edges == taken and not replace):  # every in-edge is taken: nothing to draw
+            if fanout < 0 or taken == 0 or (in_edges == taken and not replace):
+                # every in-edge is taken, or none (a fan-out of 0): nothing to draw
                 # (the j-th taken edge of a node is its j-th in-edge)
                 pos = torch.arange(taken, device=device) + (begin - (cum_take - take))[owner]
             elif replace:

@@ -66,7 +66,8 @@ def unify_table(t: Tensor, name: str, memory: str = "auto") -> Tensor:
     if is_unified(t):
         return t
     if t.is_contiguous() and owns_its_pages(t):
-        return unified(t)
+        # (detached, as the copy below: the loader reads feature tables, and its batches' rows carry no autograd)
+        return unified(t.detach())
     log.info("pytorch-direct: %s (%d bytes) shares memory pages with other allocations (or is not contiguous): "
              "copied into memory of its own instead of registered in place", name, t.numel() * t.element_size())
     return unified(t.detach(), copy=True, memory=memory)
@@ -337,8 +338,9 @@ def split_hetero(sub: SampledSubgraph, blocks) -> HeteroParts:
     hop_of_node = torch.repeat_interleave(torch.arange(hops + 1, device=dev),
                                           torch.tensor(sub.num_sampled_nodes, device=dev),
                                           output_size=sub.num_nodes)
+    # (dtype given: with no hops the counts are [], which torch.tensor would make a float tensor)
     hop_of_edge = torch.repeat_interleave(torch.arange(hops, device=dev),
-                                          torch.tensor(sub.num_sampled_edges, device=dev),
+                                          torch.tensor(sub.num_sampled_edges, dtype=torch.long, device=dev),
                                           output_size=sub.num_edges)
     per_hop_nodes = _counts(hop_of_node * num_t + ntype, (hops + 1) * num_t)
     per_hop_edges = _counts(hop_of_edge * num_k + etype, max(hops, 1) * num_k)

@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import ssdtrain
 from ssdtrain import tiers as ssd_tiers
+from ssdtrain.planner import Choice
 
 KIB = 1 << 10
 
@@ -660,6 +661,41 @@ def test_a_forward_whose_graph_is_dropped_without_backward_releases_everything(t
             assert s.pool.in_use == 0 and s.cache.engine.stats()["live_handles"] == 0
         _steps(model, ids, 1, want)
         assert s.cache.live_entries() == 0
+
+
+@pytest.mark.parametrize("step", ["planned", "profiled"])
+def test_a_graph_dropped_through_a_derive_block_releases_everything(step, tmp_path):
+    """The same through a block whose saved tensors recipes may start from (one the plan derives; every block of
+    a profiled step): pack() kept those tensors as they were, for the recipes' weak references, so the cycle of an
+    output saved by its own op (the block's softmax and tanh) stayed, and with it everything saved before the
+    block: the last block's input, and the entries of the blocks moved to host memory and NVMe."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    overrides = {"blocks.0": "host", "blocks.1": "nvme", "blocks.3": "derive"}
+    options = dict(overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1)
+    inputs = []  # the last block's input (its norm saves it): alive while anything holds the graph before it
+    handle = model.blocks[3].register_forward_pre_hook(
+        lambda module, args: inputs.append(StorageWeakRef(args[0].untyped_storage()))
+    )
+    with ssdtrain.offload(model, **options) as s:
+        if step == "planned":
+            _steps(model, ids, 1)  # the profiled step
+        inputs.clear()
+        loss = model(ids)
+        assert s.cache.derive_unit is not None and s.cache.derive_unit(4)  # the last block goes through derive
+        if step == "planned":
+            assert s.plan.choice("blocks.3") == Choice.parse("derive") and s.cache.live_entries() > 0
+        del loss
+        gc.collect()
+        s.cache.drain()  # (an entry whose NVMe write is still running is released when the write is done)
+        assert inputs[0].expired(), "the dropped graph is still alive"
+        assert s.cache.live_entries() == 0
+        engine = s.cache.engine  # (none yet where nothing was moved: a profiled step on CPU keeps all)
+        assert s.pool.in_use == 0 and (engine is None or engine.stats()["live_handles"] == 0)
+        handle.remove()
+        _steps(model, ids, 2)
+        _steps(model, ids, 1, want)  # (recipes made from the aliases: the same gradients)
+        assert s.stats()["tensors_derived"] > 0 and s.cache.live_entries() == 0
 
 
 @pytest.mark.parametrize("where", ["kept", "moved"])

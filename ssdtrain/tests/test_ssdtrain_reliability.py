@@ -618,6 +618,44 @@ def test_overrides_given_with_a_plan_are_refused():
     assert s.stats()["bytes_offloaded"]["host"] > 0
 
 
+def test_prefetch_units_given_with_a_plan_apply_to_its_choices():
+    """offload(plan=p, prefetch_units=n) ran with the window p was made with and ignored n without a word. How far
+    ahead backward restores moved units is the session's to set, not a choice of the plan: p's choices now run with
+    n units prefetched ahead (the cache's window and the plan's prediction follow; p itself is unchanged), and a
+    window that puts the prediction above p's budget warns. Left out, p's own window is used."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    moved = {f"blocks.{i}": "host" for i in range(4)}
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", overrides=moved)
+    assert p.window_units == 2 and p.window_bytes > 0
+    model.zero_grad()
+    with ssdtrain.offload(model, plan=p, prefetch_units=1, verbose=False) as s:
+        model(ids).backward()
+    assert_same_grads(grads(model), want)
+    assert s.cache.window_units == 1 and s.plan.window_units == 1 and s.plan.choices == p.choices
+    assert s.cache.window_bytes == p.window_bytes // 2 and s.plan.prediction.peak < p.prediction.peak
+    assert p.window_units == 2 and "prefetch window 1 units ahead" in str(s.plan)
+    with ssdtrain.offload(model, plan=p, verbose=False) as s:
+        model(ids).backward()
+    assert s.plan is p and s.cache.window_units == 2
+    p3 = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", overrides=moved, prefetch_units=3)
+    assert p3.window_units == 3 and ssdtrain.offload(model, plan=p3).prefetch_units == 3
+    tight = p.replan(budget=int(p.prediction.peak * 1.1))
+    assert tight.with_window(4).prediction.peak > tight.budget  # (four blocks back at once: more than the margin)
+    with pytest.warns(ssdtrain.OffloadWarning, match=r"prefetch_units=4\): with that window .* above its budget"):
+        ssdtrain.offload(model, plan=tight, prefetch_units=4)
+
+
+def test_profile_steps_given_with_a_plan_are_refused():
+    """offload(plan=p) profiles no step, so a profile_steps= passed with it was ignored without a word. It is
+    refused, naming ssdtrain.plan(), where it applies."""
+    model, ids = make_net(layers=2), batch()
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", profile_steps=1)
+    with pytest.raises(ValueError, match=r"profile_steps=3 would be ignored.*ssdtrain\.plan\(model, step_fn"):
+        ssdtrain.offload(model, plan=p, profile_steps=3)
+    assert ssdtrain.offload(model, plan=p).profile_steps == 2  # (the default, used by nothing here)
+
+
 def test_an_override_that_puts_a_plan_over_its_budget_warns():
     """plan.override() could make a budgeted plan keep more than its budget (here all blocks kept under 0.6 x
     keep's peak), and offload(plan=) then ran it past the budget without a word. The override now warns, naming

@@ -168,6 +168,8 @@ def test_trainer_callback_offloads_training_steps_only(tmp_path):
         trainer.train()
     # The first step profiles by design: no "offloaded nothing" warning for it (the last step moved bytes).
     assert not [w for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+    # The callback's wrapper of the optimizer's step keeps the mark of torch's LR scheduler, which checks it.
+    assert not [w for w in caught if "overridden after learning rate scheduler" in str(w.message)]
 
     def losses(t):
         return [(h["step"], h[k]) for h in t.state.log_history for k in ("loss", "eval_loss") if k in h]
@@ -229,6 +231,46 @@ def test_trainer_callback_closes_the_session_of_a_step_whose_forward_raised(tmp_
     trainer.train()
     assert callback.session is None and callback.stats()["steps"] > 0
     _no_session_left(model)
+    ssdtrain.release(model)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("where", ["backward", "optimizer step"])
+def test_trainer_callback_closes_the_session_of_a_step_that_raised_after_its_forward(where, tmp_path, caplog):
+    # An exception in a step's backward or optimizer step, which no callback event sees, left the step's session
+    # entered after train() had raised (its saved-tensor hooks on the thread, its hooks on the model) until the
+    # next step or train(). The callback now also wraps the Trainer's training_step and its optimizer's step.
+    model = tiny_gpt2()
+    calls = {"n": 0}
+
+    def fail(*_):
+        calls["n"] += 1
+        if calls["n"] == (3 if where == "backward" else 2):  # the second optimizer step (two micro-batches each)
+            raise RuntimeError(f"CUDA out of memory in the {where} (simulated)")
+
+    if where == "backward":
+        handle = model.transformer.h[1].mlp.c_fc.weight.register_hook(fail)  # (raises inside autograd's engine)
+    else:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        handle = register_optimizer_step_pre_hook(fail)  # (every optimizer's; removed below)
+    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
+    trainer = _trainer(model, tmp_path / "fails", [callback])
+    try:
+        with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated"):
+            trainer.train()
+    finally:
+        handle.remove()
+    _no_session_left(model)  # (saved-tensor hooks on the thread first of all)
+    assert callback.session is None and callback.last is not None and callback.last._closed
+    why = "the training step raised" if where == "backward" else "the optimizer step raised"
+    assert why in caplog.text and "its session is closed" in caplog.text
+    assert "training_step" not in vars(trainer)  # the wrapper put back
+    trainer.train()  # trains again
+    assert callback.session is None and callback.stats()["steps"] > 0
+    _no_session_left(model)
+    assert "training_step" not in vars(trainer)
+    assert "_guard" not in vars(trainer.optimizer)["step"].__qualname__  # (torch's LR scheduler's wrapper is back)
     ssdtrain.release(model)
 
 

@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import ssdtrain
 from ssdtrain import tiers as ssd_tiers
+from ssdtrain.planner import Choice
 
 KIB = 1 << 10
 
@@ -617,6 +618,44 @@ def test_overrides_given_with_a_plan_are_refused():
     assert s.stats()["bytes_offloaded"]["host"] > 0
 
 
+def test_prefetch_units_given_with_a_plan_apply_to_its_choices():
+    """offload(plan=p, prefetch_units=n) ran with the window p was made with and ignored n without a word. How far
+    ahead backward restores moved units is the session's to set, not a choice of the plan: p's choices now run with
+    n units prefetched ahead (the cache's window and the plan's prediction follow; p itself is unchanged), and a
+    window that puts the prediction above p's budget warns. Left out, p's own window is used."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    moved = {f"blocks.{i}": "host" for i in range(4)}
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", overrides=moved)
+    assert p.window_units == 2 and p.window_bytes > 0
+    model.zero_grad()
+    with ssdtrain.offload(model, plan=p, prefetch_units=1, verbose=False) as s:
+        model(ids).backward()
+    assert_same_grads(grads(model), want)
+    assert s.cache.window_units == 1 and s.plan.window_units == 1 and s.plan.choices == p.choices
+    assert s.cache.window_bytes == p.window_bytes // 2 and s.plan.prediction.peak < p.prediction.peak
+    assert p.window_units == 2 and "prefetch window 1 units ahead" in str(s.plan)
+    with ssdtrain.offload(model, plan=p, verbose=False) as s:
+        model(ids).backward()
+    assert s.plan is p and s.cache.window_units == 2
+    p3 = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", overrides=moved, prefetch_units=3)
+    assert p3.window_units == 3 and ssdtrain.offload(model, plan=p3).prefetch_units == 3
+    tight = p.replan(budget=int(p.prediction.peak * 1.1))
+    assert tight.with_window(4).prediction.peak > tight.budget  # (four blocks back at once: more than the margin)
+    with pytest.warns(ssdtrain.OffloadWarning, match=r"prefetch_units=4\): with that window .* above its budget"):
+        ssdtrain.offload(model, plan=tight, prefetch_units=4)
+
+
+def test_profile_steps_given_with_a_plan_are_refused():
+    """offload(plan=p) profiles no step, so a profile_steps= passed with it was ignored without a word. It is
+    refused, naming ssdtrain.plan(), where it applies."""
+    model, ids = make_net(layers=2), batch()
+    p = ssdtrain.plan(model, lambda: model(ids).backward(), min_bytes="4K", profile_steps=1)
+    with pytest.raises(ValueError, match=r"profile_steps=3 would be ignored.*ssdtrain\.plan\(model, step_fn"):
+        ssdtrain.offload(model, plan=p, profile_steps=3)
+    assert ssdtrain.offload(model, plan=p).profile_steps == 2  # (the default, used by nothing here)
+
+
 def test_an_override_that_puts_a_plan_over_its_budget_warns():
     """plan.override() could make a budgeted plan keep more than its budget (here all blocks kept under 0.6 x
     keep's peak), and offload(plan=) then ran it past the budget without a word. The override now warns, naming
@@ -661,6 +700,41 @@ def test_a_forward_whose_graph_is_dropped_without_backward_releases_everything(t
         _steps(model, ids, 1, want)
         s.cache.drain()  # (as above: on a loaded machine the last step's NVMe writes may still be running)
         assert s.cache.live_entries() == 0
+
+
+@pytest.mark.parametrize("step", ["planned", "profiled"])
+def test_a_graph_dropped_through_a_derive_block_releases_everything(step, tmp_path):
+    """The same through a block whose saved tensors recipes may start from (one the plan derives; every block of
+    a profiled step): pack() kept those tensors as they were, for the recipes' weak references, so the cycle of an
+    output saved by its own op (the block's softmax and tanh) stayed, and with it everything saved before the
+    block: the last block's input, and the entries of the blocks moved to host memory and NVMe."""
+    model, ids = make_net(layers=4), batch()
+    _, want = reference(model, ids)
+    overrides = {"blocks.0": "host", "blocks.1": "nvme", "blocks.3": "derive"}
+    options = dict(overrides=overrides, min_bytes="4K", directories=[str(tmp_path)], verbose=False, profile_steps=1)
+    inputs = []  # the last block's input (its norm saves it): alive while anything holds the graph before it
+    handle = model.blocks[3].register_forward_pre_hook(
+        lambda module, args: inputs.append(StorageWeakRef(args[0].untyped_storage()))
+    )
+    with ssdtrain.offload(model, **options) as s:
+        if step == "planned":
+            _steps(model, ids, 1)  # the profiled step
+        inputs.clear()
+        loss = model(ids)
+        assert s.cache.derive_unit is not None and s.cache.derive_unit(4)  # the last block goes through derive
+        if step == "planned":
+            assert s.plan.choice("blocks.3") == Choice.parse("derive") and s.cache.live_entries() > 0
+        del loss
+        gc.collect()
+        s.cache.drain()  # (an entry whose NVMe write is still running is released when the write is done)
+        assert inputs[0].expired(), "the dropped graph is still alive"
+        assert s.cache.live_entries() == 0
+        engine = s.cache.engine  # (none yet where nothing was moved: a profiled step on CPU keeps all)
+        assert s.pool.in_use == 0 and (engine is None or engine.stats()["live_handles"] == 0)
+        handle.remove()
+        _steps(model, ids, 2)
+        _steps(model, ids, 1, want)  # (recipes made from the aliases: the same gradients)
+        assert s.stats()["tensors_derived"] > 0 and s.cache.live_entries() == 0
 
 
 @pytest.mark.parametrize("where", ["kept", "moved"])

@@ -36,9 +36,11 @@ def offload(model: nn.Module, budget: int | float | str | None = None, **options
     ``overrides={"transformer.h.0": "keep", "transformer.h.5": "recompute+host"}``, ``host_memory=`` (pinned pool
     limit; default half the available RAM), ``nvme_memory=`` / ``directories=`` (the NVMe tier; default the
     SSDTRAIN_IO_DIRS directories or the temp dir, up to 90% of their free space; checked here), ``min_bytes="1M"``
-    (smaller saved tensors stay on the device; with ``plan=``: the plan's), ``prefetch_units=2``,
+    (smaller saved tensors stay on the device; with ``plan=``: the plan's), ``prefetch_units=2`` (units backward
+    restores ahead; with ``plan=``: the plan's, and another one runs the plan's choices with that window),
     ``on_full="fallback"`` (or ``"raise"``),
-    ``profile_steps=2`` (forwards of a new input shape before the plan: warm-ups, then one measured step),
+    ``profile_steps=2`` (forwards of a new input shape before the plan: warm-ups, then one measured step; not with
+    ``plan=``, which profiles nothing),
     ``verbose=False`` (True: one line on stderr when a plan is made; it always goes to the ``ssdtrain`` logger
     at INFO).
     """

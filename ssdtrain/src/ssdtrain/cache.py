@@ -259,11 +259,14 @@ class TensorCache(Transfers):
         for an output its own op saves (the node holds the tensor, the tensor its node, inside autograd where
         Python's gc cannot see it), so a graph dropped without backward (a forward whose loss is not used, a
         backward that raised) would never be freed, nor the activations it moved (pinned buffers, NVMe space).
-        Its id and version are recorded for unpack's check and prefetch window. Not in a block whose saved tensors
-        recipes may start from (derive, and a profiled step measuring them): the recipes find those through weak
-        references to the tensors autograd holds, which an alias would let go."""
-        if t.grad_fn is not None and (self.derive_unit is None or not self.derive_unit(self.unit)):
-            t = t.detach()
+        Its id and version are recorded for unpack's check and prefetch window. In a block whose saved tensors
+        recipes may start from (derive, and a profiled step measuring them) the deriver makes the alias: its
+        recipes find those tensors through weak references, which must follow the alias autograd holds."""
+        if t.grad_fn is not None:
+            if self.derive_unit is not None and self.derive_unit(self.unit):
+                t = self.deriver.hold(t)
+            else:
+                t = t.detach()
         self._kept_unit[id(t)] = (unit, t._version)
         return t
 

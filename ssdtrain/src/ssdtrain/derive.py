@@ -262,6 +262,41 @@ class Deriver:
         self._r_ver, self._r_pop = [None] * n, [None] * n
         self._ops, self._op_nodes = [None] * tpl.n_ops, [None] * tpl.n_ops
 
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """What autograd should hold for `t`, a saved tensor of this segment kept as it is: a detached alias of its
+        base (the same storage and version counter), viewed as `t`. `t` itself would be a reference cycle for an
+        output its own op saves (softmax, tanh: the node holds the tensor, the tensor its node, inside autograd where
+        gc cannot see it), so a graph dropped without backward would never be freed. Where this segment recorded
+        `t`'s base for later recipes, the record now points to the alias: a weak reference to the original would
+        die as soon as forward drops it, the alias lives as long as autograd holds what this returns."""
+        base = t._base if t._base is not None else t
+        node = base.grad_fn
+        if node is None:
+            return t  # (no node to hold it: no cycle)
+        alias = None
+        p = self._pos - 1  # (the last tensor derive() was given: the caller keeps it because derive() said None)
+        if self._tpl is not None and 0 <= p < len(self._r_nodes) and self._r_nodes[p] is node:
+            held = self._r_ref[p]() if self._r_ref[p] is not None else None
+            if held is base:
+                alias = base.detach()
+                self._r_ref[p] = weakref.ref(alias)
+            elif held is not None:
+                alias = held  # a view of the same base held already
+        else:
+            key = (id(node), base.output_nr)
+            found = self._seen.get(key)
+            held = found[1]() if found is not None and type(found[1]) is weakref.ref else None
+            if held is base:
+                alias = base.detach()
+                self._seen[key] = (node, weakref.ref(alias), found[2], found[3])
+            elif held is not None:
+                alias = held
+        if alias is None:
+            return t.detach()  # no recipe of this segment can reach it
+        if t is base:
+            return alias
+        return alias.as_strided(t.size(), t.stride(), t.storage_offset())
+
     # ------------------------------------------------------------------------------------------- replay
     def derive(self, t: torch.Tensor, unit: int = 0) -> Derived | None:
         """A recipe for saved tensor `t`, or None (then `t` counts as saved for later recipes)."""

@@ -10,10 +10,13 @@ sessions reuse the model's plan, pinned host pool and NVMe engine from step to s
 
 A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. So that the
 session does not stay entered after ``train()`` has raised (its saved-tensor hooks on the thread's autograd stack,
-its hooks on the model), the callback wraps the model's forward while it trains (one wrapper, put back at the
-end): an exception leaving the forward (out of memory, a bad batch) closes the session before it propagates. An
-exception raised after the forward (in backward or the optimizer step) cannot be seen from a callback: that session
-is closed by the next step, the next ``train()``, or the next ``offload()`` on the model.
+its hooks on the model), the callback wraps, while it trains, what the step calls: the model's forward, the
+Trainer's ``training_step`` (forward, loss and backward) and its optimizer's ``step`` (one wrapper each, put back at
+the end). An exception leaving one of them (out of memory in forward, backward or the optimizer's first step, a bad
+batch) closes the session before it propagates. The Trainer passes callbacks no reference to itself: the callback
+finds it at ``on_train_begin`` as the caller whose callback handler holds it. An exception raised elsewhere in a
+step (gradient clipping, the learning-rate scheduler, another callback) leaves its session to be closed by the next
+step, the next ``train()``, or the next ``offload()`` on the model.
 
 Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
 """
@@ -21,6 +24,9 @@ Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so
 from __future__ import annotations
 
 import logging
+import sys
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,7 +69,8 @@ class OffloadCallback(TrainerCallback):
         self.session: OffloadSession | None = None  # the open session (inside a training step)
         self.last: OffloadSession | None = None
         self._totals: dict = {}
-        self._guarded = None  # (model, its guarded forward, what put it back) while a training's forwards are guarded
+        self._guarded_model: torch.nn.Module | None = None  # the model whose forward is guarded (once a training)
+        self._put_back: list[Callable[[], None]] = []  # what puts each guarded method back (the end of a training)
 
     # ------------------------------------------------------------------------------------------- Trainer events
     def on_train_begin(
@@ -76,6 +83,12 @@ class OffloadCallback(TrainerCallback):
     ) -> None:
         self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
         self._unguard()
+        trainer = self._calling_trainer()
+        if trainer is not None:
+            # What a step calls after its forward, where an exception would otherwise leave the session entered.
+            self._guard(trainer, "training_step", "the training step raised (in its forward, loss or backward)")
+            if getattr(trainer, "optimizer", None) is not None:
+                self._guard(trainer.optimizer, "step", "the optimizer step raised")
 
     def on_step_begin(
         self,
@@ -88,7 +101,13 @@ class OffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
         self._close(abort=True)
-        self._guard(model)
+        if self._guarded_model is not model:
+            # One wrapper for the whole training, not one per step: a new function object each step would fail
+            # torch.compile's guards on ``forward`` and recompile every step. (Closed from inside the forward, where
+            # removing the model's hooks is safe: a forward hook that closed it would remove hooks while torch runs
+            # through them.)
+            self._guarded_model = model
+            self._guard(model, "forward", "the training step's forward raised")
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
 
@@ -118,42 +137,55 @@ class OffloadCallback(TrainerCallback):
             totals = merge_stats(totals, self.session.stats())
         return totals
 
-    def _guard(self, model: torch.nn.Module) -> None:
-        """Wrap ``model.forward`` (an instance attribute) for the training, once: an exception leaving a step's
-        forward closes that step's session at once. One wrapper for the whole training, not one per step: a new
-        function object each step would fail ``torch.compile``'s guards on ``forward`` and recompile every step.
-        (Closed from inside the forward, where removing the model's hooks is safe: a forward hook that closed it
-        would remove hooks while torch runs through them.)"""
-        if self._guarded is not None and self._guarded[0] is model:
-            return
-        self._unguard()
-        had = "forward" in vars(model)
-        inner = model.forward
+    def _calling_trainer(self):
+        """The Trainer whose callback handler is calling this callback now (found on the stack: the Trainer passes
+        its callbacks no reference to itself), or None where the events are called otherwise (by hand)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None)
+            if callable(getattr(owner, "training_step", None)) and any(
+                c is self for c in getattr(handler, "callbacks", ())
+            ):
+                return owner
+            frame = frame.f_back
+        return None
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+    def _guard(self, owner: Any, name: str, why: str) -> None:
+        """Wrap ``owner.<name>`` (an instance attribute, put back by ``_unguard``) so that an exception leaving it
+        closes the step's session at once, before it propagates: the Trainer has no event for it."""
+        had = name in vars(owner)
+        inner = getattr(owner, name)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             try:
                 return inner(*args, **kwargs)
             except BaseException:
                 if self.session is not None:
-                    self._close(abort=True, why="the training step's forward raised")
+                    self._close(abort=True, why=why)
                     self._unguard()  # (train() is ending with this exception: on_train_end will not run)
                 raise
 
         def put_back() -> None:
-            if vars(model).get("forward") is forward:  # (unless something replaced it since)
+            if vars(owner).get(name) is guarded:  # (unless something replaced it since)
                 if had:
-                    model.forward = inner
+                    setattr(owner, name, inner)
                 else:
-                    del model.forward
+                    delattr(owner, name)
 
-        model.forward = forward
-        self._guarded = (model, forward, put_back)
+        if had and isinstance(inner, types.FunctionType):
+            # Another library's wrapper set on the object: its marks stay visible on this one (torch's LR scheduler
+            # marks the optimizer's step it wrapped, and warns at every scheduler step where the mark is gone).
+            guarded.__dict__.update(vars(inner))
+        setattr(owner, name, guarded)
+        self._put_back.append(put_back)
 
     def _unguard(self) -> None:
-        """Put the guarded model's forward back (the end of a training, or of a step whose forward raised)."""
-        guarded, self._guarded = self._guarded, None
-        if guarded is not None:
-            guarded[2]()
+        """Put every guarded method back (the end of a training, or of a step that raised)."""
+        put_back, self._put_back = self._put_back, []
+        self._guarded_model = None
+        for undo in reversed(put_back):
+            undo()
 
     def _close(
         self, abort: bool = False, why: str = "a training step ended without on_step_end (an exception?)"

@@ -234,6 +234,23 @@ class Plan:
             budget = None
         return replan(self, budget=None if budget is None else parse_size(budget), **limits)
 
+    def with_window(self, window_units: int) -> Plan:
+        """A copy of this plan whose backward prefetches `window_units` units ahead (``offload()``'s
+        ``prefetch_units=``): the same choices, their prediction made again for that window. The window says how far
+        ahead moved units come back, not what is moved, so no choice changes; the peak may (more units back early)."""
+        new = replace(
+            self,
+            window_units=window_units,
+            choices=list(self.choices),
+            overridden=set(self.overridden),
+            calibrations=list(self.calibrations),
+            notes=list(self.notes),
+            order_bounds=list(self.order_bounds),
+        )
+        new.inflight_bytes = ahead_bytes(new._model(), new.choices, window_units)
+        new.notes.append(f"prefetch window {window_units} units ahead (the plan was made for {self.window_units})")
+        return new
+
     def choice(self, name: str) -> Choice:
         return self.choices[self._index(name)]
 

@@ -115,9 +115,9 @@ class OffloadSession:
         nvme_memory: int | str | None = None,
         directories: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         min_bytes: int | str | None = None,
-        prefetch_units: int = 2,
+        prefetch_units: int | None = None,
         on_full: str = "fallback",
-        profile_steps: int = 2,
+        profile_steps: int | None = None,
         verbose: bool = False,
         _state: ModelState | None = None,
     ) -> None:
@@ -125,11 +125,12 @@ class OffloadSession:
             raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
         if on_full not in ("fallback", "raise"):
             raise ValueError(f"on_full must be 'fallback' or 'raise', got {on_full!r}")
-        whole_number("prefetch_units", prefetch_units, 1)
-        whole_number("profile_steps", profile_steps, 1)
+        if prefetch_units is not None:
+            whole_number("prefetch_units", prefetch_units, 1)
+        if profile_steps is not None:
+            whole_number("profile_steps", profile_steps, 1)
         self.model = model
         self.budget, self.budget_fraction = parse_budget(budget)
-        self.given_plan = plan
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
             Choice.parse(value)  # fail now on a typo
@@ -145,8 +146,10 @@ class OffloadSession:
                 f"min_bytes={planned_min}, and its predictions hold only for that; leave min_bytes= out (the plan's is "
                 "used) or make the plan with this one"
             )
-        self.prefetch_units = int(prefetch_units)
-        self.profile_steps = int(profile_steps)
+        # None: 2, or with plan= the window the plan was made for (its prediction is for that one).
+        planned_window = plan.window_units if isinstance(plan, Plan) else 2
+        self.prefetch_units = int(prefetch_units if prefetch_units is not None else planned_window)
+        self.profile_steps = int(profile_steps if profile_steps is not None else 2)
         self.verbose = verbose
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
@@ -175,7 +178,9 @@ class OffloadSession:
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
         if plan is not None:
             self._check_plan(plan)
-            self._check_plan_options(plan)
+            self._check_plan_options(plan, profile_steps)
+            plan = self._with_window(plan)
+        self.given_plan = plan
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
             raise KeyError(
@@ -268,9 +273,11 @@ class OffloadSession:
                 "pass overrides= instead"
             )
 
-    def _check_plan_options(self, plan: Plan) -> None:
-        """A given plan is used as is, so a budget= other than the plan's own, or overrides=, would be ignored
-        without a word (a plan made for 80 MiB run under budget=10 MiB): refuse them, naming the call that works."""
+    def _check_plan_options(self, plan: Plan, profile_steps: int | None) -> None:
+        """A given plan is used as is, so a budget= other than the plan's own, overrides=, or profile_steps= (no
+        step is profiled) would be ignored without a word (a plan made for 80 MiB run under budget=10 MiB): refuse
+        them, naming the call that works. (min_bytes= is checked where it is read; prefetch_units= applies, see
+        _with_window; the tiers' limits and on_full= are the session's own and apply as given.)"""
         if self.budget_fraction is not None:
             same_budget = self.budget_fraction == plan.budget_fraction
         else:  # bytes, or None (nothing asked): a plan for a fraction of keep's peak was made for another budget
@@ -289,6 +296,31 @@ class OffloadSession:
                 "to the plan (plan.override('unit', 'choice') for each, then plan=plan), or pass overrides= "
                 "without plan="
             )
+        if profile_steps is not None:
+            raise ValueError(
+                f"offload(plan=...) profiles no step (the plan's measurements are used): profile_steps={profile_steps} "
+                "would be ignored. Leave it out, or pass it to ssdtrain.plan(model, step_fn, profile_steps=...) "
+                "where the plan is made"
+            )
+
+    def _with_window(self, plan: Plan) -> Plan:
+        """The given plan with prefetch_units= as its prefetch window where another one than the plan's was given
+        (a copy: the caller's plan is unchanged). How far ahead backward restores moved units is the session's to
+        set, not one of the plan's choices, so the choices run as they are under the new window; their predicted
+        peak may grow with it, which is said where it passes the plan's budget."""
+        if self.prefetch_units == plan.window_units:
+            return plan
+        new = plan.with_window(self.prefetch_units)
+        peak = new.prediction.peak
+        if new.budget is not None and peak > new.budget:
+            warnings.warn(
+                f"ssdtrain: offload(plan=..., prefetch_units={self.prefetch_units}): with that window the plan's "
+                f"predicted activation peak {format_bytes(peak)} is above its budget {format_bytes(new.budget)} "
+                f"(made for prefetch_units={plan.window_units}); pass a smaller prefetch_units, or leave it out",
+                OffloadWarning,
+                stacklevel=4,
+            )
+        return new
 
     def _bind_shared(self) -> None:
         """Take the model's tiers for this session's limits (new ones if it has none, or other ones)."""

@@ -71,6 +71,8 @@ def _train(model, session=None, steps=2, accumulation=2):
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gemma2", "t5"])
 def test_model_families_train_as_keep_under_a_budget(name):
+    if name == "deepseek_v3" and not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("this transformers predates DeepSeek-V3 (4.50)")
     torch.manual_seed(0)
     config = _config(name)
     cls = transformers.AutoModelForSeq2SeqLM if name == "t5" else transformers.AutoModelForCausalLM

@@ -226,6 +226,18 @@ def test_graph_preprocessing_is_cached_per_tensor_pair(data):
     assert graph_mod.graph_for(ei, et, N, R) is not g1
 
 
+def test_tensors_given_new_data_by_assignment_get_a_new_graph(data):
+    """``edge_index.data = other`` (as code that reuses a buffer for each batch writes) swaps the ids of the same
+    tensor object without bumping its version counter: the layer must not run the graph of the old ids."""
+    x, ei, et, nt = data
+    ei2, et2, _ = make_graph(num_edges=50, seed=9)
+    for m in (hn.RGCNConv(5, 4, R).double(), hn.RGATConv(5, 3, R, heads=2).double()):
+        edge_index, edge_type = ei.clone(), et.clone()
+        m(x, edge_index, edge_type)
+        edge_index.data, edge_type.data = ei2.clone(), et2.clone()
+        assert torch.equal(m(x, edge_index, edge_type), m(x, ei2, et2))
+
+
 def test_sampled_subgraph_minibatch(data):
     """A mini-batch subgraph (relabelled nodes, fewer edges) runs and matches the same layer on the same
     subgraph computed by the hand-checked full path; the full graph's cache is not reused for it."""

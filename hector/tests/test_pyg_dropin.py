@@ -215,6 +215,20 @@ def test_hgt_pyg_form_prepares_the_graph_once():
     assert len(hgt_mod._JOINED) == 2
 
 
+def test_hgt_pyg_form_edge_index_given_new_data_by_assignment_gets_a_new_graph():
+    """``edge_index_dict[e].data = other`` keeps the tensor object and its version counter: the joined graph of
+    the old ids must not be reused."""
+    x, eid = _hetero()
+    m = hn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES), heads=2).double()
+    mine = {k: v.clone() for k, v in eid.items()}
+    m(x, mine)
+    key = next(iter(mine))
+    mine[key].data = torch.stack([mine[key][0], mine[key][1].roll(1)])  # other edges, same ids in range
+    fresh = {k: v.clone() for k, v in mine.items()}
+    out, ref = m(x, mine), m(x, fresh)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+
+
 def test_hgt_pyg_form_layers_of_other_edge_type_orders_share_the_dicts():
     """Two layers whose metadata lists the edge types in other orders (or one more edge type) number the
     relations differently; called on the same x_dict / edge_index_dict tensors, each must use its own numbering,

@@ -592,6 +592,12 @@ def cached_graphs() -> int:
         return len(_GRAPHS)
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a graph cache keys one id tensor on: the object, its version counter (an in-place edit bumps it) and
+    where its data lies and how (``t.data = other`` gives the same object other ids without bumping the counter)."""
+    return id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
               node_type: torch.Tensor | None = None, num_node_types: int | None = None,
               sync_free: bool = False, sorted_by_destination: bool | None = None) -> Graph:
@@ -599,12 +605,13 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     ``sorted_by_destination`` as for :class:`Graph` (default False: checked and counted exactly; None: order
     found out); a cached graph is returned as it was built.
 
-    Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
+    Keyed on tensor identity, version counter and data pointer (:func:`tensor_key`), so an in-place edit of
+    ``edge_index`` or new data assigned to it (``edge_index.data = ...``) invalidates the entry.
     """
     if isinstance(edge_index, Graph):
         return edge_index
     tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
-    key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
+    key = (tuple(tensor_key(t) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
         _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse

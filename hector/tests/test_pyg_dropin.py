@@ -374,6 +374,22 @@ def test_layer_size_arguments_are_checked_by_name(make, error, match):
         make()
 
 
+@pytest.mark.parametrize("x", [None, torch.arange(N)], ids=["none", "node-index"])
+def test_rgcn_refuses_pyg_featureless_x_clearly(x, graph):
+    """PyG's RGCNConv takes x=None or a node-index x (trainable node embeddings: x_j W_r is row x[j] of W_r, PyG's
+    RGCN example on AIFB); hector's layers take features. The error names that form and a fix that gives PyG's
+    result: before, it said "x must be a torch.Tensor" or advised x.float(), which fails next on x's shape."""
+    ei, et, _ = graph
+    m = hn.RGCNConv(N, 8, R)
+    with pytest.raises(GraphInputError, match=r"RGCNConv: x is (None|node indices).*PyG's featureless form.*"
+                                              r"torch\.eye\(num_nodes\)"):
+        m(x, ei, et)
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    theirs = pyg_nn.RGCNConv(N, 8, R)
+    theirs.load_state_dict(m.state_dict())
+    assert rel_err(m(torch.eye(N), ei, et), theirs(x, ei, et)) < 1e-5
+
+
 def test_rgcn_refuses_pyg_bipartite_in_channels_clearly():
     # hector's program reads one x for the sources and the destinations, so PyG's (in_src, in_dst) has no mapping
     with pytest.raises(TypeError, match=r"RGCNConv: in_channels must be one int, got the tuple \(16, 8\): .*not "

@@ -40,6 +40,13 @@ def _normal_tensors() -> contextlib.AbstractContextManager:
 def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise GraphInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        # PyG's layers also take a sparse adjacency adj_t [destination, source] whose values are the edge types
+        form = ("[2, num_edges] (row 0 source, row 1 destination), with edge_type in the same order; from a "
+                "sparse adj_t [destination, source] holding edge types: edge_index = adj_t.coalesce().indices()"
+                ".flip(0), edge_type = adj_t.coalesce().values()" if name.startswith("edge_index") else
+                "a dense tensor (.to_dense())")
+        raise GraphInputError(f"{name} is a sparse tensor ({t.layout}); hector takes {name} as {form}")
     if t.dtype not in _INT_DTYPES:
         raise GraphInputError(f"{name} must hold integer ids (torch.long), got dtype {t.dtype}; "
                               f"convert with {name}.long()")
@@ -595,6 +602,8 @@ def cached_graphs() -> int:
 def tensor_key(t: torch.Tensor) -> tuple:
     """What a graph cache keys one id tensor on: the object, its version counter (an in-place edit bumps it) and
     where its data lies and how (``t.data = other`` gives the same object other ids without bumping the counter)."""
+    if t.layout != torch.strided:  # a sparse tensor has neither: Graph refuses it, naming the fix
+        return id(t), t._version
     return id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride()
 
 

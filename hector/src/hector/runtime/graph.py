@@ -221,6 +221,7 @@ class Graph:
         if pairs is not None:
             self._cache["unique"] = (pairs[0][:count], pairs[1][:count], pairs[2])
             self._record_unique_count(count)
+        self._built_versions = self._ids_versions()
 
     @classmethod
     def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph,
@@ -236,7 +237,25 @@ class Graph:
         g.dst_sorted = dst_sorted
         g.dst_etype_sorted = False
         g._cache = {}
+        g._built_versions = g._ids_versions()
         return g
+
+    def _ids_versions(self) -> tuple[int, ...]:
+        ids = (self.src, self.dst, self.etype) + ((self._ntype,) if self.has_node_type else ())
+        return tuple(t._version for t in ids)
+
+    def check_ids_unchanged(self) -> None:
+        """Raises :class:`GraphInputError` where the caller's ``edge_index``, ``edge_type`` or ``node_type``, whose
+        memory the graph shares (long ids), were edited in place after the graph was built from them: its prepared
+        data (unique pairs, orders, the backend's layout) would mix the old ids with the new ones, and so would the
+        backward of a forward that ran on it. Checked by every forward and backward that runs on the graph."""
+        if self._ids_versions() != self._built_versions:
+            raise GraphInputError(
+                "edge_index, edge_type or node_type was modified in place after hector built its graph from them "
+                "(a layer's forward ran on them, or hector.Graph / prepare_graph was given them; an in-place edit "
+                "of a tensor they are views of counts too): that graph's prepared data, and the backward of a "
+                "forward on it, would mix the old ids with the new. Run backward before editing the ids, or edit "
+                "a clone (edge_index = edge_index.clone()) and pass the new tensors for a new graph")
 
     @property
     def ntype(self) -> torch.Tensor:

@@ -128,6 +128,11 @@ def test_degree_normalisers(small_graph):
     (lambda ei, et: (ei, et[:-1]), "one relation id per edge"),
     (lambda ei, et: (ei + N, et), "node id .* outside \\[0, 14\\)"),
     (lambda ei, et: (ei.tolist(), et), "must be a torch.Tensor"),
+    # PyG's layers also take a sparse adjacency adj_t; the advice was edge_index.long(), which keeps it sparse
+    (lambda ei, et: (torch.sparse_coo_tensor(ei.flip(0), et, (N, N)), et),
+     "edge_index is a sparse tensor \\(torch.sparse_coo\\).*adj_t.coalesce\\(\\).indices\\(\\).flip\\(0\\)"),
+    (lambda ei, et: (torch.sparse_coo_tensor(ei.flip(0), et, (N, N)).to_sparse_csr(), et),
+     "edge_index is a sparse tensor \\(torch.sparse_csr\\)"),
 ])
 def test_bad_graphs_raise_clear_errors(small, mutate, match):
     ei, et = mutate(*small)

@@ -2,7 +2,9 @@ import pytest
 import torch
 from conftest import make_graph, rel_err
 
+import hector
 import hector.nn as hn
+from hector import GraphInputError
 from hector.passes import Options
 from hector.runtime import graph as graph_mod
 
@@ -224,6 +226,51 @@ def test_graph_preprocessing_is_cached_per_tensor_pair(data):
     assert graph_mod.graph_for(ei2, et, N, R) is not g1
     ei.add_(0)  # in-place edit bumps the version: the cached preprocessing is not reused
     assert graph_mod.graph_for(ei, et, N, R) is not g1
+
+
+def test_tensors_given_new_data_by_assignment_get_a_new_graph(data):
+    """``edge_index.data = other`` (as code that reuses a buffer for each batch writes) swaps the ids of the same
+    tensor object without bumping its version counter: the layer must not run the graph of the old ids."""
+    x, ei, et, nt = data
+    ei2, et2, _ = make_graph(num_edges=50, seed=9)
+    for m in (hn.RGCNConv(5, 4, R).double(), hn.RGATConv(5, 3, R, heads=2).double()):
+        edge_index, edge_type = ei.clone(), et.clone()
+        m(x, edge_index, edge_type)
+        edge_index.data, edge_type.data = ei2.clone(), et2.clone()
+        assert torch.equal(m(x, edge_index, edge_type), m(x, ei2, et2))
+
+
+def test_ids_edited_in_place_after_the_graph_was_built_are_refused(data):
+    """A loader that writes each batch's ids into one buffer (``buf.copy_(next_ids)``) before the previous step's
+    backward: the graph shares the buffer's memory, so its backward read the new ids and returned wrong gradients
+    without an error (PyG's RGATConv raises autograd's in-place error; its RGCNConv copies the ids)."""
+    x, ei, et, nt = data
+    ei2, et2, _ = make_graph(seed=9)
+    for m in (hn.RGCNConv(5, 4, R).double(), hn.RGATConv(5, 3, R, heads=2).double(),
+              hn.HGTConv(5, 4, 2, R, heads=2).double()):
+        buf_ei, buf_et, buf_nt = ei.clone(), et.clone(), nt.clone()
+        out = m(x.clone().requires_grad_(), buf_ei, buf_et, buf_nt)
+        buf_ei.copy_(ei2)
+        with pytest.raises(GraphInputError, match="edge_index, edge_type or node_type was modified in place"):
+            out.sum().backward()
+        if m.num_node_types is not None:  # (the untyped layers do not read node_type)
+            out = m(x.clone().requires_grad_(), buf_ei, buf_et, buf_nt)  # the new ids: a new graph
+            buf_nt.copy_(1 - buf_nt)
+            with pytest.raises(GraphInputError, match="modified in place"):
+                out.sum().backward()
+    graph = hector.Graph(buf_ei, buf_et, N, R)  # a graph the caller holds, its ids edited before its use
+    buf_et.copy_(et)
+    with pytest.raises(GraphInputError, match="modified in place after hector built its graph"):
+        hn.RGCNConv(5, 4, R).double()(x, graph)
+    m = hn.RGCNConv(5, 4, R).double()  # int32 ids are copied (to long) by the graph: an edit changes nothing
+    ids = ei.int()
+    xg = x.clone().requires_grad_()
+    out = m(xg, ids, et)
+    ids.copy_(ei2.int())
+    out.sum().backward()
+    ref = x.clone().requires_grad_()
+    m(ref, ei, et).sum().backward()
+    assert torch.equal(xg.grad, ref.grad)
 
 
 def test_sampled_subgraph_minibatch(data):

@@ -215,6 +215,20 @@ def test_hgt_pyg_form_prepares_the_graph_once():
     assert len(hgt_mod._JOINED) == 2
 
 
+def test_hgt_pyg_form_edge_index_given_new_data_by_assignment_gets_a_new_graph():
+    """``edge_index_dict[e].data = other`` keeps the tensor object and its version counter: the joined graph of
+    the old ids must not be reused."""
+    x, eid = _hetero()
+    m = hn.HGTConv(8, 8, (NODE_TYPES, EDGE_TYPES), heads=2).double()
+    mine = {k: v.clone() for k, v in eid.items()}
+    m(x, mine)
+    key = next(iter(mine))
+    mine[key].data = torch.stack([mine[key][0], mine[key][1].roll(1)])  # other edges, same ids in range
+    fresh = {k: v.clone() for k, v in mine.items()}
+    out, ref = m(x, mine), m(x, fresh)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+
+
 def test_hgt_pyg_form_layers_of_other_edge_type_orders_share_the_dicts():
     """Two layers whose metadata lists the edge types in other orders (or one more edge type) number the
     relations differently; called on the same x_dict / edge_index_dict tensors, each must use its own numbering,
@@ -358,6 +372,22 @@ def test_layer_size_arguments_are_checked_by_name(make, error, match):
     # before: heads=0 was a bare ZeroDivisionError, a float or str size a TypeError from inside torch.empty
     with pytest.raises(error, match=match):
         make()
+
+
+@pytest.mark.parametrize("x", [None, torch.arange(N)], ids=["none", "node-index"])
+def test_rgcn_refuses_pyg_featureless_x_clearly(x, graph):
+    """PyG's RGCNConv takes x=None or a node-index x (trainable node embeddings: x_j W_r is row x[j] of W_r, PyG's
+    RGCN example on AIFB); hector's layers take features. The error names that form and a fix that gives PyG's
+    result: before, it said "x must be a torch.Tensor" or advised x.float(), which fails next on x's shape."""
+    ei, et, _ = graph
+    m = hn.RGCNConv(N, 8, R)
+    with pytest.raises(GraphInputError, match=r"RGCNConv: x is (None|node indices).*PyG's featureless form.*"
+                                              r"torch\.eye\(num_nodes\)"):
+        m(x, ei, et)
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    theirs = pyg_nn.RGCNConv(N, 8, R)
+    theirs.load_state_dict(m.state_dict())
+    assert rel_err(m(torch.eye(N), ei, et), theirs(x, ei, et)) < 1e-5
 
 
 def test_rgcn_refuses_pyg_bipartite_in_channels_clearly():

@@ -256,6 +256,14 @@ class RelationalLayer(nn.Module):
 
     def _check_x(self, x: Any) -> None:
         name = type(self).__name__
+        if x is None or (isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() == 1):
+            # PyG's RGCNConv(x=None or node indices): row x[j] of W_r is node j's message (trainable embeddings)
+            got = "None" if x is None else f"node indices ({x.dtype} {list(x.shape)})"
+            raise GraphInputError(f"{name}: x is {got}: PyG's featureless form (the weights' rows as trainable node "
+                                  "embeddings) is not supported; hector's layers take features x [num_nodes, "
+                                  "in_channels]. For PyG's result pass one-hot features: torch.eye(num_nodes) for "
+                                  "x=None, torch.eye(in_channels)[x] for node indices x (dense: for large graphs "
+                                  "learn features in an nn.Embedding instead)")
         if not isinstance(x, torch.Tensor):
             raise GraphInputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import GraphInputError
 from ..ir.builder import Builder, Value
-from ..runtime.graph import Graph, _check_int_tensor
+from ..runtime.graph import Graph, _check_int_tensor, tensor_key
 from .base import RelationalLayer, glorot_, positive_int
 
 Metadata = tuple[Sequence[str], Sequence[tuple[str, str, str]]]
@@ -287,9 +287,10 @@ def _join(node_types: list[str], edge_types: list[tuple[str, str, str]], x_dict:
     compiling = torch.compiler.is_compiling()
     # the layer's edge-type list is part of the key: it numbers the relations (edge_type), so a layer whose
     # metadata lists them in another order, or lists more, must not take the graph another layer joined
-    key = (tuple(node_types), tuple(edge_types), tuple(present), tuple(counts),
-           tuple((e, id(ei), ei._version) for _, e, ei in items), str(device))
-    if not compiling:
+    key = None
+    if not compiling:  # (under torch.compile the dicts are joined on every call: fake tensors have no data)
+        key = (tuple(node_types), tuple(edge_types), tuple(present), tuple(counts),
+               tuple((e, *tensor_key(ei)) for _, e, ei in items), str(device))
         hit = _JOINED.get(key)
         if hit is not None and all(r() is ei for r, (_, _, ei) in zip(hit[0], items, strict=True)):
             _JOINED.move_to_end(key)

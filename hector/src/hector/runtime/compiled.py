@@ -125,6 +125,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bound: Binding, graph: Graph, training: bool, *tensors: torch.Tensor):
         compiled = bound.compiled
+        graph.check_ids_unchanged()
         if graph.sync_free:
             graph.known_unique_count()  # a pair count that has reached the host settles the backend's layout
         # without a backward to come (inference), nothing is kept beyond the outputs
@@ -149,6 +150,7 @@ class _Apply(torch.autograd.Function):
 
 def _backward(ctx: Any, *grad_outputs: torch.Tensor):
     bound: Binding = ctx.bound
+    ctx.graph.check_ids_unchanged()  # the ids the forward ran on, not ids written into them since
     grads: list[Any] = [None] * (3 + len(bound.names))
     hit = bound.backward(tuple(ctx.needs_input_grad[3:]))
     if hit is None:

@@ -40,6 +40,13 @@ def _normal_tensors() -> contextlib.AbstractContextManager:
 def _check_int_tensor(name: str, t: Any, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise GraphInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        # PyG's layers also take a sparse adjacency adj_t [destination, source] whose values are the edge types
+        form = ("[2, num_edges] (row 0 source, row 1 destination), with edge_type in the same order; from a "
+                "sparse adj_t [destination, source] holding edge types: edge_index = adj_t.coalesce().indices()"
+                ".flip(0), edge_type = adj_t.coalesce().values()" if name.startswith("edge_index") else
+                "a dense tensor (.to_dense())")
+        raise GraphInputError(f"{name} is a sparse tensor ({t.layout}); hector takes {name} as {form}")
     if t.dtype not in _INT_DTYPES:
         raise GraphInputError(f"{name} must hold integer ids (torch.long), got dtype {t.dtype}; "
                               f"convert with {name}.long()")
@@ -214,6 +221,7 @@ class Graph:
         if pairs is not None:
             self._cache["unique"] = (pairs[0][:count], pairs[1][:count], pairs[2])
             self._record_unique_count(count)
+        self._built_versions = self._ids_versions()
 
     @classmethod
     def _derived(cls, src: torch.Tensor, dst: torch.Tensor, etype: torch.Tensor, like: Graph,
@@ -229,7 +237,25 @@ class Graph:
         g.dst_sorted = dst_sorted
         g.dst_etype_sorted = False
         g._cache = {}
+        g._built_versions = g._ids_versions()
         return g
+
+    def _ids_versions(self) -> tuple[int, ...]:
+        ids = (self.src, self.dst, self.etype) + ((self._ntype,) if self.has_node_type else ())
+        return tuple(t._version for t in ids)
+
+    def check_ids_unchanged(self) -> None:
+        """Raises :class:`GraphInputError` where the caller's ``edge_index``, ``edge_type`` or ``node_type``, whose
+        memory the graph shares (long ids), were edited in place after the graph was built from them: its prepared
+        data (unique pairs, orders, the backend's layout) would mix the old ids with the new ones, and so would the
+        backward of a forward that ran on it. Checked by every forward and backward that runs on the graph."""
+        if self._ids_versions() != self._built_versions:
+            raise GraphInputError(
+                "edge_index, edge_type or node_type was modified in place after hector built its graph from them "
+                "(a layer's forward ran on them, or hector.Graph / prepare_graph was given them; an in-place edit "
+                "of a tensor they are views of counts too): that graph's prepared data, and the backward of a "
+                "forward on it, would mix the old ids with the new. Run backward before editing the ids, or edit "
+                "a clone (edge_index = edge_index.clone()) and pass the new tensors for a new graph")
 
     @property
     def ntype(self) -> torch.Tensor:
@@ -592,6 +618,14 @@ def cached_graphs() -> int:
         return len(_GRAPHS)
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a graph cache keys one id tensor on: the object, its version counter (an in-place edit bumps it) and
+    where its data lies and how (``t.data = other`` gives the same object other ids without bumping the counter)."""
+    if t.layout != torch.strided:  # a sparse tensor has neither: Graph refuses it, naming the fix
+        return id(t), t._version
+    return id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int, num_relations: int,
               node_type: torch.Tensor | None = None, num_node_types: int | None = None,
               sync_free: bool = False, sorted_by_destination: bool | None = None) -> Graph:
@@ -599,12 +633,13 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     ``sorted_by_destination`` as for :class:`Graph` (default False: checked and counted exactly; None: order
     found out); a cached graph is returned as it was built.
 
-    Keyed on tensor identity and version counter, so an in-place edit of ``edge_index`` invalidates the entry.
+    Keyed on tensor identity, version counter and data pointer (:func:`tensor_key`), so an in-place edit of
+    ``edge_index`` or new data assigned to it (``edge_index.data = ...``) invalidates the entry.
     """
     if isinstance(edge_index, Graph):
         return edge_index
     tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
-    key = (tuple((id(t), t._version) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
+    key = (tuple(tensor_key(t) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
         _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse

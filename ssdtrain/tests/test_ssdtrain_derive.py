@@ -526,3 +526,31 @@ def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
     stats = s.stats()
     assert stats["derive_replayed"] > 0 and stats["derive_template_misses"] == 0
     assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts
+
+
+def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templates():
+    """The same without plan=: the profiled plan is planned again once for the held gradients; the new plan recomputes
+    the same blocks, so the templates recorded under the first one are kept and replayed."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    overrides = {f"layers.{k}": "derive" for k in range(4)}
+    # One plain step first, so the profiled plan is made before accumulation begins.
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(ids).backward()
+        first = s.plan
+        assert first.grads and not first.held_grads
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            for _ in range(3):
+                model(ids).backward()
+    assert s.plan is not first and s.plan.held_grads
+    assert s.stats()["planned_steps"] == 10
+    # Searched once, at the first planned step; every later micro-batch replays (under both plans).
+    stats = s.stats()
+    per_step = stats["tensors_derived"] // 10
+    assert stats["derive_searched"] == per_step
+    assert stats["derive_replayed"] == 9 * per_step
+    assert stats["derive_template_misses"] == 0

@@ -88,6 +88,16 @@ def _clear_casts() -> None:
     torch.clear_autocast_cache()
 
 
+def _same_recompute(old: Plan | None, new: Plan | None) -> bool:
+    """Whether two plans recompute the same blocks the same way and clear autocast's casts alike: what a block
+    saves depends on those, not on where its tensors go."""
+    if old is None or new is None:
+        return False
+    return old.clear_casts == new.clear_casts and [c.recompute for c in old.choices] == [
+        c.recompute for c in new.choices
+    ]
+
+
 class OffloadSession:
     """The object ``offload()`` returns; use it as a context manager. See the module docstring."""
 
@@ -797,6 +807,10 @@ class OffloadSession:
     def _apply(self, plan: Plan | None) -> None:
         self.checkpoints.unwrap_all()
         self._recomputed = 0
+        if not _same_recompute(self.plan, plan):
+            # Templates were recorded under the last plan: where it recomputed other blocks (or cleared other
+            # casts), blocks may save other tensors. Under the same recompute choices they still apply.
+            self.cache.deriver.clear_templates()
         self.plan = plan
         self._cast_units = frozenset()
         self._bare_units = frozenset()
@@ -804,7 +818,6 @@ class OffloadSession:
         self.cache.derive_kept = frozenset()
         self._derive_units = frozenset()
         self.cache.deriver.observe = False
-        self.cache.deriver.clear_templates()  # recorded under the last plan: its blocks' sequences may differ
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30

@@ -528,6 +528,53 @@ def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
     assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts
 
 
+def _accumulate(model, session_of, steps=4, micro=3):
+    """`steps` optimizer steps of `micro` micro-batches each (the gradients set to None between steps) inside
+    `session_of()`; returns the session and the plan each micro-batch ran under."""
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    plans = []
+    with session_of() as s:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            for _ in range(micro):
+                model(ids).backward()
+                plans.append(s.plan)
+    return s, plans
+
+
+def _distinct(plans):
+    return len({id(p) for p in plans})  # (the list holds them: no id is reused)
+
+
+def test_a_given_plan_is_adjusted_for_accumulation_once(capsys):
+    """A plan made from steps that started without gradients, given with plan=, under gradient accumulation: it is
+    planned again for the held gradients once, at the first micro-batch that starts with them, and that plan is used
+    from then on (not a new one every step, which cleared the derive templates every time: no replays), the
+    adjustment said with its predicted peak; the caller's plan is unchanged."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    given = ssdtrain.plan(model, step, min_bytes=0, overrides={f"layers.{k}": "derive" for k in range(4)})
+    assert given.grads and not given.held_grads
+    s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True))
+    assert plans[0] is given and plans[1].held_grads
+    assert _distinct(plans) == 2 and all(p is plans[1] for p in plans[1:])
+    assert not given.held_grads
+    said = capsys.readouterr().err
+    assert said.count("gradient accumulation began") == 1 and "predicted activation peak" in said
+    stats = s.stats()
+    per_step = stats["tensors_derived"] // len(plans)
+    # The first micro-batch searched and recorded; the adjusted plan recomputes the same blocks, so it replays them.
+    assert stats["derive_searched"] == per_step
+    assert stats["derive_replayed"] == (len(plans) - 1) * per_step
+    assert stats["derive_template_misses"] == 0
+
+
 def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templates():
     """The same without plan=: the profiled plan is planned again once for the held gradients; the new plan recomputes
     the same blocks, so the templates recorded under the first one are kept and replayed."""

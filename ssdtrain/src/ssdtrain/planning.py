@@ -417,8 +417,13 @@ class Calibrator:
 
     @staticmethod
     def _leanest(plan: Plan, correction: int) -> Plan:
-        """The fastest plan within the budget, else the leanest, keeping the budget it was asked for."""
-        new = replan(plan, correction=correction, budget=None, budget_fraction=None, speed_target=plan.budget)
-        new.budget, new.budget_fraction, new.speed_target = plan.budget, plan.budget_fraction, plan.speed_target
-        new.fits = False
-        return new
+        return leanest_plan(plan, correction=correction)
+
+
+def leanest_plan(plan: Plan, **changes) -> Plan:
+    """`plan`'s measurements planned again with `changes` (those of ``replan``): the fastest plan within its budget,
+    else the leanest, keeping the budget it was asked for (for a plan that no longer fits it)."""
+    new = replan(plan, budget=None, budget_fraction=None, speed_target=plan.budget, **changes)
+    new.budget, new.budget_fraction, new.speed_target = plan.budget, plan.budget_fraction, plan.speed_target
+    new.fits = False
+    return new

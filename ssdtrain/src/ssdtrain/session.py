@@ -39,8 +39,8 @@ from .model import (
     param_storage_ptrs,
 )
 from .options import default_host_limit, nvme_options, parse_budget, whole_number
-from .planner import Choice, Plan, format_bytes, make_plan, replan
-from .planning import Calibrator, ModelState, state_of
+from .planner import BudgetError, Choice, Plan, format_bytes, make_plan, replan
+from .planning import Calibrator, ModelState, leanest_plan, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
 from .resources import SharedTiers, resources_of
 from .tiers import DeviceTier, HostTier, NvmeTier
@@ -558,10 +558,7 @@ class OffloadSession:
             plan = self.state.latest  # a step through the blocks alone: the plan of the model's last shape
         if plan is not None:
             if self.state.grads_missing and self.state.grads_held and plan.grads and not plan.held_grads:
-                # Gradient accumulation began after the plan was made: its steps hold every gradient throughout.
-                new = replan(plan, held_grads=True)
-                self.state.replace(plan, new)
-                plan = new
+                plan = self._for_held_grads(plan)
             if plan is not self.plan:
                 self._apply(plan)
             self.profiler.stop()
@@ -569,6 +566,46 @@ class OffloadSession:
             self.calibrator.start(plan, grads > 0, given=plan is self.given_plan, held=held)
             return
         self._begin_profiling(signature, grads)
+
+    def _for_held_grads(self, plan: Plan) -> Plan:
+        """Gradient accumulation began after `plan` was made: its steps hold every gradient throughout, so the same
+        measurements are planned again for that, once. The new plan takes the old one's place (in the model's plans,
+        or as this session's given plan; the caller's Plan is unchanged), so later steps find it: otherwise every
+        step would plan again and apply a new plan, losing the derive templates each time.
+
+        The budget holds as before: a profiled plan that no longer fits its budget= raises BudgetError here, at the
+        first accumulation step (as at the first plan); a given plan (plan=) is run as the user has it, so its
+        leanest form is used with an OffloadWarning (as plan.override does)."""
+        given = plan is self.given_plan
+        held = format_bytes(sum(u.grad_bytes for u in plan.units))
+        cause = f"gradient accumulation began after the plan was made (steps start with every gradient held, {held})"
+        try:
+            new = replan(plan, held_grads=True)
+        except BudgetError as e:
+            if not given:
+                raise BudgetError(f"ssdtrain: {cause}: {str(e).removeprefix('ssdtrain: ')}", e.minimum) from None
+            new = leanest_plan(plan, held_grads=True)
+            warnings.warn(
+                f"ssdtrain: offload(plan=...): {cause}: no plan fits its budget {format_bytes(plan.budget)} with them; "
+                f"training goes on with the leanest (predicted activation peak {format_bytes(new.prediction.peak)}, "
+                "over the budget). Pass plan=plan.replan(budget=...) with a larger budget, or reduce the batch",
+                OffloadWarning,
+                stacklevel=5,
+            )
+        if given:
+            self.given_plan = new
+        else:
+            self.state.replace(plan, new)
+        line = (
+            f"ssdtrain: {cause}: plan for {plan.model} made again for it: predicted activation peak "
+            f"{format_bytes(new.prediction.peak)} (was {format_bytes(plan.prediction.peak)})"
+        )
+        log.info(line)
+        if self.verbose:
+            print(line, file=sys.stderr)
+        if new.budget is None and not new.fits:
+            warnings.warn(f"ssdtrain: {new.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=5)
+        return new
 
     def _begin_profiling(self, signature, grads: int) -> None:
         """No plan for this input shape yet: warm up (first-call costs, pool growth), then profile one step."""

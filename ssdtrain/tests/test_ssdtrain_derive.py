@@ -575,6 +575,30 @@ def test_a_given_plan_is_adjusted_for_accumulation_once(capsys):
     assert stats["derive_template_misses"] == 0
 
 
+def test_a_given_plan_is_adjusted_once_across_sessions_per_step(capsys):
+    """A session per optimizer step with the same plan= (as the Trainer callback opens them): each sees accumulation
+    begin, and each uses the plan the first one adjusted (said once), until the caller changes that plan."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    given = ssdtrain.plan(model, step, min_bytes=0)
+    adjusted = []
+    for _ in range(3):
+        s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True), 1)
+        assert plans[0] is given and plans[-1].held_grads
+        adjusted.append(plans[-1])
+    assert adjusted[1] is adjusted[0] and adjusted[2] is adjusted[0]
+    assert capsys.readouterr().err.count("gradient accumulation began") == 1
+    given.override("layers.0", "recompute")  # the caller's plan changed: adjusted again, with the new choice
+    _, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0), 1)
+    assert plans[-1] is not adjusted[0] and plans[-1].choice("layers.0") == Choice.parse("recompute")
+
+
 def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templates():
     """The same without plan=: the profiled plan is planned again once for the held gradients; the new plan recomputes
     the same blocks, so the templates recorded under the first one are kept and replayed."""

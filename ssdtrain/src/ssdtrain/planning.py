@@ -34,6 +34,9 @@ class ModelState:
         self.grads_missing = False  # some step started without gradients: backward allocates them
         self.grads_held = False  # some step started with gradients held (accumulation): they count throughout
         self.warned: set[str] = set()
+        # id(a plan= as given) -> (that plan, its choices, budget and window then, that plan adjusted for gradients
+        # held through accumulation): the adjustment is made once, not by every session (see OffloadSession).
+        self.adjusted: dict = {}
 
     def replace(self, old: Plan, new: Plan) -> None:
         for key, value in list(self.plans.items()):

@@ -186,6 +186,7 @@ class OffloadSession:
             self.container = ""
         self.blocks = blocks
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
+        self._caller_plan = plan  # plan= as given: what its adjustment for accumulation is remembered by
         if plan is not None:
             self._check_plan(plan)
             self._check_plan_options(plan, profile_steps)
@@ -570,13 +571,23 @@ class OffloadSession:
     def _for_held_grads(self, plan: Plan) -> Plan:
         """Gradient accumulation began after `plan` was made: its steps hold every gradient throughout, so the same
         measurements are planned again for that, once. The new plan takes the old one's place (in the model's plans,
-        or as this session's given plan; the caller's Plan is unchanged), so later steps find it: otherwise every
-        step would plan again and apply a new plan, losing the derive templates each time.
+        or as this session's given plan and for later sessions with the same plan=; the caller's Plan is unchanged),
+        so later steps find it: otherwise every step would plan again and apply a new plan, losing the derive
+        templates each time.
 
         The budget holds as before: a profiled plan that no longer fits its budget= raises BudgetError here, at the
         first accumulation step (as at the first plan); a given plan (plan=) is run as the user has it, so its
         leanest form is used with an OffloadWarning (as plan.override does)."""
         given = plan is self.given_plan
+        # A session per step (the Trainer callback) sees accumulation begin in each: the plan adjusted by an earlier
+        # session around this model is used again, while the caller's plan is the one it was made from, unchanged.
+        remembered = state_of(self.model).adjusted
+        made_from = (list(plan.choices), plan.budget, plan.window_units)
+        if given and id(self._caller_plan) in remembered:
+            caller, then, new = remembered[id(self._caller_plan)]
+            if caller is self._caller_plan and then == made_from:
+                self.given_plan = new
+                return new
         held = format_bytes(sum(u.grad_bytes for u in plan.units))
         cause = f"gradient accumulation began after the plan was made (steps start with every gradient held, {held})"
         try:
@@ -594,6 +605,7 @@ class OffloadSession:
             )
         if given:
             self.given_plan = new
+            remembered[id(self._caller_plan)] = (self._caller_plan, made_from, new)
         else:
             self.state.replace(plan, new)
         line = (

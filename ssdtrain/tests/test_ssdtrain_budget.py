@@ -8,10 +8,20 @@ import warnings
 
 import pytest
 import torch
+from test_ssdtrain_derive import _BranchModel
 from test_ssdtrain_offload import batch, make_net
 
 import ssdtrain
-from ssdtrain.planner import Bandwidth, Choice, UnitProfile, make_plan, simulate, window_bytes
+from ssdtrain.planner import (
+    Bandwidth,
+    Choice,
+    UnitProfile,
+    format_bytes,
+    make_plan,
+    replan,
+    simulate,
+    window_bytes,
+)
 from ssdtrain.planning import Calibrator
 from ssdtrain.profiler import DeviceMemory, PeakProbe, working_memory
 
@@ -392,6 +402,64 @@ def test_a_session_with_gradient_accumulation_plans_for_held_gradients():
             model2(ids).sum().backward()
         model2(ids).sum().backward()
     assert session.plan is not first and session.plan.held_grads
+
+
+def _tight_budget():
+    """A model, its batch, a plan made without accumulation, and the smallest budget that plan's measurements fit
+    without held gradients (none fits with them)."""
+    torch.manual_seed(0)
+    model = _BranchModel(dim=32)
+    ids = torch.randint(0, 37, (4, 64), generator=torch.Generator().manual_seed(11))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    plan = ssdtrain.plan(model, step, min_bytes=0)
+    with pytest.raises(ssdtrain.BudgetError) as plain:
+        plan.replan(budget=1)
+    with pytest.raises(ssdtrain.BudgetError) as held:
+        replan(plan, budget=1, held_grads=True)
+    assert held.value.minimum > plain.value.minimum
+    return model, ids, plan, plain.value.minimum
+
+
+def test_a_given_plan_that_accumulation_puts_over_its_budget_warns_once_and_runs_its_leanest():
+    """plan= made for the smallest budget its steps fit, then trained with accumulation: no plan fits that budget with
+    the gradients held, so the leanest is used with one OffloadWarning (as plan.override does: a given plan runs
+    as the user has it) that names the cause and the fix, and training goes on under that one plan."""
+    model, ids, plan, budget = _tight_budget()
+    given = plan.replan(budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ssdtrain.offload(model, plan=given, min_bytes=0) as session:
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                for _ in range(2):
+                    model(ids).backward()
+                adjusted = session.plan
+    said = [str(w.message) for w in caught if issubclass(w.category, ssdtrain.OffloadWarning)]
+    assert len(said) == 1, said
+    assert "gradient accumulation began" in said[0] and "plan=plan.replan(budget=...)" in said[0]
+    assert session.plan is adjusted and adjusted.held_grads and not adjusted.fits
+    assert adjusted.budget == budget < adjusted.prediction.peak
+    assert format_bytes(adjusted.prediction.peak) in said[0]
+
+
+def test_a_profiled_plan_that_accumulation_puts_over_its_budget_raises_naming_accumulation():
+    """The same budget as budget= (a plan the session profiles): the first accumulation step refuses with
+    BudgetError, as the first plan would, and says that accumulation is why."""
+    model, ids, _, budget = _tight_budget()
+    with ssdtrain.offload(model, budget=budget, min_bytes=0, verbose=False) as session:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(ids).backward()
+        assert session.plan is not None and not session.plan.held_grads
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+        with pytest.raises(ssdtrain.BudgetError, match="gradient accumulation began after the plan was made") as e:
+            model(ids).backward()
+    assert e.value.minimum > budget
 
 
 def test_the_checked_step_peak_is_the_one_read_when_its_backward_ended():

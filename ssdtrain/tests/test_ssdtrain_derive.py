@@ -526,3 +526,102 @@ def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
     stats = s.stats()
     assert stats["derive_replayed"] > 0 and stats["derive_template_misses"] == 0
     assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts
+
+
+def _accumulate(model, session_of, steps=4, micro=3):
+    """`steps` optimizer steps of `micro` micro-batches each (the gradients set to None between steps) inside
+    `session_of()`; returns the session and the plan each micro-batch ran under."""
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    plans = []
+    with session_of() as s:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            for _ in range(micro):
+                model(ids).backward()
+                plans.append(s.plan)
+    return s, plans
+
+
+def _distinct(plans):
+    return len({id(p) for p in plans})  # (the list holds them: no id is reused)
+
+
+def test_a_given_plan_is_adjusted_for_accumulation_once(capsys):
+    """A plan made from steps that started without gradients, given with plan=, under gradient accumulation: it is
+    planned again for the held gradients once, at the first micro-batch that starts with them, and that plan is used
+    from then on (not a new one every step, which cleared the derive templates every time: no replays), the
+    adjustment said with its predicted peak; the caller's plan is unchanged."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    given = ssdtrain.plan(model, step, min_bytes=0, overrides={f"layers.{k}": "derive" for k in range(4)})
+    assert given.grads and not given.held_grads
+    s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True))
+    assert plans[0] is given and plans[1].held_grads
+    assert _distinct(plans) == 2 and all(p is plans[1] for p in plans[1:])
+    assert not given.held_grads
+    said = capsys.readouterr().err
+    assert said.count("gradient accumulation began") == 1 and "predicted activation peak" in said
+    stats = s.stats()
+    per_step = stats["tensors_derived"] // len(plans)
+    # The first micro-batch searched and recorded; the adjusted plan recomputes the same blocks, so it replays them.
+    assert stats["derive_searched"] == per_step
+    assert stats["derive_replayed"] == (len(plans) - 1) * per_step
+    assert stats["derive_template_misses"] == 0
+
+
+def test_a_given_plan_is_adjusted_once_across_sessions_per_step(capsys):
+    """A session per optimizer step with the same plan= (as the Trainer callback opens them): each sees accumulation
+    begin, and each uses the plan the first one adjusted (said once), until the caller changes that plan."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    given = ssdtrain.plan(model, step, min_bytes=0)
+    adjusted = []
+    for _ in range(3):
+        s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True), 1)
+        assert plans[0] is given and plans[-1].held_grads
+        adjusted.append(plans[-1])
+    assert adjusted[1] is adjusted[0] and adjusted[2] is adjusted[0]
+    assert capsys.readouterr().err.count("gradient accumulation began") == 1
+    given.override("layers.0", "recompute")  # the caller's plan changed: adjusted again, with the new choice
+    _, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0), 1)
+    assert plans[-1] is not adjusted[0] and plans[-1].choice("layers.0") == Choice.parse("recompute")
+
+
+def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templates():
+    """The same without plan=: the profiled plan is planned again once for the held gradients; the new plan recomputes
+    the same blocks, so the templates recorded under the first one are kept and replayed."""
+    torch.manual_seed(0)
+    model = _BranchModel()
+    overrides = {f"layers.{k}": "derive" for k in range(4)}
+    # One plain step first, so the profiled plan is made before accumulation begins.
+    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(ids).backward()
+        first = s.plan
+        assert first.grads and not first.held_grads
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            for _ in range(3):
+                model(ids).backward()
+    assert s.plan is not first and s.plan.held_grads
+    assert s.stats()["planned_steps"] == 10
+    # Searched once, at the first planned step; every later micro-batch replays (under both plans).
+    stats = s.stats()
+    per_step = stats["tensors_derived"] // 10
+    assert stats["derive_searched"] == per_step
+    assert stats["derive_replayed"] == 9 * per_step
+    assert stats["derive_template_misses"] == 0

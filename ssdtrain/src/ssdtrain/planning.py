@@ -34,6 +34,9 @@ class ModelState:
         self.grads_missing = False  # some step started without gradients: backward allocates them
         self.grads_held = False  # some step started with gradients held (accumulation): they count throughout
         self.warned: set[str] = set()
+        # id(a plan= as given) -> (that plan, its choices, budget and window then, that plan adjusted for gradients
+        # held through accumulation): the adjustment is made once, not by every session (see OffloadSession).
+        self.adjusted: dict = {}
 
     def replace(self, old: Plan, new: Plan) -> None:
         for key, value in list(self.plans.items()):
@@ -417,8 +420,13 @@ class Calibrator:
 
     @staticmethod
     def _leanest(plan: Plan, correction: int) -> Plan:
-        """The fastest plan within the budget, else the leanest, keeping the budget it was asked for."""
-        new = replan(plan, correction=correction, budget=None, budget_fraction=None, speed_target=plan.budget)
-        new.budget, new.budget_fraction, new.speed_target = plan.budget, plan.budget_fraction, plan.speed_target
-        new.fits = False
-        return new
+        return leanest_plan(plan, correction=correction)
+
+
+def leanest_plan(plan: Plan, **changes) -> Plan:
+    """`plan`'s measurements planned again with `changes` (those of ``replan``): the fastest plan within its budget,
+    else the leanest, keeping the budget it was asked for (for a plan that no longer fits it)."""
+    new = replan(plan, budget=None, budget_fraction=None, speed_target=plan.budget, **changes)
+    new.budget, new.budget_fraction, new.speed_target = plan.budget, plan.budget_fraction, plan.speed_target
+    new.fits = False
+    return new

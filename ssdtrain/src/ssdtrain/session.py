@@ -39,8 +39,8 @@ from .model import (
     param_storage_ptrs,
 )
 from .options import default_host_limit, nvme_options, parse_budget, whole_number
-from .planner import Choice, Plan, format_bytes, make_plan, replan
-from .planning import Calibrator, ModelState, state_of
+from .planner import BudgetError, Choice, Plan, format_bytes, make_plan, replan
+from .planning import Calibrator, ModelState, leanest_plan, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
 from .resources import SharedTiers, resources_of
 from .tiers import DeviceTier, HostTier, NvmeTier
@@ -86,6 +86,16 @@ def _saved_tensor_hook(fn):
 def _clear_casts() -> None:
     """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
     torch.clear_autocast_cache()
+
+
+def _same_recompute(old: Plan | None, new: Plan | None) -> bool:
+    """Whether two plans recompute the same blocks the same way and clear autocast's casts alike: what a block
+    saves depends on those, not on where its tensors go."""
+    if old is None or new is None:
+        return False
+    return old.clear_casts == new.clear_casts and [c.recompute for c in old.choices] == [
+        c.recompute for c in new.choices
+    ]
 
 
 class OffloadSession:
@@ -176,6 +186,7 @@ class OffloadSession:
             self.container = ""
         self.blocks = blocks
         self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
+        self._caller_plan = plan  # plan= as given: what its adjustment for accumulation is remembered by
         if plan is not None:
             self._check_plan(plan)
             self._check_plan_options(plan, profile_steps)
@@ -548,10 +559,7 @@ class OffloadSession:
             plan = self.state.latest  # a step through the blocks alone: the plan of the model's last shape
         if plan is not None:
             if self.state.grads_missing and self.state.grads_held and plan.grads and not plan.held_grads:
-                # Gradient accumulation began after the plan was made: its steps hold every gradient throughout.
-                new = replan(plan, held_grads=True)
-                self.state.replace(plan, new)
-                plan = new
+                plan = self._for_held_grads(plan)
             if plan is not self.plan:
                 self._apply(plan)
             self.profiler.stop()
@@ -559,6 +567,57 @@ class OffloadSession:
             self.calibrator.start(plan, grads > 0, given=plan is self.given_plan, held=held)
             return
         self._begin_profiling(signature, grads)
+
+    def _for_held_grads(self, plan: Plan) -> Plan:
+        """Gradient accumulation began after `plan` was made: its steps hold every gradient throughout, so the same
+        measurements are planned again for that, once. The new plan takes the old one's place (in the model's plans,
+        or as this session's given plan and for later sessions with the same plan=; the caller's Plan is unchanged),
+        so later steps find it: otherwise every step would plan again and apply a new plan, losing the derive
+        templates each time.
+
+        The budget holds as before: a profiled plan that no longer fits its budget= raises BudgetError here, at the
+        first accumulation step (as at the first plan); a given plan (plan=) is run as the user has it, so its
+        leanest form is used with an OffloadWarning (as plan.override does)."""
+        given = plan is self.given_plan
+        # A session per step (the Trainer callback) sees accumulation begin in each: the plan adjusted by an earlier
+        # session around this model is used again, while the caller's plan is the one it was made from, unchanged.
+        remembered = state_of(self.model).adjusted
+        made_from = (list(plan.choices), plan.budget, plan.window_units)
+        if given and id(self._caller_plan) in remembered:
+            caller, then, new = remembered[id(self._caller_plan)]
+            if caller is self._caller_plan and then == made_from:
+                self.given_plan = new
+                return new
+        held = format_bytes(sum(u.grad_bytes for u in plan.units))
+        cause = f"gradient accumulation began after the plan was made (steps start with every gradient held, {held})"
+        try:
+            new = replan(plan, held_grads=True)
+        except BudgetError as e:
+            if not given:
+                raise BudgetError(f"ssdtrain: {cause}: {str(e).removeprefix('ssdtrain: ')}", e.minimum) from None
+            new = leanest_plan(plan, held_grads=True)
+            warnings.warn(
+                f"ssdtrain: offload(plan=...): {cause}: no plan fits its budget {format_bytes(plan.budget)} with them; "
+                f"training goes on with the leanest (predicted activation peak {format_bytes(new.prediction.peak)}, "
+                "over the budget). Pass plan=plan.replan(budget=...) with a larger budget, or reduce the batch",
+                OffloadWarning,
+                stacklevel=5,
+            )
+        if given:
+            self.given_plan = new
+            remembered[id(self._caller_plan)] = (self._caller_plan, made_from, new)
+        else:
+            self.state.replace(plan, new)
+        line = (
+            f"ssdtrain: {cause}: plan for {plan.model} made again for it: predicted activation peak "
+            f"{format_bytes(new.prediction.peak)} (was {format_bytes(plan.prediction.peak)})"
+        )
+        log.info(line)
+        if self.verbose:
+            print(line, file=sys.stderr)
+        if new.budget is None and not new.fits:
+            warnings.warn(f"ssdtrain: {new.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=5)
+        return new
 
     def _begin_profiling(self, signature, grads: int) -> None:
         """No plan for this input shape yet: warm up (first-call costs, pool growth), then profile one step."""
@@ -797,6 +856,10 @@ class OffloadSession:
     def _apply(self, plan: Plan | None) -> None:
         self.checkpoints.unwrap_all()
         self._recomputed = 0
+        if not _same_recompute(self.plan, plan):
+            # Templates were recorded under the last plan: where it recomputed other blocks (or cleared other
+            # casts), blocks may save other tensors. Under the same recompute choices they still apply.
+            self.cache.deriver.clear_templates()
         self.plan = plan
         self._cast_units = frozenset()
         self._bare_units = frozenset()
@@ -804,7 +867,6 @@ class OffloadSession:
         self.cache.derive_kept = frozenset()
         self._derive_units = frozenset()
         self.cache.deriver.observe = False
-        self.cache.deriver.clear_templates()  # recorded under the last plan: its blocks' sequences may differ
         if plan is None:
             self.cache.window_bytes = 1 << 30
             self.cache.window_units = 1 << 30

@@ -734,6 +734,7 @@ def test_a_graph_dropped_through_a_derive_block_releases_everything(step, tmp_pa
         handle.remove()
         _steps(model, ids, 2)
         _steps(model, ids, 1, want)  # (recipes made from the aliases: the same gradients)
+        s.cache.drain()  # (on a loaded machine the last step's NVMe writes may still be running)
         assert s.stats()["tensors_derived"] > 0 and s.cache.live_entries() == 0
 
 

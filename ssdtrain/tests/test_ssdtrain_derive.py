@@ -528,10 +528,26 @@ def test_template_replay_leaves_weight_casts_when_a_parameter_is_shared():
     assert counts[1] > 0 and counts[1] == counts[2] == counts[3], counts
 
 
+def _branch_batch():
+    """The accumulation tests' batch for a `_BranchModel`."""
+    return torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+
+
+def _one_step(model):
+    """A plain step of a `_BranchModel` (gradients set to None first): what ssdtrain.plan profiles."""
+    ids = _branch_batch()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+
+    return step
+
+
 def _accumulate(model, session_of, steps=4, micro=3):
     """`steps` optimizer steps of `micro` micro-batches each (the gradients set to None between steps) inside
     `session_of()`; returns the session and the plan each micro-batch ran under."""
-    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    ids = _branch_batch()
     plans = []
     with session_of() as s:
         for _ in range(steps):
@@ -553,12 +569,7 @@ def test_a_given_plan_is_adjusted_for_accumulation_once(capsys):
     adjustment said with its predicted peak; the caller's plan is unchanged."""
     torch.manual_seed(0)
     model = _BranchModel()
-    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(ids).backward()
-
+    step = _one_step(model)
     given = ssdtrain.plan(model, step, min_bytes=0, overrides={f"layers.{k}": "derive" for k in range(4)})
     assert given.grads and not given.held_grads
     s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True))
@@ -580,12 +591,7 @@ def test_a_given_plan_is_adjusted_once_across_sessions_per_step(capsys):
     begin, and each uses the plan the first one adjusted (said once), until the caller changes that plan."""
     torch.manual_seed(0)
     model = _BranchModel()
-    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(ids).backward()
-
+    step = _one_step(model)
     given = ssdtrain.plan(model, step, min_bytes=0)
     adjusted = []
     for _ in range(3):
@@ -606,7 +612,7 @@ def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templat
     model = _BranchModel()
     overrides = {f"layers.{k}": "derive" for k in range(4)}
     # One plain step first, so the profiled plan is made before accumulation begins.
-    ids = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(11))
+    ids = _branch_batch()
     with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1) as s:
         for _ in range(2):
             model.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from ssdtrain_testutil import encoder_decoder
 from torch import nn
 
 import ssdtrain
@@ -621,46 +622,13 @@ def test_a_model_with_its_own_gradient_checkpointing_is_named_at_offload():
     assert_same_grads(grads(model), grads(ref))
 
 
-def _encoder_decoder(name: str):
-    """A tiny T5 or BART (no dropout) with its two lists of blocks."""
-    transformers = pytest.importorskip("transformers")
-    if name == "t5":
-        config = transformers.T5Config(
-            d_model=64,
-            d_ff=128,
-            num_layers=3,
-            num_decoder_layers=3,
-            num_heads=4,
-            d_kv=16,
-            vocab_size=211,
-            decoder_start_token_id=0,
-            dropout_rate=0.0,
-        )
-        return transformers.T5ForConditionalGeneration(config), ("encoder.block", "decoder.block")
-    config = transformers.BartConfig(
-        d_model=64,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        encoder_layers=3,
-        decoder_layers=3,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        vocab_size=211,
-        max_position_embeddings=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
-    return transformers.BartForConditionalGeneration(config), ("model.encoder.layers", "model.decoder.layers")
-
-
 @pytest.mark.parametrize("name", ["t5", "bart"])
 def test_encoder_decoder_models_plan_both_lists_of_blocks(name, tmp_path):
     """An encoder-decoder's encoder and decoder layers are both units (one list left the encoder's activations to
     the stem, which can only move whole). Recomputing a T5 decoder block replayed its KV-cache appends: the
     decoder reads its own copy of the config, whose use_cache the session now turns off too."""
     torch.manual_seed(0)
-    model, (encoder, decoder) = _encoder_decoder(name)
+    model, (encoder, decoder) = encoder_decoder(name)
     model.train()
     ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
 
@@ -702,7 +670,7 @@ def test_profiling_checkpoints_blocks_of_each_list_by_that_lists_first_block(mon
     decoder block (cross-attention) saves more than an encoder block, so each list's first block stands for its
     own list (before, the first encoder block stood for every block)."""
     torch.manual_seed(0)
-    model, _ = _encoder_decoder("t5")
+    model, _ = encoder_decoder("t5")
     ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
     m1 = copy.deepcopy(model)
     seen = ssdtrain.plan(m1, lambda: m1(input_ids=ids, labels=ids).loss.backward(), min_bytes="4K")
@@ -729,7 +697,7 @@ def test_profiling_checkpoints_blocks_of_each_list_by_that_lists_first_block(mon
 
 def test_find_blocks_takes_every_list_of_blocks_outside_one_another():
     transformers = pytest.importorskip("transformers")
-    assert ssdtrain.find_blocks(_encoder_decoder("t5")[0])[0] == "encoder.block, decoder.block"
+    assert ssdtrain.find_blocks(encoder_decoder("t5")[0])[0] == "encoder.block, decoder.block"
     # a mixture of experts is a list inside each block: part of its block
     moe = transformers.MixtralForCausalLM(
         transformers.MixtralConfig(

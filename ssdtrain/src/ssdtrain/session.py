@@ -612,12 +612,16 @@ class OffloadSession:
             f"ssdtrain: {cause}: plan for {plan.model} made again for it: predicted activation peak "
             f"{format_bytes(new.prediction.peak)} (was {format_bytes(plan.prediction.peak)})"
         )
-        log.info(line)
-        if self.verbose:
-            print(line, file=sys.stderr)
+        self._say(line)
         if new.budget is None and not new.fits:
             warnings.warn(f"ssdtrain: {new.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=5)
         return new
+
+    def _say(self, line: str) -> None:
+        """A plan made or made again: logged, and printed with verbose=True."""
+        log.info(line)
+        if self.verbose:
+            print(line, file=sys.stderr)
 
     def _begin_profiling(self, signature, grads: int) -> None:
         """No plan for this input shape yet: warm up (first-call costs, pool growth), then profile one step."""
@@ -809,9 +813,7 @@ class OffloadSession:
             f"(keep: {k.peak / 2**30:.2f} GiB), forward+backward {p.seconds / k.seconds:.2f}x keep's; "
             "print(session.plan) for details"
         )
-        log.info(line)
-        if self.verbose:
-            print(line, file=sys.stderr)
+        self._say(line)
         if not plan.fits:
             warnings.warn(f"ssdtrain: {plan.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=4)
 

@@ -314,8 +314,6 @@ def test_bad_input_is_named():
     topo = skewed_graph()
     with pytest.raises(ValueError, match="num_neighbors must list a fan-out per hop"):
         NeighborSampler(topo, 5)
-    with pytest.raises(ValueError, match=r"fan-outs must be >= 0, or -1 for all neighbours; got \[-2\] at hop 1"):
-        NeighborSampler(topo, [3, -2])
     with pytest.raises(ValueError, match="one entry per edge"):
         Topology(topo.colptr, topo.row, edge_type=topo.edge_type[:-1])
     with pytest.raises(TypeError, match="integers"):
@@ -406,6 +404,39 @@ def test_a_zero_fanout_hop_samples_no_edges_as_in_pyg(fanout, replace, script):
         assert bool((sampler._local == -1).all())
     if fanout[0] == 0:
         assert sub.num_edges == 0 and torch.equal(sub.n_id, REPEATED)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("script", [True, False])
+@pytest.mark.parametrize("typed", [False, True])
+def test_any_negative_fanout_takes_every_neighbour_as_in_pyg(replace, script, typed):
+    # pyg-lib takes a node's whole neighbourhood for any count < 0, with or without replacement (neighbor_kernel.cpp,
+    # _sample: "if (count < 0 || (!replace && count >= population))"); this sampler refused every fan-out below -1
+    # ("fan-outs must be >= 0, or -1 for all neighbours"). Now each is -1, the same batches as -1 gives.
+    if typed:
+        from test_sample_kernels import check_typed, typed_graph
+
+        topo, blocks = typed_graph()
+        forms = [([[-2, 3, -5], [1, -(2**40), 0]], [[-1, 3, -1], [1, -1, 0]]), ([-3, 2], [[-1] * 3, [2] * 3])]
+    else:
+        topo, blocks = skewed_graph(), None
+        forms = [([-2, 3], [[-1], [3]]), ([2, -(2**40)], [[2], [-1]]), ([-7], [[-1]])]
+    for given, normalised in forms:
+        sampler = NeighborSampler(topo, given, replace=replace, script=script, blocks=blocks,
+                                  generator=torch.Generator().manual_seed(3))
+        assert sampler.fanouts == normalised
+        minus_one = [row if typed else row[0] for row in normalised]
+        reference = NeighborSampler(topo, minus_one, replace=replace, script=script, blocks=blocks,
+                                    generator=torch.Generator().manual_seed(3))
+        for seeds in (torch.tensor([0, 5, 3, 199]), REPEATED):
+            sub, ref = sampler.sample(seeds), reference.sample(seeds)
+            if typed:
+                check_typed(sub, seeds, topo, normalised, replace)
+            else:
+                check_subgraph(sub, seeds, topo, minus_one, replace)
+            assert sub.num_sampled_nodes == ref.num_sampled_nodes
+            for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("script", [True, False])
@@ -1003,6 +1034,30 @@ def test_num_neighbors_in_every_form_pyg_takes():
     expected = NeighborLoader(data, [4, 2], batch_size=64, seed=4)
     for a, b in zip(NeighborLoader(data, NumNeighbors([4, 2]), batch_size=64, seed=4), expected, strict=True):
         assert_same_batch(a, b)
+
+
+def test_negative_fan_outs_in_every_form_are_all_neighbours_as_in_pyg():
+    # PyG hands any negative fan-out to pyg-lib, which takes every in-edge for it (count < 0), per edge type too;
+    # the loader refused all below -1. Each form now gives the batches of -1.
+    from torch_geometric.sampler import NumNeighbors
+
+    data, hetero = random_data(), random_hetero()
+    for form in ([-2, 3], (-100, 3), NumNeighbors([-5, 3])):
+        expected = NeighborLoader(data, [-1, 3], batch_size=64, seed=4)
+        got = NeighborLoader(data, form, batch_size=64, seed=4)
+        assert got.sampler.fanouts == [[-1], [3]]
+        for a, b in zip(got, expected, strict=True):
+            assert_same_batch(a, b)
+        check_counts(a, data.edge_index, [data.num_edges, 3])
+    fanouts = {et: [-1, 2] if et[1] == "cites" else [2, -1] for et in hetero.edge_types}
+    seeds = ("paper", torch.arange(100))
+    negative = {et: [-3, 2] if et[1] == "cites" else [2, -(2**40)] for et in hetero.edge_types}
+    for form in (negative, {"__".join(et): v for et, v in negative.items()},
+                 NumNeighbors({("paper", "cites", "paper"): [-7, 2]}, default=[2, -2])):
+        expected = NeighborLoader(hetero, fanouts, input_nodes=seeds, batch_size=32, seed=4)
+        got = NeighborLoader(hetero, form, input_nodes=seeds, batch_size=32, seed=4)
+        for a, b in zip(got, expected, strict=True):
+            assert_same_batch(a, b)
 
 
 def test_bad_arguments_are_named():

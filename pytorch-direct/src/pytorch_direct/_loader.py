@@ -81,8 +81,8 @@ class NeighborLoader:
 
     ``data``: a ``Data``, a ``HeteroData``, a PyG ``(FeatureStore, GraphStore)`` pair, or a ``(features,
     Topology)`` pair (``features``: attribute name -> per-node table; a graph already in CSC form).
-    ``num_neighbors``: fan-outs per hop (-1: all, 0: none; ``[]``: no hops, a batch of the seeds alone); for a
-    heterogeneous graph also a dict edge type -> list.
+    ``num_neighbors``: fan-outs per hop (-1, or any negative: all, 0: none; ``[]``: no hops, a batch of the seeds
+    alone); for a heterogeneous graph also a dict edge type -> list.
     ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
     ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
     ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and

@@ -193,7 +193,8 @@ def default_device(topology: Topology) -> torch.device:
 
 
 class NeighborSampler:
-    """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1: all of them) around seed nodes.
+    """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1, or any negative fan-out: all of
+    them) around seed nodes.
 
     ``topology``: a :class:`Topology`. ``num_neighbors``: a list of fan-outs, one per hop (or, with ``blocks``, a
     ``[hops][edge types]`` nested list). As in PyG, a fan-out of 0 draws no edge (a homogeneous graph's hop then
@@ -411,8 +412,10 @@ def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:
 
 
 def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
-    """``[hops][edge types]`` fan-outs (one column without blocks), checked. As in PyG (pyg-lib), a fan-out of 0
-    draws no edge in its hop, and no hops (``[]``) makes a batch of the seeds alone."""
+    """``[hops][edge types]`` fan-outs (one column without blocks), checked and normalised. As in PyG (pyg-lib), a
+    fan-out of 0 draws no edge in its hop, and no hops (``[]``) makes a batch of the seeds alone; any negative
+    fan-out takes every in-edge (pyg-lib: ``count < 0``) and becomes -1 here, the one value every path below (the
+    torch path, the kernels' ``int`` fan-outs and fan-out table) is given for it."""
     if not isinstance(num_neighbors, (list, tuple)):
         raise ValueError(f"num_neighbors must list a fan-out per hop (e.g. [15, 10]; -1 for all, 0 for none; [] "
                          f"for the seeds alone), got {num_neighbors!r}")
@@ -422,7 +425,5 @@ def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
         row = [int(entry)] * kinds if not isinstance(entry, (list, tuple)) else [int(k) for k in entry]
         if len(row) != kinds:
             raise ValueError(f"num_neighbors[{hop}] has {len(row)} entries for {kinds} edge types")
-        if any(k < -1 for k in row):
-            raise ValueError(f"fan-outs must be >= 0, or -1 for all neighbours; got {row} at hop {hop}")
-        table.append(row)
+        table.append([-1 if k < 0 else k for k in row])
     return table

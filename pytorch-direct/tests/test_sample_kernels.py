@@ -545,6 +545,28 @@ def test_emulated_kernels_take_any_negative_fanout_as_minus_one(emulated):
     check_negative_fanouts(emulated, CPU)
 
 
+def check_hops_of_zero_fanouts_change_no_batch(emulated: Emulated | None, device) -> None:
+    """Hops whose fan-outs are all 0 after the last that samples: the same batches, one after another, as without
+    them (the kernels draw one random seed per batch, and nothing in a hop that takes no edge), as the torch path."""
+    topo, blocks = typed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    for replace in (False, True):
+        ours = kernel_sampler(placed, [[2, 1, 3], [0, 0, 0], [0, 0, 0]], emulated, device=device, replace=replace,
+                              blocks=blocks, generator=torch.Generator(device).manual_seed(4))
+        alone = kernel_sampler(placed, [[2, 1, 3]], emulated, device=device, replace=replace, blocks=blocks,
+                               generator=torch.Generator(device).manual_seed(4))
+        for seeds in (torch.tensor([0, 5, 3, 199]), torch.arange(0, 200, 7), torch.tensor([5, 0, 5, 3])):
+            sub, ref = ours.sample(seeds.to(device)), alone.sample(seeds.to(device))
+            assert sub.num_sampled_edges == ref.num_sampled_edges + [0, 0]
+            assert sub.num_sampled_nodes == ref.num_sampled_nodes + [0, 0]
+            for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_emulated_hops_of_zero_fanouts_change_no_batch(emulated):
+    check_hops_of_zero_fanouts_change_no_batch(emulated, CPU)
+
+
 def test_the_kernel_path_is_chosen_and_refused_by_name():
     topo = skewed_graph()
     assert not NeighborSampler(topo, [2]).kernels  # the CPU: the torch path, silently
@@ -704,6 +726,11 @@ def test_gpu_kernels_take_zero_fanouts_and_no_hops(replace):
 @pytest.mark.gpu
 def test_gpu_kernels_take_any_negative_fanout_as_minus_one():
     check_negative_fanouts(None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_hops_of_zero_fanouts_change_no_batch():
+    check_hops_of_zero_fanouts_change_no_batch(None, torch.device("cuda"))
 
 
 @pytest.mark.gpu

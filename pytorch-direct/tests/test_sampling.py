@@ -408,6 +408,37 @@ def test_a_zero_fanout_hop_samples_no_edges_as_in_pyg(fanout, replace, script):
 
 @pytest.mark.parametrize("replace", [False, True])
 @pytest.mark.parametrize("script", [True, False])
+def test_a_typed_hop_that_samples_nothing_draws_no_random_numbers(replace, script):
+    # The typed torch path drew a random key per in-edge of a hop's frontier even where every fan-out was 0, so the
+    # random stream of the batches after depended on a hop that samples nothing: [[...], [0, 0, 0]] gave other
+    # batches than [[...]] from the second batch on. (The homogeneous path draws nothing there.)
+    from test_sample_kernels import check_typed, typed_graph
+
+    topo, blocks = typed_graph()
+    first = [2, 1, 3]
+    for tail in ([[0, 0, 0]], [[0, 0, 0], [0, 0, 0]], [[-1, -1, -1]] if replace else [[999, 999, 999]]):
+        table = [first] + tail
+        gens = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        ours = NeighborSampler(topo, table, replace=replace, script=script, blocks=blocks, generator=gens[0])
+        alone = NeighborSampler(topo, [first], replace=replace, script=script, blocks=blocks, generator=gens[1])
+        for seeds in (torch.tensor([0, 5, 3, 199]), REPEATED, torch.arange(0, 200, 7), torch.tensor([4])):
+            sub, ref = ours.sample(seeds), alone.sample(seeds)
+            check_typed(sub, seeds, topo, table, replace)
+            assert torch.equal(gens[0].get_state(), gens[1].get_state()), tail
+            if tail[0][0] == 0:  # the same batch, with a hop of nothing (or two) after
+                assert sub.num_sampled_edges == ref.num_sampled_edges + [0] * len(tail)
+                assert sub.num_sampled_nodes == ref.num_sampled_nodes + [0] * len(tail)
+                for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                    assert torch.equal(a, b)
+        gen = torch.Generator().manual_seed(5)
+        state = gen.get_state()
+        sub = NeighborSampler(topo, tail, replace=replace, script=script, blocks=blocks, generator=gen).sample(
+            torch.arange(0, 200, 7))
+        assert torch.equal(gen.get_state(), state), "a batch that draws from no run draws no random numbers"
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("script", [True, False])
 @pytest.mark.parametrize("typed", [False, True])
 def test_any_negative_fanout_takes_every_neighbour_as_in_pyg(replace, script, typed):
     # pyg-lib takes a node's whole neighbourhood for any count < 0, with or without replacement (neighbor_kernel.cpp,
@@ -630,6 +661,31 @@ def test_hetero_zero_fanouts_and_no_hops_give_pygs_batches(form):
             assert a["paper"].num_sampled_nodes == [size]
             assert all(a[t].n_id.numel() == 0 for t in ("author", "venue"))
             assert all(a[et].edge_index.shape == (2, 0) for et in data.edge_types)
+
+
+def test_hetero_batches_after_a_hop_of_zero_fanouts_are_those_without_it():
+    # PyG (pyg-lib) draws nothing for a count of 0; this loader's typed sampler drew a key per in-edge of such a
+    # hop's frontier, so the batches after the first differed from those of the same loader without that hop
+    check_a_hop_of_zero_fanouts_changes_no_batch("cpu")
+
+
+def check_a_hop_of_zero_fanouts_changes_no_batch(device):
+    data = random_hetero()
+    seeds = ("paper", torch.arange(0, 300, 2))
+    with_zeros = {et: [3, 0] if et[1] != "cites" else [2, 0] for et in data.edge_types}
+    without = {et: v[:1] for et, v in with_zeros.items()}
+    batches = 0
+    for a, b in zip(NeighborLoader(data, with_zeros, input_nodes=seeds, batch_size=16, seed=2, device=device),
+                    NeighborLoader(data, without, input_nodes=seeds, batch_size=16, seed=2, device=device),
+                    strict=True):
+        for t in data.node_types:
+            assert a[t].num_sampled_nodes == b[t].num_sampled_nodes + [0]
+            assert torch.equal(a[t].n_id, b[t].n_id) and torch.equal(a[t].x, b[t].x)
+        for et in data.edge_types:
+            assert a[et].num_sampled_edges == b[et].num_sampled_edges + [0]
+            assert torch.equal(a[et].edge_index, b[et].edge_index) and torch.equal(a[et].e_id, b[et].e_id)
+        batches += 1
+    assert batches == 10
 
 
 def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
@@ -1439,6 +1495,11 @@ def test_store_pair_on_the_gpu(prefetch, thread):
 @pytest.mark.gpu
 def test_hetero_batches_on_the_gpu_follow_pyg_semantics():
     check_hetero_semantics("cuda")
+
+
+@pytest.mark.gpu
+def test_hetero_batches_on_the_gpu_after_a_hop_of_zero_fanouts_are_those_without_it():
+    check_a_hop_of_zero_fanouts_changes_no_batch("cuda")
 
 
 @pytest.mark.gpu

@@ -545,6 +545,22 @@ def test_emulated_kernels_take_any_negative_fanout_as_minus_one(emulated):
     check_negative_fanouts(emulated, CPU)
 
 
+def check_fanouts_past_a_c_int(emulated: Emulated | None, device) -> None:
+    """A fan-out past a C int (the kernels' homogeneous fan-outs; the emulated ones read 2**32 + 3 as 3, the
+    compiled module refused it) reaches them as -1 without replacement: every in-edge, as on the torch path."""
+    topo = skewed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    sampler = kernel_sampler(placed, [2**32 + 3, 2], emulated, device=device)
+    assert sampler._hop_fanouts == [-1, 2]
+    for seeds in SEED_SETS:
+        sub = sampler.sample(seeds.to(device))
+        check_subgraph(dataclasses.replace(sub, e_id=sub.pos), seeds, topo, [-1, 2])
+
+
+def test_emulated_kernels_take_a_fanout_past_a_c_int(emulated):
+    check_fanouts_past_a_c_int(emulated, CPU)
+
+
 def check_hops_of_zero_fanouts_change_no_batch(emulated: Emulated | None, device) -> None:
     """Hops whose fan-outs are all 0 after the last that samples: the same batches, one after another, as without
     them (the kernels draw one random seed per batch, and nothing in a hop that takes no edge), as the torch path."""
@@ -726,6 +742,11 @@ def test_gpu_kernels_take_zero_fanouts_and_no_hops(replace):
 @pytest.mark.gpu
 def test_gpu_kernels_take_any_negative_fanout_as_minus_one():
     check_negative_fanouts(None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_take_a_fanout_past_a_c_int():
+    check_fanouts_past_a_c_int(None, torch.device("cuda"))
 
 
 @pytest.mark.gpu

@@ -1116,6 +1116,37 @@ def test_negative_fan_outs_in_every_form_are_all_neighbours_as_in_pyg():
             assert_same_batch(a, b)
 
 
+def test_fan_outs_are_integers_as_in_pyg():
+    # pyg-lib takes num_neighbors as int[] (a float, a string or a bool is refused when PyG samples); here int() read
+    # 2.5 as 2 and "3" as 3, silently. Integers of other types (numpy's, a 0-d tensor) are taken, as int() did.
+    import numpy as np
+
+    data, hetero = random_data(), random_hetero()
+    for bad, named in (([2.5], "2.5"), ([3, 2.0], "2.0 at hop 1"), (["3"], "'3'"), ([True, 2], "True")):
+        with pytest.raises(TypeError, match=f"fan-outs are integers .* got {named}"):
+            NeighborLoader(data, bad)
+    with pytest.raises(TypeError, match="fan-outs are integers"):
+        NeighborLoader(hetero, {et: [1.5] for et in hetero.edge_types}, input_nodes="paper")
+    with pytest.raises(TypeError, match="fan-outs are integers"):
+        NeighborSampler(skewed_graph(), [[2.0]])
+    expected = NeighborLoader(data, [3, 2], batch_size=64, seed=4)
+    got = NeighborLoader(data, [np.int64(3), torch.tensor(2)], batch_size=64, seed=4)
+    assert got.sampler.fanouts == [[3], [2]] and all(type(k) is int for row in got.sampler.fanouts for k in row)
+    for a, b in zip(got, expected, strict=True):
+        assert_same_batch(a, b)
+
+
+def test_a_fan_out_past_a_c_int_is_every_neighbour_or_named():
+    # the kernels take a homogeneous graph's fan-outs as C ints: 2**40 failed there (or wrapped); without
+    # replacement a fan-out of at least the graph's edges takes every in-edge, as -1 does; with replacement it
+    # would draw 2**40 edges per node
+    topo = skewed_graph()
+    assert NeighborSampler(topo, [2**40, 3]).fanouts == [[-1], [3]]
+    assert NeighborSampler(topo, [2**31 - 1]).fanouts == [[2**31 - 1]]
+    with pytest.raises(ValueError, match=r"fan-out 1099511627776 at hop 1 is past .* with replace=True"):
+        NeighborSampler(topo, [3, 2**40], replace=True)
+
+
 def test_bad_arguments_are_named():
     data, hetero = random_data(), random_hetero()
     with pytest.raises(ValueError, match="node type"):

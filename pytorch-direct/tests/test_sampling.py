@@ -1176,6 +1176,20 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], topology="host", device="cpu")
 
 
+def test_batch_size_is_a_positive_integer_as_in_pyg():
+    # PyG's loaders hand batch_size to torch's DataLoader, which refuses anything but a positive int ("batch_size
+    # should be a positive integer value"); here int() read 2.5 as batches of 2 and True as batches of 1
+    import numpy as np
+
+    data = random_data(n=100)
+    for bad in (2.5, 2.0, True, None, "8", 0, -3):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad!r}"):
+            NeighborLoader(data, [2], batch_size=bad)
+    for size in (30, np.int64(30), torch.tensor(30)):
+        loader = NeighborLoader(data, [2], batch_size=size)
+        assert loader.batch_size == 30 and type(loader.batch_size) is int and len(loader) == 4
+
+
 def test_pygs_defaults_passed_explicitly_are_taken():
     # code written for PyG's NeighborLoader passes its defaults (pin_memory=False, directed=True, time_attr=None,
     # ...); each raised NotImplementedError here, as if it asked for what the loader does not do

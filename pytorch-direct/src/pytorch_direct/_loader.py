@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
 import warnings
 import weakref
@@ -138,9 +139,8 @@ class NeighborLoader:
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
         if disjoint:
             raise NotImplementedError("disjoint=True: per-seed disjoint subgraphs are not supported")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.batch_size = _batch_size(batch_size)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.transform = transform
         self.prepare = prepare
         self.prepare_when_ahead = prepare_when_ahead
@@ -511,6 +511,18 @@ def _new_data(cls, fields: dict):
     for key, value in fields.items():
         setattr(out, key, value)
     return out
+
+
+def _batch_size(value) -> int:
+    """``batch_size`` as torch's DataLoader (under PyG's loaders) takes it: a positive integer; a float or a bool is
+    refused there (int() read 2.5 as 2 and True as 1)."""
+    try:
+        size = 0 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {value!r}")
+    return size
 
 
 def _choose_device(device, data) -> torch.device:

@@ -1206,6 +1206,28 @@ def test_pygs_defaults_passed_explicitly_are_taken():
             NeighborLoader(data, [2], **{key: value})
 
 
+def test_the_dataloader_arguments_pyg_passes_on_are_taken():
+    # PyG's loaders pass their other keyword arguments to torch's DataLoader: a generator fixes the shuffle, and
+    # without worker processes it ignores worker_init_fn, in_order and pin_memory_device and takes timeout=0,
+    # prefetch_factor=None and multiprocessing_context=None. Each was "an unexpected argument" here.
+    data = random_data()
+    state = torch.random.get_rng_state()
+    runs = []
+    for _ in range(2):
+        loader = NeighborLoader(data, [3, 2], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(9),
+                                worker_init_fn=lambda worker: None, in_order=True, pin_memory_device="", timeout=0,
+                                prefetch_factor=None, multiprocessing_context=None)
+        runs.append(list(loader))
+    assert torch.equal(torch.random.get_rng_state(), state), "the global generator is not drawn from"
+    for a, b in zip(*runs, strict=True):
+        assert_same_batch(a, b)
+    other = list(NeighborLoader(data, [3, 2], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(8)))
+    assert not torch.equal(other[0].input_id, runs[0][0].input_id), "another generator, another shuffle"
+    for key, value in (("timeout", 5), ("prefetch_factor", 2), ("multiprocessing_context", "spawn")):
+        with pytest.raises(NotImplementedError, match=f"{key}=.*worker processes"):
+            NeighborLoader(data, [2], **{key: value})
+
+
 def test_a_node_type_without_a_node_count_is_named():
     # a node type with no attribute and no num_nodes (PyG warns that its num_nodes is undefined) failed with
     # "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"

@@ -511,6 +511,78 @@ def test_emulated_kernel_path_takes_no_hops(emulated):
     check_no_hops(emulated, CPU)
 
 
+def check_negative_fanouts(emulated: Emulated | None, device) -> None:
+    """Any negative fan-out (pyg-lib: every in-edge) reaches the kernels as -1, whatever its size: the homogeneous
+    fan-outs are C ints (a value past them, such as -2**40, read as 0 there, took no edge), the typed table int64;
+    the batches are those of -1."""
+    topo, blocks = typed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    seeds = torch.tensor([5, 0, 5, 3, 199])
+    cases = [([-2, 3], [-1, 3], {}), ([3, -(2**40)], [3, -1], {}),
+             ([[-3, 2, -(2**40)], [1, -9, 0]], [[-1, 2, -1], [1, -1, 0]], {"blocks": blocks})]
+    for replace in (False, True):
+        for given, normalised, kw in cases:
+            ours = kernel_sampler(placed, given, emulated, device=device, replace=replace,
+                                  generator=torch.Generator(device).manual_seed(2), **kw)
+            ref = kernel_sampler(placed, normalised, emulated, device=device, replace=replace,
+                                 generator=torch.Generator(device).manual_seed(2), **kw)
+            run = ours._kernel_run
+            if kw:
+                assert run.fanout_table.tolist() == normalised
+            else:
+                assert ours._hop_fanouts == normalised
+            sub, expected = ours.sample(seeds.to(device)), ref.sample(seeds.to(device))
+            if kw:
+                check_typed(sub, seeds, topo, normalised, replace)
+            else:
+                check_subgraph(dataclasses.replace(sub, e_id=sub.pos), seeds, topo, normalised, replace)
+            assert sub.num_sampled_edges == expected.num_sampled_edges
+            for a, b in zip(sub.tensors(), expected.tensors(), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_emulated_kernels_take_any_negative_fanout_as_minus_one(emulated):
+    check_negative_fanouts(emulated, CPU)
+
+
+def check_fanouts_past_a_c_int(emulated: Emulated | None, device) -> None:
+    """A fan-out past a C int (the kernels' homogeneous fan-outs; the emulated ones read 2**32 + 3 as 3, the
+    compiled module refused it) reaches them as -1 without replacement: every in-edge, as on the torch path."""
+    topo = skewed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    sampler = kernel_sampler(placed, [2**32 + 3, 2], emulated, device=device)
+    assert sampler._hop_fanouts == [-1, 2]
+    for seeds in SEED_SETS:
+        sub = sampler.sample(seeds.to(device))
+        check_subgraph(dataclasses.replace(sub, e_id=sub.pos), seeds, topo, [-1, 2])
+
+
+def test_emulated_kernels_take_a_fanout_past_a_c_int(emulated):
+    check_fanouts_past_a_c_int(emulated, CPU)
+
+
+def check_hops_of_zero_fanouts_change_no_batch(emulated: Emulated | None, device) -> None:
+    """Hops whose fan-outs are all 0 after the last that samples: the same batches, one after another, as without
+    them (the kernels draw one random seed per batch, and nothing in a hop that takes no edge), as the torch path."""
+    topo, blocks = typed_graph()
+    placed = topo if device.type == "cpu" else topo.placed("device", device)
+    for replace in (False, True):
+        ours = kernel_sampler(placed, [[2, 1, 3], [0, 0, 0], [0, 0, 0]], emulated, device=device, replace=replace,
+                              blocks=blocks, generator=torch.Generator(device).manual_seed(4))
+        alone = kernel_sampler(placed, [[2, 1, 3]], emulated, device=device, replace=replace, blocks=blocks,
+                               generator=torch.Generator(device).manual_seed(4))
+        for seeds in (torch.tensor([0, 5, 3, 199]), torch.arange(0, 200, 7), torch.tensor([5, 0, 5, 3])):
+            sub, ref = ours.sample(seeds.to(device)), alone.sample(seeds.to(device))
+            assert sub.num_sampled_edges == ref.num_sampled_edges + [0, 0]
+            assert sub.num_sampled_nodes == ref.num_sampled_nodes + [0, 0]
+            for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_emulated_hops_of_zero_fanouts_change_no_batch(emulated):
+    check_hops_of_zero_fanouts_change_no_batch(emulated, CPU)
+
+
 def test_the_kernel_path_is_chosen_and_refused_by_name():
     topo = skewed_graph()
     assert not NeighborSampler(topo, [2]).kernels  # the CPU: the torch path, silently
@@ -665,6 +737,21 @@ def test_gpu_kernels_take_zero_fanouts_and_no_hops(replace):
                 if not fanout or fanout[0] == 0:
                     assert sub.num_edges == 0 and torch.equal(sub.n_id, seeds)
                 assert bool((sampler._local == -1).all())
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_take_any_negative_fanout_as_minus_one():
+    check_negative_fanouts(None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_take_a_fanout_past_a_c_int():
+    check_fanouts_past_a_c_int(None, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_hops_of_zero_fanouts_change_no_batch():
+    check_hops_of_zero_fanouts_change_no_batch(None, torch.device("cuda"))
 
 
 @pytest.mark.gpu

@@ -314,8 +314,6 @@ def test_bad_input_is_named():
     topo = skewed_graph()
     with pytest.raises(ValueError, match="num_neighbors must list a fan-out per hop"):
         NeighborSampler(topo, 5)
-    with pytest.raises(ValueError, match=r"fan-outs must be >= 0, or -1 for all neighbours; got \[-2\] at hop 1"):
-        NeighborSampler(topo, [3, -2])
     with pytest.raises(ValueError, match="one entry per edge"):
         Topology(topo.colptr, topo.row, edge_type=topo.edge_type[:-1])
     with pytest.raises(TypeError, match="integers"):
@@ -406,6 +404,70 @@ def test_a_zero_fanout_hop_samples_no_edges_as_in_pyg(fanout, replace, script):
         assert bool((sampler._local == -1).all())
     if fanout[0] == 0:
         assert sub.num_edges == 0 and torch.equal(sub.n_id, REPEATED)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("script", [True, False])
+def test_a_typed_hop_that_samples_nothing_draws_no_random_numbers(replace, script):
+    # The typed torch path drew a random key per in-edge of a hop's frontier even where every fan-out was 0, so the
+    # random stream of the batches after depended on a hop that samples nothing: [[...], [0, 0, 0]] gave other
+    # batches than [[...]] from the second batch on. (The homogeneous path draws nothing there.)
+    from test_sample_kernels import check_typed, typed_graph
+
+    topo, blocks = typed_graph()
+    first = [2, 1, 3]
+    for tail in ([[0, 0, 0]], [[0, 0, 0], [0, 0, 0]], [[-1, -1, -1]] if replace else [[999, 999, 999]]):
+        table = [first] + tail
+        gens = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        ours = NeighborSampler(topo, table, replace=replace, script=script, blocks=blocks, generator=gens[0])
+        alone = NeighborSampler(topo, [first], replace=replace, script=script, blocks=blocks, generator=gens[1])
+        for seeds in (torch.tensor([0, 5, 3, 199]), REPEATED, torch.arange(0, 200, 7), torch.tensor([4])):
+            sub, ref = ours.sample(seeds), alone.sample(seeds)
+            check_typed(sub, seeds, topo, table, replace)
+            assert torch.equal(gens[0].get_state(), gens[1].get_state()), tail
+            if tail[0][0] == 0:  # the same batch, with a hop of nothing (or two) after
+                assert sub.num_sampled_edges == ref.num_sampled_edges + [0] * len(tail)
+                assert sub.num_sampled_nodes == ref.num_sampled_nodes + [0] * len(tail)
+                for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                    assert torch.equal(a, b)
+        gen = torch.Generator().manual_seed(5)
+        state = gen.get_state()
+        sub = NeighborSampler(topo, tail, replace=replace, script=script, blocks=blocks, generator=gen).sample(
+            torch.arange(0, 200, 7))
+        assert torch.equal(gen.get_state(), state), "a batch that draws from no run draws no random numbers"
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("script", [True, False])
+@pytest.mark.parametrize("typed", [False, True])
+def test_any_negative_fanout_takes_every_neighbour_as_in_pyg(replace, script, typed):
+    # pyg-lib takes a node's whole neighbourhood for any count < 0, with or without replacement (neighbor_kernel.cpp,
+    # _sample: "if (count < 0 || (!replace && count >= population))"); this sampler refused every fan-out below -1
+    # ("fan-outs must be >= 0, or -1 for all neighbours"). Now each is -1, the same batches as -1 gives.
+    if typed:
+        from test_sample_kernels import check_typed, typed_graph
+
+        topo, blocks = typed_graph()
+        forms = [([[-2, 3, -5], [1, -(2**40), 0]], [[-1, 3, -1], [1, -1, 0]]), ([-3, 2], [[-1] * 3, [2] * 3])]
+    else:
+        topo, blocks = skewed_graph(), None
+        forms = [([-2, 3], [[-1], [3]]), ([2, -(2**40)], [[2], [-1]]), ([-7], [[-1]])]
+    for given, normalised in forms:
+        sampler = NeighborSampler(topo, given, replace=replace, script=script, blocks=blocks,
+                                  generator=torch.Generator().manual_seed(3))
+        assert sampler.fanouts == normalised
+        minus_one = [row if typed else row[0] for row in normalised]
+        reference = NeighborSampler(topo, minus_one, replace=replace, script=script, blocks=blocks,
+                                    generator=torch.Generator().manual_seed(3))
+        for seeds in (torch.tensor([0, 5, 3, 199]), REPEATED):
+            sub, ref = sampler.sample(seeds), reference.sample(seeds)
+            if typed:
+                check_typed(sub, seeds, topo, normalised, replace)
+            else:
+                check_subgraph(sub, seeds, topo, minus_one, replace)
+            assert sub.num_sampled_nodes == ref.num_sampled_nodes
+            for a, b in zip(sub.tensors(), ref.tensors(), strict=True):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("script", [True, False])
@@ -599,6 +661,31 @@ def test_hetero_zero_fanouts_and_no_hops_give_pygs_batches(form):
             assert a["paper"].num_sampled_nodes == [size]
             assert all(a[t].n_id.numel() == 0 for t in ("author", "venue"))
             assert all(a[et].edge_index.shape == (2, 0) for et in data.edge_types)
+
+
+def test_hetero_batches_after_a_hop_of_zero_fanouts_are_those_without_it():
+    # PyG (pyg-lib) draws nothing for a count of 0; this loader's typed sampler drew a key per in-edge of such a
+    # hop's frontier, so the batches after the first differed from those of the same loader without that hop
+    check_a_hop_of_zero_fanouts_changes_no_batch("cpu")
+
+
+def check_a_hop_of_zero_fanouts_changes_no_batch(device):
+    data = random_hetero()
+    seeds = ("paper", torch.arange(0, 300, 2))
+    with_zeros = {et: [3, 0] if et[1] != "cites" else [2, 0] for et in data.edge_types}
+    without = {et: v[:1] for et, v in with_zeros.items()}
+    batches = 0
+    for a, b in zip(NeighborLoader(data, with_zeros, input_nodes=seeds, batch_size=16, seed=2, device=device),
+                    NeighborLoader(data, without, input_nodes=seeds, batch_size=16, seed=2, device=device),
+                    strict=True):
+        for t in data.node_types:
+            assert a[t].num_sampled_nodes == b[t].num_sampled_nodes + [0]
+            assert torch.equal(a[t].n_id, b[t].n_id) and torch.equal(a[t].x, b[t].x)
+        for et in data.edge_types:
+            assert a[et].num_sampled_edges == b[et].num_sampled_edges + [0]
+            assert torch.equal(a[et].edge_index, b[et].edge_index) and torch.equal(a[et].e_id, b[et].e_id)
+        batches += 1
+    assert batches == 10
 
 
 def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
@@ -1005,6 +1092,61 @@ def test_num_neighbors_in_every_form_pyg_takes():
         assert_same_batch(a, b)
 
 
+def test_negative_fan_outs_in_every_form_are_all_neighbours_as_in_pyg():
+    # PyG hands any negative fan-out to pyg-lib, which takes every in-edge for it (count < 0), per edge type too;
+    # the loader refused all below -1. Each form now gives the batches of -1.
+    from torch_geometric.sampler import NumNeighbors
+
+    data, hetero = random_data(), random_hetero()
+    for form in ([-2, 3], (-100, 3), NumNeighbors([-5, 3])):
+        expected = NeighborLoader(data, [-1, 3], batch_size=64, seed=4)
+        got = NeighborLoader(data, form, batch_size=64, seed=4)
+        assert got.sampler.fanouts == [[-1], [3]]
+        for a, b in zip(got, expected, strict=True):
+            assert_same_batch(a, b)
+        check_counts(a, data.edge_index, [data.num_edges, 3])
+    fanouts = {et: [-1, 2] if et[1] == "cites" else [2, -1] for et in hetero.edge_types}
+    seeds = ("paper", torch.arange(100))
+    negative = {et: [-3, 2] if et[1] == "cites" else [2, -(2**40)] for et in hetero.edge_types}
+    for form in (negative, {"__".join(et): v for et, v in negative.items()},
+                 NumNeighbors({("paper", "cites", "paper"): [-7, 2]}, default=[2, -2])):
+        expected = NeighborLoader(hetero, fanouts, input_nodes=seeds, batch_size=32, seed=4)
+        got = NeighborLoader(hetero, form, input_nodes=seeds, batch_size=32, seed=4)
+        for a, b in zip(got, expected, strict=True):
+            assert_same_batch(a, b)
+
+
+def test_fan_outs_are_integers_as_in_pyg():
+    # pyg-lib takes num_neighbors as int[] (a float, a string or a bool is refused when PyG samples); here int() read
+    # 2.5 as 2 and "3" as 3, silently. Integers of other types (numpy's, a 0-d tensor) are taken, as int() did.
+    import numpy as np
+
+    data, hetero = random_data(), random_hetero()
+    for bad, named in (([2.5], "2.5"), ([3, 2.0], "2.0 at hop 1"), (["3"], "'3'"), ([True, 2], "True")):
+        with pytest.raises(TypeError, match=f"fan-outs are integers .* got {named}"):
+            NeighborLoader(data, bad)
+    with pytest.raises(TypeError, match="fan-outs are integers"):
+        NeighborLoader(hetero, {et: [1.5] for et in hetero.edge_types}, input_nodes="paper")
+    with pytest.raises(TypeError, match="fan-outs are integers"):
+        NeighborSampler(skewed_graph(), [[2.0]])
+    expected = NeighborLoader(data, [3, 2], batch_size=64, seed=4)
+    got = NeighborLoader(data, [np.int64(3), torch.tensor(2)], batch_size=64, seed=4)
+    assert got.sampler.fanouts == [[3], [2]] and all(type(k) is int for row in got.sampler.fanouts for k in row)
+    for a, b in zip(got, expected, strict=True):
+        assert_same_batch(a, b)
+
+
+def test_a_fan_out_past_a_c_int_is_every_neighbour_or_named():
+    # the kernels take a homogeneous graph's fan-outs as C ints: 2**40 failed there (or wrapped); without
+    # replacement a fan-out of at least the graph's edges takes every in-edge, as -1 does; with replacement it
+    # would draw 2**40 edges per node
+    topo = skewed_graph()
+    assert NeighborSampler(topo, [2**40, 3]).fanouts == [[-1], [3]]
+    assert NeighborSampler(topo, [2**31 - 1]).fanouts == [[2**31 - 1]]
+    with pytest.raises(ValueError, match=r"fan-out 1099511627776 at hop 1 is past .* with replace=True"):
+        NeighborSampler(topo, [3, 2**40], replace=True)
+
+
 def test_bad_arguments_are_named():
     data, hetero = random_data(), random_hetero()
     with pytest.raises(ValueError, match="node type"):
@@ -1034,6 +1176,20 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], topology="host", device="cpu")
 
 
+def test_batch_size_is_a_positive_integer_as_in_pyg():
+    # PyG's loaders hand batch_size to torch's DataLoader, which refuses anything but a positive int ("batch_size
+    # should be a positive integer value"); here int() read 2.5 as batches of 2 and True as batches of 1
+    import numpy as np
+
+    data = random_data(n=100)
+    for bad in (2.5, 2.0, True, None, "8", 0, -3):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad!r}"):
+            NeighborLoader(data, [2], batch_size=bad)
+    for size in (30, np.int64(30), torch.tensor(30)):
+        loader = NeighborLoader(data, [2], batch_size=size)
+        assert loader.batch_size == 30 and type(loader.batch_size) is int and len(loader) == 4
+
+
 def test_pygs_defaults_passed_explicitly_are_taken():
     # code written for PyG's NeighborLoader passes its defaults (pin_memory=False, directed=True, time_attr=None,
     # ...); each raised NotImplementedError here, as if it asked for what the loader does not do
@@ -1047,6 +1203,28 @@ def test_pygs_defaults_passed_explicitly_are_taken():
     for key, value in [("time_attr", "t"), ("directed", False), ("pin_memory", True), ("persistent_workers", True),
                        ("temporal_strategy", "last"), ("input_time", torch.zeros(400))]:
         with pytest.raises(NotImplementedError, match=key):
+            NeighborLoader(data, [2], **{key: value})
+
+
+def test_the_dataloader_arguments_pyg_passes_on_are_taken():
+    # PyG's loaders pass their other keyword arguments to torch's DataLoader: a generator fixes the shuffle, and
+    # without worker processes it ignores worker_init_fn, in_order and pin_memory_device and takes timeout=0,
+    # prefetch_factor=None and multiprocessing_context=None. Each was "an unexpected argument" here.
+    data = random_data()
+    state = torch.random.get_rng_state()
+    runs = []
+    for _ in range(2):
+        loader = NeighborLoader(data, [3, 2], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(9),
+                                worker_init_fn=lambda worker: None, in_order=True, pin_memory_device="", timeout=0,
+                                prefetch_factor=None, multiprocessing_context=None)
+        runs.append(list(loader))
+    assert torch.equal(torch.random.get_rng_state(), state), "the global generator is not drawn from"
+    for a, b in zip(*runs, strict=True):
+        assert_same_batch(a, b)
+    other = list(NeighborLoader(data, [3, 2], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(8)))
+    assert not torch.equal(other[0].input_id, runs[0][0].input_id), "another generator, another shuffle"
+    for key, value in (("timeout", 5), ("prefetch_factor", 2), ("multiprocessing_context", "spawn")):
+        with pytest.raises(NotImplementedError, match=f"{key}=.*worker processes"):
             NeighborLoader(data, [2], **{key: value})
 
 
@@ -1384,6 +1562,11 @@ def test_store_pair_on_the_gpu(prefetch, thread):
 @pytest.mark.gpu
 def test_hetero_batches_on_the_gpu_follow_pyg_semantics():
     check_hetero_semantics("cuda")
+
+
+@pytest.mark.gpu
+def test_hetero_batches_on_the_gpu_after_a_hop_of_zero_fanouts_are_those_without_it():
+    check_a_hop_of_zero_fanouts_changes_no_batch("cuda")
 
 
 @pytest.mark.gpu

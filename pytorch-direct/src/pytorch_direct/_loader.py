@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
 import warnings
 import weakref
@@ -51,7 +52,13 @@ _NOT_SUPPORTED = {
     "collate_fn": (None, "batches are assembled by the loader"),
     "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
     "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
+    "timeout": (0, "there are no worker processes to wait for"),
+    "prefetch_factor": (None, "there are no worker processes (batches made ahead: prefetch=)"),
+    "multiprocessing_context": (None, "there are no worker processes"),
 }
+# torch's DataLoader arguments that PyG's loaders pass on and that it ignores without worker processes (and without
+# pin_memory): taken with any value, and ignored here too
+_IGNORED = ("worker_init_fn", "in_order", "pin_memory_device")
 
 
 @dataclass
@@ -81,8 +88,8 @@ class NeighborLoader:
 
     ``data``: a ``Data``, a ``HeteroData``, a PyG ``(FeatureStore, GraphStore)`` pair, or a ``(features,
     Topology)`` pair (``features``: attribute name -> per-node table; a graph already in CSC form).
-    ``num_neighbors``: fan-outs per hop (-1: all, 0: none; ``[]``: no hops, a batch of the seeds alone); for a
-    heterogeneous graph also a dict edge type -> list.
+    ``num_neighbors``: fan-outs per hop (-1, or any negative: all, 0: none; ``[]``: no hops, a batch of the seeds
+    alone); for a heterogeneous graph also a dict edge type -> list.
     ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
     ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
     ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
@@ -111,7 +118,8 @@ class NeighborLoader:
     that the next batch's sampling does not wait for them. ``high_priority``: the loader's streams run at CUDA's
     high priority (default), so that its short sampling kernels, which its host round trips wait for, do not queue
     behind the training step's kernels. ``seed``: the sampler's and shuffle's random numbers
-    (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches). The same seed gives
+    (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes the batches, or from
+    ``generator``, PyG's and torch DataLoader's way to fix the shuffle, where one is given). The same seed gives
     the same batches whatever ``prefetch``, ``thread`` and ``pipeline`` are. ``pipeline``: with a loader thread,
     split its work between two threads (default): one samples batch ``k + 1`` while the other gathers batch ``k``'s
     features and runs ``prepare`` on it, each on its own CUDA stream, so that a batch takes the longer of the two
@@ -125,22 +133,23 @@ class NeighborLoader:
                  thread: bool | None = None, transform: Callable[[Any], Any] | None = None, seed: int | None = None,
                  is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
                  prepare_when_ahead: Callable[[Any], None] | None = None, high_priority: bool = True,
-                 pipeline: bool = True,
+                 pipeline: bool = True, generator: torch.Generator | None = None,
                  subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
         for key, value in kwargs.items():
+            if key in _IGNORED:
+                continue
             if key not in _NOT_SUPPORTED:
                 raise TypeError(f"NeighborLoader got an unexpected argument {key!r}")
             nothing, reason = _NOT_SUPPORTED[key]
-            if value is nothing or (isinstance(value, (bool, int, str)) and value == nothing):
+            if value is nothing or (isinstance(value, (bool, int, float, str)) and value == nothing):
                 continue
             raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
         if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
         if disjoint:
             raise NotImplementedError("disjoint=True: per-seed disjoint subgraphs are not supported")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.batch_size = _batch_size(batch_size)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.transform = transform
         self.prepare = prepare
         self.prepare_when_ahead = prepare_when_ahead
@@ -168,6 +177,8 @@ class NeighborLoader:
         self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
         self.unify = bool(unify)
         self._prepare_tables()
+        if seed is None and generator is not None:
+            seed = torch.randint(2**62, (), dtype=torch.long, device=generator.device, generator=generator)
         base = int(torch.randint(2**62, (), dtype=torch.long)) if seed is None else int(seed)
         self._seed = base
         self._epoch = 0
@@ -511,6 +522,18 @@ def _new_data(cls, fields: dict):
     for key, value in fields.items():
         setattr(out, key, value)
     return out
+
+
+def _batch_size(value) -> int:
+    """``batch_size`` as torch's DataLoader (under PyG's loaders) takes it: a positive integer; a float or a bool is
+    refused there (int() read 2.5 as 2 and True as 1)."""
+    try:
+        size = 0 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {value!r}")
+    return size
 
 
 def _choose_device(device, data) -> torch.device:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,7 +194,8 @@ def default_device(topology: Topology) -> torch.device:
 
 
 class NeighborSampler:
-    """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1: all of them) around seed nodes.
+    """Samples ``num_neighbors[h]`` in-edges per frontier node at hop ``h`` (-1, or any negative fan-out: all of
+    them) around seed nodes.
 
     ``topology``: a :class:`Topology`. ``num_neighbors``: a list of fan-outs, one per hop (or, with ``blocks``, a
     ``[hops][edge types]`` nested list). As in PyG, a fan-out of 0 draws no edge (a homogeneous graph's hop then
@@ -233,7 +235,7 @@ class NeighborSampler:
         if topology.num_nodes != topology.num_slots:
             raise ValueError(f"the sampler's topology has one destination slot per node: colptr has "
                              f"{topology.num_slots + 1} entries for {topology.num_nodes} nodes (num_nodes + 1 needed)")
-        self.fanouts = _fanout_table(num_neighbors, blocks)
+        self.fanouts = _fanout_table(num_neighbors, blocks, replace, topology.num_edges)
         self._hop_fanouts = [f[0] for f in self.fanouts]  # (the homogeneous sampler's argument, made once)
         self.num_hops = len(self.fanouts)
         self.replace = bool(replace)
@@ -410,19 +412,45 @@ def check_seeds(seeds: Tensor, num_nodes: int, what: str = "seed") -> None:
         raise IndexError(f"{what} ids must lie in [0, {num_nodes}), got [{low}, {high}]")
 
 
-def _fanout_table(num_neighbors, blocks: Blocks | None) -> list[list[int]]:
-    """``[hops][edge types]`` fan-outs (one column without blocks), checked. As in PyG (pyg-lib), a fan-out of 0
-    draws no edge in its hop, and no hops (``[]``) makes a batch of the seeds alone."""
+def _fanout_table(num_neighbors, blocks: Blocks | None, replace: bool = False,
+                  num_edges: int | None = None) -> list[list[int]]:
+    """``[hops][edge types]`` fan-outs (one column without blocks), checked and normalised. As in PyG (pyg-lib), a
+    fan-out of 0 draws no edge in its hop, and no hops (``[]``) makes a batch of the seeds alone; any negative
+    fan-out takes every in-edge (pyg-lib: ``count < 0``) and becomes -1 here, the one value every path below (the
+    torch path, the kernels' ``int`` fan-outs and fan-out table) is given for it. Fan-outs are integers, as
+    pyg-lib's ``int[]`` takes them (a float was truncated: 2.5 drew 2). One past the kernels' C ``int``: without
+    replacement, at least ``num_edges`` (every in-degree) it takes every in-edge, so it is -1 too; with
+    replacement, it would draw 2^31 edges per node, refused."""
     if not isinstance(num_neighbors, (list, tuple)):
         raise ValueError(f"num_neighbors must list a fan-out per hop (e.g. [15, 10]; -1 for all, 0 for none; [] "
                          f"for the seeds alone), got {num_neighbors!r}")
     kinds = 1 if blocks is None else blocks.num_edge_types
     table = []
     for hop, entry in enumerate(num_neighbors):
-        row = [int(entry)] * kinds if not isinstance(entry, (list, tuple)) else [int(k) for k in entry]
+        row = [entry] * kinds if not isinstance(entry, (list, tuple)) else list(entry)
         if len(row) != kinds:
             raise ValueError(f"num_neighbors[{hop}] has {len(row)} entries for {kinds} edge types")
-        if any(k < -1 for k in row):
-            raise ValueError(f"fan-outs must be >= 0, or -1 for all neighbours; got {row} at hop {hop}")
-        table.append(row)
+        table.append([_fanout(k, hop, replace, num_edges) for k in row])
     return table
+
+
+_INT_MAX = 2**31 - 1  # (the kernels' homogeneous fan-outs are C ints)
+
+
+def _fanout(value, hop: int, replace: bool, num_edges: int | None) -> int:
+    """One fan-out, checked and normalised (see :func:`_fanout_table`)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        k = operator.index(value)
+    except TypeError:
+        raise TypeError(f"fan-outs are integers (-1 or any negative: every neighbour; 0: none), got {value!r} at "
+                        f"hop {hop}") from None
+    if k < 0:
+        return -1
+    if k > _INT_MAX:
+        if not replace and num_edges is not None and k >= num_edges:
+            return -1
+        raise ValueError(f"fan-out {k} at hop {hop} is past what the sampler draws per node (at most {_INT_MAX}"
+                         f"{' with replace=True' if replace else ''}; -1 takes every neighbour)")
+    return k

@@ -218,6 +218,8 @@ def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, 
                 # runs of one (node, edge type): a node's in-edges are grouped by type
                 starts = torch.ones(in_edges, dtype=torch.bool, device=device)
                 starts[1:] = (owner[1:] != owner[:-1]) | (types[1:] != types[:-1])
+                # A hop that draws from no run (fan-outs of 0, or -1, or every run taken whole) draws no random
+                # numbers, as the homogeneous path: the random stream of the batches after it does not depend on it.
                 if replace:
                     first = starts.nonzero().squeeze(1)  # a host round trip (its size)
                     length = torch.cat([first[1:], torch.full((1,), in_edges, dtype=torch.long,
@@ -225,23 +227,32 @@ def sample_typed(colptr: Tensor, row: Tensor, edge_type: Tensor, local: Tensor, 
                     run_fan = fan[first]
                     take = torch.where(run_fan < 0, length, run_fan)
                     cum_take = take.cumsum(0)
-                    taken: list[int] = cum_take[-1:].tolist()  # a host round trip
+                    # a host round trip: the edges taken, and those drawn (not from runs taken whole)
+                    taken: list[int] = torch.cat([cum_take[-1:], (take * (run_fan >= 0)).sum().view(1)]).tolist()
                     run = torch.repeat_interleave(take, output_size=taken[0])
                     j = torch.arange(taken[0], device=device) - (cum_take - take)[run]
-                    u = torch.rand(taken[0], dtype=torch.float64, device=device, generator=generator)
-                    size = length[run]
-                    drawn = torch.minimum((u * size).long(), size - 1)
-                    picked = first[run] + torch.where(run_fan[run] < 0, j, drawn)
+                    if taken[1] == 0:
+                        picked = first[run] + j
+                    else:
+                        u = torch.rand(taken[0], dtype=torch.float64, device=device, generator=generator)
+                        size = length[run]
+                        drawn = torch.minimum((u * size).long(), size - 1)
+                        picked = first[run] + torch.where(run_fan[run] < 0, j, drawn)
                 else:
-                    # keys of run r lie in [r, r + 1): sorted, each run's in-edges stay together in a random order
-                    run_id = torch.cumsum(starts, 0) - 1
-                    key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
-                    key += run_id
-                    order = torch.argsort(key)
-                    # (a run occupies the same positions before and after the sort)
+                    # (a run occupies the same positions before and after the sort below)
                     run_first = torch.where(starts, every, 0).cummax(0).values
                     keep = ((every - run_first) < fan) | (fan < 0)
-                    picked = order[keep.nonzero().squeeze(1)]  # a host round trip (its size)
+                    kept = keep.nonzero().squeeze(1)  # a host round trip (its size)
+                    if kept.numel() == 0 or kept.numel() == in_edges:  # none taken, or every run whole
+                        picked = kept
+                    else:
+                        # keys of run r lie in [r, r + 1): sorted, each run's in-edges stay together in a random
+                        # order, and the first min(run length, fan-out) of each are a uniform sample
+                        run_id = torch.cumsum(starts, 0) - 1
+                        key = torch.rand(in_edges, dtype=torch.float64, device=device, generator=generator)
+                        key += run_id
+                        order = torch.argsort(key)
+                        picked = order[kept]
                 pos = at[picked]
                 dst = owner[picked] + frontier_start
                 kind = types[picked]

@@ -272,9 +272,9 @@ def describe(data) -> str:
 
 
 def fanouts(src: Source, num_neighbors) -> list:
-    """Fan-outs per hop as the sampler takes them (per edge type for a heterogeneous graph), checked. Takes what
-    PyG's loaders take: a list, a dict keyed by edge type (a tuple or its ``"src__rel__dst"`` name), or PyG's
-    ``NumNeighbors`` (its values for this graph's edge types, its default included)."""
+    """Fan-outs per hop as the sampler takes them (per edge type for a heterogeneous graph; the sampler checks the
+    values). Takes what PyG's loaders take: a list, a dict keyed by edge type (a tuple or its ``"src__rel__dst"``
+    name), or PyG's ``NumNeighbors`` (its values for this graph's edge types, its default included)."""
     if not isinstance(num_neighbors, (list, tuple, dict)) and callable(getattr(num_neighbors, "get_values", None)):
         num_neighbors = num_neighbors.get_values(src.edge_types if src.hetero else None)  # (PyG's NumNeighbors)
     if src.hetero and isinstance(num_neighbors, dict):
@@ -296,8 +296,8 @@ def fanouts(src: Source, num_neighbors) -> list:
         if len(hops) != 1:
             raise ValueError("every edge type needs the same number of hops in num_neighbors")
         (h,) = hops
-        return [[int(num_neighbors[et][i]) for et in src.edge_types] for i in range(h)]
-    return [[int(k)] * len(src.edge_types) for k in num_neighbors]
+        return [[num_neighbors[et][i] for et in src.edge_types] for i in range(h)]
+    return [[k] * len(src.edge_types) for k in num_neighbors]
 
 
 @dataclass

@@ -246,8 +246,9 @@ def test_derive_choice_parsing():
     assert plan.prediction.peak == plan.keep_prediction.peak
     assert str(Choice.parse("derive")) == "derive"
     assert Choice.parse("derive") == Choice("derive", "keep")
-    with pytest.raises(ValueError, match="derive"):
-        Choice.parse("derive+host")
+    assert Choice.parse("derive+host") == Choice("derive", "host") and str(Choice("derive", "host")) == "derive+host"
+    with pytest.raises(ValueError, match="cheap"):
+        Choice.parse("derive+cheap+tape")
 
 
 def _units(n=8, fwd=0.004, saved=800 * MIB, derive=440 * MIB, derive_s=0.0004):
@@ -285,6 +286,59 @@ def test_planner_prefers_derive_over_full_recompute():
         assert all(c.tier == "keep" for c in plan.choices if c.recompute == "derive")
         other = make_plan("m", without, slow, keep_peak - removed, **options)
         assert plan.prediction.seconds < other.prediction.seconds
+
+
+def test_planner_moves_what_derive_leaves_where_the_link_hides_it():
+    """With a link fast enough to hide a block's moved bytes behind the forward, the planner frees the memory a
+    budget needs below deriving alone mostly by moving what derive blocks still save (`derive+host`) rather than by
+    recomputing whole blocks, and predicts that faster than deriving every block and recomputing enough of them
+    whole (all the planner could do before)."""
+    units = _units()
+    fast = Bandwidth(d2h=50e9, h2d=50e9)  # a block's 360 MiB left after deriving in ~7.5 ms
+    derive_all = [Choice(), *[Choice("derive")] * 8, Choice()]
+    target = simulate(units, derive_all, fast).peak - 3 * 360 * MIB
+    plan = make_plan("m", units, fast, target, host_limit=1 << 40, nvme_limit=0, block_container="b")
+    assert plan.prediction.peak <= target
+    assert plan.choices.count(Choice("derive", "host")) >= 2
+    for whole in (3, 4):  # what the planner could do before: derive, and recompute some blocks whole
+        old = [Choice(), *[Choice("full")] * whole, *[Choice("derive")] * (8 - whole), Choice()]
+        assert plan.prediction.seconds < simulate(units, old, fast).seconds
+
+
+def test_derive_with_host_moves_the_recipes_inputs_and_stays_exact():
+    """A block planned `derive+host`: its recipes read the saved tensors they are made from back through the host
+    tier, so that forward holds none of the block's moved tensors on the device (a recipe holding the tensor itself
+    would keep its bytes however it was moved), and every loss and gradient equals the model's own, bit for bit, in
+    the general search's steps and in the template's replays."""
+    torch.manual_seed(0)
+    model = _BranchModel(dim=32)
+    ref = copy.deepcopy(model)
+    overrides = {"layers.0": "derive+host", "layers.1": "derive", "layers.2": "host", "layers.3": "derive+host"}
+    gen = torch.Generator().manual_seed(5)
+    alive_after_forward = []
+    with ssdtrain.offload(model, min_bytes=0, overrides=overrides, profile_steps=1, host_memory="64M") as s:
+        for step in range(5):
+            ids = torch.randint(0, 37, (3, 16), generator=gen)
+            losses = []
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = m(ids)
+                if m is model and s.plan is not None:
+                    entries = [e for e in list(s.cache._live.values()) if e.unit in (1, 4)]
+                    alive_after_forward.append((len(entries), sum(e.alive_original() is not None for e in entries)))
+                    del entries
+                loss.backward()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), step
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (step, name)
+    stats = s.stats()
+    assert [str(c) for c in s.plan.choices[1:-1]] == ["derive+host", "derive", "host", "derive+host"]
+    assert stats["tensors_derived"] > 0 and stats["bytes_offloaded"]["host"] > 0 and stats["derive_replayed"] > 0
+    assert alive_after_forward and all(n > 0 for n, _ in alive_after_forward)
+    # No moved tensor of the derive+host blocks is still alive on its device once forward returned.
+    assert all(alive == 0 for _, alive in alive_after_forward), alive_after_forward
 
 
 class _BranchBlock(torch.nn.Module):

@@ -205,7 +205,10 @@ class TensorCache(Transfers):
                     self._shared.add((unit, id(entry)))
                     entry.shared = True
                     self._by_unit[unit].append(weakref.ref(entry))
-                return _Saved.of(t, entry, base)
+                saved = _Saved.of(t, entry, base)
+                if self.derive_unit is not None and self.derive_unit(unit):
+                    self._moved_for_recipes(t, entry, saved)
+                return saved
             if self._seen_kept(key, storage, t._version):
                 # Kept already (a second op saving the same tensor): the same bytes, counted once.
                 self.counters["dedup_views"] += 1
@@ -246,8 +249,24 @@ class TensorCache(Transfers):
             self.counters["packed_tensors"] += 1
             self.counters[f"bytes_to_{entry.tier.name}"] += entry.nbytes
             saved = _Saved.of(t, entry, base)
+            if self.derive_unit is not None and self.derive_unit(unit):
+                self._moved_for_recipes(t, entry, saved)
             self._throttle()
             return saved
+
+    def _moved_for_recipes(self, t: torch.Tensor, entry: _Entry, saved: _Saved) -> None:
+        """`t`, saved by a block planned `derive` with a tier (`derive+host`), went to that tier: the block's later
+        recipes read it through a token for the whole tensor (their inputs), so that they do not hold its device
+        bytes. Where the entry holds only a part of the storage of the tensor `t` views, none: a recipe reading
+        that tensor holds it on the device (exact, but those bytes are not freed)."""
+        whole = t._base if t._base is not None else t
+        if whole is t:
+            token = saved
+        elif entry.key[3] == 0 and entry.nbytes == whole.untyped_storage().nbytes():
+            token = _Saved.of(whole, entry, 0)
+        else:
+            return
+        self.deriver.moved(whole, token, self.unpack)
 
     def _as_is(self, t):
         """`t` is saved as it is, outside any unit: its version is recorded for unpack's check."""

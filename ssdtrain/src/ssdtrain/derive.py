@@ -20,6 +20,11 @@ What the search decided for a block is recorded as a template (``Deriver`` says 
 forwards, with each saved tensor checked against it, so that the search's Python runs once per block and plan rather
 than for every saved tensor of every micro-batch.
 
+A derive block may also move what it saves to a tier (``derive+host``, ``derive+nvme``): the recipes' inputs that moved
+are held as the cache's tokens (``_Source``), not as tensors, so their device bytes go once their copy out is done;
+the recipe unpacks them in backward (prefetched like any moved tensor) and makes its tensors from what came back.
+What freeing memory costs is then the elementwise ops and copies that overlap compute, not whole blocks run again.
+
 The ops are recomputed by the same kernels on the same inputs, so the values are bitwise those of forward. A tensor
 found through a node whose input was changed in place since it was saved is not derived; a saved input changed in
 place after the recipe was made raises a clear error at unpack (autograd itself refuses such a graph).
@@ -42,6 +47,30 @@ _TOP = frozenset(_BINARY) | frozenset(_UNARY) | {CAST}  # what a saved tensor's 
 # Host time per op made again in backward (the recipe's Python and a kernel launch), on top of its memory traffic:
 # ~10 us measured on CPU with tiny tensors (where the host's time is all there is).
 OP_HOST_S = 1e-5
+
+
+class _Source:
+    """A saved tensor a recipe reads that its block moved to a tier: the cache's token for it (the whole tensor),
+    unpacked when the recipe is made in backward. A recipe holding the tensor itself would keep its device bytes
+    through the rest of forward, and moving it would only add the copies."""
+
+    __slots__ = ("token", "unpack", "shape", "dtype", "device")
+
+    def __init__(self, token, unpack, t: torch.Tensor):
+        self.token, self.unpack = token, unpack
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    def get(self) -> torch.Tensor:
+        return self.unpack(self.token)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
 
 
 class _Op:
@@ -108,6 +137,9 @@ class _Op:
         for x, version in zip(self.inputs, self.versions, strict=False):  # (same lengths: made together)
             if type(x) is _Op:
                 args.append(x.compute())
+                continue
+            if type(x) is _Source:
+                args.append(x.get())
                 continue
             if version is not None and x._version != version:
                 raise RuntimeError(
@@ -229,6 +261,9 @@ class Deriver:
         self._r_pop: list = []  # per position: the _Op of a derived one
         self._ops: list = []
         self._op_nodes: list = []
+        # position -> _Source: saved tensors of this segment that the cache moved to a tier (see ``moved``);
+        # recipes read them through the tier.
+        self._moved: dict[int, _Source] = {}
 
     def clear_templates(self) -> None:
         """Forget every template (a new plan: its blocks may save other tensors)."""
@@ -246,6 +281,7 @@ class Deriver:
         self._seen.clear()
         self._built.clear()
         self._counted.clear()
+        self._moved.clear()
         self._key = key
         self._pos = 0
         if self._r_nodes:  # (nodes and ops of the last segment: nothing of a step is held past it)
@@ -296,6 +332,12 @@ class Deriver:
         if t is base:
             return alias
         return alias.as_strided(t.size(), t.stride(), t.storage_offset())
+
+    def moved(self, t: torch.Tensor, token, unpack) -> None:
+        """The saved tensor ``derive()`` was last given (kept out of recipes) went to a tier: ``token`` is the
+        cache's token for it (``unpack(token)`` brings it back), ``t`` the tensor itself, not a view (the recipes'
+        inputs are whole tensors). Later recipes of this segment read it through the token."""
+        self._moved[self._pos - 1] = _Source(token, unpack, t)
 
     # ------------------------------------------------------------------------------------------- replay
     def derive(self, t: torch.Tensor, unit: int = 0) -> Derived | None:
@@ -374,6 +416,14 @@ class Deriver:
             if type(src) is int:
                 if n is not self._r_nodes[src] or k != self._r_nr[src] or self._r_pop[src] is not None:
                     return None
+                moved = self._moved.get(src)
+                if moved is not None:  # (its token holds what was saved, also once forward dropped the tensor)
+                    x = moved
+                    if x.shape != meta[0] or x.dtype != meta[1]:
+                        return None
+                    values.append(x)
+                    versions.append(None)
+                    continue
                 x = self._r_ref[src]()
                 if x is None or x._version != self._r_ver[src] or x.shape != meta[0] or x.dtype != meta[1]:
                     return None
@@ -473,6 +523,9 @@ class Deriver:
             what, version = found[1], found[2]
             if isinstance(what, _Op):
                 return what, None, None
+            moved = self._moved.get(found[3])
+            if moved is not None:  # (its token holds what was saved, also once forward dropped the tensor)
+                return moved, None, found[3]
             t = what()
             if t is None or t._version != version:
                 return None

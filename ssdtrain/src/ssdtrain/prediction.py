@@ -69,9 +69,9 @@ class UnitProfile:
             recomputes.append("full")
         # Cheap recompute is combined with keep only (an override may still move the rest): on an H100 (the same
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
-        # same plan with that block `host` or `cheap`, none of which its prediction showed.
-        # Derived tensors are made from tensors kept on the device: combined with keep only (see Choice).
-        return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
+        # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
+        # every tier: what the recipes do not make again moves, and the recipes read it back from the tier.
+        return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,6 @@ class Choice:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
-        if self.recompute == "derive" and self.tier != "keep":
-            # A derived tensor's recipe holds the saved tensors it is made from: moving those would keep their device
-            # bytes anyway (held by the recipe) and add the copies.
-            raise ValueError(
-                f"'derive' keeps the block's other saved tensors on the device: use 'derive' alone, not "
-                f"'derive+{self.tier}' (or 'recompute+{self.tier}' to move a recomputed block's inputs)"
-            )
 
     def __str__(self) -> str:
         if self.recompute == "none":
@@ -191,7 +184,12 @@ def moved_tensors(u: UnitProfile, c: Choice) -> int:
     block's hidden states; counted as one), else what it saves (small ones included: an upper bound)."""
     if c.tier == "keep":
         return 0
-    return 1 if c.recompute in ("full", "selective") else max(1, u.tensors)
+    if c.recompute in ("full", "selective"):
+        return 1
+    if c.recompute == "derive" and u.saved_bytes > 0:
+        # the recipes' tensors stay behind: about their share of the bytes (the profile counts no tensors per recipe)
+        return max(1, round(u.tensors * max(0, u.saved_bytes - u.derive_bytes) / u.saved_bytes))
+    return max(1, u.tensors)
 
 
 def window_bytes(units: list[UnitProfile], choices: list[Choice], window_units: int) -> int:

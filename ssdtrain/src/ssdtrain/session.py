@@ -88,6 +88,12 @@ def _clear_casts() -> None:
     torch.clear_autocast_cache()
 
 
+def _made_from(plan: Plan) -> tuple:
+    """What a given plan's adjustment for accumulation was made from: its choices, budget and window (the caller
+    may change the first with ``plan.override()``)."""
+    return (list(plan.choices), plan.budget, plan.window_units)
+
+
 def _same_recompute(old: Plan | None, new: Plan | None) -> bool:
     """Whether two plans recompute the same blocks the same way and clear autocast's casts alike: what a block
     saves depends on those, not on where its tensors go."""
@@ -191,6 +197,9 @@ class OffloadSession:
             self._check_plan(plan)
             self._check_plan_options(plan, profile_steps)
             plan = self._with_window(plan)
+            # An earlier session around this model adjusted this plan for accumulation: start with that one (a
+            # session per step would otherwise apply the given plan, then the adjusted one, in every step).
+            plan = self._adjusted(plan) or plan
         self.given_plan = plan
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
@@ -579,15 +588,9 @@ class OffloadSession:
         first accumulation step (as at the first plan); a given plan (plan=) is run as the user has it, so its
         leanest form is used with an OffloadWarning (as plan.override does)."""
         given = plan is self.given_plan
-        # A session per step (the Trainer callback) sees accumulation begin in each: the plan adjusted by an earlier
-        # session around this model is used again, while the caller's plan is the one it was made from, unchanged.
-        remembered = state_of(self.model).adjusted
-        made_from = (list(plan.choices), plan.budget, plan.window_units)
-        if given and id(self._caller_plan) in remembered:
-            caller, then, new = remembered[id(self._caller_plan)]
-            if caller is self._caller_plan and then == made_from:
-                self.given_plan = new
-                return new
+        if given and (new := self._adjusted(plan)) is not None:
+            self.given_plan = new
+            return new
         held = format_bytes(sum(u.grad_bytes for u in plan.units))
         cause = f"gradient accumulation began after the plan was made (steps start with every gradient held, {held})"
         try:
@@ -605,7 +608,7 @@ class OffloadSession:
             )
         if given:
             self.given_plan = new
-            remembered[id(self._caller_plan)] = (self._caller_plan, made_from, new)
+            state_of(self.model).adjusted[id(self._caller_plan)] = (self._caller_plan, _made_from(plan), new)
         else:
             self.state.replace(plan, new)
         line = (
@@ -616,6 +619,15 @@ class OffloadSession:
         if new.budget is None and not new.fits:
             warnings.warn(f"ssdtrain: {new.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=5)
         return new
+
+    def _adjusted(self, plan: Plan) -> Plan | None:
+        """`plan` (this session's given plan) as a session around this model adjusted it for gradients held through
+        accumulation (``_for_held_grads``), while the caller's plan is still the one it was made from; else None."""
+        remembered = state_of(self.model).adjusted.get(id(self._caller_plan))
+        if remembered is None:
+            return None
+        caller, then, new = remembered
+        return new if caller is self._caller_plan and then == _made_from(plan) else None
 
     def _say(self, line: str) -> None:
         """A plan made or made again: logged, and printed with verbose=True."""

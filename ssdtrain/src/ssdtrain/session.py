@@ -33,6 +33,7 @@ from .model import (
     cheap_modules,
     find_blocks,
     grad_bytes,
+    hf_settings,
     is_compiled,
     is_compiled_block,
     param_bytes,
@@ -266,7 +267,11 @@ class OffloadSession:
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
         self.clear_casts = not self._blocks_share_params(inner)
-        self._warn_if_model_checkpoints(inner)
+        # The Hugging Face configs (use_cache is off while the session is active) and the model's own checkpointing
+        # flag: one pass over the modules for both.
+        self._hf_configs, checkpointing = hf_settings(inner)
+        if checkpointing:
+            self._warn_model_checkpoints()
         self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
         self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
@@ -383,15 +388,13 @@ class OffloadSession:
                 return True
         return False
 
-    def _warn_if_model_checkpoints(self, inner: nn.Module) -> None:
+    def _warn_model_checkpoints(self) -> None:
         """A Hugging Face model whose own activation checkpointing is on (``gradient_checkpointing_enable()``, or the
         Trainer's ``gradient_checkpointing=True``) recomputes every block whatever the plan: its blocks save only
         their inputs, so the plan can only move those, and a budget below that peak is refused. Said once per model,
         at ``offload()``: with it on, ssdtrain mostly does nothing. (Read from the modules' own flag, which every
-        transformers version sets, not its deprecated properties.)"""
+        transformers version sets, not its deprecated properties: ``hf_settings``.)"""
         if "model checkpointing" in self.state.warned:
-            return
-        if not any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules()):
             return
         self.state.warned.add("model checkpointing")
         warnings.warn(
@@ -440,8 +443,7 @@ class OffloadSession:
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
         # the session is active (what transformers itself does under gradient checkpointing). Every config in the
         # model: an encoder-decoder's decoder has its own copy of the config (T5), read by the decoder alone.
-        configs = {id(c): c for m in inner.modules() if (c := getattr(m, "config", None)) is not None}
-        for config in configs.values():
+        for config in self._hf_configs:
             if getattr(config, "use_cache", False) is True:
                 config.use_cache = False
                 self._restore_cache.append(config)

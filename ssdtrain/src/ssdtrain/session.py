@@ -546,18 +546,20 @@ class OffloadSession:
     # ----------------------------------------------------------------------------------------------- hooks
     def start_step(self, signature: tuple) -> None:
         """A new step begins (the model's outermost forward, or the blocks starting over)."""
-        if self.profiler.pending is not None:
-            self._finish_profile()
-        self.steps += 1
-        self._packs = 0
-        self.cache.unit = 0
-        self.cache.reset_step()
+        # What this step starts with is seen before a profile's plan is made: the step that first holds every
+        # gradient (gradient accumulation) may be the one right after the profiled step, and that plan is for it.
         grads, held = grad_bytes(self.model)
         held = 0 if grads else held
         if grads:
             self.state.grads_missing = True
         elif held:
             self.state.grads_held = True
+        if self.profiler.pending is not None:
+            self._finish_profile()
+        self.steps += 1
+        self._packs = 0
+        self.cache.unit = 0
+        self.cache.reset_step()
         new = self.calibrator.finish(self.steps)
         if new is not None:
             self.state.replace(self.plan, new)

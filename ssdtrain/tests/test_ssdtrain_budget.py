@@ -4,10 +4,12 @@ gradients, the calibration correction), what the profiled step's peaks turn into
 (at the first plan or the first calibration only) and what calibration does later or with ``budget=None``, and
 the profiling that keeps ``budget=None`` safe at large batches (a warm-up that keeps nothing it can move)."""
 
+import copy
 import warnings
 
 import pytest
 import torch
+from ssdtrain_testutil import measured_cpu_memory
 from test_ssdtrain_derive import _BranchModel
 from test_ssdtrain_offload import batch, make_net
 
@@ -460,6 +462,107 @@ def test_a_profiled_plan_that_accumulation_puts_over_its_budget_raises_naming_ac
         with pytest.raises(ssdtrain.BudgetError, match="gradient accumulation began after the plan was made") as e:
             model(ids).backward()
     assert e.value.minimum > budget
+
+
+def _accumulated_grads(model, ids) -> list:
+    """The gradients of 2 micro-batches of a copy of `model` without ssdtrain (made before any session: a session's
+    saved-tensor hooks are the thread's, so a copy run inside one would count in its profile)."""
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        ref(ids).backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def _accumulation_steps(model, ids, steps, want, live=None):
+    """`steps` optimizer steps of 2 micro-batches each (gradients set to None between steps, no update), each step's
+    gradients checked against `want`. Returns each micro-batch's measured peak above what it started with (`live`:
+    a LiveBytes, its peak reset when the first block starts, after the step's start has made any plan)."""
+    peaks = []
+    reset = model.layers[0].register_forward_pre_hook(lambda *_: live and live.reset_high())
+    try:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            for _ in range(2):
+                base = live.allocated() if live else 0
+                model(ids).backward()
+                peaks.append(live.high - base if live else None)
+            for (name, p), g in zip(model.named_parameters(), want, strict=True):
+                assert torch.equal(p.grad, g), name
+    finally:
+        reset.remove()
+    return peaks
+
+
+def test_accumulation_seen_when_the_plan_is_made_is_planned_for_and_the_measured_peak_stays_in_the_budget(
+    monkeypatch, caplog
+):
+    """Accumulation from the first optimizer step, profiled in one micro-batch (profile_steps=1): the plan is made
+    when the second micro-batch starts, which holds every gradient, and is made for them, once (it was made without
+    them and at once made again, said as accumulation having begun after the plan). With the CPU's memory measured as
+    a GPU's (the profile's working memory, calibration by measured peaks): every planned micro-batch's measured peak
+    is within the budget, the gradients are keep's, bit for bit."""
+    torch.manual_seed(0)
+    model = _BranchModel(dim=32)
+    ids = torch.randint(0, 37, (4, 64), generator=torch.Generator().manual_seed(11))
+    want = _accumulated_grads(model, ids)
+    with measured_cpu_memory(monkeypatch) as live:
+        session = ssdtrain.offload(model, budget=0.6, min_bytes=0, profile_steps=1, nvme_memory=0)
+        session.calibrator.clock = None  # peaks only: host timing noise would replan for time (tested elsewhere)
+        with caplog.at_level("INFO", logger="ssdtrain"), session:
+            peaks = _accumulation_steps(model, ids, 4, want, live)
+    plan = session.plan
+    assert plan.held_grads and plan.budget_fraction == 0.6
+    assert caplog.text.count("ssdtrain: plan for _BranchModel") == 1
+    assert "accumulation began" not in caplog.text
+    assert any(c != Choice() for c in plan.choices)  # the budget made it move or recompute
+    assert max(peaks[1:]) <= plan.budget, (peaks, plan.budget)  # (the first micro-batch was profiled)
+    assert session.stats()["planned_steps"] == 7
+    ssdtrain.release(model)
+
+
+def test_accumulation_that_begins_after_the_plan_is_planned_for_within_the_measured_budget(monkeypatch, caplog):
+    """Plain steps first (the plan is made without held gradients), then accumulation: the plan is made again for
+    the held gradients, once, and every micro-batch's measured peak, before and after, stays within the budget."""
+    torch.manual_seed(0)
+    model = _BranchModel(dim=32)
+    ids = torch.randint(0, 37, (4, 64), generator=torch.Generator().manual_seed(11))
+    want = _accumulated_grads(model, ids)
+    with measured_cpu_memory(monkeypatch) as live:
+        session = ssdtrain.offload(model, budget=0.6, min_bytes=0, profile_steps=1, nvme_memory=0)
+        session.calibrator.clock = None
+        with caplog.at_level("INFO", logger="ssdtrain"), session:
+            plain = []
+            reset = model.layers[0].register_forward_pre_hook(lambda *_: live.reset_high())
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                base = live.allocated()
+                model(ids).backward()
+                plain.append(live.high - base)
+            reset.remove()
+            first = session.plan
+            peaks = _accumulation_steps(model, ids, 3, want, live)
+    assert first.grads and not first.held_grads
+    assert session.plan is not first and session.plan.held_grads and session.plan.budget == first.budget
+    assert caplog.text.count("gradient accumulation began after the plan was made") == 1
+    assert max(plain[1:] + peaks) <= first.budget, (plain, peaks, first.budget)
+    ssdtrain.release(model)
+
+
+def test_accumulation_seen_when_the_plan_is_made_refuses_a_budget_only_its_gradients_break():
+    """The same with a budget that plain steps fit and steps holding the gradients do not: BudgetError when the plan
+    is made, naming the gradients held through accumulation and the smallest budget with them."""
+    model, ids, plan, budget = _tight_budget()
+    with pytest.raises(ssdtrain.BudgetError) as e:
+        with ssdtrain.offload(model, budget=budget, min_bytes=0, profile_steps=1, verbose=False):
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                for _ in range(2):
+                    model(ids).backward()
+    with pytest.raises(ssdtrain.BudgetError) as held:
+        replan(plan, budget=budget, held_grads=True)
+    assert e.value.minimum == held.value.minimum > budget
+    assert "accumulation began after the plan was made" not in str(e.value)
+    assert "held through gradient accumulation" in str(e.value)
 
 
 def test_the_checked_step_peak_is_the_one_read_when_its_backward_ended():

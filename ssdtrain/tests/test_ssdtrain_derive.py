@@ -640,23 +640,34 @@ def test_a_given_plan_is_adjusted_for_accumulation_once(capsys):
     assert stats["derive_template_misses"] == 0
 
 
-def test_a_given_plan_is_adjusted_once_across_sessions_per_step(capsys):
-    """A session per optimizer step with the same plan= (as the Trainer callback opens them): each sees accumulation
-    begin, and each uses the plan the first one adjusted (said once), until the caller changes that plan."""
+def test_a_given_plan_is_adjusted_once_across_sessions_per_step(capsys, monkeypatch):
+    """A session per optimizer step with the same plan= (as the Trainer callback opens them): the first sees
+    accumulation begin and adjusts the plan (said once); the later ones start with that plan, applied once per
+    session (not the given plan first and the adjusted one at the first micro-batch that holds gradients), until the
+    caller changes that plan."""
     torch.manual_seed(0)
     model = _BranchModel()
     step = _one_step(model)
     given = ssdtrain.plan(model, step, min_bytes=0)
+    applied = []
+    apply = ssdtrain.OffloadSession._apply
+    monkeypatch.setattr(ssdtrain.OffloadSession, "_apply", lambda s, plan: (applied.append(plan), apply(s, plan)))
     adjusted = []
-    for _ in range(3):
+    for k in range(3):
+        applied.clear()
         s, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0, verbose=True), 1)
-        assert plans[0] is given and plans[-1].held_grads
+        assert plans[-1].held_grads
         adjusted.append(plans[-1])
+        if k == 0:  # accumulation begins here: the given plan, then the adjusted one
+            assert plans[0] is given and list(map(id, applied)) == [id(given), id(plans[-1])]
+        else:
+            assert all(p is adjusted[0] for p in plans) and list(map(id, applied)) == [id(adjusted[0])]
     assert adjusted[1] is adjusted[0] and adjusted[2] is adjusted[0]
     assert capsys.readouterr().err.count("gradient accumulation began") == 1
     given.override("layers.0", "recompute")  # the caller's plan changed: adjusted again, with the new choice
     _, plans = _accumulate(model, lambda: ssdtrain.offload(model, plan=given, min_bytes=0), 1)
-    assert plans[-1] is not adjusted[0] and plans[-1].choice("layers.0") == Choice.parse("recompute")
+    assert plans[0] is given and plans[-1] is not adjusted[0]
+    assert plans[-1].choice("layers.0") == Choice.parse("recompute")
 
 
 def test_a_profiled_plan_is_adjusted_for_accumulation_once_and_keeps_its_templates():

@@ -202,100 +202,156 @@ def _no_session_left(model, use_cache=None):
         assert model.config.use_cache is use_cache
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_trainer_callback_closes_the_session_of_a_step_whose_forward_raised(tmp_path, caplog):
-    # A step that raises never reaches on_step_end and the Trainer has no event for it: the step's session stayed
-    # entered after train() had raised (its saved-tensor hooks on the thread, its hooks on the model) until the
-    # next train(). Now an exception leaving the model's forward closes it before it propagates.
-    model = tiny_gpt2()
-    forwards = {"n": 0}
-
-    def fail_third(module, args, kwargs):
-        forwards["n"] += 1
-        if forwards["n"] == 3:  # the second optimizer step's first micro-batch (two per step)
-            raise RuntimeError("CUDA out of memory (simulated)")
-
-    handle = model.transformer.h[1].register_forward_pre_hook(fail_third, with_kwargs=True)
-    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
-    trainer = _trainer(model, tmp_path / "fails", [callback])
-    with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated"):
-        trainer.train()
-    handle.remove()
-    assert callback.session is None and callback.last is not None and callback.last._closed
-    assert "the training step's forward raised: its session is closed" in caplog.text
-    _no_session_left(model)
-    # The model trains as before, in a plain loop and under the callback again.
-    ids = torch.randint(0, 128, (2, 32))
-    model(input_ids=ids, labels=ids).loss.backward()
-    forwards["n"] = 10
-    trainer.train()
-    assert callback.session is None and callback.stats()["steps"] > 0
-    _no_session_left(model)
-    ssdtrain.release(model)
-
-
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("where", ["backward", "optimizer step"])
-def test_trainer_callback_closes_the_session_of_a_step_that_raised_after_its_forward(where, tmp_path, caplog):
-    # An exception in a step's backward or optimizer step, which no callback event sees, left the step's session
-    # entered after train() had raised (its saved-tensor hooks on the thread, its hooks on the model) until the
-    # next step or train(). The callback now also wraps the Trainer's training_step and its optimizer's step.
-    model = tiny_gpt2()
+def _fail_once(at: int, what: str):
+    """A function that raises RuntimeError("... (simulated)") at its `at`-th call and at no other; the exception it
+    raised is kept in its `raised` list."""
     calls = {"n": 0}
+    raised = []
 
-    def fail(*_):
+    def fail(*_, **__):
         calls["n"] += 1
-        if calls["n"] == (3 if where == "backward" else 2):  # the second optimizer step (two micro-batches each)
-            raise RuntimeError(f"CUDA out of memory in the {where} (simulated)")
+        if calls["n"] == at:
+            raised.append(RuntimeError(f"CUDA out of memory in the {what} (simulated)"))
+            raise raised[-1]
 
-    if where == "backward":
+    fail.raised = raised
+    return fail
+
+
+class _RaisingCallback(transformers.TrainerCallback):
+    """A user's callback whose on_step_end raises once (`fail`), before the offload callback's on_step_end runs."""
+
+    def __init__(self, fail):
+        self.fail = fail
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.fail()
+
+
+class _FailingSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A constant learning-rate schedule whose step calls `fail` first (its first call is the constructor's)."""
+
+    def __init__(self, optimizer, fail):
+        self.fail = None
+        super().__init__(optimizer, lambda _: 1.0)
+        self.fail = fail
+
+    def step(self, *args, **kwargs):
+        if self.fail is not None:
+            self.fail()
+        return super().step(*args, **kwargs)
+
+
+def _same_as_without_ssdtrain(model):
+    """A plain forward and backward of `model` gives the loss and gradients a copy of it without ssdtrain gives."""
+    ref = tiny_gpt2()
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)  # (the same dropout)
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    "where", ["forward", "backward", "gradient clipping", "optimizer step", "scheduler step", "callback"]
+)
+def test_an_exception_leaving_train_closes_the_training_steps_session(where, tmp_path, caplog):
+    # A step that raises never reaches on_step_end and the Trainer has no event for it: the step's session stayed
+    # entered after train() had raised (its saved-tensor hooks on the thread, its hooks on the model, its pinned
+    # buffers) until the next step or train(), wherever the exception came from outside the three methods the
+    # callback wrapped (gradient clipping, the learning-rate scheduler, another callback). Now the callback wraps
+    # train() itself: the session is closed before the exception propagates, unchanged, and the model trains on.
+    model = tiny_gpt2()
+    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
+    fail = _fail_once(3 if where in ("forward", "backward") else 2, where)  # the second optimizer step (2 x 2 micro)
+    handle = None
+    callbacks = [callback]
+    if where == "forward":
+        handle = model.transformer.h[1].register_forward_pre_hook(lambda *_: fail())
+    elif where == "backward":
         handle = model.transformer.h[1].mlp.c_fc.weight.register_hook(fail)  # (raises inside autograd's engine)
-    else:
+    elif where == "optimizer step":
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         handle = register_optimizer_step_pre_hook(fail)  # (every optimizer's; removed below)
-    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
-    trainer = _trainer(model, tmp_path / "fails", [callback])
+    elif where == "callback":
+        callbacks = [_RaisingCallback(fail), callback]  # (called before the offload callback's on_step_end)
+    trainer = _trainer(model, tmp_path / "fails", callbacks)
+    if where == "gradient clipping":
+        clip = trainer.accelerator.clip_grad_norm_
+        trainer.accelerator.clip_grad_norm_ = lambda *a, **k: (fail(), clip(*a, **k))[1]
+    elif where == "scheduler step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        trainer.optimizer, trainer.lr_scheduler = optimizer, _FailingSchedule(optimizer, fail)
     try:
-        with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated"):
+        with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated") as e:
             trainer.train()
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
+    assert e.value is fail.raised[0]  # the original exception, unchanged
+    assert not getattr(e.value, "__notes__", None)
     _no_session_left(model)  # (saved-tensor hooks on the thread first of all)
     assert callback.session is None and callback.last is not None and callback.last._closed
-    why = "the training step raised" if where == "backward" else "the optimizer step raised"
-    assert why in caplog.text and "its session is closed" in caplog.text
-    assert "training_step" not in vars(trainer)  # the wrapper put back
-    trainer.train()  # trains again
-    assert callback.session is None and callback.stats()["steps"] > 0
+    assert "RuntimeError left trainer.train() during a training step: its session is closed" in caplog.text
+    _same_as_without_ssdtrain(model)
+    steps = callback.stats()["steps"]
+    trainer.train()  # trains again, under the callback
+    assert callback.session is None and callback.stats()["steps"] > steps
     _no_session_left(model)
-    assert "training_step" not in vars(trainer)
-    assert "_guard" not in vars(trainer.optimizer)["step"].__qualname__  # (torch's LR scheduler's wrapper is back)
     ssdtrain.release(model)
 
 
-def test_trainer_callback_hooks_called_as_the_trainer_does_close_a_failed_step():
-    # The Trainer's calls, made directly: on_step_begin, then a forward that raises. The next step's begin, or
-    # the next train()'s, also closes a session whose step ended otherwise (in backward or the optimizer step).
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_callback_added_after_the_trainer_was_made_guards_the_next_train_call(tmp_path, caplog):
+    """A callback added with add_callback() first meets the Trainer inside train(): it guards the calls after that
+    one (the one running has no wrapper; a session it leaves open is closed by the next train())."""
     model = tiny_gpt2()
-    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K")
+    callback = ssdtrain.OffloadCallback(budget=0.8, min_bytes="1K", overrides={"transformer.h.2": "host"})
+    raising = _RaisingCallback(lambda: None)
+    trainer = _trainer(model, tmp_path / "late", [raising])
+    trainer.add_callback(callback)  # (after the raising one: its on_step_end runs first)
+    assert "train" not in vars(trainer)
+    trainer.train()
+    assert "train" in vars(trainer)
+    raising.fail = _fail_once(2, "callback")
+    with caplog.at_level("WARNING", logger="ssdtrain"), pytest.raises(RuntimeError, match="simulated"):
+        trainer.train()
+    _no_session_left(model)
+    assert "left trainer.train() during a training step: its session is closed" in caplog.text
+    ssdtrain.release(model)
+
+
+def test_trainer_callback_events_called_by_hand_close_a_failed_step_at_the_next():
+    # The Trainer's calls, made directly (no Trainer on the stack, so no train() to wrap): a step whose forward
+    # raised is closed by the next step's begin, or the next train()'s; nothing is put on the model's forward.
+    model = tiny_gpt2()
+    callback = ssdtrain.OffloadCallback(min_bytes="1K")  # (budget=None: the steps here are too short to plan for one)
     args, state, control = object(), transformers.TrainerState(), transformers.TrainerControl()
+    callback.on_init_end(args, state, control)
     callback.on_train_begin(args, state, control, model=model)
     callback.on_step_begin(args, state, control, model=model)
     assert callback.session is not None and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    assert "forward" not in vars(model)
     bad = torch.full((2, 8), 500)  # ids past the vocabulary: the embedding raises
     with pytest.raises(IndexError):
         model(input_ids=bad, labels=bad)
-    assert callback.session is None
-    _no_session_left(model, use_cache=True)
+    failed = callback.session
     ids = torch.randint(0, 128, (2, 8))
-    callback.on_step_begin(args, state, control, model=model)
-    guarded = vars(model)["forward"]
+    callback.on_step_begin(args, state, control, model=model)  # the next step closes it, and opens its own
+    assert failed._closed and callback.session is not failed
     loss = model(input_ids=ids, labels=ids).loss  # (a step that fails after its forward: backward never runs)
     del loss
-    callback.on_step_begin(args, state, control, model=model)  # the next step closes it, and opens its own
-    # one wrapper for the whole training: a new function per step would make torch.compile recompile every step
-    assert vars(model)["forward"] is guarded
+    callback.on_train_begin(args, state, control, model=model)  # the next train() closes it
+    assert callback.session is None
+    _no_session_left(model, use_cache=True)
+    callback.on_step_begin(args, state, control, model=model)
+    model(input_ids=ids, labels=ids).loss.backward()
     callback.on_step_end(args, state, control, model=model)
     callback.on_train_end(args, state, control, model=model)
     _no_session_left(model, use_cache=True)

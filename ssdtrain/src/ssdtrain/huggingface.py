@@ -10,23 +10,24 @@ sessions reuse the model's plan, pinned host pool and NVMe engine from step to s
 
 A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. So that the
 session does not stay entered after ``train()`` has raised (its saved-tensor hooks on the thread's autograd stack,
-its hooks on the model), the callback wraps, while it trains, what the step calls: the model's forward, the
-Trainer's ``training_step`` (forward, loss and backward) and its optimizer's ``step`` (one wrapper each, put back at
-the end). An exception leaving one of them (out of memory in forward, backward or the optimizer's first step, a bad
-batch) closes the session before it propagates. The Trainer passes callbacks no reference to itself: the callback
-finds it at ``on_train_begin`` as the caller whose callback handler holds it. An exception raised elsewhere in a
-step (gradient clipping, the learning-rate scheduler, another callback) leaves its session to be closed by the next
-step, the next ``train()``, or the next ``offload()`` on the model.
+its hooks on the model, its pinned buffers), the callback wraps the Trainer's ``train`` once, when it first meets
+the Trainer: any exception leaving ``train()`` (from the forward, backward, gradient clipping, the optimizer or
+learning-rate scheduler step, another callback, ...) closes the open session, then propagates unchanged. The
+Trainer passes callbacks no reference to itself: the callback finds it on the stack, as the caller whose callback
+handler holds it, at ``on_init_end`` (the end of the Trainer's ``__init__``, for a callback given to
+``Trainer(callbacks=[...])``), else at ``on_train_begin`` (a callback added later with ``add_callback``), where the
+wrapper can only cover the calls of ``train()`` after the one running. A session a failed step left open
+otherwise is closed by the next step, the next ``train()`` or the next ``offload()`` on the model.
 
 Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-import types
-from collections.abc import Callable
+import weakref
 from typing import Any
 
 import torch
@@ -69,10 +70,13 @@ class OffloadCallback(TrainerCallback):
         self.session: OffloadSession | None = None  # the open session (inside a training step)
         self.last: OffloadSession | None = None
         self._totals: dict = {}
-        self._guarded_model: torch.nn.Module | None = None  # the model whose forward is guarded (once a training)
-        self._put_back: list[Callable[[], None]] = []  # what puts each guarded method back (the end of a training)
+        # The Trainers whose train() closes this callback's session when an exception leaves it (see _guard_train).
+        self._guarded: weakref.WeakSet = weakref.WeakSet()
 
     # ------------------------------------------------------------------------------------------- Trainer events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._guard_train(self._calling_trainer())
+
     def on_train_begin(
         self,
         args: TrainingArguments,
@@ -81,14 +85,8 @@ class OffloadCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        self._close(abort=True)  # a session left open by a step that raised in an earlier train() call
-        self._unguard()
-        trainer = self._calling_trainer()
-        if trainer is not None:
-            # What a step calls after its forward, where an exception would otherwise leave the session entered.
-            self._guard(trainer, "training_step", "the training step raised (in its forward, loss or backward)")
-            if getattr(trainer, "optimizer", None) is not None:
-                self._guard(trainer.optimizer, "step", "the optimizer step raised")
+        self._close(abort=True)  # a session left open by an exception outside a guarded train() call
+        self._guard_train(self._calling_trainer())  # (added after the Trainer was made: from the next train() on)
 
     def on_step_begin(
         self,
@@ -101,13 +99,6 @@ class OffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
         self._close(abort=True)
-        if self._guarded_model is not model:
-            # One wrapper for the whole training, not one per step: a new function object each step would fail
-            # torch.compile's guards on ``forward`` and recompile every step. (Closed from inside the forward, where
-            # removing the model's hooks is safe: a forward hook that closed it would remove hooks while torch runs
-            # through them.)
-            self._guarded_model = model
-            self._guard(model, "forward", "the training step's forward raised")
         self.session = offload(model, self.budget, **self.options)
         self.session.__enter__()
 
@@ -118,7 +109,6 @@ class OffloadCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close()
-        self._unguard()
         if self.last is not None:
             # Said once for the training, by its last step (the first steps profile by design: not worth a warning).
             self.last._warn_if_idle()
@@ -151,41 +141,39 @@ class OffloadCallback(TrainerCallback):
             frame = frame.f_back
         return None
 
-    def _guard(self, owner: Any, name: str, why: str) -> None:
-        """Wrap ``owner.<name>`` (an instance attribute, put back by ``_unguard``) so that an exception leaving it
-        closes the step's session at once, before it propagates: the Trainer has no event for it."""
-        had = name in vars(owner)
-        inner = getattr(owner, name)
+    def _guard_train(self, trainer: Any) -> None:
+        """Wrap `trainer`'s ``train`` (an instance attribute, kept for the Trainer's life: the next call needs it too)
+        so that an exception leaving it closes the open session at once, then propagates unchanged: the Trainer has
+        no event for it, and whatever raised (a step's forward or backward, gradient clipping, the optimizer or the
+        learning-rate scheduler, another callback) the whole loop runs inside ``train()``. (A retry of the loop inside
+        ``train()``, as ``auto_find_batch_size`` does after running out of memory, is closed by ``on_train_begin``.)"""
+        if trainer is None or trainer in self._guarded:
+            return
+        self._guarded.add(trainer)
+        inner = trainer.train
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(inner)
+        def train(*args: Any, **kwargs: Any) -> Any:
             try:
                 return inner(*args, **kwargs)
-            except BaseException:
-                if self.session is not None:
-                    self._close(abort=True, why=why)
-                    self._unguard()  # (train() is ending with this exception: on_train_end will not run)
+            except BaseException as error:
+                self._failed(error)
                 raise
 
-        def put_back() -> None:
-            if vars(owner).get(name) is guarded:  # (unless something replaced it since)
-                if had:
-                    setattr(owner, name, inner)
-                else:
-                    delattr(owner, name)
+        trainer.train = train
 
-        if had and isinstance(inner, types.FunctionType):
-            # Another library's wrapper set on the object: its marks stay visible on this one (torch's LR scheduler
-            # marks the optimizer's step it wrapped, and warns at every scheduler step where the mark is gone).
-            guarded.__dict__.update(vars(inner))
-        setattr(owner, name, guarded)
-        self._put_back.append(put_back)
-
-    def _unguard(self) -> None:
-        """Put every guarded method back (the end of a training, or of a step that raised)."""
-        put_back, self._put_back = self._put_back, []
-        self._guarded_model = None
-        for undo in reversed(put_back):
-            undo()
+    def _failed(self, error: BaseException) -> None:
+        """`error` is leaving ``train()``: close the step's session, if one is open, without hiding `error`."""
+        if self.session is None:
+            return
+        why = f"{type(error).__name__} left trainer.train() during a training step"
+        try:
+            self._close(abort=True, why=why)
+        except Exception as close_error:  # (the training's own exception is the one to see)
+            note = f"ssdtrain: closing the training step's offload session failed too: {close_error!r}"
+            log.error(note)
+            if hasattr(error, "add_note"):
+                error.add_note(note)
 
     def _close(
         self, abort: bool = False, why: str = "a training step ended without on_step_end (an exception?)"

@@ -535,9 +535,16 @@ def make_plan(
             model, lean, low = held, held_lean, held_low
         if budget is not None:
             minimum = int(math.ceil(low.peak / (1 - BUDGET_MARGIN)))
+            held_note = (
+                f" (counting the {format_bytes(sum(u.grad_bytes for u in units))} of gradients held through "
+                "gradient accumulation)"
+                if held_grads
+                else ""
+            )
             raise BudgetError(
                 f"ssdtrain: no plan fits the activation budget {format_bytes(budget)}; the smallest predicted peak "
-                f"is {format_bytes(low.peak)}, so the smallest budget is {minimum} bytes ({format_bytes(minimum)}, "
+                f"is {format_bytes(low.peak)}{held_note}, so the smallest budget is {minimum} bytes "
+                f"({format_bytes(minimum)}, "
                 f"with the {BUDGET_MARGIN:.0%} margin): pass budget >= that, give more host RAM "
                 f"(host_memory=, now {format_bytes(tiers['host'].capacity if 'host' in tiers else 0)}) or an NVMe "
                 "directory, or reduce the batch",

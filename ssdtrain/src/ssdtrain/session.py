@@ -33,6 +33,7 @@ from .model import (
     cheap_modules,
     find_blocks,
     grad_bytes,
+    hf_settings,
     is_compiled,
     is_compiled_block,
     param_bytes,
@@ -86,6 +87,12 @@ def _saved_tensor_hook(fn):
 def _clear_casts() -> None:
     """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
     torch.clear_autocast_cache()
+
+
+def _made_from(plan: Plan) -> tuple:
+    """What a given plan's adjustment for accumulation was made from: its choices, budget and window (the caller
+    may change the first with ``plan.override()``)."""
+    return (list(plan.choices), plan.budget, plan.window_units)
 
 
 def _same_recompute(old: Plan | None, new: Plan | None) -> bool:
@@ -191,6 +198,9 @@ class OffloadSession:
             self._check_plan(plan)
             self._check_plan_options(plan, profile_steps)
             plan = self._with_window(plan)
+            # An earlier session around this model adjusted this plan for accumulation: start with that one (a
+            # session per step would otherwise apply the given plan, then the adjusted one, in every step).
+            plan = self._adjusted(plan) or plan
         self.given_plan = plan
         unknown = sorted(set(self.overrides) - set(self.unit_names))
         if unknown and not self.compiled:  # (a compiled model's units are named when its profile is taken)
@@ -257,7 +267,11 @@ class OffloadSession:
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
         self.clear_casts = not self._blocks_share_params(inner)
-        self._warn_if_model_checkpoints(inner)
+        # The Hugging Face configs (use_cache is off while the session is active) and the model's own checkpointing
+        # flag: one pass over the modules for both.
+        self._hf_configs, checkpointing = hf_settings(inner)
+        if checkpointing:
+            self._warn_model_checkpoints()
         self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
         self._derive_units: frozenset[int] = frozenset()  # blocks the plan derives (their recipes have templates)
@@ -374,15 +388,13 @@ class OffloadSession:
                 return True
         return False
 
-    def _warn_if_model_checkpoints(self, inner: nn.Module) -> None:
+    def _warn_model_checkpoints(self) -> None:
         """A Hugging Face model whose own activation checkpointing is on (``gradient_checkpointing_enable()``, or the
         Trainer's ``gradient_checkpointing=True``) recomputes every block whatever the plan: its blocks save only
         their inputs, so the plan can only move those, and a budget below that peak is refused. Said once per model,
         at ``offload()``: with it on, ssdtrain mostly does nothing. (Read from the modules' own flag, which every
-        transformers version sets, not its deprecated properties.)"""
+        transformers version sets, not its deprecated properties: ``hf_settings``.)"""
         if "model checkpointing" in self.state.warned:
-            return
-        if not any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules()):
             return
         self.state.warned.add("model checkpointing")
         warnings.warn(
@@ -431,8 +443,7 @@ class OffloadSession:
         # would append them again (attention then sees the keys twice): training needs no cache, so it is off while
         # the session is active (what transformers itself does under gradient checkpointing). Every config in the
         # model: an encoder-decoder's decoder has its own copy of the config (T5), read by the decoder alone.
-        configs = {id(c): c for m in inner.modules() if (c := getattr(m, "config", None)) is not None}
-        for config in configs.values():
+        for config in self._hf_configs:
             if getattr(config, "use_cache", False) is True:
                 config.use_cache = False
                 self._restore_cache.append(config)
@@ -535,18 +546,20 @@ class OffloadSession:
     # ----------------------------------------------------------------------------------------------- hooks
     def start_step(self, signature: tuple) -> None:
         """A new step begins (the model's outermost forward, or the blocks starting over)."""
-        if self.profiler.pending is not None:
-            self._finish_profile()
-        self.steps += 1
-        self._packs = 0
-        self.cache.unit = 0
-        self.cache.reset_step()
+        # What this step starts with is seen before a profile's plan is made: the step that first holds every
+        # gradient (gradient accumulation) may be the one right after the profiled step, and that plan is for it.
         grads, held = grad_bytes(self.model)
         held = 0 if grads else held
         if grads:
             self.state.grads_missing = True
         elif held:
             self.state.grads_held = True
+        if self.profiler.pending is not None:
+            self._finish_profile()
+        self.steps += 1
+        self._packs = 0
+        self.cache.unit = 0
+        self.cache.reset_step()
         new = self.calibrator.finish(self.steps)
         if new is not None:
             self.state.replace(self.plan, new)
@@ -579,15 +592,9 @@ class OffloadSession:
         first accumulation step (as at the first plan); a given plan (plan=) is run as the user has it, so its
         leanest form is used with an OffloadWarning (as plan.override does)."""
         given = plan is self.given_plan
-        # A session per step (the Trainer callback) sees accumulation begin in each: the plan adjusted by an earlier
-        # session around this model is used again, while the caller's plan is the one it was made from, unchanged.
-        remembered = state_of(self.model).adjusted
-        made_from = (list(plan.choices), plan.budget, plan.window_units)
-        if given and id(self._caller_plan) in remembered:
-            caller, then, new = remembered[id(self._caller_plan)]
-            if caller is self._caller_plan and then == made_from:
-                self.given_plan = new
-                return new
+        if given and (new := self._adjusted(plan)) is not None:
+            self.given_plan = new
+            return new
         held = format_bytes(sum(u.grad_bytes for u in plan.units))
         cause = f"gradient accumulation began after the plan was made (steps start with every gradient held, {held})"
         try:
@@ -605,7 +612,7 @@ class OffloadSession:
             )
         if given:
             self.given_plan = new
-            remembered[id(self._caller_plan)] = (self._caller_plan, made_from, new)
+            state_of(self.model).adjusted[id(self._caller_plan)] = (self._caller_plan, _made_from(plan), new)
         else:
             self.state.replace(plan, new)
         line = (
@@ -616,6 +623,15 @@ class OffloadSession:
         if new.budget is None and not new.fits:
             warnings.warn(f"ssdtrain: {new.notes[-1]}; reduce the batch", OffloadWarning, stacklevel=5)
         return new
+
+    def _adjusted(self, plan: Plan) -> Plan | None:
+        """`plan` (this session's given plan) as a session around this model adjusted it for gradients held through
+        accumulation (``_for_held_grads``), while the caller's plan is still the one it was made from; else None."""
+        remembered = state_of(self.model).adjusted.get(id(self._caller_plan))
+        if remembered is None:
+            return None
+        caller, then, new = remembered
+        return new if caller is self._caller_plan and then == _made_from(plan) else None
 
     def _say(self, line: str) -> None:
         """A plan made or made again: logged, and printed with verbose=True."""

@@ -33,6 +33,8 @@ class CompiledLayer:
     full_backward_lowered: Lowered  # the backward for every leaf, lowered once (the cost model reads it)
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
     _bindings: dict[tuple[str, ...], Any] = field(default_factory=dict)  # leaf names -> Binding
+    # (the backend's prepare, leaf dtypes, training, gradient sets) -> the (program, leaf dtypes, keep) it prepares
+    _prepares: dict[tuple, tuple] = field(default_factory=dict)
 
     @functools.cached_property
     def leaf_names(self) -> tuple[tuple[Op, str], ...]:
@@ -194,8 +196,18 @@ def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, to
 
 def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.dtype],
                 training: bool, grads: Iterable[frozenset[str]]) -> None:
+    # the programs to prepare and their leaves' dtypes are the same on every graph: worked out on the first, then
+    # each prepared in turn (a loader thread prepares every mini-batch this way)
+    grads = tuple(grads)
+    key = (getattr(prepare, "__func__", prepare), tuple(leaves.items()), training, grads)
+    recipe = compiled._prepares.get(key)
+    if recipe is not None:
+        for lowered, dtypes, keep in recipe:
+            prepare(lowered, graph, dtypes, keep=keep)
+        return
     saved = compiled.saved if training else ()
     plan = compiled.forward_lowered if training else compiled.inference_lowered
+    recipe = [(plan, leaves, saved)]
     env = prepare(plan, graph, leaves, keep=saved)
     if training:
         # the backward's leaves in the order its call binds them: the saved values, then the output gradients
@@ -204,7 +216,13 @@ def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dic
         for wanted in grads:
             keys = [key for key in compiled.leaf_names if key[1] in wanted and key[1] in leaves]
             if keys:
-                prepare(compiled.backward_for(keys)[1], graph, bw_leaves, keep=())
+                lowered = compiled.backward_for(keys)[1]
+                recipe.append((lowered, bw_leaves, ()))
+                prepare(lowered, graph, bw_leaves, keep=())
+    with _LOCK:
+        if len(compiled._prepares) > 64:  # dtypes and settings since changed: forgotten, rebuilt if seen again
+            compiled._prepares.clear()
+        compiled._prepares[key] = tuple(recipe)
 
 
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):

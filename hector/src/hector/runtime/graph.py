@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -24,6 +25,7 @@ from ..ir.core import GATHER_VIA, INDEX_KINDS, Domain
 from . import prep
 from .prep import sort_keys, unique_pairs  # noqa: F401 - unique_pairs: part of this module's interface
 
+_VERSION = operator.attrgetter("_version")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -241,8 +243,9 @@ class Graph:
         return g
 
     def _ids_versions(self) -> tuple[int, ...]:
-        ids = (self.src, self.dst, self.etype) + ((self._ntype,) if self.has_node_type else ())
-        return tuple(t._version for t in ids)
+        # read by every forward and backward on the graph: the versions read by a C loop, no Python per tensor
+        ids = (self.src, self.dst, self.etype, self._ntype) if self.has_node_type else (self.src, self.dst, self.etype)
+        return tuple(map(_VERSION, ids))
 
     def check_ids_unchanged(self) -> None:
         """Raises :class:`GraphInputError` where the caller's ``edge_index``, ``edge_type`` or ``node_type``, whose

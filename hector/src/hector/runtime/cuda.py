@@ -383,6 +383,7 @@ class CudaBackend:
         self._call_kinds: dict[tuple, tuple[Any, _Plan, _Template]] = {}  # (call key, device) -> its plan, template
         self._prepared: dict[tuple, tuple] = {}  # what prepare() works out once per program, dtypes and keep
         self._schedule: Any = None
+        self._schedule_batch: Any = None  # the schedule kernel's launch as an executor batch (see build_schedule)
         self._fill: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
@@ -474,14 +475,25 @@ class CudaBackend:
             with self._lock:
                 self._load_schedule()
         table = torch.empty(slots, 3, dtype=torch.int32, device=counts.device)
+        executor = self.executor
+        if self._schedule_batch is not None:
+            # the launch packed once, every argument a value of its instance: a new graph's schedules (several
+            # per graph) pack nothing in Python
+            values = [counts.data_ptr(), counts.numel(), rows, slots, table.data_ptr()]
+            executor.launch_batch(executor.instantiate(self._schedule_batch, values), (), executor.stream())
+            return table
         args = [counts, counts.numel(), rows, slots, table]
-        self.executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, self.executor.stream())
+        executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, executor.stream())
         return table
 
     def _load_schedule(self) -> None:
         if self._schedule is None:
             handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
-            self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+            kernel = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+            if hasattr(self.executor, "instantiate"):
+                self._schedule_batch = self.executor.batch(
+                    [(kernel, (1, 1), schedule_kernel.BLOCK, 0, [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4)])])
+            self._schedule = kernel
 
     def _fill_kernel(self) -> Any:
         """The zero-fill kernel (:mod:`hector.codegen.fill`), loaded on first use."""
@@ -829,7 +841,7 @@ class CudaBackend:
                 made = bound.get(key)
                 if made is None:
                     made = bound[key] = self._grid(key, dg, sms) if grid else self._bind(key, dg, sms)
-                found[i] = values[key] = made[0] if grid else made if isinstance(made, int) else made.data_ptr()
+                found[i] = values[key] = made[0] if grid else made if type(made) is int else made.data_ptr()
 
     def _make_layout(self, lowered, info: _ProgramInfo, template: _Template, consts: tuple, keep: Any,
                      signature: tuple, nbytes: list[int], zeros: frozenset[int]) -> _Layout | None:

@@ -247,7 +247,9 @@ class DeviceGraph:
 def device_graph(graph: Graph) -> DeviceGraph:
     """The graph's CUDA layout (made on first use), settled to exact UNIQUE rows once the host knows the pair
     count (looked for without waiting by :meth:`Graph.known_unique_count`, at each layer call's start)."""
-    dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
+    dg = graph._cache.get("cuda_backend_graph")  # every layer call and backward asks: no closure on a hit
+    if dg is None:
+        dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
     if dg.padded and "unique_count" in graph._cache:
         dg.settle(graph._cache["unique_count"])
     return dg

@@ -643,7 +643,7 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     if isinstance(edge_index, Graph):
         return edge_index
     tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
-    key = (tuple(tensor_key(t) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
+    key = (tuple(map(tensor_key, tensors)), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
         _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse

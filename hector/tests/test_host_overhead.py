@@ -127,9 +127,12 @@ def test_cli_smoke(tmp_path, capsys):
 # 1,694 -> 1,770 when the launch batches' temporaries began to share their allocation's ranges once dead (a take
 # and a give per temporary, placed once per graph), which keeps a call's memory to what kernel by kernel holds;
 # 1,793 -> 1,809 when the backward's zero fill (its pool's) became a launch of its batch, packed once per graph
-# (the step: 706 -> 610 calls, with the lighter autograd entry and exit)
-PLANS_CALLS = 1830
-NEW_GRAPH_CALLS = 2500
+# (the step: 706 -> 610 calls, with the lighter autograd entry and exit). 1,825 -> 726 when a new graph's records
+# became its programs' layouts with the graph's numbers written in (one executor instantiate per launch batch, no
+# packing per graph), prepare_graph replayed the programs worked out on the first graph, and the tile schedules'
+# launches were packed once (plans and step: 2,475 -> 1,356)
+PLANS_CALLS = 780
+NEW_GRAPH_CALLS = 1450
 
 
 def test_split_counts_per_new_graph():

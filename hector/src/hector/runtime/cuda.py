@@ -4,8 +4,11 @@ Per graph (computed once and cached on the :class:`~hector.runtime.graph.Graph`)
 (so a destination's in-edges are one contiguous range; edge-domain values live in this order, which never leaves
 the backend), int32 gather/type indices, the destinations ordered heaviest first, and the tile schedules of the
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
-and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
-graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
+and cached on disk by shared-cuda's JIT loader. Per program and signature (which outputs fit the pool, which rows
+are empty): a layout, its launches packed once with a :class:`Slot` for each number a graph gives. Per program and
+graph: a call record, that layout with the graph's numbers written in (output sizes and offsets, grids, the
+graph's kernel arguments as addresses; one executor ``instantiate`` per batch of launches). A step then only
+allocates outputs (the small zero-filled
 ones carved from one pool: one fill per call, not one per buffer; in a batched call the larger zero-initialised
 temporaries too, filled by one kernel of its first batch), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
@@ -770,6 +773,8 @@ class CudaBackend:
             with self._lock:
                 layout = layouts.get(signature, _MISSING)
                 if layout is _MISSING:
+                    if len(layouts) > 64:  # graphs of ever other sizes: the layouts forgotten, made again if seen
+                        layouts.clear()
                     layout = layouts[signature] = self._make_layout(lowered, info, template, consts, keep, signature,
                                                                     nbytes, zeros or frozenset())
         if layout is None:

@@ -1379,4 +1379,4 @@ def cname_file(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)
 
 
-__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "device_graph", "unique_pairs"]
+__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "Slot", "device_graph", "unique_pairs"]

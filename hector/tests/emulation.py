@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hector.runtime.cuda import Slot
+
 SHIM = Path(__file__).resolve().parent / "emulator" / "shim.hpp"
 _CACHE = Path(os.environ.get("HECTOR_EMULATOR_CACHE", Path(tempfile.gettempdir()) / "hector_emulator"))
 
@@ -69,14 +71,28 @@ class EmulatedExecutor:
         self._launch(kernel, grid, block, [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args], smem)
 
     def batch(self, launches):
-        """As the GPU executor's: the launches kept as given, each per-call pointer (a ``(base, offset)`` tuple)
-        resolved at launch."""
+        """As the GPU executor's: the launches kept as given, a template of the instances :meth:`instantiate`
+        makes; each per-call pointer (a ``(base, offset)`` tuple) resolved at launch."""
         for kernel, _, _, _, args in launches:
             for kind, value in zip(kernel[3], args, strict=True):
                 assert kind == "ptr" or not isinstance(value, (torch.Tensor, tuple)), kernel[2]
                 if isinstance(value, torch.Tensor):
                     assert value.device.type == "cpu", kernel[2]
         return list(launches)
+
+    def instantiate(self, batch, values):
+        """As the GPU executor's: each :class:`~hector.runtime.cuda.Slot` (an argument, a patched pointer's offset,
+        a grid's x) replaced by its value; a grid never empty."""
+        def number(v):
+            return values[v.index] if type(v) is Slot else v
+
+        out = []
+        for kernel, (x, y), block, smem, args in batch:
+            x = number(x)
+            assert x > 0, (kernel[2], "an empty grid")
+            out.append((kernel, (x, y), block, smem,
+                        [(v[0], number(v[1])) if type(v) is tuple else number(v) for v in args]))
+        return out
 
     def launch_batch(self, batch, bases, stream) -> None:
         for kernel, grid, block, smem, args in batch:

@@ -108,6 +108,38 @@ def test_a_new_graph_per_call_releases_the_graphs_of_freed_tensors(make):
     assert graph_mod.cached_graphs() >= 1
 
 
+@pytest.mark.parametrize("make", [lambda: hn.RGCNConv(8, 4, 3), lambda: hn.HGTConv(8, 8, 2, 3, heads=2)])
+def test_swapping_the_ids_of_a_cached_graph(make):
+    """``torch.utils.swap_tensors`` on the ``edge_index`` / ``edge_type`` / ``node_type`` of a graph hector has
+    cached (a module conversion swaps tensors so): the swap works (the cache holds no weak reference to the
+    caller's tensors), the graph built from the old ids keeps them (it holds none of the caller's tensor objects),
+    and the next call on the swapped tensors builds a graph from their new ids, with the reference's result."""
+    from hector.runtime import graph as graph_mod
+
+    layer = make()
+    typed = isinstance(layer, hn.HGTConv)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 8)
+    ei, et = torch.randint(0, 20, (2, 50), generator=gen), torch.randint(0, 3, (50,), generator=gen)
+    nt = torch.arange(20) % 2
+    old_ids = (ei.clone(), et.clone())
+    before = layer(x, ei, et, nt)
+    graph = graph_mod.graph_for(ei, et, 20, 3, nt if typed else None, 2 if typed else None)
+    new_ei, new_et = torch.randint(0, 20, (2, 50), generator=gen), torch.randint(0, 3, (50,), generator=gen)
+    expected = layer(x, new_ei.clone(), new_et.clone(), nt)
+    torch.utils.swap_tensors(ei, new_ei)
+    torch.utils.swap_tensors(et, new_et)
+    if typed:
+        torch.utils.swap_tensors(nt, (torch.arange(20) + 1) % 2)
+        expected = layer(x, ei.clone(), et.clone(), nt.clone())
+    assert torch.equal(graph.src, old_ids[0][0]) and torch.equal(graph.etype, old_ids[1]), "the old graph's ids"
+    after = layer(x, ei, et, nt)
+    assert graph_mod.graph_for(ei, et, 20, 3, nt if typed else None, 2 if typed else None) is not graph
+    assert torch.equal(after, expected) and not torch.equal(after, before)
+    # the tensors holding the old ids (swapped into new_ei / new_et) found their old graph no more than new ones
+    assert graph_mod.graph_for(new_ei, new_et, 20, 3, nt if typed else None, 2 if typed else None) is not graph
+
+
 def test_degree_normalisers(small_graph):
     g = small_graph
     inv = g.graph_const("inv_deg_dst_rel", torch.float64)

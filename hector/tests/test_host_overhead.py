@@ -127,9 +127,12 @@ def test_cli_smoke(tmp_path, capsys):
 # 1,694 -> 1,770 when the launch batches' temporaries began to share their allocation's ranges once dead (a take
 # and a give per temporary, placed once per graph), which keeps a call's memory to what kernel by kernel holds;
 # 1,793 -> 1,809 when the backward's zero fill (its pool's) became a launch of its batch, packed once per graph
-# (the step: 706 -> 610 calls, with the lighter autograd entry and exit)
-PLANS_CALLS = 1830
-NEW_GRAPH_CALLS = 2500
+# (the step: 706 -> 610 calls, with the lighter autograd entry and exit). 1,825 -> 726 when a new graph's records
+# became its programs' layouts with the graph's numbers written in (one executor instantiate per launch batch, no
+# packing per graph), prepare_graph replayed the programs worked out on the first graph, and the tile schedules'
+# launches were packed once (plans and step: 2,475 -> 1,356)
+PLANS_CALLS = 780
+NEW_GRAPH_CALLS = 1450
 
 
 def test_split_counts_per_new_graph():
@@ -218,7 +221,7 @@ def test_model_prepared_after_its_first_step_builds_what_its_step_uses():
     from hector.runtime.cuda import device_graph
 
     def plans(graph):
-        return sum(1 for key in device_graph(graph)._cache if isinstance(key, tuple) and key[0] == "launch")
+        return len(device_graph(graph).calls)
 
     torch.manual_seed(0)
     net = host_overhead.GNN2(16, 4, 2, 8, 3).train()
@@ -402,3 +405,80 @@ def test_launch_batches_past_the_arena_limit_hold_at_most_the_allowed_extra(monk
     assert kernel_by_kernel < batched <= kernel_by_kernel + (1 << 20), (batched, kernel_by_kernel)
     _, records = backward_peak(True, 0)
     assert len(records) == 2 and any(r.batched is None for r in records), "past both limits: kernel by kernel"
+
+
+class _Resolving(host_overhead.NullExecutor):
+    """The null executor, with each batch's instances resolved (slots replaced by the graph's values): records
+    that can be compared launch by launch."""
+
+    def batch(self, launches):
+        return list(launches)
+
+    def instantiate(self, batch, values):
+        from hector.runtime.cuda import Slot
+
+        def number(v):
+            return values[v.index] if type(v) is Slot else v
+
+        return [(kernel.name, (number(grid[0]), grid[1]), block, smem,
+                 [(a[0], number(a[1])) if type(a) is tuple else number(a) for a in args])
+                for kernel, grid, block, smem, args in batch]
+
+    def launch_batch(self, batch, bases, stream):
+        self.launches += len(batch)
+
+
+def _record_fields(call) -> tuple:
+    """A call record's contents, comparable with ``==`` (its graph constants by identity)."""
+    b = call.batched
+    assert b is not None
+    consts = tuple((name, id(t)) for name, t in call.consts)
+    return (consts, sorted(call.release), b.bases, b.arena_bytes, b.arena_dtypes, b.pool_bytes, b.pool_dtypes,
+            b.leaves, b.allocs, b.views, b.aliases, b.program, b.leaf_names, b.pool_at)
+
+
+@pytest.mark.parametrize("pool", ["all", "none"])
+@pytest.mark.parametrize("model", ["gnn2", "rgcn", "rgat", "hgt"])
+def test_layouts_reused_on_new_graphs_give_the_records_built_on_them(model, pool, monkeypatch):
+    """A new graph's batched call record is its program's layout (made on an earlier graph of the same signature)
+    with the graph's numbers written in: exactly the record a layout made on that graph itself gives (the same
+    buffers, offsets, sizes, views, launches, grids and arguments), on mini-batches of other sizes and relations,
+    with small buffers in the pool or (``none``) every zero-filled one at the head of the call's allocation."""
+    from hector.runtime import compiled as compiled_mod
+    from hector.runtime import cuda as cuda_mod
+    from hector.runtime.cuda import CudaBackend, device_graph
+
+    if pool == "none":
+        monkeypatch.setattr(cuda_mod, "_POOL_ITEM_BYTES", 0)
+    spec = host_overhead.GRAPHS["minibatch"]
+    torch.manual_seed(0)
+    net = host_overhead._model(model, 16, spec, 2).train()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(spec.num_nodes, net.in_channels, generator=gen).requires_grad_(model != "gnn2")
+    nt = torch.randint(0, spec.num_node_types, (spec.num_nodes,), generator=gen)
+    typed = (nt, spec.num_node_types) if net.num_node_types else (None, None)
+    backend = CudaBackend(_Resolving())
+    monkeypatch.setattr(compiled_mod, "select", lambda device, dtype: backend)
+    reused = 0
+    for n, e, relations in ((400, 1600, 16), (350, 1500, 16), (400, 1700, 3), (390, 1650, 16)):
+        ei = torch.randint(0, n, (2, e), generator=gen)
+        et = torch.randint(0, relations, (e,), generator=gen)
+        layouts = sum(len(t.layouts) for _, t in backend._templates.values())
+        graph = hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, *typed, layers=net)
+        net(x, graph, None, typed[0]).sum().backward()
+        reused += sum(len(t.layouts) for _, t in backend._templates.values()) == layouts
+        dg = device_graph(graph)
+        records = {key: _record_fields(call) for key, call in dg.calls.items()}
+        assert records
+        saved = [(template, dict(template.layouts)) for _, template in backend._templates.values()]
+        for template, _ in saved:  # made anew on this graph
+            template.layouts.clear()
+        dg.calls.clear()
+        hector.prepare_graph(ei, et, spec.num_nodes, spec.num_relations, *typed, layers=net)
+        net(x, graph, None, typed[0]).sum().backward()
+        again = {key: _record_fields(call) for key, call in dg.calls.items()}
+        assert again and all(again[key] == records[key] for key in again)
+        for template, layouts in saved:  # those of the earlier graphs again, for the next graph to reuse
+            template.layouts.clear()
+            template.layouts.update(layouts)
+    assert reused >= 2, "later graphs reused the layouts made on earlier ones"

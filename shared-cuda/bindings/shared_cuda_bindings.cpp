@@ -162,10 +162,12 @@ void bind_shared(nb::module_& m) {
       .def(nb::init<>())
       .def(
           "add",
-          // patches: (parameter, base, offset) of this launch, as patch() takes them (one call per launch)
+          // patches: (parameter, base, offset) of this launch, as patch() takes them; values: (target, parameter,
+          // value index), as bind_value() takes them (target 0: the parameter, 1: its patch's offset, 2: grid x)
           [](jit::launch_list& l, const jit::kernel& k, std::vector<unsigned> grid, std::vector<unsigned> block,
              unsigned shared_memory, const std::vector<nb::bytes>& args,
-             const std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>& patches) {
+             const std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>& patches,
+             const std::vector<std::tuple<int, std::size_t, std::size_t>>& values) {
             SHARED_CUDA_EXPECT(grid.size() == 3 && block.size() == 3, "grid and block must have 3 entries");
             std::vector<std::string> raw;
             raw.reserve(args.size());
@@ -173,11 +175,16 @@ void bind_shared(nb::module_& m) {
             const std::size_t index =
                 l.add(k, {grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, shared_memory, raw);
             for (const auto& [parameter, base, offset] : patches) l.patch(index, parameter, base, offset);
+            for (const auto& [target, parameter, value] : values)
+              l.bind_value(index, static_cast<jit::launch_list::value_target>(target), parameter, value);
             return index;
           },
           nb::arg("kernel"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_memory"), nb::arg("args"),
-          nb::arg("patches") = std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>{})
+          nb::arg("patches") = std::vector<std::tuple<std::size_t, std::size_t, std::uint64_t>>{},
+          nb::arg("values") = std::vector<std::tuple<int, std::size_t, std::size_t>>{})
       .def("patch", &jit::launch_list::patch)
+      // A copy with the bound numbers written from `values` (one per graph a template serves).
+      .def("instantiate", &jit::launch_list::instantiate)
       // The interpreter lock stays held, as for JitKernel.launch.
       .def("launch",
            [](jit::launch_list& l, std::uintptr_t stream, const std::vector<std::uint64_t>& bases, std::size_t first,

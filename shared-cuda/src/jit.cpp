@@ -467,6 +467,74 @@ void launch_list::patch(std::size_t launch, std::size_t parameter, std::size_t b
   max_base_ = std::max(max_base_, base + 1);
 }
 
+launch_list::launch_list(launch_list&& other) noexcept {
+  std::lock_guard<std::mutex> lock(other.mutex_);
+  entries_ = std::move(other.entries_);
+  parameters_ = std::move(other.parameters_);
+  patches_ = std::move(other.patches_);
+  values_ = std::move(other.values_);
+  max_base_ = other.max_base_;
+  max_value_ = other.max_value_;
+}
+
+void launch_list::bind_value(std::size_t launch, value_target target, std::size_t parameter, std::size_t value) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (launch >= entries_.size())
+    throw invalid_argument("launch_list::bind_value: no launch " + std::to_string(launch) + " of " +
+                           std::to_string(entries_.size()));
+  const entry& e = entries_[launch];
+  std::size_t index = launch;
+  if (target == value_target::parameter || target == value_target::patch_offset) {
+    if (parameter >= e.parameter_count)
+      throw invalid_argument("launch_list::bind_value: no parameter " + std::to_string(parameter) + " in launch " +
+                             std::to_string(launch) + " (" + e.k.name() + ")");
+    index = e.first_parameter + parameter;
+  }
+  if (target == value_target::patch_offset) {
+    const auto found = std::find_if(patches_.begin(), patches_.end(),
+                                    [&](const patch_entry& p) { return p.parameter == index; });
+    if (found == patches_.end())
+      throw invalid_argument("launch_list::bind_value: parameter " + std::to_string(parameter) + " of launch " +
+                             std::to_string(launch) + " is not patched");
+    index = static_cast<std::size_t>(found - patches_.begin());
+  } else if (target != value_target::parameter && target != value_target::grid_x) {
+    throw invalid_argument("launch_list::bind_value: unknown target " + std::to_string(static_cast<int>(target)));
+  }
+  values_.push_back(value_entry{target, index, value});
+  max_value_ = std::max(max_value_, value + 1);
+}
+
+launch_list launch_list::instantiate(const std::vector<std::uint64_t>& values) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (values.size() < max_value_)
+    throw invalid_argument("launch_list::instantiate: " + std::to_string(values.size()) + " values given, " +
+                           std::to_string(max_value_) + " needed");
+  launch_list out;
+  out.entries_ = entries_;
+  out.parameters_ = parameters_;
+  out.patches_ = patches_;
+  out.max_base_ = max_base_;
+  for (const auto& v : values_) {
+    const std::uint64_t value = values[v.value];
+    switch (v.target) {
+      case value_target::parameter:
+        out.parameters_[v.index] = value;
+        break;
+      case value_target::patch_offset:
+        out.patches_[v.index].offset = value;
+        break;
+      case value_target::grid_x:
+        if (value == 0 || value > 0x7fffffffULL)
+          throw invalid_argument("launch_list::instantiate: grid x " + std::to_string(value) + " for launch " +
+                                 std::to_string(v.index) + " (" + entries_[v.index].k.name() +
+                                 ") outside [1, 2^31 - 1]");
+        out.entries_[v.index].grid.x = static_cast<unsigned>(value);
+        break;
+    }
+  }
+  return out;
+}
+
 void launch_list::launch(stream_view stream, const std::vector<std::uint64_t>& bases, std::size_t first,
                          std::size_t last) {
   std::lock_guard<std::mutex> lock(mutex_);

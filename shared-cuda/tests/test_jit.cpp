@@ -177,3 +177,45 @@ TEST(launch_list_patches_pointers_on_gpu) {
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST(launch_list_instances_write_bound_values_on_gpu) {
+  // One saxpy launch as a template: x's pointer, y's patch offset, n and the grid bound to values, so each instance
+  // (one per graph in hector) runs on buffers and sizes the template never saw; the template itself stays unbound.
+  need_nvrtc();
+  if (!cuda_available()) SKIP("no CUDA device");
+  const std::string dir = temp_dir();
+  jit::loader loader(dir);
+  jit::kernel saxpy = loader.get(saxpy_source, "saxpy.cu", {})->get_kernel("saxpy");
+  const long long n = 1 << 12, half = n / 2;
+  pinned_buffer x(n * sizeof(float)), y(n * sizeof(float));
+  auto* xs = static_cast<float*>(x.data());
+  auto* ys = static_cast<float*>(y.data());
+  for (long long i = 0; i < n; ++i) xs[i] = float(i % 13), ys[i] = 1.0F;
+  auto pack = [](auto value) { return std::string(reinterpret_cast<const char*>(&value), sizeof(value)); };
+  using target = jit::launch_list::value_target;
+  jit::launch_list list;
+  list.add(saxpy, {1}, {256}, 0, {pack(3.0F), pack(std::uint64_t(0)), pack(std::uint64_t(0)), pack(0LL)});
+  list.patch(0, 2, 0, 0);
+  list.bind_value(0, target::parameter, 1, 0);     // x
+  list.bind_value(0, target::patch_offset, 2, 1);  // y's offset from base 0
+  list.bind_value(0, target::parameter, 3, 2);     // n
+  list.bind_value(0, target::grid_x, 0, 3);
+  CHECK_THROWS(std::invalid_argument, list.bind_value(1, target::parameter, 0, 0));     // no launch 1
+  CHECK_THROWS(std::invalid_argument, list.bind_value(0, target::parameter, 4, 0));     // no parameter 4
+  CHECK_THROWS(std::invalid_argument, list.bind_value(0, target::patch_offset, 1, 0));  // x is not patched
+  CHECK_THROWS(std::invalid_argument, list.instantiate({1, 2, 3}));                     // 4 values needed
+  const auto x_at = [&](long long i) { return reinterpret_cast<std::uint64_t>(x.device_pointer()) + i * 4; };
+  const unsigned blocks = unsigned((half + 255) / 256);
+  CHECK_THROWS(std::invalid_argument, list.instantiate({x_at(0), 0, std::uint64_t(half), 0}));  // an empty grid
+  // the first half of y from x's first half; the second from x's second half, offset half elements from the base
+  jit::launch_list first = list.instantiate({x_at(0), 0, std::uint64_t(half), blocks});
+  jit::launch_list second = list.instantiate({x_at(half), std::uint64_t(half * 4), std::uint64_t(half), blocks});
+  CHECK(first.size() == 1 && second.size() == 1);
+  stream s;
+  const std::uint64_t base = reinterpret_cast<std::uint64_t>(y.device_pointer());
+  second.launch(s.view(), {base}, 0, 1);
+  first.launch(s.view(), {base}, 0, 1);
+  s.synchronize();
+  for (long long i = 0; i < n; ++i) CHECK(ys[i] == 3.0F * float(i % 13) + 1.0F);
+  std::filesystem::remove_all(dir);
+}

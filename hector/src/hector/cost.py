@@ -124,7 +124,8 @@ def size_class(stats: Mapping[str, int]) -> tuple[int, ...]:
     """Graphs of one size class (row counts within a factor of ~1.4, the same type counts) get the same choice:
     mini-batches of one sampler then share one decision and one compiled program instead of one per batch."""
     rows = (stats["num_nodes"], stats["num_edges"], stats["num_unique"])
-    return tuple(round(2 * math.log2(max(v, 1))) for v in rows) + (stats["num_relations"], stats["num_node_types"])
+    return tuple([round(2 * math.log2(max(v, 1))) for v in rows]) + (stats["num_relations"],
+                                                                      stats["num_node_types"])
 
 
 def choose_options(layer: Any, graph: Any, objective: str = "time") -> Options:

@@ -113,14 +113,38 @@ class kernel {
 // writes the changing pointer parameters (a base address given to that call plus a fixed offset) and issues every
 // launch in order, one call instead of one per kernel with its parameters packed again. Parameters are at most 8
 // bytes (pointers and scalars). launch() may be called from several threads (one at a time).
+//
+// A list can also be a template for many instances of the same launches (one per graph a layer runs on): some of its
+// numbers bound to value indices (bind_value), and instantiate(values) makes a copy with those numbers written from
+// one vector, one call per instance instead of packing every launch again.
 class launch_list {
  public:
+  // What a bound value replaces in an instance (see bind_value).
+  enum class value_target : int {
+    parameter = 0,     // a parameter (a pointer or an integer, written as its 8-byte slot)
+    patch_offset = 1,  // the offset of the parameter's patch (see patch): bases[base] + values[value]
+    grid_x = 2,        // the launch's grid x (the parameter index is not read)
+  };
+
+  launch_list() = default;
+  // A new list with `other`'s launches, patches and bound values (and a mutex of its own).
+  launch_list(launch_list&& other) noexcept;
+  launch_list(const launch_list&) = delete;
+  launch_list& operator=(const launch_list&) = delete;
+  launch_list& operator=(launch_list&&) = delete;
+
   // Appends a launch; `argument_bytes` as for kernel::launch (one entry of 1 to 8 bytes per parameter). Returns its
   // index.
   std::size_t add(const kernel& k, dim3 grid, dim3 block, unsigned shared_memory_bytes,
                   const std::vector<std::string>& argument_bytes);
   // Parameter `parameter` of launch `launch` (a pointer) becomes bases[base] + offset at every launch().
   void patch(std::size_t launch, std::size_t parameter, std::size_t base, std::uint64_t offset);
+  // In every instance (see instantiate), `target` of launch `launch` becomes values[value]: its parameter `parameter`,
+  // the offset of its patch of parameter `parameter` (patched before), or its grid's x.
+  void bind_value(std::size_t launch, value_target target, std::size_t parameter, std::size_t value);
+  // A copy of this list with every bound number written from `values` (as many as the largest bound value index
+  // + 1, or more); the copy binds no values of its own. A grid x bound to 0 is an error (a launch with no blocks).
+  launch_list instantiate(const std::vector<std::uint64_t>& values) const;
   // Writes the patched parameters from `bases` and launches launches [first, last) in order on `stream`.
   void launch(stream_view stream, const std::vector<std::uint64_t>& bases, std::size_t first, std::size_t last);
   std::size_t size() const noexcept { return entries_.size(); }
@@ -136,11 +160,18 @@ class launch_list {
     std::size_t parameter, base;
     std::uint64_t offset;
   };
+  struct value_entry {
+    value_target target;
+    std::size_t index;  // the parameter's slot, the patch's or the launch's index
+    std::size_t value;
+  };
   std::vector<entry> entries_;
   std::vector<std::uint64_t> parameters_;  // one 8-byte slot per parameter of every launch, in order
   std::vector<patch_entry> patches_;
-  std::size_t max_base_ = 0;  // the bases a launch() needs: one more than the largest patched base index
-  std::mutex mutex_;
+  std::vector<value_entry> values_;
+  std::size_t max_base_ = 0;   // the bases a launch() needs: one more than the largest patched base index
+  std::size_t max_value_ = 0;  // the values an instantiate() needs: one more than the largest bound value index
+  mutable std::mutex mutex_;
 };
 
 // A cubin loaded into the current device's primary context.

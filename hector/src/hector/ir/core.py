@@ -29,6 +29,10 @@ class Domain(enum.Enum):
     UNIQUE = "unique"
     PARAM = "param"
 
+    # members compare by identity, so they hash by it: Enum's own __hash__ is a Python call, and the runtime's
+    # caches per graph are keyed by domains (dozens of lookups for every new mini-batch)
+    __hash__ = object.__hash__
+
 
 ROW_DOMAINS = (Domain.NODE, Domain.EDGE, Domain.UNIQUE)
 
@@ -72,6 +76,8 @@ class OpKind(enum.Enum):
 
 class Op(enum.Enum):
     """Ops grouped by kind. ``value`` is the mnemonic the printer uses."""
+
+    __hash__ = object.__hash__  # as Domain's: members compare by identity
 
     # leaves
     INPUT = "input"  # attrs: name, domain, shape

@@ -207,9 +207,9 @@ class RelationalLayer(nn.Module):
         compiled = self.compiled(graph)
         used = {name for _, name in compiled.leaf_names}
         dtypes = {self.input_name: run_dtype}  # x in the parameters' dtype (or cast to the autocast one)
-        dtypes.update((k, cast(v) if dtype is not None else v.dtype) for k, v in tensors.items())
+        dtypes.update({k: cast(v) if dtype is not None else v.dtype for k, v in tensors.items()})
         dtypes = {k: v for k, v in dtypes.items() if k in used}
-        trained = frozenset(k for k, v in tensors.items() if v.requires_grad and k in used)
+        trained = frozenset([k for k, v in tensors.items() if v.requires_grad and k in used])
         if input_grad is None:  # a layer pickled before it kept the attribute has seen no call
             input_grad = getattr(self, "_input_grad_seen", None)
         variants = (False, True) if input_grad is None else (bool(input_grad),)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import operator
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ from .backend import Backend, select
 from .graph import Graph
 
 _LOCK = threading.RLock()
+_IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
 
 
 @dataclass
@@ -33,6 +34,8 @@ class CompiledLayer:
     full_backward_lowered: Lowered  # the backward for every leaf, lowered once (the cost model reads it)
     _backward: dict[frozenset, tuple[Backward, Lowered]] = field(default_factory=dict)
     _bindings: dict[tuple[str, ...], Any] = field(default_factory=dict)  # leaf names -> Binding
+    # (the backend's prepare, leaf dtypes, training, gradient sets) -> the (program, leaf dtypes, keep) it prepares
+    _prepares: dict[tuple, tuple] = field(default_factory=dict)
 
     @functools.cached_property
     def leaf_names(self) -> tuple[tuple[Op, str], ...]:
@@ -79,7 +82,7 @@ class Binding:
     (compiled layer, names) instead of on every call and every backward, with the backward program, its lowering and
     where each of its gradients goes for each set of inputs autograd wants a gradient for."""
 
-    __slots__ = ("compiled", "names", "keys", "outputs", "_backwards")
+    __slots__ = ("compiled", "names", "keys", "outputs", "leaf_names", "_backwards")
 
     def __init__(self, compiled: CompiledLayer, names: tuple[str, ...]):
         self.compiled = compiled
@@ -87,11 +90,14 @@ class Binding:
         leaf_names = compiled.leaf_names
         self.keys = tuple((Op.INPUT if (Op.INPUT, n) in leaf_names else Op.PARAM, n) for n in names)
         self.outputs = tuple(compiled.forward.outputs)
+        # the backward's leaves: the forward's saved values, then the gradients of its outputs (by these names)
+        self.leaf_names = tuple(compiled.saved) + tuple(f"grad:{o}" for o in self.outputs)
         self._backwards: dict[tuple[bool, ...], tuple[Lowered, tuple[tuple[str, int], ...]] | None] = {}
 
     def backward(self, needs: tuple[bool, ...]) -> tuple[Lowered, tuple[tuple[str, int], ...]] | None:
         """The lowered backward for the inputs flagged in ``needs`` (one flag per name) and, per gradient it makes,
-        (its value name, the input's position); None when no input needs one."""
+        (its value name, the input's position); None when no input needs one. Its leaves are bound by
+        :attr:`leaf_names`."""
         hit = self._backwards.get(needs)
         if hit is not None or needs in self._backwards:
             return hit
@@ -152,13 +158,15 @@ def _backward(ctx: Any, *grad_outputs: torch.Tensor):
     bound: Binding = ctx.bound
     ctx.graph.check_ids_unchanged()  # the ids the forward ran on, not ids written into them since
     grads: list[Any] = [None] * (3 + len(bound.names))
-    hit = bound.backward(tuple(ctx.needs_input_grad[3:]))
+    hit = bound.backward(ctx.needs_input_grad[3:])
     if hit is None:
         return tuple(grads)
     lowered, places = hit
-    leaves: dict[str, torch.Tensor] = dict(zip(bound.compiled.saved, ctx.saved_tensors, strict=True))
-    for o, g in zip(bound.outputs, grad_outputs, strict=True):
-        leaves[f"grad:{o}"] = g if g.is_contiguous() else g.contiguous()
+    if all(map(_IS_CONTIGUOUS, grad_outputs)):
+        leaves = dict(zip(bound.leaf_names, ctx.saved_tensors + grad_outputs, strict=True))
+    else:
+        leaves = dict(zip(bound.leaf_names, ctx.saved_tensors + tuple(
+            g if g.is_contiguous() else g.contiguous() for g in grad_outputs), strict=True))
     # the saved values are values the forward made (contiguous), the output gradients made contiguous above
     env = ctx.backend.run(lowered, ctx.graph, leaves, keep=(), contiguous=True)
     for name, position in places:
@@ -180,22 +188,35 @@ def prepare_apply(compiled: CompiledLayer, graph: Graph, dtypes: Mapping[str, to
     layout of the graph and its launch plans, for the forward (``training``: the one that keeps values for a
     backward) and for the backward of each set of leaf names in ``grads`` (the leaves that will want a
     gradient). Returns False where the backend builds nothing ahead (the reference backend)."""
-    names = tuple(name for _, name in compiled.leaf_names if name in dtypes)
+    names = [name for _, name in compiled.leaf_names if name in dtypes]
     leaves = {name: dtypes[name] for name in names}
     backend = select(graph.device, leaves[names[0]])
     if getattr(backend, "prepare", None) is None:
         return False
     # a loader thread's current device need not be the graph's (each thread starts on the first GPU): modules
     # are loaded and kernels queued on the graph's device, on that thread's current stream there
-    with torch.cuda.device(graph.device) if graph.device.type == "cuda" else contextlib.nullcontext():
+    if graph.device.type == "cuda":
+        with torch.cuda.device(graph.device):
+            _prepare_on(backend.prepare, compiled, graph, leaves, training, grads)
+    else:
         _prepare_on(backend.prepare, compiled, graph, leaves, training, grads)
     return True
 
 
 def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.dtype],
                 training: bool, grads: Iterable[frozenset[str]]) -> None:
+    # the programs to prepare and their leaves' dtypes are the same on every graph: worked out on the first, then
+    # each prepared in turn (a loader thread prepares every mini-batch this way)
+    grads = tuple(grads)
+    key = (getattr(prepare, "__func__", prepare), tuple(leaves.items()), training, grads)
+    recipe = compiled._prepares.get(key)
+    if recipe is not None:
+        for lowered, dtypes, keep in recipe:
+            prepare(lowered, graph, dtypes, keep=keep)
+        return
     saved = compiled.saved if training else ()
     plan = compiled.forward_lowered if training else compiled.inference_lowered
+    recipe = [(plan, leaves, saved)]
     env = prepare(plan, graph, leaves, keep=saved)
     if training:
         # the backward's leaves in the order its call binds them: the saved values, then the output gradients
@@ -204,7 +225,13 @@ def _prepare_on(prepare: Any, compiled: CompiledLayer, graph: Graph, leaves: dic
         for wanted in grads:
             keys = [key for key in compiled.leaf_names if key[1] in wanted and key[1] in leaves]
             if keys:
-                prepare(compiled.backward_for(keys)[1], graph, bw_leaves, keep=())
+                lowered = compiled.backward_for(keys)[1]
+                recipe.append((lowered, bw_leaves, ()))
+                prepare(lowered, graph, bw_leaves, keep=())
+    with _LOCK:
+        if len(compiled._prepares) > 64:  # dtypes and settings since changed: forgotten, rebuilt if seen again
+            compiled._prepares.clear()
+        compiled._prepares[key] = tuple(recipe)
 
 
 def apply(compiled: CompiledLayer, graph: Graph, leaves: dict[str, torch.Tensor]):

@@ -4,8 +4,11 @@ Per graph (computed once and cached on the :class:`~hector.runtime.graph.Graph`)
 (so a destination's in-edges are one contiguous range; edge-domain values live in this order, which never leaves
 the backend), int32 gather/type indices, the destinations ordered heaviest first, and the tile schedules of the
 segment GEMMs. Per program and dtypes: one CUDA module (one NVRTC call), compiled for the GPU's exact architecture
-and cached on disk by shared-cuda's JIT loader. Per program and graph: a launch plan (output shapes, grids, the
-graph's kernel arguments, when each value is released). A step then only allocates outputs (the small zero-filled
+and cached on disk by shared-cuda's JIT loader. Per program and signature (which outputs fit the pool, which rows
+are empty): a layout, its launches packed once with a :class:`Slot` for each number a graph gives. Per program and
+graph: a call record, that layout with the graph's numbers written in (output sizes and offsets, grids, the
+graph's kernel arguments as addresses; one executor ``instantiate`` per batch of launches). A step then only
+allocates outputs (the small zero-filled
 ones carved from one pool: one fill per call, not one per buffer; in a batched call the larger zero-initialised
 temporaries too, filled by one kernel of its first batch), binds its values and launches kernels on the
 current stream: no host synchronisation, so a whole layer can be captured in a CUDA graph.
@@ -93,28 +96,47 @@ class JitExecutor:
                   for (pointer, pack), value in zip(kernel._packers, args, strict=True)]
         kernel._kernel.launch([grid[0], grid[1], 1], [block, 1, 1], smem, stream, packed)
 
-    def batch(self, launches: list[tuple[Any, tuple[int, int], int, int, list]]) -> Any:
-        """Packs a sequence of launches once (see :meth:`CudaBackend._batched`): each (kernel, grid, block, shared
-        memory, arguments), an argument a Python number, a tensor (its address: the tensor is kept alive with the
-        batch) or a ``(base, offset)`` tuple, a pointer patched per launch. The batch lives in shared-cuda's
-        launch list, which launches it in one call."""
+    def batch(self, launches: list[tuple[Any, tuple[Any, int], int, int, list]]) -> Any:
+        """Packs a sequence of launches once, as a template of the instances :meth:`instantiate` makes (see
+        :meth:`CudaBackend._batched_call`): each (kernel, grid, block, shared memory, arguments), an argument a
+        Python number, a :class:`Slot` (a pointer or integer each instance gives: a graph's index array, a row
+        count), a tensor (its address: the tensor is kept alive with the batch) or a ``(base, offset)`` tuple, a
+        pointer patched per launch (``offset`` a number or a :class:`Slot`); the grid's x a number or a
+        :class:`Slot`. The batch lives in shared-cuda's launch list, which an instance copies with its values in
+        one call and launches in one call."""
         from .. import _core
 
         launch_list = _core.LaunchList()
         held = []
         for kernel, grid, block, smem, args in launches:
-            packed, patches = [], []
+            packed, patches, values = [], [], []
             for j, ((pointer, pack), value) in enumerate(zip(kernel._packers, args, strict=True)):
                 if type(value) is tuple:
-                    patches.append((j, *value))
+                    base, offset = value
+                    if type(offset) is Slot:
+                        values.append((1, j, offset.index))
+                        offset = 0
+                    patches.append((j, base, offset))
+                    packed.append(pack(0))
+                elif type(value) is Slot:
+                    values.append((0, j, value.index))
                     packed.append(pack(0))
                 elif pointer and not isinstance(value, int):
                     held.append(value)
                     packed.append(pack(value.data_ptr()))
                 else:
                     packed.append(pack(value))
-            launch_list.add(kernel._kernel, [grid[0], grid[1], 1], [block, 1, 1], smem, packed, patches)
+            x = grid[0]
+            if type(x) is Slot:
+                values.append((2, 0, x.index))
+                x = 1
+            launch_list.add(kernel._kernel, [x, grid[1], 1], [block, 1, 1], smem, packed, patches, values)
         return (launch_list, len(launches), held)
+
+    def instantiate(self, batch: Any, values: list[int]) -> Any:
+        """An instance of a :meth:`batch`: its :class:`Slot` numbers from ``values`` (non-negative integers; a slot
+        of a grid's x never 0), one call."""
+        return (batch[0].instantiate(values), batch[1], batch[2])
 
     def launch_batch(self, batch: Any, bases: list[int], stream: int) -> None:
         """Launches a :meth:`batch` in order on ``stream``, its patched arguments from ``bases``."""
@@ -135,6 +157,14 @@ class JitExecutor:
             self._props[index] = {"multiprocessors": props.multi_processor_count,
                                   "arch": props.major * 10 + props.minor}
         return self._props[index]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A launch argument (or grid x) of an executor's batch that each of its instances gives: ``values[index]`` of
+    :meth:`JitExecutor.instantiate` (a pointer or a non-negative integer)."""
+
+    index: int
 
 
 # ------------------------------------------------------------------------------------------------- backend
@@ -179,7 +209,9 @@ _EMPTY = object()  # how a call record allocates an output: uninitialised ...
 _ZERO = object()  # ... or zero-filled (else the name of the earlier value whose buffer it accumulates into)
 
 
-@dataclass(frozen=True, slots=True)
+# a call record and its batched form are not frozen dataclasses: a frozen one's __init__ sets each field through
+# object.__setattr__, a call per field, and a mini-batch loop makes records for every program on every graph
+@dataclass(slots=True)
 class _Call:
     """A call record (see :meth:`CudaBackend._call`): the graph's constants, the call's zero-filled pool and the
     flat steps (kind, values dropped before it, outputs to allocate as (name, shape, dtype, how), kernel, grid,
@@ -222,7 +254,7 @@ def _einsum_step(equation: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Te
     return out if out.is_contiguous() else out.contiguous()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Batched:
     """A call record's batched form (see :meth:`CudaBackend._batched`)."""
 
@@ -238,6 +270,37 @@ class _Batched:
     program: tuple  # (_LAUNCH, batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, shape, p))
     leaf_names: tuple = ()  # the values of ``leaves``, in order
     pool_at: int = -1  # where the pool lies in the temporaries' allocation (pool_bytes 0), -1: an allocation of its own
+
+
+_CONST = -1  # where a graph constant lives in a _Layout (its address a value of the graph's)
+_MISSING = object()
+_SECOND = operator.itemgetter(1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A batched call's layout on every graph of one signature (see :meth:`CudaBackend._make_layout`): outputs
+    are named by their position in the template's ``sizes``, a graph gives their bytes and offsets."""
+
+    bases: int  # how many addresses a call passes
+    head: tuple[int, ...]  # the zero-filled temporaries at the head of the call's allocation, in order
+    ops: tuple[tuple[int, int], ...]  # (0: take, 1: give, output): the other temporaries' ranges, first fit
+    # the same with what the size limit counts, per kernel: (2: a head output, 3: a buffer handed back, 4: the
+    # kernel's end, where the limit is checked)
+    checked: tuple[tuple[int, int], ...]
+    allocs: tuple  # (value, base, rows slot or None, feature shape, dtype, zero-filled): buffers of their own
+    views: tuple  # (value, _ARENA or _POOL, dtype, rows slot or None, feature shape, stride, output placing it)
+    aliases: tuple  # (value, the value whose buffer it is)
+    leaves: tuple  # (value, base)
+    leaf_names: tuple
+    # (_LAUNCH, executor batch) | (_EINSUM, (equation, dtype, a, b, out, base)) | (_RNG, (out, base, rows slot or
+    # None, feature shape, p))
+    program: tuple
+    fills: int  # the fill kernel launched first: 1 for the head, 2 for the pool (their sum)
+    release: tuple[str, ...]
+    arena_dtypes: frozenset  # the dtypes of the views of the temporaries' allocation ...
+    pool_dtypes: frozenset  # ... of the pool's ...
+    merged_dtypes: frozenset  # ... and of the allocation's when the pool lies in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +338,9 @@ class _KernelTemplate:
     # dtype, zero-filled, may live in the pool, elements per row, the feature's row-major strides, item bytes)
     sized: tuple = ()
     step: Any = None  # an einsum's whole _Step: nothing in it depends on the graph
+    first: int = 0  # the position of the first of ``sized`` among the template's outputs (_Template.sizes)
+    graph_at: tuple[tuple[int, int], ...] = ()  # (argument position, its key's position in _Template.graph_keys)
+    grid_at: int = -1  # the position of grid_key in _Template.graph_keys (-1: a fixed grid)
 
 
 @dataclass(frozen=True)
@@ -283,6 +349,11 @@ class _Template:
     kernels: tuple[_KernelTemplate, ...]
     value_dtypes: dict = field(default_factory=dict)  # model dtype -> what CudaBackend._value_dtypes returns
     dying: dict = field(default_factory=dict)  # step index -> the values no later step reads (_last_readers)
+    # per output of a launch or RNG step, in order: (rows slot, 3 for a parameter's, bytes per row) ...
+    sizes: tuple[tuple[int, int], ...] = ()
+    poolable: tuple[int, ...] = ()  # ... the positions of those that may live in a call's pool ...
+    graph_keys: tuple = ()  # ... the graph's arguments and grids its kernels read (DeviceGraph.bound keys)
+    layouts: dict = field(default_factory=dict)  # signature -> _Layout or None (see CudaBackend._batched_call)
 
 
 @dataclass(frozen=True)
@@ -312,7 +383,10 @@ class CudaBackend:
         self._fast_plans: dict[tuple, tuple[Any, _Plan]] = {}
         self._infos: dict[int, tuple[Any, _ProgramInfo]] = {}
         self._templates: dict[tuple, tuple[_Plan, _Template]] = {}
+        self._call_kinds: dict[tuple, tuple[Any, _Plan, _Template]] = {}  # (call key, device) -> its plan, template
+        self._prepared: dict[tuple, tuple] = {}  # what prepare() works out once per program, dtypes and keep
         self._schedule: Any = None
+        self._schedule_batch: Any = None  # the schedule kernel's launch as an executor batch (see build_schedule)
         self._fill: Any = None
         self._support: dict[tuple, str | None] = {}
         self.compiled_modules = 0
@@ -404,14 +478,25 @@ class CudaBackend:
             with self._lock:
                 self._load_schedule()
         table = torch.empty(slots, 3, dtype=torch.int32, device=counts.device)
+        executor = self.executor
+        if self._schedule_batch is not None:
+            # the launch packed once, every argument a value of its instance: a new graph's schedules (several
+            # per graph) pack nothing in Python
+            values = [counts.data_ptr(), counts.numel(), rows, slots, table.data_ptr()]
+            executor.launch_batch(executor.instantiate(self._schedule_batch, values), (), executor.stream())
+            return table
         args = [counts, counts.numel(), rows, slots, table]
-        self.executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, self.executor.stream())
+        executor.launch(self._schedule, (1, 1), schedule_kernel.BLOCK, args, 0, executor.stream())
         return table
 
     def _load_schedule(self) -> None:
         if self._schedule is None:
             handle = self.executor.load(schedule_kernel.MODULE, f"{schedule_kernel.KERNEL}.cu")
-            self._schedule = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+            kernel = self.executor.kernel(handle, schedule_kernel.KERNEL, schedule_kernel.SIGNATURE, 0)
+            if hasattr(self.executor, "instantiate"):
+                self._schedule_batch = self.executor.batch(
+                    [(kernel, (1, 1), schedule_kernel.BLOCK, 0, [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4)])])
+            self._schedule = kernel
 
     def _fill_kernel(self) -> Any:
         """The zero-fill kernel (:mod:`hector.codegen.fill`), loaded on first use."""
@@ -431,18 +516,28 @@ class CudaBackend:
         Device work goes to the calling thread's current stream. Returns the dtype of every value that call's
         environment would hold (what a backward run reads from it)."""
         dg = device_graph(graph)
-        info = self._program_info(lowered)
-        model_dtype = next((d for d in dtypes.values() if d.is_floating_point), torch.float32)
-        acc = torch.float64 if model_dtype == torch.float64 else torch.float32
-        env = {name: dtypes[leaf] for name, leaf in info.leaves}
-        for name, _ in info.consts:
-            env[name] = acc
+        keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
+        key = (id(lowered), tuple(dtypes.items()), keep_key, dg.device, config.tf32(), config.settings.split_degree)
+        hit = self._prepared.get(key)
+        if hit is None or hit[0] is not lowered:  # what the call's leaves and values are: the same on every graph
+            info = self._program_info(lowered)
+            model_dtype = next((d for d in dtypes.values() if d.is_floating_point), torch.float32)
+            acc = torch.float64 if model_dtype == torch.float64 else torch.float32
+            env = {name: dtypes[leaf] for name, leaf in info.leaves}
+            for name, _ in info.consts:
+                env[name] = acc
+            plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
+                             dg.device)
+            env.update(self._value_dtypes(lowered, plan, keep_key, model_dtype))
+            hit = (lowered, info, tuple(dtypes[leaf] for _, leaf in info.leaves), model_dtype, env)
+            with self._lock:
+                if len(self._prepared) > 4096:  # programs of layers since deleted: forgotten, rebuilt if seen again
+                    self._prepared.clear()
+                self._prepared[key] = hit
+        _, info, leaf_dtypes, model_dtype, env = hit
         # the call record (and through it the module and the launch plan) of the call to come
-        self._call(lowered, info, dg, keep, tuple(dtypes[leaf] for _, leaf in info.leaves), model_dtype)
-        plan = self.plan(lowered, {name: DTYPE_KEY[d] for name, d in env.items()}, DTYPE_KEY[model_dtype],
-                         dg.device)
-        env.update(self._value_dtypes(lowered, plan, None if keep is None else tuple(keep), model_dtype))
-        return env
+        self._call(lowered, info, dg, keep_key, leaf_dtypes, model_dtype)
+        return dict(env)
 
     def _value_dtypes(self, lowered, plan: _Plan, keep: tuple[str, ...] | None,
                       model_dtype: torch.dtype) -> tuple[tuple[str, torch.dtype], ...]:
@@ -577,7 +672,9 @@ class CudaBackend:
         program's leaf order), made once and kept on the device graph: a call then does one dictionary lookup
         instead of finding its module, constants and launch plan anew (each a few lookups with keys hashed in
         Python), and runs a flat list of steps. Keyed by the settings the module depends on, so that changing
-        them makes a new record (and, where needed, a new module); emptied when a padded layout settles."""
+        them makes a new record (and, where needed, a new module); emptied when a padded layout settles. A record
+        of a new graph is a batched one where it can be (:meth:`_batched_call`: the graph's numbers written into
+        a layout made once per program), else kernel by kernel (:meth:`_stepwise_call`)."""
         keep_key = keep if keep is None or type(keep) is tuple else tuple(keep)
         settings = config.settings  # read as attributes: a function call each is host time on every layer call
         batches = settings.launch_batches
@@ -587,25 +684,34 @@ class CudaBackend:
         if hit is not None and hit.lowered is lowered:
             return hit
         acc = torch.float64 if model_dtype == torch.float64 else torch.float32
-        consts = tuple((name, dg.graph.graph_const(kind, acc)) for name, kind in info.consts)
-        env_dtypes = {name: DTYPE_KEY[d] for (name, _), d in zip(info.leaves, dtypes, strict=True)}
-        env_dtypes.update((name, DTYPE_KEY[t.dtype]) for name, t in consts)
-        plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
-        steps = self._launch_plan(lowered, plan, dg, keep)
-        # values die after their last reader where a call releases values (keep given), as on the kernel path
-        dying = {} if keep is None else self._template(lowered, plan, keep_key).dying
-        batched = self._batched(lowered, info, steps, consts, keep, dying, dg.device, extra_mb << 20) \
-            if batches and hasattr(self.executor, "batch") else None
-        if batched is not None:
-            made = {v[0] for part in (batched.allocs, batched.views, batched.aliases) for v in part}
-            made.update(item[4] if kind == _EINSUM else item[0] for kind, item in batched.program if kind != _LAUNCH)
-            release = () if keep is None else tuple(n for n in made if n not in steps.keep)
-            call = _Call(lowered, consts, 0, frozenset(), (), (), release, batched)
+        # the module and the graph-independent part of the launch plan: the same for every graph of this device
+        kind = self._call_kinds.get((key, dg.device))
+        if kind is None or kind[0] is not lowered:
+            env_dtypes = {name: DTYPE_KEY[d] for (name, _), d in zip(info.leaves, dtypes, strict=True)}
+            env_dtypes.update((name, DTYPE_KEY[acc]) for name, _ in info.consts)  # graph_const(kind, acc)'s
+            plan = self.plan(lowered, env_dtypes, DTYPE_KEY[model_dtype], dg.device)
+            kind = (lowered, plan, self._template(lowered, plan, keep_key))
             with self._lock:
-                dg.calls[key] = call
-            return call
+                if len(self._call_kinds) > 4096:  # programs of layers since deleted: forgotten, rebuilt if seen again
+                    self._call_kinds.clear()
+                self._call_kinds[key, dg.device] = kind
+        _, plan, template = kind
+        consts = tuple([(name, dg.graph.graph_const(kind, acc)) for name, kind in info.consts])
+        call = None
+        if batches and hasattr(self.executor, "batch"):
+            call = self._batched_call(lowered, info, plan, template, dg, consts, keep, extra_mb << 20)
+        if call is None:
+            call = self._stepwise_call(lowered, info, self._launch_plan(lowered, plan, dg, keep), consts, keep)
+        with self._lock:
+            dg.calls[key] = call
+        return call
+
+    def _stepwise_call(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any) -> _Call:
+        """The call record that runs ``steps`` kernel by kernel (each buffer of its own, released after its last
+        reader where the call keeps values): for calls too large for :meth:`_batched_call`."""
         flat = []
-        made = set(env_dtypes)
+        made = set(name for name, _ in info.leaves)
+        made.update(name for name, _ in consts)
         for step in steps:
             made.difference_update(step.drop)
             if step.kind == _EINSUM:
@@ -629,177 +735,280 @@ class CudaBackend:
         release = () if keep is None else tuple(n for n in made if n not in steps.keep and n not in info.leaf_names)
         packed = tuple((name, dtype, shape, stride, offset) for name, (dtype, shape, stride, offset)
                        in steps.packed.items())
-        call = _Call(lowered, consts, steps.pool_bytes, frozenset(steps.pool_dtypes), packed, tuple(flat), release)
-        with self._lock:
-            dg.calls[key] = call
-        return call
+        return _Call(lowered, consts, steps.pool_bytes, frozenset(steps.pool_dtypes), packed, tuple(flat), release)
 
-    def _batched(self, lowered, info: _ProgramInfo, steps: _Steps, consts: tuple, keep: Any,
-                 dying: dict[int, list[str]], device: torch.device, extra_bytes: int) -> _Batched | None:
-        """The call as batches of launches for the executor (``executor.batch``): each kernel's arguments packed
-        once, with a buffer made per call given as a ``(base, offset)`` tuple (its address: ``bases[base] + offset``
-        bytes, ``bases`` the addresses each ``executor.launch_batch`` call passes: of the call's temporaries'
-        allocation, its zero-filled pool, each leaf, each buffer it hands back, each einsum or dropout result;
-        graph arguments are tensors and numbers, never tuples). The call's temporaries then share one allocation
-        (the zero-initialised ones too large for the pool at its head, zero-filled by the fill kernel launched
-        first: no torch call and no launch of its own per buffer),
-        live until the call's end instead of their last reader, and need no Python per kernel: only for calls
-        whose temporaries take at most ``_ARENA_BYTES`` (small graphs and mini-batches, bound by the host) or
-        whose buffers take at most ``extra_bytes`` more than the kernel-by-kernel path holds at its peak
-        (larger mini-batches); None for the others, which keep the kernel-by-kernel path and its lower peak
-        memory."""
+    def _batched_call(self, lowered, info: _ProgramInfo, plan: _Plan, template: _Template, dg: DeviceGraph,
+                      consts: tuple, keep: Any, extra_bytes: int) -> _Call | None:
+        """The call as batches of launches for the executor (``executor.batch``), or None where it runs kernel by
+        kernel. A batched call's temporaries share one allocation (the zero-initialised ones too large for the
+        pool at its head, zero-filled by the fill kernel launched first: no torch call and no launch of its own
+        per buffer), live until the call's end or (where it keeps values) until their last reader, and need no
+        Python per kernel: only for calls whose temporaries take at most ``_ARENA_BYTES`` (small graphs and
+        mini-batches, bound by the host) or whose buffers take at most ``extra_bytes`` more than the
+        kernel-by-kernel path holds at its peak (larger mini-batches); the others keep the kernel-by-kernel path
+        and its lower peak memory.
+
+        A new graph's record is the program's :class:`_Layout` (made once per signature: which outputs live in
+        the pool, which row counts and graph numbers are 0; see :meth:`_make_layout`) with this graph's numbers
+        written in: each output's bytes from the row counts, the pool's and the temporaries' offsets (the latter
+        placed first fit, a range free again after its last reader), the graph's arguments and grids (each
+        computed once per graph, shared by every program on it: :meth:`DeviceGraph.bound`), one
+        ``executor.instantiate`` per batch of launches."""
+        rows = (dg.num_nodes, dg.num_edges, dg.num_unique, 1)
+        nbytes = [rows[slot] * size for slot, size in template.sizes]
+        offsets = [0] * len(nbytes)
+        # the small zero-filled outputs in the call's pool (see _launch_plan, which places them the same way)
+        pool, signature = _pool(template.poolable, nbytes, offsets)
+        sms = self.executor.properties(dg.device)["multiprocessors"]
+        values = dg.bound_values(sms)
+        graph = list(map(values.get, template.graph_keys))
+        if None in graph:  # the first program on this graph to read them
+            self._graph_values(template.graph_keys, graph, dg, sms)
+        zeros = frozenset([i for i, v in enumerate(graph) if v == 0]) if 0 in graph else None
+        signature = (signature, rows[0] == 0, rows[1] == 0, rows[2] == 0, zeros)
+        layouts = template.layouts
+        if signature in layouts:
+            layout = layouts[signature]
+        else:
+            with self._lock:
+                layout = layouts.get(signature, _MISSING)
+                if layout is _MISSING:
+                    if len(layouts) > 64:  # graphs of ever other sizes: the layouts forgotten, made again if seen
+                        layouts.clear()
+                    layout = layouts[signature] = self._make_layout(lowered, info, template, consts, keep, signature,
+                                                                    nbytes, zeros or frozenset())
+        if layout is None:
+            return None
+        head = extra = 0
+        for k in layout.head:
+            offsets[k] = head
+            n = nbytes[k]
+            extra += n
+            head += -(-n // 256) * 256
+        ranges = _ArenaRanges()
+        peak = 0
+        for give, k in layout.ops:
+            if give:
+                ranges.give(offsets[k] - head, nbytes[k])
+            else:
+                offsets[k] = ranges.take(nbytes[k]) + head
+                if ranges.size > peak:
+                    peak = ranges.size
+        if peak + extra > _ARENA_BYTES:
+            # past the size where a call runs as batches whatever it holds: batched only while its buffers take
+            # at most extra_bytes more than the kernel-by-kernel path's peak, checked after each kernel
+            if _exceeds(layout.checked, nbytes, _kernel_peak(self._launch_plan(lowered, plan, dg, keep))
+                        + extra_bytes):
+                return None
+        arena = -(-(head + ranges.size) // 256) * 256
+        pool_bytes, pool_at = pool, -1
+        if pool and arena <= _POOL_MERGE_BYTES:
+            # a small call's pool lies after its temporaries, in their allocation: one torch call less per call; a
+            # value handed back from the pool then holds at most the temporaries' few MB more
+            pool_at, arena, pool_bytes = arena, arena + pool, 0
+        values = offsets + graph + list(map(_DATA_PTR, map(_SECOND, consts)))
+        if layout.fills:  # the fill kernel's words and grid, of the head and of the pool
+            waves = sms * 8
+            words = head // 8
+            values += (words, min(-(-words // fill_kernel.BLOCK), waves))
+            words = pool // 8
+            values += (words, min(-(-words // fill_kernel.BLOCK), waves))
+        instantiate = self.executor.instantiate
+        program = tuple([(kind, instantiate(item, values)) if kind == _LAUNCH else (kind, item) if kind == _EINSUM
+                         else (kind, (item[0], item[1], item[3] if item[2] is None else (rows[item[2]], *item[3]),
+                                      item[4])) for kind, item in layout.program])
+        allocs = tuple([(name, base, feature if slot is None else (rows[slot], *feature), dtype, zero)
+                        for name, base, slot, feature, dtype, zero in layout.allocs])
+        if pool_at < 0:
+            views = tuple([(name, where, dtype, feature if slot is None else (rows[slot], *feature), stride,
+                            offsets[k] // dtype.itemsize)
+                           for name, where, dtype, slot, feature, stride, k in layout.views])
+            arena_dtypes, pool_dtypes = layout.arena_dtypes, layout.pool_dtypes
+        else:
+            views = tuple([(name, _ARENA, dtype, feature if slot is None else (rows[slot], *feature), stride,
+                            (offsets[k] + (pool_at if where == _POOL else 0)) // dtype.itemsize)
+                           for name, where, dtype, slot, feature, stride, k in layout.views])
+            arena_dtypes, pool_dtypes = layout.merged_dtypes, frozenset()
+        batched = _Batched(layout.bases, arena, arena_dtypes, pool_bytes, pool_dtypes, layout.leaves, allocs, views,
+                           layout.aliases, program, layout.leaf_names, pool_at)
+        return _Call(lowered, consts, 0, frozenset(), (), (), layout.release, batched)
+
+    def _graph_values(self, keys: tuple, found: list[int | None], dg: DeviceGraph, sms: int) -> None:
+        """Fills the Nones of ``found`` with the graph's numbers (a pointer or an integer) of those
+        :meth:`DeviceGraph.bound` ``keys``, each computed once per graph (:meth:`_bind`, :meth:`_grid`) and kept
+        there."""
+        bound = dg.bound(sms)
+        values = dg.bound_values(sms)
+        for i, value in enumerate(found):
+            if value is None:
+                key = keys[i]
+                grid = key[0] == "grid"
+                made = bound.get(key)
+                if made is None:
+                    made = bound[key] = self._grid(key, dg, sms) if grid else self._bind(key, dg, sms)
+                found[i] = values[key] = made[0] if grid else made if type(made) is int else made.data_ptr()
+
+    def _make_layout(self, lowered, info: _ProgramInfo, template: _Template, consts: tuple, keep: Any,
+                     signature: tuple, nbytes: list[int], zeros: frozenset[int]) -> _Layout | None:
+        """The batched layout of a call of ``template`` on the graphs of one ``signature`` (see
+        :meth:`_batched_call`): where each value lives (a leaf's, a returned buffer's or a torch result's own
+        base; the pool, the zero-filled head or a range of the temporaries' allocation, at an offset each graph
+        gives), the launches packed once with a :class:`Slot` for every number a graph gives (in the order
+        :meth:`_batched_call` lists them: each output's offset, the graph's arguments and grids, its constants'
+        addresses, the fill kernel's words and grids), what Python reads (views) and hands back. None where the
+        call runs kernel by kernel (a value accumulated into one torch makes, or handed back inside the
+        temporaries' allocation). ``nbytes``: the output sizes of the graph it is made on (which head outputs
+        hold bytes); ``zeros``: which of its graph numbers are 0 (the launches with an empty grid)."""
         program = lowered.program
+        kernels = template.kernels
+        pooled_mask = signature[0]
+        m, g = len(template.sizes), len(template.graph_keys)
+        # each output's zero flag as the launch plan gives it: in the pool, zero-filled of its own (poolable but
+        # too large), or the kernel's (False, True or an _Alias)
+        zero_of: list[Any] = []
+        bit = 1
+        for t in kernels:
+            if t.kind == _EINSUM:
+                continue
+            for _, _, _, _, zero, poolable, *_ in t.sized:
+                if poolable:
+                    zero = _PACKED if pooled_mask & bit else True
+                    bit <<= 1
+                zero_of.append(zero)
         visible = set(program.outputs) | (set(keep) if keep is not None else set())
-        for step in reversed(steps):  # a buffer handed back under another name is handed back
-            for name, _, _, zero in () if step.kind == _EINSUM else step.outputs:
-                if type(zero) is _Alias and name in visible:
-                    visible.add(zero.name)
+        for t in reversed(kernels):  # a buffer handed back under another name is handed back
+            if t.kind != _EINSUM:
+                for k, spec in enumerate(t.sized, t.first):
+                    if type(zero_of[k]) is _Alias and spec[0] in visible:
+                        visible.add(zero_of[k].name)
         readers: set[str] = set()  # values Python reads (einsum operands)
-        for step in steps:
-            if step.kind == _EINSUM:
-                readers.update(step.inputs)
-        where: dict[str, Any] = {}  # value -> (base, byte offset) | a graph tensor
+        for t in kernels:
+            if t.kind == _EINSUM:
+                readers.update(t.inputs)
+        # where each value lives: (base, output whose offset it has, or None for offset 0) | (_CONST, its index)
+        where: dict[str, tuple[int, int | None]] = {}
         bases = _LEAVES
         leaves = []
         for name, _ in info.leaves:
-            where[name] = (bases, 0)
+            where[name] = (bases, None)
             leaves.append((name, bases))
             bases += 1
-        for name, t in consts:
-            where[name] = t
-        for name, (dtype, _, _, offset) in steps.packed.items():
-            where[name] = (_POOL, offset * dtype.itemsize)
-        # zero-initialised temporaries too large for the pool (accumulated into, handed back by no name) lie at the
-        # head of the temporaries' allocation, zero-filled by one kernel launched first: offset in bytes of each
-        zeroed: dict[str, int] = {}
-        head = 0
-        for step in steps:
-            if step.kind in (_EINSUM, _RNG):
+        for i, (name, _) in enumerate(consts):
+            where[name] = (_CONST, i)
+        head = []  # zero-initialised temporaries too large for the pool (accumulated into, handed back by no name)
+        for t in kernels:
+            if t.kind == _EINSUM:
                 continue
-            for name, shape, dtype, zero in step.outputs:
-                if zero and zero is not _PACKED and type(zero) is not _Alias and name not in visible:
-                    numel = 1
-                    for n in shape:
-                        numel *= n
-                    zeroed[name] = head
-                    head += -(-numel * dtype.itemsize // 256) * 256
-        arena = extra = 0  # bytes of the temporaries' ranges after the head, of the zero-filled ones (the head)
-        handed = 0  # bytes of the buffers it hands back
-        limit = None  # what the call's buffers may take once past _ARENA_BYTES (worked out then)
+            for k, spec in enumerate(t.sized, t.first):
+                zero = zero_of[k]
+                if zero is _PACKED:
+                    where[spec[0]] = (_POOL, k)
+                elif (t.kind != _RNG and zero and type(zero) is not _Alias and spec[0] not in visible):
+                    head.append(k)
+        in_head = set(head)
         late: set[str] = set()  # values torch makes during the call (einsum and dropout results)
-        allocs, views, aliases, program_steps, segment = [], [], [], [], []
-        # a temporary's range of the allocation is free again after its last reader (where a call releases values:
-        # keep given), for the temporaries after it: the kernel-by-kernel path's allocator reuses a released
-        # buffer the same way, and a call whose temporaries each had their own range wrote to (and wrote back
-        # from the L2 cache) several times the memory
-        ranges = _ArenaRanges()
-        placed: dict[str, tuple[int, int]] = {}  # temporary -> (offset, bytes) in the allocation
+        allocs, views, aliases, program_steps, segment, ops, checked = [], [], [], [], [], [], []
+        placed: dict[str, int] = {}  # temporary -> its output position
+        dying = {} if keep is None else template.dying
 
         def flush() -> None:
             if segment:
                 program_steps.append((_LAUNCH, self.executor.batch(list(segment))))
                 segment.clear()
 
-        if head or steps.pool_bytes:
-            # the first launches: the zero fills of the head and of the pool (each a multiple of 256 bytes)
-            waves = self.executor.properties(device)["multiprocessors"] * 8
+        fills = 0
+        fill_at = m + g + len(consts)  # the fill kernel's values: head words and grid, pool words and grid
+        if any(nbytes[k] for k in head) or pooled_mask:
             fill = self._fill or self._fill_kernel()
-            for base, nbytes in ((_ARENA, head), (_POOL, steps.pool_bytes)):
-                if nbytes:
-                    words = nbytes // 8
-                    segment.append((fill, (min(-(-words // fill_kernel.BLOCK), waves), 1), fill_kernel.BLOCK, 0,
-                                    [(base, 0), words]))
+            if any(nbytes[k] for k in head):
+                segment.append((fill, (Slot(fill_at + 1), 1), fill_kernel.BLOCK, 0, [(_ARENA, 0), Slot(fill_at)]))
+                fills |= 1
+            if pooled_mask:
+                segment.append((fill, (Slot(fill_at + 3), 1), fill_kernel.BLOCK, 0,
+                                [(_POOL, 0), Slot(fill_at + 2)]))
+                fills |= 2
 
-        for i, step in enumerate(steps):
-            if i - 1 in dying:
-                for name in dying[i - 1]:  # read by no step from here on
-                    if name in placed:
-                        ranges.give(*placed.pop(name))
-            if step.kind == _EINSUM:
+        for i, t in enumerate(kernels):
+            for name in dying.get(i - 1, ()):  # read by no step from here on
+                if name in placed:
+                    k = placed.pop(name)
+                    ops.append((1, k))
+                    checked.append((1, k))
+            if t.kind == _EINSUM:
                 flush()
-                (name, *_), a, b = step.outputs[0], *step.inputs
-                where[name] = (bases, 0)
+                (name, *_), (a, b) = t.outputs[0], t.inputs
+                where[name] = (bases, None)
                 late.add(name)
-                program_steps.append((_EINSUM, (step.equation, step.dtype, a, b, name, bases)))
+                program_steps.append((_EINSUM, (t.equation, t.dtype, a, b, name, bases)))
                 bases += 1
                 continue
-            for name, shape, dtype, zero in step.outputs:
-                if step.kind == _RNG:  # the mask torch makes replaces whatever buffer the plan gave it
-                    where[name] = (bases, 0)
+            for k, (name, slot, feature, dtype, _, _, per_row, strides, _) in enumerate(t.sized, t.first):
+                zero = zero_of[k]
+                stride = strides if slot is None else (per_row, *strides)
+                if t.kind == _RNG:  # the mask torch makes replaces whatever buffer the plan gave it
+                    where[name] = (bases, None)
                     late.add(name)
                     bases += 1
                     continue
                 if zero is _PACKED:
                     if name in visible or name in readers:
-                        _, _, stride, offset = steps.packed[name]
-                        views.append((name, _POOL, dtype, shape, stride, offset))
+                        views.append((name, _POOL, dtype, slot, feature, stride, k))
                     continue
                 if type(zero) is _Alias:
                     if zero.name not in where or zero.name in late:
                         return None  # accumulates into a value made by torch during the call: kernel by kernel
                     place = where[name] = where[zero.name]
                     if name in visible or name in readers:
-                        if type(place) is tuple and place[0] in (_ARENA, _POOL):
+                        if place[0] in (_ARENA, _POOL):
                             if place[0] == _ARENA and name in visible:
                                 return None  # handed back in the call's temporaries: kernel by kernel
-                            views.append((name, place[0], dtype, shape, _row_major(shape)[1],
-                                          place[1] // dtype.itemsize))
+                            views.append((name, place[0], dtype, slot, feature, stride, place[1]))
                         else:  # a leaf, a graph constant or a buffer of its own: in the environment
                             aliases.append((name, zero.name))
                     continue
-                numel = 1
-                for n in shape:
-                    numel *= n
-                if name in zeroed:
-                    place = where[name] = (_ARENA, zeroed[name])
-                    extra += numel * dtype.itemsize
+                if k in in_head:
+                    where[name] = (_ARENA, k)
+                    checked.append((2, k))
                     if name in readers:
-                        views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], place[1] // dtype.itemsize))
+                        views.append((name, _ARENA, dtype, slot, feature, stride, k))
                     continue
-                if zero or name in visible:
-                    # handed back (its own buffer, as the kernel-by-kernel path gives it)
-                    where[name] = (bases, 0)
-                    allocs.append((name, bases, shape, dtype, bool(zero)))
+                if zero or name in visible:  # handed back (its own buffer, as the kernel-by-kernel path gives it)
+                    where[name] = (bases, None)
+                    allocs.append((name, bases, slot, feature, dtype, bool(zero)))
+                    checked.append((3, k))
                     bases += 1
-                    handed += numel * dtype.itemsize
                     continue
-                offset = ranges.take(numel * dtype.itemsize)
-                placed[name] = (offset, numel * dtype.itemsize)
-                offset += head
-                where[name] = (_ARENA, offset)
-                arena = ranges.size
+                ops.append((0, k))
+                checked.append((0, k))
+                placed[name] = k
+                where[name] = (_ARENA, k)
                 if name in readers:
-                    views.append((name, _ARENA, dtype, shape, _row_major(shape)[1], offset // dtype.itemsize))
-            if arena + extra > _ARENA_BYTES:
-                if limit is None:
-                    limit = _kernel_peak(steps) + extra_bytes
-                if arena + extra + handed > limit:
-                    return None
-            if step.kind == _RNG:
+                    views.append((name, _ARENA, dtype, slot, feature, stride, k))
+            checked.append((4, 0))  # the kernel's end: where the size limit is checked
+            if t.kind == _RNG:
                 flush()
-                name = step.outputs[0][0]
-                program_steps.append((_RNG, (name, where[name][0], step.outputs[0][1], step.p)))
+                name, slot, feature = t.sized[0][:3]
+                program_steps.append((_RNG, (name, where[name][0], slot, feature, t.p)))
                 continue
-            if step.kind == _EMPTY_GRID:
-                continue
-            args = list(step.args)
-            for i, name in step.env_args:
-                args[i] = where[name]
-            segment.append((step.kernel, step.grid, step.block, step.smem, args))
+            if t.grid[0] == 0 if t.grid_at < 0 else t.grid_at in zeros:
+                continue  # an empty grid: nothing to launch
+            args: list[Any] = [None] * t.nargs
+            for j, at in t.graph_at:
+                args[j] = Slot(m + at)
+            for j, name in t.env_args:
+                base, k = where[name]
+                args[j] = Slot(m + g + k) if base == _CONST else (base, 0 if k is None else Slot(k))
+            launch = t.kc.launch
+            grid = t.grid if t.grid_at < 0 else (Slot(m + t.grid_at), launch.grid_y)
+            segment.append((t.kernel, grid, launch.block, launch.smem, args))
         flush()
-        arena = -(-(head + arena) // 256) * 256
-        pool_bytes, pool_at = steps.pool_bytes, -1
-        if pool_bytes and arena <= _POOL_MERGE_BYTES:
-            # a small call's pool lies after its temporaries, in their allocation: one torch call less per call;
-            # a value handed back from the pool then holds at most the temporaries' few MB more
-            pool_at, arena, pool_bytes = arena, arena + pool_bytes, 0
-            views = [(name, _ARENA, dtype, shape, stride, offset + pool_at // dtype.itemsize) if where == _POOL
-                     else (name, where, dtype, shape, stride, offset)
-                     for name, where, dtype, shape, stride, offset in views]
-        return _Batched(bases, arena, frozenset(v[2] for v in views if v[1] == _ARENA),
-                        pool_bytes, frozenset(v[2] for v in views if v[1] == _POOL), tuple(leaves),
-                        tuple(allocs), tuple(views), tuple(aliases), tuple(program_steps),
-                        tuple(name for name, _ in leaves), pool_at)
+        made = {v[0] for part in (allocs, views, aliases) for v in part} | late
+        release = () if keep is None else tuple(n for n in made if n not in template.keep)
+        arena_dtypes = frozenset(v[2] for v in views if v[1] == _ARENA)
+        pool_dtypes = frozenset(v[2] for v in views if v[1] == _POOL)
+        return _Layout(bases, tuple(head), tuple(ops), tuple(checked), tuple(allocs), tuple(views), tuple(aliases),
+                       tuple(leaves), tuple(name for name, _ in leaves), tuple(program_steps), fills, release,
+                       arena_dtypes, pool_dtypes, arena_dtypes | pool_dtypes)
 
     def _program_info(self, lowered) -> _ProgramInfo:
         """What :meth:`run` reads from a program on every call, read once per lowered program."""
@@ -837,8 +1046,12 @@ class CudaBackend:
         template = self._template(lowered, plan, keep_key)
         sms = self.executor.properties(dg.device)["multiprocessors"]
         bound = dg.bound(sms)
-        rows = (dg.num_nodes, dg.num_edges, dg.num_unique)
+        rows = (dg.num_nodes, dg.num_edges, dg.num_unique, 1)
+        nbytes = [rows[slot] * size for slot, size in template.sizes]
+        offsets = [0] * len(nbytes)
         steps = _Steps(template.keep)
+        steps.pool_bytes, mask = _pool(template.poolable, nbytes, offsets)
+        pooled = {k for j, k in enumerate(template.poolable) if mask >> j & 1}
         append = steps.append
         packed = steps.packed
         for t in template.kernels:
@@ -847,26 +1060,19 @@ class CudaBackend:
                 append(t.step)
                 continue
             outputs = []
-            for name, slot, feature, dtype, zero, poolable, per_row, strides, itemsize in t.sized:
+            for k, (name, slot, feature, dtype, zero, poolable, per_row, strides, itemsize) in enumerate(t.sized,
+                                                                                                      t.first):
                 if slot is None:
-                    shape, numel, stride = feature, per_row, strides
+                    shape, stride = feature, strides
                 else:
-                    n = rows[slot]
-                    shape, numel, stride = (n, *feature), n * per_row, (per_row, *strides)
+                    shape, stride = (rows[slot], *feature), (per_row, *strides)
                 if poolable:
-                    # a small zero-filled buffer lives in the call's pool: each fill is a launch and a few
-                    # microseconds of host time, which small graphs pay many times per step; a buffer in the pool
-                    # keeps the pool alive as long as it lives, so only small ones go there (a kept value or a
-                    # returned gradient holds at most _POOL_BYTES)
-                    nbytes = numel * itemsize
-                    offset = steps.pool_bytes
-                    if nbytes > _POOL_ITEM_BYTES or offset + nbytes > _POOL_BYTES or numel == 0:
-                        zero = True
-                    else:
-                        packed[name] = (dtype, shape, stride, offset // itemsize)
+                    if k in pooled:
+                        packed[name] = (dtype, shape, stride, offsets[k] // itemsize)
                         steps.pool_dtypes.add(dtype)
-                        steps.pool_bytes = -(-(offset + nbytes) // 256) * 256  # 256-byte aligned, as CUDA's
                         zero = _PACKED
+                    else:
+                        zero = True
                 outputs.append((name, shape, dtype, zero))
             if kind == _RNG:
                 append(_Step(t.drop, kind, tuple(outputs), p=t.p))
@@ -875,7 +1081,7 @@ class CudaBackend:
             if grid is None:  # depends on the graph
                 grid = bound.get(t.grid_key)
                 if grid is None:
-                    grid = bound[t.grid_key] = self._grid(t.kc, dg, sms)
+                    grid = bound[t.grid_key] = self._grid(t.grid_key, dg, sms)
             if grid[0] == 0:
                 append(_Step(t.drop, _EMPTY_GRID, tuple(outputs), grid=grid))
                 continue
@@ -958,7 +1164,25 @@ class CudaBackend:
             else:  # one thread per element of a fixed count: the same grid on every graph
                 t.grid = (-(-launch.work[0] // launch.block), 1)
             kernels.append(t)
-        template = _Template(keep_all, tuple(kernels), dying=_last_readers(kernels))
+        # the flat tables of a batched call's layout (see _batched_call)
+        sizes: list[tuple[int, int]] = []
+        poolable: list[int] = []
+        graph_keys: dict[tuple, int] = {}
+        for t in kernels:
+            if t.kind == _EINSUM:
+                continue
+            t.first = len(sizes)
+            for _, slot, _, _, _, pool_ok, per_row, _, itemsize in t.sized:
+                if pool_ok:
+                    poolable.append(len(sizes))
+                sizes.append((3 if slot is None else slot, per_row * itemsize))
+            if t.kind == _RNG:
+                continue
+            t.graph_at = tuple((j, graph_keys.setdefault(bind, len(graph_keys))) for j, bind in t.graph_args)
+            if t.grid is None:
+                t.grid_at = graph_keys.setdefault(t.grid_key, len(graph_keys))
+        template = _Template(keep_all, tuple(kernels), dying=_last_readers(kernels), sizes=tuple(sizes),
+                             poolable=tuple(poolable), graph_keys=tuple(graph_keys))
         self._templates[key] = (plan, template)
         return template
 
@@ -968,19 +1192,20 @@ class CudaBackend:
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def _grid(self, kc, dg: DeviceGraph, sms: int) -> tuple[int, int]:
-        launch = kc.launch
-        if launch.kind == "groups":
-            work = dg.num_nodes if launch.work[0] == "dst" else dg.rows(_DOMAIN[launch.work[1]])
-            per_block = launch.block // launch.group
+    def _grid(self, key: tuple, dg: DeviceGraph, sms: int) -> tuple[int, int]:
+        """The grid of a launch whose size depends on the graph, by its key (``_KernelTemplate.grid_key``)."""
+        _, kind, work, block, group, grid_y = key
+        if kind == "groups":
+            count = dg.num_nodes if work[0] == "dst" else dg.rows(_DOMAIN[work[1]])
+            per_block = block // group
             # grid-stride: enough blocks to fill the GPU several times over, no more
-            return (min(-(-work // per_block), sms * 32), 1)
-        if launch.kind == "tiles":
-            _, domain, by, rows = launch.work
+            return (min(-(-count // per_block), sms * 32), 1)
+        if kind == "tiles":
+            _, domain, by, rows = work
             domain = _DOMAIN[domain]
             rows = dg.tile_rows(domain, rows, sms)
-            return (dg.tiles(domain, by, rows, self.build_schedule)[1], launch.grid_y)
-        return (-(-launch.work[0] // launch.block), 1)
+            return (dg.tiles(domain, by, rows, self.build_schedule)[1], grid_y)
+        raise AssertionError(f"unknown grid {key}")  # pragma: no cover
 
     def _bind(self, bind: tuple, dg: DeviceGraph, sms: int) -> Any:
         """A kernel argument that depends on the graph only (values and outputs are bound per call)."""
@@ -1006,6 +1231,47 @@ class CudaBackend:
         if kind == "count":
             return dg.count(_DOMAIN[bind[1]])
         raise AssertionError(f"unknown binding {bind}")  # pragma: no cover
+
+
+def _pool(poolable: tuple[int, ...], nbytes: list[int], offsets: list[int]) -> tuple[int, int]:
+    """Which of the ``poolable`` outputs (positions in ``nbytes``) live in a call's zero-filled pool: (the pool's
+    bytes, a mask with bit j set where the j-th of them does), their offsets written into ``offsets``. A small
+    zero-filled buffer lives in the pool: each fill is a launch and a few microseconds of host time, which small
+    graphs pay many times per step; a buffer in the pool keeps the pool alive as long as it lives, so only small
+    ones go there (a kept value or a returned gradient holds at most _POOL_BYTES), each 256-byte aligned as CUDA's
+    allocations."""
+    pool = mask = 0
+    bit = 1
+    for k in poolable:
+        n = nbytes[k]
+        if n and n <= _POOL_ITEM_BYTES and pool + n <= _POOL_BYTES:
+            offsets[k] = pool
+            pool = -(-(pool + n) // 256) * 256
+            mask |= bit
+        bit <<= 1
+    return pool, mask
+
+
+def _exceeds(checked: tuple[tuple[int, int], ...], nbytes: list[int], limit: int) -> bool:
+    """Whether a batched call's buffers (a :class:`_Layout`'s ``checked``, the outputs' ``nbytes`` of a graph) pass
+    the size limit after some kernel: its temporaries (placed first fit) and zero-filled head past
+    ``_ARENA_BYTES``, and with the buffers it hands back past ``limit`` too."""
+    ranges = _ArenaRanges()
+    at: dict[int, int] = {}
+    arena = extra = handed = 0
+    for code, k in checked:
+        if code == 0:
+            at[k] = ranges.take(nbytes[k])
+            arena = ranges.size
+        elif code == 1:
+            ranges.give(at.pop(k), nbytes[k])
+        elif code == 2:
+            extra += nbytes[k]
+        elif code == 3:
+            handed += nbytes[k]
+        elif arena + extra > _ARENA_BYTES and arena + extra + handed > limit:
+            return True
+    return False
 
 
 class _ArenaRanges:
@@ -1113,4 +1379,4 @@ def cname_file(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)
 
 
-__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "device_graph", "unique_pairs"]
+__all__ = ["CudaBackend", "DeviceGraph", "JitExecutor", "Slot", "device_graph", "unique_pairs"]

@@ -59,6 +59,7 @@ class DeviceGraph:
             g._cache["unique"] = (graph.unique_src, graph.unique_etype, inverse)
             g._cache[("type_counts", Domain.UNIQUE, ("etype",))] = pair_counts
         self._bound: dict[int, dict[tuple, Any]] = {}
+        self._values: dict[int, dict[tuple, int]] = {}  # the same as numbers (see bound_values)
         # the CUDA backend's call records on this graph (see CudaBackend.run): a plain dict keyed without a
         # Domain (whose hash is a Python call), emptied with the rest when a padded layout settles
         self.calls: dict[tuple, Any] = {}
@@ -77,6 +78,7 @@ class DeviceGraph:
         g._cache["unique"] = (src[:count], etype[:count], inverse)
         self._cache = {k: v for k, v in self._cache.items() if not _mentions_unique(k)}
         self._bound = {}
+        self._values = {}
         self.calls = {}
         self.padded = False
         self._unique_rows = count
@@ -105,6 +107,14 @@ class DeviceGraph:
         table = self._bound.get(multiprocessors)
         if table is None:
             table = self._bound[multiprocessors] = {}
+        return table
+
+    def bound_values(self, multiprocessors: int) -> dict[tuple, int]:
+        """:meth:`bound`'s arguments and grids as the numbers a launch takes (a tensor's address, a grid's x), by
+        the same keys: what a new graph's call record writes into the layout its program made once."""
+        table = self._values.get(multiprocessors)
+        if table is None:
+            table = self._values[multiprocessors] = {}
         return table
 
     def rows(self, domain: Domain) -> int:
@@ -237,7 +247,9 @@ class DeviceGraph:
 def device_graph(graph: Graph) -> DeviceGraph:
     """The graph's CUDA layout (made on first use), settled to exact UNIQUE rows once the host knows the pair
     count (looked for without waiting by :meth:`Graph.known_unique_count`, at each layer call's start)."""
-    dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
+    dg = graph._cache.get("cuda_backend_graph")  # every layer call and backward asks: no closure on a hit
+    if dg is None:
+        dg = graph.cached("cuda_backend_graph", lambda: DeviceGraph(graph))
     if dg.padded and "unique_count" in graph._cache:
         dg.settle(graph._cache["unique_count"])
     return dg

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
+import sys
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -24,6 +26,7 @@ from ..ir.core import GATHER_VIA, INDEX_KINDS, Domain
 from . import prep
 from .prep import sort_keys, unique_pairs  # noqa: F401 - unique_pairs: part of this module's interface
 
+_VERSION = operator.attrgetter("_version")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -241,8 +244,9 @@ class Graph:
         return g
 
     def _ids_versions(self) -> tuple[int, ...]:
-        ids = (self.src, self.dst, self.etype) + ((self._ntype,) if self.has_node_type else ())
-        return tuple(t._version for t in ids)
+        # read by every forward and backward on the graph: the versions read by a C loop, no Python per tensor
+        ids = (self.src, self.dst, self.etype, self._ntype) if self.has_node_type else (self.src, self.dst, self.etype)
+        return tuple(map(_VERSION, ids))
 
     def check_ids_unchanged(self) -> None:
         """Raises :class:`GraphInputError` where the caller's ``edge_index``, ``edge_type`` or ``node_type``, whose
@@ -587,28 +591,27 @@ def record_stream_of(value: Any, stream: torch.cuda.Stream) -> None:
         value.record_stream(stream)
 
 
-_GRAPHS: OrderedDict[tuple, tuple[list[weakref.ref], Graph]] = OrderedDict()
+# key -> (the caller's id tensors, their graph). The cache holds the tensors themselves, not weak references to them:
+# torch.utils.swap_tensors (which a module's conversions use) refuses a tensor with a weak reference; the graph
+# itself holds none of the caller's tensor objects (aliases of their memory and version counters), so a swapped
+# tensor's new content never reaches a graph built from its old one.
+_GRAPHS: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], Graph]] = OrderedDict()
 _MAX_GRAPHS = 16
 _GRAPHS_LOCK = threading.Lock()  # a loader thread may prepare graphs (hector.prepare_graph) while layers run
-# keys of cached graphs one of whose tensors has been freed: that graph can never be looked up again. Its entry
-# (and with it the graph's layout on the device, as large as the edges several times over) is dropped at the next
-# lookup, so that a mini-batch loop holds the graphs of the batches still in use, not the last sixteen: the
-# caching allocator then hands each batch the memory of the batch before it instead of growing (a device
-# allocation per new graph). Appended from a weak reference's callback, which may run on any thread and inside
-# any code: a deque's append is atomic and takes no lock.
-_DEAD: deque[tuple] = deque()
+# what sys.getrefcount reads, through the same map as _forget_dead, of an object only a cache entry's tuple holds
+_ALONE = next(map(sys.getrefcount, (object(),)))
 
 
 def _forget_dead() -> None:
-    """Drops the cache entries whose tensors have been freed (called with ``_GRAPHS_LOCK`` held)."""
-    while _DEAD:
-        try:
-            key = _DEAD.popleft()
-        except IndexError:  # emptied by another thread
-            return
-        hit = _GRAPHS.get(key)
-        if hit is not None and any(r() is None for r in hit[0]):
-            del _GRAPHS[key]
+    """Drops the cache entries one of whose tensors only the cache still holds (called with ``_GRAPHS_LOCK`` held,
+    at every lookup): such a graph can never be looked up again (a lookup passes the tensors). Its entry, and with
+    it the graph's layout on the device (as large as the edges several times over), goes at the next lookup, so
+    that a mini-batch loop holds the graphs of the batches still in use, not the last sixteen: the caching
+    allocator then hands each batch the memory of the batch before it instead of growing (a device allocation per
+    new graph)."""
+    dead = [key for key, (tensors, _) in _GRAPHS.items() if _ALONE in map(sys.getrefcount, tensors)]
+    for key in dead:
+        del _GRAPHS[key]
 
 
 def cached_graphs() -> int:
@@ -634,27 +637,24 @@ def graph_for(edge_index: torch.Tensor, edge_type: torch.Tensor, num_nodes: int,
     found out); a cached graph is returned as it was built.
 
     Keyed on tensor identity, version counter and data pointer (:func:`tensor_key`), so an in-place edit of
-    ``edge_index`` or new data assigned to it (``edge_index.data = ...``) invalidates the entry.
+    ``edge_index`` or new data assigned to it (``edge_index.data = ...``, ``torch.utils.swap_tensors``) invalidates
+    the entry.
     """
     if isinstance(edge_index, Graph):
         return edge_index
     tensors = [t for t in (edge_index, edge_type, node_type) if isinstance(t, torch.Tensor)]
-    key = (tuple(tensor_key(t) for t in tensors), int(num_nodes), int(num_relations), num_node_types,
+    key = (tuple(map(tensor_key, tensors)), int(num_nodes), int(num_relations), num_node_types,
            node_type is None)
     with _GRAPHS_LOCK:
         _forget_dead()  # before a new graph's allocations: the freed batches' memory is theirs to reuse
         hit = _GRAPHS.get(key)
-        if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
+        if hit is not None and all(map(operator.is_, hit[0], tensors)):
             _GRAPHS.move_to_end(key)
             return hit[1]
     g = Graph(edge_index, edge_type, num_nodes, num_relations, node_type, num_node_types, sync_free=sync_free,
               sorted_by_destination=sorted_by_destination)
-
-    def freed(_ref: weakref.ref, key: tuple = key) -> None:
-        _DEAD.append(key)
-
     with _GRAPHS_LOCK:
-        _GRAPHS[key] = ([weakref.ref(t, freed) for t in tensors], g)
+        _GRAPHS[key] = (tuple(tensors), g)
         while len(_GRAPHS) > _MAX_GRAPHS:
             _GRAPHS.popitem(last=False)
     return g

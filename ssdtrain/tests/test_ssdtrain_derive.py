@@ -288,21 +288,19 @@ def test_planner_prefers_derive_over_full_recompute():
         assert plan.prediction.seconds < other.prediction.seconds
 
 
-def test_planner_moves_what_derive_leaves_where_the_link_hides_it():
-    """With a link fast enough to hide a block's moved bytes behind the forward, the planner frees the memory a
-    budget needs below deriving alone mostly by moving what derive blocks still save (`derive+host`) rather than by
-    recomputing whole blocks, and predicts that faster than deriving every block and recomputing enough of them
-    whole (all the planner could do before)."""
+def test_planner_derives_on_the_device_only():
+    """`derive+host` is an override only (measured slower than whole-block recompute on an H100, see
+    ``UnitProfile.options``): at budgets below deriving alone the planner derives on the device and recomputes or
+    moves whole blocks, never `derive` with a tier, even where a fast link would hide the copies."""
     units = _units()
-    fast = Bandwidth(d2h=50e9, h2d=50e9)  # a block's 360 MiB left after deriving in ~7.5 ms
+    fast = Bandwidth(d2h=50e9, h2d=50e9)
     derive_all = [Choice(), *[Choice("derive")] * 8, Choice()]
-    target = simulate(units, derive_all, fast).peak - 3 * 360 * MIB
-    plan = make_plan("m", units, fast, target, host_limit=1 << 40, nvme_limit=0, block_container="b")
-    assert plan.prediction.peak <= target
-    assert plan.choices.count(Choice("derive", "host")) >= 2
-    for whole in (3, 4):  # what the planner could do before: derive, and recompute some blocks whole
-        old = [Choice(), *[Choice("full")] * whole, *[Choice("derive")] * (8 - whole), Choice()]
-        assert plan.prediction.seconds < simulate(units, old, fast).seconds
+    for removed in (1, 3):
+        target = simulate(units, derive_all, fast).peak - removed * 360 * MIB
+        plan = make_plan("m", units, fast, target, host_limit=1 << 40, nvme_limit=0, block_container="b")
+        assert plan.prediction.peak <= target
+        assert all(c.tier == "keep" for c in plan.choices if c.recompute == "derive")
+        assert any(c.recompute == "derive" for c in plan.choices)
 
 
 def test_derive_with_host_moves_the_recipes_inputs_and_stays_exact():

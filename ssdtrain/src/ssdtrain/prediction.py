@@ -69,9 +69,13 @@ class UnitProfile:
             recomputes.append("full")
         # Cheap recompute is combined with keep only (an override may still move the rest): on an H100 (the same
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
-        # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
-        # every tier: what the recipes do not make again moves, and the recipes read it back from the tier.
-        return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
+        # same plan with that block `host` or `cheap`, none of which its prediction showed. So is `derive` (an
+        # override may move what its recipes leave, `derive+host`): on an H100 (Llama-style 16 x 2048, autocast,
+        # accumulation 4) the plan at 0.5x keep's peak with 8 `derive+host` blocks ran 1.23x keep's step against
+        # 1.15x for 9 `derive` and 4 whole-block recomputes: 3 GiB per micro-batch to move in a 46 ms forward
+        # outran the link (the host waited 7.9 ms per micro-batch for copies out), and packing a moved derive
+        # block's tensors cost the host ~4x a kept one's, neither of which its prediction showed.
+        return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
 
 
 @dataclass(frozen=True)

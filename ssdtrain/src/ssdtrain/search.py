@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from .prediction import Choice, split_choice
 
-# Whole-block recompute: where cheapest-first takes it, ``_moved_prefixes`` competes.
-WHOLE = ("full", "selective")
-
 
 def _single_changes(model, choices, fixed):
     """Every plan one change away from `choices` (units not in `fixed`): (unit index, its new choice, prediction)."""
@@ -57,21 +54,8 @@ def _lean_seed(model, choices, fixed):
 
 def _fit(model, choices, target, fixed) -> tuple[list, bool]:
     """Choices whose peak fits `target`: cheapest-first, else leanest-first, else from every unit's leanest choice
-    (`_relax` then undoes what is not needed). Where cheapest-first fits, the plans seeded with moved first blocks
-    (``_moved_prefixes``) compete with it where it recomputes whole blocks, and the fastest is taken."""
+    (`_relax` then undoes what is not needed)."""
     found, _, ok = _search(model, choices, target, fixed)
-    if ok and any(c.recompute in WHOLE for c in found):
-        found = _relax(model, found, target, fixed)
-        best = model(found).seconds
-        worse = 0
-        for other in _moved_prefixes(model, choices, target, fixed):
-            seconds = model(other).seconds
-            if seconds < best:
-                found, best, worse = other, seconds, 0
-            else:
-                worse += 1
-                if worse == 2:  # (past the best number of moved blocks: each more moves more for nothing)
-                    break
     if not ok:
         found, _, ok = _search(model, choices, target, fixed, by_peak=True)
     if not ok:
@@ -79,35 +63,6 @@ def _fit(model, choices, target, fixed) -> tuple[list, bool]:
         if model.feasible(seeded) and seeded.peak <= target:
             found, ok = seed, True
     return found, ok
-
-
-def _moved_prefixes(model, choices, target, fixed):
-    """Plans whose first n blocks with recipes (n = 1, 2, ...) derive and move the rest of what they save
-    (``derive+host``), the rest found by cheapest-first, each relaxed.
-
-    Cheapest-first judges each change by the peak it removes at once. Moving a block removes little at once where
-    the cache's bound on copies in flight (the window) is added at the peak, and much once several blocks move;
-    the first blocks are where moves hide best (their copies out run behind the rest of the forward, their copies
-    back behind most of the backward). So cheapest-first can recompute whole blocks where moving was faster."""
-    blocks = [i for i, u in enumerate(model.units) if u.kind == "block" and u.name not in fixed]
-    names = model.tier_names()
-    seed = list(choices)
-    for i in blocks:
-        u = model.units[i]
-        lean = min(
-            (c for c in u.options(names) if c.recompute == "derive"),
-            key=lambda c, u=u: (*split_choice(u, c)[:2], c != Choice()),
-            default=None,
-        )
-        if lean is None or lean.tier == "keep":
-            continue  # (no recipes, or no tier: whole-block moves are cheapest-first's alone, as measured before)
-        seed[i] = lean
-        prefix = {model.units[k].name for k in blocks if k <= i}
-        found, pred, ok = _search(model, seed, target, fixed | prefix)
-        if ok and model.feasible(pred):
-            yield _relax(model, found, target, fixed)
-        if model(seed).peak <= target:
-            return  # (more moved blocks only add moves that relaxing undoes)
 
 
 def _leanest(model, choices, fixed):
@@ -118,8 +73,7 @@ def _leanest(model, choices, fixed):
 
 
 def _relax(model, choices, target, fixed):
-    """Undo what is no longer needed: any single change that is faster and still fits, best first (whole-block
-    recompute included)."""
+    """Undo what is no longer needed: any single change that is faster and still fits, best first."""
     current = model(choices)
     improved = True
     while improved:

@@ -491,8 +491,8 @@ void launch_list::bind_value(std::size_t launch, value_target target, std::size_
     index = e.first_parameter + parameter;
   }
   if (target == value_target::patch_offset) {
-    const auto found = std::find_if(patches_.begin(), patches_.end(),
-                                    [&](const patch_entry& p) { return p.parameter == index; });
+    const auto found =
+        std::find_if(patches_.begin(), patches_.end(), [&](const patch_entry& p) { return p.parameter == index; });
     if (found == patches_.end())
       throw invalid_argument("launch_list::bind_value: parameter " + std::to_string(parameter) + " of launch " +
                              std::to_string(launch) + " is not patched");

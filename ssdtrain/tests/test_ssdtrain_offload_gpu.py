@@ -244,6 +244,9 @@ def test_copies_out_released_when_backward_begins():
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             _step(model, ids)
+        # Without the wait for copies out before the head (test_copies_out_done_before_the_head_forward), as for a
+        # compiled model, whose blocks run no hooks: backward's first unpack must release them.
+        s.plan.drain_at_head = False
 
         def look(grad):
             with s.cache.lock:
@@ -272,6 +275,47 @@ def test_copies_out_released_when_backward_begins():
                 h.remove()
         assert s.stats()["bytes_offloaded"]["host"] > 0
     assert seen == [(0, 0)], seen  # no copy out pending, no device bytes still referenced by one
+
+
+def test_copies_out_done_before_the_head_forward():
+    """The host runs ahead of the device: without a wait, the head's forward (its logits, the forward's largest
+    temporaries) would begin while the allocator still holds the last moved blocks' bytes. The session waits for
+    every copy out as the last block returns (``drain_at_head``, which the plan's peak counts): at the head's
+    forward nothing is pending, even with the copies held back ~50 ms, and the wait is counted."""
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
+    ids = torch.randint(0, 1000, (8, 512), device="cuda")
+    overrides = {f"{container}.{i}": "host" for i in range(4)}
+    overrides.update({f"{container}.{i}": "keep" for i in (4, 5)})
+    seen = []
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _step(model, ids)
+        assert s.plan.drain_at_head and s.plan.prediction.moved
+        before = s.stats()["head_drain_waits"]
+
+        def look(module, args):
+            with s.cache.lock:
+                seen.append((len(s.cache._pending), sum(e.src is not None for e in s.cache._pending)))
+
+        def stall_copies(module, args):
+            with torch.cuda.stream(s.cache._side_streams(ids.device)[0]):
+                torch.cuda._sleep(100_000_000)
+
+        handles = [
+            model.lm_head.register_forward_pre_hook(look),
+            model.get_submodule(f"{container}.3").register_forward_pre_hook(stall_copies),
+        ]
+        try:
+            model.zero_grad(set_to_none=True)
+            loss = _step(model, ids)
+        finally:
+            for h in handles:
+                h.remove()
+        assert torch.isfinite(loss)
+        assert s.stats()["head_drain_waits"] > before
+        assert s.stats()["bytes_offloaded"]["host"] > 0
+    assert seen == [(0, 0)], seen
 
 
 def test_exception_in_backward_on_gpu_releases_everything(tmp_path):

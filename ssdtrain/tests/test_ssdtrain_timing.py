@@ -484,3 +484,43 @@ def test_with_the_head_held_no_block_is_restored_before_backward_leaves_the_head
     model(ids).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n])
+
+
+def test_copies_out_drained_before_the_head_leave_no_bytes_in_flight_at_its_forward():
+    """The host runs ahead of the device, so at the head's forward (the logits: the forward's largest temporaries)
+    the allocator still counts the last moved blocks' bytes, copied out long before on the device. With
+    ``drain_at_head`` (the session's wait for every copy out as the last block returns) none is in flight there:
+    the forward's peak drops by what was in flight, and the head starts no earlier than the last copy's end (no
+    later where the copies finished behind the blocks' compute)."""
+    units = _llama_like(casts=0)
+    units[-1].saved_bytes = 3 * GIB  # the head's own bytes: its forward is the peak with or without copies in flight
+    work = dict(forward_working=3 * GIB, block_working=300 * MIB, working_bytes=GIB)
+    tiers = make_tiers(64 * GIB, 0)
+    spread = [Choice()] + [Choice("none", "host") if i % 4 == 0 else Choice() for i in range(16)] + [Choice()]
+    usual = simulate(units, spread, LINK, 2, tiers=tiers, **work)
+    drained = simulate(units, spread, LINK, 2, tiers=tiers, drain_at_head=True, **work)
+    assert usual.peak_at == drained.peak_at == "forward of <head>"
+    assert usual.peak_parts["in flight"] == 2 * 800 * MIB  # the window: the last two moved blocks
+    assert "in flight" not in drained.peak_parts
+    assert usual.peak - drained.peak == 2 * 800 * MIB
+    # Block 12's 800 MiB (16 ms on the link) end 4 ms after the last block (3 blocks of 3 ms + the host's moves
+    # after it): the head starts that much later, and so does the whole step.
+    last_copy_end = drained.seconds - usual.seconds
+    assert 0 < last_copy_end < 800 * MIB / LINK.d2h
+    # Copies that end behind the compute cost the drain nothing.
+    early = [Choice()] + [Choice("none", "host") if i in (0, 4) else Choice() for i in range(16)] + [Choice()]
+    assert simulate(units, early, LINK, 2, tiers=tiers, drain_at_head=True, **work).seconds == pytest.approx(
+        simulate(units, early, LINK, 2, tiers=tiers, **work).seconds
+    )
+    # On the CPU copies are synchronous (nothing in flight): no change.
+    cpu = dict(tiers=tiers, async_copies=False, **work)
+    assert simulate(units, spread, LINK, 2, drain_at_head=True, **cpu) == simulate(units, spread, LINK, 2, **cpu)
+
+
+def test_plans_carry_drain_at_head_through_replanning():
+    """A plan made with ``drain_at_head`` predicts with it, and so does every plan calibration makes from it."""
+    plan = _plan(6 * GIB, drain_at_head=True)
+    assert plan.drain_at_head and plan._model().drain_at_head
+    again = ssdtrain.planner.replan(plan, correction=10 * MIB)
+    assert again.drain_at_head
+    assert not _plan(6 * GIB).drain_at_head

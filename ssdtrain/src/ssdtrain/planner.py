@@ -89,6 +89,7 @@ class _Model:
     hold_head: bool = False  # no block prefetched during the head's backward
     clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
     inflight_bytes: int = 0  # copies out in flight in forward before the host waits, when above the window
+    drain_at_head: bool = False  # the host waits for every copy out before the head's forward
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -116,6 +117,7 @@ class _Model:
             hold_head=self.hold_head,
             clear_casts=self.clear_casts,
             inflight_bytes=self.inflight_bytes,
+            drain_at_head=self.drain_at_head,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -170,6 +172,9 @@ class Plan:
     # Copies out the cache lets the host leave in flight in forward before it waits (0: the window): more where the
     # step's peak is elsewhere (see ``ahead_bytes``).
     inflight_bytes: int = 0
+    # The host waits for the copies out still in flight when the last block's forward returns, so their device
+    # bytes are free before the head makes its logits (the session does on a GPU, where block hooks run).
+    drain_at_head: bool = False
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     # Saved tensors below this stayed on the device, unmeasured, in the profile (None: a plan not from a session).
     min_bytes: int | None = None
@@ -195,6 +200,7 @@ class Plan:
             self.hold_head,
             self.clear_casts,
             self.inflight_bytes,
+            self.drain_at_head,
         )
 
     @property
@@ -451,6 +457,7 @@ def make_plan(
     held_grads: bool = False,
     move_overhead_s: float = 0.0,
     clear_casts: bool = True,
+    drain_at_head: bool = False,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -462,7 +469,8 @@ def make_plan(
     all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
     moved unit costs beyond its copies' link time (set by calibration). `clear_casts`: autocast's weight casts of a
     recomputed block are freed when its forward returns (the session clears the cache there), else held until the
-    forward ends."""
+    forward ends. `drain_at_head`: the host waits for every copy out as the last block's forward returns (see
+    ``simulate``)."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -514,6 +522,7 @@ def make_plan(
         held_grads,
         move_overhead_s,
         clear_casts=clear_casts,
+        drain_at_head=drain_at_head,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -575,6 +584,7 @@ def make_plan(
         hold_head=model.hold_head,
         clear_casts=clear_casts,
         inflight_bytes=ahead_bytes(model, plan_choices, window_units),
+        drain_at_head=drain_at_head,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -643,6 +653,7 @@ def replan(plan: Plan, **changes) -> Plan:
         budget_fraction=fields["budget_fraction"],
         move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
         clear_casts=plan.clear_casts,
+        drain_at_head=plan.drain_at_head,
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)

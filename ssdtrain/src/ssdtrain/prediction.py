@@ -237,6 +237,7 @@ def simulate(
     hold_head: bool = False,
     clear_casts: bool = True,
     inflight_bytes: int = 0,
+    drain_at_head: bool = False,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -262,6 +263,9 @@ def simulate(
     the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
     first block's then on demand. `inflight_bytes`: the cache's bound on copies out in flight in forward when larger
     than the window (the host may then run further ahead of the device; the plan gives it where the peak has room).
+    `drain_at_head`: the host waits for every copy out when the last block's forward returns (the session does, on
+    a GPU with block hooks), so none is in flight during the head's forward (its logits are the forward's largest
+    temporaries); the head's compute starts no earlier than the last copy's end.
     """
     tiers = tiers or {}
     n = len(units)
@@ -296,6 +300,9 @@ def simulate(
     backlog = 0
     cumulative = 0
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
+        if drain_at_head and async_copies and u.kind == "head" and head < len(queued):
+            t = max(t, queued[-1][0])
+            head, backlog, cumulative = len(queued), 0, 0
         t += u.forward_s
         if moved and async_copies:
             # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is

@@ -727,6 +727,8 @@ class OffloadSession:
             _clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
         self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
+        if unit == len(self.blocks) and self.plan is not None and self.plan.drain_at_head:
+            self.cache.finish_copies_out()  # (see Plan.drain_at_head)
 
     def _pause_hooks(self) -> None:
         """Take ssdtrain's saved-tensor hooks off autograd's stack while a bare unit runs forward (only where they
@@ -860,6 +862,7 @@ class OffloadSession:
             held_grads=self.state.grads_missing and self.state.grads_held,
             budget_fraction=self.budget_fraction,
             clear_casts=self.clear_casts,
+            drain_at_head=self.device.type == "cuda" and not self.compiled,
         )
         plan.compiled_blocks = any(is_compiled_block(m) for _, m in self.blocks)
         plan.min_bytes = self.min_bytes

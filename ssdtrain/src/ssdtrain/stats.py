@@ -47,6 +47,10 @@ def session_stats(session) -> dict:
         "stall_seconds": c["stall_ns"] / 1e9,
         "throttle_waits": c["throttle_waits"],
         "throttle_seconds": c["throttle_ns"] / 1e9,
+        # The host's waits, as the last block's forward returned, for the copies out still in flight (their device
+        # bytes released before the head's forward: see ``drain_at_head`` in the plan).
+        "head_drain_waits": c["head_drain_waits"],
+        "head_drain_seconds": c["head_drain_ns"] / 1e9,
         "fallbacks": {k.removeprefix("fallback_"): v for k, v in c.items() if k.startswith("fallback_")},
         "host_pool": {
             "limit": pool.limit,

@@ -128,10 +128,12 @@ class Transfers:
         if entry.host is None and entry.src is not None and entry.device.type == "cuda":
             self._direct_bytes += entry.nbytes
 
-    def _throttle(self) -> None:
+    def _throttle(self, limit: float | None = None, counter: str = "throttle") -> None:
         """Device bytes waiting to leave (copies out, direct NVMe writes not yet staged) stay within
-        `max_inflight`: the host waits for the oldest (the planner counts at most that much in flight)."""
-        while self._inflight_bytes + self._direct_bytes > self.max_inflight:
+        `max_inflight` (or `limit`): the host waits for the oldest (the planner counts at most that much in
+        flight). The waits are counted as ``<counter>_waits`` and ``<counter>_ns``."""
+        limit = self.max_inflight if limit is None else limit
+        while self._inflight_bytes + self._direct_bytes > limit:
             t0 = time.perf_counter()
             if self._pending:
                 self._pending[0].d2h.synchronize()
@@ -140,9 +142,18 @@ class Transfers:
                 if direct is None:
                     break
                 direct.write.wait()
-            self.counters["throttle_waits"] += 1
-            self.counters["throttle_ns"] += int((time.perf_counter() - t0) * 1e9)
+            self.counters[f"{counter}_waits"] += 1
+            self.counters[f"{counter}_ns"] += int((time.perf_counter() - t0) * 1e9)
             self.poll()
+
+    def finish_copies_out(self) -> None:
+        """Wait for every copy out still in flight (and direct NVMe write not yet staged), releasing their device
+        bytes. The session calls it as the last block's forward returns: the host runs ahead of the device, so
+        without it the allocator still counts the last moved blocks' bytes while the head makes its logits (the
+        forward's peak), long after their copies are done on the device. The wait costs the device nothing where
+        the copies finish before the blocks already launched do (the planner predicts it: ``drain_at_head``)."""
+        self.poll()
+        self._throttle(limit=0, counter="head_drain")
 
     # ----------------------------------------------------------------------------------------------- progress
     def poll(self) -> None:

@@ -96,13 +96,34 @@ def compile_memory_budget(policy: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def plan_jobs(models: list[str], groups=GROUPS) -> list[tuple[str, str, str | None]]:
-    """(model, policy, spec): the first model's eager jobs, then its compiled ones, then the next model's."""
+def plan_jobs(models: list[str], groups=GROUPS, wanted=()) -> list[tuple[str, str, str | None]]:
+    """(model, policy, spec): the first model's eager jobs, then its compiled ones, then the next model's; then, for
+    the first model, any ``ssdtrain-derive+hostN`` policy named in ``wanted`` (an override plan: see
+    :func:`derive_overrides`), which no suite runs by default."""
     jobs = []
     for model in models:
         jobs += [(model, p, s) for p, s in EAGER] if "eager" in groups else []
         jobs += [(model, p, s) for p, s in COMPILED] if "compiled" in groups else []
+    jobs += [(models[0], p, None) for p in wanted if DERIVE_HOST.fullmatch(p)]
     return jobs
+
+
+# `ssdtrain-derive+host<N>`: every block `derive`, N of them `derive+host`, spread evenly over the blocks
+DERIVE_HOST = re.compile(r"ssdtrain-derive\+host(\d+)")
+
+
+def derive_overrides(policy: str, blocks: list[str]) -> dict[str, str]:
+    """The override plan of ``ssdtrain-derive`` (every block ``derive``) or ``ssdtrain-derive+hostN``: N blocks
+    ``derive+host``, spread evenly from the first (each block's copies out get the forward of the blocks after it
+    before the next moved block queues behind them on the link)."""
+    overrides = {name: "derive" for name in blocks}
+    match = DERIVE_HOST.fullmatch(policy)
+    moved = int(match.group(1)) if match else 0
+    if moved > len(blocks):
+        raise ValueError(f"{policy}: the model has {len(blocks)} blocks")
+    for k in range(moved):
+        overrides[blocks[k * len(blocks) // moved]] = "derive+host"
+    return overrides
 
 
 # --------------------------------------------------------------------------------------------------- peers
@@ -228,8 +249,8 @@ def run_job(job: dict, llm) -> dict:
         import ssdtrain
 
         overrides = None
-        if policy == "ssdtrain-derive":
-            overrides = {name: "derive" for name, _ in ssdtrain.find_blocks(model)[1]}
+        if policy.startswith("ssdtrain-derive"):
+            overrides = derive_overrides(policy, [name for name, _ in ssdtrain.find_blocks(model)[1]])
         session = ssdtrain.offload(model, budget=budget, min_bytes=a.min_bytes, overrides=overrides, verbose=False)
         if not isinstance(budget, int):
             row["budget_gib"] = ""
@@ -429,7 +450,7 @@ def main(a, llm) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise SystemExit(f"--groups: unknown {sorted(unknown)}: use eager, compiled or both")
-    for kind, policy, spec in plan_jobs(a.models, groups):
+    for kind, policy, spec in plan_jobs(a.models, groups, sorted(wanted)):
         name = policy if spec is None else f"{policy}@{spec}"
         if wanted and name not in wanted:
             continue

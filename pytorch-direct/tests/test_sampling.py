@@ -722,6 +722,57 @@ def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
         assert torch.equal(a["paper"].n_id[:size], papers[a["paper"].input_id])
 
 
+def input_node_forms(n):
+    """input_nodes forms PyG's NeighborLoader takes for a node type of ``n`` nodes, as PyG's ``get_input_nodes``
+    reads them (ids as given, a mask's True entries)."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 3]] = True
+    ids = torch.randperm(n, generator=torch.Generator().manual_seed(4))[:50]
+    return {"ids [k, 1]": ids.view(-1, 1), "int32 ids": ids.int(), "list": ids.tolist(), "tuple": tuple(ids.tolist()),
+            "ndarray": ids.numpy(), "range": range(5, 60, 2), "empty list": [],
+            "short mask": mask[: n // 2], "long mask": torch.cat([mask, torch.zeros(7, dtype=torch.bool)])}
+
+
+@pytest.mark.parametrize("hetero", [False, True])
+def test_input_nodes_in_every_form_pyg_takes_give_its_batches(hetero):
+    # PyG reads ids of shape [k, 1] as the k ids and a mask of any length by its True entries (mask.nonzero()
+    # .view(-1)); both were refused here ("must be a 1-D tensor", "must have one entry per node"), and so was an
+    # empty list (torch reads [] as float)
+    data = random_hetero() if hetero else random_data()
+    num_neighbors = {et: [3, 2] for et in data.edge_types} if hetero else [3, 2]
+    for name, form in input_node_forms(300 if hetero else 400).items():
+        input_nodes = ("paper", form) if hetero else form
+        ours = NeighborLoader(data, num_neighbors, input_nodes=input_nodes, batch_size=16, seed=5)
+        theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, num_neighbors, seed=5),
+                                  input_nodes=input_nodes, batch_size=16)
+        count = 0
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_batch(a, b)
+            count += 1
+        assert count == len(ours) == len(theirs), name
+
+
+def test_input_nodes_pyg_misreads_are_refused_with_the_fix():
+    # forms PyG takes but reads as something else than meant, or fails on later: a list or array of booleans
+    # (PyG: ids 1 and 0), ids of shape [1, k] (PyG: one batch of batch_size 1 whose other seeds are never
+    # expanded), a 0-d id, a mask of shape [n, 1], float ids, a mask selecting nodes past the graph
+    import numpy as np
+
+    data = random_data(n=100)
+    mask = torch.rand(100, generator=torch.Generator().manual_seed(0)) < 0.5
+    cases = [([True, False, True], "list of booleans.*torch.as_tensor"),
+             (mask.numpy(), "ndarray of booleans.*torch.as_tensor"),
+             (torch.tensor([[3, 1, 4]]), r"shape \[k\] \(or \[k, 1\]\).*got shape \(1, 3\)"),
+             (torch.tensor(3), r"got shape \(\)"),
+             (mask.view(-1, 1), r"mask must be 1-D.*mask.view\(-1\)"),
+             (torch.tensor([3.0, 1.0]), r"integer node ids.*ids.long\(\)"),
+             (torch.cat([mask, torch.tensor([False, True])]), "selects node 101, past the 100 nodes")]
+    for input_nodes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            NeighborLoader(data, [2], input_nodes=input_nodes)
+    assert len(NeighborLoader(data, [2], input_nodes=np.array([3, 1]), batch_size=1)) == 2
+
+
 def test_hetero_batches_follow_pyg_semantics():
     check_hetero_semantics("cpu")
 
@@ -1164,8 +1215,8 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], subgraph_type="induced")
     with pytest.raises(IndexError, match="input node ids"):
         NeighborLoader(data, [2], input_nodes=torch.tensor([0, 400]))
-    with pytest.raises(ValueError, match="mask must have one entry per node"):
-        NeighborLoader(data, [2], input_nodes=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="selects node 401, past the 400 nodes"):
+        NeighborLoader(data, [2], input_nodes=torch.ones(402, dtype=torch.bool))
     with pytest.raises(ValueError, match="thread=True needs prefetch"):
         NeighborLoader(data, [2], prefetch=0, thread=True)
     with pytest.raises(TypeError, match="takes a Data"):

@@ -90,9 +90,10 @@ class NeighborLoader:
     Topology)`` pair (``features``: attribute name -> per-node table; a graph already in CSC form).
     ``num_neighbors``: fan-outs per hop (-1, or any negative: all, 0: none; ``[]``: no hops, a batch of the seeds
     alone); for a heterogeneous graph also a dict edge type -> list.
-    ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
-    ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
-    ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
+    ``input_nodes``: seed nodes: ids (a tensor of shape [k] or [k, 1] on any device, a list, tuple, range or
+    array) or a boolean mask (its True entries, whatever its length, as in PyG); for a heterogeneous graph a node
+    type or ``(node type, ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``,
+    ``shuffle``, ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
     ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG. ``prepare``: called on
     each :class:`SampledSubgraph` where the batch is made, after its feature gathers are queued but while they may
     still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
@@ -234,16 +235,8 @@ class NeighborLoader:
         n = src.num_nodes[node_type]
         if input_nodes is None:
             return node_type, torch.arange(n), None
-        nodes = torch.as_tensor(input_nodes).cpu()
-        if nodes.dtype == torch.bool:
-            if nodes.shape != (n,):
-                raise ValueError(f"an input_nodes mask must have one entry per node ({n}), got {tuple(nodes.shape)}")
-            nodes = nodes.nonzero().flatten()
-            return node_type, nodes, nodes
-        if nodes.dtype.is_floating_point or nodes.dim() != 1:
-            raise ValueError(f"input_nodes must be a 1-D tensor of node ids or a boolean mask, got "
-                             f"{nodes.dtype} of shape {tuple(nodes.shape)}")
-        return node_type, nodes.long(), None
+        nodes, input_id = _input_ids(input_nodes, n)
+        return node_type, nodes, input_id
 
     def _placement(self, topology: str) -> str:
         if topology not in ("auto", "device", "host"):
@@ -522,6 +515,44 @@ def _new_data(cls, fields: dict):
     for key, value in fields.items():
         setattr(out, key, value)
     return out
+
+
+def _input_ids(input_nodes, num_nodes: int) -> tuple[Tensor, Tensor | None]:
+    """(seed ids [S] int64 on the CPU, their input ids or None) of ``input_nodes`` given as ids or a boolean mask
+    for a node type of ``num_nodes`` nodes, as PyG's ``get_input_nodes`` reads them: a mask's seeds (and input ids)
+    are the positions of its True entries, whatever its length (entries past its end are False); ids come as a
+    tensor, a list, a tuple or an array, CPU or CUDA. Ids of shape [k, 1] are the k ids (PyG keeps that shape and
+    its sampler reads the k ids)."""
+    if not isinstance(input_nodes, Tensor):
+        nodes = torch.as_tensor(input_nodes)
+        if nodes.dtype == torch.bool:
+            # (PyG converts a non-tensor with torch.tensor(..., dtype=torch.long): True and False become ids 1 and 0)
+            raise ValueError(f"input_nodes is a {type(input_nodes).__name__} of booleans, which PyG's NeighborLoader "
+                             f"reads as node ids 1 and 0, not as a mask: pass a boolean torch.Tensor for a mask "
+                             f"(torch.as_tensor(mask)), or integer ids")
+        if nodes.numel() == 0:
+            nodes = nodes.long()  # (an empty list is float to torch, an empty set of ids to PyG)
+    else:
+        nodes = input_nodes
+    nodes = nodes.cpu()
+    if nodes.dtype == torch.bool:
+        if nodes.dim() != 1:
+            raise ValueError(f"an input_nodes mask must be 1-D (an entry per node), got shape {tuple(nodes.shape)}: "
+                             f"pass mask.view(-1)")
+        ids = nodes.nonzero().view(-1)
+        if nodes.numel() > num_nodes and ids.numel() and int(ids[-1]) >= num_nodes:
+            raise ValueError(f"the input_nodes mask has {nodes.numel()} entries and selects node {int(ids[-1])}, "
+                             f"past the {num_nodes} nodes: its entries from {num_nodes} on must be False")
+        return ids, ids
+    if nodes.dim() == 2 and nodes.size(1) == 1:
+        nodes = nodes.view(-1)
+    if nodes.dim() != 1:
+        raise ValueError(f"input_nodes must be node ids of shape [k] (or [k, 1]) or a 1-D boolean mask, got shape "
+                         f"{tuple(nodes.shape)}")
+    if nodes.dtype.is_floating_point or nodes.dtype.is_complex:
+        raise ValueError(f"input_nodes must be integer node ids or a boolean mask, got {nodes.dtype}: pass "
+                         f"ids.long()")
+    return nodes.long(), None
 
 
 def _batch_size(value) -> int:

@@ -1247,12 +1247,13 @@ def test_pygs_defaults_passed_explicitly_are_taken():
     data = random_data()
     defaults = dict(num_workers=0, time_attr=None, temporal_strategy="uniform", weight_attr=None, input_time=None,
                     transform_sampler_output=None, directed=True, neighbor_sampler=None, filter_per_worker=None,
-                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None)
+                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None,
+                    input_id=None, custom_cls=None, dataset=None)
     expected = NeighborLoader(data, [3, 2], batch_size=64, seed=1)
     for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **defaults), expected, strict=True):
         assert_same_batch(a, b)
-    for key, value in [("time_attr", "t"), ("directed", False), ("pin_memory", True), ("persistent_workers", True),
-                       ("temporal_strategy", "last"), ("input_time", torch.zeros(400))]:
+    for key, value in [("time_attr", "t"), ("directed", False), ("persistent_workers", True),
+                       ("input_time", torch.zeros(400)), ("dataset", [1])]:
         with pytest.raises(NotImplementedError, match=key):
             NeighborLoader(data, [2], **{key: value})
 
@@ -1277,6 +1278,80 @@ def test_the_dataloader_arguments_pyg_passes_on_are_taken():
     for key, value in (("timeout", 5), ("prefetch_factor", 2), ("multiprocessing_context", "spawn")):
         with pytest.raises(NotImplementedError, match=f"{key}=.*worker processes"):
             NeighborLoader(data, [2], **{key: value})
+
+
+def test_the_arguments_that_change_nothing_without_workers_or_time_are_taken_as_in_pyg():
+    # filter_per_worker (features gathered in a worker or in the main process), temporal_strategy="last" without
+    # time_attr (pyg-lib samples uniformly then) and pin_memory=True without a GPU (torch's DataLoader ignores it)
+    # give PyG the batches it gives without them; each raised NotImplementedError here
+    data = random_data()
+    expected = list(NeighborLoader(data, [3, 2], batch_size=64, seed=1))
+    for kwargs in (dict(filter_per_worker=True), dict(filter_per_worker=False), dict(temporal_strategy="last"),
+                   dict(pin_memory=True) if not pd.cuda_usable() else {}):
+        for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **kwargs), expected, strict=True):
+            assert_same_batch(a, b)
+    with pytest.raises(ValueError, match="temporal_strategy must be 'uniform' or 'last'"):
+        NeighborLoader(data, [2], temporal_strategy="newest")
+    with pytest.raises(ValueError, match="subgraph_type must be 'directional', 'bidirectional' or 'induced'"):
+        NeighborLoader(data, [2], subgraph_type="directed")
+
+
+def test_input_id_labels_the_input_nodes_as_in_pygs_node_loader():
+    # PyG's NeighborLoader passes input_id= on to its NodeLoader: each batch's input_id are the given labels of its
+    # input nodes (for ids and masks alike); "an unexpected argument" here
+    data, hetero = random_data(), random_hetero()
+    labels = torch.arange(1000, 1150)
+    fanouts = {et: [3, 2] for et in hetero.edge_types}
+    for graph, nodes, num_neighbors in ((data, torch.randperm(400)[:150], [3, 2]),
+                                        (data, data.train_mask, [3, 2]),
+                                        (hetero, ("paper", torch.randperm(300)[:150]), fanouts)):
+        count = nodes.sum() if isinstance(nodes, torch.Tensor) and nodes.dtype == torch.bool else 150
+        ids = labels[:count]
+        ours = NeighborLoader(graph, num_neighbors, input_nodes=nodes, input_id=ids, batch_size=32, seed=3)
+        theirs = pyg().NodeLoader(graph, node_sampler=pyg().NodeSampler(graph, num_neighbors, seed=3),
+                                  input_nodes=nodes, input_id=ids, batch_size=32)
+        seen = []
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_batch(a, b)
+            seen.append(a["paper"].input_id if graph is hetero else a.input_id)
+        assert torch.equal(torch.cat(seen), ids)
+    with pytest.raises(ValueError, match=r"one id per input node \(150\), got shape \(3,\)"):
+        NeighborLoader(data, [2], input_nodes=torch.arange(150), input_id=torch.arange(3))
+    for every in (None, "paper", ("paper", None)):
+        graph = data if every is None else hetero
+        with pytest.raises(ValueError, match=r"PyG ignores it where input_nodes selects every node"):
+            NeighborLoader(graph, fanouts if graph is hetero else [2], input_nodes=every, input_id=torch.arange(3))
+
+
+def test_custom_cls_is_the_class_of_a_store_pairs_batches_as_in_pyg():
+    # PyG's NodeLoader builds a store pair's batches as custom_cls() (for remote backends); "an unexpected
+    # argument" here
+    class MyData(pyg().Data):
+        pass
+
+    class MyHetero(pyg().HeteroData):
+        pass
+
+    data = random_data(seed=2)
+    fs = pyg().UnifiedFeatureStore(device="cpu")
+    fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    nodes = torch.arange(0, 400, 3)
+    ours = NeighborLoader((fs, gs), [3, 2], input_nodes=nodes, custom_cls=MyData, batch_size=40, seed=4)
+    theirs = pyg().NodeLoader((fs, gs), node_sampler=pyg().NodeSampler((fs, gs), [3, 2], seed=4), input_nodes=nodes,
+                              custom_cls=MyData, batch_size=40)
+    for a, b in zip(ours, theirs, strict=True):
+        assert type(a) is type(b) is MyData
+        assert torch.equal(a.x, data.x[a.n_id]) and torch.equal(a.n_id, b.n_id) and torch.equal(a.input_id, b.input_id)
+    hfs = pyg().UnifiedFeatureStore(device="cpu")
+    hfs.put_tensor(data.x, group_name="a", attr_name="x", index=None)
+    hgs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes, edge_type=("a", "to", "a"))
+    batch = next(iter(NeighborLoader((hfs, hgs), [2], input_nodes="a", custom_cls=MyHetero, batch_size=8)))
+    assert type(batch) is MyHetero and torch.equal(batch["a"].x, data.x[batch["a"].n_id])
+    with pytest.raises(ValueError, match="custom_cls= sets the class of the batches of a .FeatureStore, GraphStore"):
+        NeighborLoader(data, [2], custom_cls=MyData)
+    with pytest.raises(TypeError, match="custom_cls= must be a subclass of HeteroData for this graph"):
+        NeighborLoader((hfs, hgs), [2], input_nodes="a", custom_cls=MyData)
 
 
 def test_a_node_type_without_a_node_count_is_named():
@@ -1630,6 +1705,16 @@ def test_a_cpu_store_feeds_a_loader_on_the_gpu():
     gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
     for b in NeighborLoader((fs, gs), [4, 4], batch_size=64, device="cuda"):
         assert b.x.is_cuda and torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+
+
+@pytest.mark.gpu
+def test_pin_memory_pins_batches_made_on_the_cpu_as_in_pyg():
+    # PyG's DataLoader pins CPU batches where there is a GPU to copy them to; batches made on the GPU are there
+    data = random_data(seed=13)
+    pinned = next(iter(NeighborLoader(data, [3], batch_size=64, device="cpu", pin_memory=True)))
+    plain = next(iter(NeighborLoader(data, [3], batch_size=64, device="cpu")))
+    assert pinned.x.is_pinned() and pinned.n_id.is_pinned() and not plain.x.is_pinned()
+    assert next(iter(NeighborLoader(data, [3], batch_size=64, device="cuda", pin_memory=True))).x.is_cuda
 
 
 @pytest.mark.gpu

@@ -40,25 +40,24 @@ _NOT_SUPPORTED = {
     "num_workers": (0, "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by "
                        "worker processes"),
     "time_attr": (None, "temporal sampling is not supported"),
-    "temporal_strategy": ("uniform", "temporal sampling is not supported"),
     "weight_attr": (None, "weighted sampling is not supported"),
     "input_time": (None, "temporal sampling is not supported"),
     "transform_sampler_output": (None, "not supported; use transform= on the assembled batch"),
     "directed": (True, "only directional subgraphs (the sampled edges) are made"),
     "neighbor_sampler": (None, "batches are sampled by pytorch-direct's sampler"),
-    "filter_per_worker": (None, "there are no worker processes"),
     "persistent_workers": (False, "there are no worker processes"),
-    "pin_memory": (False, "batches are made on the sampling device already"),
     "collate_fn": (None, "batches are assembled by the loader"),
     "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
     "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
     "timeout": (0, "there are no worker processes to wait for"),
     "prefetch_factor": (None, "there are no worker processes (batches made ahead: prefetch=)"),
     "multiprocessing_context": (None, "there are no worker processes"),
+    "dataset": (None, "seeds come from input_nodes (PyG's NodeLoader drops its dataset= too)"),
 }
 # torch's DataLoader arguments that PyG's loaders pass on and that it ignores without worker processes (and without
-# pin_memory): taken with any value, and ignored here too
-_IGNORED = ("worker_init_fn", "in_order", "pin_memory_device")
+# pin_memory), and PyG's filter_per_worker (where features are gathered: in the worker or the main process, the same
+# batches either way): taken with any value, and ignored here too
+_IGNORED = ("worker_init_fn", "in_order", "pin_memory_device", "filter_per_worker")
 
 
 @dataclass
@@ -94,7 +93,10 @@ class NeighborLoader:
     array) or a boolean mask (its True entries, whatever its length, as in PyG); for a heterogeneous graph a node
     type or ``(node type, ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``,
     ``shuffle``, ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
-    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG. ``prepare``: called on
+    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG, and so do PyG's
+    ``input_id`` (labels of the input nodes), ``custom_cls`` (the class of a store pair's batches), ``pin_memory``
+    (batches made on the CPU are pinned where there is a GPU), ``filter_per_worker`` and ``temporal_strategy``
+    (which change nothing without worker processes and without ``time_attr``). ``prepare``: called on
     each :class:`SampledSubgraph` where the batch is made, after its feature gathers are queued but while they may
     still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
     sampling only, not for the gathers); the attributes it returns (a dict) are set on the batch. The place for
@@ -135,7 +137,9 @@ class NeighborLoader:
                  is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
                  prepare_when_ahead: Callable[[Any], None] | None = None, high_priority: bool = True,
                  pipeline: bool = True, generator: torch.Generator | None = None,
-                 subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
+                 subgraph_type: str = "directional", disjoint: bool = False, input_id: Any = None,
+                 custom_cls: type | None = None, temporal_strategy: str = "uniform", pin_memory: bool = False,
+                 **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key in _IGNORED:
                 continue
@@ -145,10 +149,17 @@ class NeighborLoader:
             if value is nothing or (isinstance(value, (bool, int, float, str)) and value == nothing):
                 continue
             raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
-        if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
+        subgraph_type = str(getattr(subgraph_type, "value", subgraph_type))
+        if subgraph_type not in ("directional", "bidirectional", "induced"):
+            raise ValueError(f"subgraph_type must be 'directional', 'bidirectional' or 'induced' (as in PyG), got "
+                             f"{subgraph_type!r}")
+        if subgraph_type != "directional":
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
         if disjoint:
             raise NotImplementedError("disjoint=True: per-seed disjoint subgraphs are not supported")
+        if temporal_strategy not in ("uniform", "last"):
+            raise ValueError(f"temporal_strategy must be 'uniform' or 'last' (as in PyG), got {temporal_strategy!r}")
+        # (either strategy samples uniformly without time_attr, as in PyG; time_attr itself is refused above)
         self.batch_size = _batch_size(batch_size)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.transform = transform
@@ -175,6 +186,12 @@ class NeighborLoader:
         self.source = _topology.source_of(data, is_sorted)
         # (input nodes that select none, e.g. an empty split or mask, make a loader of no batches, as PyG's)
         self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
+        if input_id is not None:
+            self._input_id = self._given_input_id(input_id, input_nodes)
+        self.custom_cls = self._batch_class(custom_cls)
+        # (PyG's DataLoader pins batches made on the CPU where there is a GPU to copy them to; without one, torch
+        # ignores pin_memory; batches made on a GPU are in its memory already)
+        self.pin_memory = bool(pin_memory) and self.device.type == "cpu" and cuda_usable()
         self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
         self.unify = bool(unify)
         self._prepare_tables()
@@ -237,6 +254,36 @@ class NeighborLoader:
             return node_type, torch.arange(n), None
         nodes, input_id = _input_ids(input_nodes, n)
         return node_type, nodes, input_id
+
+    def _given_input_id(self, input_id, input_nodes) -> Tensor:
+        """``input_id=`` (PyG's NodeLoader's argument): the input id of each input node, handed out per batch in
+        place of its position (or, for a mask, its node id)."""
+        if input_nodes is None or isinstance(input_nodes, str) or (
+                isinstance(input_nodes, (tuple, list)) and len(input_nodes) == 2 and isinstance(input_nodes[0], str)
+                and input_nodes[1] is None):
+            raise ValueError("input_id= labels the input nodes given as ids or a mask; PyG ignores it where "
+                             "input_nodes selects every node (None or a node type alone): pass the nodes as ids, "
+                             "e.g. input_nodes=torch.arange(num_nodes), or leave input_id out")
+        input_id = torch.as_tensor(input_id).cpu()
+        if input_id.shape != self._input_nodes.shape:
+            raise ValueError(f"input_id= must hold one id per input node ({self._input_nodes.numel()}), got shape "
+                             f"{tuple(input_id.shape)}")
+        return input_id
+
+    def _batch_class(self, custom_cls):
+        """The class of the batches of a store pair or a topology pair (PyG's ``custom_cls``), or None."""
+        if custom_cls is None:
+            return None
+        if self.source.template is not None:
+            raise ValueError("custom_cls= sets the class of the batches of a (FeatureStore, GraphStore) pair; the "
+                             "batches of a Data or HeteroData are copies of it, of its own class (PyG ignores "
+                             "custom_cls there): leave it out")
+        from torch_geometric.data import Data, HeteroData
+
+        base = HeteroData if self.source.hetero else Data
+        if not (isinstance(custom_cls, type) and issubclass(custom_cls, base)):
+            raise TypeError(f"custom_cls= must be a subclass of {base.__name__} for this graph, got {custom_cls!r}")
+        return custom_cls
 
     def _placement(self, topology: str) -> str:
         if topology not in ("auto", "device", "host"):
@@ -363,6 +410,8 @@ class NeighborLoader:
             if on_stream:  # a transform may read the gathered features
                 current.wait_stream(self._gather_stream)
             batch = self.transform(batch)
+        if self.pin_memory:
+            batch = batch.pin_memory()
         self._stats.gather_s += time.perf_counter() - start
         self._stats.gather_cpu_s += time.thread_time() - start_cpu
         return batch
@@ -469,14 +518,14 @@ class NeighborLoader:
             for key, value in fields.items():
                 out[key] = value
             return out
-        return _new_data(Data, fields)
+        return _new_data(self.custom_cls or Data, fields)
 
     def _assemble_hetero(self, sub: SampledSubgraph, input_id: Tensor):
         from torch_geometric.data import HeteroData
 
         src, blocks = self.source, self.source.blocks
         parts = _topology.split_hetero(sub, blocks)
-        out = copy.copy(src.template) if src.template is not None else HeteroData()
+        out = copy.copy(src.template) if src.template is not None else (self.custom_cls or HeteroData)()
         node_ids = dict(zip(src.node_types, parts.n_id, strict=True))
         edge_ids = dict(zip(src.edge_types, parts.e_id, strict=True))
         jobs = [(key, table, node_ids[key[0]]) for key, table in src.node_tables.items()]

@@ -1354,6 +1354,38 @@ def test_custom_cls_is_the_class_of_a_store_pairs_batches_as_in_pyg():
         NeighborLoader((hfs, hgs), [2], input_nodes="a", custom_cls=MyData)
 
 
+def test_sampler_and_batch_sampler_draw_the_batches_as_in_pyg():
+    # PyG's loaders hand sampler= and batch_sampler= to torch's DataLoader, which draws positions into input_nodes
+    # from them each epoch (e.g. a DistributedSampler splitting the input nodes between ranks); both were refused
+    from torch.utils.data import DistributedSampler
+
+    data = random_data()
+    nodes = data.train_mask.nonzero().view(-1)
+    n = nodes.numel()
+    forms = [dict(sampler=DistributedSampler(range(n), num_replicas=2, rank=1, shuffle=True, seed=5), batch_size=16),
+             dict(sampler=list(range(n - 1, -1, -3)), batch_size=8, drop_last=True),
+             dict(batch_sampler=[[4, 0, 9], [1], list(range(10, 40))])]
+    for kwargs in forms:
+        ours = NeighborLoader(data, [3, 2], input_nodes=nodes, seed=6, **kwargs)
+        theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3, 2], seed=6), input_nodes=nodes,
+                                  **kwargs)
+        assert len(ours) == len(theirs)
+        for epoch in range(2):
+            if isinstance(kwargs.get("sampler"), DistributedSampler):
+                kwargs["sampler"].set_epoch(epoch)
+            count = 0
+            for a, b in zip(ours, theirs, strict=True):
+                assert_same_batch(a, b)
+                count += 1
+            assert count == len(ours)
+    with pytest.raises(ValueError, match="sampler= is mutually exclusive with shuffle=True"):
+        NeighborLoader(data, [2], sampler=range(10), shuffle=True)
+    with pytest.raises(ValueError, match="batch_sampler= is mutually exclusive with batch_size"):
+        NeighborLoader(data, [2], batch_sampler=[[0, 1]], batch_size=2)
+    with pytest.raises(IndexError, match=r"yielded positions in \[0, 400\], but there are 400 input nodes"):
+        next(iter(NeighborLoader(data, [2], sampler=range(401), batch_size=8)))
+
+
 def test_a_node_type_without_a_node_count_is_named():
     # a node type with no attribute and no num_nodes (PyG warns that its num_nodes is undefined) failed with
     # "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"

@@ -47,8 +47,6 @@ _NOT_SUPPORTED = {
     "neighbor_sampler": (None, "batches are sampled by pytorch-direct's sampler"),
     "persistent_workers": (False, "there are no worker processes"),
     "collate_fn": (None, "batches are assembled by the loader"),
-    "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
-    "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
     "timeout": (0, "there are no worker processes to wait for"),
     "prefetch_factor": (None, "there are no worker processes (batches made ahead: prefetch=)"),
     "multiprocessing_context": (None, "there are no worker processes"),
@@ -96,7 +94,9 @@ class NeighborLoader:
     ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG, and so do PyG's
     ``input_id`` (labels of the input nodes), ``custom_cls`` (the class of a store pair's batches), ``pin_memory``
     (batches made on the CPU are pinned where there is a GPU), ``filter_per_worker`` and ``temporal_strategy``
-    (which change nothing without worker processes and without ``time_attr``). ``prepare``: called on
+    (which change nothing without worker processes and without ``time_attr``), and torch DataLoader's ``sampler``
+    (positions into the input nodes, drawn each epoch, batched by ``batch_size``) and ``batch_sampler`` (the
+    batches of positions). ``prepare``: called on
     each :class:`SampledSubgraph` where the batch is made, after its feature gathers are queued but while they may
     still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
     sampling only, not for the gathers); the attributes it returns (a dict) are set on the batch. The place for
@@ -139,7 +139,7 @@ class NeighborLoader:
                  pipeline: bool = True, generator: torch.Generator | None = None,
                  subgraph_type: str = "directional", disjoint: bool = False, input_id: Any = None,
                  custom_cls: type | None = None, temporal_strategy: str = "uniform", pin_memory: bool = False,
-                 **kwargs: Any) -> None:
+                 sampler: Any = None, batch_sampler: Any = None, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key in _IGNORED:
                 continue
@@ -162,6 +162,16 @@ class NeighborLoader:
         # (either strategy samples uniformly without time_attr, as in PyG; time_attr itself is refused above)
         self.batch_size = _batch_size(batch_size)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        # torch's DataLoader (under PyG's loaders) draws the positions into input_nodes from sampler= (batched by
+        # batch_size) or their batches from batch_sampler=, each epoch, and refuses these combinations
+        if sampler is not None and self.shuffle:
+            raise ValueError("sampler= is mutually exclusive with shuffle=True (as in torch's DataLoader): the "
+                             "sampler orders the input nodes")
+        if batch_sampler is not None and (self.batch_size != 1 or self.shuffle or sampler is not None
+                                          or self.drop_last):
+            raise ValueError("batch_sampler= is mutually exclusive with batch_size, shuffle, sampler and drop_last "
+                             "(as in torch's DataLoader): it makes the batches")
+        self.position_sampler, self.batch_sampler = sampler, batch_sampler
         self.transform = transform
         self.prepare = prepare
         self.prepare_when_ahead = prepare_when_ahead
@@ -323,7 +333,9 @@ class NeighborLoader:
     # ---- iteration -------------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        n = self._input_nodes.numel()
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        n = self._input_nodes.numel() if self.position_sampler is None else len(self.position_sampler)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self):
@@ -345,7 +357,12 @@ class NeighborLoader:
     def _epoch_order(self) -> list[Tensor]:
         """This epoch's batches as CPU positions into the input nodes."""
         n = self._input_nodes.numel()
-        if self.shuffle:
+        if self.batch_sampler is not None:
+            return [_positions(batch, n, "batch_sampler") for batch in self.batch_sampler]
+        if self.position_sampler is not None:
+            order = _positions(list(self.position_sampler), n, "sampler")
+            n = order.numel()
+        elif self.shuffle:
             gen = torch.Generator().manual_seed(self._seed + 1 + self._epoch)
             order = torch.randperm(n, generator=gen)
         else:
@@ -602,6 +619,19 @@ def _input_ids(input_nodes, num_nodes: int) -> tuple[Tensor, Tensor | None]:
         raise ValueError(f"input_nodes must be integer node ids or a boolean mask, got {nodes.dtype}: pass "
                          f"ids.long()")
     return nodes.long(), None
+
+
+def _positions(values, n: int, what: str) -> Tensor:
+    """Positions into the ``n`` input nodes drawn from a ``sampler=`` or ``batch_sampler=``, as a CPU int64 tensor;
+    a position outside them is named (PyG's loader fails on it with an IndexError from torch)."""
+    positions = torch.as_tensor(list(values), dtype=torch.long)
+    if positions.dim() != 1:
+        raise ValueError(f"{what}= must yield positions into input_nodes (integers), got shape "
+                         f"{tuple(positions.shape)}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        raise IndexError(f"{what}= yielded positions in [{int(positions.min())}, {int(positions.max())}], but there "
+                         f"are {n} input nodes: it must draw from range({n}) (e.g. DistributedSampler(range({n})))")
+    return positions
 
 
 def _batch_size(value) -> int:

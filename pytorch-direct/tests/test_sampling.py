@@ -1386,6 +1386,24 @@ def test_sampler_and_batch_sampler_draw_the_batches_as_in_pyg():
         next(iter(NeighborLoader(data, [2], sampler=range(401), batch_size=8)))
 
 
+def test_pygs_node_loader_with_node_sampler_takes_ids_of_shape_k_1_and_refuses_input_time():
+    # PyG's NodeLoader hands the sampler seeds of the shape input_nodes has ([b, 1] for [k, 1]), which pyg-lib
+    # reads as the b ids (here: "seeds must be a non-empty 1-D tensor"), and input_time, which was ignored here
+    data = random_data()
+    ids = torch.randperm(400, generator=torch.Generator().manual_seed(1))[:60]
+    batches = []
+    for nodes in (ids, ids.view(-1, 1)):
+        loader = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3, 2], seed=2), input_nodes=nodes,
+                                  batch_size=16)
+        batches.append(list(loader))
+    for a, b in zip(*batches, strict=True):
+        assert_same_batch(a, b)
+    loader = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3]), input_nodes=ids,
+                              input_time=torch.zeros(60, dtype=torch.long), batch_size=16)
+    with pytest.raises(NotImplementedError, match="no temporal sampling.*input_time"):
+        next(iter(loader))
+
+
 def test_a_node_type_without_a_node_count_is_named():
     # a node type with no attribute and no num_nodes (PyG warns that its num_nodes is undefined) failed with
     # "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"

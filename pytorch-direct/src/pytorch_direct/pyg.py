@@ -195,6 +195,9 @@ class NodeSampler(BaseSampler):
                                        blocks=self.source.blocks)
 
     def sample_from_nodes(self, index: NodeSamplerInput, **kwargs: Any) -> SamplerOutput | HeteroSamplerOutput:
+        if index.time is not None:
+            raise NotImplementedError("NodeSampler samples without time (no temporal sampling): leave the loader's "
+                                      "input_time out")
         src = self.source
         offset = src.node_offset(index.input_type)
         node = index.node

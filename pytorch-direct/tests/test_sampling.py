@@ -722,6 +722,57 @@ def test_repeated_input_nodes_are_a_seed_each_as_in_pyg():
         assert torch.equal(a["paper"].n_id[:size], papers[a["paper"].input_id])
 
 
+def input_node_forms(n):
+    """input_nodes forms PyG's NeighborLoader takes for a node type of ``n`` nodes, as PyG's ``get_input_nodes``
+    reads them (ids as given, a mask's True entries)."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 3]] = True
+    ids = torch.randperm(n, generator=torch.Generator().manual_seed(4))[:50]
+    return {"ids [k, 1]": ids.view(-1, 1), "int32 ids": ids.int(), "list": ids.tolist(), "tuple": tuple(ids.tolist()),
+            "ndarray": ids.numpy(), "range": range(5, 60, 2), "empty list": [],
+            "short mask": mask[: n // 2], "long mask": torch.cat([mask, torch.zeros(7, dtype=torch.bool)])}
+
+
+@pytest.mark.parametrize("hetero", [False, True])
+def test_input_nodes_in_every_form_pyg_takes_give_its_batches(hetero):
+    # PyG reads ids of shape [k, 1] as the k ids and a mask of any length by its True entries (mask.nonzero()
+    # .view(-1)); both were refused here ("must be a 1-D tensor", "must have one entry per node"), and so was an
+    # empty list (torch reads [] as float)
+    data = random_hetero() if hetero else random_data()
+    num_neighbors = {et: [3, 2] for et in data.edge_types} if hetero else [3, 2]
+    for name, form in input_node_forms(300 if hetero else 400).items():
+        input_nodes = ("paper", form) if hetero else form
+        ours = NeighborLoader(data, num_neighbors, input_nodes=input_nodes, batch_size=16, seed=5)
+        theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, num_neighbors, seed=5),
+                                  input_nodes=input_nodes, batch_size=16)
+        count = 0
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_batch(a, b)
+            count += 1
+        assert count == len(ours) == len(theirs), name
+
+
+def test_input_nodes_pyg_misreads_are_refused_with_the_fix():
+    # forms PyG takes but reads as something else than meant, or fails on later: a list or array of booleans
+    # (PyG: ids 1 and 0), ids of shape [1, k] (PyG: one batch of batch_size 1 whose other seeds are never
+    # expanded), a 0-d id, a mask of shape [n, 1], float ids, a mask selecting nodes past the graph
+    import numpy as np
+
+    data = random_data(n=100)
+    mask = torch.rand(100, generator=torch.Generator().manual_seed(0)) < 0.5
+    cases = [([True, False, True], "list of booleans.*torch.as_tensor"),
+             (mask.numpy(), "ndarray of booleans.*torch.as_tensor"),
+             (torch.tensor([[3, 1, 4]]), r"shape \[k\] \(or \[k, 1\]\).*got shape \(1, 3\)"),
+             (torch.tensor(3), r"got shape \(\)"),
+             (mask.view(-1, 1), r"mask must be 1-D.*mask.view\(-1\)"),
+             (torch.tensor([3.0, 1.0]), r"integer node ids.*ids.long\(\)"),
+             (torch.cat([mask, torch.tensor([False, True])]), "selects node 101, past the 100 nodes")]
+    for input_nodes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            NeighborLoader(data, [2], input_nodes=input_nodes)
+    assert len(NeighborLoader(data, [2], input_nodes=np.array([3, 1]), batch_size=1)) == 2
+
+
 def test_hetero_batches_follow_pyg_semantics():
     check_hetero_semantics("cpu")
 
@@ -1164,8 +1215,8 @@ def test_bad_arguments_are_named():
         NeighborLoader(data, [2], subgraph_type="induced")
     with pytest.raises(IndexError, match="input node ids"):
         NeighborLoader(data, [2], input_nodes=torch.tensor([0, 400]))
-    with pytest.raises(ValueError, match="mask must have one entry per node"):
-        NeighborLoader(data, [2], input_nodes=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="selects node 401, past the 400 nodes"):
+        NeighborLoader(data, [2], input_nodes=torch.ones(402, dtype=torch.bool))
     with pytest.raises(ValueError, match="thread=True needs prefetch"):
         NeighborLoader(data, [2], prefetch=0, thread=True)
     with pytest.raises(TypeError, match="takes a Data"):
@@ -1196,12 +1247,13 @@ def test_pygs_defaults_passed_explicitly_are_taken():
     data = random_data()
     defaults = dict(num_workers=0, time_attr=None, temporal_strategy="uniform", weight_attr=None, input_time=None,
                     transform_sampler_output=None, directed=True, neighbor_sampler=None, filter_per_worker=None,
-                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None)
+                    persistent_workers=False, pin_memory=False, collate_fn=None, sampler=None, batch_sampler=None,
+                    input_id=None, custom_cls=None, dataset=None)
     expected = NeighborLoader(data, [3, 2], batch_size=64, seed=1)
     for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **defaults), expected, strict=True):
         assert_same_batch(a, b)
-    for key, value in [("time_attr", "t"), ("directed", False), ("pin_memory", True), ("persistent_workers", True),
-                       ("temporal_strategy", "last"), ("input_time", torch.zeros(400))]:
+    for key, value in [("time_attr", "t"), ("directed", False), ("persistent_workers", True),
+                       ("input_time", torch.zeros(400)), ("dataset", [1])]:
         with pytest.raises(NotImplementedError, match=key):
             NeighborLoader(data, [2], **{key: value})
 
@@ -1226,6 +1278,130 @@ def test_the_dataloader_arguments_pyg_passes_on_are_taken():
     for key, value in (("timeout", 5), ("prefetch_factor", 2), ("multiprocessing_context", "spawn")):
         with pytest.raises(NotImplementedError, match=f"{key}=.*worker processes"):
             NeighborLoader(data, [2], **{key: value})
+
+
+def test_the_arguments_that_change_nothing_without_workers_or_time_are_taken_as_in_pyg():
+    # filter_per_worker (features gathered in a worker or in the main process), temporal_strategy="last" without
+    # time_attr (pyg-lib samples uniformly then) and pin_memory=True without a GPU (torch's DataLoader ignores it)
+    # give PyG the batches it gives without them; each raised NotImplementedError here
+    data = random_data()
+    expected = list(NeighborLoader(data, [3, 2], batch_size=64, seed=1))
+    for kwargs in (dict(filter_per_worker=True), dict(filter_per_worker=False), dict(temporal_strategy="last"),
+                   dict(pin_memory=True) if not pd.cuda_usable() else {}):
+        for a, b in zip(NeighborLoader(data, [3, 2], batch_size=64, seed=1, **kwargs), expected, strict=True):
+            assert_same_batch(a, b)
+    with pytest.raises(ValueError, match="temporal_strategy must be 'uniform' or 'last'"):
+        NeighborLoader(data, [2], temporal_strategy="newest")
+    with pytest.raises(ValueError, match="subgraph_type must be 'directional', 'bidirectional' or 'induced'"):
+        NeighborLoader(data, [2], subgraph_type="directed")
+
+
+def test_input_id_labels_the_input_nodes_as_in_pygs_node_loader():
+    # PyG's NeighborLoader passes input_id= on to its NodeLoader: each batch's input_id are the given labels of its
+    # input nodes (for ids and masks alike); "an unexpected argument" here
+    data, hetero = random_data(), random_hetero()
+    labels = torch.arange(1000, 1150)
+    fanouts = {et: [3, 2] for et in hetero.edge_types}
+    for graph, nodes, num_neighbors in ((data, torch.randperm(400)[:150], [3, 2]),
+                                        (data, data.train_mask, [3, 2]),
+                                        (hetero, ("paper", torch.randperm(300)[:150]), fanouts)):
+        count = nodes.sum() if isinstance(nodes, torch.Tensor) and nodes.dtype == torch.bool else 150
+        ids = labels[:count]
+        ours = NeighborLoader(graph, num_neighbors, input_nodes=nodes, input_id=ids, batch_size=32, seed=3)
+        theirs = pyg().NodeLoader(graph, node_sampler=pyg().NodeSampler(graph, num_neighbors, seed=3),
+                                  input_nodes=nodes, input_id=ids, batch_size=32)
+        seen = []
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_batch(a, b)
+            seen.append(a["paper"].input_id if graph is hetero else a.input_id)
+        assert torch.equal(torch.cat(seen), ids)
+    with pytest.raises(ValueError, match=r"one id per input node \(150\), got shape \(3,\)"):
+        NeighborLoader(data, [2], input_nodes=torch.arange(150), input_id=torch.arange(3))
+    for every in (None, "paper", ("paper", None)):
+        graph = data if every is None else hetero
+        with pytest.raises(ValueError, match=r"PyG ignores it where input_nodes selects every node"):
+            NeighborLoader(graph, fanouts if graph is hetero else [2], input_nodes=every, input_id=torch.arange(3))
+
+
+def test_custom_cls_is_the_class_of_a_store_pairs_batches_as_in_pyg():
+    # PyG's NodeLoader builds a store pair's batches as custom_cls() (for remote backends); "an unexpected
+    # argument" here
+    class MyData(pyg().Data):
+        pass
+
+    class MyHetero(pyg().HeteroData):
+        pass
+
+    data = random_data(seed=2)
+    fs = pyg().UnifiedFeatureStore(device="cpu")
+    fs.put_tensor(data.x, group_name=None, attr_name="x", index=None)
+    gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
+    nodes = torch.arange(0, 400, 3)
+    ours = NeighborLoader((fs, gs), [3, 2], input_nodes=nodes, custom_cls=MyData, batch_size=40, seed=4)
+    theirs = pyg().NodeLoader((fs, gs), node_sampler=pyg().NodeSampler((fs, gs), [3, 2], seed=4), input_nodes=nodes,
+                              custom_cls=MyData, batch_size=40)
+    for a, b in zip(ours, theirs, strict=True):
+        assert type(a) is type(b) is MyData
+        assert torch.equal(a.x, data.x[a.n_id]) and torch.equal(a.n_id, b.n_id) and torch.equal(a.input_id, b.input_id)
+    hfs = pyg().UnifiedFeatureStore(device="cpu")
+    hfs.put_tensor(data.x, group_name="a", attr_name="x", index=None)
+    hgs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes, edge_type=("a", "to", "a"))
+    batch = next(iter(NeighborLoader((hfs, hgs), [2], input_nodes="a", custom_cls=MyHetero, batch_size=8)))
+    assert type(batch) is MyHetero and torch.equal(batch["a"].x, data.x[batch["a"].n_id])
+    with pytest.raises(ValueError, match="custom_cls= sets the class of the batches of a .FeatureStore, GraphStore"):
+        NeighborLoader(data, [2], custom_cls=MyData)
+    with pytest.raises(TypeError, match="custom_cls= must be a subclass of HeteroData for this graph"):
+        NeighborLoader((hfs, hgs), [2], input_nodes="a", custom_cls=MyData)
+
+
+def test_sampler_and_batch_sampler_draw_the_batches_as_in_pyg():
+    # PyG's loaders hand sampler= and batch_sampler= to torch's DataLoader, which draws positions into input_nodes
+    # from them each epoch (e.g. a DistributedSampler splitting the input nodes between ranks); both were refused
+    from torch.utils.data import DistributedSampler
+
+    data = random_data()
+    nodes = data.train_mask.nonzero().view(-1)
+    n = nodes.numel()
+    forms = [dict(sampler=DistributedSampler(range(n), num_replicas=2, rank=1, shuffle=True, seed=5), batch_size=16),
+             dict(sampler=list(range(n - 1, -1, -3)), batch_size=8, drop_last=True),
+             dict(batch_sampler=[[4, 0, 9], [1], list(range(10, 40))])]
+    for kwargs in forms:
+        ours = NeighborLoader(data, [3, 2], input_nodes=nodes, seed=6, **kwargs)
+        theirs = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3, 2], seed=6), input_nodes=nodes,
+                                  **kwargs)
+        assert len(ours) == len(theirs)
+        for epoch in range(2):
+            if isinstance(kwargs.get("sampler"), DistributedSampler):
+                kwargs["sampler"].set_epoch(epoch)
+            count = 0
+            for a, b in zip(ours, theirs, strict=True):
+                assert_same_batch(a, b)
+                count += 1
+            assert count == len(ours)
+    with pytest.raises(ValueError, match="sampler= is mutually exclusive with shuffle=True"):
+        NeighborLoader(data, [2], sampler=range(10), shuffle=True)
+    with pytest.raises(ValueError, match="batch_sampler= is mutually exclusive with batch_size"):
+        NeighborLoader(data, [2], batch_sampler=[[0, 1]], batch_size=2)
+    with pytest.raises(IndexError, match=r"yielded positions in \[0, 400\], but there are 400 input nodes"):
+        next(iter(NeighborLoader(data, [2], sampler=range(401), batch_size=8)))
+
+
+def test_pygs_node_loader_with_node_sampler_takes_ids_of_shape_k_1_and_refuses_input_time():
+    # PyG's NodeLoader hands the sampler seeds of the shape input_nodes has ([b, 1] for [k, 1]), which pyg-lib
+    # reads as the b ids (here: "seeds must be a non-empty 1-D tensor"), and input_time, which was ignored here
+    data = random_data()
+    ids = torch.randperm(400, generator=torch.Generator().manual_seed(1))[:60]
+    batches = []
+    for nodes in (ids, ids.view(-1, 1)):
+        loader = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3, 2], seed=2), input_nodes=nodes,
+                                  batch_size=16)
+        batches.append(list(loader))
+    for a, b in zip(*batches, strict=True):
+        assert_same_batch(a, b)
+    loader = pyg().NodeLoader(data, node_sampler=pyg().NodeSampler(data, [3]), input_nodes=ids,
+                              input_time=torch.zeros(60, dtype=torch.long), batch_size=16)
+    with pytest.raises(NotImplementedError, match="no temporal sampling.*input_time"):
+        next(iter(loader))
 
 
 def test_a_node_type_without_a_node_count_is_named():
@@ -1579,6 +1755,16 @@ def test_a_cpu_store_feeds_a_loader_on_the_gpu():
     gs = pyg().make_graph_store(data.edge_index, num_nodes=data.num_nodes)
     for b in NeighborLoader((fs, gs), [4, 4], batch_size=64, device="cuda"):
         assert b.x.is_cuda and torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+
+
+@pytest.mark.gpu
+def test_pin_memory_pins_batches_made_on_the_cpu_as_in_pyg():
+    # PyG's DataLoader pins CPU batches where there is a GPU to copy them to; batches made on the GPU are there
+    data = random_data(seed=13)
+    pinned = next(iter(NeighborLoader(data, [3], batch_size=64, device="cpu", pin_memory=True)))
+    plain = next(iter(NeighborLoader(data, [3], batch_size=64, device="cpu")))
+    assert pinned.x.is_pinned() and pinned.n_id.is_pinned() and not plain.x.is_pinned()
+    assert next(iter(NeighborLoader(data, [3], batch_size=64, device="cuda", pin_memory=True))).x.is_cuda
 
 
 @pytest.mark.gpu

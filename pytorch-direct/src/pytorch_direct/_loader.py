@@ -40,25 +40,22 @@ _NOT_SUPPORTED = {
     "num_workers": (0, "batches are made by a background thread on a CUDA stream (prefetch=, thread=), not by "
                        "worker processes"),
     "time_attr": (None, "temporal sampling is not supported"),
-    "temporal_strategy": ("uniform", "temporal sampling is not supported"),
     "weight_attr": (None, "weighted sampling is not supported"),
     "input_time": (None, "temporal sampling is not supported"),
     "transform_sampler_output": (None, "not supported; use transform= on the assembled batch"),
     "directed": (True, "only directional subgraphs (the sampled edges) are made"),
     "neighbor_sampler": (None, "batches are sampled by pytorch-direct's sampler"),
-    "filter_per_worker": (None, "there are no worker processes"),
     "persistent_workers": (False, "there are no worker processes"),
-    "pin_memory": (False, "batches are made on the sampling device already"),
     "collate_fn": (None, "batches are assembled by the loader"),
-    "sampler": (None, "seeds come from input_nodes (shuffle=, drop_last=)"),
-    "batch_sampler": (None, "seeds come from input_nodes (batch_size=, shuffle=, drop_last=)"),
     "timeout": (0, "there are no worker processes to wait for"),
     "prefetch_factor": (None, "there are no worker processes (batches made ahead: prefetch=)"),
     "multiprocessing_context": (None, "there are no worker processes"),
+    "dataset": (None, "seeds come from input_nodes (PyG's NodeLoader drops its dataset= too)"),
 }
 # torch's DataLoader arguments that PyG's loaders pass on and that it ignores without worker processes (and without
-# pin_memory): taken with any value, and ignored here too
-_IGNORED = ("worker_init_fn", "in_order", "pin_memory_device")
+# pin_memory), and PyG's filter_per_worker (where features are gathered: in the worker or the main process, the same
+# batches either way): taken with any value, and ignored here too
+_IGNORED = ("worker_init_fn", "in_order", "pin_memory_device", "filter_per_worker")
 
 
 @dataclass
@@ -90,10 +87,16 @@ class NeighborLoader:
     Topology)`` pair (``features``: attribute name -> per-node table; a graph already in CSC form).
     ``num_neighbors``: fan-outs per hop (-1, or any negative: all, 0: none; ``[]``: no hops, a batch of the seeds
     alone); for a heterogeneous graph also a dict edge type -> list.
-    ``input_nodes``: seed nodes: ids or a boolean mask; for a heterogeneous graph a node type or ``(node type,
-    ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``, ``shuffle``,
-    ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
-    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG. ``prepare``: called on
+    ``input_nodes``: seed nodes: ids (a tensor of shape [k] or [k, 1] on any device, a list, tuple, range or
+    array) or a boolean mask (its True entries, whatever its length, as in PyG); for a heterogeneous graph a node
+    type or ``(node type, ids or mask or None)``; ``None``: every node (of a homogeneous graph). ``batch_size``,
+    ``shuffle``, ``drop_last``, ``replace``, ``transform`` (called on each assembled batch, where it is made) and
+    ``is_sorted`` (``edge_index`` already sorted by destination) mean what they mean in PyG, and so do PyG's
+    ``input_id`` (labels of the input nodes), ``custom_cls`` (the class of a store pair's batches), ``pin_memory``
+    (batches made on the CPU are pinned where there is a GPU), ``filter_per_worker`` and ``temporal_strategy``
+    (which change nothing without worker processes and without ``time_attr``), and torch DataLoader's ``sampler``
+    (positions into the input nodes, drawn each epoch, batched by ``batch_size``) and ``batch_sampler`` (the
+    batches of positions). ``prepare``: called on
     each :class:`SampledSubgraph` where the batch is made, after its feature gathers are queued but while they may
     still run (on a GPU they run on a stream of their own, so a host round trip in ``prepare`` waits for the
     sampling only, not for the gathers); the attributes it returns (a dict) are set on the batch. The place for
@@ -134,7 +137,9 @@ class NeighborLoader:
                  is_sorted: bool = False, prepare: Callable[[SampledSubgraph], dict[str, Any]] | None = None,
                  prepare_when_ahead: Callable[[Any], None] | None = None, high_priority: bool = True,
                  pipeline: bool = True, generator: torch.Generator | None = None,
-                 subgraph_type: str = "directional", disjoint: bool = False, **kwargs: Any) -> None:
+                 subgraph_type: str = "directional", disjoint: bool = False, input_id: Any = None,
+                 custom_cls: type | None = None, temporal_strategy: str = "uniform", pin_memory: bool = False,
+                 sampler: Any = None, batch_sampler: Any = None, **kwargs: Any) -> None:
         for key, value in kwargs.items():
             if key in _IGNORED:
                 continue
@@ -144,12 +149,29 @@ class NeighborLoader:
             if value is nothing or (isinstance(value, (bool, int, float, str)) and value == nothing):
                 continue
             raise NotImplementedError(f"NeighborLoader({key}=...): {reason}")
-        if str(getattr(subgraph_type, "value", subgraph_type)) != "directional":
+        subgraph_type = str(getattr(subgraph_type, "value", subgraph_type))
+        if subgraph_type not in ("directional", "bidirectional", "induced"):
+            raise ValueError(f"subgraph_type must be 'directional', 'bidirectional' or 'induced' (as in PyG), got "
+                             f"{subgraph_type!r}")
+        if subgraph_type != "directional":
             raise NotImplementedError(f"subgraph_type={subgraph_type!r}: only 'directional' subgraphs are made")
         if disjoint:
             raise NotImplementedError("disjoint=True: per-seed disjoint subgraphs are not supported")
+        if temporal_strategy not in ("uniform", "last"):
+            raise ValueError(f"temporal_strategy must be 'uniform' or 'last' (as in PyG), got {temporal_strategy!r}")
+        # (either strategy samples uniformly without time_attr, as in PyG; time_attr itself is refused above)
         self.batch_size = _batch_size(batch_size)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        # torch's DataLoader (under PyG's loaders) draws the positions into input_nodes from sampler= (batched by
+        # batch_size) or their batches from batch_sampler=, each epoch, and refuses these combinations
+        if sampler is not None and self.shuffle:
+            raise ValueError("sampler= is mutually exclusive with shuffle=True (as in torch's DataLoader): the "
+                             "sampler orders the input nodes")
+        if batch_sampler is not None and (self.batch_size != 1 or self.shuffle or sampler is not None
+                                          or self.drop_last):
+            raise ValueError("batch_sampler= is mutually exclusive with batch_size, shuffle, sampler and drop_last "
+                             "(as in torch's DataLoader): it makes the batches")
+        self.position_sampler, self.batch_sampler = sampler, batch_sampler
         self.transform = transform
         self.prepare = prepare
         self.prepare_when_ahead = prepare_when_ahead
@@ -174,6 +196,12 @@ class NeighborLoader:
         self.source = _topology.source_of(data, is_sorted)
         # (input nodes that select none, e.g. an empty split or mask, make a loader of no batches, as PyG's)
         self.input_type, self._input_nodes, self._input_id = self._resolve_input_nodes(input_nodes)
+        if input_id is not None:
+            self._input_id = self._given_input_id(input_id, input_nodes)
+        self.custom_cls = self._batch_class(custom_cls)
+        # (PyG's DataLoader pins batches made on the CPU where there is a GPU to copy them to; without one, torch
+        # ignores pin_memory; batches made on a GPU are in its memory already)
+        self.pin_memory = bool(pin_memory) and self.device.type == "cpu" and cuda_usable()
         self.source.topology = self.source.topology.placed(self._placement(topology), self.device)
         self.unify = bool(unify)
         self._prepare_tables()
@@ -234,16 +262,38 @@ class NeighborLoader:
         n = src.num_nodes[node_type]
         if input_nodes is None:
             return node_type, torch.arange(n), None
-        nodes = torch.as_tensor(input_nodes).cpu()
-        if nodes.dtype == torch.bool:
-            if nodes.shape != (n,):
-                raise ValueError(f"an input_nodes mask must have one entry per node ({n}), got {tuple(nodes.shape)}")
-            nodes = nodes.nonzero().flatten()
-            return node_type, nodes, nodes
-        if nodes.dtype.is_floating_point or nodes.dim() != 1:
-            raise ValueError(f"input_nodes must be a 1-D tensor of node ids or a boolean mask, got "
-                             f"{nodes.dtype} of shape {tuple(nodes.shape)}")
-        return node_type, nodes.long(), None
+        nodes, input_id = _input_ids(input_nodes, n)
+        return node_type, nodes, input_id
+
+    def _given_input_id(self, input_id, input_nodes) -> Tensor:
+        """``input_id=`` (PyG's NodeLoader's argument): the input id of each input node, handed out per batch in
+        place of its position (or, for a mask, its node id)."""
+        if input_nodes is None or isinstance(input_nodes, str) or (
+                isinstance(input_nodes, (tuple, list)) and len(input_nodes) == 2 and isinstance(input_nodes[0], str)
+                and input_nodes[1] is None):
+            raise ValueError("input_id= labels the input nodes given as ids or a mask; PyG ignores it where "
+                             "input_nodes selects every node (None or a node type alone): pass the nodes as ids, "
+                             "e.g. input_nodes=torch.arange(num_nodes), or leave input_id out")
+        input_id = torch.as_tensor(input_id).cpu()
+        if input_id.shape != self._input_nodes.shape:
+            raise ValueError(f"input_id= must hold one id per input node ({self._input_nodes.numel()}), got shape "
+                             f"{tuple(input_id.shape)}")
+        return input_id
+
+    def _batch_class(self, custom_cls):
+        """The class of the batches of a store pair or a topology pair (PyG's ``custom_cls``), or None."""
+        if custom_cls is None:
+            return None
+        if self.source.template is not None:
+            raise ValueError("custom_cls= sets the class of the batches of a (FeatureStore, GraphStore) pair; the "
+                             "batches of a Data or HeteroData are copies of it, of its own class (PyG ignores "
+                             "custom_cls there): leave it out")
+        from torch_geometric.data import Data, HeteroData
+
+        base = HeteroData if self.source.hetero else Data
+        if not (isinstance(custom_cls, type) and issubclass(custom_cls, base)):
+            raise TypeError(f"custom_cls= must be a subclass of {base.__name__} for this graph, got {custom_cls!r}")
+        return custom_cls
 
     def _placement(self, topology: str) -> str:
         if topology not in ("auto", "device", "host"):
@@ -283,7 +333,9 @@ class NeighborLoader:
     # ---- iteration -------------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        n = self._input_nodes.numel()
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        n = self._input_nodes.numel() if self.position_sampler is None else len(self.position_sampler)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self):
@@ -305,7 +357,12 @@ class NeighborLoader:
     def _epoch_order(self) -> list[Tensor]:
         """This epoch's batches as CPU positions into the input nodes."""
         n = self._input_nodes.numel()
-        if self.shuffle:
+        if self.batch_sampler is not None:
+            return [_positions(batch, n, "batch_sampler") for batch in self.batch_sampler]
+        if self.position_sampler is not None:
+            order = _positions(list(self.position_sampler), n, "sampler")
+            n = order.numel()
+        elif self.shuffle:
             gen = torch.Generator().manual_seed(self._seed + 1 + self._epoch)
             order = torch.randperm(n, generator=gen)
         else:
@@ -370,6 +427,8 @@ class NeighborLoader:
             if on_stream:  # a transform may read the gathered features
                 current.wait_stream(self._gather_stream)
             batch = self.transform(batch)
+        if self.pin_memory:
+            batch = batch.pin_memory()
         self._stats.gather_s += time.perf_counter() - start
         self._stats.gather_cpu_s += time.thread_time() - start_cpu
         return batch
@@ -476,14 +535,14 @@ class NeighborLoader:
             for key, value in fields.items():
                 out[key] = value
             return out
-        return _new_data(Data, fields)
+        return _new_data(self.custom_cls or Data, fields)
 
     def _assemble_hetero(self, sub: SampledSubgraph, input_id: Tensor):
         from torch_geometric.data import HeteroData
 
         src, blocks = self.source, self.source.blocks
         parts = _topology.split_hetero(sub, blocks)
-        out = copy.copy(src.template) if src.template is not None else HeteroData()
+        out = copy.copy(src.template) if src.template is not None else (self.custom_cls or HeteroData)()
         node_ids = dict(zip(src.node_types, parts.n_id, strict=True))
         edge_ids = dict(zip(src.edge_types, parts.e_id, strict=True))
         jobs = [(key, table, node_ids[key[0]]) for key, table in src.node_tables.items()]
@@ -522,6 +581,57 @@ def _new_data(cls, fields: dict):
     for key, value in fields.items():
         setattr(out, key, value)
     return out
+
+
+def _input_ids(input_nodes, num_nodes: int) -> tuple[Tensor, Tensor | None]:
+    """(seed ids [S] int64 on the CPU, their input ids or None) of ``input_nodes`` given as ids or a boolean mask
+    for a node type of ``num_nodes`` nodes, as PyG's ``get_input_nodes`` reads them: a mask's seeds (and input ids)
+    are the positions of its True entries, whatever its length (entries past its end are False); ids come as a
+    tensor, a list, a tuple or an array, CPU or CUDA. Ids of shape [k, 1] are the k ids (PyG keeps that shape and
+    its sampler reads the k ids)."""
+    if not isinstance(input_nodes, Tensor):
+        nodes = torch.as_tensor(input_nodes)
+        if nodes.dtype == torch.bool:
+            # (PyG converts a non-tensor with torch.tensor(..., dtype=torch.long): True and False become ids 1 and 0)
+            raise ValueError(f"input_nodes is a {type(input_nodes).__name__} of booleans, which PyG's NeighborLoader "
+                             f"reads as node ids 1 and 0, not as a mask: pass a boolean torch.Tensor for a mask "
+                             f"(torch.as_tensor(mask)), or integer ids")
+        if nodes.numel() == 0:
+            nodes = nodes.long()  # (an empty list is float to torch, an empty set of ids to PyG)
+    else:
+        nodes = input_nodes
+    nodes = nodes.cpu()
+    if nodes.dtype == torch.bool:
+        if nodes.dim() != 1:
+            raise ValueError(f"an input_nodes mask must be 1-D (an entry per node), got shape {tuple(nodes.shape)}: "
+                             f"pass mask.view(-1)")
+        ids = nodes.nonzero().view(-1)
+        if nodes.numel() > num_nodes and ids.numel() and int(ids[-1]) >= num_nodes:
+            raise ValueError(f"the input_nodes mask has {nodes.numel()} entries and selects node {int(ids[-1])}, "
+                             f"past the {num_nodes} nodes: its entries from {num_nodes} on must be False")
+        return ids, ids
+    if nodes.dim() == 2 and nodes.size(1) == 1:
+        nodes = nodes.view(-1)
+    if nodes.dim() != 1:
+        raise ValueError(f"input_nodes must be node ids of shape [k] (or [k, 1]) or a 1-D boolean mask, got shape "
+                         f"{tuple(nodes.shape)}")
+    if nodes.dtype.is_floating_point or nodes.dtype.is_complex:
+        raise ValueError(f"input_nodes must be integer node ids or a boolean mask, got {nodes.dtype}: pass "
+                         f"ids.long()")
+    return nodes.long(), None
+
+
+def _positions(values, n: int, what: str) -> Tensor:
+    """Positions into the ``n`` input nodes drawn from a ``sampler=`` or ``batch_sampler=``, as a CPU int64 tensor;
+    a position outside them is named (PyG's loader fails on it with an IndexError from torch)."""
+    positions = torch.as_tensor(list(values), dtype=torch.long)
+    if positions.dim() != 1:
+        raise ValueError(f"{what}= must yield positions into input_nodes (integers), got shape "
+                         f"{tuple(positions.shape)}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        raise IndexError(f"{what}= yielded positions in [{int(positions.min())}, {int(positions.max())}], but there "
+                         f"are {n} input nodes: it must draw from range({n}) (e.g. DistributedSampler(range({n})))")
+    return positions
 
 
 def _batch_size(value) -> int:

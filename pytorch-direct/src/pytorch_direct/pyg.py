@@ -195,9 +195,15 @@ class NodeSampler(BaseSampler):
                                        blocks=self.source.blocks)
 
     def sample_from_nodes(self, index: NodeSamplerInput, **kwargs: Any) -> SamplerOutput | HeteroSamplerOutput:
+        if index.time is not None:
+            raise NotImplementedError("NodeSampler samples without time (no temporal sampling): leave the loader's "
+                                      "input_time out")
         src = self.source
         offset = src.node_offset(index.input_type)
-        sub = self.sampler.sample(index.node.to(self.device) + offset)
+        node = index.node
+        if node.dim() == 2 and node.size(1) == 1:  # (PyG keeps input_nodes of shape [k, 1]; pyg-lib reads the k ids)
+            node = node.view(-1)
+        sub = self.sampler.sample(node.to(self.device) + offset)
         input_id = index.input_id
         metadata = (input_id if input_id is not None else torch.arange(sub.batch_size), None)
         if not src.hetero:

@@ -300,7 +300,7 @@ def simulate(
     backlog = 0
     cumulative = 0
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
-        if drain_at_head and async_copies and u.kind == "head" and head < len(queued):
+        if drain_at_head and async_copies and u.kind == "head" and queued:
             t = max(t, queued[-1][0])
             head, backlog, cumulative = len(queued), 0, 0
         t += u.forward_s

@@ -803,3 +803,36 @@ def test_a_plan_is_checked_by_measured_peaks_with_a_session_per_step_as_with_one
         gc.collect()
         assert gone() is None
 
+
+def test_per_forward_sessions_plan_for_the_gradients_accumulation_holds(monkeypatch, caplog):
+    """A context per forward (backward after the ``with`` block), profiled in one micro-batch (profile_steps=1),
+    accumulation over 2: the profile is finished when the next micro-batch starts, after its held gradients are
+    read and after the profiled backward's peaks (which run after the profiled forward's session closed), so one
+    plan is made, for the held gradients, as a single session makes it; every planned micro-batch's measured peak
+    is within the budget and the gradients are keep's, bit for bit."""
+    _peaks_only(monkeypatch)
+    model, ids = _branch_model()
+    want = _accumulated_grads(model, ids)
+    options = dict(budget=0.6, min_bytes=0, profile_steps=1, nvme_memory=0, verbose=False)
+    peaks = []
+    with measured_cpu_memory(monkeypatch) as live, caplog.at_level("INFO", logger="ssdtrain"):
+        reset = model.layers[0].register_forward_pre_hook(lambda *_: live.reset_high())
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            for _ in range(2):
+                base = live.allocated()
+                with ssdtrain.offload(model, **options):
+                    loss = model(ids)
+                loss.backward()
+                del loss
+                peaks.append(live.high - base)
+            for (name, p), g in zip(model.named_parameters(), want, strict=True):
+                assert torch.equal(p.grad, g), name
+        reset.remove()
+    plan = state_of(model).latest
+    assert plan.held_grads and plan.budget_fraction == 0.6
+    assert any(c != Choice() for c in plan.choices)  # the budget made it move or recompute
+    assert max(peaks[1:]) <= plan.budget, (peaks, plan.budget)  # (the first micro-batch was profiled)
+    assert caplog.text.count("ssdtrain: plan for _BranchModel") == 1
+    assert "accumulation began" not in caplog.text
+    ssdtrain.release(model)

@@ -487,15 +487,13 @@ class OffloadSession:
             for config in self._restore_cache:
                 config.use_cache = True
             self._restore_cache = []
-            if abort or not self.calibrator.checking:
+            if abort:
                 self.calibrator.cancel()
-            else:
-                # The step under check ended with this session (a session per step): the model's next step, in
-                # whatever session, finishes the check (_finish_previous), as one session would at its next step.
+            elif self.calibrator.checking or self.profiler.pending is not None:
+                # The step under check, or the measured step, ended with this session (a session per step or per
+                # forward): the model's next step, in whatever session, finishes it (_finish_previous), as one
+                # session would at its next step.
                 self.state.unfinished = self
-            if self.profiler.pending is not None and not abort:
-                # The measured step ended with this session (a new session per step): its plan serves the next.
-                self._finish_profile()
         finally:
             self.profiler.stop()
             self.cache.observer = None
@@ -595,13 +593,18 @@ class OffloadSession:
         self._begin_profiling(signature, grads)
 
     def _finish_previous(self) -> None:
-        """Finish the last step of an earlier session around the model that closed before it could: with a session
-        per step (the Trainer callback's, torchtune's) the step's peak check is read when its backward ends and
-        judged here, at the model's next step, as a single session judges it at its next step. A check whose
-        backward never ended (no peak was read) is dropped: the memory's peak now holds whatever ran since."""
+        """Finish the last step of an earlier session around the model that closed before it could, here, at the
+        model's next step, as a single session finishes a step at its next one: with a session per step (the
+        Trainer callback's, torchtune's) or per forward (backward after the ``with`` block, so after the session
+        closed), the measured step's profile becomes a plan once its backward's peaks were read and this step's
+        held gradients seen (accumulation), and a step's peak check is judged by the peak read when its backward
+        ended. A check whose backward never ended (no peak was read) is dropped: the memory's peak now holds
+        whatever ran since."""
         previous, self.state.unfinished = self.state.unfinished, None
         if previous is None:
             return
+        if previous.profiler.pending is not None:
+            previous._finish_profile()
         calibrator = previous.calibrator
         if calibrator.checking and not calibrator.measured:
             calibrator.cancel()

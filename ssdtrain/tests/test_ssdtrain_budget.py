@@ -5,7 +5,9 @@ gradients, the calibration correction), what the profiled step's peaks turn into
 the profiling that keeps ``budget=None`` safe at large batches (a warm-up that keeps nothing it can move)."""
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from ssdtrain.planner import (
     simulate,
     window_bytes,
 )
-from ssdtrain.planning import Calibrator
+from ssdtrain.planning import Calibrator, state_of
 from ssdtrain.profiler import DeviceMemory, PeakProbe, working_memory
 
 MIB = 1 << 20
@@ -745,3 +747,92 @@ def test_weight_casts_of_recomputed_blocks_count_while_they_are_cached():
     for clear in (True, False):
         k = simulate(units, kept, FAST, clear_casts=clear, **kw)
         assert k.peak == MIB + MIB + 4 * (400 * MIB + casts) + fwd_work
+
+
+def _peaks_only(monkeypatch):
+    """Calibrators check peaks only: host timing noise on a shared CPU would replan for time (tested elsewhere)."""
+    init = Calibrator.__init__
+
+    def without_clock(self, memory, **kw):
+        init(self, memory, **{**kw, "clock": None})
+
+    monkeypatch.setattr(Calibrator, "__init__", without_clock)
+
+
+def _branch_model():
+    torch.manual_seed(0)
+    model = _BranchModel(dim=32)
+    ids = torch.randint(0, 37, (4, 64), generator=torch.Generator().manual_seed(11))
+    return model, ids
+
+
+@pytest.mark.parametrize("sessions", ["one", "per step"])
+def test_a_plan_is_checked_by_measured_peaks_with_a_session_per_step_as_with_one(sessions, monkeypatch):
+    """No accumulation, a context per step (the Trainer callback's pattern, torchtune's): each step's peak check
+    outlives its session and is finished by the next step, in the next session, so the plan is checked and trusted
+    within a few steps, as under one session (a check cancelled when its session closed never completed)."""
+    _peaks_only(monkeypatch)
+    model, ids = _branch_model()
+    options = dict(budget=0.6, min_bytes=0, profile_steps=1, nvme_memory=0, verbose=False)
+    with measured_cpu_memory(monkeypatch):
+        if sessions == "one":
+            with ssdtrain.offload(model, **options) as session:
+                for _ in range(6):
+                    model.zero_grad(set_to_none=True)
+                    model(ids).backward()
+            plan = session.plan
+        else:
+            for _ in range(6):
+                model.zero_grad(set_to_none=True)
+                with ssdtrain.offload(model, **options) as session:
+                    model(ids).backward()
+            plan = state_of(model).latest
+    assert plan is not None and plan.held_grads is False
+    assert plan._verified, (plan.calibrations, getattr(plan, "_passes", 0))
+    ssdtrain.release(model)
+    if sessions == "per step":
+        # A session whose step is still to be judged is kept by the model's state, and does not keep it alive.
+        model, ids = _branch_model()
+        with measured_cpu_memory(monkeypatch):
+            for _ in range(2):
+                with ssdtrain.offload(model, **options) as session:
+                    model(ids).backward()
+        assert state_of(model).unfinished is session
+        gone = weakref.ref(model)
+        del model, session
+        gc.collect()
+        assert gone() is None
+
+
+def test_per_forward_sessions_plan_for_the_gradients_accumulation_holds(monkeypatch, caplog):
+    """A context per forward (backward after the ``with`` block), profiled in one micro-batch (profile_steps=1),
+    accumulation over 2: the profile is finished when the next micro-batch starts, after its held gradients are
+    read and after the profiled backward's peaks (which run after the profiled forward's session closed), so one
+    plan is made, for the held gradients, as a single session makes it; every planned micro-batch's measured peak
+    is within the budget and the gradients are keep's, bit for bit."""
+    _peaks_only(monkeypatch)
+    model, ids = _branch_model()
+    want = _accumulated_grads(model, ids)
+    options = dict(budget=0.6, min_bytes=0, profile_steps=1, nvme_memory=0, verbose=False)
+    peaks = []
+    with measured_cpu_memory(monkeypatch) as live, caplog.at_level("INFO", logger="ssdtrain"):
+        reset = model.layers[0].register_forward_pre_hook(lambda *_: live.reset_high())
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            for _ in range(2):
+                base = live.allocated()
+                with ssdtrain.offload(model, **options):
+                    loss = model(ids)
+                loss.backward()
+                del loss
+                peaks.append(live.high - base)
+            for (name, p), g in zip(model.named_parameters(), want, strict=True):
+                assert torch.equal(p.grad, g), name
+        reset.remove()
+    plan = state_of(model).latest
+    assert plan.held_grads and plan.budget_fraction == 0.6
+    assert any(c != Choice() for c in plan.choices)  # the budget made it move or recompute
+    assert max(peaks[1:]) <= plan.budget, (peaks, plan.budget)  # (the first micro-batch was profiled)
+    assert caplog.text.count("ssdtrain: plan for _BranchModel") == 1
+    assert "accumulation began" not in caplog.text
+    ssdtrain.release(model)

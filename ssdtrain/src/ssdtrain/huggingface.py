@@ -1,23 +1,25 @@
 """Hugging Face ``Trainer`` integration: one callback turns activation offload on for training steps only.
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ssdtrain.OffloadCallback(budget=0.5)])
+    trainer.add_callback(ssdtrain.OffloadCallback(budget=0.5))  # (or so, before train())
 
-An ``offload()`` session is entered when a training step begins (``on_step_begin``: before the step's first
-micro-batch) and left when it ends (``on_step_end``: after the optimizer step), so it covers every micro-batch of
-gradient accumulation and nothing else: evaluation, prediction, generation, logging and checkpointing run after
-``on_step_end``, outside any session. (Forwards under ``torch.no_grad()`` are never steps of a session anyway.) The
-sessions reuse the model's plan, pinned host pool and NVMe engine from step to step (``ssdtrain.resources``).
+An ``offload()`` session is entered around each micro-batch's forward and backward: the callback wraps the
+Trainer's ``training_step`` when training begins (``on_train_begin``) and each call runs in a session of its own.
+Evaluation, prediction, generation, logging, checkpointing, gradient clipping and the optimizer's step run outside
+any session. (Forwards under ``torch.no_grad()`` are never steps of a session anyway.) The sessions reuse the
+model's plan, pinned host pool and NVMe engine (``ssdtrain.resources``), and each finishes the last one's step
+(its profile, its peak check), so they plan and calibrate as one session would.
 
-A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. So that the
-session does not stay entered after ``train()`` has raised (its saved-tensor hooks on the thread's autograd stack,
-its hooks on the model, its pinned buffers), the callback wraps the Trainer's ``train`` once, when it first meets
-the Trainer: any exception leaving ``train()`` (from the forward, backward, gradient clipping, the optimizer or
-learning-rate scheduler step, another callback, ...) closes the open session, then propagates unchanged. The
-Trainer passes callbacks no reference to itself: the callback finds it on the stack, as the caller whose callback
-handler holds it, at ``on_init_end`` (the end of the Trainer's ``__init__``, for a callback given to
-``Trainer(callbacks=[...])``), else at ``on_train_begin`` (a callback added later with ``add_callback``), where the
-wrapper can only cover the calls of ``train()`` after the one running. A session a failed step left open
-otherwise is closed by the next step, the next ``train()`` or the next ``offload()`` on the model.
+A step that raises never reaches ``on_step_end``, and the Trainer has no event for the exception. An exception from
+the forward or backward leaves ``training_step`` through the wrapper, which closes the session (its saved-tensor
+hooks on the thread's autograd stack, its hooks on the model, its pinned buffers) before the exception propagates,
+unchanged; anywhere else in the step (gradient clipping, the optimizer or learning-rate scheduler step, another
+callback) no session is open. This works however the callback was added: ``on_train_begin`` comes before the
+first micro-batch of every ``train()`` call, where a wrapper of ``train`` itself, made at ``on_init_end``, guarded
+only a callback given to the constructor. The Trainer passes callbacks no reference to itself: the callback finds
+it on the stack, as the caller whose callback handler holds it. Where events are called otherwise (by hand, no
+Trainer on the stack), a session is entered at ``on_step_begin`` and left at ``on_step_end``, and one a failed step
+left open is closed by the next step, the next ``train()`` or the next ``offload()`` on the model.
 
 Importing this module imports transformers; ``ssdtrain.OffloadCallback`` does so on first use only.
 """
@@ -70,13 +72,12 @@ class OffloadCallback(TrainerCallback):
         self.session: OffloadSession | None = None  # the open session (inside a training step)
         self.last: OffloadSession | None = None
         self._totals: dict = {}
-        # The Trainers whose train() closes this callback's session when an exception leaves it (see _guard_train).
-        self._guarded: weakref.WeakSet = weakref.WeakSet()
+        # The Trainers whose training_step runs in this callback's sessions (see _wrap_training_step); while one
+        # was found for the training running now, the step events open no session.
+        self._wrapped: weakref.WeakSet = weakref.WeakSet()
+        self._by_events = True
 
     # ------------------------------------------------------------------------------------------- Trainer events
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        self._guard_train(self._calling_trainer())
-
     def on_train_begin(
         self,
         args: TrainingArguments,
@@ -85,8 +86,11 @@ class OffloadCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        self._close(abort=True)  # a session left open by an exception outside a guarded train() call
-        self._guard_train(self._calling_trainer())  # (added after the Trainer was made: from the next train() on)
+        self._close(abort=True)  # a session left open by a failed step of event-driven training
+        trainer = self._calling_trainer()
+        self._by_events = trainer is None
+        if trainer is not None:
+            self._wrap_training_step(trainer)
 
     def on_step_begin(
         self,
@@ -96,11 +100,11 @@ class OffloadCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        if not self._by_events:
+            return  # (the Trainer's training_step opens the sessions)
         if model is None:
             raise ValueError("ssdtrain.OffloadCallback: the Trainer passed no model to on_step_begin")
-        self._close(abort=True)
-        self.session = offload(model, self.budget, **self.options)
-        self.session.__enter__()
+        self._open(model)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._close()
@@ -141,32 +145,42 @@ class OffloadCallback(TrainerCallback):
             frame = frame.f_back
         return None
 
-    def _guard_train(self, trainer: Any) -> None:
-        """Wrap `trainer`'s ``train`` (an instance attribute, kept for the Trainer's life: the next call needs it too)
-        so that an exception leaving it closes the open session at once, then propagates unchanged: the Trainer has
-        no event for it, and whatever raised (a step's forward or backward, gradient clipping, the optimizer or the
-        learning-rate scheduler, another callback) the whole loop runs inside ``train()``. (A retry of the loop inside
-        ``train()``, as ``auto_find_batch_size`` does after running out of memory, is closed by ``on_train_begin``.)"""
-        if trainer is None or trainer in self._guarded:
+    def _wrap_training_step(self, trainer: Any) -> None:
+        """Wrap `trainer`'s ``training_step`` (an instance attribute, kept for the Trainer's life: later ``train()``
+        calls need it too) so that each call, a micro-batch's forward and backward, runs in a session of its own,
+        closed when it returns or raises. The Trainer looks the method up for every micro-batch, so the wrapper
+        made here, inside ``train()``, applies from this call's first step on. A wrapper outlives its callback's
+        removal (``trainer.pop_callback``): it then runs the step alone."""
+        if trainer in self._wrapped:
             return
-        self._guarded.add(trainer)
-        inner = trainer.train
+        self._wrapped.add(trainer)
+        inner = trainer.training_step
 
         @functools.wraps(inner)
-        def train(*args: Any, **kwargs: Any) -> Any:
-            try:
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if not any(c is self for c in trainer.callback_handler.callbacks):
                 return inner(*args, **kwargs)
+            self._open(trainer.callback_handler.model)
+            try:
+                result = inner(*args, **kwargs)
             except BaseException as error:
                 self._failed(error)
                 raise
+            self._close()
+            return result
 
-        trainer.train = train
+        trainer.training_step = training_step
+
+    def _open(self, model: torch.nn.Module) -> None:
+        self._close(abort=True)  # (one a failed step left open)
+        self.session = offload(model, self.budget, **self.options)
+        self.session.__enter__()
 
     def _failed(self, error: BaseException) -> None:
-        """`error` is leaving ``train()``: close the step's session, if one is open, without hiding `error`."""
+        """`error` is leaving a training step: close its session without hiding `error`."""
         if self.session is None:
             return
-        why = f"{type(error).__name__} left trainer.train() during a training step"
+        why = f"{type(error).__name__} left a training step"
         try:
             self._close(abort=True, why=why)
         except Exception as close_error:  # (the training's own exception is the one to see)

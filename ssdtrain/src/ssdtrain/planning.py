@@ -34,6 +34,8 @@ class ModelState:
         self.grads_missing = False  # some step started without gradients: backward allocates them
         self.grads_held = False  # some step started with gradients held (accumulation): they count throughout
         self.warned: set[str] = set()
+        # A closed session whose last step the model's next step finishes (OffloadSession._finish_previous).
+        self.unfinished = None
         # id(a plan= as given) -> (that plan, its choices, budget and window then, that plan adjusted for gradients
         # held through accumulation): the adjustment is made once, not by every session (see OffloadSession).
         self.adjusted: dict = {}
@@ -171,6 +173,11 @@ class Calibrator:
     @property
     def checking(self) -> bool:
         return self._check is not None
+
+    @property
+    def measured(self) -> bool:
+        """The checked step's peak was read when its backward ended."""
+        return self._peak is not None
 
     def backward_done(self) -> None:
         """The checked step's backward ended: its peak is read now, not when the next step begins, so the

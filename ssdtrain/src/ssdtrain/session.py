@@ -146,7 +146,9 @@ class OffloadSession:
             whole_number("prefetch_units", prefetch_units, 1)
         if profile_steps is not None:
             whole_number("profile_steps", profile_steps, 1)
-        self.model = model
+        # Held weakly: a closed session whose last step is still to be finished is kept by the model's state until
+        # the model's next step (ModelState.unfinished), and must not keep the model alive.
+        self._model = weakref.ref(model)
         self.budget, self.budget_fraction = parse_budget(budget)
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
@@ -278,6 +280,10 @@ class OffloadSession:
         self._released = False
         self._active_on: list[nn.Module] = []  # the modules _ACTIVE maps to this session (while entered)
         self._quiet = False  # plan(): its steps only profile
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
 
     def _check_plan(self, plan) -> None:
         """`plan=` must be a Plan made for this model's units: its choices are applied by unit position, so another
@@ -469,6 +475,7 @@ class OffloadSession:
         for m in self._active_on:
             if _ACTIVE.get(m) is self:
                 del _ACTIVE[m]
+        self._active_on = []
         try:
             if self._saved_hooks is not None:
                 if not self._hooks_paused:  # (paused: off autograd's stack already)
@@ -480,10 +487,13 @@ class OffloadSession:
             for config in self._restore_cache:
                 config.use_cache = True
             self._restore_cache = []
-            self.calibrator.cancel()
-            if self.profiler.pending is not None and not abort:
-                # The measured step ended with this session (a new session per step): its plan serves the next.
-                self._finish_profile()
+            if abort:
+                self.calibrator.cancel()
+            elif self.calibrator.checking or self.profiler.pending is not None:
+                # The step under check, or the measured step, ended with this session (a session per step or per
+                # forward): the model's next step, in whatever session, finishes it (_finish_previous), as one
+                # session would at its next step.
+                self.state.unfinished = self
         finally:
             self.profiler.stop()
             self.cache.observer = None
@@ -554,6 +564,7 @@ class OffloadSession:
             self.state.grads_missing = True
         elif held:
             self.state.grads_held = True
+        self._finish_previous()
         if self.profiler.pending is not None:
             self._finish_profile()
         self.steps += 1
@@ -580,6 +591,27 @@ class OffloadSession:
             self.calibrator.start(plan, grads > 0, given=plan is self.given_plan, held=held)
             return
         self._begin_profiling(signature, grads)
+
+    def _finish_previous(self) -> None:
+        """Finish the last step of an earlier session around the model that closed before it could, here, at the
+        model's next step, as a single session finishes a step at its next one: with a session per step (the
+        Trainer callback's, torchtune's) or per forward (backward after the ``with`` block, so after the session
+        closed), the measured step's profile becomes a plan once its backward's peaks were read and this step's
+        held gradients seen (accumulation), and a step's peak check is judged by the peak read when its backward
+        ended. A check whose backward never ended (no peak was read) is dropped: the memory's peak now holds
+        whatever ran since."""
+        previous, self.state.unfinished = self.state.unfinished, None
+        if previous is None:
+            return
+        if previous.profiler.pending is not None:
+            previous._finish_profile()
+        calibrator = previous.calibrator
+        if calibrator.checking and not calibrator.measured:
+            calibrator.cancel()
+        if calibrator.checking:
+            new = calibrator.finish(previous.steps + 1)
+            if new is not None:
+                self.state.replace(previous.plan, new)
 
     def _for_held_grads(self, plan: Plan) -> Plan:
         """Gradient accumulation began after `plan` was made: its steps hold every gradient throughout, so the same

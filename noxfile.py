@@ -8,6 +8,7 @@ another requirement (e.g. ``TOOLKIT_TORCH_SPEC="torch==2.11.0"``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -24,6 +25,10 @@ TORCH_SPEC_ENV = "TOOLKIT_TORCH_SPEC"
 
 nox.options.sessions = ["lint", "cpp", "tests", "readme_install", "integration"]
 nox.options.error_on_external_run = True
+
+# package -> (source_key at build time, wheel): the wheels the tests sessions of this nox run built from the
+# packages' sdists, which integration installs instead of compiling the same sources again (see source_key).
+BUILT_WHEELS: dict[str, tuple[str, Path]] = {}
 
 
 def gpu_visible() -> bool:
@@ -50,6 +55,23 @@ def fresh_build(session: nox.Session) -> list[str]:
     independent of earlier ones.
     """
     return ["--no-cache-dir", "-C", f"build-dir={session.create_tmp()}/build/{{wheel_tag}}"]
+
+
+def source_key(package: str) -> str | None:
+    """A hash of everything a package's wheel is built from: the files of its folder and of shared-cuda that git
+    tracks or would track, and the environment that steers the build. None outside a git checkout."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", package,
+                             "shared-cuda"], cwd=ROOT, capture_output=True, check=False)
+    if listed.returncode != 0:
+        return None
+    digest = hashlib.sha256()
+    for name in sorted(set(filter(None, listed.stdout.split(b"\0")))):
+        path = ROOT / os.fsdecode(name)
+        digest.update(name + b"\0" + (path.read_bytes() if path.is_file() else b"-") + b"\0")
+    steering = sorted((k, v) for k, v in os.environ.items() if k.startswith(("SHARED_CUDA_", "CMAKE_", "CUDA", "CXX",
+                                                                              "CC", "NVCC", "SKBUILD")))
+    digest.update(repr((steering, shutil.which("nvcc"))).encode())
+    return digest.hexdigest()
 
 
 def nvrtc_library(session: nox.Session) -> str:
@@ -94,15 +116,21 @@ def cpp(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
-    """One package alone: built from its own sdist, installed with only its test extra, then its tests and the
-    shared-layer tests run against it."""
+    """One package alone: built from its own sdist into a wheel, installed with only its test extra, then its tests
+    and the shared-layer tests run against it. The wheel is kept for integration (see BUILT_WHEELS)."""
     install_torch(session)
     session.install("build")
+    key = source_key(package)
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run("python", "-m", "build", "--sdist", "--outdir", str(dist), package)
     sdist = next(dist.glob("*.tar.gz"))
-    session.install(f"{package}[test,nvrtc] @ {sdist.resolve().as_uri()}", *fresh_build(session))
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dist), sdist.resolve().as_uri(),
+                *fresh_build(session))
+    wheel = next(dist.glob("*.whl")).resolve()
+    session.install(f"{package}[test,nvrtc] @ {wheel.as_uri()}")
+    if key is not None and key == source_key(package):
+        BUILT_WHEELS[package] = (key, wheel)
     # Separate pytest runs: each test folder has its own conftest module, and one process would mix them up.
     session.run("python", "-m", "pytest", f"{package}/tests", *session.posargs)
     session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs,
@@ -132,9 +160,17 @@ def readme_install(session: nox.Session, package: str) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """The three packages installed together (from their folders), then the end-to-end tests."""
+    """The three packages installed together, then the end-to-end tests. Each package is installed from the wheel
+    its tests session built in this nox run where its sources are unchanged since (the same CUDA compile, done
+    once), else built from its folder (e.g. ``nox -s integration`` alone). Installing from the folder is what
+    readme_install checks."""
     install_torch(session)
-    session.install(*(f"./{p}[test,nvrtc]" for p in PACKAGES), *fresh_build(session))
+    wheels = {p: BUILT_WHEELS[p][1] for p in PACKAGES
+              if p in BUILT_WHEELS and BUILT_WHEELS[p][1].exists() and BUILT_WHEELS[p][0] == source_key(p)}
+    if wheels:
+        session.log(f"installing the tests sessions' wheels of {', '.join(wheels)}")
+    session.install(*(f"{p}[test,nvrtc] @ {wheels[p].as_uri()}" if p in wheels else f"./{p}[test,nvrtc]"
+                      for p in PACKAGES), *fresh_build(session))
     session.install("-r", "integration-tests/requirements.txt")
     session.run("python", "-m", "pytest", "integration-tests", *session.posargs)
     session.run("python", "-m", "pytest", "shared-cuda/python/tests", *session.posargs)

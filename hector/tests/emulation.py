@@ -1,5 +1,6 @@
-"""Runs hector's generated CUDA on the CPU: the module is compiled as C++ with ``emulator/shim.hpp`` (every CUDA
-thread a fiber; barriers, shuffles and shared memory as on a GPU) and launched through ctypes on CPU tensors.
+"""Runs hector's generated CUDA on the CPU: the module is compiled as C++ with ``emulator/shim.hpp``, linked against
+the scheduler ``emulator/runtime.cpp`` (every CUDA thread a fiber; barriers, shuffles and shared memory as on a GPU;
+built once per cache) and launched through ctypes on CPU tensors.
 
 ``CudaBackend(executor=EmulatedExecutor())`` then runs the whole CUDA backend (device graph, plans, launches,
 bindings) on CPU tensors, so its results can be compared with the reference backend without a GPU.
@@ -21,11 +22,46 @@ import torch
 from hector.runtime.cuda import Slot
 
 SHIM = Path(__file__).resolve().parent / "emulator" / "shim.hpp"
+RUNTIME = SHIM.with_name("runtime.cpp")
 _CACHE = Path(os.environ.get("HECTOR_EMULATOR_CACHE", Path(tempfile.gettempdir()) / "hector_emulator"))
+# One emulated launch at a time in the process: the scheduler's state (runtime.cpp) is process-wide, and a ctypes
+# call lets another Python thread (a loader preparing graphs, another executor) launch meanwhile, as it may on a GPU.
+_LAUNCH_LOCK = threading.Lock()
+_RUNTIME: tuple[Path, ctypes.CDLL] | None = None
 
 
 def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
+
+
+def _build(cmd: list[str], out: Path, what: str) -> None:
+    """Run the compiler into a file of this process, then move it into place (concurrent processes may share the
+    cache)."""
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}{out.suffix}")
+    done = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"emulated build of {what} failed:\n{done.stderr[-6000:]}")
+    os.replace(tmp, out)
+
+
+def runtime() -> tuple[Path, ctypes.CDLL]:
+    """The scheduler library (built on first use, cached by the hash of its sources) and its handle."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler to build the emulated kernels")
+        key = hashlib.sha256((SHIM.read_text() + RUNTIME.read_text()).encode()).hexdigest()[:20]
+        _CACHE.mkdir(parents=True, exist_ok=True)
+        lib = _CACHE / f"runtime-{key}.so"
+        if not lib.exists():
+            _build([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", "-DHECTOR_EMULATE", f"-I{SHIM.parent}",
+                    str(RUNTIME)], lib, "the emulator runtime")
+        handle = ctypes.CDLL(str(lib))
+        handle.hector_emu_launch.restype = ctypes.c_int
+        handle.hector_emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p]
+        _RUNTIME = (lib, handle)
+    return _RUNTIME
 
 
 class EmulatedExecutor:
@@ -35,28 +71,18 @@ class EmulatedExecutor:
         self.multiprocessors = multiprocessors
         self.arch = arch
         self.launches: list[str] = []
-        # one emulated launch at a time: the shim's fiber scheduler is process-wide, and a ctypes call lets
-        # another Python thread (a loader preparing graphs) launch meanwhile, as it may on a GPU
-        self._lock = threading.Lock()
 
     def load(self, module, filename: str):
-        cxx = compiler()
-        if cxx is None:
-            raise RuntimeError("no C++ compiler to build the emulated kernels")
-        shim = SHIM.read_text()
-        key = hashlib.sha256((shim + module.source).encode()).hexdigest()[:20]
-        _CACHE.mkdir(parents=True, exist_ok=True)
+        rt, _ = runtime()
+        # the runtime's name holds the hash of the shim and the scheduler: a module is rebuilt when either changes
+        key = hashlib.sha256((rt.name + module.source).encode()).hexdigest()[:20]
         lib = _CACHE / f"{key}.so"
         if not lib.exists():
             src = _CACHE / f"{key}.cpp"
             src.write_text(module.source)
-            tmp = _CACHE / f"{key}.{os.getpid()}.so"
-            cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DHECTOR_EMULATE", "-include", str(SHIM),
-                   "-x", "c++", str(src), "-o", str(tmp)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"emulated build of {filename} failed:\n{done.stderr[-6000:]}")
-            os.replace(tmp, lib)
+            # linked against the runtime by its path: loading the module loads the process's one scheduler
+            _build([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DHECTOR_EMULATE", "-include",
+                    str(SHIM), "-x", "c++", str(src), "-x", "none", str(rt)], lib, filename)
         return ctypes.CDLL(str(lib))
 
     def kernel(self, handle, name: str, signature: str, smem: int):
@@ -101,7 +127,7 @@ class EmulatedExecutor:
             self._launch(kernel, grid, block, raw, smem)
 
     def _launch(self, kernel, grid, block, args, smem) -> None:
-        handle, stub, name, sig = kernel
+        _, stub, name, sig = kernel
         self.launches.append(name)
         holders = []
         for kind, value in zip(sig, args, strict=True):
@@ -111,11 +137,9 @@ class EmulatedExecutor:
                 holders.append(ctypes.c_longlong(int(value)))
         array = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                                             for h in holders])
-        launch = handle.hector_emu_launch
-        launch.restype = ctypes.c_int
-        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p]
+        launch = runtime()[1].hector_emu_launch
         gx, gy = grid
-        with self._lock:
+        with _LAUNCH_LOCK:
             rc = launch(stub, gx, gy, 1, block, 1, 1, smem, ctypes.cast(array, ctypes.c_void_p))
         if rc != 0:
             raise RuntimeError(f"emulated kernel {name} failed (code {rc})")

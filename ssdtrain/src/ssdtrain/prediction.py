@@ -74,7 +74,11 @@ class UnitProfile:
         # accumulation 4) the plan at 0.5x keep's peak with 8 `derive+host` blocks ran 1.23x keep's step against
         # 1.15x for 9 `derive` and 4 whole-block recomputes: 3 GiB per micro-batch to move in a 46 ms forward
         # outran the link (the host waited 7.9 ms per micro-batch for copies out), and packing a moved derive
-        # block's tensors cost the host ~4x a kept one's, neither of which its prediction showed.
+        # block's tensors cost the host ~4x a kept one's, neither of which its prediction showed. Offered again
+        # with the copies out drained before the head (twelfth session, one call), the 0.5x plan took 7
+        # `derive+host` blocks and its first steps peaked at 10.52 GiB against a 10.49 GiB budget: each moved
+        # derive block still held ~64 MiB on the device that the prediction counted as moved (a recipe reading a
+        # moved tensor whole where the block saved a view of it), so the budget held only after calibration.
         return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
 
 

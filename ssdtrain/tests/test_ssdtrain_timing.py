@@ -357,6 +357,28 @@ def test_kept_blocks_move_the_prefetch_window_to_a_moved_block_under_them():
     assert order.index(("restore", 1)) > order.index(("use", 8))  # the window moved down with backward
 
 
+def test_a_moved_block_under_kept_ones_is_restored_when_backward_comes_near_it():
+    """Only the first block moves. Backward begins in the head, where the step peaks (the logits' gradients), and
+    the plan counts no prefetched bytes there: the window starts at the head and moves down with backward, so the
+    first block is restored one unit above it, not as backward begins (which held its bytes through the head's
+    backward: 384 MiB over the predicted peak on an H100)."""
+    model, ids = make_net(layers=8), batch()
+    overrides = {f"blocks.{i}": "host" if i == 0 else "keep" for i in range(8)}
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, prefetch_units=1,
+                          overrides=overrides) as s:  # fmt: skip
+        model(ids).backward()  # profiled
+        model.zero_grad()
+        model(ids).backward()
+        order = _record_order(s.cache)
+        model.zero_grad()
+        model(ids).backward()
+    assert s.stats()["misses"] == 0
+    restores = [u for kind, u in order if kind == "restore"]
+    head = len(s.unit_names) - 1
+    assert restores[0] == head and restores == sorted(restores, reverse=True), restores
+    assert 1 in restores and order.index(("restore", 1)) < order.index(("use", 1))
+
+
 class _Table(nn.Module):
     """Blocks that all take one tensor computed once per forward (as rotary cos/sin tables are) and save it."""
 

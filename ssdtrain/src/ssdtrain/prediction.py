@@ -76,9 +76,9 @@ class UnitProfile:
         # outran the link (the host waited 7.9 ms per micro-batch for copies out), and packing a moved derive
         # block's tensors cost the host ~4x a kept one's, neither of which its prediction showed. Offered again
         # with the copies out drained before the head (twelfth session, one call), the 0.5x plan took 7
-        # `derive+host` blocks and its first steps peaked at 10.52 GiB against a 10.49 GiB budget: each moved
-        # derive block still held ~64 MiB on the device that the prediction counted as moved (a recipe reading a
-        # moved tensor whole where the block saved a view of it), so the budget held only after calibration.
+        # `derive+host` blocks and ran 1.17x keep's step; its first steps peaked at 10.52 GiB against a 10.49 GiB
+        # budget, as the cache then restored the highest moved block as backward began, through the head's
+        # backward (fixed since: ``TensorCache._backward_top``). Not measured again after that fix.
         return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
 
 

@@ -230,49 +230,69 @@ def test_device_memory_really_freed_and_pinned_memory_returned():
     assert s.pool.reserved == 0 and not ssd_io._huge_ranges  # pinned chunks unregistered and freed
 
 
+def _first_four_blocks_to_host():
+    """GPT-2 (6 blocks of 512) with its first four blocks moved to host and the last two kept: (model, container,
+    ids, overrides)."""
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
+    ids = torch.randint(0, 1000, (8, 512), device="cuda")
+    overrides = {f"{container}.{i}": "host" for i in range(4)}
+    overrides.update({f"{container}.{i}": "keep" for i in (4, 5)})
+    return model, container, ids, overrides
+
+
+def _planned(model, ids):
+    for _ in range(3):  # (profiled, measured; the plan is made as the third begins)
+        model.zero_grad(set_to_none=True)
+        _step(model, ids)
+
+
+def _pending_copies(s):
+    """(copies out pending, those of them still holding device bytes)."""
+    with s.cache.lock:
+        return len(s.cache._pending), sum(e.src is not None for e in s.cache._pending)
+
+
+def _step_with_copies_held_back(s, model, container, ids, handles):
+    """One step with the copy-out stream held ~50 ms before block 3's copies, so that they still run when the host
+    reaches the end of forward (on a small model the host is otherwise slower than the copies and nothing is
+    left); `handles` (hooks the caller registered) are removed after it."""
+
+    def stall_copies(module, args):
+        with torch.cuda.stream(s.cache._side_streams(ids.device)[0]):
+            torch.cuda._sleep(100_000_000)
+
+    handles = handles + [model.get_submodule(f"{container}.3").register_forward_pre_hook(stall_copies)]
+    try:
+        model.zero_grad(set_to_none=True)
+        return _step(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_copies_out_released_when_backward_begins():
     """Backward begins in kept units (the last blocks and the head) while the forward's last copies out may still
     run: their device bytes must be released at backward's first unpack, not held through the kept units' backward
     until an offloaded tensor is unpacked (on GPT-2 at save_on_cpu's memory, H200 run P7, that held 256 MiB at the
     step's peak). Checked from inside backward, once the last (kept) block's backward has run."""
-    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
-    ids = torch.randint(0, 1000, (8, 512), device="cuda")
-    overrides = {f"{container}.{i}": "host" for i in range(4)}
-    overrides.update({f"{container}.{i}": "keep" for i in (4, 5)})
+    model, container, ids, overrides = _first_four_blocks_to_host()
     seen = []
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
-        for _ in range(3):  # (profiled, measured; the plan is made as the third begins)
-            model.zero_grad(set_to_none=True)
-            _step(model, ids)
+        _planned(model, ids)
         # Without the wait for copies out before the head (test_copies_out_done_before_the_head_forward), as for a
         # compiled model, whose blocks run no hooks: backward's first unpack must release them.
         s.plan.drain_at_head = False
 
         def look(grad):
-            with s.cache.lock:
-                seen.append((len(s.cache._pending), sum(e.src is not None for e in s.cache._pending)))
+            seen.append(_pending_copies(s))
             return grad
 
         def hook(module, args, kwargs, output):
             hidden = args[0] if args else kwargs["hidden_states"]
             hidden.register_hook(look)  # runs once the grad w.r.t. the last block's input exists
 
-        def stall_copies(module, args):
-            # Hold the copy-out stream ~50 ms before block 3's copies, so they are still running when the host
-            # reaches backward (on a small model the host is otherwise slower than the copies and nothing is left).
-            with torch.cuda.stream(s.cache._side_streams(ids.device)[0]):
-                torch.cuda._sleep(100_000_000)
-
-        handles = [
-            model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True),
-            model.get_submodule(f"{container}.3").register_forward_pre_hook(stall_copies),
-        ]
-        try:
-            model.zero_grad(set_to_none=True)
-            _step(model, ids)
-        finally:
-            for h in handles:
-                h.remove()
+        last = model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True)
+        _step_with_copies_held_back(s, model, container, ids, [last])
         assert s.stats()["bytes_offloaded"]["host"] > 0
     assert seen == [(0, 0)], seen  # no copy out pending, no device bytes still referenced by one
 
@@ -282,36 +302,14 @@ def test_copies_out_done_before_the_head_forward():
     temporaries) would begin while the allocator still holds the last moved blocks' bytes. The session waits for
     every copy out as the last block returns (``drain_at_head``, which the plan's peak counts): at the head's
     forward nothing is pending, even with the copies held back ~50 ms, and the wait is counted."""
-    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa")
-    ids = torch.randint(0, 1000, (8, 512), device="cuda")
-    overrides = {f"{container}.{i}": "host" for i in range(4)}
-    overrides.update({f"{container}.{i}": "keep" for i in (4, 5)})
+    model, container, ids, overrides = _first_four_blocks_to_host()
     seen = []
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
-        for _ in range(3):  # (profiled, measured; the plan is made as the third begins)
-            model.zero_grad(set_to_none=True)
-            _step(model, ids)
+        _planned(model, ids)
         assert s.plan.drain_at_head and s.plan.prediction.moved
         before = s.stats()["head_drain_waits"]
-
-        def look(module, args):
-            with s.cache.lock:
-                seen.append((len(s.cache._pending), sum(e.src is not None for e in s.cache._pending)))
-
-        def stall_copies(module, args):
-            with torch.cuda.stream(s.cache._side_streams(ids.device)[0]):
-                torch.cuda._sleep(100_000_000)
-
-        handles = [
-            model.lm_head.register_forward_pre_hook(look),
-            model.get_submodule(f"{container}.3").register_forward_pre_hook(stall_copies),
-        ]
-        try:
-            model.zero_grad(set_to_none=True)
-            loss = _step(model, ids)
-        finally:
-            for h in handles:
-                h.remove()
+        head = model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(_pending_copies(s)))
+        loss = _step_with_copies_held_back(s, model, container, ids, [head])
         assert torch.isfinite(loss)
         assert s.stats()["head_drain_waits"] > before
         assert s.stats()["bytes_offloaded"]["host"] > 0

@@ -521,7 +521,7 @@ def main(argv=None) -> int:
     p.add_argument("--llama-vocab", type=int, default=32000, help="Llama vocabulary size")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights and activations dtype")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (ssdtrain adds its 2 profiling steps)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps")
+    p.add_argument("--steps", type=int, default=4, help="timed steps (suites' own defaults unless given)")
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps of save_on_cpu and torchtune (~3 s each)")
     p.add_argument(
         "--slow-warmup",
@@ -684,7 +684,7 @@ def _budget_suite(a) -> int:
     for k, v in sizes.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if not a.quick and "--warmup" not in sys.argv and "--steps" not in sys.argv:
+    if not a.quick and not _given("--warmup") and not _given("--steps"):
         a.warmup, a.steps = 1, 3
     if a.quick:
         a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
@@ -699,6 +699,11 @@ def _budget_suite(a) -> int:
         flush=True,
     )
     return llm_budget.main(a, sys.modules[__name__])
+
+
+def _given(flag: str) -> bool:
+    """Whether the command line sets `flag` (``--steps 6`` or ``--steps=6``): a suite's own default then yields."""
+    return any(arg == flag or arg.startswith(flag + "=") for arg in sys.argv[1:])
 
 
 def _rok_suite(a) -> int:
@@ -721,7 +726,11 @@ def _rok_suite(a) -> int:
         a.vocab, a.llama_vocab, a.min_bytes = 512, 512, "4K"
         a.warmup, a.steps, a.slow_warmup, a.slow_steps = 1, 1, 1, 1
     else:
-        a.warmup, a.steps = min(a.warmup, 1), min(a.steps, 2)
+        # 1 + 2 unless asked otherwise (a --steps or --warmup given was capped at these before, silently)
+        if not _given("--warmup"):
+            a.warmup = min(a.warmup, 1)
+        if not _given("--steps"):
+            a.steps = min(a.steps, 2)
         a.slow_warmup, a.slow_steps = 1, 1
     with contextlib.suppress(ImportError):
         import transformers  # noqa: F401 - imported once here, inherited by every forked child

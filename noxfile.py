@@ -4,10 +4,14 @@ in its own virtualenv, and the three together.
 torch: where no GPU is visible, sessions install ``torch==2.13.0`` (this machine kind has its CPU build as a local
 wheel), so nothing pulls a multi-GB CUDA build; with a GPU, ``torch>=2.4``. Set ``TOOLKIT_TORCH_SPEC`` to choose
 another requirement (e.g. ``TOOLKIT_TORCH_SPEC="torch==2.11.0"``).
+
+Disk: each session's virtualenv holds its own torch (about 1.2 GB). ``TOOLKIT_NOX_PRUNE=1`` (which ``.ci/run`` sets)
+deletes a session's virtualenv as the session ends, so a full run needs room for about two at a time, not seven.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -22,6 +26,7 @@ ROOT = Path(__file__).parent
 # distribution folder -> import name
 PACKAGES = {"pytorch-direct": "pytorch_direct", "hector": "hector", "ssdtrain": "ssdtrain"}
 TORCH_SPEC_ENV = "TOOLKIT_TORCH_SPEC"
+PRUNE_ENV = "TOOLKIT_NOX_PRUNE"
 
 nox.options.sessions = ["lint", "cpp", "tests", "readme_install", "integration"]
 nox.options.error_on_external_run = True
@@ -40,6 +45,28 @@ def gpu_visible() -> bool:
 
 def torch_spec() -> str:
     return os.environ.get(TORCH_SPEC_ENV) or ("torch>=2.4" if gpu_visible() else "torch==2.13.0")
+
+
+def pruned(func):
+    """Session decorator: with TOOLKIT_NOX_PRUNE=1, delete the session's virtualenv when it ends, passed or failed
+    (CI machines have limited disk; the wheels integration reuses are kept outside the virtualenvs)."""
+
+    @functools.wraps(func)
+    def run_then_prune(session: nox.Session, *args, **kwargs):
+        try:
+            return func(session, *args, **kwargs)
+        finally:
+            if os.environ.get(PRUNE_ENV) == "1":
+                location = Path(session.virtualenv.location)
+                session.log(f"{PRUNE_ENV}=1: deleting {location}")
+                shutil.rmtree(location, ignore_errors=True)
+
+    return run_then_prune
+
+
+def wheel_dir(session: nox.Session, package: str) -> Path:
+    """Where a tests session keeps its package's wheel for integration: beside the virtualenvs, not inside one."""
+    return Path(session.virtualenv.location).parent / "_wheels" / package
 
 
 def install_torch(session: nox.Session) -> None:
@@ -88,6 +115,7 @@ def nvrtc_library(session: nox.Session) -> str:
 
 
 @nox.session
+@pruned
 def lint(session: nox.Session) -> None:
     """ruff (Python) and clang-format (C++/CUDA) checks; changes nothing."""
     session.install("ruff", "clang-format==19.1.7")
@@ -103,6 +131,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+@pruned
 def cpp(session: nox.Session) -> None:
     """Build shared-cuda on its own (CUDA parts included where nvcc is found) and run its C++ tests under ctest."""
     session.install("cmake>=3.24", "ninja", "nvidia-cuda-nvrtc")
@@ -115,13 +144,14 @@ def cpp(session: nox.Session) -> None:
 
 @nox.session
 @nox.parametrize("package", list(PACKAGES))
+@pruned
 def tests(session: nox.Session, package: str) -> None:
     """One package alone: built from its own sdist into a wheel, installed with only its test extra, then its tests
     and the shared-layer tests run against it. The wheel is kept for integration (see BUILT_WHEELS)."""
     install_torch(session)
     session.install("build")
     key = source_key(package)
-    dist = Path(session.create_tmp()) / "dist"
+    dist = wheel_dir(session, package)
     shutil.rmtree(dist, ignore_errors=True)
     session.run("python", "-m", "build", "--sdist", "--outdir", str(dist), package)
     sdist = next(dist.glob("*.tar.gz"))
@@ -149,6 +179,7 @@ def readme_install_block(package: str) -> list[str]:
 
 @nox.session
 @nox.parametrize("package", list(PACKAGES))
+@pruned
 def readme_install(session: nox.Session, package: str) -> None:
     """Each package README's install block, run as written in a fresh virtualenv that has only torch: proves the
     documented install line works for a new user. The C++ parts are built without CUDA here to keep CI short (the
@@ -159,6 +190,7 @@ def readme_install(session: nox.Session, package: str) -> None:
 
 
 @nox.session
+@pruned
 def integration(session: nox.Session) -> None:
     """The three packages installed together, then the end-to-end tests. Each package is installed from the wheel
     its tests session built in this nox run where its sources are unchanged since (the same CUDA compile, done

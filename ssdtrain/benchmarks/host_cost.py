@@ -19,6 +19,9 @@ steps) for:
               in the time too, unlike on a GPU where they run on a side stream)
   recompute   every block recomputed in backward (its forward runs again there)
   checkpoint  no ssdtrain: torch.utils.checkpoint (non-reentrant) around every block, the baseline of ``recompute``
+  keep-each   as keep, but a new session around each micro-batch (``offload()`` and its ``with``: what the Trainer
+              callback and a context per step do), its opening and closing timed in the forward's and backward's
+              columns; against ``keep`` it is the cost of a session per micro-batch
 
 Columns: ms per micro-batch forward and backward, ms added against ``none`` and that per pack (everything ssdtrain
 adds: module hooks, Python saved-tensor hooks at all, recipes' and recomputed blocks' ops; on a shared machine this
@@ -31,6 +34,7 @@ search, a recipe's ops in unpack, a copy; the slowest 2 % of calls left out), an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import statistics
 import sys
@@ -39,8 +43,8 @@ import warnings
 
 import torch
 
-POLICIES = ("none", "keep", "derive", "host", "recompute", "checkpoint")
-_CHOICE = {"keep": "keep", "derive": "derive", "host": "host", "recompute": "recompute"}
+POLICIES = ("none", "keep", "derive", "host", "recompute", "checkpoint", "keep-each")
+_CHOICE = {"keep": "keep", "derive": "derive", "host": "host", "recompute": "recompute", "keep-each": "keep"}
 
 
 def build_model(a):
@@ -57,14 +61,19 @@ def build_model(a):
     return model
 
 
-def _micro(model, ids, timed: list | None = None) -> None:
+def _micro(model, ids, timed: list | None = None, session=None) -> None:
+    """One micro-batch; `session`: a function opening a session for it (entered before the forward, closed after
+    the backward, both in the timed columns)."""
     # The CPU time of this thread, not wall time: the host's own work, without the time other processes on a
     # shared machine take the core away (torch runs one thread here, and a CPU backward runs on the caller's).
     t0 = time.thread_time()
+    context = session() if session is not None else contextlib.nullcontext()
+    context.__enter__()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     t1 = time.thread_time()
     loss.backward()
+    context.__exit__(None, None, None)
     t2 = time.thread_time()
     if timed is not None:
         timed.append((t1 - t0, t2 - t1))
@@ -100,6 +109,7 @@ class _Policy:
         self.timed: list = []
         self.session = None
         self.options = None
+        self.each = None  # keep-each: opens the micro-batch's session
         if policy == "checkpoint":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it; the old name still works
@@ -108,6 +118,11 @@ class _Policy:
             _, blocks = ssdtrain.find_blocks(self.model)
             overrides = {name: _CHOICE[policy] for name, _ in blocks}
             self.options = dict(overrides=overrides, min_bytes=0, host_memory="1GiB", nvme_memory=0)
+            if policy == "keep-each":
+                self.each = lambda: ssdtrain.offload(self.model, **self.options)
+                for _ in range(self.each().settling_steps):
+                    self.micro()
+                return
             self.session = ssdtrain.offload(self.model, **self.options).__enter__()
             for _ in range(self.session.settling_steps):
                 self.micro()
@@ -117,7 +132,7 @@ class _Policy:
         return self.session._saved_hooks  # the session's saved_tensors_hooks context (re-entered per round)
 
     def micro(self, timed: list | None = None) -> None:
-        _micro(self.model, self.ids, timed)
+        _micro(self.model, self.ids, timed, self.each)
         self.model.zero_grad(set_to_none=True)
 
     def round(self, warmup: int, n: int) -> None:
@@ -138,6 +153,8 @@ class _Policy:
         pack_us = unpack_us = float("nan")
         if self.session is None:
             packs, unpacks = _count_plain(self.model, self.ids)  # (checkpoint: its own hooks take the blocks')
+            if self.each is not None:  # (its hooks are not timed: they are keep's)
+                packs = unpacks = 0
             plan = ""
         else:
             hooks = self._hooks()

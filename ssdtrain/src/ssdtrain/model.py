@@ -4,6 +4,8 @@ signature of a call (plans are kept per input shape), and checkpoint wrappers it
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -249,6 +251,101 @@ def hf_settings(model: nn.Module) -> tuple[list, bool]:
             configs.setdefault(id(config), config)
         checkpointing = checkpointing or attrs.get("gradient_checkpointing") is True
     return list(configs.values()), checkpointing
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """What a session reads off a model's modules at ``offload()``: the units, their cheap submodules, gradient bytes
+    per unit, whether blocks share parameters, the Hugging Face configs and checkpointing flag. See
+    :func:`model_structure`."""
+
+    container: str  # the block lists' names, joined by ", " ("": no repeated blocks; `blocks` are the children)
+    blocks: tuple[tuple[str, nn.Module], ...]
+    cheap: tuple[tuple[tuple[str, nn.Module], ...], ...]  # per block: cheap_modules (none where compiled)
+    unit_grads: tuple[int, ...]  # per unit (stem, blocks, head): gradient bytes
+    shares_params: bool  # a block's parameter is also used elsewhere (tied or shared weights)
+    hf_configs: tuple
+    checkpointing: bool  # the model's own (Hugging Face) gradient checkpointing is on
+
+
+# model -> (key, weak references to the objects the key names by id, ModelStructure); weak keys, as the plans'
+# _STATES. Weak references: strong ones to the model's modules would keep the model alive through its own entry.
+_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure_key(model: nn.Module) -> tuple[tuple, list]:
+    """Everything a ModelStructure depends on, in one pass over the modules' own dicts: each module (identity, an
+    instance ``forward`` such as a compiled or checkpointed one, a torch.compile'd call, the checkpointing flag,
+    the config) and each parameter (identity, requires_grad, dtype, local shape). Returns (the key, the objects it
+    names by id): while all of those are alive, no other object has their ids."""
+    key: list = []
+    named: list = []
+    for m in model.modules():
+        attrs = vars(m)
+        forward, compiled, config = attrs.get("forward"), attrs.get("_compiled_call_impl"), attrs.get("config")
+        named += (m, forward, compiled, config)
+        key.append((id(m), id(forward), id(compiled), attrs.get("gradient_checkpointing") is True, id(config)))
+        for p in attrs["_parameters"].values():
+            if p is not None:
+                local = local_tensor(p)
+                named.append(p)
+                key.append((id(p), p.requires_grad, local.dtype, tuple(local.shape)))
+    return tuple(key), named
+
+
+def _weak(objects: list) -> list:
+    refs = []
+    for obj in objects:
+        if obj is not None:
+            try:
+                refs.append(weakref.ref(obj))
+            except TypeError:  # no weak references to it (a builtin): compared by value, as it stays in the key
+                refs.append(lambda obj=obj: obj)
+    return refs
+
+
+def model_structure(model: nn.Module) -> ModelStructure:
+    """The model's structure, read once and reused while the model is unchanged: a session per micro-batch (the
+    Trainer callback, a context per step or forward) would otherwise read it again each time, 12 ms of host time
+    per session on a Llama-2-7B structure (423 modules) on a 2-core CPU; checking that it is unchanged is one pass
+    over the modules and parameters (2 ms there)."""
+    key, named = _structure_key(model)
+    known = _STRUCTURES.get(model)
+    if known is not None and known[0] == key and all(ref() is not None for ref in known[1]):
+        return known[2]
+    structure = _read_structure(model)
+    _STRUCTURES[model] = (key, _weak(named), structure)
+    return structure
+
+
+def _read_structure(model: nn.Module) -> ModelStructure:
+    container, blocks = find_blocks(model)
+    if not blocks:
+        container, blocks = "", list(model.named_children())
+    # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
+    # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
+    cheap = tuple(
+        () if (not container or hasattr(m.forward, "_torchdynamo_orig_callable")) else tuple(cheap_modules(m, n))
+        for n, m in blocks
+    )
+    # Gradient bytes per unit: each block's parameters; everything else (embeddings, head) in the head, whose
+    # backward runs first.
+    per_block = [param_bytes([m]) for _, m in blocks]
+    rest = max(0, param_bytes([model]) - sum(per_block))
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    shares = any(uses.get(id(p), 0) > 1 for _, block in blocks for p in block.parameters())
+    configs, checkpointing = hf_settings(model)
+    return ModelStructure(
+        container=container,
+        blocks=tuple(blocks),
+        cheap=cheap,
+        unit_grads=(0, *per_block, rest),
+        shares_params=shares,
+        hf_configs=tuple(configs),
+        checkpointing=checkpointing,
+    )
 
 
 def grad_bytes(model: nn.Module) -> tuple[int, int]:

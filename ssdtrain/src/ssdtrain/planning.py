@@ -34,6 +34,9 @@ class ModelState:
         self.grads_missing = False  # some step started without gradients: backward allocates them
         self.grads_held = False  # some step started with gradients held (accumulation): they count throughout
         self.warned: set[str] = set()
+        # Steps begun by every session around the model: what log lines number steps by (a session per micro-batch
+        # would otherwise call every step "step 1").
+        self.steps = 0
         # A closed session whose last step the model's next step finishes (OffloadSession._finish_previous).
         self.unfinished = None
         # id(a plan= as given) -> (that plan, its choices, budget and window then, that plan adjusted for gradients

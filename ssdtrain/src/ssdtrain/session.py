@@ -30,13 +30,10 @@ from .hostpool import HostPool
 from .io import parse_size
 from .model import (
     Checkpointer,
-    cheap_modules,
-    find_blocks,
     grad_bytes,
-    hf_settings,
     is_compiled,
     is_compiled_block,
-    param_bytes,
+    model_structure,
     param_storage_ptrs,
 )
 from .options import default_host_limit, nvme_options, parse_budget, whole_number
@@ -189,12 +186,10 @@ class OffloadSession:
 
         self.compiled = is_compiled(model)
         inner = model._orig_mod if self.compiled else model
-        self.container, blocks = find_blocks(inner)
-        if not blocks:
-            blocks = list(inner.named_children())
-            self.container = ""
-        self.blocks = blocks
-        self.unit_names = ["<stem>"] + [n for n, _ in blocks] + ["<head>"]
+        structure = model_structure(inner)
+        self.container = structure.container
+        self.blocks = list(structure.blocks)
+        self.unit_names = ["<stem>"] + [n for n, _ in self.blocks] + ["<head>"]
         self._caller_plan = plan  # plan= as given: what its adjustment for accumulation is remembered by
         if plan is not None:
             self._check_plan(plan)
@@ -210,12 +205,7 @@ class OffloadSession:
                 f"overrides name unknown units {unknown}; units: {', '.join(self.unit_names)} (checked at offload(), "
                 "not after the profiling steps)"
             )
-        # No cheap candidates inside a block whose forward is compiled (torch.compile(block.forward)): module hooks
-        # would run inside the compiled graph, and the compiler fuses such elementwise code anyway.
-        self.cheap = [
-            [] if (not self.container or hasattr(m.forward, "_torchdynamo_orig_callable")) else cheap_modules(m, n)
-            for n, m in blocks
-        ]
+        self.cheap = [list(c) for c in structure.cheap]
         self.device = next((p.device for p in inner.parameters()), torch.device("cpu"))
         cuda = self.device.type == "cuda"
         self.memory = DeviceMemory(self.device)
@@ -229,7 +219,7 @@ class OffloadSession:
         self.cache.tier_of = self._tier_of
         clock = Clock(cuda)
         self.profiler = Profiler(
-            self.unit_names, blocks, self.cheap, self.container, self.compiled, self.min_bytes, clock
+            self.unit_names, self.blocks, self.cheap, self.container, self.compiled, self.min_bytes, clock
         )
         self.probe = PeakProbe(self.memory)
         self.profiler.on_head_done = self.probe.head_done
@@ -262,17 +252,17 @@ class OffloadSession:
         self._grads_at_profile = 0
         self._warm = None  # (device base, kept) of a warm-up step, for the profiled step's allowance
         self._warm_excess = 0
-        self._unit_grads = self._unit_grad_bytes(inner)
+        self._unit_grads = list(structure.unit_grads)
         # Autocast caches the casts of the weights (bf16 copies of fp32 parameters) until its region ends: a
         # recomputed block saves none of them, yet the cache would hold them through the rest of the forward (on a
         # Llama-style model under full recompute, 1.3 GiB at the head). The cache is cleared when a recomputed
         # block returns, unless a block's parameter is used elsewhere too (shared or tied weights): there a later
         # user of the weight would cast it again, a copy no profile saw.
-        self.clear_casts = not self._blocks_share_params(inner)
+        self.clear_casts = not structure.shares_params
         # The Hugging Face configs (use_cache is off while the session is active) and the model's own checkpointing
         # flag: one pass over the modules for both.
-        self._hf_configs, checkpointing = hf_settings(inner)
-        if checkpointing:
+        self._hf_configs = list(structure.hf_configs)
+        if structure.checkpointing:
             self._warn_model_checkpoints()
         self.cache.deriver.derive_casts = self.clear_casts
         self._cast_units: frozenset[int] = frozenset()
@@ -377,22 +367,6 @@ class OffloadSession:
             off_reason=self.nvme_off,
         )
         return SharedTiers(key, pool, nvme)
-
-    def _unit_grad_bytes(self, inner: nn.Module) -> list[int]:
-        """Gradient bytes per unit: each block's parameters; everything else (embeddings, head) in the head,
-        whose backward runs first."""
-        blocks = [param_bytes([m]) for _, m in self.blocks]
-        rest = max(0, param_bytes([inner]) - sum(blocks))
-        return [0] + blocks + [rest]
-
-    def _blocks_share_params(self, inner: nn.Module) -> bool:
-        uses: dict[int, int] = {}
-        for _, p in inner.named_parameters(remove_duplicate=False):
-            uses[id(p)] = uses.get(id(p), 0) + 1
-        for _, block in self.blocks:
-            if any(uses.get(id(p), 0) > 1 for p in block.parameters()):
-                return True
-        return False
 
     def _warn_model_checkpoints(self) -> None:
         """A Hugging Face model whose own activation checkpointing is on (``gradient_checkpointing_enable()``, or the
@@ -568,10 +542,11 @@ class OffloadSession:
         if self.profiler.pending is not None:
             self._finish_profile()
         self.steps += 1
+        self.state.steps += 1
         self._packs = 0
         self.cache.unit = 0
         self.cache.reset_step()
-        new = self.calibrator.finish(self.steps)
+        new = self.calibrator.finish(self.state.steps)
         if new is not None:
             self.state.replace(self.plan, new)
         if self._warm is not None:
@@ -609,7 +584,7 @@ class OffloadSession:
         if calibrator.checking and not calibrator.measured:
             calibrator.cancel()
         if calibrator.checking:
-            new = calibrator.finish(previous.steps + 1)
+            new = calibrator.finish(self.state.steps + 1)  # its step was the model's last
             if new is not None:
                 self.state.replace(previous.plan, new)
 

@@ -17,6 +17,7 @@ steps) for:
   derive      every block 'derive' (elementwise saved tensors kept as recipes)
   host        every block offloaded to host memory (on the CPU the copies are synchronous: their memory traffic is
               in the time too, unlike on a GPU where they run on a side stream)
+  derive+host every block 'derive', and what its recipes start from offloaded to host memory (copies as for host)
   recompute   every block recomputed in backward (its forward runs again there)
   checkpoint  no ssdtrain: torch.utils.checkpoint (non-reentrant) around every block, the baseline of ``recompute``
   keep-each   as keep, but a new session around each micro-batch (``offload()`` and its ``with``: what the Trainer
@@ -27,7 +28,9 @@ Columns: ms per micro-batch forward and backward, ms added against ``none`` and 
 adds: module hooks, Python saved-tensor hooks at all, recipes' and recomputed blocks' ops; on a shared machine this
 difference of two medians is noisy), then, from ``--hook-micro`` more micro-batches: packs and unpacks per micro-batch
 and the microseconds per call inside the session's hooks (as autograd calls them: the compiler guard, the recipe
-search, a recipe's ops in unpack, a copy; the slowest 2 % of calls left out), and their total per micro-batch.
+search, a recipe's ops in unpack, a copy; the slowest 2 % of calls left out), and their total per micro-batch; last,
+``open ms``: opening and closing a session around the model with no step in it (median of 20), what a session per
+micro-batch (``keep-each``, the Trainer callback) adds to each.
 ``min_bytes`` is 0 so that every saved tensor takes the path it would take at GPU sizes (none is "small").
 """
 
@@ -43,8 +46,8 @@ import warnings
 
 import torch
 
-POLICIES = ("none", "keep", "derive", "host", "recompute", "checkpoint", "keep-each")
-_CHOICE = {"keep": "keep", "derive": "derive", "host": "host", "recompute": "recompute", "keep-each": "keep"}
+POLICIES = ("none", "keep", "derive", "host", "derive+host", "recompute", "checkpoint", "keep-each")
+_CHOICE = {p: p for p in POLICIES if p not in ("none", "checkpoint", "keep-each")} | {"keep-each": "keep"}
 
 
 def build_model(a):
@@ -184,6 +187,7 @@ class _Policy:
             hooks.__enter__()
             plan = str(self.session.plan.as_dict() if self.session.plan is not None else "")
             self.session.__exit__(None, None, None)
+        open_ms = self._open_ms() if self.options is not None else float("nan")
         fwd = statistics.median(f for f, _ in self.timed) * 1e3
         bwd = statistics.median(b for _, b in self.timed) * 1e3
         return dict(
@@ -194,8 +198,24 @@ class _Policy:
             unpacks=unpacks,
             pack_us=pack_us,
             unpack_us=unpack_us,
+            open_ms=open_ms,
             plan=plan,
         )
+
+
+    def _open_ms(self, n: int = 20) -> float:
+        """Median ms (thread CPU time) of opening and closing a session around the model with no step in it: what a
+        session per micro-batch adds to each (the model's structure is read once and then reused, see
+        ``ssdtrain.model.model_structure``)."""
+        import ssdtrain
+
+        times = []
+        for _ in range(n):
+            t0 = time.thread_time()
+            with ssdtrain.offload(self.model, **self.options):
+                pass
+            times.append(time.thread_time() - t0)
+        return statistics.median(times) * 1e3
 
 
 def _per_call_us(ns: list[int], per_micro: int) -> float:
@@ -253,14 +273,14 @@ def main(argv=None) -> int:
         added_b = r["bwd_ms"] - base["bwd_ms"] if base else float("nan")
         r["added_fwd_ms"], r["added_bwd_ms"] = added_f, added_b
         r["added_us_per_pack"] = (added_f + added_b) * 1e3 / r["packs"] if r["packs"] and r is not base else 0.0
-    header = f"{'policy':<10} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'+bwd ms':>8} {'packs':>6} {'unpacks':>7}"
-    print(header + f" {'+us/pack':>9} {'pack us':>8} {'unpack us':>9} {'hooks ms':>9}")
+    header = f"{'policy':<11} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'+bwd ms':>8} {'packs':>6} {'unpacks':>7}"
+    print(header + f" {'+us/pack':>9} {'pack us':>8} {'unpack us':>9} {'hooks ms':>9} {'open ms':>8}")
     for r in rows:
         r["hooks_ms"] = (r["pack_us"] * r["packs"] + r["unpack_us"] * r["unpacks"]) / 1e3
         print(
-            f"{r['policy']:<10} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['added_fwd_ms']:8.2f} "
+            f"{r['policy']:<11} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['added_fwd_ms']:8.2f} "
             f"{r['added_bwd_ms']:8.2f} {r['packs']:6d} {r['unpacks']:7d} {r['added_us_per_pack']:9.1f} "
-            f"{r['pack_us']:8.2f} {r['unpack_us']:9.2f} {r['hooks_ms']:9.3f}"
+            f"{r['pack_us']:8.2f} {r['unpack_us']:9.2f} {r['hooks_ms']:9.3f} {r['open_ms']:8.2f}"
         )
     if any(r["policy"] == "host" for r in rows):
         print("# host: on the CPU the copies to host memory are synchronous (their traffic is in the time)")

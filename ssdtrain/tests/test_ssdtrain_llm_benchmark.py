@@ -310,14 +310,16 @@ def test_host_cost_benchmark_quick(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["policy"]: r for r in csv.DictReader(out.open())}
-    assert set(rows) == {"none", "keep", "derive", "host", "recompute", "checkpoint", "keep-each"}
+    assert set(rows) == {"none", "keep", "derive", "host", "derive+host", "recompute", "checkpoint", "keep-each"}
     # Every saved tensor of the model passes ssdtrain's pack hook once (a recomputed block's pass through the
     # checkpoint's own hooks instead; blocks kept whole with nothing moved below run without ssdtrain's hooks), and
     # every one is unpacked by backward.
     assert int(rows["none"]["packs"]) == int(rows["derive"]["packs"]) == int(rows["host"]["packs"]) > 0
+    assert int(rows["derive+host"]["packs"]) == int(rows["none"]["packs"])
     assert 0 < int(rows["keep"]["packs"]) < int(rows["none"]["packs"])
     assert int(rows["checkpoint"]["packs"]) <= int(rows["recompute"]["packs"]) < int(rows["none"]["packs"])
     assert all(int(r["unpacks"]) == int(r["packs"]) for r in rows.values())
     assert int(rows["keep-each"]["packs"]) == 0  # a session per micro-batch: its hooks are keep's, not timed again
+    assert float(rows["keep-each"]["open_ms"]) > 0 and rows["none"]["open_ms"] == "nan"
     assert all(float(r["fwd_ms"]) > 0 and float(r["bwd_ms"]) > 0 for r in rows.values())
     assert "+us/pack" in proc.stdout

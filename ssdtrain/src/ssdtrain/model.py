@@ -285,7 +285,7 @@ def _structure_key(model: nn.Module) -> tuple[tuple, list]:
         forward, compiled, config = attrs.get("forward"), attrs.get("_compiled_call_impl"), attrs.get("config")
         named += (m, forward, compiled, config)
         key.append((id(m), id(forward), id(compiled), attrs.get("gradient_checkpointing") is True, id(config)))
-        for p in attrs["_parameters"].values():
+        for p in attrs.get("_parameters", {}).values():
             if p is not None:
                 local = local_tensor(p)
                 named.append(p)

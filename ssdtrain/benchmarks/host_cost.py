@@ -47,7 +47,14 @@ import warnings
 import torch
 
 POLICIES = ("none", "keep", "derive", "host", "derive+host", "recompute", "checkpoint", "keep-each")
-_CHOICE = {p: p for p in POLICIES if p not in ("none", "checkpoint", "keep-each")} | {"keep-each": "keep"}
+_CHOICE = {
+    "keep": "keep",
+    "derive": "derive",
+    "host": "host",
+    "derive+host": "derive+host",
+    "recompute": "recompute",
+    "keep-each": "keep",
+}
 
 
 def build_model(a):
@@ -70,13 +77,11 @@ def _micro(model, ids, timed: list | None = None, session=None) -> None:
     # The CPU time of this thread, not wall time: the host's own work, without the time other processes on a
     # shared machine take the core away (torch runs one thread here, and a CPU backward runs on the caller's).
     t0 = time.thread_time()
-    context = session() if session is not None else contextlib.nullcontext()
-    context.__enter__()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    t1 = time.thread_time()
-    loss.backward()
-    context.__exit__(None, None, None)
+    with session() if session is not None else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.thread_time()
+        loss.backward()
     t2 = time.thread_time()
     if timed is not None:
         timed.append((t1 - t0, t2 - t1))
@@ -201,7 +206,6 @@ class _Policy:
             open_ms=open_ms,
             plan=plan,
         )
-
 
     def _open_ms(self, n: int = 20) -> float:
         """Median ms (thread CPU time) of opening and closing a session around the model with no step in it: what a

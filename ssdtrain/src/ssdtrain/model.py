@@ -299,16 +299,17 @@ def _weak(objects: list) -> list:
         if obj is not None:
             try:
                 refs.append(weakref.ref(obj))
-            except TypeError:  # no weak references to it (a builtin): compared by value, as it stays in the key
+            except TypeError:  # no weak references to it: held, so that its id stays its own
                 refs.append(lambda obj=obj: obj)
     return refs
 
 
 def model_structure(model: nn.Module) -> ModelStructure:
     """The model's structure, read once and reused while the model is unchanged: a session per micro-batch (the
-    Trainer callback, a context per step or forward) would otherwise read it again each time, 12 ms of host time
-    per session on a Llama-2-7B structure (423 modules) on a 2-core CPU; checking that it is unchanged is one pass
-    over the modules and parameters (2 ms there)."""
+    Trainer callback, a context per step or forward) would otherwise read it again each time. On a Llama-2-7B
+    structure on a 2-core CPU, opening and closing a session took 10-12 ms reading it each time, ~3 ms reusing it
+    (``benchmarks/host_cost.py``'s ``open ms``); checking that it is unchanged is one pass over the modules and
+    parameters."""
     key, named = _structure_key(model)
     known = _STRUCTURES.get(model)
     if known is not None and known[0] == key and all(ref() is not None for ref in known[1]):

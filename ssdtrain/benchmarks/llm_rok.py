@@ -108,21 +108,30 @@ def plan_jobs(models: list[str], groups=GROUPS, wanted=()) -> list[tuple[str, st
     return jobs
 
 
-# `ssdtrain-derive+host<N>`: every block `derive`, N of them `derive+host`, spread evenly over the blocks
-DERIVE_HOST = re.compile(r"ssdtrain-derive\+host(\d+)")
+# `ssdtrain-derive+host<N>[first][+recompute<R>]`: every block `derive`, N of them `derive+host` (spread evenly over
+# the blocks, or the first N with `first`), and R more `recompute` (the last R blocks not moved)
+DERIVE_HOST = re.compile(r"ssdtrain-derive\+host(\d+)(first)?(?:\+recompute(\d+))?")
 
 
 def derive_overrides(policy: str, blocks: list[str]) -> dict[str, str]:
     """The override plan of ``ssdtrain-derive`` (every block ``derive``) or ``ssdtrain-derive+hostN``: N blocks
     ``derive+host``, spread evenly from the first (each block's copies out get the forward of the blocks after it
-    before the next moved block queues behind them on the link)."""
+    before the next moved block queues behind them on the link), or the first N with ``...hostNfirst`` (the most
+    forward after them for their copies out before the head's drain, and the last needed in backward); with
+    ``+recomputeR``, the last R blocks not moved ``recompute`` (a recomputed block frees its bytes wherever it
+    sits)."""
     overrides = {name: "derive" for name in blocks}
     match = DERIVE_HOST.fullmatch(policy)
     moved = int(match.group(1)) if match else 0
-    if moved > len(blocks):
+    recomputed = int(match.group(3) or 0) if match else 0
+    if moved + recomputed > len(blocks):
         raise ValueError(f"{policy}: the model has {len(blocks)} blocks")
+    first = bool(match and match.group(2))
     for k in range(moved):
-        overrides[blocks[k * len(blocks) // moved]] = "derive+host"
+        overrides[blocks[k if first else k * len(blocks) // moved]] = "derive+host"
+    rest = [name for name in blocks if overrides[name] == "derive"]
+    for name in rest[len(rest) - recomputed:] if recomputed else []:
+        overrides[name] = "recompute"
     return overrides
 
 

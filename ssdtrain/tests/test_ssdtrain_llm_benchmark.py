@@ -254,6 +254,30 @@ def test_llm_rok_compiled_jobs_follow_their_baselines():
         llm_rok.compile_memory_budget("ssdtrain+compile_budget_x")
 
 
+def test_llm_rok_override_plans_place_moved_and_recomputed_blocks():
+    """``ssdtrain-derive+hostN`` spreads N moved blocks, ``...first`` takes the first N, ``+recomputeR`` recomputes
+    the last R blocks not moved; only the named policies are planned, after the suite's."""
+    sys.path.insert(0, str(BENCH.parent))
+    import llm_rok
+
+    blocks = [f"b{i}" for i in range(16)]
+    short = {"derive": "d", "derive+host": "H", "recompute": "R"}
+
+    def shape(policy):
+        overrides = llm_rok.derive_overrides(policy, blocks)
+        return "".join(short[overrides[b]] for b in blocks)
+
+    assert shape("ssdtrain-derive") == "d" * 16
+    assert shape("ssdtrain-derive+host4") == "Hddd" * 4
+    assert shape("ssdtrain-derive+host5first") == "H" * 5 + "d" * 11
+    assert shape("ssdtrain-derive+host3first+recompute2") == "HHH" + "d" * 11 + "RR"
+    with pytest.raises(ValueError, match="16 blocks"):
+        shape("ssdtrain-derive+host10first+recompute7")
+    wanted = ["ssdtrain-derive+host5first", "ssdtrain-derive+host3first+recompute2", "ssdtrain-derive+hostx"]
+    extra = [p for _, p, _ in llm_rok.plan_jobs(["llama"], ("eager",), wanted)][len(llm_rok.EAGER):]
+    assert extra == wanted[:2]
+
+
 def test_llm_trainer_suite_quick(tmp_path):
     """The Trainer check at a tiny size on CPU: both runs, the same losses, evaluation no step, one plan."""
     pytest.importorskip("transformers")

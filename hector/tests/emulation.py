@@ -78,11 +78,14 @@ class EmulatedExecutor:
         key = hashlib.sha256((rt.name + module.source).encode()).hexdigest()[:20]
         lib = _CACHE / f"{key}.so"
         if not lib.exists():
-            src = _CACHE / f"{key}.cpp"
+            src = _CACHE / f"{key}.{os.getpid()}.cpp"  # this process's: another may be writing the same module
             src.write_text(module.source)
             # linked against the runtime by its path: loading the module loads the process's one scheduler
-            _build([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DHECTOR_EMULATE", "-include",
-                    str(SHIM), "-x", "c++", str(src), "-x", "none", str(rt)], lib, filename)
+            try:
+                _build([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DHECTOR_EMULATE", "-include",
+                        str(SHIM), "-x", "c++", str(src), "-x", "none", str(rt)], lib, filename)
+            finally:
+                src.unlink(missing_ok=True)
         return ctypes.CDLL(str(lib))
 
     def kernel(self, handle, name: str, signature: str, smem: int):

@@ -69,17 +69,17 @@ class UnitProfile:
             recomputes.append("full")
         # Cheap recompute is combined with keep only (an override may still move the rest): on an H100 (the same
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
-        # same plan with that block `host` or `cheap`, none of which its prediction showed. So is `derive` (an
-        # override may move what its recipes leave, `derive+host`): on an H100 (Llama-style 16 x 2048, autocast,
-        # accumulation 4) the plan at 0.5x keep's peak with 8 `derive+host` blocks ran 1.23x keep's step against
-        # 1.15x for 9 `derive` and 4 whole-block recomputes: 3 GiB per micro-batch to move in a 46 ms forward
-        # outran the link (the host waited 7.9 ms per micro-batch for copies out), and packing a moved derive
-        # block's tensors cost the host ~4x a kept one's, neither of which its prediction showed. Offered again
-        # with the copies out drained before the head (twelfth session, one call), the 0.5x plan took 7
-        # `derive+host` blocks and ran 1.17x keep's step; its first steps peaked at 10.52 GiB against a 10.49 GiB
-        # budget, as the cache then restored the highest moved block as backward began, through the head's
-        # backward (fixed since: ``TensorCache._backward_top``). Not measured again after that fix.
-        return [Choice(r, t) for r in recomputes for t in tiers if r not in ("cheap", "derive") or t == "keep"]
+        # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
+        # a tier (`derive+host`: what its recipes start from moves). It was withdrawn for a while: on an H100
+        # (Llama-style 16 x 2048, autocast, accumulation 4) the 0.5x-keep plan with 8 `derive+host` blocks ran
+        # 1.23x keep's step, as 3 GiB per micro-batch outran the link in a 46 ms forward and the host waited for
+        # copies out; then, with the copies drained before the head, a 7-block plan peaked 0.38 GiB over its
+        # prediction (the cache restored the highest moved block through the head's backward). Both are fixed
+        # (the copies out may run ahead as far as the peak allows; ``TensorCache._backward_top``). Measured after
+        # that (fourteenth session, one call, 6 timed steps): every block `derive` with 5 `derive+host` ran 1.08x
+        # keep's step at 10.52 GiB, predicted exactly, no late prefetch, no host waits, against 1.14x at 10.14 GiB
+        # for the planner's plan without `derive+host` (6 `recompute+host`).
+        return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 
 @dataclass(frozen=True)

@@ -1108,6 +1108,33 @@ def _open_files_under(path) -> int:
     return n
 
 
+def test_host_pool_reserves_chunks_ahead_and_carves_from_them():
+    """A plan's host bytes are pinned before its first step (``HostPool.reserve``): buffers then come from those
+    chunks without pinning more, and the limit still holds."""
+    from ssdtrain.hostpool import HostPool
+
+    mib = 1 << 20
+    pool = HostPool(3 * mib, pinned=False, chunk_bytes=mib)
+    pool.reserve(0)
+    assert pool.reserved == 0
+    pool.reserve(10 * mib)  # more than the limit: up to the limit
+    assert pool.reserved == 3 * mib
+    pinned = len(pool._chunks)
+    a = pool.allocate(600 << 10)
+    b = pool.allocate(600 << 10)  # the first chunk's tail is too short: the next reserved chunk
+    c = pool.allocate(mib)
+    assert a is not None and b is not None and c is not None
+    assert len(pool._chunks) == pinned and pool.reserved == 3 * mib  # nothing pinned while carving
+    spans = {(t.data_ptr(), t.data_ptr() + t.numel()) for t in (a, b, c)}
+    assert len(spans) == 3 and all(x1 <= y0 or y1 <= x0 for x0, x1 in spans for y0, y1 in spans if (x0, x1) != (y0, y1))
+    assert pool.allocate(2 * mib) is None  # over the limit: the caller falls back to another tier
+    pool.release(a)
+    assert pool.allocate(600 << 10) is not None  # a released buffer is reused
+    pool.close()
+    pool.reserve(mib)
+    assert pool.reserved == 0
+
+
 def test_host_pool_full_falls_back_to_nvme_then_device(tmp_path):
     model, ids = make_net(), batch()
     want_loss, want = reference(model, ids)

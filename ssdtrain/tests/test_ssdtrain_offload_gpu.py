@@ -175,6 +175,37 @@ def test_recompute_plus_host_restores_every_input_ahead_and_the_device_wait_is_m
         torch.testing.assert_close(_grads(model)[k], g, rtol=2e-2, atol=2e-3)
 
 
+def test_a_plans_host_bytes_are_pinned_before_its_steps():
+    """The pinned pool grows to a plan's host bytes when the plan is applied (``HostPool.reserve``), not chunk by
+    chunk as its first step copies out: pinning holds the host back (the device idles), and that step's forward is
+    what calibration times as compute. No copy out of a planned step pins a chunk."""
+    model, container = _hf("llama", layers=6, hidden=512, dropout=0.0)
+    ids = torch.randint(0, 1000, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    overrides = {f"{container}.{i}": "host" for i in range(4)}
+    pins = []  # (planned step?, reserved ahead?) of each chunk pinned
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False, profile_steps=1) as s:
+        pin, reserve = s.pool._pin, s.pool.reserve
+        ahead = {"on": False}
+
+        def reserving(nbytes):
+            ahead["on"] = True
+            try:
+                reserve(nbytes)
+            finally:
+                ahead["on"] = False
+
+        s.pool._pin = lambda size: pins.append((s.plan is not None, ahead["on"])) or pin(size)
+        s.pool.reserve = reserving
+        for _ in range(4):
+            _step(model, ids)
+        torch.cuda.synchronize()
+        moved = s.plan.prediction.moved_by_tier.get("host", 0)
+        assert moved > 0 and s.stats()["bytes_offloaded"]["host"] > 0
+        assert s.pool.reserved >= moved
+    assert (True, True) in pins, pins  # reserved when the plan was applied
+    assert (True, False) not in pins, pins  # and no planned step's copy out pinned a chunk
+
+
 def test_device_memory_really_freed_and_pinned_memory_returned():
     """With every block in host memory, what stays on the device once the copies out are done, and backward's peak
     (the prefetch window), are well below keep's peak. Forward's own peak is not asserted: with budget=None nothing

@@ -34,6 +34,7 @@ class HostPool:
         self._lock = threading.RLock()
         self._chunks: list[torch.Tensor] = []
         self._tail: tuple[torch.Tensor, int] | None = None  # (chunk, next free offset)
+        self._spare: list[torch.Tensor] = []  # chunks pinned ahead (reserve) and not carved yet
         self._free: dict[int, list[torch.Tensor]] = {}
         self._deferred: list[tuple[object, torch.Tensor]] = []  # (CUDA event, buffer): free once the event is done
         self.reserved = 0  # bytes of chunks
@@ -58,6 +59,16 @@ class HostPool:
             self.peak_in_use = max(self.peak_in_use, self._in_use)
             return buf
 
+    def reserve(self, nbytes: int) -> None:
+        """Pin chunks ahead until the pool holds `nbytes` (at most its limit) in all: a plan's moved bytes, pinned
+        before its first step instead of during it (pinning holds the host back, and the device idles with it)."""
+        with self._lock:
+            while not self.closed and self.reserved + self.chunk_bytes <= min(int(nbytes), self.limit):
+                chunk = self._pin(self.chunk_bytes)
+                if chunk is None:
+                    return
+                self._spare.append(chunk)
+
     def release(self, buf: torch.Tensor, after=None) -> None:
         """Return `buf`; with `after` (a CUDA event), only once the copies recorded before it are done."""
         with self._lock:
@@ -73,6 +84,7 @@ class HostPool:
         with self._lock:
             self.closed = True
             self._chunks.clear()
+            self._spare.clear()
             self._free.clear()
             self._deferred.clear()
             self._tail = None
@@ -115,19 +127,31 @@ class HostPool:
             if offset + size <= chunk.numel():
                 self._tail = (chunk, offset + size)
                 return chunk[offset : offset + size]
+        spare = next((c for c in self._spare if c.numel() >= size), None)
+        if spare is not None:
+            self._spare.remove(spare)
+            self._tail = (spare, size)
+            return spare[:size]
         chunk_size = max(self.chunk_bytes, size)
         if self.reserved + chunk_size > self.limit:
             chunk_size = size  # the last bytes under the limit: exactly what is asked
             if self.reserved + chunk_size > self.limit:
                 return None
+        chunk = self._pin(chunk_size)
+        if chunk is None:
+            return None
+        self._tail = (chunk, size)
+        return chunk[:size]
+
+    def _pin(self, chunk_size: int) -> torch.Tensor | None:
+        """A new chunk of `chunk_size` bytes, counted in the pool, or None where the OS or the driver refused."""
         t0 = time.perf_counter()
         try:
             chunk = huge_empty((chunk_size,), torch.uint8, pin_memory=self.pinned)
         except (RuntimeError, MemoryError):
-            return None  # the OS or the driver refused: the caller falls back to another tier
+            return None  # the caller falls back to another tier
         finally:
             self.grow_seconds += time.perf_counter() - t0
         self._chunks.append(chunk)
         self.reserved += chunk_size
-        self._tail = (chunk, size)
-        return chunk[:size]
+        return chunk

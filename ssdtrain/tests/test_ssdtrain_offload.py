@@ -1135,6 +1135,31 @@ def test_host_pool_reserves_chunks_ahead_and_carves_from_them():
     assert pool.reserved == 0
 
 
+def test_a_plans_host_bytes_are_pinned_ahead_from_its_prediction():
+    """What a session pins when it applies a plan (on a GPU): the plan's predicted host bytes and a quarter more,
+    within the pool's limit; nothing for a plan that moves nothing."""
+    from ssdtrain.hostpool import HostPool
+
+    model, ids = make_net(), batch()
+    with ssdtrain.offload(model, overrides={f"blocks.{i}": "host" for i in range(4)}, profile_steps=1,
+                          min_bytes="4K", verbose=False) as s:
+        for _ in range(2):
+            model(ids).sum().backward()
+        moved = s.plan.prediction.host_bytes
+        assert moved > 0
+        s.pool = HostPool(s.pool.limit, pinned=False, chunk_bytes=16 << 10)  # empty: what the plan alone pins
+        s._pin_ahead(s.plan)
+        assert min(moved + moved // 4, s.pool.limit) <= s.pool.reserved <= s.pool.limit
+    keep = make_net()
+    with ssdtrain.offload(keep, overrides={f"blocks.{i}": "keep" for i in range(4)}, profile_steps=1,
+                          min_bytes="4K", verbose=False) as s:
+        for _ in range(2):
+            keep(ids).sum().backward()
+        before = s.pool.reserved
+        s._pin_ahead(s.plan)
+        assert s.pool.reserved == before
+
+
 def test_host_pool_full_falls_back_to_nvme_then_device(tmp_path):
     model, ids = make_net(), batch()
     want_loss, want = reference(model, ids)

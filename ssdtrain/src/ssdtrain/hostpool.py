@@ -63,8 +63,9 @@ class HostPool:
         """Pin chunks ahead until the pool holds `nbytes` (at most its limit) in all: a plan's moved bytes, pinned
         before its first step instead of during it (pinning holds the host back, and the device idles with it)."""
         with self._lock:
-            while not self.closed and self.reserved + self.chunk_bytes <= min(int(nbytes), self.limit):
-                chunk = self._pin(self.chunk_bytes)
+            target = min(int(nbytes), self.limit)
+            while not self.closed and self.reserved < target:
+                chunk = self._pin(min(self.chunk_bytes, self.limit - self.reserved))
                 if chunk is None:
                     return
                 self._spare.append(chunk)

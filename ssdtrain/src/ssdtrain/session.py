@@ -941,13 +941,16 @@ class OffloadSession:
         inflight = max(plan.window_bytes, plan.inflight_bytes)
         self.cache.max_inflight = inflight if self.device.type == "cuda" else float("inf")
         if self.device.type == "cuda":
-            # The plan's host bytes pinned now, not by its first step's copies out: pinning holds the host back
-            # and the device idles with it, and that step's forward is the one calibration times as compute (an
-            # H100 call measured 56 ms of "compute" for a 46.5 ms forward after 95 ms of such waits, and the plan
-            # made from it moved more than the link could carry). A quarter more for the chunks' unused tails.
-            moved = plan.prediction.moved_by_tier.get("host", 0)
-            if moved:
-                self.pool.reserve(moved + moved // 4)
+            self._pin_ahead(plan)
+
+    def _pin_ahead(self, plan: Plan) -> None:
+        """Pin `plan`'s host bytes now, not chunk by chunk as its first step copies out: pinning holds the host back
+        and the device idles with it, and that step's forward is the one calibration times as compute (an H100 call
+        measured 56 ms of "compute" for a 46.5 ms forward after 95 ms of such waits, and the plan made from it moved
+        more than the link could carry). A quarter more for the chunks' unused tails."""
+        moved = plan.prediction.host_bytes
+        if moved:
+            self.pool.reserve(moved + moved // 4)
 
     def _bare(self, plan: Plan) -> frozenset[int]:
         """Blocks whose forward runs without ssdtrain's saved-tensor hooks: blocks the plan keeps whole (no recompute,

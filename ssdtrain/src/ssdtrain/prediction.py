@@ -78,7 +78,10 @@ class UnitProfile:
         # (the copies out may run ahead as far as the peak allows; ``TensorCache._backward_top``). Measured after
         # that (fourteenth session, one call, 6 timed steps): every block `derive` with 5 `derive+host` ran 1.08x
         # keep's step at 10.52 GiB, predicted exactly, no late prefetch, no host waits, against 1.14x at 10.14 GiB
-        # for the planner's plan without `derive+host` (6 `recompute+host`).
+        # for the planner's plan without `derive+host` (6 `recompute+host`). Offered again (the next call): the
+        # 0.5x plan ran 1.12x, the plan at recompute's peak 1.02x recompute's time (1.11x before), but the plan at
+        # 1.2x recompute's peak moved 3 GiB per micro-batch and ran 0.97x recompute (0.92x without): its forward
+        # was timed slow after the host waited to pin memory (see ``Session._pin_ahead``).
         return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 

@@ -183,11 +183,13 @@ def test_a_plans_host_bytes_are_pinned_before_its_steps():
     ids = torch.randint(0, 1000, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     overrides = {f"{container}.{i}": "host" for i in range(4)}
     pins = []  # (planned step?, reserved ahead?) of each chunk pinned
+    asked = []  # bytes the session asked the pool to hold ahead
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False, profile_steps=1) as s:
         pin, reserve = s.pool._pin, s.pool.reserve
         ahead = {"on": False}
 
         def reserving(nbytes):
+            asked.append(nbytes)
             ahead["on"] = True
             try:
                 reserve(nbytes)
@@ -202,8 +204,8 @@ def test_a_plans_host_bytes_are_pinned_before_its_steps():
         moved = s.plan.prediction.host_bytes
         assert moved > 0 and s.stats()["bytes_offloaded"]["host"] > 0
         assert s.pool.reserved >= moved
-    assert (True, True) in pins, pins  # reserved when the plan was applied
-    assert (True, False) not in pins, pins  # and no planned step's copy out pinned a chunk
+        assert asked and max(asked) >= moved  # asked for when the plan was applied (pinned unless held already)
+    assert (True, False) not in pins, pins  # no planned step's copy out pinned a chunk
 
 
 def test_device_memory_really_freed_and_pinned_memory_returned():

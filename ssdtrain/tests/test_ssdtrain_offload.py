@@ -1137,7 +1137,7 @@ def test_host_pool_reserves_chunks_ahead_and_carves_from_them():
 
 def test_a_plans_host_bytes_are_pinned_ahead_from_its_prediction():
     """What a session pins when it applies a plan (on a GPU): the plan's predicted host bytes and a quarter more,
-    within the pool's limit; nothing for a plan that moves nothing."""
+    within the pool's limit, once per plan; nothing for a plan that moves nothing."""
     from ssdtrain.hostpool import HostPool
 
     model, ids = make_net(), batch()
@@ -1150,6 +1150,9 @@ def test_a_plans_host_bytes_are_pinned_ahead_from_its_prediction():
         s.pool = HostPool(s.pool.limit, pinned=False, chunk_bytes=16 << 10)  # empty: what the plan alone pins
         s._pin_ahead(s.plan)
         assert min(moved + moved // 4, s.pool.limit) <= s.pool.reserved <= s.pool.limit
+        s.pool = HostPool(s.pool.limit, pinned=False, chunk_bytes=16 << 10)
+        s._pin_ahead(s.plan)  # the same plan again (a session per micro-batch): not predicted nor pinned again
+        assert s.pool.reserved == 0
     keep = make_net()
     with ssdtrain.offload(keep, overrides={f"blocks.{i}": "keep" for i in range(4)}, profile_steps=1,
                           min_bytes="4K", verbose=False) as s:

@@ -31,6 +31,7 @@ class SharedTiers:
         self.pool = pool
         self.nvme = nvme
         self.streams: dict[int, tuple] = {}  # device index -> (copy out, prefetch)
+        self.pinned_for = None  # the plan whose host bytes the pool was last grown to (Session._pin_ahead)
         self.users = 0  # sessions open, or closed with activations still saved
         self.retired = False  # replaced or released: close once unused
         self.closed = False

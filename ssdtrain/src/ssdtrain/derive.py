@@ -23,8 +23,7 @@ than for every saved tensor of every micro-batch.
 A derive block may also move what it saves to a tier (``derive+host``, ``derive+nvme``): the recipes' inputs that moved
 are held as the cache's tokens (``_Source``), not as tensors, so their device bytes go once their copy out is done;
 the recipe unpacks them in backward (prefetched like any moved tensor) and makes its tensors from what came back.
-An override only: the planner does not offer it, as it ran slower than whole-block recompute on an H100
-(``UnitProfile.options`` says why).
+The planner offers it beside whole-block recompute; ``UnitProfile.options`` gives the H100 rows that decided that.
 
 The ops are recomputed by the same kernels on the same inputs, so the values are bitwise those of forward. A tensor
 found through a node whose input was changed in place since it was saved is not derived; a saved input changed in

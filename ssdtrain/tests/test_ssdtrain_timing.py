@@ -92,6 +92,19 @@ def _calibrator(counters):
     return Calibrator(_Memory(), late=lambda: counters.late, waits=lambda: counters.waited)
 
 
+def test_the_drain_before_the_head_counts_as_a_wait_for_copies_out_not_as_compute():
+    """The session's forward waits given to calibration include the drain of every copy out before the head (as
+    well as the window's waits and pinning): a forward that waited there did not compute, and counting that wait as
+    compute made a plan move more than the link carries."""
+    model = make_net()
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False) as s:
+        base = s._link_waits()
+        s.cache.counters["head_drain_ns"] += 5_000_000
+        assert s._link_waits() == pytest.approx(base + 0.005)
+        s.cache.counters["throttle_ns"] += 2_000_000
+        assert s._link_waits() == pytest.approx(base + 0.007)
+
+
 def test_a_link_bound_forward_rescales_the_times_before_any_link_feedback(caplog):
     """The plan was made on profiled times 2.5x too slow, so it hid many copies behind compute. Its first step is
     as slow as profiled, because the host waited for copies out most of the forward, and most moved bytes come

@@ -58,3 +58,23 @@ def test_cli_reads_gzipped_traces(tmp_path, capsys):
 def test_a_trace_without_gpu_activity_says_so():
     with pytest.raises(ValueError, match="no GPU activity"):
         trace_gaps.analyse([_op("forward", 0, 10, tid=1)])
+
+
+def test_the_compute_streams_own_gaps_and_the_hosts_blocking_calls_in_them():
+    """With stream="compute" a gap of the busiest stream counts though a copy on another stream fills it (the union
+    hides it), and a synchronize the late thread was blocked in during that gap is reported."""
+    events = [
+        _launch(0, 1, tid=1), _kernel(1, 50, 1),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 40, "dur": 60, "args": {"stream": 13}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 45, "dur": 45, "tid": 1,
+         "args": {}},
+        _op("aten::mm", 90, 5, tid=1), _launch(91, 2, tid=1), _kernel(92, 30, 2),  # stream 7 idle 51-92
+    ]
+    union = trace_gaps.analyse(events, min_gap_us=5)
+    assert union.gaps == 0  # the copy covers stream 7's gap
+    g = trace_gaps.analyse(events, min_gap_us=5, stream="compute")
+    assert g.stream == 7 and g.busy_us == 80
+    assert g.gaps == 1 and g.gap_us == 41 and g.host_late_us == 41
+    assert dict(g.late_by_operation) == {(1, "aten::mm"): 41}
+    assert dict(g.blocked_by) == {"cudaEventSynchronize": 39}  # 51-90 of the 45-90 call
+    assert "blocked in: cudaEventSynchronize" in trace_gaps.report("t", g, 5)

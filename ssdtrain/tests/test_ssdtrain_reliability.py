@@ -797,3 +797,12 @@ def test_a_plan_runs_with_the_min_bytes_it_was_profiled_with():
     p0 = p.replan()
     p0.min_bytes = 0  # (a plan profiled with min_bytes=0: 0 is a min_bytes too, not "none given")
     assert ssdtrain.offload(model, plan=p0).min_bytes == 0
+
+
+def test_a_model_nothing_else_holds_is_named_as_the_problem():
+    """offload(build_model()): the session holds the model weakly, so the model is gone before the with block;
+    entering says so and what to do, instead of a TypeError from deep inside."""
+    session = ssdtrain.offload(make_net(), verbose=False)
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists.*keep the model in a variable"):
+        session.__enter__()

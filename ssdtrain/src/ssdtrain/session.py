@@ -396,6 +396,11 @@ class OffloadSession:
             raise RuntimeError("this offload session is already active; create a new one with ssdtrain.offload()")
         if self._closed:
             raise RuntimeError("this offload session is closed; create a new one with ssdtrain.offload()")
+        if self.model is None:
+            raise RuntimeError(
+                "the model given to ssdtrain.offload() no longer exists: the session holds it weakly, and nothing else "
+                "referenced it (as in offload(build_model())); keep the model in a variable and pass that"
+            )
         inner = self.model._orig_mod if self.compiled else self.model
         modules = [inner] + [b for _, b in self.blocks]
         others = {id(o): o for o in (_ACTIVE.get(m) for m in modules) if o is not None}

@@ -81,7 +81,10 @@ class UnitProfile:
         # for the planner's plan without `derive+host` (6 `recompute+host`). Offered again (the next call): the
         # 0.5x plan ran 1.12x, the plan at recompute's peak 1.02x recompute's time (1.11x before), but the plan at
         # 1.2x recompute's peak moved 3 GiB per micro-batch and ran 0.97x recompute (0.92x without): its forward
-        # was timed slow after the host waited to pin memory (see ``Session._pin_ahead``).
+        # was timed slow after the host waited to pin memory (see ``Session._pin_ahead``). With pinning ahead (fifteenth
+        # session, three calls) the 0.5x plan ran 1.115-1.16x keep's step (predicted 1.10-1.11x) and the 1.2x plan
+        # still moved 3 GiB (0.97x recompute): the moves cost no GPU time but the host's (packing each moved tensor),
+        # and the forward's host fell 8 ms per micro-batch behind the device (RESULTS.md, "fifteenth session").
         return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 

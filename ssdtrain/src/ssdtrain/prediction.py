@@ -70,21 +70,11 @@ class UnitProfile:
         # Cheap recompute is combined with keep only (an override may still move the rest): on an H100 (the same
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
         # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
-        # a tier (`derive+host`: what its recipes start from moves). It was withdrawn for a while: on an H100
-        # (Llama-style 16 x 2048, autocast, accumulation 4) the 0.5x-keep plan with 8 `derive+host` blocks ran
-        # 1.23x keep's step, as 3 GiB per micro-batch outran the link in a 46 ms forward and the host waited for
-        # copies out; then, with the copies drained before the head, a 7-block plan peaked 0.38 GiB over its
-        # prediction (the cache restored the highest moved block through the head's backward). Both are fixed
-        # (the copies out may run ahead as far as the peak allows; ``TensorCache._backward_top``). Measured after
-        # that (fourteenth session, one call, 6 timed steps): every block `derive` with 5 `derive+host` ran 1.08x
-        # keep's step at 10.52 GiB, predicted exactly, no late prefetch, no host waits, against 1.14x at 10.14 GiB
-        # for the planner's plan without `derive+host` (6 `recompute+host`). Offered again (the next call): the
-        # 0.5x plan ran 1.12x, the plan at recompute's peak 1.02x recompute's time (1.11x before), but the plan at
-        # 1.2x recompute's peak moved 3 GiB per micro-batch and ran 0.97x recompute (0.92x without): its forward
-        # was timed slow after the host waited to pin memory (see ``Session._pin_ahead``). With pinning ahead (fifteenth
-        # session, three calls) the 0.5x plan ran 1.115-1.16x keep's step (predicted 1.10-1.11x) and the 1.2x plan
-        # still moved 3 GiB (0.97x recompute): the moves cost no GPU time but the host's (packing each moved tensor),
-        # and the forward's host fell 8 ms per micro-batch behind the device (RESULTS.md, "fifteenth session").
+        # a tier (`derive+host`: what its recipes start from moves): on an H100 (Llama-style 16 x 2048, autocast,
+        # accumulation 4) the 0.5x-keep plan with it ran 1.115-1.16x keep's step in four calls, 1.14x without it
+        # (one call). Its known cost is the host's, not the GPU's: packing each moved tensor puts the forward's host
+        # ~8 ms per micro-batch behind the device, which the prediction does not count, so plans that move many
+        # blocks run slower than predicted (ssdtrain/benchmarks/RESULTS.md, fourteenth and fifteenth sessions).
         return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 

@@ -787,9 +787,8 @@ class OffloadSession:
     def _link_waits(self) -> float:
         """Seconds the host waited so far for copies out (the cache's window, and the drain before the head) and for
         pinning new host memory. Calibration takes them out of the measured forward to find its compute: the drain
-        is a wait for copies out too. Left in, it counted as compute: on an H100 a first planned step measured 51.7 ms
-        of compute for a forward whose kernels take 46.5 ms, and the plan made from that moved more than the link
-        carried."""
+        is a wait for copies out too, not compute. (It is not all of the error: on an H100 a plan's first step still
+        timed 55 ms of compute for a 46 ms forward, the host having fallen behind while packing moved tensors.)"""
         c = self.cache.counters
         return (c["throttle_ns"] + c["head_drain_ns"]) / 1e9 + self.pool.grow_seconds
 
@@ -955,10 +954,9 @@ class OffloadSession:
 
     def _pin_ahead(self, plan: Plan) -> None:
         """Pin `plan`'s host bytes now, not chunk by chunk as its first step copies out: pinning holds the host back
-        and the device idles with it, and that step's forward is the one calibration times as compute (an H100 call
-        measured 56 ms of "compute" for a 46.5 ms forward after 95 ms of such waits, and the plan made from it moved
-        more than the link could carry). A quarter more for the chunks' unused tails. Once per plan and pool: a
-        session per micro-batch applies the same plan each time, and its prediction is a pass over the units."""
+        and the device idles with it, and that step's forward is the one calibration times as compute. A quarter
+        more for the chunks' unused tails. Once per plan and pool: a session per micro-batch applies the same plan
+        each time, and its prediction is a pass over the units."""
         if self.shared.pinned_for is plan:
             return
         self.shared.pinned_for = plan

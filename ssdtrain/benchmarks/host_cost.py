@@ -2,6 +2,7 @@
 
     python ssdtrain/benchmarks/host_cost.py                 # Llama-style GQA, 4 blocks x 64, batch 2 x 32
     python ssdtrain/benchmarks/host_cost.py --quick --csv host_cost.csv
+    python ssdtrain/benchmarks/host_cost.py --device cuda   # the same host time on a GPU's path (streams, events)
 
 An eager LLM step on a GPU launches thousands of small kernels; where the host thread launching them is late, the
 GPU idles. Every saved tensor passes through ssdtrain's pack hook in forward and its unpack hook in backward, and
@@ -24,11 +25,17 @@ steps) for:
               callback and a context per step do), its opening and closing timed in the forward's and backward's
               columns; against ``keep`` it is the cost of a session per micro-batch
 
+With ``--device cuda`` the model runs on the GPU, still so small that every step is host-bound: the times are then
+the host's work on the GPU path (copies issued on side streams, events, the pinned pool), which the CPU proxy does
+not have, and the copies' traffic is not in them. The backward there runs in autograd's own thread for the device,
+whose CPU time the ``bwd ms`` column (this thread's) does not see: read the unpack column for it.
+
 Columns: ms per micro-batch forward and backward, ms added against ``none`` and that per pack (everything ssdtrain
 adds: module hooks, Python saved-tensor hooks at all, recipes' and recomputed blocks' ops; on a shared machine this
-difference of two medians is noisy), then, from ``--hook-micro`` more micro-batches: packs and unpacks per micro-batch
-and the microseconds per call inside the session's hooks (as autograd calls them: the compiler guard, the recipe
-search, a recipe's ops in unpack, a copy; the slowest 2 % of calls left out), and their total per micro-batch; last,
+difference of two medians is noisy), then, from ``--hook-micro`` more micro-batches: packs and unpacks per micro-batch,
+the saved tensors moved to a tier (``moved``: each with an entry and a copy out and back), and the microseconds per
+call inside the session's hooks (as autograd calls them: the compiler guard, the recipe search, a recipe's ops in
+unpack, a copy; the slowest 2 % of calls left out), and their total per micro-batch; last,
 ``open ms``: opening and closing a session around the model with no step in it (median of 20), what a session per
 micro-batch (``keep-each``, the Trainer callback) adds to each.
 ``min_bytes`` is 0 so that every saved tensor takes the path it would take at GPU sizes (none is "small").
@@ -66,7 +73,7 @@ def build_model(a):
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     torch.manual_seed(0)
-    model = cls(cfg)
+    model = cls(cfg).to(a.device)
     model.train()
     return model
 
@@ -78,7 +85,7 @@ def _micro(model, ids, timed: list | None = None, session=None) -> None:
     # shared machine take the core away (torch runs one thread here, and a CPU backward runs on the caller's).
     t0 = time.thread_time()
     with session() if session is not None else contextlib.nullcontext():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         t1 = time.thread_time()
         loss.backward()
@@ -113,7 +120,7 @@ class _Policy:
 
         self.policy = policy
         self.model = build_model(a)
-        self.ids = torch.randint(0, a.vocab, (a.batch, a.seq))
+        self.ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device)
         self.timed: list = []
         self.session = None
         self.options = None
@@ -159,6 +166,7 @@ class _Policy:
         """The row: median times, and for ssdtrain policies `hook_micro` more micro-batches with every call through
         the session's saved-tensor hooks (as autograd calls them, compiler guard included) counted and timed."""
         pack_us = unpack_us = float("nan")
+        moved = 0
         if self.session is None:
             packs, unpacks = _count_plain(self.model, self.ids)  # (checkpoint: its own hooks take the blocks')
             if self.each is not None:  # (its hooks are not timed: they are keep's)
@@ -183,10 +191,12 @@ class _Policy:
                 return out
 
             hooks.pack_hook, hooks.unpack_hook = pack, unpack
+            stored = self.session.cache.counters["packed_tensors"]
             try:
                 self.round(0, hook_micro)
             finally:
                 hooks.pack_hook, hooks.unpack_hook = pack_fn, unpack_fn
+            moved = (self.session.cache.counters["packed_tensors"] - stored) // hook_micro
             packs, unpacks = len(packed) // hook_micro, len(unpacked) // hook_micro
             pack_us, unpack_us = _per_call_us(packed, packs), _per_call_us(unpacked, unpacks)
             hooks.__enter__()
@@ -201,6 +211,7 @@ class _Policy:
             bwd_ms=bwd,
             packs=packs,
             unpacks=unpacks,
+            moved=moved,
             pack_us=pack_us,
             unpack_us=unpack_us,
             open_ms=open_ms,
@@ -239,6 +250,12 @@ def run_policies(policies: list[str], a) -> list[dict]:
     return [r.finish(a.hook_micro) for r in runners]
 
 
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, host time of the GPU path"
+    return "CPU"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -254,6 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="rounds over the policies, each a share of --micro")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the host's own time, less noise)")
+    p.add_argument("--device", default="cpu", help="cpu (the proxy), or cuda: the GPU path's host time")
     p.add_argument("--quick", action="store_true", help="tiny run (the smoke test)")
     p.add_argument("--csv", help="write the table as CSV here")
     a = p.parse_args(argv)
@@ -265,9 +283,9 @@ def main(argv=None) -> int:
         p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     torch.set_num_threads(a.threads)
     print(
-        f"# ssdtrain host cost (CPU, torch {torch.__version__}, {a.threads} thread(s)): Llama-style {a.layers} x "
-        f"{a.hidden}, {a.heads} heads / {a.kv_heads} kv, batch {a.batch} x {a.seq}, fp32 weights + autocast bf16; "
-        f"median of {a.micro} micro-batches per policy, interleaved in {a.rounds} rounds",
+        f"# ssdtrain host cost ({_device_name(a.device)}, torch {torch.__version__}, {a.threads} thread(s)): "
+        f"Llama-style {a.layers} x {a.hidden}, {a.heads} heads / {a.kv_heads} kv, batch {a.batch} x {a.seq}, "
+        f"fp32 weights + autocast bf16; median of {a.micro} micro-batches per policy, interleaved in {a.rounds} rounds",
         flush=True,
     )
     rows = run_policies(policies, a)
@@ -278,15 +296,16 @@ def main(argv=None) -> int:
         r["added_fwd_ms"], r["added_bwd_ms"] = added_f, added_b
         r["added_us_per_pack"] = (added_f + added_b) * 1e3 / r["packs"] if r["packs"] and r is not base else 0.0
     header = f"{'policy':<11} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'+bwd ms':>8} {'packs':>6} {'unpacks':>7}"
+    header += f" {'moved':>5}"
     print(header + f" {'+us/pack':>9} {'pack us':>8} {'unpack us':>9} {'hooks ms':>9} {'open ms':>8}")
     for r in rows:
         r["hooks_ms"] = (r["pack_us"] * r["packs"] + r["unpack_us"] * r["unpacks"]) / 1e3
         print(
             f"{r['policy']:<11} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['added_fwd_ms']:8.2f} "
-            f"{r['added_bwd_ms']:8.2f} {r['packs']:6d} {r['unpacks']:7d} {r['added_us_per_pack']:9.1f} "
+            f"{r['added_bwd_ms']:8.2f} {r['packs']:6d} {r['unpacks']:7d} {r['moved']:5d} {r['added_us_per_pack']:9.1f} "
             f"{r['pack_us']:8.2f} {r['unpack_us']:9.2f} {r['hooks_ms']:9.3f} {r['open_ms']:8.2f}"
         )
-    if any(r["policy"] == "host" for r in rows):
+    if a.device == "cpu" and any(r["policy"] in ("host", "derive+host") for r in rows):
         print("# host: on the CPU the copies to host memory are synchronous (their traffic is in the time)")
     if a.csv:
         with open(a.csv, "w", newline="") as f:

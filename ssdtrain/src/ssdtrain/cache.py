@@ -5,8 +5,10 @@
 token naming an ``_Entry``: the bytes of the tensor's *storage*. Views of one storage saved several times (q, k, v
 split from one projection; a reshape of a saved input) share one entry, stored once and rebuilt with their own
 offset, shape and strides on unpack; a kept storage saved by two ops is counted once too. An entry is handed to a
-tier (``ssdtrain.tiers``: pinned host memory, NVMe through the I/O engine), which starts the copy on a side stream, so
-forward compute never waits for it; its GPU memory is released as soon as the copy is done. A tier without room
+tier (``ssdtrain.tiers``: pinned host memory, NVMe through the I/O engine), which queues the copy; the unit's queued
+copies start together on a side stream as the next unit begins (``enter_unit``), so forward compute never waits for
+them and the host pays for one stream switch per unit, not per tensor; its GPU memory is released as soon as the copy
+is done. A tier without room
 passes the entry on along its fallback order (host -> NVMe -> device; NVMe -> host -> device).
 
 ``unpack(token)`` returns the data: the original if it is still on the device (a copy in flight is forwarded, never
@@ -94,7 +96,14 @@ class TensorCache(Transfers):
         self.closed = False
         self.aborted = False
 
+    def enter_unit(self, unit: int) -> None:
+        """Forward moves on to `unit` (the session's module hooks): the copies out the unit before queued start."""
+        if self._queued and unit != self.unit:
+            self.launch_copies_out()
+        self.unit = unit
+
     def reset_step(self) -> None:
+        self.launch_copies_out()
         with self.lock:
             for unit in list(self._by_unit):
                 alive = [r for r in self._by_unit[unit] if r() is not None]
@@ -251,6 +260,8 @@ class TensorCache(Transfers):
             saved = _Saved.of(t, entry, base)
             if self.derive_unit is not None and self.derive_unit(unit):
                 self._moved_for_recipes(t, entry, saved)
+            if self._backward_started:
+                self.launch_copies_out()  # (saved in backward, by a recomputed block: no unit begins after it)
             self._throttle()
             return saved
 
@@ -356,6 +367,7 @@ class TensorCache(Transfers):
         self._backward_started = True
         if self.on_backward is not None:
             self.on_backward()
+        self.launch_copies_out()
         if self._pending:
             t0 = time.perf_counter()
             self._pending[-1].d2h.synchronize()  # one side stream: the last copy done means all are
@@ -563,6 +575,7 @@ class TensorCache(Transfers):
                                 e.src = None
                     self._by_unit.clear()
                     self._live.clear()
+                    self._queued.clear()
                     self._pending.clear()
                     self._writing.clear()
                     self._inflight_bytes = 0

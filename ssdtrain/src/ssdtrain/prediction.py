@@ -312,7 +312,7 @@ def simulate(
         resident += res
         held_casts = casts[i] if clear_casts else held_casts + casts[i]
         if moved:
-            link = max(link, t - u.forward_s) + moved / bw.d2h
+            link = max(link, t) + moved / bw.d2h  # (a unit's copies start together as the next unit begins)
             sent[i] = link
             queued.append((link, moved))
             backlog += moved

@@ -703,7 +703,8 @@ class OffloadSession:
             self.probe.forward_done()
         self.profiler.forward_done(failed)
         self.calibrator.forward_done()
-        self.cache.unit = len(self.unit_names) - 1
+        self.cache.enter_unit(len(self.unit_names) - 1)
+        self.cache.launch_copies_out()
         self.cache.deriver.reset()
         self.cache.poll()
 
@@ -716,7 +717,7 @@ class OffloadSession:
             self.forward_done(failed=True)
 
     def block_started(self, unit: int, args: tuple) -> None:
-        self.cache.unit = unit
+        self.cache.enter_unit(unit)
         if unit in self._bare_units:
             self._pause_hooks()
         # Recipes reach back to tensors saved by this block only; its template is replayed where it has one (a
@@ -738,7 +739,7 @@ class OffloadSession:
             # counts them only while it runs (see __init__).
             _clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
-        self.cache.unit = unit if unit < len(self.blocks) else len(self.unit_names) - 1
+        self.cache.enter_unit(unit if unit < len(self.blocks) else len(self.unit_names) - 1)
         if unit == len(self.blocks) and self.plan is not None and self.plan.drain_at_head:
             self.cache.finish_copies_out()  # (see Plan.drain_at_head)
 

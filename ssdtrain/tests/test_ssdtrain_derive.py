@@ -323,7 +323,7 @@ def test_derive_with_host_moves_the_recipes_inputs_and_stays_exact():
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = m(ids)
                 if m is model and s.plan is not None:
-                    entries = [e for e in list(s.cache._live.values()) if e.unit in (1, 4)]
+                    entries = [e for e in (r() for r in s.cache._live.values()) if e is not None and e.unit in (1, 4)]
                     alive_after_forward.append((len(entries), sum(e.alive_original() is not None for e in entries)))
                     del entries
                 loss.backward()

@@ -75,7 +75,9 @@ class TensorCache(Transfers):
         self.observer = None  # profile recorder: observer(unit, key, nbytes, kind)
         self.on_backward = None  # called at the first unpack of a step's backward (inside the autograd engine)
         self.on_idle = None  # called once no entry is left after close(): the session releases the tiers
-        self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> entry (dedup)
+        # key -> weak reference to its entry (dedup). A plain dict, pruned each step: a WeakValueDictionary's
+        # Python-level get and set cost more than the rest of a moved tensor's bookkeeping in pack.
+        self._live: dict[tuple, weakref.ref] = {}
         self._kept: dict[tuple, tuple] = {}  # key -> (storage ref, version): kept storages of this step (dedup)
         # id() of a saved tensor pack returned as it is -> (its unit or None, its version then). The unit: its
         # unpack tells where backward is, which drives the prefetch. The version: autograd checks a saved tensor's
@@ -97,14 +99,19 @@ class TensorCache(Transfers):
         self.aborted = False
 
     def enter_unit(self, unit: int) -> None:
-        """Forward moves on to `unit` (the session's module hooks): the copies out the unit before queued start."""
-        if self._queued and unit != self.unit:
+        """Forward moves on to `unit` (the session's module hooks): the copies out the unit before queued start,
+        and those finished give their device bytes back (once per unit, not per saved tensor: the planner counts
+        copies out as held until the end of the unit in which they finish)."""
+        if unit != self.unit:
             self.launch_copies_out()
+            if self._pending or self._writing:
+                self.poll()
         self.unit = unit
 
     def reset_step(self) -> None:
         self.launch_copies_out()
         with self.lock:
+            self._live = {key: ref for key, ref in self._live.items() if ref() is not None}
             for unit in list(self._by_unit):
                 alive = [r for r in self._by_unit[unit] if r() is not None]
                 if alive:
@@ -176,7 +183,6 @@ class TensorCache(Transfers):
             self.counters["kept_tensors"] += 1
             return self._keep(t, self.unit)
         with self.lock:
-            self.poll()
             esize = t.element_size()
             if isinstance(t, torch.nn.Parameter):
                 self.counters["kept_param_tensors"] += 1
@@ -203,7 +209,8 @@ class TensorCache(Transfers):
             length = storage.nbytes() if whole else span_bytes
             key = (t.device.type, t.device.index, sptr, base, length)
             unit = self.unit
-            entry = self._live.get(key)
+            ref = self._live.get(key)
+            entry = ref() if ref is not None else None
             if entry is not None and entry.storage_alive() and entry.version == t._version:
                 self.counters["dedup_views"] += 1
                 if self.observer is not None:
@@ -253,8 +260,9 @@ class TensorCache(Transfers):
                 self.counters["kept_tensors"] += 1
                 return self._as_is(t)  # no room anywhere: kept on the device (warned)
             self._entries += 1
-            self._live[key] = entry
-            self._by_unit[unit].append(weakref.ref(entry))
+            ref = weakref.ref(entry)
+            self._live[key] = ref
+            self._by_unit[unit].append(ref)
             self.counters["packed_tensors"] += 1
             self.counters[f"bytes_to_{entry.tier.name}"] += entry.nbytes
             saved = _Saved.of(t, entry, base)
@@ -411,7 +419,7 @@ class TensorCache(Transfers):
             stream = torch.cuda.current_stream(entry.device) if entry.device.type == "cuda" else None
             if first and stream is not None:
                 reached = self._device_mark(stream)  # the copy runs on the compute stream: all of it is waited for
-            self._restore(entry, stream)
+            self._restore([entry], stream)
         else:
             self.counters["prefetch_hits"] += first
         if entry.read is not None:
@@ -508,6 +516,7 @@ class TensorCache(Transfers):
         alive = [e for e in (r() for r in refs) if e is not None]
         self._by_unit[unit] = [weakref.ref(e) for e in alive]
         self._retry.discard(unit)
+        due = []
         for entry in reversed(alive):
             if entry.restored is not None or entry.unpacked:
                 continue
@@ -520,14 +529,16 @@ class TensorCache(Transfers):
             if entry.alive_original() is not None or entry.lost is not None:
                 entry.skipped = "alive" if entry.lost is None else None
                 continue
-            # No wait for the compute stream: the buffer comes from the prefetch stream's own pool, and unpack
-            # records the compute stream on it, so the allocator reuses it only after backward is done with it.
-            stream = self._side_streams(entry.device)[1] if entry.device.type == "cuda" else None
             if entry.skipped == "in_flight":
                 self.counters["prefetch_retried"] += 1
             entry.skipped = None
-            self._restore(entry, stream)
+            due.append(entry)
             self._prefetched_bytes += entry.nbytes
+        # No wait for the compute stream: the buffers come from the prefetch stream's own pool, and unpack records
+        # the compute stream on each, so the allocator reuses it only after backward is done with it.
+        for device in {e.device for e in due}:
+            stream = self._side_streams(device)[1] if device.type == "cuda" else None
+            self._restore([e for e in due if e.device == device], stream)
 
     # ----------------------------------------------------------------------------------------------- release
     def _release(self, entry: _Entry) -> None:

@@ -264,33 +264,40 @@ class Transfers:
             entry.lost = error
 
     # ----------------------------------------------------------------------------------------------- restore
-    def _restore(self, entry: _Entry, stream) -> None:
-        """Issue the copy back of `entry` on `stream` (None: CPU)."""
-        if entry.device.type == "cpu":
-            if entry.host is not None:
-                entry.restored = entry.host[: entry.nbytes]
-            else:
-                buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
-                out = buf[: entry.nbytes] if buf is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
-                entry.read = self.engine.read(entry.handle, out=out)
-                entry.restored = out
-                entry.host = buf
-            self._account(entry.nbytes)
-            self.counters["bytes_restored"] += entry.nbytes
+    def _restore(self, entries: list[_Entry], stream) -> None:
+        """Issue the copies back of `entries` on `stream` (None: CPU) under one switch to that stream (it cost the
+        host 35 us each, the copy itself 12), each with its own event (unpack waits for its own bytes only)."""
+        if stream is None:
+            for entry in entries:
+                self._restore_now(entry)
             return
         with torch.cuda.stream(stream):
-            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
-            if entry.host is not None:
-                out.copy_(entry.host[: entry.nbytes], non_blocking=True)
-                entry.h2d = torch.cuda.Event(enable_timing=True)  # a late one's wait is timed (read_waits)
-                entry.h2d.record(stream)
-                if entry.write is None:  # the host copy is no longer needed once this copy is done
-                    self.pool.release(entry.host, after=entry.h2d)
-                    entry.host = None
-                    self._free_handle(entry)
-            else:
-                entry.read = self.engine.read(entry.handle, out=out, stream=stream)
-        entry.restored = out
+            for entry in entries:
+                out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+                if entry.host is not None:
+                    out.copy_(entry.host[: entry.nbytes], non_blocking=True)
+                    entry.h2d = torch.cuda.Event(enable_timing=True)  # a late one's wait is timed (read_waits)
+                    entry.h2d.record(stream)
+                    if entry.write is None:  # the host copy is no longer needed once this copy is done
+                        self.pool.release(entry.host, after=entry.h2d)
+                        entry.host = None
+                        self._free_handle(entry)
+                else:
+                    entry.read = self.engine.read(entry.handle, out=out, stream=stream)
+                entry.restored = out
+                self._account(entry.nbytes)
+                self.counters["bytes_restored"] += entry.nbytes
+
+    def _restore_now(self, entry: _Entry) -> None:
+        """CPU: the restored bytes are the host buffer itself, or a disk read into a new one."""
+        if entry.host is not None:
+            entry.restored = entry.host[: entry.nbytes]
+        else:
+            buf = self.pool.allocate(entry.nbytes) if self.pool is not None else None
+            out = buf[: entry.nbytes] if buf is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
+            entry.read = self.engine.read(entry.handle, out=out)
+            entry.restored = out
+            entry.host = buf
         self._account(entry.nbytes)
         self.counters["bytes_restored"] += entry.nbytes
 

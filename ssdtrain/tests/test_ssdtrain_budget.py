@@ -633,11 +633,16 @@ def test_a_forward_faster_than_profiled_scales_unit_times_once_and_spreads_the_c
     old_ratio = plan.prediction.seconds / plan.keep_prediction.seconds
     profiled = sum(u.forward_s for u in plan.units)
     predicted = plan.predict(False).peak
-    cal = Calibrator(_Memory(peaks=[predicted]), clock=_Clock([0.0, profiled / 4, profiled]))
-    cal.start(plan, False, given=False)
-    cal.forward_done()
-    cal.backward_done()
-    new = cal.finish(step=4)
+    # Two checked steps (Calibrator.TIMED_STEPS): the first only measures, the least forward of the two counts.
+    cal = Calibrator(_Memory(peaks=[predicted, predicted]), clock=_Clock([0.0, profiled / 3, profiled]))
+    for step, clock in ((3, _Clock([0.0, profiled / 3, profiled])), (4, _Clock([0.0, profiled / 4, profiled]))):
+        cal.clock = clock
+        cal.start(plan, False, given=False)
+        cal.forward_done()
+        cal.backward_done()
+        new = cal.finish(step=step)
+        if step == 3:
+            assert new is None and not plan.times_checked
     assert new is not None and new.time_scale == pytest.approx(0.25)
     assert sum(u.forward_s for u in new.units) == pytest.approx(profiled / 4)
     assert sum(u.forward_s for u in plan.units) == pytest.approx(profiled)  # the old plan's units are untouched
@@ -677,13 +682,15 @@ def test_a_plan_slower_than_its_moves_predict_is_planned_again_with_slower_link_
     assert plan.prediction.host_bytes > 0
     forward = sum(u.forward_s for u in units)
 
+    cal = Calibrator(_Memory())  # one per session, as there
+
     def check(p, seconds, step, late=(0, 100)):
         """One checked step of `p`: its peak as predicted, forward+backward taking `seconds`, `late` = (MiB of
         moved tensors late or missed, MiB of moved tensors unpacked) during it."""
         counts = [(7 * MIB, 50 * MIB), (7 * MIB + late[0] * MIB, 50 * MIB + late[1] * MIB)]
-        cal = Calibrator(
-            _Memory(peaks=[p.predict(False).peak]), clock=_Clock([0.0, forward, seconds]), late=lambda: counts.pop(0)
-        )
+        cal.memory = _Memory(peaks=[p.predict(False).peak])
+        cal.clock = _Clock([0.0, forward, seconds])
+        cal.late = lambda: counts.pop(0)
         cal.start(p, False, given=False)
         assert cal.checking
         cal.forward_done()

@@ -24,10 +24,21 @@ _GIB = float(1 << 30)
 log = logging.getLogger("ssdtrain")
 
 
+class TimedForwards:
+    """The checked steps whose forward was timed while the plans' unit times were not yet checked: (step, measured
+    forward s, host's waits s) each, and the profiled unit times those plans were made from (`Calibrator`). Kept
+    per model, so that a session per step (the Trainer callback) counts its steps together."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, float, float]] = []
+        self.profile: tuple | None = None
+
+
 class ModelState:
     """Per model: plans by (signature, options), warm-up steps done per signature, the latest plan."""
 
     def __init__(self):
+        self.timed = TimedForwards()
         self.plans: dict = {}
         self.warmups: dict = {}
         self.latest: Plan | None = None
@@ -88,9 +99,14 @@ class Calibrator:
     behind compute when they are not. The forward's compute time is the measured forward less the host's waits for
     the link in it (`waits`: a callable giving the cumulative seconds the host waited for copies out and for pinning
     new host memory): the device idles at most that long for the plan's own copies, so a forward that the copies
-    slowed is still a measure of compute. A compute time below ``TIME_SLACK`` x the profiled forward scales every
-    unit's time by the ratio, once per plan lineage, and plans again: the moved bytes then compete with the real
-    compute time. Either way the plan's times are then *checked* (``plan.times_checked``).
+    slowed is still a measure of compute. Each such measure is compute plus however long the host kept the device
+    waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host
+    sets the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps'
+    measures (on an H100, Llama-style 16 x 2048, the first planned step read 49.7-72.4 ms for a 46.5 ms forward in
+    plans that move bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute
+    time below ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage,
+    and plans again: the moved bytes then compete with the real compute time. Either way the plan's times are then
+    *checked* (``plan.times_checked``).
 
     The order is explicit: the time and link feedback below judges only a plan whose times are checked, from its
     second checked step on (the first is not steady), and never the step that rescaled them (that step ran under
@@ -112,6 +128,7 @@ class Calibrator:
     again, so moves that do not pay give way to recompute."""
 
     TIME_SLACK = 0.8
+    TIMED_STEPS = 2
     SPEED_SLACK = 1.15
     LATE_SLACK = 0.1
     STALL_SLACK = 0.02
@@ -128,6 +145,7 @@ class Calibrator:
         limit: int = 2,
         verbose: bool = False,
         passes: int = 2,
+        timed: TimedForwards | None = None,
     ):
         self.memory = memory
         self.clock = clock
@@ -137,6 +155,7 @@ class Calibrator:
         self._waits_base: float | None = None
         self._forward_waits: float | None = None
         self._forward: list | None = None  # [start, forward's end, backward's end] marks of the checked step
+        self.timed = timed if timed is not None else TimedForwards()  # (the least of TIMED_STEPS of them counts)
         self.limit = limit
         self.passes = passes
         self.verbose = verbose
@@ -206,7 +225,7 @@ class Calibrator:
         # rescaled now, the link (`_steady`): a step run under times found wrong says nothing about the link.
         ran = plan
         ran_prediction = ran.predict(grads, held)  # the choices this step ran (not the rescaled plan's)
-        rescale = self._time_scale(plan, marks, ran_prediction.seconds)
+        rescale = self._time_scale(plan, marks, ran_prediction.seconds, step)
         if rescale is not None:
             plan = self._rescaled(plan, *rescale, step)
         predicted = ran_prediction.peak
@@ -261,39 +280,59 @@ class Calibrator:
             return None
         return measured, min(self._forward_waits or 0.0, measured)
 
-    def _time_scale(self, plan: Plan, marks, predicted: float) -> tuple[float, str] | None:
-        """(the factor to scale the plan's unit times by, why) from the checked step, whose predicted time is
-        ``predicted`` seconds; None to keep them (and the plan's times are then checked, where the forward was
-        measured).
+    def _time_scale(self, plan: Plan, marks, predicted: float, step: int) -> tuple[float, str] | None:
+        """(the factor to scale the plan's unit times by, why) from the checked steps, the last of which (`step`)
+        had ``predicted`` seconds predicted; None to keep them (and the plan's times are then checked, where the
+        forward was measured in ``TIMED_STEPS`` steps; before that, they stay unchecked).
 
         Two witnesses: the forward's compute (the measured forward less the host's waits for copies out), and the
         whole step against its prediction. A plan's copies can slow its forward beyond the host's waits (the device
         waits for them too), so a forward as slow as profiled does not prove the times right; but a forward and
         backward well below the predicted time can only mean unit times too slow (copies only add time)."""
+        timed = self.timed
         if plan.time_scale != 1.0 or plan.times_checked:
+            timed.steps.clear()
             return None
         forward = self._forward_seconds(marks)
         profiled = sum(u.forward_s for u in plan.units)
         if forward is None or profiled <= 0:
             return None
-        measured, waited = forward
-        compute = measured - waited
-        if compute <= 0:
+        this_forward, waited = forward
+        if this_forward - waited <= 0:
             return None  # the host waited the whole forward: no measure of compute
+        # The forward's compute does not depend on the plan's choices (moves add none, recompute runs in backward),
+        # so the steps of plans made from one profile count together; a new profile starts again.
+        profile = tuple(u.forward_s for u in plan.units)
+        if profile != timed.profile:
+            timed.steps.clear()
+            timed.profile = profile
+        timed.steps.append((step - 1, this_forward, waited))
+        if len(timed.steps) < self.TIMED_STEPS:
+            self._say(
+                f"step {step - 1}: forward compute {(this_forward - waited) * 1e3:.1f} ms (measured "
+                f"{this_forward * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out): the next "
+                "checked step is timed too, the least of them counts"
+            )
+            return None
+        least, measured, waited = min(timed.steps, key=lambda t: t[1] - t[2])
+        others = ", ".join(f"{(m - w) * 1e3:.1f}" for s, m, w in timed.steps if s != least)
+        timed.steps.clear()
+        compute = measured - waited
         if compute < self.TIME_SLACK * profiled:
             scale = compute / profiled
             return scale, (
-                f"forward compute {compute * 1e3:.1f} ms"
+                f"forward compute {compute * 1e3:.1f} ms at step {least}"
                 + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out)"
                    if waited else "")
-                + f", profiled {profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
+                + f", the least of {self.TIMED_STEPS} checked steps (others {others} ms), profiled "
+                + f"{profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
             )  # fmt: skip
         total = self._step_seconds(marks)
         if total is not None and predicted > 0 and total < self.TIME_SLACK * predicted:
             scale = total / predicted
             return scale, (
                 f"forward+backward {total * 1e3:.1f} ms against {predicted * 1e3:.1f} ms predicted (the forward, "
-                f"{measured * 1e3:.1f} ms, slowed by the plan's copies): unit times scaled by {scale:.2f}"
+                f"{this_forward * 1e3:.1f} ms, slowed by the plan's copies): unit times scaled by {scale:.2f}"
             )
         plan.times_checked = True
         return None

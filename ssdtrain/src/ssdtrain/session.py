@@ -112,11 +112,12 @@ class OffloadSession:
 
     @property
     def settling_steps(self) -> int:
-        """The most steps before a plan settles: profiling, peak calibrations and passes, and the timing checks
-        (the time rescale, each link halving and the charge for moves: each a new plan, checked over two steps).
-        Benchmarks time the steps after these."""
+        """The most steps before a plan settles: profiling, peak calibrations and passes, the steps whose forwards
+        are timed before the times are checked, and the timing checks (the time rescale, each link halving and the
+        charge for moves: each a new plan, checked over two steps). Benchmarks time the steps after these."""
         timing = 1 + Calibrator.LINK_HALVINGS + 1
-        return self.profile_steps + self.CALIBRATIONS + self.CALIBRATION_PASSES + 2 * timing
+        timed = Calibrator.TIMED_STEPS - 1
+        return self.profile_steps + self.CALIBRATIONS + self.CALIBRATION_PASSES + timed + 2 * timing
 
     def __init__(
         self,
@@ -231,6 +232,7 @@ class OffloadSession:
             limit=self.CALIBRATIONS,
             verbose=verbose,
             passes=self.CALIBRATION_PASSES,
+            timed=self.state.timed,
         )
         self.cache.on_backward = self._backward_began
         self.hooks = ModuleHooks(self)

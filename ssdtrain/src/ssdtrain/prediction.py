@@ -72,10 +72,10 @@ class UnitProfile:
         # Llama model, three calls) each plan with a `cheap+host` block ran 60-100 ms per step slower than the
         # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
         # a tier (`derive+host`: what its recipes start from moves): on an H100 (Llama-style 16 x 2048, autocast,
-        # accumulation 4) the 0.5x-keep plan with it ran 1.115-1.16x keep's step in four calls, 1.14x without it
-        # (one call). Its known cost is the host's, not the GPU's: packing each moved tensor puts the forward's host
-        # ~8 ms per micro-batch behind the device, which the prediction does not count, so plans that move many
-        # blocks run slower than predicted (ssdtrain/benchmarks/RESULTS.md, fourteenth and fifteenth sessions).
+        # accumulation 4) the 0.5x-keep plan with it ran 1.12-1.19x keep's step over the fourteenth to sixteenth
+        # sessions, 1.14x without it (one call). Plans that move many blocks run slower than predicted; halving the
+        # host's time per moved tensor (sixteenth session) did not change that measurably, so the host's packing is
+        # not the whole cost (ssdtrain/benchmarks/RESULTS.md).
         return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 

@@ -790,8 +790,8 @@ class OffloadSession:
     def _link_waits(self) -> float:
         """Seconds the host waited so far for copies out (the cache's window, and the drain before the head) and for
         pinning new host memory. Calibration takes them out of the measured forward to find its compute: the drain
-        is a wait for copies out too, not compute. (It is not all of the error: on an H100 a plan's first step still
-        timed 55 ms of compute for a 46 ms forward, the host having fallen behind while packing moved tensors.)"""
+        is a wait for copies out too, not compute. (It is not all of the error: after such waits the host, not the
+        device, sets the pace for a while, so the calibrator takes the least of two steps' measures.)"""
         c = self.cache.counters
         return (c["throttle_ns"] + c["head_drain_ns"]) / 1e9 + self.pool.grow_seconds
 

@@ -455,6 +455,17 @@ def budget_of(spec: str, rows: dict) -> int | None:
     return -1
 
 
+def require_known(wanted: set[str], names: list[str], suite: str) -> None:
+    """``--policies`` names only what the suite runs: an unknown name (``ssdtrain@recompute`` for
+    ``ssdtrain@recompute*1.0``) would otherwise run nothing and say so only as a missed target."""
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise SystemExit(
+            f"llm.py: --policies names {', '.join(unknown)}, which the {suite} suite does not run; it runs: "
+            f"{', '.join(dict.fromkeys(names))}"
+        )
+
+
 def plan_jobs(a) -> list[tuple]:
     """(model, policy, budget spec) in order of importance: a --deadline cuts from the end. The first model is
     the issue's (every policy); the others get the core ones, eager and compiled."""
@@ -615,7 +626,11 @@ def main(argv=None) -> int:
     )
     rows: dict[str, dict] = {}
     results = []
-    for kind, policy, spec in plan_jobs(a):
+    jobs = plan_jobs(a)
+    if wanted:
+        names = [policy if spec in (None, "oom") else f"{policy}@{spec}" for _, policy, spec in jobs]
+        require_known(wanted, names + [policy for _, policy, _ in jobs], "headline")
+    for kind, policy, spec in jobs:
         name = policy if spec in (None, "oom") else f"{policy}@{spec}"
         if wanted and name not in wanted and policy not in wanted:
             continue

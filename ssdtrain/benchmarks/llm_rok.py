@@ -459,7 +459,10 @@ def main(a, llm) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise SystemExit(f"--groups: unknown {sorted(unknown)}: use eager, compiled or both")
-    for kind, policy, spec in plan_jobs(a.models, groups, sorted(wanted)):
+    jobs = plan_jobs(a.models, groups, sorted(wanted))
+    if wanted:
+        llm.require_known(wanted, [p if s is None else f"{p}@{s}" for _, p, s in jobs], f"rok ({','.join(groups)})")
+    for kind, policy, spec in jobs:
         name = policy if spec is None else f"{policy}@{spec}"
         if wanted and name not in wanted:
             continue

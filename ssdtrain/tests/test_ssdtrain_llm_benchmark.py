@@ -322,6 +322,20 @@ def test_block_memory_probe_quick():
     assert ratio["keep"] == 1.0 and 0.3 < ratio["derive"] < 0.6 and ratio["recompute"] < ratio["derive"]
 
 
+@pytest.mark.parametrize("suite", ["rok", "headline"])
+def test_a_policy_name_the_suite_does_not_run_is_an_error(suite):
+    """`--policies ssdtrain@recompute` (the suite's name is ssdtrain@recompute*1.0) ran nothing and said so only as
+    a missed target at the end of a GPU call: it is refused before anything runs, with the names that exist."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--suite", suite, "--policies", "keep,ssdtrain@recompute"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--policies names ssdtrain@recompute, which the" in proc.stderr and "ssdtrain@keep*0.5" in proc.stderr
+
+
 def test_host_cost_benchmark_quick(tmp_path):
     """The host-cost benchmark runs every policy at a tiny size and writes a row each, with the pack counts."""
     pytest.importorskip("transformers")
@@ -347,3 +361,6 @@ def test_host_cost_benchmark_quick(tmp_path):
     assert float(rows["keep-each"]["open_ms"]) > 0 and rows["none"]["open_ms"] == "nan"
     assert all(float(r["fwd_ms"]) > 0 and float(r["bwd_ms"]) > 0 for r in rows.values())
     assert "+us/pack" in proc.stdout
+    # (moved: saved tensors sent to a tier per micro-batch, each an entry and a copy out)
+    assert int(rows["host"]["moved"]) > int(rows["derive+host"]["moved"]) > 0
+    assert int(rows["keep"]["moved"]) == int(rows["derive"]["moved"]) == int(rows["none"]["moved"]) == 0

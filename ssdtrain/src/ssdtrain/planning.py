@@ -102,7 +102,7 @@ class Calibrator:
     slowed is still a measure of compute. Each such measure is compute plus however long the host kept the device
     waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host
     sets the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps'
-    measures (on an H100, Llama-style 16 x 2048, the first planned step read 49.7-72.4 ms for a 46.5 ms forward in
+    measures (on an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a 46.5 ms forward in
     plans that move bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute
     time below ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage,
     and plans again: the moved bytes then compete with the real compute time. Either way the plan's times are then

@@ -202,6 +202,8 @@ def test_the_forwards_compute_is_the_least_of_two_checked_steps(slow_first, capl
     line = new.calibrations[-1]
     assert f"at step {3 if slow_first else 2}" in line and "the least of 2 checked steps" in line
     assert "unit times scaled by 0.50" in line
+    # How long the host took to issue it (here: no time, against the clock's made-up forward): the device's pace.
+    assert "the host issued it in" in line and "so it set the pace" not in line
     # A new profile (other unit times): its first step only measures again.
     other = _plan(10 * GIB, _llama_like(forward_s=0.007))
     assert _step(cal, counters, other, 0.2, 3.0, step=9) is None and not other.times_checked

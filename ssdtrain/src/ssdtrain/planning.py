@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
 import weakref
 from math import log2 as math_log2
@@ -24,13 +25,21 @@ _GIB = float(1 << 30)
 log = logging.getLogger("ssdtrain")
 
 
+def _host_part(host: float, measured: float) -> str:
+    """How long the host took to issue a timed forward, and what that says about the measure: a host that needed
+    about as long as the device (or longer) set the pace, and the measure is then more than the device's compute."""
+    line = f"the host issued it in {host * 1e3:.1f} ms"
+    return line + (", so it set the pace" if host >= 0.9 * measured else "")
+
+
 class TimedForwards:
     """The checked steps whose forward was timed while the plans' unit times were not yet checked: (step, measured
-    forward s, host's waits s) each, and the profiled unit times those plans were made from (`Calibrator`). Kept
-    per model, so that a session per step (the Trainer callback) counts its steps together."""
+    forward s, host's waits s, the host's own time to its end s) each, and the profiled unit times those plans were
+    made from (`Calibrator`). Kept per model, so that a session per step (the Trainer callback) counts its steps
+    together."""
 
     def __init__(self):
-        self.steps: list[tuple[int, float, float]] = []
+        self.steps: list[tuple[int, float, float, float]] = []
         self.profile: tuple | None = None
 
 
@@ -154,6 +163,10 @@ class Calibrator:
         self._late_base: tuple | None = None
         self._waits_base: float | None = None
         self._forward_waits: float | None = None
+        # The host's own time from the checked step's start to its forward's end: near the measured (device) time,
+        # the host set the pace and the measure is not the device's compute (logged with each timed step).
+        self._host_start: float | None = None
+        self._host_forward: float | None = None
         self._forward: list | None = None  # [start, forward's end, backward's end] marks of the checked step
         self.timed = timed if timed is not None else TimedForwards()  # (the least of TIMED_STEPS of them counts)
         self.limit = limit
@@ -177,6 +190,7 @@ class Calibrator:
         self.memory.reset_peak()
         if self.clock is not None:
             self._forward = [self.clock.mark(), None, None]
+            self._host_start, self._host_forward = time.perf_counter(), None
         self._late_base = self.late() if self.late is not None else None
         self._waits_base = self.waits() if self.waits is not None else None
         self._forward_waits = None
@@ -185,6 +199,7 @@ class Calibrator:
         """The checked step's forward ended."""
         if self._check is not None and self._forward is not None and self._forward[1] is None:
             self._forward[1] = self.clock.mark()
+            self._host_forward = time.perf_counter() - self._host_start
             if self._waits_base is not None:
                 self._forward_waits = max(0.0, self.waits() - self._waits_base)
 
@@ -306,24 +321,25 @@ class Calibrator:
         if profile != timed.profile:
             timed.steps.clear()
             timed.profile = profile
-        timed.steps.append((step - 1, this_forward, waited))
+        host = self._host_forward if self._host_forward is not None else this_forward
+        timed.steps.append((step - 1, this_forward, waited, host))
         if len(timed.steps) < self.TIMED_STEPS:
             self._say(
                 f"step {step - 1}: forward compute {(this_forward - waited) * 1e3:.1f} ms (measured "
-                f"{this_forward * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out): the next "
-                "checked step is timed too, the least of them counts"
+                f"{this_forward * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out; "
+                f"{_host_part(host, this_forward)}): the next checked step is timed too, the least of them counts"
             )
             return None
-        least, measured, waited = min(timed.steps, key=lambda t: t[1] - t[2])
-        others = ", ".join(f"{(m - w) * 1e3:.1f}" for s, m, w in timed.steps if s != least)
+        least, measured, waited, host = min(timed.steps, key=lambda t: t[1] - t[2])
+        others = ", ".join(f"{(m - w) * 1e3:.1f}" for s, m, w, _ in timed.steps if s != least)
         timed.steps.clear()
         compute = measured - waited
         if compute < self.TIME_SLACK * profiled:
             scale = compute / profiled
             return scale, (
                 f"forward compute {compute * 1e3:.1f} ms at step {least}"
-                + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out)"
-                   if waited else "")
+                + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out; "
+                   f"{_host_part(host, measured)})" if waited else f" ({_host_part(host, measured)})")
                 + f", the least of {self.TIMED_STEPS} checked steps (others {others} ms), profiled "
                 + f"{profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
             )  # fmt: skip

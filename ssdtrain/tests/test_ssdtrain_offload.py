@@ -902,6 +902,27 @@ def test_a_dropped_graphs_queued_copy_out_gives_everything_back():
     assert cache.gpu_saved_bytes == 0 and cache._inflight_bytes == 0 and cache.live_entries() == 0
 
 
+def test_a_pack_that_fails_after_queueing_its_copy_gives_the_bytes_back_once(monkeypatch):
+    """The tier queued the copy, then the pack raised (a fallback warning turned into an error): the pack gives the
+    device bytes and the host buffer back, and the queue skips the entry without counting its bytes out again."""
+    from ssdtrain.tiers import HostTier
+
+    cache = _host_cache()
+    store = HostTier.store
+
+    def store_then_fail(self, c, entry):
+        store(self, c, entry)
+        raise RuntimeError("after the copy was queued")
+
+    monkeypatch.setattr(HostTier, "store", store_then_fail)
+    cache.enter_unit(1)
+    with pytest.raises(RuntimeError, match="after the copy was queued"):
+        cache.pack(torch.randn(16 * KIB))
+    cache.enter_unit(2)
+    assert not cache._queued and cache._inflight_bytes == 0
+    assert cache.gpu_saved_bytes == 0 and cache.tiers["host"].pool.in_use == 0
+
+
 def test_an_aborted_session_drops_its_queued_copies_out():
     from ssdtrain import OffloadError
 

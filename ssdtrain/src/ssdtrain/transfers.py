@@ -116,7 +116,8 @@ class Transfers:
         """Start the queued copies out. On a GPU: one wait for the compute stream (the copies start after every op
         issued so far, among them the ones that produced the queued tensors), one switch to the copy stream and one
         event for all of them. On CPU the copies are done here, synchronously. An entry released while queued (its
-        graph was dropped) is not copied: its device bytes are let go."""
+        pack raised after the tier queued it; the queue holds every other entry alive) is not copied: that pack gave
+        its device bytes and host buffer back already."""
         if not self._queued:
             return
         with self.lock:
@@ -125,9 +126,7 @@ class Transfers:
             for entry in queued:
                 if entry.released or entry.host is None:
                     self._inflight_bytes -= entry.nbytes
-                    if entry.src is not None:
-                        entry.src = None
-                        self._account(-entry.nbytes)
+                    entry.src = None
                     continue
                 by_device.setdefault(entry.device, []).append(entry)
             for device, entries in by_device.items():

@@ -22,9 +22,10 @@ _MIB = float(1 << 20)
 # Host time of one moved tensor: the pack's bookkeeping, issuing its copy out and its copy back on the side
 # streams, and its release (events, a pinned buffer from the pool). On an H100 host (benchmarks/host_cost.py
 # --device cuda, copies launched once per unit) a moved tensor added ~80 us to its forward and ~40 us to its
-# backward; on the Llama-style eager benchmark, six `derive+host` blocks cost ~0.1 ms of step time per moved tensor
-# over every block `derive`. A move that hides behind compute still costs this: where recompute alone fits the
-# budget at the same predicted device time, it wins. Charged where copies run behind compute.
+# backward; on the Llama-style eager benchmark, six `derive+host` blocks cost 29-37 ms per step of 4 micro-batches
+# over every block `derive` (how many tensors a block moves there was not counted). A move that hides behind
+# compute still costs this: where recompute alone fits the budget at the same predicted device time, it wins.
+# Charged where copies run behind compute.
 MOVE_HOST_S = 1e-4
 
 

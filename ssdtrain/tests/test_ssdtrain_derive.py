@@ -225,6 +225,71 @@ def test_profile_measures_derivable_bytes():
     assert plain.units[1].derive_bytes == ids.numel() * (2 * 4 * h + 2 * 4 * h + 2 * 4 * i)
 
 
+def test_head_derives_its_norm_and_weight_cast_with_equal_gradients():
+    """The head (final norm, LM head, loss) may be `derive` too: its normalised input and the cast of the LM head's
+    weight are recipes (the cast of its input is not: HF slices the hidden states first, a view no recipe follows),
+    bit for bit the gradients of keeping everything; the profile measures them and the planner offers it."""
+    model, cfg = _llama(layers=2)
+    ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model)
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    want = step(ref)
+    plan = ssdtrain.plan(model, lambda: step(model), min_bytes="2K")
+    head = plan.units[-1]
+    assert head.kind == "head" and head.derive_bytes == ids.numel() * 4 * cfg.hidden_size
+    assert head.derive_s > 0 and head.pinned_bytes == cfg.vocab_size * cfg.hidden_size * 2
+    assert Choice("derive") in head.options() and Choice("full") not in head.options()
+    model.zero_grad()
+    with ssdtrain.offload(model, min_bytes="2K", overrides={head.name: "derive"}, profile_steps=1, verbose=False) as s:
+        for _ in range(2):
+            model.zero_grad()
+            loss = step(model)
+    assert str(s.plan.choices[-1]) == "derive" and all(str(c) == "keep" for c in s.plan.choices[:-1])
+    assert s.stats()["tensors_derived"] == 2  # one planned step: the normalised input and the weight's cast
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="only blocks can be recomputed"):
+        s.plan.override(head.name, "recompute")
+
+
+def test_head_derive_counts_its_recipes_after_the_logits_gradients():
+    """At the head's backward the recipes are made after the loss's backward freed the logits' gradients: a derived
+    head's peak there is lower by what it derives, unless the recipes outgrow half the working memory."""
+    units = _units(n=2)
+    units[-1] = UnitProfile(
+        "<head>",
+        "head",
+        forward_s=0.004,
+        saved_bytes=200 * MIB,
+        derive_bytes=64 * MIB,
+        derive_s=1e-4,
+        pinned_bytes=128 * MIB,
+    )
+    bw = Bandwidth(50e9, 50e9)
+    keep = [Choice()] * len(units)
+    derived = keep[:-1] + [Choice("derive")]
+    work = 1024 * MIB
+
+    def peak(choices, working):
+        p = simulate(units, choices, bw, working_bytes=working, forward_working=0, block_working=0)
+        assert p.peak_at == "backward of <head>"
+        return p
+
+    a, b = peak(keep, work), peak(derived, work)
+    assert a.peak - b.peak == 64 * MIB + 128 * MIB
+    assert b.seconds > a.seconds
+    # Recipes (made: half the derived bytes and the weight's cast, 160 MiB) larger than half the working memory
+    # (32 MiB): the peak there is the recipes and that half, 128 MiB above the working memory alone.
+    assert peak(keep, 64 * MIB).peak - peak(derived, 64 * MIB).peak == 64 * MIB + 128 * MIB - 128 * MIB
+
+
 def test_derived_blocks_weight_casts_leave_autocast_cache():
     """A `derive` block's weight casts are recipes: autocast's cache is cleared when it returns, so none is held
     after forward; the plan counts them only while the block runs (as a recomputed block's)."""

@@ -62,6 +62,11 @@ _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 
 
+def _may_recompute(u: UnitProfile, c: Choice) -> bool:
+    """Whether unit `u` can take choice `c`: any recompute in a block, `derive` in the head, none elsewhere."""
+    return c.recompute == "none" or u.kind == "block" or (u.kind == "head" and c.recompute == "derive")
+
+
 class BudgetError(ValueError):
     """No plan fits the budget; ``minimum`` is the smallest activation peak (bytes) any plan reaches."""
 
@@ -266,8 +271,11 @@ class Plan:
     def override(self, name: str, choice: str | Choice) -> Plan:
         i = self._index(name)
         c = Choice.parse(choice)
-        if c.recompute != "none" and self.units[i].kind != "block":
-            raise ValueError(f"{name} is not a repeated block: only blocks can be recomputed (keep, host or nvme)")
+        if not _may_recompute(self.units[i], c):
+            raise ValueError(
+                f"{name} is not a repeated block: only blocks can be recomputed (keep, host or nvme; the head may "
+                "also be 'derive')"
+            )
         self.choices[i] = c
         self.overridden.add(name)
         self.inflight_bytes = ahead_bytes(self._model(), self.choices, self.window_units)
@@ -486,8 +494,8 @@ def make_plan(
         raise KeyError(f"overrides name unknown units {sorted(unknown)}; units: {', '.join(u.name for u in units)}")
     choices = [overrides.get(u.name, Choice()) for u in units]
     for u, c in zip(units, choices, strict=True):
-        if c.recompute != "none" and u.kind != "block":
-            raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed")
+        if not _may_recompute(u, c):
+            raise ValueError(f"override {u.name}={c}: only repeated blocks can be recomputed (the head: 'derive' too)")
     nothing = [
         u.name
         for u, c in zip(units, choices, strict=True)

@@ -58,6 +58,11 @@ class UnitProfile:
 
     def options(self, tiers=TIERS) -> list[Choice]:
         recomputes = ["none"]
+        if self.kind == "head" and (self.derive_bytes > 0 or self.derive_s > 0):
+            # The head derives only: its final norm's results and the casts of its input and of the LM head's
+            # weight (on a Llama-3 vocabulary that cast alone is 1 GiB), made again when its projection's backward
+            # runs. Recomputing it whole would run its largest temporaries (the logits) twice.
+            recomputes.append("derive")
         if self.kind == "block":
             if self.cheap_bytes > 0:
                 recomputes.append("cheap")
@@ -387,6 +392,11 @@ def simulate(
         start[i] = ready
         ahead = 0 if hold_head and i == n - 1 else _prefetch_bound(moved_bytes, i, window, window_units)
         work = working_bytes if i == n - 1 else blk_work
+        if i == n - 1 and transient:
+            # The head's recipes are made as its projection's backward runs, after the loss's backward has made
+            # and freed the largest of the logits' gradients (its working memory at most): the two do not add up,
+            # and half the working memory (the logits' gradient in half precision) is held with the recipes.
+            transient, work = max(0, transient + work // 2 - work), work
         here = live + on_device + ahead + transient + max(grads_live, held) + work
         if here > peak:
             peak, peak_at = here, f"backward of {units[i].name}"

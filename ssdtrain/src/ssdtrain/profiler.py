@@ -438,10 +438,12 @@ class Profiler:
                 pinned_bytes=profile.pinned[i],
                 grad_bytes=grad_bytes[i],
             )
-            if kind == "block":
-                u.forward_s = block_time[i]
+            if kind in ("block", "head"):
+                # (the head's recipes: its final norm, the cast of its input and of the LM head's weight)
                 u.derive_bytes = profile.derivable[i]
                 u.derive_s = profile.derive_traffic[i] / self.derive_rate + profile.derive_ops[i] * OP_HOST_S
+            if kind == "block":
+                u.forward_s = block_time[i]
                 u.input_bytes = sum(profile.inputs[i].values())
                 if self.container:
                     self._cheap_of(u, i, profile)

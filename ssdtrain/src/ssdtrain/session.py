@@ -686,10 +686,9 @@ class OffloadSession:
         profile = self.profiler.measure()
         self.cache.observer = profile.record
         if self.container and not self.compiled:
-            # Which saved tensors of each block a recipe could make again (measured, none made).
-            n_blocks = len(self.blocks)
+            # Which saved tensors of each block and of the head a recipe could make again (measured, none made).
             self.cache.deriver.observe = True
-            self.cache.derive_unit = lambda unit: 1 <= unit <= n_blocks
+            self.cache.derive_unit = lambda unit: unit >= 1
         self._grads_at_profile = grads
         if self.memory.can_measure():
             # Working memory (temporaries never saved) = this step's peaks (forward, the head's backward, the
@@ -705,7 +704,12 @@ class OffloadSession:
             self.probe.forward_done()
         self.profiler.forward_done(failed)
         self.calibrator.forward_done()
-        self.cache.enter_unit(len(self.unit_names) - 1)
+        head = len(self.unit_names) - 1
+        if head in self._cast_units and self.plan is not None:
+            # A derived head makes its weight casts again in backward: autocast's cache must not hold them through
+            # it (a backward run inside the autocast region).
+            _clear_casts()
+        self.cache.enter_unit(head)
         self.cache.launch_copies_out()
         self.cache.deriver.reset()
         self.cache.poll()
@@ -731,7 +735,9 @@ class OffloadSession:
     def block_done(self, unit: int) -> None:
         if self._hooks_paused:
             self._resume_hooks()
-        self.cache.deriver.reset(("after", unit) if unit in self._derive_units else None)
+        # What is saved after a block is its own, after the last block the head's (its template's key all the same).
+        owner = unit if unit < len(self.blocks) else len(self.unit_names) - 1
+        self.cache.deriver.reset(("after", unit) if owner in self._derive_units else None)
         if self.plan is None:
             self.profiler.block_done(unit)
             if self.clear_casts and unit in self.profiler.checkpointed:
@@ -930,7 +936,8 @@ class OffloadSession:
         # counted in pack order, every pack included).
         kept = [c.tier == "keep" for c in plan.choices]
         self.cache.keeps_unit = None if self.compiled else (lambda unit: kept[min(unit, len(kept) - 1)])
-        derive = [c.recompute == "derive" and u.kind == "block" for u, c in zip(plan.units, plan.choices, strict=True)]
+        pairs = zip(plan.units, plan.choices, strict=True)
+        derive = [c.recompute == "derive" and u.kind in ("block", "head") for u, c in pairs]
         if any(derive) and not self.compiled:
             self.cache.derive_unit = lambda unit: derive[min(unit, len(derive) - 1)]
             self.cache.derive_kept = frozenset(i for i, d in enumerate(derive) if d and kept[i])
@@ -941,7 +948,8 @@ class OffloadSession:
             self._cast_units = frozenset(
                 i
                 for i, (u, c) in enumerate(zip(plan.units, plan.choices, strict=True))
-                if u.kind == "block" and c.recompute in ("full", "selective", "derive")
+                if (u.kind == "block" and c.recompute in ("full", "selective", "derive"))
+                or (u.kind == "head" and c.recompute == "derive")
             )
         self._recomputed_any = self._recomputed_any or self._recomputed > 0 or any(derive)
         # The planner's bound on moved bytes held on the device, prefetched in backward and in flight in forward.

@@ -374,7 +374,7 @@ def test_the_leanest_plan_is_found_where_the_one_change_search_stalls():
     with pytest.raises(ssdtrain.BudgetError) as err:
         make_plan("m", units, bw, int(lean.peak * 0.9), host_limit=64 * GIB, nvme_limit=0, block_container="b",
                   working_bytes=0, forward_working=GIB, block_working=300 * MIB)  # fmt: skip
-    assert err.value.minimum == pytest.approx(lean.peak / 0.97, rel=1e-6)
+    assert err.value.minimum == pytest.approx(lean.peak / (1 - BUDGET_MARGIN), rel=1e-6)
 
 
 # ------------------------------------------------------------------ the prefetch order (hooks, CPU)
@@ -502,7 +502,7 @@ def test_the_plan_says_where_its_peak_is_and_what_it_is_made_of():
         p = _plan(budget).prediction
         assert p.peak_at.startswith(("forward of ", "backward of "))
         assert sum(p.peak_parts.values()) == p.peak and all(v > 0 for v in p.peak_parts.values())
-    lean = _plan(4.5 * GIB)
+    lean = _plan(4.4 * GIB)
     # Recomputed blocks' weight casts are cleared from autocast's cache when each returns: none at the head.
     assert lean.prediction.peak_at == "forward of <head>" and "weight casts" not in lean.prediction.peak_parts
     held = replace(lean, clear_casts=False).prediction  # cached until autocast's region ends
@@ -531,13 +531,13 @@ def test_a_budget_below_every_prefetching_plan_gets_a_head_backward_without_pref
     assert held.stall_s == pytest.approx(64 * MIB / LINK.h2d)  # the last block's input, on demand
     with pytest.raises(ssdtrain.BudgetError) as err:
         make_plan("m", units, LINK, GIB, host_limit=64 * GIB, nvme_limit=0, block_container="b", **work)
-    assert err.value.minimum * 0.97 < usual.peak
-    tight = make_plan("m", units, LINK, int((usual.peak - 16 * MIB) / 0.97), host_limit=64 * GIB, nvme_limit=0,
-                      block_container="b", **work)  # fmt: skip
-    assert tight.hold_head and tight.prediction.peak <= tight.budget * 0.97
+    assert err.value.minimum * (1 - BUDGET_MARGIN) < usual.peak
+    tight = make_plan("m", units, LINK, int((usual.peak - 16 * MIB) / (1 - BUDGET_MARGIN)), host_limit=64 * GIB,
+                      nvme_limit=0, block_container="b", **work)  # fmt: skip
+    assert tight.hold_head and tight.prediction.peak <= tight.budget * (1 - BUDGET_MARGIN)
     assert "no block prefetched (the budget needs it)" in str(tight)
-    roomy = make_plan("m", units, LINK, int((usual.peak + 64 * MIB) / 0.97), host_limit=64 * GIB, nvme_limit=0,
-                      block_container="b", **work)  # fmt: skip
+    roomy = make_plan("m", units, LINK, int((usual.peak + 64 * MIB) / (1 - BUDGET_MARGIN)), host_limit=64 * GIB,
+                      nvme_limit=0, block_container="b", **work)  # fmt: skip
     assert not roomy.hold_head
 
 

@@ -226,9 +226,9 @@ def test_profile_measures_derivable_bytes():
 
 
 def test_head_derives_its_norm_and_weight_cast_with_equal_gradients():
-    """The head (final norm, LM head, loss) may be `derive` too: its normalised input and the cast of the LM head's
-    weight are recipes (the cast of its input is not: HF slices the hidden states first, a view no recipe follows),
-    bit for bit the gradients of keeping everything; the profile measures them and the planner offers it."""
+    """The head (final norm, LM head, loss) may be `derive` too: its normalised input, the cast of that input (made
+    through the alias HF's slice by `logits_to_keep` leaves) and the cast of the LM head's weight are recipes, bit
+    for bit the gradients of keeping everything; the profile measures them and the planner offers it."""
     model, cfg = _llama(layers=2)
     ids = torch.randint(0, 211, (2, 48), generator=torch.Generator().manual_seed(5))
     ref = copy.deepcopy(model)
@@ -242,7 +242,7 @@ def test_head_derives_its_norm_and_weight_cast_with_equal_gradients():
     want = step(ref)
     plan = ssdtrain.plan(model, lambda: step(model), min_bytes="2K")
     head = plan.units[-1]
-    assert head.kind == "head" and head.derive_bytes == ids.numel() * 4 * cfg.hidden_size
+    assert head.kind == "head" and head.derive_bytes == ids.numel() * (4 + 2) * cfg.hidden_size
     assert head.derive_s > 0 and head.pinned_bytes == cfg.vocab_size * cfg.hidden_size * 2
     assert Choice("derive") in head.options() and Choice("full") not in head.options()
     model.zero_grad()
@@ -251,7 +251,7 @@ def test_head_derives_its_norm_and_weight_cast_with_equal_gradients():
             model.zero_grad()
             loss = step(model)
     assert str(s.plan.choices[-1]) == "derive" and all(str(c) == "keep" for c in s.plan.choices[:-1])
-    assert s.stats()["tensors_derived"] == 2  # one planned step: the normalised input and the weight's cast
+    assert s.stats()["tensors_derived"] == 3  # one planned step: the normalised input, its cast, the weight's cast
     assert torch.equal(loss, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name

@@ -42,8 +42,17 @@ from .templates import CAST, MISS, Recipe, Template, TemplateOp
 
 # Autograd node names of the elementwise ops a recipe may contain, with the forward they stand for.
 _BINARY = {"MulBackward0": torch.mul}
-_UNARY = {"SiluBackward0": F.silu}
-_TOP = frozenset(_BINARY) | frozenset(_UNARY) | {CAST}  # what a saved tensor's own node may be, to have a recipe
+
+
+def _alias(x: torch.Tensor) -> torch.Tensor:
+    """A whole-range view (torch makes ``x[:, 0:]`` an alias): the same tensor, no kernel."""
+    return x
+
+
+_UNARY = {"SiluBackward0": F.silu, "AliasBackward0": _alias}
+# What a saved tensor's own node may be, to have a recipe (an alias only inside one: Hugging Face's LM heads slice
+# the hidden states by `logits_to_keep`, 0 meaning all of them, before the projection casts them).
+_TOP = frozenset(_BINARY) | {"SiluBackward0", CAST}
 # Host time per op made again in backward (the recipe's Python and a kernel launch), on top of its memory traffic:
 # ~10 us measured on CPU with tiny tensors (where the host's time is all there is).
 OP_HOST_S = 1e-5
@@ -124,6 +133,8 @@ class _Op:
 
     def traffic(self) -> int:
         """Bytes its kernel reads and writes."""
+        if self.fn is _alias:
+            return 0
         read = sum(i.nbytes if isinstance(i, _Op) else i.numel() * i.element_size() for i in self.inputs)
         return read + self.nbytes
 

@@ -7,6 +7,7 @@ those of the benchmark's block.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -116,6 +117,52 @@ def test_llama_block_derived_bytes_and_exact_gradients(shape):
     assert torch.equal(loss, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_norms_half_precision_cast_is_made_by_one_multiply():
+    """The cast of an RMSNorm's output (weight x normalised input, fp32) to bf16 is made in one multiply writing
+    bf16, not a multiply and a cast: the same bits, the fp32 product never written."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def run(hooks):
+        torch.manual_seed(3)
+        x = torch.randn(4, 8, 64, requires_grad=True)
+        w = torch.randn(64, requires_grad=True)
+        proj = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+        deriver = Deriver()
+
+        def pack(t):
+            d = deriver.derive(t)
+            return t if d is None else d
+
+        ops = Ops()
+
+        def unpack(v):
+            if not isinstance(v, Derived):
+                return v
+            with ops:
+                return v.materialize()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if hooks else contextlib.nullcontext():
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            y = torch.nn.functional.linear((w * n).to(torch.bfloat16), proj)
+        y.float().square().sum().backward()
+        return [x.grad, w.grad, proj.grad], ops.names
+
+    want, _ = run(False)
+    got, names = run(True)
+    assert names.count("aten.mul.out") == 1 and "aten._to_copy.default" not in names, names
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_each_op_made_once_and_nothing_held_after_backward():

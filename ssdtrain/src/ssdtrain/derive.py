@@ -161,25 +161,31 @@ class _Op:
         precision, instead of a multiply writing fp32 and a cast reading it again (a third of a norm's recipe
         traffic). torch computes the product in fp32 and rounds it to the output's dtype as the cast does, so the
         bits are the same. None where the pattern does not hold."""
-        if self.dtype not in _HALF or len(self.inputs) != 1 or self.fn is not _CASTS.get(self.dtype):
+        found = self.narrowed_product()
+        if found is None:
             return None
-        x, aliases = self.inputs[0], []
-        while type(x) is _Op and x.fn is _alias and x.value is None and x.refs == 1:
-            aliases.append(x)  # (a whole-range view: the product's own layout)
-            x = x.inputs[0]
-        if type(x) is not _Op or x.fn is not torch.mul or x.value is not None or x.refs != 1:
-            return None
-        if x.dtype is not torch.float32:
-            return None
-        a, b = x._args()
-        if a.dtype is not torch.float32 or b.dtype is not torch.float32:
-            return None
+        x, aliases = found
+        if x.value is not None or x.refs != 1 or any(op.value is not None or op.refs != 1 for op in aliases):
+            return None  # (the product or a view of it is needed by something else too)
+        a, b = x._args()  # (the product's dtype is fp32: torch computes it in fp32 whatever the inputs' dtypes)
         out = torch.empty(x.shape, dtype=self.dtype, device=x.device)
         torch.mul(a, b, out=out)
         x._drop_inputs()
         for op in aliases:
             op._drop_inputs()
         return out
+
+    def narrowed_product(self) -> tuple[_Op, list[_Op]] | None:
+        """(the fp32 product, the whole-range views between) where this op casts such a product to half precision."""
+        if self.dtype not in _HALF or len(self.inputs) != 1 or self.fn is not _CASTS.get(self.dtype):
+            return None
+        x, aliases = self.inputs[0], []
+        while type(x) is _Op and x.fn is _alias:
+            aliases.append(x)
+            x = x.inputs[0]
+        if type(x) is not _Op or x.fn is not torch.mul or x.dtype is not torch.float32:
+            return None
+        return x, aliases
 
     def _drop_inputs(self) -> None:
         for x in self.inputs:
@@ -697,6 +703,10 @@ class Deriver:
                 self._counted.add(id(o))
                 total += o.traffic()
                 ops += 1
+                found = o.narrowed_product()
+                if found is not None:  # one multiply writing half precision: the fp32 product is never written
+                    total -= 2 * found[0].nbytes
+                    ops -= 1
         return total, ops
 
 

@@ -109,11 +109,10 @@ class Calibrator:
     the link in it (`waits`: a callable giving the cumulative seconds the host waited for copies out and for pinning
     new host memory): the device idles at most that long for the plan's own copies, so a forward that the copies
     slowed is still a measure of compute. Each such measure is compute plus however long the host kept the device
-    waiting besides: where a step begins with the device idle (the first planned step, after planning; a step after
-    one whose whole time was read, which waits for its end) the host sets the pace until it gets ahead, so the
-    compute time is the least of the first ``TIMED_STEPS`` checked steps' measures, and reading a timed step waits
-    only for its forward's end (on an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a
-    46.5 ms forward in plans that move bytes, when every checked step began with a synchronize). A compute
+    waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host
+    sets the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps'
+    measures (on an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a 46.5 ms forward in
+    plans that move bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute
     time below ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage,
     and plans again: the moved bytes then compete with the real compute time. Either way the plan's times are then
     *checked* (``plan.times_checked``).

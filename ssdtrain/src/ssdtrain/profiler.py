@@ -24,7 +24,7 @@ _MIB = 1 << 20
 
 
 class Clock:
-    """Marks on the device's timeline (CUDA events) or the host's (CPU); ``seconds`` waits for the later mark."""
+    """Marks on the device's timeline (CUDA events) or the host's (CPU); seconds between marks after sync()."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -38,7 +38,6 @@ class Clock:
 
     def seconds(self, a, b) -> float:
         if self.cuda:
-            b.synchronize()  # (only as far as `b`: what the host queued after it keeps the device busy)
             return a.elapsed_time(b) / 1e3
         return b - a
 
@@ -52,15 +51,12 @@ class DeviceMemory:
     def can_measure(self) -> bool:
         return self.device.type == "cuda"
 
-    # No device synchronize: the caching allocator counts a tensor from its allocation to its free on the host, in
-    # stream order (memory freed on the host is reused by later work at once), so its statistics are the host's and
-    # need not wait for the device. A synchronize made each checked step begin with the device idle, its forward
-    # paced by the host (on an H100, 56 ms measured for a 46 ms forward: calibration took the difference for compute).
-
     def allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
         return torch.cuda.memory_allocated(self.device)
 
     def max_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
     def reset_peak(self) -> None:

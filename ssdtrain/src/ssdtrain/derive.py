@@ -159,8 +159,9 @@ class _Op:
         """A cast to half precision of an fp32 product nothing else reads (an RMSNorm's weight times its normalised
         input, cast for the projection after it): made in one kernel, the product written straight in half
         precision, instead of a multiply writing fp32 and a cast reading it again (a third of a norm's recipe
-        traffic). torch computes the product in fp32 and rounds it to the output's dtype as the cast does, so the
-        bits are the same. None where the pattern does not hold."""
+        traffic, on a GPU: its kernels cast as they store; on CPU torch stages the product in fp32 and copies). torch
+        computes the product in fp32 and rounds it to the output's dtype as the cast does, so the bits are the same
+        (a GPU test checks). None where the pattern does not hold."""
         found = self.narrowed_product()
         if found is None:
             return None

@@ -79,9 +79,10 @@ class UnitProfile:
         # same plan with that block `host` or `cheap`, none of which its prediction showed. `derive` combines with
         # a tier (`derive+host`: what its recipes start from moves): on an H100 (Llama-style 16 x 2048, autocast,
         # accumulation 4) the 0.5x-keep plan with it ran 1.12-1.19x keep's step over the fourteenth to sixteenth
-        # sessions, 1.14x without it (one call). Plans that move many blocks run slower than predicted; halving the
-        # host's time per moved tensor (sixteenth session) did not change that measurably, so the host's packing is
-        # not the whole cost (ssdtrain/benchmarks/RESULTS.md).
+        # sessions, 1.14x without it (one call), and 1.11-1.21x on the seventeenth's H100 machine, where the host
+        # issued each such forward more slowly than the device ran it. Plans that move many blocks run slower than
+        # predicted; halving the host's time per moved tensor (sixteenth session) did not change that measurably
+        # (ssdtrain/benchmarks/RESULTS.md).
         return [Choice(r, t) for r in recomputes for t in tiers if r != "cheap" or t == "keep"]
 
 

@@ -397,7 +397,7 @@ def simulate(
             # The head's recipes are made as its projection's backward runs, after the loss's backward has made
             # and freed the largest of the logits' gradients (its working memory at most): the two do not add up,
             # and half the working memory (the logits' gradient in half precision) is held with the recipes.
-            transient, work = max(0, transient + work // 2 - work), work
+            transient = max(0, transient + work // 2 - work)
         here = live + on_device + ahead + transient + max(grads_live, held) + work
         if here > peak:
             peak, peak_at = here, f"backward of {units[i].name}"

@@ -47,7 +47,7 @@ def _units(n=8, saved=400 * MIB, head_saved=1600 * MIB, inputs=32 * MIB, grad=40
 
 def test_copies_out_in_flight_count_up_to_the_window_in_forward():
     """The host runs ahead of the device: the allocator frees a moved tensor only when the cache has seen its copy
-    out done, so forward holds up to the window of moved bytes (the cache makes the host wait beyond it)."""
+    out done, so forward holds up to the window of moved bytes (the cache makes compute wait beyond it)."""
     units = _units()
     host = [Choice()] + [Choice("none", "host")] * 8 + [Choice()]
     window = window_bytes(units, host, 2)
@@ -58,7 +58,7 @@ def test_copies_out_in_flight_count_up_to_the_window_in_forward():
     resident = MIB + 1600 * MIB  # the stem and the head keep theirs
     assert asyn.peak == resident + window + fwd_work  # at the head's forward: a full window still in flight
     assert sync.peak < asyn.peak
-    # A slow link: the host waits for the window, and so does compute.
+    # A slow link: compute waits for the window.
     slow = simulate(units, host, Bandwidth(d2h=5e9, h2d=5e9))
     assert slow.seconds > simulate(units, host, FAST).seconds + 0.3
 

@@ -327,14 +327,15 @@ def test_copies_out_released_when_backward_begins():
         last = model.get_submodule(f"{container}.5").register_forward_hook(hook, with_kwargs=True)
         _step_with_copies_held_back(s, model, container, ids, [last])
         assert s.stats()["bytes_offloaded"]["host"] > 0
-    assert seen == [(0, 0)], seen  # no copy out pending, no device bytes still referenced by one
+    assert len(seen) == 1 and seen[0][1] == 0, seen  # no device bytes still referenced by a copy out
 
 
 def test_copies_out_done_before_the_head_forward():
     """The host runs ahead of the device: without a wait, the head's forward (its logits, the forward's largest
-    temporaries) would begin while the allocator still holds the last moved blocks' bytes. The session waits for
-    every copy out as the last block returns (``drain_at_head``, which the plan's peak counts): at the head's
-    forward nothing is pending, even with the copies held back ~50 ms, and the wait is counted."""
+    temporaries) would begin while the allocator still holds the last moved blocks' bytes. As the last block returns
+    (``drain_at_head``, which the plan's peak counts), the compute stream waits for every copy out on the device and
+    their bytes go back: at the head's forward no pending copy holds device bytes, even with the copies held back
+    ~50 ms, and the host did not wait for them (they are still running then), and the wait is counted."""
     model, container, ids, overrides = _first_four_blocks_to_host()
     seen = []
     with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
@@ -346,7 +347,32 @@ def test_copies_out_done_before_the_head_forward():
         assert torch.isfinite(loss)
         assert s.stats()["head_drain_waits"] > before
         assert s.stats()["bytes_offloaded"]["host"] > 0
-    assert seen == [(0, 0)], seen
+        torch.cuda.synchronize()
+        assert s.stats()["head_drain_seconds"] > 0  # (the device's wait, read from its events once it ended)
+    assert len(seen) == 1 and seen[0][1] == 0, seen  # no device bytes held by a copy out at the head
+    assert seen[0][0] > 0, seen  # ... and the host went on while the copies still ran
+
+
+def test_gradients_exact_when_compute_waits_for_held_back_copies(deterministic):
+    """The compute stream, not the host, waits for copies out, and their device bytes go back to the allocator at
+    once: the head's logits and backward's buffers reuse them while the copies still run on the copy stream. With
+    the copies held back ~50 ms (so that every reuse comes before its copy's end on the host's timeline), the loss
+    and every gradient are bit for bit those of keep: no reuse overtook a copy on the device."""
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa", dropout=0.0)
+    ids = torch.randint(0, 1000, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    overrides = {f"{container}.{i}": "host" for i in range(4)}
+    ref = copy.deepcopy(model)
+    want_loss = _step(ref, ids)
+    want = _grads(ref)
+    with ssdtrain.offload(model, overrides=overrides, min_bytes="64K", verbose=False) as s:
+        _planned(model, ids)
+        loss = _step_with_copies_held_back(s, model, container, ids, [])
+        torch.cuda.synchronize()
+        assert s.stats()["head_drain_waits"] > 0 and s.stats()["bytes_offloaded"]["host"] > 0
+    assert torch.equal(loss, want_loss)
+    got = _grads(model)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"gradient of {k} differs"
 
 
 def test_exception_in_backward_on_gpu_releases_everything(tmp_path):

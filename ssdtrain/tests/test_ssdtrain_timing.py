@@ -74,7 +74,7 @@ class _Counters:
 
 
 def _step(cal, counters, plan, forward, total, *, host_wait=0.0, late=0, unpacked=0, wait=0.0, step=4):
-    """One checked step of `plan`: its peak as predicted; the forward takes `forward` s (of which the host waited
+    """One checked step of `plan`: its peak as predicted; the forward takes `forward` s (of which it waited
     `host_wait` s for copies out), forward+backward `total` s; `late` of `unpacked` bytes came back late and the
     device waited `wait` s for them."""
     cal.memory.peaks = [plan.predict(False).peak]
@@ -116,7 +116,7 @@ def test_the_drain_before_the_head_counts_as_a_wait_for_copies_out_not_as_comput
 
 def test_a_link_bound_forward_rescales_the_times_before_any_link_feedback(caplog):
     """The plan was made on profiled times 2.5x too slow, so it hid many copies behind compute. Its first step is
-    as slow as profiled, because the host waited for copies out most of the forward, and most moved bytes come
+    as slow as profiled, because it waited for copies out most of the forward, and most moved bytes come
     back late. The compute time (forward less those waits) rescales the times first; that step's late copies are
     not judged (the plan they came from is gone); the rescaled plan is judged from its own second step, and each
     halving of the link's rates says which one it is and what rates are left, two at most."""
@@ -128,12 +128,12 @@ def test_a_link_bound_forward_rescales_the_times_before_any_link_feedback(caplog
     profiled = sum(u.forward_s for u in units)
     counters = _Counters()
     cal = _calibrator(counters)
-    # Measured forward = profiled, but the host waited 60% of it for copies out: compute is 0.4x the profile.
+    # Measured forward = profiled, but it waited 60% of it for copies out: compute is 0.4x the profile.
     new = _timed(cal, counters, plan, profiled, 3 * profiled, host_wait=0.6 * profiled, late=moved * 106 // 126,
                  unpacked=moved, wait=0.2)  # fmt: skip
     assert new is not None and new.time_scale == pytest.approx(0.4) and new.times_checked
     assert new.link_scale == 1.0  # the late copies of the step under the old times halved nothing
-    assert "less" in new.calibrations[-1] and "the host waited for copies out" in new.calibrations[-1]
+    assert "less" in new.calibrations[-1] and "waited for copies out" in new.calibrations[-1]
     assert "unit times scaled by 0.40" in new.calibrations[-1]
     # Without the host's waits the same step looks like compute as slow as profiled: no rescale, the old plan's
     # times taken as right (the order that halved the link on a plan built from times 2.5x too slow).

@@ -98,8 +98,8 @@ class _Model:
     move_overhead_s: float = 0.0  # measured cost of each moved unit beyond its copies' link time
     hold_head: bool = False  # no block prefetched during the head's backward
     clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
-    inflight_bytes: int = 0  # copies out in flight in forward before the host waits, when above the window
-    drain_at_head: bool = False  # the host waits for every copy out before the head's forward
+    inflight_bytes: int = 0  # copies out in flight in forward before compute waits for them, when above the window
+    drain_at_head: bool = False  # compute waits for every copy out before the head's forward
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -182,8 +182,8 @@ class Plan:
     # Copies out the cache lets the host leave in flight in forward before it waits (0: the window): more where the
     # step's peak is elsewhere (see ``ahead_bytes``).
     inflight_bytes: int = 0
-    # The host waits for the copies out still in flight when the last block's forward returns, so their device
-    # bytes are free before the head makes its logits (the session does on a GPU, where block hooks run).
+    # The compute stream waits for the copies out still in flight when the last block's forward returns, so their
+    # device bytes are free before the head makes its logits (the session does on a GPU, where block hooks run).
     drain_at_head: bool = False
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     # Saved tensors below this stayed on the device, unmeasured, in the profile (None: a plan not from a session).
@@ -375,7 +375,7 @@ class Plan:
             lines.append(f"  the peak is at the {p.peak_at}: {what}")
         if self.inflight_bytes > self.window_bytes:
             lines.append(
-                f"  copies out in flight in forward: up to {format_bytes(self.inflight_bytes)} before the host waits "
+                f"  copies out in flight in forward: up to {format_bytes(self.inflight_bytes)} before compute waits "
                 f"(the window is {format_bytes(self.window_bytes)}; the peak is elsewhere)"
             )
         cheap = sorted({m for u in self.units for m in u.cheap_modules})
@@ -432,7 +432,7 @@ AHEAD_UNITS = 8
 
 def ahead_bytes(model: _Model, choices: list[Choice], window_units: int) -> int:
     """The most bytes of copies out in flight in forward (up to ``AHEAD_UNITS`` x the largest moved unit) that leave
-    the predicted peak where it is: 0 where only the window fits. The cache makes the host wait for copies out
+    the predicted peak where it is: 0 where only the window fits. The cache makes compute wait for copies out
     beyond its bound; with the window alone (two block inputs of 64 MiB on a Llama model) that held the host within
     two blocks of the device, so any pause of the host's (a collection, a hook's work) left the device idle. Where
     the step peaks elsewhere (the head's backward, as it usually does), more copies in flight in forward cost
@@ -482,7 +482,7 @@ def make_plan(
     all (gradient accumulation), so they count at every point of those steps. `move_overhead_s`: seconds each
     moved unit costs beyond its copies' link time (set by calibration). `clear_casts`: autocast's weight casts of a
     recomputed block are freed when its forward returns (the session clears the cache there), else held until the
-    forward ends. `drain_at_head`: the host waits for every copy out as the last block's forward returns (see
+    forward ends. `drain_at_head`: compute waits for every copy out as the last block's forward returns (see
     ``simulate``)."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)

@@ -103,19 +103,19 @@ class Calibrator:
     Where steps start with gradients held (accumulation after a step that set them to None) and the plan counts
     them (``plan.held_grads``), the measurement starts below them, as the budget counts them.
 
-    The checked step's forward is timed too (`clock`). The profiled step runs slower than the steps after it
-    (first calls, the profiler's own hooks, its own copies to the host), which makes copies to the host look hidden
-    behind compute when they are not. The forward's compute time is the measured forward less the host's waits for
-    the link in it (`waits`: a callable giving the cumulative seconds the host waited for copies out and for pinning
-    new host memory): the device idles at most that long for the plan's own copies, so a forward that the copies
+    The checked step's forward is timed too (`clock`). The profiled step runs slower than the steps after it (first
+    calls, the profiler's own hooks, its own copies to the host), which makes copies to the host look hidden behind
+    compute when they are not. The forward's compute time is the measured forward less the waits for the link in it
+    (`waits`: a callable giving the cumulative seconds the device's compute waited for copies out and the host for
+    pinning new host memory): the device idles at most that long for the plan's own copies, so a forward that the copies
     slowed is still a measure of compute. Each such measure is compute plus however long the host kept the device
-    waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host
-    sets the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps'
-    measures (on an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a 46.5 ms forward in
-    plans that move bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute
-    time below ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage,
-    and plans again: the moved bytes then compete with the real compute time. Either way the plan's times are then
-    *checked* (``plan.times_checked``).
+    waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host sets
+    the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps' measures (on
+    an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a 46.5 ms forward in plans that move
+    bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute time below
+    ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage, and plans again:
+    the moved bytes then compete with the real compute time. Either way the plan's times are then *checked*
+    (``plan.times_checked``).
 
     The order is explicit: the time and link feedback below judges only a plan whose times are checked, from its
     second checked step on (the first is not steady), and never the step that rescaled them (that step ran under
@@ -314,7 +314,7 @@ class Calibrator:
             return None
         this_forward, waited = forward
         if this_forward - waited <= 0:
-            return None  # the host waited the whole forward: no measure of compute
+            return None  # the forward waited for the link throughout: no measure of compute
         # The forward's compute does not depend on the plan's choices (moves add none, recompute runs in backward),
         # so the steps of plans made from one profile count together; a new profile starts again.
         profile = tuple(u.forward_s for u in plan.units)
@@ -326,7 +326,7 @@ class Calibrator:
         if len(timed.steps) < self.TIMED_STEPS:
             self._say(
                 f"step {step - 1}: forward compute {(this_forward - waited) * 1e3:.1f} ms (measured "
-                f"{this_forward * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out; "
+                f"{this_forward * 1e3:.1f} ms less {waited * 1e3:.1f} ms waited for copies out; "
                 f"{_host_part(host, this_forward)}): the next checked step is timed too, the least of them counts"
             )
             return None
@@ -338,7 +338,7 @@ class Calibrator:
             scale = compute / profiled
             return scale, (
                 f"forward compute {compute * 1e3:.1f} ms at step {least}"
-                + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms the host waited for copies out; "
+                + (f" (measured {measured * 1e3:.1f} ms less {waited * 1e3:.1f} ms waited for copies out; "
                    f"{_host_part(host, measured)})" if waited else f" ({_host_part(host, measured)})")
                 + f", the least of {self.TIMED_STEPS} checked steps (others {others} ms), profiled "
                 + f"{profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"

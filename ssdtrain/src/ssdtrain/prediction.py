@@ -254,7 +254,7 @@ def simulate(
     `clear_casts` those of the unit running only, as the session clears autocast's cache when a recomputed block's
     forward returns; without, all of them, cached until the forward ends), plus the moved bytes still waiting for
     their copy out (at most the cache's window: the host runs ahead of the device, so the allocator sees a copy as
-    done only when the cache polls it; past the window the cache makes the host wait, which delays compute here),
+    done only when the cache polls it; past the window the cache makes the compute stream wait, delaying compute),
     plus `forward_working` (the forward's never-saved temporaries, largest at the head: logits, their fp32 cast).
     Backward of unit i: what is still kept, its moved bytes (back), the units below it prefetched within the
     window, what its recompute re-creates, the gradients allocated so far (with `grads`: the step starts without
@@ -271,7 +271,7 @@ def simulate(
     the step's peak) runs with no block below it prefetched; the blocks' copies back start when it is done, the
     first block's then on demand. `inflight_bytes`: the cache's bound on copies out in flight in forward when larger
     than the window (the host may then run further ahead of the device; the plan gives it where the peak has room).
-    `drain_at_head`: the host waits for every copy out when the last block's forward returns (the session does, on
+    `drain_at_head`: compute waits for every copy out when the last block's forward returns (the session does, on
     a GPU with block hooks), so none is in flight during the head's forward (its logits are the forward's largest
     temporaries); the head's compute starts no earlier than the last copy's end.
     """
@@ -282,7 +282,7 @@ def simulate(
     parts = [split_choice(u, c) for u, c in zip(units, choices, strict=True)]
     moved_bytes = [p[1] for p in parts]
     window = window_bytes(units, choices, window_units)
-    ahead_limit = max(window, inflight_bytes)  # copies out in flight in forward before the host waits
+    ahead_limit = max(window, inflight_bytes)  # copies out in flight in forward before compute waits
     held = sum(u.grad_bytes for u in units) if held_grads else 0
     # Autocast caches its weight casts until the autocast region ends (after the forward, where backward runs
     # outside it): a recomputed block saves none of its casts, yet the cache holds them through the rest of the
@@ -332,7 +332,7 @@ def simulate(
         while head < len(queued) and queued[head][0] <= t:
             backlog -= queued[head][1]
             head += 1
-        # More than the window in flight: the host waits for copies out, and the device's compute with it.
+        # More than the window in flight: the device's compute waits for copies out.
         while backlog > ahead_limit and head < len(queued):
             t = max(t, queued[head][0])
             backlog -= queued[head][1]

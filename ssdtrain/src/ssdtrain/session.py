@@ -794,10 +794,12 @@ class OffloadSession:
         return c["late_bytes"] + c["missed_bytes"], c["unpacked_moved_bytes"], wait
 
     def _link_waits(self) -> float:
-        """Seconds the host waited so far for copies out (the cache's window, and the drain before the head) and for
-        pinning new host memory. Calibration takes them out of the measured forward to find its compute: the drain
-        is a wait for copies out too, not compute. (It is not all of the error: after such waits the host, not the
-        device, sets the pace for a while, so the calibrator takes the least of two steps' measures.)"""
+        """Seconds waited so far for copies out (the in-flight bound and the drain before the head: the device's
+        compute stream waits, read from CUDA events, once the last of those waits has ended) and for pinning new
+        host memory (the host). Calibration takes them out of the measured forward to find its compute: a forward
+        that waited for the link did not compute. (It is not all of the error: where the host paces the device,
+        its own time is in the measure too, so the calibrator takes the least of two steps' measures.)"""
+        self.cache.read_device_waits(block=True)
         c = self.cache.counters
         return (c["throttle_ns"] + c["head_drain_ns"]) / 1e9 + self.pool.grow_seconds
 
@@ -957,7 +959,7 @@ class OffloadSession:
         self.cache.window_units = plan.window_units
         # Compiled models' units are slices of the pack order: the head is still the last one.
         self.cache.hold_head = len(plan.units) - 1 if plan.hold_head else None
-        # Copies out in flight in forward before the host waits: the window, or more where the peak has room.
+        # Copies out in flight in forward before compute waits for them: the window, or more where the peak has room.
         inflight = max(plan.window_bytes, plan.inflight_bytes)
         self.cache.max_inflight = inflight if self.device.type == "cuda" else float("inf")
         if self.device.type == "cuda":

@@ -6,6 +6,7 @@ from __future__ import annotations
 def session_stats(session) -> dict:
     """Counters since the session started: bytes per tier, prefetch hits, forwards, misses, stalls, fallbacks,
     the host pool and the NVMe engine (see the README for each key)."""
+    session.cache.read_device_waits()  # (the device's waits for copies out that have ended, into the counters)
     c = session.cache.counters
     pool = session.pool
     nvme = session.nvme.stats()
@@ -45,10 +46,12 @@ def session_stats(session) -> dict:
         "host_pin_seconds": session.pool.grow_seconds,
         "stalls": c["stalls"],
         "stall_seconds": c["stall_ns"] / 1e9,
+        # The device's waits for copies out (its compute stream's; the host goes on): where more bytes wait to leave
+        # than the plan allows in flight, and as the last block's forward returns, for the copies out still running
+        # (their device bytes released before the head's forward: see ``drain_at_head`` in the plan). Seconds read
+        # from CUDA events: waits that have not ended yet are not in them.
         "throttle_waits": c["throttle_waits"],
         "throttle_seconds": c["throttle_ns"] / 1e9,
-        # The host's waits, as the last block's forward returned, for the copies out still in flight (their device
-        # bytes released before the head's forward: see ``drain_at_head`` in the plan).
         "head_drain_waits": c["head_drain_waits"],
         "head_drain_seconds": c["head_drain_ns"] / 1e9,
         "fallbacks": {k.removeprefix("fallback_"): v for k, v in c.items() if k.startswith("fallback_")},

@@ -8,7 +8,15 @@ them), because issuing a copy on a side stream costs the host far more than the 
 line-profiled: 137 us per copy, of which the stream switch and the wait for the compute stream took 70 us and the
 copy 12 us), and a host-bound eager step pays that on the device too. ``poll()`` advances what finished without
 waiting (releasing device bytes, handing host copies on to disk); ``_throttle()`` bounds the device bytes still
-waiting to leave; ``_restore()`` issues the copy back on a stream (None: CPU, synchronous). The state of the
+waiting to leave; ``_restore()`` issues the copy back on a stream (None: CPU, synchronous).
+
+Where something must wait for copies out (the in-flight bound, the drain before the head, backward's start), the
+compute stream waits for them on the device (``_wait_on_device``), not the host: their device bytes go back to the
+allocator at once, because only the compute stream's later kernels can reuse them, and those run after the wait. A
+host that waited instead would fall behind the device it feeds: in a host-bound eager step (the host's launches
+pace the device) every millisecond the host waits is a millisecond the device idles afterwards. An entry released
+this way stays in the pending queue until ``poll()`` sees its copy done (a disk write of its host buffer starts
+only then), and a copy back waits for its copy out on the device. The state of the
 transfers in flight and the byte accounting (``gpu_saved_bytes``) live here, with the counters and warnings both
 parts report through.
 """
@@ -16,6 +24,7 @@ parts report through.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import warnings
@@ -37,8 +46,10 @@ class Transfers:
         self._queued: list[_Entry] = []  # entries with a host buffer whose copy out is not launched yet
         self._pending: collections.deque = collections.deque()  # entries whose copy out is in flight, FIFO
         self._writing: list[_Entry] = []  # entries whose NVMe write is in flight
-        self._inflight_bytes = 0
+        self._inflight_bytes = 0  # device bytes waiting to leave (queued, or copying out and not yet released)
         self._direct_bytes = 0  # device bytes of direct NVMe writes not yet staged
+        # (the compute stream reached a wait for copies out, the wait ended, counter): CUDA events not yet read
+        self._device_waits: list[tuple] = []
         self._streams: dict[int, tuple] = {}
         self.stream_source = None  # index -> (copy out, prefetch) streams shared by the model's sessions
         self._warned: set[str] = set()
@@ -172,31 +183,84 @@ class Transfers:
 
     def _throttle(self, limit: float | None = None, counter: str = "throttle") -> None:
         """Device bytes waiting to leave (copies out, direct NVMe writes not yet staged) stay within
-        `max_inflight` (or `limit`): the host waits for the oldest (the planner counts at most that much in
-        flight). The waits are counted as ``<counter>_waits`` and ``<counter>_ns``."""
+        `max_inflight` (or `limit`): the compute stream waits on the device for the oldest copies out, whose bytes
+        are given back now (``_wait_on_device``); a direct NVMe write not yet staged is waited for by the host (the
+        engine stages it from the host's side). The waits are counted as ``<counter>_waits``; their time as
+        ``<counter>_ns`` (the device's, read from CUDA events by ``read_device_waits``; the host's for NVMe)."""
         limit = self.max_inflight if limit is None else limit
-        if self._queued and self._inflight_bytes + self._direct_bytes > limit:
-            self.launch_copies_out()  # (what waits for copies out must have them started)
-        while self._inflight_bytes + self._direct_bytes > limit:
-            t0 = time.perf_counter()
-            if self._pending:
-                self._pending[0].d2h.synchronize()
-            else:
-                direct = next((e for e in self._writing if e.host is None and e.src is not None), None)
-                if direct is None:
+        if self._inflight_bytes + self._direct_bytes <= limit:
+            return
+        self.launch_copies_out()  # (what waits for copies out must have them started)
+        self.poll()  # (copies done already give their bytes back without any wait)
+        excess = self._inflight_bytes + self._direct_bytes - limit
+        if excess > 0 and self._pending:
+            count, freed = 0, 0
+            for entry in self._pending:
+                count += 1
+                freed += entry.nbytes if entry.src is not None else 0
+                if freed >= excess:
                     break
-                direct.write.wait()
+            if freed:
+                self._wait_on_device(count, counter)
+        while self._inflight_bytes + self._direct_bytes > limit:
+            direct = next((e for e in self._writing if e.host is None and e.src is not None), None)
+            if direct is None:
+                break
+            t0 = time.perf_counter()
+            direct.write.wait()
             self.counters[f"{counter}_waits"] += 1
             self.counters[f"{counter}_ns"] += int((time.perf_counter() - t0) * 1e9)
             self.poll()
 
+    def _wait_on_device(self, count: int, counter: str) -> None:
+        """The compute stream of each device waits, on the device, for the copies out of the first `count` pending
+        entries (one copy stream per device: its last event there covers those before it), and their device bytes
+        go back to the allocator now (see the module docstring). The wait's own time is read later from two
+        events around it (``read_device_waits``)."""
+        entries = list(itertools.islice(self._pending, count))
+        last: dict = {}
+        for entry in entries:
+            last[entry.device] = entry.d2h
+        for device, done in last.items():
+            stream = torch.cuda.current_stream(device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(stream)
+            stream.wait_event(done)
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record(stream)
+            self._device_waits.append((reached, ended, counter))
+            self.counters[f"{counter}_waits"] += 1
+        for entry in entries:
+            if entry.src is not None:
+                entry.src = None
+                self._inflight_bytes -= entry.nbytes
+                self._account(-entry.nbytes)
+
+    def read_device_waits(self, block: bool = False) -> None:
+        """Add the device's waits for copies out (``_wait_on_device``) that have ended to their counters
+        (``<counter>_ns``); with `block`, the host waits for the last of them to end first (calibration reads the
+        waits of a checked forward as it ends)."""
+        if not self._device_waits:
+            return
+        with self.lock:
+            if block:
+                self._device_waits[-1][1].synchronize()
+            still = []
+            for reached, ended, counter in self._device_waits:
+                if not ended.query():
+                    still.append((reached, ended, counter))
+                    continue
+                waited = reached.elapsed_time(ended)
+                self.counters[f"{counter}_ns"] += max(0, int(waited * 1e6))
+            self._device_waits = still
+
     def finish_copies_out(self) -> None:
-        """Wait for every copy out still in flight (and direct NVMe write not yet staged), releasing their device
-        bytes. The session calls it as the last block's forward returns: the host runs ahead of the device, so
-        without it the allocator still counts the last moved blocks' bytes while the head makes its logits (the
-        forward's peak), long after their copies are done on the device. The wait costs the device nothing where
-        the copies finish before the blocks already launched do (the planner predicts it: ``drain_at_head``)."""
-        self.poll()
+        """Every copy out still in flight (and direct NVMe write not yet staged) gives its device bytes back now,
+        the compute stream waiting for the copies on the device. The session calls it as the last block's forward
+        returns: the host runs ahead of the device, so without it the allocator still counts the last moved blocks'
+        bytes while the head makes its logits (the forward's peak), long after their copies are done on the device.
+        The wait costs the device nothing where the copies finish before the blocks already launched do (the planner
+        predicts it: ``drain_at_head``)."""
         self._throttle(limit=0, counter="head_drain")
 
     # ----------------------------------------------------------------------------------------------- progress
@@ -205,9 +269,11 @@ class Transfers:
         with self.lock:
             while self._pending and self._pending[0].d2h.query():
                 entry = self._pending.popleft()
-                self._inflight_bytes -= entry.nbytes
-                entry.src = None
-                self._account(-entry.nbytes)
+                entry.d2h = None  # done: a copy back need not wait for it
+                if entry.src is not None:  # (else given back already: the compute stream waited for it)
+                    entry.src = None
+                    self._inflight_bytes -= entry.nbytes
+                    self._account(-entry.nbytes)
                 entry.tier.copied_out(self, entry)
             if self._writing:
                 still = []
@@ -271,7 +337,13 @@ class Transfers:
                 self._restore_now(entry)
             return
         with torch.cuda.stream(stream):
+            waited = None
             for entry in entries:
+                if entry.d2h is not None and entry.d2h is not waited:
+                    # Its copy out may still run (its bytes were given back on the device: _wait_on_device): the
+                    # copy back follows it on the device, not the host.
+                    stream.wait_event(entry.d2h)
+                    waited = entry.d2h
                 out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
                 if entry.host is not None:
                     out.copy_(entry.host[: entry.nbytes], non_blocking=True)

@@ -357,8 +357,10 @@ def test_gradients_exact_when_compute_waits_for_held_back_copies(deterministic):
     """The compute stream, not the host, waits for copies out, and their device bytes go back to the allocator at
     once: the head's logits and backward's buffers reuse them while the copies still run on the copy stream. With
     the copies held back ~50 ms (so that every reuse comes before its copy's end on the host's timeline), the loss
-    and every gradient are bit for bit those of keep: no reuse overtook a copy on the device."""
-    model, container = _hf("gpt2", layers=6, hidden=512, attn="sdpa", dropout=0.0)
+    and every gradient are bit for bit those of keep: no reuse overtook a copy on the device. (Eager attention: the
+    backward of SDPA's memory-efficient kernel is not deterministic, and with it the embedding's gradient differed
+    from keep's in the fifth digit on an H100, offload or not.)"""
+    model, container = _hf("gpt2", layers=6, hidden=512, attn="eager", dropout=0.0)
     ids = torch.randint(0, 1000, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     overrides = {f"{container}.{i}": "host" for i in range(4)}
     ref = copy.deepcopy(model)

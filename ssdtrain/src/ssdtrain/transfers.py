@@ -217,24 +217,25 @@ class Transfers:
         entries (one copy stream per device: its last event there covers those before it), and their device bytes
         go back to the allocator now (see the module docstring). The wait's own time is read later from two
         events around it (``read_device_waits``)."""
-        entries = list(itertools.islice(self._pending, count))
-        last: dict = {}
-        for entry in entries:
-            last[entry.device] = entry.d2h
-        for device, done in last.items():
-            stream = torch.cuda.current_stream(device)
-            reached = torch.cuda.Event(enable_timing=True)
-            reached.record(stream)
-            stream.wait_event(done)
-            ended = torch.cuda.Event(enable_timing=True)
-            ended.record(stream)
-            self._device_waits.append((reached, ended, counter))
-            self.counters[f"{counter}_waits"] += 1
-        for entry in entries:
-            if entry.src is not None:
-                entry.src = None
-                self._inflight_bytes -= entry.nbytes
-                self._account(-entry.nbytes)
+        with self.lock:
+            entries = list(itertools.islice(self._pending, count))
+            last: dict = {}
+            for entry in entries:
+                last[entry.device] = entry.d2h
+            for device, done in last.items():
+                stream = torch.cuda.current_stream(device)
+                reached = torch.cuda.Event(enable_timing=True)
+                reached.record(stream)
+                stream.wait_event(done)
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record(stream)
+                self._device_waits.append((reached, ended, counter))
+                self.counters[f"{counter}_waits"] += 1
+            for entry in entries:
+                if entry.src is not None:
+                    entry.src = None
+                    self._inflight_bytes -= entry.nbytes
+                    self._account(-entry.nbytes)
 
     def read_device_waits(self, block: bool = False) -> None:
         """Add the device's waits for copies out (``_wait_on_device``) that have ended to their counters

@@ -1006,6 +1006,88 @@ def test_unpack_uses_bytes_in_place_whose_copy_out_just_finished():
     assert first.src is None and not cache._pending  # the poll after it released the device reference
 
 
+class _FakeEvent:
+    """A CUDA event stand-in: done when the test says so; a host wait on it fails the test."""
+
+    def __init__(self, enable_timing=False):
+        self.done = False
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        raise AssertionError("the host waited for a copy out")
+
+    def elapsed_time(self, other):
+        return 2.0  # ms
+
+
+class _FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_waits_for_copies_out_are_the_compute_streams_not_the_hosts(monkeypatch):
+    """On a GPU, where the cache must wait for copies out (over the in-flight bound, the drain before the head), the
+    compute stream waits for them on the device and the host never does: their device bytes go back at once, oldest
+    first and only as many as the bound needs; the entries stay pending until a poll sees the copy done (a disk write
+    of the host copy starts only then); a copy back of such an entry waits for its copy out on the device (once per
+    copy batch); each wait's device time is counted once its events have ended. CUDA's events and streams are stood
+    in for here: the copies are made to look issued and still running, as on a GPU whose host runs ahead."""
+    from contextlib import nullcontext
+
+    compute, prefetch = _FakeStream(), _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    cache = _host_cache()
+    cache.enter_unit(1)
+    x, y = torch.randn(16 * KIB), torch.randn(16 * KIB)
+    want = [x.clone(), y.clone()]
+    tokens = [cache.pack(x), cache.pack(y)]
+    copied = _FakeEvent()
+    entries, cache._queued = cache._queued, []
+    for e in entries:  # as _launch_on_stream leaves them: issued on the copy stream, not done
+        e.host[: e.nbytes].copy_(e.src)
+        e.d2h = copied
+    cache._pending.extend(entries)
+    assert cache._inflight_bytes == cache.gpu_saved_bytes == 128 * KIB
+
+    cache.max_inflight = 64 * KIB  # the first entry must go
+    cache._throttle()
+    assert compute.waited == [copied] and cache.counters["throttle_waits"] == 1
+    assert entries[0].src is None and entries[1].src is not None
+    assert cache._inflight_bytes == cache.gpu_saved_bytes == 64 * KIB
+    cache.finish_copies_out()  # the drain before the head: the rest
+    assert compute.waited == [copied, copied] and cache.counters["head_drain_waits"] == 1
+    assert all(e.src is None for e in entries) and cache._inflight_bytes == cache.gpu_saved_bytes == 0
+    assert list(cache._pending) == entries  # still copying: no disk write, no release yet
+
+    cache.read_device_waits()
+    assert cache.counters["throttle_ns"] == 0  # the waits have not ended on the device
+    for _, ended, _ in cache._device_waits:
+        ended.done = True
+    cache.read_device_waits()
+    assert cache.counters["throttle_ns"] == cache.counters["head_drain_ns"] == 2_000_000 and not cache._device_waits
+
+    del x, y  # (the originals gone: backward restores the bytes)
+    cache._restore(entries[:1], prefetch)
+    assert prefetch.waited == [copied]  # the copy back follows its copy out on the device
+    copied.done = True
+    cache.poll()
+    assert not cache._pending and all(e.d2h is None for e in entries)
+    cache._restore(entries[1:], prefetch)  # a copy out the host has seen done: nothing to wait for
+    assert prefetch.waited == [copied]
+    for token, t in zip(tokens, want, strict=True):
+        assert torch.equal(token.entry.restored.view(torch.float32), t)
+
+
 def test_simulator_hidden_and_exposed_transfers():
     units = _units()
     fast = Bandwidth(d2h=50e9, h2d=50e9)

@@ -141,7 +141,7 @@ class _Op:
     def compute(self) -> torch.Tensor:
         if self.value is not None:
             return self.value
-        value = self._narrowed_product()
+        value = self._make_narrowed_product()
         if value is None:
             value = self.fn(*self._args())
         if value.shape != self.shape or value.dtype is not self.dtype or value.device != self.device:
@@ -155,7 +155,7 @@ class _Op:
             self.value = value
         return value
 
-    def _narrowed_product(self) -> torch.Tensor | None:
+    def _make_narrowed_product(self) -> torch.Tensor | None:
         """A cast to half precision of an fp32 product nothing else reads (an RMSNorm's weight times its normalised
         input, cast for the projection after it): made in one kernel, the product written straight in half
         precision, instead of a multiply writing fp32 and a cast reading it again (a third of a norm's recipe

@@ -219,9 +219,7 @@ class Transfers:
         events around it (``read_device_waits``)."""
         with self.lock:
             entries = list(itertools.islice(self._pending, count))
-            last: dict = {}
-            for entry in entries:
-                last[entry.device] = entry.d2h
+            last = {entry.device: entry.d2h for entry in entries}  # (each device's latest copy event)
             for device, done in last.items():
                 stream = torch.cuda.current_stream(device)
                 reached = torch.cuda.Event(enable_timing=True)

@@ -91,6 +91,10 @@ class TensorCache(Transfers):
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
         self._prefetched_bytes = 0
+        # (unit, lowest unit) of the last _prefetch_from call that found every unit of its window prefetched: a
+        # call with the same window has nothing to do until a unit needs a retry (units stay prefetched all
+        # backward). Unpack calls it for every saved tensor; this keeps the host's time off those calls.
+        self._covered: tuple[int, int] | None = None
         self._shared: set[tuple[int, int]] = set()  # (unit, id(entry)): an entry of an earlier unit saved here too
         self._waits: list[tuple] = []  # (compute reached the unpack, copy back done) CUDA events not yet read
         self._backward_started = False
@@ -121,6 +125,7 @@ class TensorCache(Transfers):
             self._kept.clear()
             self._kept_unit.clear()
             self._prefetched.clear()
+            self._covered = None
             self._retry.clear()
             self._shared.clear()
             self._prefetched_bytes = 0
@@ -155,12 +160,10 @@ class TensorCache(Transfers):
                 return derived
             self.counters["kept_tensors"] += 1
             return self._keep(t, unit)
-        if (
-            self.keeps_unit is not None
-            and self.observer is None
-            and self.keeps_unit(unit)
-            and (self.derive_unit is None or not self.derive_unit(unit))
-        ):
+        # (each asked once: every microsecond of this path is the device's too where the step is host-bound)
+        derives = self.derive_unit is not None and self.derive_unit(unit)
+        keeps = self.keeps_unit is not None and self.observer is None and self.keeps_unit(unit)
+        if keeps and not derives:
             # A unit the plan keeps whole: nothing to decide, not even what kind of tensor this is (most saved
             # tensors of a plan that moves only a few units; autograd calls pack for every one of them, and on a
             # host-bound step each microsecond here is the device's too). Its unpack still moves the prefetch
@@ -169,23 +172,23 @@ class TensorCache(Transfers):
             return self._keep(t, unit)
         if self.aborted or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return self._as_is(t)
-        if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
+        if not (t.is_cuda or t.is_cpu) or t.numel() == 0:
             return self._as_is(t)
-        if self.derive_unit is not None and self.derive_unit(self.unit):
-            derived = self.deriver.derive(t, self.unit)
+        if derives:
+            derived = self.deriver.derive(t, unit)
             if derived is not None:
                 if not self.deriver.observe:
                     self.counters["derived_tensors"] += 1
                     return derived
                 if self.observer is not None:
                     self._observe_derived(t, derived)
-        if self.keeps_unit is not None and self.observer is None and self.keeps_unit(self.unit):
+        if keeps:
             # A kept unit's tensor that no recipe makes (a derive unit's): kept, as above.
             self.counters["kept_tensors"] += 1
-            return self._keep(t, self.unit)
+            return self._keep(t, unit)
         with self.lock:
             esize = t.element_size()
-            if isinstance(t, torch.nn.Parameter):
+            if type(t) is torch.nn.Parameter:  # (its type is Tensor or Parameter: checked above)
                 self.counters["kept_param_tensors"] += 1
                 return self._as_is(t)
             storage = t.untyped_storage()
@@ -201,15 +204,18 @@ class TensorCache(Transfers):
                 if self.observer is not None and not self._seen_kept(key, storage, t._version):
                     self.observer(self.unit, key, storage.nbytes(), "param_copy")
                 return self._as_is(t)
-            span = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True) if s > 0)
-            if min(t.stride(), default=0) < 0:
-                return self._as_is(t)
+            if t.is_contiguous():
+                span = t.numel()  # (what the sum below gives for a contiguous tensor, for less host time)
+            else:
+                span = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True) if s > 0)
+                if min(t.stride(), default=0) < 0:
+                    return self._as_is(t)
             span_bytes = span * esize
             whole = 2 * span_bytes >= storage.nbytes()
             base = 0 if whole else t.storage_offset() * esize
             length = storage.nbytes() if whole else span_bytes
-            key = (t.device.type, t.device.index, sptr, base, length)
-            unit = self.unit
+            device = t.device
+            key = (device.type, device.index, sptr, base, length)
             ref = self._live.get(key)
             entry = ref() if ref is not None else None
             if entry is not None and entry.storage_alive() and entry.version == t._version:
@@ -223,7 +229,7 @@ class TensorCache(Transfers):
                     entry.shared = True
                     self._by_unit[unit].append(weakref.ref(entry))
                 saved = _Saved.of(t, entry, base)
-                if self.derive_unit is not None and self.derive_unit(unit):
+                if derives:
                     self._moved_for_recipes(t, entry, saved)
                 return saved
             if self._seen_kept(key, storage, t._version):
@@ -241,8 +247,8 @@ class TensorCache(Transfers):
                 self.counters["kept_tensors"] += 1
                 return self._keep(t, unit)
             self._kept.pop(key, None)  # stored, not kept: the entry dedups its views from here on
-            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, base, (length,), (1,))
-            entry = _Entry(self, key, unit, length, t.device, tier, src, t, storage)
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, base, (length,), (1,))
+            entry = _Entry(self, key, unit, length, device, tier, src, t, storage)
             self._account(length)  # on the device until its copy out is done
             try:
                 stored = self._store(entry)
@@ -267,7 +273,7 @@ class TensorCache(Transfers):
             self.counters["packed_tensors"] += 1
             self.counters[f"bytes_to_{entry.tier.name}"] += entry.nbytes
             saved = _Saved.of(t, entry, base)
-            if self.derive_unit is not None and self.derive_unit(unit):
+            if derives:
                 self._moved_for_recipes(t, entry, saved)
             if self._backward_started:
                 self.launch_copies_out()  # (saved in backward, by a recomputed block: no unit begins after it)
@@ -489,6 +495,8 @@ class TensorCache(Transfers):
         lowest = max(0, unit - self.window_units)
         if self.hold_head is not None and unit >= self.hold_head:
             lowest = unit  # the head's backward: nothing below it yet
+        if self._covered == (unit, lowest) and not self._retry:
+            return  # (every unit of this window was prefetched already: most unpacks of a step end here)
         u = unit
         while u >= lowest and self._prefetched_bytes < self.window_bytes:
             if u not in self._prefetched or u in self._retry:
@@ -498,6 +506,8 @@ class TensorCache(Transfers):
                 self._prefetched.add(u)
                 self._prefetch_unit(u)
             u -= 1
+        if u < lowest:
+            self._covered = (unit, lowest)
 
     def _unit_pending_bytes(self, unit: int) -> int:
         """Bytes of `unit` a prefetch would restore now."""

@@ -97,21 +97,23 @@ class Transfers:
     def _store(self, entry: _Entry) -> bool:
         """Hand `entry` to its tier, else along the tier's fallback order; False if it must stay on the device."""
         planned = entry.tier
-        order = [planned] + [self.tiers[n] for n in planned.fallback if n in self.tiers and n != planned.name]
-        for tier in order:
-            if tier.resident:
-                continue
-            entry.tier = tier
-            if tier.store(self, entry):
-                if tier is not planned:
-                    self.fell_back(planned, tier)
-                return True
-            if tier is planned and self.on_full == "raise":
+        if not planned.resident:
+            if planned.store(self, entry):
+                return True  # (the usual case, first: pack pays for each line here)
+            if self.on_full == "raise":
                 if planned.capacity() > 0:
                     fix = f"({planned.capacity()} bytes): pass {planned.option}= larger, or on_full='fallback'"
                 else:  # (a tier that is off: the plan's overrides send activations to it)
                     fix = "but the plan sends activations there: give it room, or on_full='fallback'"
                 raise OffloadError(f"ssdtrain: {planned.no_room()} {fix}")
+        for name in planned.fallback:
+            tier = self.tiers.get(name)
+            if tier is None or name == planned.name or tier.resident:
+                continue
+            entry.tier = tier
+            if tier.store(self, entry):
+                self.fell_back(planned, tier)
+                return True
         entry.tier = planned
         self.fell_back(planned, None)
         return False

@@ -91,10 +91,11 @@ class TensorCache(Transfers):
         self._prefetched: set[int] = set()  # units whose restore was issued this backward
         self._retry: set[int] = set()  # prefetched units with entries whose copy out was still running then
         self._prefetched_bytes = 0
-        # (unit, lowest unit) of the last _prefetch_from call that found every unit of its window prefetched: a
-        # call with the same window has nothing to do until a unit needs a retry (units stay prefetched all
-        # backward). Unpack calls it for every saved tensor; this keeps the host's time off those calls.
-        self._covered: tuple[int, int] | None = None
+        # Windows (unit, lowest unit) whose every unit was prefetched this backward: a _prefetch_from call for one
+        # has nothing to do until a unit needs a retry (units stay prefetched all backward). Unpack calls it for
+        # every saved tensor, with backward's units interleaved (a block's backward unpacks tensors the block after
+        # it saved): a set, not the last window only.
+        self._covered: set[tuple[int, int]] = set()
         self._shared: set[tuple[int, int]] = set()  # (unit, id(entry)): an entry of an earlier unit saved here too
         self._waits: list[tuple] = []  # (compute reached the unpack, copy back done) CUDA events not yet read
         self._backward_started = False
@@ -125,7 +126,7 @@ class TensorCache(Transfers):
             self._kept.clear()
             self._kept_unit.clear()
             self._prefetched.clear()
-            self._covered = None
+            self._covered.clear()
             self._retry.clear()
             self._shared.clear()
             self._prefetched_bytes = 0
@@ -495,7 +496,7 @@ class TensorCache(Transfers):
         lowest = max(0, unit - self.window_units)
         if self.hold_head is not None and unit >= self.hold_head:
             lowest = unit  # the head's backward: nothing below it yet
-        if self._covered == (unit, lowest) and not self._retry:
+        if (unit, lowest) in self._covered and not self._retry:
             return  # (every unit of this window was prefetched already: most unpacks of a step end here)
         u = unit
         while u >= lowest and self._prefetched_bytes < self.window_bytes:
@@ -507,7 +508,7 @@ class TensorCache(Transfers):
                 self._prefetch_unit(u)
             u -= 1
         if u < lowest:
-            self._covered = (unit, lowest)
+            self._covered.add((unit, lowest))
 
     def _unit_pending_bytes(self, unit: int) -> int:
         """Bytes of `unit` a prefetch would restore now."""

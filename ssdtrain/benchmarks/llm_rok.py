@@ -422,11 +422,16 @@ def _ssdtrain_details(row, session, before) -> None:
     wait_ms = (stats["prefetch_wait_seconds"] - before["prefetch_wait_seconds"]) * 1e3 / steps
     late_mib = (stats["late_bytes"] + stats["missed_bytes"] - before["late_bytes"] - before["missed_bytes"]) / 2**20
     row["device_wait_ms_per_micro_batch"] = round(wait_ms, 2)
+    # Host time inside ssdtrain's saved-tensor hooks per micro-batch: on a host-bound step, the device's time too.
+    spent, spent_before = stats["hook_host_seconds"], before["hook_host_seconds"]
+    hook_ms = {k: (spent[k] - spent_before[k]) * 1e3 / steps for k in ("pack", "unpack")}
+    row["hook_host_ms_per_micro_batch"] = round(hook_ms["pack"] + hook_ms["unpack"], 2)
     row["detail"] = (
         f"timed: prefetch hits {d['prefetch_hits']}, forwarded {d['forwarded']}, misses {d['misses']}, late "
         f"{d['late_prefetches']} ({late_mib:.0f} MiB; the device waited {wait_ms:.2f} ms per micro-batch), "
         f"throttle waits {stats['throttle_waits'] - before['throttle_waits']} "
         f"({(stats['throttle_seconds'] - before['throttle_seconds']) * 1e3 / steps:.2f} ms per micro-batch); "
+        f"hooks' host time {hook_ms['pack']:.2f} ms pack + {hook_ms['unpack']:.2f} ms unpack per micro-batch; "
         f"calibrated {len(plan.calibrations)}x"
         + ("" if plan is before.get("plan") else " (the plan changed during the timed steps)")
         + f"; fallbacks {stats['fallbacks']}"
@@ -534,6 +539,7 @@ COLUMNS = [
     "tokens_per_s",
     "host_gib_per_micro_batch",
     "device_wait_ms_per_micro_batch",
+    "hook_host_ms_per_micro_batch",
     "calibrations",
     "plan",
     "batch",

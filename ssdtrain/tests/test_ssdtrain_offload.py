@@ -304,6 +304,27 @@ def test_parameters_and_their_casts_and_transposes_stay():
     assert stats["bytes_offloaded"]["host"] < weight_bytes  # only the small activations moved
 
 
+def test_stats_count_the_hooks_calls_and_their_host_time():
+    """``hook_host_seconds`` / ``hook_calls``: every saved tensor passes pack once and, in backward, unpack once;
+    their host time is counted per hook (where a step is host-bound, it is the device's time too)."""
+    model, ids = make_net(layers=3), batch()
+    steps = []
+    with ssdtrain.offload(model, min_bytes="4K", verbose=False, profile_steps=1, overrides={"blocks.1": "host"}) as s:
+        for _ in range(4):
+            model.zero_grad()
+            before = s.stats()
+            model(ids).backward()
+            after = s.stats()
+            calls = {k: after["hook_calls"][k] - before["hook_calls"][k] for k in ("pack", "unpack")}
+            spent = {k: after["hook_host_seconds"][k] - before["hook_host_seconds"][k] for k in ("pack", "unpack")}
+            steps.append((calls, spent))
+    (calls, spent), (last_calls, _) = steps[-2], steps[-1]
+    assert calls["pack"] > 0 and calls["pack"] == calls["unpack"]  # each saved tensor once each way
+    assert last_calls == calls  # planned steps save the same tensors
+    assert 0 < spent["pack"] < 10 and 0 < spent["unpack"] < 10
+    assert after["bytes_offloaded"]["host"] > 0
+
+
 def test_small_tensors_stay_on_device():
     model, ids = make_net(layers=2, width=16), batch(shape=(2, 8))
     _, _, session = run(model, ids, min_bytes="1M", overrides={"blocks.0": "host", "blocks.1": "host"}, profile_steps=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -57,24 +58,34 @@ def _not_compiled(fn):
     return disable(fn) if disable is not None else fn
 
 
-def _saved_tensor_hook(fn):
+def _saved_tensor_hook(fn, counters, name: str):
     """`fn` as a saved-tensor hook that TorchDynamo never traces, at the cost of a plain call where no compiled code
     runs. ``torch.compiler.disable``'s wrapper switches the frame evaluator off and on again around every call (~5 us
     of host time each, and autograd calls the hooks ~1,500 times a step on a Llama-style model). Here the hook's own
     frame is marked for TorchDynamo to skip, and it takes the disabled path only while a compiled region is running
-    (an evaluation callback is installed), where the functions it calls would otherwise be traced."""
+    (an evaluation callback is installed), where the functions it calls would otherwise be traced.
+
+    Each call's host time goes to ``counters[f"{name}_host_ns"]`` and ``counters[f"{name}_calls"]`` (``stats()``'s
+    ``hook_host_seconds``): where a step is host-bound, this time is the device's too (two clock reads a call)."""
+    time_key, calls_key = f"{name}_host_ns", f"{name}_calls"
+    clock = time.perf_counter_ns
     disabled = _not_compiled(fn)
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
         from torch._dynamo.eval_frame import skip_code
-    except ImportError:  # a torch without these: the wrapper everywhere
+    except ImportError:  # a torch without these: the wrapper everywhere, untimed
         return disabled
 
     def hook(x):
-        callback = get_eval_frame_callback()
-        if callback is not None and callback is not False:
-            return disabled(x)
-        return fn(x)
+        t0 = clock()
+        try:
+            callback = get_eval_frame_callback()
+            if callback is not None and callback is not False:
+                return disabled(x)
+            return fn(x)
+        finally:
+            counters[time_key] += clock() - t0
+            counters[calls_key] += 1
 
     skip_code(hook.__code__)
     return hook
@@ -438,7 +449,9 @@ class OffloadSession:
         # The hooks are host-side bookkeeping, never code to compile. Called from a torch.compile'd block while a
         # dispatch mode was active, TorchDynamo traced them as frames of their own, guarded on the cache's counters
         # and recompiled them for almost every saved tensor (steps 100x slower on CPU).
-        pack, unpack = _saved_tensor_hook(self.cache.pack), _saved_tensor_hook(self.cache.unpack)
+        c = self.cache.counters
+        pack = _saved_tensor_hook(self.cache.pack, c, "pack")
+        unpack = _saved_tensor_hook(self.cache.unpack, c, "unpack")
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
         return self

@@ -44,6 +44,10 @@ def session_stats(session) -> dict:
         # Seconds the device's compute waited for copies back that were late or missed (CUDA events).
         "prefetch_wait_seconds": session.cache.read_waits(),
         "host_pin_seconds": session.pool.grow_seconds,
+        # Host time inside ssdtrain's saved-tensor hooks, and their calls: pack runs in forward's thread, unpack in
+        # backward's (autograd's device thread on a GPU); on a host-bound step this time is the device's too.
+        "hook_host_seconds": {k: c[f"{k}_host_ns"] / 1e9 for k in ("pack", "unpack")},
+        "hook_calls": {k: c[f"{k}_calls"] for k in ("pack", "unpack")},
         "stalls": c["stalls"],
         "stall_seconds": c["stall_ns"] / 1e9,
         # The device's waits for copies out (its compute stream's; the host goes on): where more bytes wait to leave

@@ -97,9 +97,11 @@ def test_raw_transfer_round_trip(tmp_path):
         os.fsync(fd)
         _core.raw_transfer(fd, back.data_ptr(), nbytes, 256 << 10, 4, False)
         assert torch.equal(back, src)
-        # Reading past the end of the file is a short read: an error, never a silently partial buffer.
+        # Reading past the end of the file is a short read: an error, never a silently partial buffer. (The
+        # buffer is held by a name: a temporary's memory would be freed before the call writes the file into it.)
+        past_end = ssdtrain.aligned_empty(2 * nbytes)
         with pytest.raises(OSError) as info:
-            _core.raw_transfer(fd, ssdtrain.aligned_empty(2 * nbytes).data_ptr(), 2 * nbytes, 256 << 10, 4, False)
+            _core.raw_transfer(fd, past_end.data_ptr(), 2 * nbytes, 256 << 10, 4, False)
         assert info.value.errno == errno.EIO and "raw read" in str(info.value)
     finally:
         os.close(fd)

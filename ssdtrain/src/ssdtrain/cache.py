@@ -161,7 +161,7 @@ class TensorCache(Transfers):
                 return derived
             self.counters["kept_tensors"] += 1
             return self._keep(t, unit)
-        # (each asked once: every microsecond of this path is the device's too where the step is host-bound)
+        # (each asked once per call: see the host-bound note below)
         derives = self.derive_unit is not None and self.derive_unit(unit)
         keeps = self.keeps_unit is not None and self.observer is None and self.keeps_unit(unit)
         if keeps and not derives:

@@ -82,6 +82,7 @@ class _Entry:
         "read",
         "restored",
         "h2d",
+        "ready_on",
         "unpacked",
         "lost",
         "skipped",
@@ -108,6 +109,7 @@ class _Entry:
         self.read = None  # NVMe read future in flight (into `restored`)
         self.restored = None  # device bytes brought back
         self.h2d = None  # event: restored is complete
+        self.ready_on = None  # the stream (handle) that already waits for `restored` and is recorded on it
         self.unpacked = False
         self.lost = None  # the error that destroyed the only copy
         self.skipped = None  # why prefetching its unit left it alone ("in_flight", "alive"), for miss counters

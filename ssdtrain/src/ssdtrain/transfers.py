@@ -357,6 +357,7 @@ class Transfers:
                 else:
                     entry.read = self.engine.read(entry.handle, out=out, stream=stream)
                 entry.restored = out
+                entry.ready_on = None
                 self._account(entry.nbytes)
                 self.counters["bytes_restored"] += entry.nbytes
 

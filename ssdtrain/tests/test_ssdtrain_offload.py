@@ -994,6 +994,33 @@ def test_prefetch_retries_units_whose_copy_out_was_in_flight(retried):
     assert not cache._retry
 
 
+def test_a_prefetch_call_the_window_stopped_returns_at_once_until_a_first_unpack_makes_room():
+    """Backward makes many unpack calls in one unit while the window is full; each walked the window again, summing
+    the next unit's bytes, for the same answer. The stopped call is remembered with what could change it: it
+    returns at once until a first unpack uses prefetched bytes, and then the next unit is restored."""
+    cache = _host_cache()
+    cache.window_bytes = 96 * KIB  # one 64 KiB unit fits, two do not
+    tensors, tokens = [], []
+    for unit in (1, 2, 3):
+        cache.enter_unit(unit)
+        tensors.append(torch.randn(16 * KIB))
+        tokens.append(cache.pack(tensors[-1].clone()))  # (the original dies: its bytes are read back)
+    cache.launch_copies_out()
+    assert torch.equal(cache.unpack(tokens[2]), tensors[2])  # backward begins in unit 3, restores unit 2
+    e1, e2 = tokens[0].entry, tokens[1].entry
+    assert e2.restored is not None and e1.restored is None  # unit 1 waits for room
+    walked = []
+    pending = cache._unit_pending_bytes
+    cache._unit_pending_bytes = lambda unit: walked.append(unit) or pending(unit)
+    for _ in range(3):
+        cache._prefetch_from(3)  # what unit 3's other unpacks do
+    assert walked == [] and e1.restored is None
+    assert torch.equal(cache.unpack(tokens[1]), tensors[1])  # unit 2's first unpack uses its prefetched bytes
+    assert walked[:1] == [1] and e1.restored is not None
+    assert torch.equal(cache.unpack(tokens[0]), tensors[0])
+    assert cache.counters["prefetch_hits"] == 2 and cache.counters["misses"] == 1  # (unit 3: backward begins there)
+
+
 def test_prefetch_leaves_in_flight_bytes_in_place():
     """Still in flight when backward uses it: forwarded from the device bytes, never a miss or a restore."""
     cache, tensors, tokens, first = _cache_with_two_units()

@@ -96,6 +96,7 @@ class TensorCache(Transfers):
         # every saved tensor, with backward's units interleaved (a block's backward unpacks tensors the block after
         # it saved): a set, not the last window only.
         self._covered: set[tuple[int, int]] = set()
+        self._blocked: tuple | None = None  # the last prefetch call the window stopped, with what could unblock it
         self._shared: set[tuple[int, int]] = set()  # (unit, id(entry)): an entry of an earlier unit saved here too
         self._waits: list[tuple] = []  # (compute reached the unpack, copy back done) CUDA events not yet read
         self._backward_started = False
@@ -127,6 +128,7 @@ class TensorCache(Transfers):
             self._kept_unit.clear()
             self._prefetched.clear()
             self._covered.clear()
+            self._blocked = None
             self._retry.clear()
             self._shared.clear()
             self._prefetched_bytes = 0
@@ -502,19 +504,31 @@ class TensorCache(Transfers):
         lowest = max(0, unit - self.window_units)
         if self.hold_head is not None and unit >= self.hold_head:
             lowest = unit  # the head's backward: nothing below it yet
-        if (unit, lowest) in self._covered and not self._retry:
-            return  # (every unit of this window was prefetched already: most unpacks of a step end here)
+        if not self._retry:
+            if (unit, lowest) in self._covered:
+                return  # (every unit of this window was prefetched already: most unpacks of a step end here)
+            if self._blocked is not None and self._blocked == self._window_state(unit, lowest):
+                # The window stopped this same call before, and nothing that could let the next unit in has
+                # changed since. Backward stays in one unit for many unpacks while the window is full.
+                return
         u = unit
         while u >= lowest and self._prefetched_bytes < self.window_bytes:
             if u not in self._prefetched or u in self._retry:
                 need = self._unit_pending_bytes(u)
                 if need and self._prefetched_bytes and self._prefetched_bytes + need > self.window_bytes:
+                    self._blocked = None if self._retry else self._window_state(unit, lowest)
                     return
                 self._prefetched.add(u)
                 self._prefetch_unit(u)
             u -= 1
         if u < lowest:
             self._covered.add((unit, lowest))
+
+    def _window_state(self, unit: int, lowest: int) -> tuple:
+        """What a prefetch call stopped by the window depends on: the window asked for, the prefetched bytes not
+        yet used (a first unpack uses some), the entries alive (a release) and the moved bytes unpacked (one
+        restored on demand). A unit's bytes that grow (a copy out done) leave it stopped."""
+        return (unit, lowest, self._prefetched_bytes, self._entries, self.counters["unpacked_moved_bytes"])
 
     def _unit_pending_bytes(self, unit: int) -> int:
         """Bytes of `unit` a prefetch would restore now."""

@@ -236,6 +236,28 @@ def test_a_budget_above_keep_warns_once_with_the_reason():
     assert not [w for w in caught if "offloaded nothing" in str(w.message)]  # once per model
 
 
+def test_an_nvme_directory_given_and_never_written_warns_once(tmp_path):
+    """directories= given by name, a plan that keeps every moved activation in host memory: the disk is never
+    used, and the session says so (once per model); where the plan sends activations there, nothing is said."""
+    model, ids = make_net(layers=3), batch()
+    options = dict(min_bytes="4K", directories=[str(tmp_path)], verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with ssdtrain.offload(model, "1500K", overrides=MOVED, **options) as s:
+                _steps(model, ids, 3)
+    assert s.stats()["bytes_offloaded"]["host"] > 0 and s.stats()["bytes_offloaded"]["nvme"] == 0
+    unused = [str(w.message) for w in caught if "never written" in str(w.message)]
+    assert len(unused) == 1 and str(tmp_path) in unused[0]
+    model, ids = make_net(layers=3), batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ssdtrain.offload(model, "1500K", overrides={"blocks.0": "recompute+nvme"}, **options) as s:
+            _steps(model, ids, 3)
+    assert s.stats()["bytes_offloaded"]["nvme"] > 0
+    assert not [w for w in caught if "never written" in str(w.message)]
+
+
 def test_bad_nvme_settings_fail_at_offload(tmp_path):
     model = make_net(layers=2)
     with pytest.raises(FileNotFoundError, match="does not exist.*nvme_memory=0"):

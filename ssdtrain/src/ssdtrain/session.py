@@ -182,6 +182,8 @@ class OffloadSession:
         self.on_full = on_full
         self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
         self.directories, self.nvme_limit, self.nvme_off = nvme_options(directories, nvme_memory)
+        # The NVMe tier asked for by name (directories= or a size): a session that never writes there says so.
+        self._nvme_asked = self.nvme_limit > 0 and (directories is not None or nvme_memory is not None)
         # The model's tiers are shared by sessions with the same limits *as given*: the default NVMe limit follows
         # the free space, which the engine's own files change. (An NVMe tier that is off is one per reason.)
         nvme_key = self.nvme_limit if nvme_memory is not None or self.nvme_limit == 0 else "free"
@@ -502,6 +504,7 @@ class OffloadSession:
                 self._release_tiers()
         if not abort and not self._quiet:
             self._warn_if_idle()
+            self._warn_if_nvme_unused()
 
     def _release_tiers(self) -> None:
         """This session no longer needs the model's tiers (closed, and no activation of it is still saved)."""
@@ -546,6 +549,25 @@ class OffloadSession:
             return
         self.state.warned.add(reason.split(":")[0])
         warnings.warn(f"ssdtrain: this session offloaded nothing: {reason}", OffloadWarning, stacklevel=3)
+
+    def _warn_if_nvme_unused(self) -> None:
+        """NVMe directories or room given by name, and a planned session that moved activations wrote none there
+        (the plan found host memory faster, or enough). Said once per model."""
+        c = self.cache.counters
+        if not self._nvme_asked or self.planned_steps == 0 or c["bytes_to_nvme"] > 0 or c["bytes_to_host"] == 0:
+            return
+        key = "nvme unused"
+        if key in self.state.warned:
+            return
+        self.state.warned.add(key)
+        warnings.warn(
+            f"ssdtrain: the NVMe tier you gave ({', '.join(self.directories)}) was never written: the plan keeps "
+            f"every moved activation in host memory (host_memory={format_bytes(self.host_limit)}), which is faster. "
+            "To use the disk, pass a smaller host_memory= or overrides={'<block>': 'nvme'}; to silence this, leave "
+            "out directories= and nvme_memory=",
+            OffloadWarning,
+            stacklevel=3,
+        )
 
     # ----------------------------------------------------------------------------------------------- hooks
     def start_step(self, signature: tuple) -> None:

@@ -164,6 +164,20 @@ def test_every_choice_gives_identical_gradients(choice, tmp_path):
     assert stats["fallbacks"] == {}
 
 
+def test_import_does_not_load_torchdynamo():
+    """``import ssdtrain`` stays light (the tensor I/O API and ``python -m ssdtrain`` need no compiler): TorchDynamo
+    (1.5-1.9 s to import on a 2-core CPU) loads at the first offload() session, where the hooks need it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; before = 'torch._dynamo' in sys.modules; import ssdtrain; "
+        "print(before, 'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == out[0], f"import ssdtrain loaded TorchDynamo (before: {out[0]})"
+
+
 def test_views_of_one_storage_are_stored_once():
     lin = nn.Linear(64, 3 * 64)
     x = torch.randn(8, 32, 64)

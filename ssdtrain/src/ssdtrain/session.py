@@ -91,10 +91,17 @@ def _saved_tensor_hook(fn, counters, name: str):
     return hook
 
 
-@_not_compiled
-def _clear_casts() -> None:
-    """Drop autocast's cached weight casts (host bookkeeping: a block hook traced by ``module.compile()`` calls it)."""
-    torch.clear_autocast_cache()
+_CASTS_CLEARER: list = []
+
+
+def _casts_clearer():
+    """What drops autocast's cached weight casts: host bookkeeping that a block hook traced by ``module.compile()``
+    calls, so TorchDynamo must not trace it. Made at the first session, not at import: ``torch.compiler.disable``
+    imports TorchDynamo (1.5-1.9 s on this project's CPU machine), which ``import ssdtrain`` alone (the tensor I/O
+    API, ``python -m ssdtrain``) does not need."""
+    if not _CASTS_CLEARER:
+        _CASTS_CLEARER.append(_not_compiled(torch.clear_autocast_cache))
+    return _CASTS_CLEARER[0]
 
 
 def _made_from(plan: Plan) -> tuple:
@@ -158,6 +165,7 @@ class OffloadSession:
         # Held weakly: a closed session whose last step is still to be finished is kept by the model's state until
         # the model's next step (ModelState.unfinished), and must not keep the model alive.
         self._model = weakref.ref(model)
+        self._clear_casts = _casts_clearer()
         self.budget, self.budget_fraction = parse_budget(budget)
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
@@ -743,7 +751,7 @@ class OffloadSession:
         if head in self._cast_units and self.plan is not None:
             # A derived head makes its weight casts again in backward: autocast's cache must not hold them through
             # it (a backward run inside the autocast region).
-            _clear_casts()
+            self._clear_casts()
         self.cache.enter_unit(head)
         self.cache.launch_copies_out()
         self.cache.deriver.reset()
@@ -776,11 +784,11 @@ class OffloadSession:
         if self.plan is None:
             self.profiler.block_done(unit)
             if self.clear_casts and unit in self.profiler.checkpointed:
-                _clear_casts()  # as under a plan: the measured working memory holds no stale casts
+                self._clear_casts()  # as under a plan: the measured working memory holds no stale casts
         elif unit in self._cast_units:
             # A recomputed block's weight casts are used by nothing after it (its backward casts again): the plan
             # counts them only while it runs (see __init__).
-            _clear_casts()
+            self._clear_casts()
         # Tensors saved between blocks belong to the block before; after the last block, to the head.
         self.cache.enter_unit(unit if unit < len(self.blocks) else len(self.unit_names) - 1)
         if unit == len(self.blocks) and self.plan is not None and self.plan.drain_at_head:

@@ -537,3 +537,22 @@ def test_readme_how_to_add_a_strategy_example_works(monkeypatch):
     job = _strategies.RowJob("gather", table, 50, 64, idx, out)
     _strategies.run(job, _strategies.Plan("reversed"), check_bounds=False, in_range=True)
     assert torch.equal(out, table[idx])
+
+
+def test_indices_on_another_device_than_the_cache_warn_once_and_read_host_memory():
+    """A cache that serves nothing says so: indices on another device than the cache (CPU indices, a GPU cache)
+    read every row from host memory. On this CPU the cache's device is set to a GPU's to take that path."""
+    import warnings
+
+    table, u, frequency = table_and_frequency()
+    cache = pd.cached(u, budget_for(60, 64), frequency=frequency, device="cpu")
+    cache.device = torch.device("cuda", 0)  # (what a cache made on a GPU holds)
+    idx = torch.randint(0, ROWS, (300,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert same_bytes(pd.gather(u, idx), table[idx])
+            assert same_bytes(u[idx], table[idx])
+    bypassed = [str(w.message) for w in caught if "serves none" in str(w.message)]
+    assert len(bypassed) == 1 and "cuda:0" in bypassed[0] and "idx.to('cuda:0')" in bypassed[0]
+    cache.release()

@@ -11,6 +11,8 @@ the :class:`RowCache` object, whichever lives longer), or until :meth:`RowCache.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -48,6 +50,16 @@ def count_sample(idx: Tensor, offset: int = 0) -> tuple[Tensor, float, int]:
     return idx[offset::step][:COUNT_SAMPLE], n / COUNT_SAMPLE, offset + 1
 
 
+def _callers_level() -> int:
+    """The ``stacklevel`` (for a warning issued by the function calling this) of the first frame outside
+    pytorch-direct and torch: the user's line, whichever way (``pd.gather``, ``table[idx]``, a loader) led here."""
+    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class RowCache:
     """The hot rows of one table on one device (see :func:`cached`). Holds, on `device`: a slot per table row
     (int32, -1 where not cached), the cached rows, the table row of each slot (int64) and, with counting, a count per
@@ -83,6 +95,17 @@ class RowCache:
         self.filled_from = {"frequency": 0, "top_up": 0}
         self._key = plain.data_ptr()
         self.released = False
+        self._bypass_warned = False
+
+    def warn_bypassed(self, device: torch.device) -> None:
+        """A gather whose indices are on another device than this cache reads every row from host memory: a cache
+        that silently serves nothing. Said once per cache."""
+        if self._bypass_warned:
+            return
+        self._bypass_warned = True
+        warnings.warn(f"pytorch_direct: this table's row cache is on {self.device}, but a gather's indices are on "
+                      f"{device}: such gathers read every row from host memory and the cache serves none of them; "
+                      f"put the indices on {self.device} (idx.to('{self.device}'))", stacklevel=_callers_level())
 
     # ------------------------------------------------------------------------------------------------ state
 

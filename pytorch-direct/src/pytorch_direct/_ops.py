@@ -250,6 +250,7 @@ def _gather(table: Tensor, index: Tensor, strategy: str, max_sms: int, in_range:
         return out
     cache = _cache.cache_for(table, rows, rb) if name == "auto" or REGISTRY[name].uses_cache else None
     if cache is not None and cache.device != idx.device:
+        cache.warn_bypassed(idx.device)
         cache = None
     if index.device.type == "cpu":
         if cache is not None:

@@ -137,6 +137,9 @@ def parse_size(value: Any) -> int:
         raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with K, M, G or T") from None
     if number < 0:
         raise ValueError(f"a size must be >= 0, got {value!r}")
+    if scale == 1 and number != int(number):
+        # 0.5 read as 0 bytes would switch a tier off silently (a budget takes fractions; a size does not)
+        raise ValueError(f"a size in bytes must be a whole number, got {value!r}: pass bytes or a size such as '8GiB'")
     return int(number * scale)
 
 

@@ -25,6 +25,19 @@ def test_bad_booleans_name_the_valid_values(shared, text):
     assert shared.parse_tristate("AUTO") == "auto"
 
 
+@pytest.mark.parametrize("value, size", [(4096, 4096), ("4096", 4096), ("1M", 1 << 20), ("1.5GiB", 3 << 29),
+                                         (1e9, 10**9), ("0", 0)])
+def test_sizes(shared, value, size):
+    assert shared.parse_size(value) == size
+
+
+@pytest.mark.parametrize("value", [0.5, "0.5", "1.5", -1, "12Q"])
+def test_a_size_that_is_no_whole_number_of_bytes_is_refused(shared, value):
+    """0.5 (a fraction, as a budget takes) read as 0 bytes would switch a tier off without a word."""
+    with pytest.raises(ValueError, match="whole number|>= 0|K, M, G or T"):
+        shared.parse_size(value)
+
+
 def test_precedence_and_errors(shared, monkeypatch):
     table = {"depth": shared.Setting("TOY_DEPTH", 32, shared.integer(1), "requests in flight", "toy.set_depth"),
              "size": shared.Setting("TOY_SIZE", 1 << 20, shared.parse_size, "bytes", "toy.set_size", "`1M`")}

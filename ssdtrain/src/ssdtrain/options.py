@@ -39,6 +39,30 @@ def default_host_limit() -> int:
     return _DEFAULT_HOST_LIMIT
 
 
+def size_option(name: str, value) -> int:
+    """Bytes from option `name`'s value (bytes or a size such as ``"8GiB"``); its error names the option."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"ssdtrain: {name}={value!r}: {e}") from None
+
+
+def host_limit_option(host_memory) -> int:
+    """The pinned pool's limit: `host_memory` as given (checked against the RAM available now: pinned memory cannot
+    be swapped, and a plan would count on room that is not there), or half the RAM available (``None``)."""
+    if host_memory is None:
+        return default_host_limit()
+    limit = size_option("host_memory", host_memory)
+    available = _host_available()
+    if limit > available:
+        raise ValueError(
+            f"ssdtrain: host_memory={format_bytes(limit)} is more than the host memory available now "
+            f"({format_bytes(available)}, MemAvailable): pass host_memory <= {available} bytes, or leave it out "
+            "(half the available memory)"
+        )
+    return limit
+
+
 def parse_budget(budget: int | float | str | None) -> tuple[int | None, float | None]:
     """(bytes or None, fraction or None) from what the user passed."""
     if budget is None:
@@ -76,7 +100,7 @@ def nvme_options(
         dirs = [os.fspath(x) for x in ([d] if isinstance(d, (str, os.PathLike)) else d)]
     if not dirs:
         raise ValueError("directories= is empty: pass at least one directory, or nvme_memory=0 for no NVMe tier")
-    limit = parse_size(nvme_memory) if nvme_memory is not None else None
+    limit = size_option("nvme_memory", nvme_memory) if nvme_memory is not None else None
     if limit == 0:
         return dirs, 0, "the NVMe tier is switched off (nvme_memory=0)"
     try:

@@ -28,7 +28,6 @@ from .derive import elementwise_rate
 from .entries import OffloadWarning
 from .hooks import ModuleHooks
 from .hostpool import HostPool
-from .io import parse_size
 from .model import (
     Checkpointer,
     grad_bytes,
@@ -37,7 +36,7 @@ from .model import (
     model_structure,
     param_storage_ptrs,
 )
-from .options import default_host_limit, nvme_options, parse_budget, whole_number
+from .options import host_limit_option, nvme_options, parse_budget, size_option, whole_number
 from .planner import BudgetError, Choice, Plan, format_bytes, make_plan, replan
 from .planning import Calibrator, ModelState, leanest_plan, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
@@ -175,7 +174,7 @@ class OffloadSession:
         planned_min = getattr(plan, "min_bytes", None) if isinstance(plan, Plan) else None
         if min_bytes is None:
             min_bytes = planned_min if planned_min is not None else "1M"
-        self.min_bytes = parse_size(min_bytes)
+        self.min_bytes = size_option("min_bytes", min_bytes)
         if planned_min is not None and self.min_bytes != planned_min:
             raise ValueError(
                 f"offload(plan=...) with min_bytes={self.min_bytes}: the plan was profiled with "
@@ -188,7 +187,7 @@ class OffloadSession:
         self.profile_steps = int(profile_steps if profile_steps is not None else 2)
         self.verbose = verbose
         self.on_full = on_full
-        self.host_limit = parse_size(host_memory) if host_memory is not None else default_host_limit()
+        self.host_limit = host_limit_option(host_memory)
         self.directories, self.nvme_limit, self.nvme_off = nvme_options(directories, nvme_memory)
         # The NVMe tier asked for by name (directories= or a size): a session that never writes there says so.
         self._nvme_asked = self.nvme_limit > 0 and (directories is not None or nvme_memory is not None)

@@ -260,13 +260,13 @@ def test_an_nvme_directory_given_and_never_written_warns_once(tmp_path):
 
 def test_bad_host_memory_and_sizes_fail_at_offload(monkeypatch):
     """A fraction is no size (0.5 read as 0 bytes switched the host tier off without a word), and pinned memory
-    cannot be more than the RAM available: both fail at offload(), naming the option."""
+    cannot be more than the machine's RAM: both fail at offload(), naming the option."""
     model = make_net(layers=2)
     for option in ("host_memory", "nvme_memory", "min_bytes"):
         with pytest.raises(ValueError, match=f"{option}=0.5: a size in bytes must be a whole number"):
             ssdtrain.offload(model, 0.5, **{option: 0.5})
-    monkeypatch.setattr(ssdtrain.options, "_host_available", lambda: 1 << 30)
-    with pytest.raises(ValueError, match=r"host_memory=2\.00 GiB is more than the host memory available now"):
+    monkeypatch.setattr(ssdtrain.options, "_host_total", lambda: 1 << 30)
+    with pytest.raises(ValueError, match=r"host_memory=2\.00 GiB is more than this machine's RAM"):
         ssdtrain.offload(model, 0.5, host_memory="2GiB")
     assert ssdtrain.offload(model, 0.5, host_memory="512M").host_limit == 1 << 29
 

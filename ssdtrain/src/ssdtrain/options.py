@@ -31,18 +31,6 @@ def _host_available() -> int:
     return 8 << 30
 
 
-def _host_total() -> int | None:
-    """The machine's RAM (MemTotal), or None where /proc/meminfo is not there."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def default_host_limit() -> int:
     """Half the RAM available when it is first asked for in this process (then fixed, so plans stay reusable)."""
     global _DEFAULT_HOST_LIMIT
@@ -60,19 +48,11 @@ def size_option(name: str, value) -> int:
 
 
 def host_limit_option(host_memory) -> int:
-    """The pinned pool's limit: `host_memory` as given, or half the RAM available (``None``). More than the
-    machine's RAM is refused: pinned memory cannot be swapped, and a plan would count on room that is not there.
-    (Not the RAM available now: this process's own pool, pinned by an earlier session, is not available.)"""
+    """The pinned pool's limit: `host_memory` as given, or half the RAM available (``None``). Not checked against
+    the machine's RAM: on machines whose memory grows as it is used, MemTotal reads far less than they can pin."""
     if host_memory is None:
         return default_host_limit()
-    limit = size_option("host_memory", host_memory)
-    total = _host_total()
-    if total is not None and limit > total:
-        raise ValueError(
-            f"ssdtrain: host_memory={format_bytes(limit)} is more than this machine's RAM ({format_bytes(total)}, "
-            f"MemTotal): pass host_memory <= {total} bytes, or leave it out (half the available memory)"
-        )
-    return limit
+    return size_option("host_memory", host_memory)
 
 
 def parse_budget(budget: int | float | str | None) -> tuple[int | None, float | None]:

@@ -47,14 +47,6 @@ def size_option(name: str, value) -> int:
         raise ValueError(f"ssdtrain: {name}={value!r}: {e}") from None
 
 
-def host_limit_option(host_memory) -> int:
-    """The pinned pool's limit: `host_memory` as given, or half the RAM available (``None``). Not checked against
-    the machine's RAM: on machines whose memory grows as it is used, MemTotal reads far less than they can pin."""
-    if host_memory is None:
-        return default_host_limit()
-    return size_option("host_memory", host_memory)
-
-
 def parse_budget(budget: int | float | str | None) -> tuple[int | None, float | None]:
     """(bytes or None, fraction or None) from what the user passed."""
     if budget is None:

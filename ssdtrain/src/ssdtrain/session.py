@@ -11,6 +11,7 @@ checkpoint wrappers chosen by the plan are installed on the blocks and removed l
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -36,7 +37,7 @@ from .model import (
     model_structure,
     param_storage_ptrs,
 )
-from .options import host_limit_option, nvme_options, parse_budget, size_option, whole_number
+from .options import default_host_limit, nvme_options, parse_budget, size_option, whole_number
 from .planner import BudgetError, Choice, Plan, format_bytes, make_plan, replan
 from .planning import Calibrator, ModelState, leanest_plan, state_of
 from .profiler import Clock, DeviceMemory, PeakProbe, Profiler, measure_link, working_memory
@@ -90,17 +91,13 @@ def _saved_tensor_hook(fn, counters, name: str):
     return hook
 
 
-_CASTS_CLEARER: list = []
-
-
+@functools.cache
 def _casts_clearer():
     """What drops autocast's cached weight casts: host bookkeeping that a block hook traced by ``module.compile()``
     calls, so TorchDynamo must not trace it. Made at the first session, not at import: ``torch.compiler.disable``
     imports TorchDynamo (1.5-1.9 s on this project's CPU machine), which ``import ssdtrain`` alone (the tensor I/O
     API, ``python -m ssdtrain``) does not need."""
-    if not _CASTS_CLEARER:
-        _CASTS_CLEARER.append(_not_compiled(torch.clear_autocast_cache))
-    return _CASTS_CLEARER[0]
+    return _not_compiled(torch.clear_autocast_cache)
 
 
 def _made_from(plan: Plan) -> tuple:
@@ -187,7 +184,9 @@ class OffloadSession:
         self.profile_steps = int(profile_steps if profile_steps is not None else 2)
         self.verbose = verbose
         self.on_full = on_full
-        self.host_limit = host_limit_option(host_memory)
+        # (Not checked against the machine's RAM: where memory grows as it is used, MemTotal reads far less than
+        # such a machine can pin.)
+        self.host_limit = size_option("host_memory", host_memory) if host_memory is not None else default_host_limit()
         self.directories, self.nvme_limit, self.nvme_off = nvme_options(directories, nvme_memory)
         # The NVMe tier asked for by name (directories= or a size): a session that never writes there says so.
         self._nvme_asked = self.nvme_limit > 0 and (directories is not None or nvme_memory is not None)

@@ -213,6 +213,34 @@ def test_the_forwards_compute_is_the_least_of_two_checked_steps(slow_first, capl
     assert _step(nxt, counters, other, 0.2, 3.0, step=10) is not None or other.times_checked
 
 
+def test_a_forward_that_waited_most_of_its_time_does_not_count_where_another_did_not(caplog):
+    """Seen on an H100 (Llama-style 16 x 2048, a 46.5 ms forward): the first planned step's forward took 141.6 ms and
+    waited 114.0 of them for copies out, while the host itself issued it late; the difference, 27.7 ms, was taken as
+    the compute and every unit time scaled to 0.6x the real one. A forward that waited for more than half its time
+    is left out where another timed step did not; where every one did, the least still counts."""
+    caplog.set_level(logging.INFO, logger="ssdtrain")
+    units = _llama_like(forward_s=0.006)
+    profiled = sum(u.forward_s for u in units)
+    plan = _plan(10 * GIB, units)
+    counters = _Counters()
+    cal = _calibrator(counters)
+    # step 3: 0.8x the profile, of which 0.6x waited (0.2x "compute"); step 4: 0.5x, of which 0.05x waited
+    assert _step(cal, counters, plan, 0.8 * profiled, 3 * profiled, host_wait=0.6 * profiled, step=3) is None
+    new = _step(cal, counters, plan, 0.5 * profiled, 3 * profiled, host_wait=0.05 * profiled, step=4)
+    assert new is not None and new.time_scale == pytest.approx(0.45)
+    line = new.calibrations[-1]
+    assert "at step 3" in line and "waited" in line.split("others")[1]  # the step left out, with its waits
+    # Both waited most of their forward: the least of them (0.2x) counts, as before.
+    again = _plan(10 * GIB, _llama_like(forward_s=0.0061))
+    both = _calibrator(_Counters())
+    counters = _Counters()
+    both.waits = lambda: counters.waited
+    assert _step(both, counters, again, 0.8 * profiled, 3 * profiled, host_wait=0.6 * profiled, step=3) is None
+    last = _step(both, counters, again, 0.9 * profiled, 3 * profiled, host_wait=0.6 * profiled, step=4)
+    scaled = 0.2 * profiled / sum(u.forward_s for u in again.units)
+    assert last is not None and last.time_scale == pytest.approx(scaled)
+
+
 def test_sessions_around_one_model_share_its_timed_forwards():
     model = make_net()
     with ssdtrain.offload(model, min_bytes="4K", verbose=False) as a:

@@ -112,7 +112,9 @@ class Calibrator:
     waiting besides, and a checked step begins with the device idle (its memory readings synchronize), so the host sets
     the pace until it gets ahead: the compute time is the least of the first ``TIMED_STEPS`` checked steps' measures (on
     an H100, Llama-style 16 x 2048, the first planned step read 48.5-72.4 ms for a 46.5 ms forward in plans that move
-    bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms). A compute time below
+    bytes, having waited 58-96 ms for copies out; later checked steps waited 12-28 ms), leaving out a step that waited
+    for more than ``WAIT_SHARE`` of its forward where another did not (its waits and the host's lateness overlap, and
+    the difference reads below the compute: 27.7-41.6 ms for that 46.5 ms forward). A compute time below
     ``TIME_SLACK`` x the profiled forward scales every unit's time by the ratio, once per plan lineage, and plans again:
     the moved bytes then compete with the real compute time. Either way the plan's times are then *checked*
     (``plan.times_checked``).
@@ -143,6 +145,7 @@ class Calibrator:
     STALL_SLACK = 0.02
     OVERHEAD_SLACK = 1.05
     LINK_HALVINGS = 2
+    WAIT_SHARE = 0.5  # a timed forward that waited for copies out longer than this share of it measures no compute
 
     def __init__(
         self,
@@ -330,8 +333,16 @@ class Calibrator:
                 f"{_host_part(host, this_forward)}): the next checked step is timed too, the least of them counts"
             )
             return None
-        least, measured, waited, host = min(timed.steps, key=lambda t: t[1] - t[2])
-        others = ", ".join(f"{(m - w) * 1e3:.1f}" for s, m, w, _ in timed.steps if s != least)
+        # A forward that waited for copies out most of its time is no measure of compute: the host's own lateness
+        # overlaps those waits and both come off the measure (an H100 read 27.7 ms for a Llama forward that computes
+        # in 47, having waited 114 of its 142 ms). Such a step counts only where every timed step waited so.
+        measures = [t for t in timed.steps if t[2] <= self.WAIT_SHARE * t[1]] or timed.steps
+        least, measured, waited, host = min(measures, key=lambda t: t[1] - t[2])
+        others = ", ".join(
+            f"{(m - w) * 1e3:.1f}" + ("" if (s, m, w, h) in measures else f" (waited {w * 1e3:.1f} of {m * 1e3:.1f})")
+            for s, m, w, h in timed.steps
+            if s != least
+        )
         timed.steps.clear()
         compute = measured - waited
         if compute < self.TIME_SLACK * profiled:

@@ -232,9 +232,8 @@ def test_a_forward_that_waited_most_of_its_time_does_not_count_where_another_did
     assert "at step 3" in line and "waited" in line.split("others")[1]  # the step left out, with its waits
     # Both waited most of their forward: the least of them (0.2x) counts, as before.
     again = _plan(10 * GIB, _llama_like(forward_s=0.0061))
-    both = _calibrator(_Counters())
     counters = _Counters()
-    both.waits = lambda: counters.waited
+    both = _calibrator(counters)
     assert _step(both, counters, again, 0.8 * profiled, 3 * profiled, host_wait=0.6 * profiled, step=3) is None
     last = _step(both, counters, again, 0.9 * profiled, 3 * profiled, host_wait=0.6 * profiled, step=4)
     scaled = 0.2 * profiled / sum(u.forward_s for u in again.units)

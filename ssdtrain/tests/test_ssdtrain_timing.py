@@ -638,3 +638,61 @@ def test_plans_carry_drain_at_head_through_replanning():
     again = ssdtrain.planner.replan(plan, correction=10 * MIB)
     assert again.drain_at_head
     assert not _plan(6 * GIB).drain_at_head
+
+
+def test_a_moves_host_work_costs_the_device_time_only_where_the_host_sets_the_pace():
+    """Two clocks in the forward once the host's own time is known (`host_forward_s`): a moved block's host work
+    (``MOVE_HOST_S`` per moved tensor) delays the device only where the host, with that work, falls behind it.
+    Without the host's time that work is counted as the device's, as before."""
+    units = _llama_like(n=4)
+    for u in units[1:-1]:
+        u.tensors = 30
+    units[3].saved_bytes = 100 * MIB  # (its copy out ends long before backward: no wait for the link here)
+    choices = [Choice(), Choice(), Choice(), Choice(tier="host"), Choice(), Choice()]
+    device = sum(u.forward_s for u in units)
+    host_work = MOVE_HOST_S * moved_tensors(units[3], choices[3])
+    assert host_work == pytest.approx(0.003)
+
+    def seconds(**kw):
+        return simulate(units, choices, LINK, **WORK, **kw).seconds
+
+    counted = seconds()
+    # The host far ahead (a fifth of the device's time): the move's host work hides behind compute.
+    assert seconds(host_forward_s=0.2 * device) == pytest.approx(counted - host_work)
+    # The host as slow as the device: all of it is on the device's path, as without the host's time.
+    assert seconds(host_forward_s=device) == pytest.approx(counted)
+    # The host twice as slow: the forward takes the host's time and the move's work on top.
+    kept = simulate(units, [Choice()] * len(units), LINK, **WORK)
+    slower = seconds(host_forward_s=2 * device)
+    assert slower - (counted - host_work) == pytest.approx(device + host_work, rel=1e-6)
+    assert kept.seconds < counted
+
+
+def test_the_timed_forwards_host_time_less_its_moves_goes_into_the_plan(monkeypatch, caplog):
+    """Calibration reads the host's own time to issue the timed forward. Less the moves' host work the plan
+    predicts, it is the host's time for a forward without moves (``plan.host_forward_s``): the rescaled plan is made
+    with it, says so, and its prediction runs the forward on two clocks. A plan whose copies are synchronous (CPU)
+    gets none."""
+    caplog.set_level(logging.INFO, logger="ssdtrain")
+    units = _llama_like(forward_s=0.0075)
+    for u in units[1:-1]:
+        u.tensors = 30
+    plan = _plan(6 * GIB, units)
+    moves = sum(moved_tensors(u, c) for u, c in zip(plan.units, plan.choices, strict=True) if split_choice(u, c)[1])
+    assert moves > 0
+    profiled = sum(u.forward_s for u in units)
+    host = 0.3 * profiled + MOVE_HOST_S * moves  # the host's clock from the step's start to its forward's end
+    ticks = iter([0.0, host] * Calibrator.TIMED_STEPS)
+    monkeypatch.setattr("ssdtrain.planning.time.perf_counter", lambda: next(ticks))
+    new = _timed(_calibrator(_Counters()), _Counters(), plan, 0.4 * profiled, 1.2 * profiled)
+    assert new is not None and new.time_scale == pytest.approx(0.4)
+    assert new.host_forward_s == pytest.approx(0.3 * profiled)
+    assert "the host issues a forward without moves in" in new.calibrations[-1]
+    assert "the host issues a forward in" in str(new)
+    two_clocks = new._model()(new.choices).seconds
+    assert two_clocks <= replace(new, host_forward_s=0.0).prediction.seconds
+    # Synchronous copies: the host is the device.
+    cpu = _plan(6 * GIB, units, async_copies=False)
+    ticks = iter([0.0, host] * Calibrator.TIMED_STEPS)
+    new = _timed(_calibrator(_Counters()), _Counters(), cpu, 0.4 * profiled, 1.2 * profiled)
+    assert new is not None and new.host_forward_s == 0.0

@@ -100,6 +100,7 @@ class _Model:
     clear_casts: bool = True  # autocast's cache is cleared after each recomputed block (the session's default)
     inflight_bytes: int = 0  # copies out in flight in forward before compute waits for them, when above the window
     drain_at_head: bool = False  # compute waits for every copy out before the head's forward
+    host_forward_s: float = 0.0  # the host's time to issue a forward without moves (0: unknown; see simulate)
 
     def __call__(self, choices) -> Prediction:
         pred = self._run(choices, self.grads, False)
@@ -128,6 +129,7 @@ class _Model:
             clear_casts=self.clear_casts,
             inflight_bytes=self.inflight_bytes,
             drain_at_head=self.drain_at_head,
+            host_forward_s=self.host_forward_s,
         )
 
     def feasible(self, pred: Prediction) -> bool:
@@ -185,6 +187,10 @@ class Plan:
     # The compute stream waits for the copies out still in flight when the last block's forward returns, so their
     # device bytes are free before the head makes its logits (the session does on a GPU, where block hooks run).
     drain_at_head: bool = False
+    # The host's own time to issue a forward without moves (calibration: a timed forward's host time less its moves'
+    # host work; 0 until measured). With it a move's host work costs the device time only where the host sets the
+    # pace (``simulate``'s two clocks).
+    host_forward_s: float = 0.0
     fits: bool = True  # False: budget=None and even the leanest plan is predicted above the free device memory
     # Saved tensors below this stayed on the device, unmeasured, in the profile (None: a plan not from a session).
     min_bytes: int | None = None
@@ -211,6 +217,7 @@ class Plan:
             self.clear_casts,
             self.inflight_bytes,
             self.drain_at_head,
+            self.host_forward_s,
         )
 
     @property
@@ -339,6 +346,7 @@ class Plan:
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
             + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
             + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
+            + (f"; the host issues a forward in {self.host_forward_s * 1e3:.1f} ms" if self.host_forward_s else "")
             + (f"; {'; '.join(stages)}" if stages else ""),
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'derive ms/MiB':>14}"
             f" {'select ms/MiB':>14}"
@@ -471,6 +479,7 @@ def make_plan(
     move_overhead_s: float = 0.0,
     clear_casts: bool = True,
     drain_at_head: bool = False,
+    host_forward_s: float = 0.0,
 ) -> Plan:
     """The fastest plan whose predicted activation peak fits `budget` (None: `speed_target`, else keep all).
 
@@ -483,7 +492,7 @@ def make_plan(
     moved unit costs beyond its copies' link time (set by calibration). `clear_casts`: autocast's weight casts of a
     recomputed block are freed when its forward returns (the session clears the cache there), else held until the
     forward ends. `drain_at_head`: compute waits for every copy out as the last block's forward returns (see
-    ``simulate``)."""
+    ``simulate``). `host_forward_s`: the host's time to issue a forward without moves (see ``simulate``)."""
     if tiers is None:
         tiers = make_tiers(host_limit or 0, nvme_limit or 0)
     else:
@@ -536,6 +545,7 @@ def make_plan(
         move_overhead_s,
         clear_casts=clear_casts,
         drain_at_head=drain_at_head,
+        host_forward_s=host_forward_s,
     )
     if budget_fraction is not None and budget is None:  # resolved once: replans keep the bytes
         budget = int(model([Choice()] * len(units)).peak * budget_fraction)
@@ -597,6 +607,7 @@ def make_plan(
         clear_casts=clear_casts,
         inflight_bytes=ahead_bytes(model, plan_choices, window_units),
         drain_at_head=drain_at_head,
+        host_forward_s=host_forward_s,
     )
     if budget is None and speed_target is not None and not ok:
         plan.fits = False
@@ -627,7 +638,7 @@ def replan(plan: Plan, **changes) -> Plan:
     """The same profile planned again with other limits (budget=, budget_fraction=, host_limit=, nvme_limit=,
     working_bytes=, forward_working=, block_working=, correction=, speed_target=, grads=, held_grads=), or with
     rescaled measurements (units= and time_scale=: see ``scaled_units``; bandwidth= and link_scale=;
-    move_overhead_s=)."""
+    move_overhead_s=; host_forward_s=)."""
     fields = {
         "budget": plan.budget,
         "budget_fraction": plan.budget_fraction,
@@ -666,6 +677,7 @@ def replan(plan: Plan, **changes) -> Plan:
         move_overhead_s=changes.get("move_overhead_s", plan.move_overhead_s),
         clear_casts=plan.clear_casts,
         drain_at_head=plan.drain_at_head,
+        host_forward_s=changes.get("host_forward_s", plan.host_forward_s),
     )
     new.calibrations = list(plan.calibrations)
     new.time_scale = changes.get("time_scale", plan.time_scale)

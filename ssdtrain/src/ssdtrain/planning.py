@@ -18,11 +18,21 @@ from math import log2 as math_log2
 
 from .entries import OffloadWarning
 from .planner import Bandwidth, BudgetError, Plan, format_bytes, replan, scaled_units
-from .prediction import split_choice
+from .prediction import MOVE_HOST_S, moved_tensors, split_choice
 
 _GIB = float(1 << 30)
 
 log = logging.getLogger("ssdtrain")
+
+
+def host_forward_base(plan: Plan, host: float) -> float:
+    """The host's time to issue a forward without moves, from a timed forward's host time under `plan`: less the
+    moves' host work the plan predicts (``MOVE_HOST_S`` per moved tensor). 0 (unknown) where copies are synchronous
+    (CPU: the host is the device there)."""
+    if not plan.async_copies:
+        return 0.0
+    moves = sum(moved_tensors(u, c) for u, c in zip(plan.units, plan.choices, strict=True) if split_choice(u, c)[1])
+    return max(0.0, host - MOVE_HOST_S * moves)
 
 
 def _host_part(host: float, measured: float) -> str:
@@ -298,10 +308,11 @@ class Calibrator:
             return None
         return measured, min(self._forward_waits or 0.0, measured)
 
-    def _time_scale(self, plan: Plan, marks, predicted: float, step: int) -> tuple[float, str] | None:
-        """(the factor to scale the plan's unit times by, why) from the checked steps, the last of which (`step`)
-        had ``predicted`` seconds predicted; None to keep them (and the plan's times are then checked, where the
-        forward was measured in ``TIMED_STEPS`` steps; before that, they stay unchecked).
+    def _time_scale(self, plan: Plan, marks, predicted: float, step: int) -> tuple[float, str, float] | None:
+        """(the factor to scale the plan's unit times by, why, the host's time to issue a forward without moves:
+        ``host_forward_base``) from the checked steps, the last of which (`step`) had ``predicted`` seconds
+        predicted; None to keep them (and the plan's times are then checked, where the forward was measured in
+        ``TIMED_STEPS`` steps; before that, they stay unchecked; found right, the host's time is set on the plan).
 
         Two witnesses: the forward's compute (the measured forward less the host's waits for copies out), and the
         whole step against its prediction. A plan's copies can slow its forward beyond the host's waits (the device
@@ -345,6 +356,7 @@ class Calibrator:
         )
         timed.steps.clear()
         compute = measured - waited
+        host_base = host_forward_base(plan, host)
         if compute < self.TIME_SLACK * profiled:
             scale = compute / profiled
             return scale, (
@@ -353,15 +365,16 @@ class Calibrator:
                    f"{_host_part(host, measured)})" if waited else f" ({_host_part(host, measured)})")
                 + f", the least of {self.TIMED_STEPS} checked steps (others {others} ms), profiled "
                 + f"{profiled * 1e3:.1f} ms: unit times scaled by {scale:.2f}"
-            )  # fmt: skip
+            ), host_base  # fmt: skip
         total = self._step_seconds(marks)
         if total is not None and predicted > 0 and total < self.TIME_SLACK * predicted:
             scale = total / predicted
             return scale, (
                 f"forward+backward {total * 1e3:.1f} ms against {predicted * 1e3:.1f} ms predicted (the forward, "
                 f"{this_forward * 1e3:.1f} ms, slowed by the plan's copies): unit times scaled by {scale:.2f}"
-            )
+            ), host_base
         plan.times_checked = True
+        plan.host_forward_s = host_base
         return None
 
     def _step_seconds(self, marks) -> float | None:
@@ -373,16 +386,20 @@ class Calibrator:
         except RuntimeError:
             return None
 
-    def _rescaled(self, plan: Plan, scale: float, why: str, step: int) -> Plan:
-        """`plan` planned again with every unit's time scaled by `scale` (same budget, same correction)."""
+    def _rescaled(self, plan: Plan, scale: float, why: str, host: float, step: int) -> Plan:
+        """`plan` planned again with every unit's time scaled by `scale` and the host's time to issue a forward
+        without moves `host` (0: unknown), with the same budget and correction."""
         line = f"step {step - 1}: {why}"
+        if host:
+            line += f"; the host issues a forward without moves in {host * 1e3:.1f} ms"
         try:
-            new = replan(plan, units=scaled_units(plan.units, scale), time_scale=scale)
+            new = replan(plan, units=scaled_units(plan.units, scale), time_scale=scale, host_forward_s=host)
         except BudgetError:
             # The same bytes with less time to move them: no plan fits any more. Keep the plan; the peak check that
             # follows guards the budget.
             plan.time_scale = scale
             plan.times_checked = True
+            plan.host_forward_s = host
             plan.calibrations.append(f"{line}; no plan fits the budget with those times: the plan is kept")
             plan.timing_calibrations += 1
             return plan

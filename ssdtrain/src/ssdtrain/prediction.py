@@ -246,6 +246,7 @@ def simulate(
     clear_casts: bool = True,
     inflight_bytes: int = 0,
     drain_at_head: bool = False,
+    host_forward_s: float = 0.0,
 ) -> Prediction:
     """Predict forward+backward seconds and the activation peak (bytes) of `choices` (one per unit).
 
@@ -274,6 +275,11 @@ def simulate(
     `drain_at_head`: compute waits for every copy out when the last block's forward returns (the session does, on
     a GPU with block hooks), so none is in flight during the head's forward (its logits are the forward's largest
     temporaries); the head's compute starts no earlier than the last copy's end.
+    `host_forward_s`: the host's own time to issue a forward without moves (measured by calibration; 0: unknown).
+    With it the forward runs on two clocks: the host issues each unit in its share of that time (by the unit's
+    compute) plus its moves' host work (``MOVE_HOST_S`` per moved tensor), and the device runs a unit no sooner
+    than the host has issued it. A move's host work then costs the device time only where the host sets the pace;
+    without it, that work is counted as the device's (as if the host were never ahead).
     """
     tiers = tiers or {}
     n = len(units)
@@ -307,15 +313,22 @@ def simulate(
     head = 0
     backlog = 0
     cumulative = 0
+    profiled = sum(u.forward_s for u in units)
+    host_share = host_forward_s / profiled if host_forward_s > 0 and profiled > 0 else 0.0
+    host = 0.0  # the host's clock (two clocks only with `host_forward_s`)
     for i, (u, (res, moved, _, _)) in enumerate(zip(units, parts, strict=True)):
         if drain_at_head and async_copies and u.kind == "head" and queued:
             t = max(t, queued[-1][0])
             head, backlog, cumulative = len(queued), 0, 0
         t += u.forward_s
-        if moved and async_copies:
-            # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is
-            # the link's, counted below).
-            t += MOVE_HOST_S * moved_tensors(u, choices[i])
+        # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is the
+        # link's, counted below).
+        move_host = MOVE_HOST_S * moved_tensors(u, choices[i]) if moved and async_copies else 0.0
+        if host_share:
+            host += host_share * u.forward_s + move_host
+            t = max(t, host)
+        else:
+            t += move_host
         end[i] = t
         resident += res
         held_casts = casts[i] if clear_casts else held_casts + casts[i]

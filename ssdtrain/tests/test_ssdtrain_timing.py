@@ -688,7 +688,7 @@ def test_the_timed_forwards_host_time_less_its_moves_goes_into_the_plan(monkeypa
     assert new is not None and new.time_scale == pytest.approx(0.4)
     assert new.host_forward_s == pytest.approx(0.3 * profiled)
     assert "the host issues a forward without moves in" in new.calibrations[-1]
-    assert "the host issues a forward in" in str(new)
+    assert "the host issues a forward without moves in" in str(new)
     two_clocks = new._model()(new.choices).seconds
     assert two_clocks <= replace(new, host_forward_s=0.0).prediction.seconds
     # Synchronous copies: the host is the device.

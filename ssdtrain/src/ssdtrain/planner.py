@@ -346,7 +346,11 @@ class Plan:
             + f"; link D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s"
             + (f" ({self.link_scale:g}x the measured rates)" if self.link_scale != 1.0 else "")
             + (f"; {self.move_overhead_s * 1e3:.2f} ms per moved unit (measured)" if self.move_overhead_s else "")
-            + (f"; the host issues a forward without moves in {self.host_forward_s * 1e3:.1f} ms" if self.host_forward_s else "")
+            + (
+                f"; the host issues a forward without moves in {self.host_forward_s * 1e3:.1f} ms"
+                if self.host_forward_s
+                else ""
+            )
             + (f"; {'; '.join(stages)}" if stages else ""),
             f"  {'unit':<28} {'fwd ms':>7} {'saved MiB':>10} {'cheap ms/MiB':>13} {'derive ms/MiB':>14}"
             f" {'select ms/MiB':>14}"

@@ -18,7 +18,7 @@ from math import log2 as math_log2
 
 from .entries import OffloadWarning
 from .planner import Bandwidth, BudgetError, Plan, format_bytes, replan, scaled_units
-from .prediction import MOVE_HOST_S, moved_tensors, split_choice
+from .prediction import move_host_s, split_choice
 
 _GIB = float(1 << 30)
 
@@ -31,8 +31,7 @@ def host_forward_base(plan: Plan, host: float) -> float:
     (CPU: the host is the device there)."""
     if not plan.async_copies:
         return 0.0
-    moves = sum(moved_tensors(u, c) for u, c in zip(plan.units, plan.choices, strict=True) if split_choice(u, c)[1])
-    return max(0.0, host - MOVE_HOST_S * moves)
+    return max(0.0, host - sum(move_host_s(u, c) for u, c in zip(plan.units, plan.choices, strict=True)))
 
 
 def _host_part(host: float, measured: float) -> str:

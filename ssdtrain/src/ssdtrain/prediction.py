@@ -204,6 +204,11 @@ def moved_tensors(u: UnitProfile, c: Choice) -> int:
     return max(1, u.tensors)
 
 
+def move_host_s(u: UnitProfile, c: Choice) -> float:
+    """The host's work in a forward for what unit `u` moves under choice `c`: ``MOVE_HOST_S`` per moved tensor."""
+    return MOVE_HOST_S * moved_tensors(u, c) if split_choice(u, c)[1] else 0.0
+
+
 def window_bytes(units: list[UnitProfile], choices: list[Choice], window_units: int) -> int:
     """Device bytes the cache may hold for moved activations in either direction: prefetched but not yet used in
     backward, and waiting for their copy out in forward (``window_units`` x the largest unit's moved bytes)."""
@@ -323,7 +328,7 @@ def simulate(
         t += u.forward_s
         # The host's work for the moves, in this forward (on CPU the copies are synchronous: their time is the
         # link's, counted below).
-        move_host = MOVE_HOST_S * moved_tensors(u, choices[i]) if moved and async_copies else 0.0
+        move_host = move_host_s(u, choices[i]) if moved and async_copies else 0.0
         if host_share:
             host += host_share * u.forward_s + move_host
             t = max(t, host)
